@@ -1,0 +1,99 @@
+"""rollout_corr_ext: exact, tensor-parallel rollout correction for megatron-core RL training.
+
+The compiled extension (``rollout_corr_ext._C``, CPU kernels and, when built with CUDA, CUDA kernels)
+registers the ops ``torch.ops.rollout_corr.*``. Without a build the package still works on the pure-PyTorch
+oracle in :mod:`rollout_corr_ext.reference` (one warning says so); :func:`backend` tells which is active and
+:func:`load_extension` JIT-compiles the same sources that ``setup.py`` builds.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+
+__version__ = "0.1.0"
+
+_BACKEND = "reference"
+
+
+def _activate(module_has_cuda: bool) -> None:
+    global _BACKEND
+    from . import ops
+
+    ops._on_extension_loaded()
+    _BACKEND = "cuda" if module_has_cuda else "cpu"
+
+
+def _try_prebuilt() -> bool:
+    if os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0") == "1":
+        return False
+    try:
+        importlib.import_module(f"{__name__}._C")
+    except ImportError:
+        return False
+    import torch
+
+    _activate(bool(torch.ops.rollout_corr.built_with_cuda()))
+    return True
+
+
+def load_extension(verbose: bool = False, with_cuda: bool | None = None, build_directory: str | None = None):
+    """JIT-compile the extension from ``csrc/`` (same source list and flags as ``setup.py``) and activate it.
+
+    Returns the backend name. A no-op when a compiled backend is already active.
+    """
+    if _BACKEND != "reference":
+        return _BACKEND
+    import torch
+    from torch.utils.cpp_extension import load
+
+    from . import _build
+
+    use_cuda = _build.want_cuda() if with_cuda is None else with_cuda
+    kwargs = _build.extension_kwargs(use_cuda)
+    if build_directory is None:
+        build_directory = os.environ.get("ROLLOUT_CORR_BUILD_DIR")
+    if build_directory:
+        os.makedirs(build_directory, exist_ok=True)
+    load(
+        name="rollout_corr_ext_jit" + ("_cuda" if use_cuda else "_cpu"),
+        sources=_build.abs_paths(kwargs["sources"]),
+        extra_include_paths=[str(_build.ROOT / p) if not os.path.isabs(p) else p for p in kwargs["include_dirs"]],
+        extra_cflags=kwargs["extra_compile_args"]["cxx"],
+        extra_cuda_cflags=kwargs["extra_compile_args"].get("nvcc", []),
+        extra_ldflags=kwargs["extra_link_args"],
+        with_cuda=use_cuda,
+        is_python_module=False,
+        build_directory=build_directory,
+        verbose=verbose,
+    )
+    _activate(bool(torch.ops.rollout_corr.built_with_cuda()))
+    return _BACKEND
+
+
+def backend() -> str:
+    """The active backend: ``"cuda"`` (CPU + CUDA kernels), ``"cpu"`` (CPU kernels) or ``"reference"``."""
+    return _BACKEND
+
+
+if not _try_prebuilt():
+    if os.environ.get("ROLLOUT_CORR_JIT", "0") == "1":
+        load_extension()
+    elif os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0") != "1":
+        warnings.warn(
+            "rollout_corr_ext: the compiled extension is not built; using the pure-PyTorch reference backend "
+            "(build with `pip install --no-build-isolation -e .` or call rollout_corr_ext.load_extension()).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+from .logprobs import vocab_parallel_cross_entropy, vocab_parallel_log_probs  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "backend",
+    "load_extension",
+    "vocab_parallel_log_probs",
+    "vocab_parallel_cross_entropy",
+]

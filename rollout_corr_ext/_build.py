@@ -1,0 +1,82 @@
+"""The one source list and flag set shared by ``setup.py`` and the JIT loader (``load_extension``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "csrc"
+
+#: Sources of the always-built CPU part (schemas + CPU kernels).
+CPU_SOURCES: List[str] = [
+    "csrc/ops.cpp",
+    "csrc/cpu/logprob.cpp",
+]
+
+#: CUDA launchers (device code lives in csrc/cuda/*_kernels.cuh, included by these).
+CUDA_SOURCES: List[str] = [
+    "csrc/cuda/logprob.cu",
+]
+
+INCLUDE_DIRS: List[str] = ["csrc/include", "csrc"]
+
+CXX_FLAGS: List[str] = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+NVCC_FLAGS: List[str] = [
+    "-O3",
+    "-std=c++17",
+    "--use_fast_math",
+    "-lineinfo",
+    "--expt-relaxed-constexpr",
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_BFLOAT16_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+]
+DEFAULT_CUDA_ARCHS = "8.0;9.0+PTX"
+
+
+def abs_paths(paths: List[str]) -> List[str]:
+    return [str(ROOT / p) for p in paths]
+
+
+def want_cuda() -> bool:
+    """CUDA kernels are built when torch is a CUDA build, nvcc exists, and a GPU is visible or FORCE_CUDA=1."""
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if torch.version.cuda is None or CUDA_HOME is None:
+        return False
+    if not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+        return False
+    return os.environ.get("FORCE_CUDA", "0") == "1" or torch.cuda.is_available()
+
+
+def cuda_include_dirs() -> List[str]:
+    """torch's CUDA headers include cusparse.h/cublas*.h, shipped in the nvidia wheels (nvidia/cu13/include)."""
+    dirs = []
+    try:
+        import nvidia  # the namespace package of the nvidia-* wheels
+
+        for base in nvidia.__path__:
+            for sub in sorted(Path(base).glob("*/include")):
+                if sub.is_dir():
+                    dirs.append(str(sub))
+    except ImportError:
+        pass
+    return dirs
+
+
+def extension_kwargs(with_cuda: bool) -> Dict[str, object]:
+    sources = CPU_SOURCES + (CUDA_SOURCES if with_cuda else [])
+    cxx = list(CXX_FLAGS) + (["-DRC_WITH_CUDA"] if with_cuda else [])
+    kwargs: Dict[str, object] = {
+        "sources": sources,
+        "include_dirs": INCLUDE_DIRS + (cuda_include_dirs() if with_cuda else []),
+        "extra_compile_args": {"cxx": cxx},
+        "extra_link_args": ["-fopenmp"],
+    }
+    if with_cuda:
+        kwargs["extra_compile_args"]["nvcc"] = list(NVCC_FLAGS) + ["-DRC_WITH_CUDA"]  # type: ignore[index]
+    return kwargs

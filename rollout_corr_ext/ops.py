@@ -1,0 +1,132 @@
+"""The whole Python op surface: typed wrappers over ``torch.ops.rollout_corr.*``, fake kernels and autograd.
+
+Every wrapper calls the compiled op when the extension is active and the function of the same name in
+:mod:`rollout_corr_ext.reference` otherwise, so the layers above never care which backend runs.
+Fake (meta) kernels are registered once the library is loaded, so ``torch.compile`` and meta tensors work.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import reference
+
+_compiled = False
+
+
+def _on_extension_loaded() -> None:
+    """Called by the package once ``torch.ops.rollout_corr`` exists: switch to it and register fakes."""
+    global _compiled
+    if _compiled:
+        return
+    _register_fakes()
+    _compiled = True
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("rollout_corr::vocab_row_stats")
+    def _(logits, target, vocab_start, vocab_size, inv_temperature, ignore_index, with_sum_z):
+        return logits.new_empty((logits.shape[0], 5 if with_sum_z else 4), dtype=_stats_dtype(logits.dtype))
+
+    @torch.library.register_fake("rollout_corr::merge_row_stats")
+    def _(stats, target, ignore_index, vocab_size):
+        n = stats.shape[1]
+        return (
+            stats.new_empty((n,)),
+            stats.new_empty((n,)),
+            stats.new_empty((n,)),
+            stats.new_empty((n, 2)),
+        )
+
+    @torch.library.register_fake("rollout_corr::logprob_backward")
+    def _(grad_logp, grad_entropy, grad_mean_logp, logits, target, row_state, vocab_start, vocab_size,
+          inv_temperature, ignore_index):
+        return torch.empty_like(logits)
+
+    @torch.library.register_fake("rollout_corr::logprob_backward_")
+    def _(logits, grad_logp, grad_entropy, grad_mean_logp, target, row_state, vocab_start, vocab_size,
+          inv_temperature, ignore_index):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# §2 vocab-parallel log-probs: local row statistics, merge of the gathered records, backward
+# ---------------------------------------------------------------------------------------------------------
+
+
+def vocab_row_stats(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    inv_temperature: float,
+    ignore_index: int,
+    with_sum_z: bool,
+) -> torch.Tensor:
+    """Per-row record ``[N, 4|5]`` (max, sum-exp, sum-exp*z, target z[, sum z]) of one shard ``[N, V_local]``."""
+    if _compiled:
+        return torch.ops.rollout_corr.vocab_row_stats.default(
+            logits, target, vocab_start, vocab_size, inv_temperature, ignore_index, with_sum_z
+        )
+    return reference.vocab_row_stats(logits, target, vocab_start, vocab_size, inv_temperature, ignore_index,
+                                     with_sum_z)
+
+
+def merge_row_stats(
+    stats: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_size: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge ``[R, N, K]`` shard records into (logp, entropy, mean_logp, row_state ``[N, 2]``)."""
+    if _compiled:
+        return torch.ops.rollout_corr.merge_row_stats.default(stats, target, ignore_index, vocab_size)
+    return reference.merge_row_stats(stats, target, ignore_index, vocab_size)
+
+
+def logprob_backward(
+    grad_logp: Optional[torch.Tensor],
+    grad_entropy: Optional[torch.Tensor],
+    grad_mean_logp: Optional[torch.Tensor],
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    row_state: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    inv_temperature: float,
+    ignore_index: int,
+) -> torch.Tensor:
+    """Gradient of sum(g_lp*logp + g_H*H + g_m*mean_logp) w.r.t. the shard, in the logits dtype."""
+    if _compiled:
+        return torch.ops.rollout_corr.logprob_backward.default(
+            grad_logp, grad_entropy, grad_mean_logp, logits, target, row_state, vocab_start, vocab_size,
+            inv_temperature, ignore_index,
+        )
+    return reference.logprob_backward(grad_logp, grad_entropy, grad_mean_logp, logits, target, row_state,
+                                      vocab_start, vocab_size, inv_temperature, ignore_index)
+
+
+def logprob_backward_(
+    logits: torch.Tensor,
+    grad_logp: Optional[torch.Tensor],
+    grad_entropy: Optional[torch.Tensor],
+    grad_mean_logp: Optional[torch.Tensor],
+    target: torch.Tensor,
+    row_state: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    inv_temperature: float,
+    ignore_index: int,
+) -> None:
+    """Like :func:`logprob_backward` but writes the gradient into ``logits`` (declared mutation)."""
+    if _compiled:
+        torch.ops.rollout_corr.logprob_backward_.default(
+            logits, grad_logp, grad_entropy, grad_mean_logp, target, row_state, vocab_start, vocab_size,
+            inv_temperature, ignore_index,
+        )
+        return
+    reference.logprob_backward_(logits, grad_logp, grad_entropy, grad_mean_logp, target, row_state,
+                                vocab_start, vocab_size, inv_temperature, ignore_index)
