@@ -22,10 +22,9 @@ CUDA_SOURCES: List[str] = [
 
 INCLUDE_DIRS: List[str] = ["csrc/include", "csrc"]
 
-CXX_FLAGS: List[str] = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+CXX_FLAGS: List[str] = ["-O3", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
 NVCC_FLAGS: List[str] = [
     "-O3",
-    "-std=c++17",
     "--use_fast_math",
     "-lineinfo",
     "--expt-relaxed-constexpr",

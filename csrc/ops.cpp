@@ -1,0 +1,49 @@
+// Operator schemas of the rollout_corr library. Backends register their kernels in their own files with
+// TORCH_LIBRARY_IMPL(rollout_corr, CPU|CUDA, m); the Python op surface is rollout_corr_ext/ops.py.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// `import rollout_corr_ext._C` loads this shared object, which runs the static registrations below. The module
+// itself exposes nothing: every entry point is a torch.ops.rollout_corr.* operator.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+namespace rollout_corr {
+
+static bool built_with_cuda() {
+#ifdef RC_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+TORCH_LIBRARY(rollout_corr, m) {
+  m.def("built_with_cuda() -> bool", &built_with_cuda);
+
+  // §2 vocab-parallel log-probs. One read of a [N, V_local] shard -> a [N, 4|5] record per row
+  // (max, sum exp, sum exp*z, target z[, sum z]) that is all-gathered over the TP group, then merged.
+  m.def(
+      "vocab_row_stats(Tensor logits, Tensor target, int vocab_start, int vocab_size, float inv_temperature, "
+      "int ignore_index, bool with_sum_z) -> Tensor");
+  // [R, N, K] records of all shards -> (logp, entropy, mean_logp, row_state [N, 2] = (lse, S/D)).
+  m.def(
+      "merge_row_stats(Tensor stats, Tensor target, int ignore_index, int vocab_size) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  // Gradient of g_lp*logp + g_H*H + g_m*mean_logp w.r.t. the shard: one read, one write, no collective.
+  m.def(
+      "logprob_backward(Tensor? grad_logp, Tensor? grad_entropy, Tensor? grad_mean_logp, Tensor logits, "
+      "Tensor target, Tensor row_state, int vocab_start, int vocab_size, float inv_temperature, "
+      "int ignore_index) -> Tensor");
+  // Same, written into the logits buffer (inplace_backward=True).
+  m.def(
+      "logprob_backward_(Tensor(a!) logits, Tensor? grad_logp, Tensor? grad_entropy, Tensor? grad_mean_logp, "
+      "Tensor target, Tensor row_state, int vocab_start, int vocab_size, float inv_temperature, "
+      "int ignore_index) -> ()");
+}
+
+}  // namespace rollout_corr

@@ -1,0 +1,31 @@
+"""Builds rollout_corr_ext._C: CPU kernels always; CUDA kernels when torch is a CUDA build, nvcc is found and a
+GPU is visible or FORCE_CUDA=1 (archs from TORCH_CUDA_ARCH_LIST, default "8.0;9.0+PTX"; MAX_JOBS honoured).
+
+Install with `pip install --no-build-isolation -e .` in an environment that already has torch.
+"""
+
+import importlib.util
+import os
+from pathlib import Path
+
+from setuptools import setup
+
+# Load the shared source list without importing the package (its __init__ imports the built module).
+_spec = importlib.util.spec_from_file_location("_rc_build", Path(__file__).parent / "rollout_corr_ext" / "_build.py")
+_build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_build)
+
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+with_cuda = _build.want_cuda()
+if with_cuda:
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _build.DEFAULT_CUDA_ARCHS)
+kwargs = _build.extension_kwargs(with_cuda)
+Extension = CUDAExtension if with_cuda else CppExtension
+print(f"rollout_corr_ext: building {'CPU + CUDA' if with_cuda else 'CPU'} kernels"
+      + (f" for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}" if with_cuda else ""))
+
+setup(
+    ext_modules=[Extension("rollout_corr_ext._C", py_limited_api=False, **kwargs)],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
