@@ -211,3 +211,184 @@ def log_probs_dense(
 # ---------------------------------------------------------------------------------------------------------
 # §4 Policy losses
 # ---------------------------------------------------------------------------------------------------------
+
+# Semantics reference: verl 0.9.1 ``verl/trainer/ppo/core_algos.py`` (``compute_policy_loss_vanilla``,
+# ``compute_policy_loss_reinforce``, ``agg_loss``) and Megatron-LM RL ``calculate_grpo_loss``
+# (``megatron/rl/rl_utils.py``). ``policy_loss_rows`` is the op contract (one elementwise pass that a fused
+# kernel replaces); the ``*_dense`` functions are the textbook oracles the tests compare it against.
+
+#: Columns of the per-row partials of ``policy_loss_rows``: sum of m*loss, sum of m, sum of m*1[upper/ratio
+#: clip], sum of m*1[dual clip], sum of m*(old_logp - logp) (the ``ppo_kl`` numerator).
+PG_ROW_LOSS_SUM, PG_ROW_TOKENS, PG_ROW_CLIP, PG_ROW_CLIP_LOWER, PG_ROW_KL_SUM = range(5)
+#: ``loss_kind`` of ``policy_loss_rows``.
+PG_KIND_PPO_CLIP, PG_KIND_REINFORCE = 0, 1
+#: verl's ``masked_mean`` denominator guard (``mask.sum() + 1e-8``), kept so metrics match key for key.
+MASKED_MEAN_EPS = 1e-8
+
+
+def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's ``masked_sum`` integrand: ``where(mask, v, 0) * mask`` (NaN outside the mask never leaks)."""
+    return torch.where(mask != 0, values, torch.zeros_like(values)) * mask
+
+
+def policy_loss_rows(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    weights: Optional[torch.Tensor],
+    clip_low: float,
+    clip_high: float,
+    clip_c: float,
+    loss_kind: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token policy loss and the per-row partials every aggregation mode and metric is built from.
+
+    All inputs ``[B, T]``; ``weights`` (rollout IS weights, treated as constants) may be None.
+    ``loss_kind == PG_KIND_PPO_CLIP``: r = exp(clamp20(lp - lp_old)); L = max(-A r, -A clip(r, 1 - clip_low,
+    1 + clip_high)), and for A < 0, L = min(L, -A clip_c) (dual clip); then L * w.
+    ``loss_kind == PG_KIND_REINFORCE``: L = -A lp w (``old_log_prob`` is the rollout policy, used for ppo_kl).
+
+    Returns ``loss_mat [B, T]`` (differentiable in ``log_prob``; masked positions hold the raw value, the
+    mask is applied by the aggregation) and ``rows [B, 5]`` (columns ``PG_ROW_*``; only the loss column
+    carries a gradient). One pass over the inputs: this is the contract of the fused loss kernel.
+    """
+    acc = _acc_dtype(log_prob.dtype)
+    lp = log_prob.to(acc)
+    adv = advantages.to(acc)
+    m = response_mask.to(acc)
+    neg_kl = torch.clamp(lp - old_log_prob.to(acc), -20.0, 20.0)
+    zeros = torch.zeros_like(lp)
+    if loss_kind == PG_KIND_PPO_CLIP:
+        ratio = torch.exp(neg_kl)
+        loss1 = -adv * ratio
+        loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        clipped1 = torch.maximum(loss1, loss2)
+        loss3 = -adv * clip_c
+        negative = adv < 0
+        loss = torch.where(negative, torch.minimum(loss3, clipped1), clipped1)
+        clip = (loss2 > loss1).to(acc)
+        clip_lower = ((clipped1 > loss3) & negative).to(acc)
+        kl = -neg_kl
+    elif loss_kind == PG_KIND_REINFORCE:
+        loss = -adv * lp
+        clip = clip_lower = zeros
+        # verl's reinforce loss logs ppo_kl = mean(rollout_lp - lp) without the +-20 clamp.
+        kl = old_log_prob.to(acc) - lp
+    else:
+        raise ValueError(f"loss_kind must be PG_KIND_PPO_CLIP or PG_KIND_REINFORCE, got {loss_kind}")
+    if weights is not None:
+        loss = loss * weights.detach().to(acc)
+    with torch.no_grad():
+        stats = torch.stack(
+            [m.sum(-1), _masked(clip, m).sum(-1), _masked(clip_lower, m).sum(-1), _masked(kl, m).sum(-1)], dim=-1)
+    rows = torch.cat([_masked(loss, m).sum(-1, keepdim=True), stats], dim=-1)
+    return loss, rows
+
+
+def ppo_clip_loss_dense(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float,
+    weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Textbook oracle, line for line the formula of verl 0.9.1 ``compute_policy_loss_vanilla``.
+
+    Returns (pg_losses [B, T], pg_clipfrac, pg_clipfrac_lower, ppo_kl).
+    """
+    m = response_mask.to(log_prob.dtype)
+
+    def masked_mean(v):
+        return _masked(v, m).sum() / (m.sum() + MASKED_MEAN_EPS)
+
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = masked_mean(-negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).to(m.dtype))
+    pg_losses3 = -advantages * clip_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_clipfrac_lower = masked_mean((torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0)).to(m.dtype))
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    if weights is not None:
+        pg_losses = pg_losses * weights
+    return pg_losses, pg_clipfrac, pg_clipfrac_lower, ppo_kl
+
+
+def agg_loss_dense(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    dp_size: int = 1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+) -> torch.Tensor:
+    """Textbook oracle of verl 0.9.1 ``agg_loss`` (same formulas, same global normalisers).
+
+    One deliberate difference: where verl divides 0 by 0 (every token masked and no global normaliser
+    given) this returns 0, so a micro-batch whose rows were all rejected does not turn the step into NaN.
+    """
+    m = loss_mask.to(loss_mat.dtype)
+
+    def safe_div(num, den):
+        den = torch.as_tensor(den, dtype=num.dtype, device=num.device)
+        return torch.where(den != 0, num / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(num))
+
+    if loss_agg_mode == "token-mean":
+        if batch_num_tokens is None:
+            batch_num_tokens = m.sum()
+        return safe_div(_masked(loss_mat, m).sum(), batch_num_tokens) * dp_size
+    if loss_agg_mode == "token-sum":
+        return _masked(loss_mat, m).sum() * dp_size
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        seq_losses = _masked(loss_mat, m).sum(-1)
+        seq_mask = (m.sum(-1) > 0).to(m.dtype)
+        if global_batch_size is None:
+            global_batch_size = seq_mask.sum()
+        loss = safe_div(_masked(seq_losses, seq_mask).sum(), global_batch_size) * dp_size
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        return loss
+    if loss_agg_mode == "seq-mean-token-mean":
+        tokens = m.sum(-1)
+        seq_losses = _masked(loss_mat, m).sum(-1) / (tokens + MASKED_MEAN_EPS)
+        seq_mask = (tokens > 0).to(m.dtype)
+        if global_batch_size is None:
+            global_batch_size = seq_mask.sum()
+        return safe_div(_masked(seq_losses, seq_mask).sum(), global_batch_size) * dp_size
+    raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
+
+
+def grpo_loss_dense(
+    current_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clamp_eps_lower: float,
+    clamp_eps_upper: float,
+    kl_beta: float,
+    entropy_weight: float,
+    is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Textbook oracle of Megatron-LM RL ``calculate_grpo_loss`` (unpacked ``[B, T]``, advantages ``[B]``):
+
+    r = exp(lp - lp_old); loss = -w min(r A, clip(r, 1 - eps_lo, 1 + eps_hi) A) + beta k3(ref || lp)
+    + entropy_weight exp(lp) lp, with k3 = exp(ref - lp) - (ref - lp) - 1. Returns (loss, kl_term, ratios,
+    entropy_term, truncated_from_above, truncated_from_below).
+    """
+    ratios = (current_logprobs - old_logprobs).exp()
+    clamped = ratios.clamp(1 - clamp_eps_lower, 1 + clamp_eps_upper)
+    adv = advantages.reshape(-1, 1)
+    ref_diff = ref_logprobs - current_logprobs
+    kl_term = ref_diff.exp() - ref_diff - 1
+    entropy_term = current_logprobs.exp() * current_logprobs
+    w = 1.0 if is_weights is None else is_weights
+    loss = -w * torch.min(ratios * adv, clamped * adv) + kl_beta * kl_term + entropy_weight * entropy_term
+    return loss, kl_term, ratios, entropy_term, ratios > 1 + clamp_eps_upper, ratios < 1 - clamp_eps_lower

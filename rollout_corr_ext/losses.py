@@ -1,0 +1,551 @@
+"""Policy losses and loss aggregation (DESIGN §4), in the calling convention of verl 0.9.1.
+
+Every policy loss has the signature of verl's ``compute_policy_loss_vanilla``::
+
+    loss, metrics = fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                       rollout_is_weights=None)
+
+with ``[B, T]`` inputs, a scalar ``loss`` and ``metrics`` a dict of **0-dim tensors** (no host sync; verl calls
+``.item()`` on each). The per-token work of the PPO family (ratio, clip, dual clip, IS weight, clip
+indicators, the per-row partials every aggregation mode needs) is one function,
+:func:`rollout_corr_ext.reference.policy_loss_rows`, the contract of the fused elementwise kernel that will
+replace it; aggregation then only touches ``[B]`` vectors.
+
+Semantics reference: verl 0.9.1 ``verl/trainer/ppo/core_algos.py`` (``agg_loss``,
+``compute_policy_loss_vanilla``, ``compute_policy_loss_reinforce``, ``compute_policy_loss_bypass_mode``) and
+Megatron-LM RL ``calculate_grpo_loss`` (``megatron/rl/rl_utils.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
+
+import torch
+
+from . import reference
+from .reference import (
+    MASKED_MEAN_EPS,
+    PG_KIND_PPO_CLIP,
+    PG_KIND_REINFORCE,
+    PG_ROW_CLIP,
+    PG_ROW_CLIP_LOWER,
+    PG_ROW_KL_SUM,
+    PG_ROW_LOSS_SUM,
+    PG_ROW_TOKENS,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .config import RolloutCorrectionConfig
+
+#: The aggregation modes of verl 0.9.1 ``agg_loss``.
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+Number = Union[int, float, torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _positive_or_none(name: str, value) -> None:
+    if value is None:
+        return
+    v = float(value) if not isinstance(value, torch.Tensor) else float(value.detach())
+    if not v > 0:
+        raise ValueError(f"{name} must be > 0 (or None), got {value}")
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """What verl's ``ActorConfig`` carries for the policy loss, validated when built.
+
+    Args:
+        clip_ratio: PPO epsilon, used for both sides unless ``clip_ratio_low`` / ``clip_ratio_high`` are set.
+        clip_ratio_low, clip_ratio_high: asymmetric clip ("clip-higher"): r is clipped to [1 - low, 1 + high].
+        clip_ratio_c: dual-clip bound c (> 1): for A < 0 the loss is capped at -A c (arXiv:1912.09729).
+        dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: verl's ``global_batch_info``, the global
+            normalisers of :func:`agg_loss` (None: local micro-batch values; ``dp_size > 1`` needs the matching
+            global count). Set them per step with :meth:`with_global_batch` (the config is immutable).
+        rollout_correction: a :class:`~rollout_corr_ext.config.RolloutCorrectionConfig` for the bypass and
+            decoupled flows (None: no rollout correction).
+    """
+
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = 3.0
+    dp_size: int = 1
+    batch_num_tokens: Optional[Number] = None
+    global_batch_size: Optional[Number] = None
+    loss_scale_factor: Optional[Number] = None
+    rollout_correction: Optional["RolloutCorrectionConfig"] = None
+
+    def __post_init__(self):
+        for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+            v = getattr(self, name)
+            if v is None and name != "clip_ratio":
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite float >= 0, got {v!r}")
+        c = self.clip_ratio_c
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or not c > 1.0:
+            raise ValueError(f"clip_ratio_c (the dual-clip bound c) must be > 1.0, got {c!r}")
+        if not isinstance(self.dp_size, int) or isinstance(self.dp_size, bool) or self.dp_size < 1:
+            raise ValueError(f"dp_size must be an int >= 1, got {self.dp_size!r}")
+        _positive_or_none("batch_num_tokens", self.batch_num_tokens)
+        _positive_or_none("global_batch_size", self.global_batch_size)
+        _positive_or_none("loss_scale_factor", self.loss_scale_factor)
+        rc = self.rollout_correction
+        if rc is not None and not hasattr(rc, "loss_type"):
+            raise TypeError(f"rollout_correction must be a RolloutCorrectionConfig, got {type(rc).__name__}")
+
+    @property
+    def clip_low(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+    @property
+    def global_batch_info(self) -> Dict[str, Any]:
+        """The keyword arguments of :func:`agg_loss` (verl's ``config.global_batch_info``)."""
+        return dict(dp_size=self.dp_size, batch_num_tokens=self.batch_num_tokens,
+                    global_batch_size=self.global_batch_size, loss_scale_factor=self.loss_scale_factor)
+
+    def with_global_batch(self, **kwargs) -> "PolicyLossConfig":
+        """A copy with new global normalisers (``dp_size``, ``batch_num_tokens``, ...); validated again."""
+        unknown = set(kwargs) - {"dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor"}
+        if unknown:
+            raise TypeError(f"with_global_batch got unknown fields {sorted(unknown)}")
+        return dataclasses.replace(self, **kwargs)
+
+
+def _as_config(config) -> PolicyLossConfig:
+    if config is None:
+        return PolicyLossConfig()
+    if isinstance(config, PolicyLossConfig):
+        return config
+    if isinstance(config, Mapping):
+        return PolicyLossConfig(**config)
+    raise TypeError(f"config must be a PolicyLossConfig, a mapping of its fields or None, got {type(config).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Input checks (named; inputs are never modified)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_float(name: str, t, ref: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if tuple(t.shape) != tuple(ref.shape):
+        raise ValueError(f"{name} must have the shape of log_prob {tuple(ref.shape)}, got {tuple(t.shape)}")
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but log_prob is on {ref.device}")
+
+
+def _check_mask(name: str, mask, ref: torch.Tensor, ref_name: str = "log_prob") -> None:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype.is_complex:
+        raise TypeError(f"{name} must be a bool, integer or float tensor, got {mask.dtype}")
+    if tuple(mask.shape) != tuple(ref.shape):
+        raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(mask.shape)}")
+    if mask.device != ref.device:
+        raise ValueError(f"{name} is on {mask.device} but {ref_name} is on {ref.device}")
+
+
+def _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights=None,
+                         old_name: str = "old_log_prob") -> None:
+    if not isinstance(log_prob, torch.Tensor) or not log_prob.is_floating_point():
+        raise TypeError(f"log_prob must be a floating-point torch.Tensor, got {getattr(log_prob, 'dtype', type(log_prob))}")
+    if log_prob.dim() != 2:
+        raise ValueError(f"log_prob must be [batch, response_length], got shape {tuple(log_prob.shape)}")
+    _check_float(old_name, old_log_prob, log_prob)
+    _check_float("advantages", advantages, log_prob)
+    _check_mask("response_mask", response_mask, log_prob)
+    if rollout_is_weights is not None:
+        _check_float("rollout_is_weights", rollout_is_weights, log_prob)
+
+
+def _check_mode(loss_agg_mode: str) -> None:
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Aggregation
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _safe_div(num: torch.Tensor, den) -> torch.Tensor:
+    """num / den, and 0 where den == 0 (verl gives NaN there; see :func:`agg_loss`). Gradient-safe."""
+    den = torch.as_tensor(den, dtype=num.dtype, device=num.device)
+    nonzero = den != 0
+    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def aggregate_rows(
+    row_loss_sum: torch.Tensor,
+    row_tokens: torch.Tensor,
+    loss_agg_mode: str,
+    horizon: int,
+    *,
+    dp_size: int = 1,
+    batch_num_tokens: Optional[Number] = None,
+    global_batch_size: Optional[Number] = None,
+    loss_scale_factor: Optional[Number] = None,
+) -> torch.Tensor:
+    """:func:`agg_loss` from per-row partials: ``row_loss_sum[b] = sum_t m*L``, ``row_tokens[b] = sum_t m``.
+
+    Every verl mode is a function of these two ``[B]`` vectors (and the padded length ``horizon`` for
+    ``seq-mean-token-sum-norm``), which is what lets the fused kernel emit ``[B, K]`` partials instead of a
+    ``[B, T]`` loss matrix.
+    """
+    _check_mode(loss_agg_mode)
+    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
+        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
+    _positive_or_none("loss_scale_factor", loss_scale_factor)
+    if loss_agg_mode == "token-mean":
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("batch_num_tokens (the global count of valid tokens) is required when dp_size > 1")
+            batch_num_tokens = row_tokens.sum()
+        return _safe_div(row_loss_sum.sum(), batch_num_tokens) * dp_size
+    if loss_agg_mode == "token-sum":
+        # Data-parallel gradient averaging divides by dp_size; multiplying by it makes the result the global sum.
+        return row_loss_sum.sum() * dp_size
+    seq_valid = (row_tokens > 0).to(row_loss_sum.dtype)  # rows RS rejected entirely do not count
+    if global_batch_size is None:
+        if dp_size > 1:
+            raise ValueError("global_batch_size (the global count of sequences) is required when dp_size > 1")
+        global_batch_size = seq_valid.sum()
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_loss = row_loss_sum / (row_tokens + MASKED_MEAN_EPS)  # verl's per-sequence token-mean
+    else:
+        seq_loss = row_loss_sum
+    loss = _safe_div((seq_loss * seq_valid).sum(), global_batch_size) * dp_size
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        loss = loss / (horizon if loss_scale_factor is None else loss_scale_factor)
+    return loss
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    *,
+    dp_size: int = 1,
+    batch_num_tokens: Optional[Number] = None,
+    global_batch_size: Optional[Number] = None,
+    loss_scale_factor: Optional[Number] = None,
+) -> torch.Tensor:
+    """Aggregate a ``[B, T]`` loss matrix into a scalar, exactly as verl 0.9.1 ``agg_loss`` defines it.
+
+    * ``token-mean``: sum(m L) / N * dp_size, N = ``batch_num_tokens`` (global valid tokens) or the local count.
+    * ``token-sum``: sum(m L) * dp_size.
+    * ``seq-mean-token-sum``: sum_b sum_t(m L) / S * dp_size over rows with >= 1 valid token,
+      S = ``global_batch_size`` or the local count of such rows.
+    * ``seq-mean-token-mean``: as above with each row's token-mean sum_t(m L) / (n_b + 1e-8).
+    * ``seq-mean-token-sum-norm``: ``seq-mean-token-sum`` / ``loss_scale_factor`` (default: T, the padded length).
+
+    ``dp_size > 1`` requires the matching global normaliser (ValueError otherwise), as in verl. The one
+    difference from verl: where verl computes 0/0 (every token masked, no global normaliser) this returns 0
+    with a zero gradient, so a micro-batch whose rows were all rejected by RS cannot poison the step.
+    """
+    if not isinstance(loss_mat, torch.Tensor) or not loss_mat.is_floating_point() or loss_mat.dim() != 2:
+        raise ValueError(f"loss_mat must be a floating-point [batch, response_length] tensor, got "
+                         f"{getattr(loss_mat, 'shape', type(loss_mat))}")
+    _check_mask("loss_mask", loss_mask, loss_mat, "loss_mat")
+    _check_mode(loss_agg_mode)
+    m = loss_mask.to(loss_mat.dtype)
+    row_loss_sum = reference._masked(loss_mat, m).sum(-1)
+    return aggregate_rows(row_loss_sum, m.sum(-1), loss_agg_mode, loss_mat.shape[-1], dp_size=dp_size,
+                          batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
+                          loss_scale_factor=loss_scale_factor)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Policy losses
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _policy_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, weights):
+    loss_mat, rows = reference.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights,
+                                                cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c, kind)
+    loss = aggregate_rows(rows[:, PG_ROW_LOSS_SUM], rows[:, PG_ROW_TOKENS], loss_agg_mode, log_prob.shape[-1],
+                          **cfg.global_batch_info)
+    tokens = rows[:, PG_ROW_TOKENS].sum() + MASKED_MEAN_EPS  # verl's masked_mean denominator
+    metrics = {"actor/ppo_kl": rows[:, PG_ROW_KL_SUM].sum() / tokens}
+    if kind == PG_KIND_PPO_CLIP:
+        metrics["actor/pg_clipfrac"] = rows[:, PG_ROW_CLIP].sum() / tokens
+        metrics["actor/pg_clipfrac_lower"] = rows[:, PG_ROW_CLIP_LOWER].sum() / tokens
+    return loss, {k: v.detach() for k, v in metrics.items()}, rows
+
+
+def compute_policy_loss_vanilla(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Optional[PolicyLossConfig] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """PPO clip with asymmetric ratios and dual clip; rollout IS weights multiply each token's loss after clipping.
+
+    r = exp(clamp(lp - lp_old, -20, 20)); L = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high));
+    for A < 0, L = min(L, -A c); then L * w (w treated as a constant), aggregated by :func:`agg_loss` with the
+    config's global normalisers. Metrics (0-dim tensors over the valid tokens of this call):
+    ``actor/pg_clipfrac`` (upper/ratio clip active), ``actor/pg_clipfrac_lower`` (dual clip active),
+    ``actor/ppo_kl`` (mean of lp_old - lp, clamped).
+    """
+    _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    _check_mode(loss_agg_mode)
+    cfg = _as_config(config)
+    loss, metrics, _ = _policy_loss(PG_KIND_PPO_CLIP, old_log_prob, log_prob, advantages, response_mask,
+                                    loss_agg_mode, cfg, rollout_is_weights)
+    return loss, metrics
+
+
+def compute_policy_loss_reinforce(
+    rollout_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-sum",
+    config: Optional[PolicyLossConfig] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """REINFORCE with importance sampling ("pure IS"): L = -A lp w, no clipping (verl's default agg mode).
+
+    ``rollout_log_prob`` only feeds the metric ``actor/ppo_kl`` = mean(rollout_lp - lp) over valid tokens.
+    """
+    _check_policy_inputs(rollout_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
+                         old_name="rollout_log_prob")
+    _check_mode(loss_agg_mode)
+    cfg = _as_config(config)
+    loss, metrics, _ = _policy_loss(PG_KIND_REINFORCE, rollout_log_prob, log_prob, advantages, response_mask,
+                                    loss_agg_mode, cfg, rollout_is_weights)
+    return loss, metrics
+
+
+def _correction(log_prob, rollout_log_prob, response_mask, rc, dp_group, seq_group):
+    from .correction import compute_rollout_correction
+
+    with torch.no_grad():
+        return compute_rollout_correction(log_prob.detach(), rollout_log_prob.detach(), response_mask, rc,
+                                          dp_group=dp_group, seq_group=seq_group)
+
+
+def _require_correction(cfg: PolicyLossConfig, fn: str):
+    if cfg.rollout_correction is None:
+        raise ValueError(f"{fn} needs config.rollout_correction (a RolloutCorrectionConfig); got None")
+    return cfg.rollout_correction
+
+
+def compute_policy_loss_bypass(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Optional[PolicyLossConfig] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    *,
+    dp_group=None,
+    seq_group=None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Bypass mode (two policies): ``old_log_prob`` **is** the rollout policy's log-prob.
+
+    Rollout correction is computed here, under no_grad, from pi_theta (``log_prob`` detached) vs pi_rollout
+    with ``config.rollout_correction``; its RS mask replaces ``response_mask``. Then, on
+    ``config.rollout_correction.loss_type``:
+
+    * ``"ppo_clip"``: PPO clip of pi_theta against pi_rollout; the IS weights are only logged (the clipped
+      ratio already is the importance ratio, applying w too would count it twice).
+    * ``"reinforce"``: L = -A lp w with the IS weights applied.
+
+    ``rollout_is_weights`` is ignored (computed internally), as in verl. Metrics: the loss's plus every
+    ``rollout_corr/*`` metric of the correction (global over ``dp_group``).
+    """
+    _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask)
+    _check_mode(loss_agg_mode)
+    cfg = _as_config(config)
+    rc = _require_correction(cfg, "compute_policy_loss_bypass")
+    result = _correction(log_prob, old_log_prob, response_mask, rc, dp_group, seq_group)
+    if rc.loss_type == "reinforce":
+        loss, metrics = compute_policy_loss_reinforce(old_log_prob, log_prob, advantages, result.response_mask,
+                                                      loss_agg_mode, cfg, result.weights)
+    elif rc.loss_type == "ppo_clip":
+        loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, result.response_mask,
+                                                    loss_agg_mode, cfg, None)
+    else:  # the config validates this; kept for configs built some other way
+        raise ValueError(f"rollout_correction.loss_type must be 'ppo_clip' or 'reinforce', got {rc.loss_type!r}")
+    metrics.update(result.metrics)
+    return loss, metrics
+
+
+def compute_policy_loss_decoupled(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Optional[PolicyLossConfig] = None,
+    *,
+    dp_group=None,
+    seq_group=None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Decoupled PPO (three policies): PPO clip of pi_theta against pi_old (the trainer's own recomputed
+    log-probs), times w = IS(pi_old / pi_rollout) from ``config.rollout_correction``, over its RS mask.
+
+    verl computes the correction once per training batch in the driver and hands the weights to
+    :func:`compute_policy_loss_vanilla`; this is that flow in one call (pass ``dp_group`` so the weights'
+    batch normalisation and the metrics are global). Without ``config.rollout_correction`` it is plain PPO.
+    """
+    _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask)
+    _check_float("rollout_log_prob", rollout_log_prob, log_prob)
+    _check_mode(loss_agg_mode)
+    cfg = _as_config(config)
+    rc = cfg.rollout_correction
+    if rc is None:
+        return compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg)
+    if getattr(rc, "bypass_mode", False):
+        raise ValueError("config.rollout_correction.bypass_mode is True: use compute_policy_loss_bypass "
+                         "(pi_old = pi_rollout), not the decoupled flow")
+    result = _correction(old_log_prob, rollout_log_prob, response_mask, rc, dp_group, seq_group)
+    loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, result.response_mask,
+                                                loss_agg_mode, cfg, result.weights)
+    metrics.update(result.metrics)
+    return loss, metrics
+
+
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Optional[PolicyLossConfig] = None,
+    *,
+    rollout_log_prob: Optional[torch.Tensor] = None,
+    dp_group=None,
+    seq_group=None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The one entry point a trainer needs: picks the flow from ``config.rollout_correction``.
+
+    * no correction config: PPO of pi_theta vs ``old_log_prob`` (``rollout_log_prob`` unused);
+    * ``bypass_mode``: :func:`compute_policy_loss_bypass` with pi_old = ``rollout_log_prob``
+      (``old_log_prob`` may be None and is ignored);
+    * otherwise: :func:`compute_policy_loss_decoupled`.
+    """
+    cfg = _as_config(config)
+    rc = cfg.rollout_correction
+    if rc is None:
+        return compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg)
+    if rollout_log_prob is None:
+        raise ValueError("rollout_log_prob is required when config.rollout_correction is set")
+    if getattr(rc, "bypass_mode", False):
+        return compute_policy_loss_bypass(rollout_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                                          cfg, dp_group=dp_group, seq_group=seq_group)
+    return compute_policy_loss_decoupled(old_log_prob, log_prob, rollout_log_prob, advantages, response_mask,
+                                         loss_agg_mode, cfg, dp_group=dp_group, seq_group=seq_group)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Megatron-LM RL's GRPO loss
+# ---------------------------------------------------------------------------------------------------------
+
+
+def calculate_grpo_loss(
+    current_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clamp_eps_lower: float,
+    clamp_eps_upper: float,
+    kl_beta: float,
+    entropy_weight: float,
+    inference_logprobs: Optional[torch.Tensor] = None,
+    is_truncation_coef: Optional[float] = None,
+    *,
+    rollout_correction: Optional["RolloutCorrectionConfig"] = None,
+    response_mask: Optional[torch.Tensor] = None,
+    dp_group=None,
+    seq_group=None,
+):
+    """Per-token GRPO loss in the form of Megatron-LM RL ``calculate_grpo_loss`` (unpacked ``[B, T]`` inputs,
+    ``advantages`` ``[B]``), a drop-in for it:
+
+    loss = -w min(r A, clip(r, 1 - eps_lo, 1 + eps_hi) A) + kl_beta k3 + entropy_weight exp(lp) lp,
+    r = pi/pi_old, k3 = exp(ref - lp) - (ref - lp) - 1 (Schulman's low-variance KL to pi_ref),
+    w = min(pi_old/pi_inference, ``is_truncation_coef``) when ``inference_logprobs`` is given (TIS).
+
+    Returns Megatron's 6-tuple (loss, kl_term, ratios, entropy_term, truncated_from_above,
+    truncated_from_below), all ``[B, T]``. The ratio goes through the same fused elementwise op as the PPO
+    family (``reference.policy_loss_rows`` without dual clip), whose log-ratio is clamped to +-20 before exp
+    (Megatron overflows to inf there; identical otherwise).
+
+    With ``rollout_correction`` (a RolloutCorrectionConfig) the weights come from our rollout correction of
+    pi_old vs pi_inference instead of the TIS line (``is_truncation_coef`` must then be None), tokens its RS
+    rejects get loss 0, and a 7th item is returned: the :class:`RolloutCorrectionResult` (its
+    ``response_mask`` is the mask to normalise the loss by, its ``metrics`` the ``rollout_corr/*`` values).
+    ``response_mask`` ([B, T], default all valid) is then the mask the correction starts from.
+    """
+    lp = current_logprobs
+    _check_policy_inputs(old_logprobs, lp, lp, torch.ones_like(lp, dtype=torch.bool), old_name="old_logprobs")
+    _check_float("ref_logprobs", ref_logprobs, lp)
+    if not isinstance(advantages, torch.Tensor) or advantages.numel() != lp.shape[0]:
+        raise ValueError(f"advantages must be a tensor of one value per sequence ({lp.shape[0]}), got "
+                         f"{getattr(advantages, 'shape', type(advantages))}")
+    for name, v in (("clamp_eps_lower", clamp_eps_lower), ("clamp_eps_upper", clamp_eps_upper)):
+        if not (isinstance(v, (int, float)) and v >= 0):
+            raise ValueError(f"{name} must be a float >= 0, got {v!r}")
+    if inference_logprobs is not None:
+        _check_float("inference_logprobs", inference_logprobs, lp)
+    if is_truncation_coef is not None and not is_truncation_coef > 0:
+        raise ValueError(f"is_truncation_coef must be > 0 or None, got {is_truncation_coef}")
+
+    acc = reference._acc_dtype(lp.dtype)
+    adv = advantages.to(device=lp.device, dtype=acc).reshape(-1, 1).expand(lp.shape)
+    result = None
+    weights = None
+    if rollout_correction is not None:
+        if inference_logprobs is None:
+            raise ValueError("rollout_correction needs inference_logprobs (the rollout engine's log-probs)")
+        if is_truncation_coef is not None:
+            raise ValueError("pass either is_truncation_coef (Megatron's TIS) or rollout_correction, not both")
+        if response_mask is None:
+            response_mask = torch.ones_like(lp, dtype=torch.bool)
+        _check_mask("response_mask", response_mask, lp)
+        result = _correction(old_logprobs, inference_logprobs, response_mask, rollout_correction, dp_group, seq_group)
+        weights = result.weights
+    elif inference_logprobs is not None:
+        weights = (old_logprobs.detach().to(acc) - inference_logprobs.to(acc)).exp()
+        if is_truncation_coef is not None:
+            weights = weights.clamp(max=is_truncation_coef)
+
+    ones = torch.ones_like(lp, dtype=torch.bool)
+    pg_loss, _ = reference.policy_loss_rows(lp, old_logprobs, adv, ones, weights, float(clamp_eps_lower),
+                                            float(clamp_eps_upper), math.inf, PG_KIND_PPO_CLIP)
+    lp_acc = lp.to(acc)
+    ref_diff = ref_logprobs.to(acc) - lp_acc
+    kl_term = ref_diff.exp() - ref_diff - 1
+    entropy_term = lp_acc.exp() * lp_acc
+    loss = pg_loss + kl_beta * kl_term + entropy_weight * entropy_term
+    if result is not None:
+        loss = loss * (result.response_mask != 0).to(acc)
+    with torch.no_grad():
+        ratios = torch.exp(torch.clamp(lp_acc - old_logprobs.to(acc), -20.0, 20.0))
+    above, below = ratios > 1 + clamp_eps_upper, ratios < 1 - clamp_eps_lower
+    out = (loss, kl_term, ratios, entropy_term, above, below)
+    return out + (result,) if result is not None else out

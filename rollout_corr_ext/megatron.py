@@ -1,0 +1,236 @@
+"""megatron-core integration (DESIGN §5): drop-ins for its vocab-parallel log-prob / cross-entropy path and a
+``loss_func`` factory for its ``forward_backward_func``.
+
+Process groups default to megatron-core's ``parallel_state`` (when it is initialized) and can always be given
+explicitly, either as groups or as a ``ProcessGroupCollection`` (``pg_collection.tp`` / ``.dp``), the way newer
+megatron-core releases pass them. Nothing here needs CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import logprobs as _lp
+from .losses import (
+    PolicyLossConfig,
+    _as_config,
+    _check_mask,
+    _check_mode,
+    _policy_loss,
+    agg_loss,
+)
+from .reference import PG_KIND_PPO_CLIP, PG_KIND_REINFORCE, PG_ROW_CLIP, PG_ROW_CLIP_LOWER, PG_ROW_KL_SUM, PG_ROW_TOKENS
+
+def _parallel_state():
+    try:
+        from megatron.core import parallel_state
+    except ImportError:  # megatron-core is optional: without it, groups must be passed explicitly
+        return None
+    return parallel_state if parallel_state.model_parallel_is_initialized() else None
+
+
+def _default_group(kind: str, group, pg_collection):
+    """``group`` if given; else ``pg_collection.<tp|dp>``; else megatron's parallel_state group; else None."""
+    if group is not None:
+        return group
+    if pg_collection is not None:
+        if not hasattr(pg_collection, kind):
+            raise TypeError(f"pg_collection has no attribute {kind!r} (expected a megatron ProcessGroupCollection)")
+        return getattr(pg_collection, kind)
+    ps = _parallel_state()
+    if ps is None:
+        return None
+    return ps.get_tensor_model_parallel_group() if kind == "tp" else ps.get_data_parallel_group()
+
+
+def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, tp_group=None, *, pg_collection=None,
+                             **kwargs):
+    """:func:`rollout_corr_ext.vocab_parallel_log_probs` with the tensor-parallel group defaulting to
+    megatron-core's (``parallel_state.get_tensor_model_parallel_group()``, or ``pg_collection.tp``).
+
+    ``logits`` is the ``[s, b, V_local]`` output of a megatron output layer (any leading shape works; ``target``
+    must have the same leading shape, e.g. ``labels.transpose(0, 1)`` for megatron's ``[b, s]`` labels).
+    Keyword arguments (``vocab_size``, ``temperature``, ``ignore_index``, ``return_entropy``, ...) pass through.
+    """
+    return _lp.vocab_parallel_log_probs(logits, target, _default_group("tp", tp_group, pg_collection), **kwargs)
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
+                                 label_smoothing: float = 0.0, tp_group=None, *, pg_collection=None, **kwargs):
+    """Drop-in for ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy(logits, target, label_smoothing)``:
+    same call, returns -logp ``[s, b]`` in fp32, never modifies the logits, and smooths over the **global** vocab
+    (Megatron-LM issue #737). The group defaults to megatron-core's tensor-parallel group.
+    """
+    return _lp.vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing,
+                                            _default_group("tp", tp_group, pg_collection), **kwargs)
+
+
+def _bs(name: str, t, shape) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape [b, s] = {tuple(shape)}, got {tuple(t.shape)}")
+    return t
+
+
+def make_policy_loss_func(
+    target: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    old_log_prob: Optional[torch.Tensor] = None,
+    rollout_log_prob: Optional[torch.Tensor] = None,
+    config: Optional[PolicyLossConfig] = None,
+    loss_agg_mode: str = "token-mean",
+    entropy_coeff: float = 0.0,
+    temperature: float = 1.0,
+    vocab_size: Optional[int] = None,
+    logits_layout: str = "sbv",
+    tp_group=None,
+    dp_group=None,
+    seq_group=None,
+    pg_collection=None,
+    reduce_metrics: bool = True,
+) -> Callable:
+    """Build the ``loss_func`` that megatron-core's ``forward_backward_func`` expects, for one micro-batch.
+
+    ``forward_step_func`` returns ``(output_tensor, make_policy_loss_func(...))``; megatron then calls
+    ``loss_func(output_tensor)`` with the output layer's vocab-parallel logits and gets
+    ``(loss_sum, num_tokens, {name: tensor([sum, count])})``. Inside: log-probs (and entropy) from the logits
+    with one collective over the TP group -> rollout correction (``config.rollout_correction``) -> policy loss.
+
+    Batch tensors are ``[b, s]`` and aligned with the logits' positions: ``target[b, s]`` is the token whose
+    log-prob position s scores (megatron's ``labels``), ``response_mask`` marks the response tokens,
+    ``advantages`` is ``[b, s]`` or ``[b]``. The flow follows ``config.rollout_correction``:
+
+    * None: PPO against ``old_log_prob`` (None: pi_theta detached, i.e. on-policy, ratio 1);
+    * ``bypass_mode``: correction of pi_theta vs ``rollout_log_prob``, PPO-clip or REINFORCE against pi_rollout;
+    * otherwise (decoupled): correction of ``old_log_prob`` vs ``rollout_log_prob``, PPO against pi_old times the
+      IS weights.
+
+    Reduction contract: ``loss_sum / num_tokens`` is this micro-batch's ``loss_agg_mode`` value, and summed over
+    micro-batches and data-parallel ranks, ``sum(loss_sum) / sum(num_tokens)`` is the exact global value of the
+    mode — which is what megatron computes with ``calculate_per_token_loss=True`` (without it, megatron averages
+    the per-micro-batch values). ``num_tokens`` counts valid tokens (``token-mean``) or valid sequences
+    (``seq-mean-*``). ``token-sum`` has no normaliser to report and is rejected, and the config's global
+    normalisers must be left unset (megatron's schedule does the global normalisation).
+
+    Metrics, as megatron's training loop reports them (``sum / count`` after summing over micro-batches):
+    ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``, ``actor/entropy``
+    and every ``rollout_corr/*`` value (count 1 per micro-batch), summed over ``dp_group`` in one all-reduce
+    when ``reduce_metrics`` (the ratio is unchanged if the training loop reduces again).
+    """
+    cfg = _as_config(config)
+    _check_mode(loss_agg_mode)
+    if loss_agg_mode == "token-sum":
+        raise ValueError("loss_agg_mode='token-sum' has no normaliser to return as num_tokens in megatron's "
+                         "loss_func contract; use token-mean or a seq-mean-* mode (or agg_loss directly)")
+    if cfg.dp_size != 1 or cfg.batch_num_tokens is not None or cfg.global_batch_size is not None:
+        raise ValueError("config.dp_size / batch_num_tokens / global_batch_size must be left unset for "
+                         "make_policy_loss_func: megatron's schedule normalises by the returned num_tokens")
+    if logits_layout not in ("sbv", "bsv"):
+        raise ValueError(f"logits_layout must be 'sbv' (output layer) or 'bsv' (GPTModel output), got {logits_layout!r}")
+    if not isinstance(target, torch.Tensor) or target.dim() != 2:
+        raise ValueError(f"target must be a [b, s] tensor of token ids, got {getattr(target, 'shape', type(target))}")
+    shape = tuple(target.shape)
+    _check_mask("response_mask", response_mask, target, "target")
+    if isinstance(advantages, torch.Tensor) and advantages.dim() == 1:
+        if advantages.shape[0] != shape[0]:
+            raise ValueError(f"advantages of shape [b] must have b = {shape[0]}, got {tuple(advantages.shape)}")
+        advantages = advantages.reshape(-1, 1).expand(shape)
+    _bs("advantages", advantages, shape)
+    rc = cfg.rollout_correction
+    bypass = rc is not None and bool(getattr(rc, "bypass_mode", False))
+    if old_log_prob is not None:
+        _bs("old_log_prob", old_log_prob, shape)
+    if rollout_log_prob is not None:
+        _bs("rollout_log_prob", rollout_log_prob, shape)
+    if rc is not None and rollout_log_prob is None:
+        raise ValueError("config.rollout_correction is set, so rollout_log_prob (the sampler's log-probs) is required")
+    if rc is not None and not bypass and old_log_prob is None:
+        raise ValueError("decoupled rollout correction needs old_log_prob (pi_old recomputed by the trainer); "
+                         "set bypass_mode=True to use pi_rollout as pi_old instead")
+    tp = _default_group("tp", tp_group, pg_collection)
+    dp = _default_group("dp", dp_group, pg_collection)
+    if not entropy_coeff >= 0:
+        raise ValueError(f"entropy_coeff must be >= 0, got {entropy_coeff}")
+
+    def loss_func(output_tensor: torch.Tensor, non_loss_data: bool = False):
+        logits = output_tensor[0] if isinstance(output_tensor, (tuple, list)) else output_tensor
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
+            raise ValueError(f"loss_func expects vocab-parallel logits [s, b, V_local] (or [b, s, V_local]), got "
+                             f"{getattr(logits, 'shape', type(logits))}")
+        tgt = target.to(logits.device)
+        if logits_layout == "sbv":
+            logp, entropy = _lp.vocab_parallel_log_probs(logits, tgt.transpose(0, 1), tp, vocab_size=vocab_size,
+                                                         temperature=temperature, return_entropy=True)
+            logp, entropy = logp.transpose(0, 1), entropy.transpose(0, 1)
+        else:
+            logp, entropy = _lp.vocab_parallel_log_probs(logits, tgt, tp, vocab_size=vocab_size,
+                                                         temperature=temperature, return_entropy=True)
+        if non_loss_data:
+            return {"log_prob": logp.detach(), "entropy": entropy.detach()}
+
+        mask, weights, corr_metrics = response_mask, None, {}
+        kind, old = PG_KIND_PPO_CLIP, (old_log_prob if old_log_prob is not None else logp.detach())
+        if rc is not None:
+            from .correction import compute_rollout_correction
+
+            with torch.no_grad():
+                train_side = logp.detach() if bypass else old_log_prob
+                result = compute_rollout_correction(train_side, rollout_log_prob, response_mask, rc,
+                                                    dp_group=dp, seq_group=seq_group)
+            mask, corr_metrics = result.response_mask, result.metrics
+            if bypass:
+                old = rollout_log_prob
+                if rc.loss_type == "reinforce":
+                    kind, weights = PG_KIND_REINFORCE, result.weights
+            else:
+                weights = result.weights
+        pg_loss, _, rows = _policy_loss(kind, old, logp, advantages, mask, loss_agg_mode, cfg, weights)
+        m = mask.to(logp.dtype)
+        if loss_agg_mode == "token-mean":
+            count = (mask != 0).sum()
+        else:
+            count = (m.sum(-1) > 0).sum()
+        loss = pg_loss
+        if entropy_coeff > 0:
+            loss = loss - entropy_coeff * agg_loss(entropy, mask, loss_agg_mode,
+                                                   loss_scale_factor=cfg.loss_scale_factor)
+        n = count.to(loss.dtype)
+        loss_sum = loss * n
+
+        tokens = rows[:, PG_ROW_TOKENS].sum()
+        one = torch.ones((), dtype=torch.float32, device=logp.device)
+        names = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy"]
+        pairs = [
+            (pg_loss.detach() * n, n),
+            (rows[:, PG_ROW_CLIP].sum(), tokens),
+            (rows[:, PG_ROW_CLIP_LOWER].sum(), tokens),
+            (rows[:, PG_ROW_KL_SUM].sum(), tokens),
+            ((entropy.detach() * m).sum(), tokens),
+        ]
+        for k, v in corr_metrics.items():
+            names.append(k)
+            pairs.append((v.detach().to(torch.float32), one))
+        report = torch.stack([torch.stack([a.float(), b.float()]) for a, b in pairs])
+        if reduce_metrics and dp is not None and dist.get_world_size(dp) > 1:
+            dist.all_reduce(report, group=dp)
+        return loss_sum, count.to(torch.int), {k: report[i] for i, k in enumerate(names)}
+
+    return loss_func
+
+
+def reported_means(reports) -> Dict[str, float]:
+    """What megatron's training loop logs from the ``loss_func`` reports of one step's micro-batches:
+    for each name, (sum of sums) / (sum of counts). Accepts one dict or a list of them."""
+    if isinstance(reports, dict):
+        reports = [reports]
+    out: Dict[str, float] = {}
+    for k in reports[0]:
+        total = torch.stack([r[k].float() for r in reports]).sum(0)
+        out[k] = float(total[0] / total[1]) if float(total[1]) != 0 else float("nan")
+    return out
