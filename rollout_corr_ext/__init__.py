@@ -22,7 +22,10 @@ def _activate(module_has_cuda: bool) -> None:
     from . import ops
 
     ops._on_extension_loaded()
-    _BACKEND = "cuda" if module_has_cuda else "cpu"
+    import torch
+
+    # "cuda" only when the CUDA kernels exist *and* a device can run them; CPU tensors use the CPU kernels.
+    _BACKEND = "cuda" if module_has_cuda and torch.cuda.is_available() else "cpu"
 
 
 def _try_prebuilt() -> bool:
@@ -59,7 +62,7 @@ def load_extension(verbose: bool = False, with_cuda: bool | None = None, build_d
     load(
         name="rollout_corr_ext_jit" + ("_cuda" if use_cuda else "_cpu"),
         sources=_build.abs_paths(kwargs["sources"]),
-        extra_include_paths=[str(_build.ROOT / p) if not os.path.isabs(p) else p for p in kwargs["include_dirs"]],
+        extra_include_paths=kwargs["include_dirs"],
         extra_cflags=kwargs["extra_compile_args"]["cxx"],
         extra_cuda_cflags=kwargs["extra_compile_args"].get("nvcc", []),
         extra_ldflags=kwargs["extra_link_args"],
@@ -89,6 +92,8 @@ if not _try_prebuilt():
         )
 
 from .logprobs import vocab_parallel_cross_entropy, vocab_parallel_log_probs  # noqa: E402
+from .config import RolloutCorrectionConfig  # noqa: E402
+from .correction import RolloutCorrectionResult, compute_offpolicy_metrics, compute_rollout_correction  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -96,4 +101,8 @@ __all__ = [
     "load_extension",
     "vocab_parallel_log_probs",
     "vocab_parallel_cross_entropy",
+    "RolloutCorrectionConfig",
+    "RolloutCorrectionResult",
+    "compute_rollout_correction",
+    "compute_offpolicy_metrics",
 ]

@@ -25,7 +25,6 @@ INCLUDE_DIRS: List[str] = ["csrc/include", "csrc"]
 CXX_FLAGS: List[str] = ["-O3", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
 NVCC_FLAGS: List[str] = [
     "-O3",
-    "--use_fast_math",
     "-lineinfo",
     "--expt-relaxed-constexpr",
     "-U__CUDA_NO_HALF_OPERATORS__",
@@ -72,7 +71,7 @@ def extension_kwargs(with_cuda: bool) -> Dict[str, object]:
     cxx = list(CXX_FLAGS) + (["-DRC_WITH_CUDA"] if with_cuda else [])
     kwargs: Dict[str, object] = {
         "sources": sources,
-        "include_dirs": INCLUDE_DIRS + (cuda_include_dirs() if with_cuda else []),
+        "include_dirs": abs_paths(INCLUDE_DIRS) + (cuda_include_dirs() if with_cuda else []),
         "extra_compile_args": {"cxx": cxx},
         "extra_link_args": ["-fopenmp"],
     }

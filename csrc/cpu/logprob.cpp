@@ -14,7 +14,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "logprob_checks.h"
+#include "logprob_host.h"
 #include "logprob_math.h"
 #include "logprob_params.h"
 
@@ -74,7 +74,7 @@ RC_FORCEINLINE v8f exp_v8(v8f x) {
   p = p * r + 1.0f;
   p = p * r + 1.0f;
   const v8i bits = (ni + 127) << 23;
-  const v8f res = p * reinterpret_cast<const v8f&>(bits);
+  const v8f res = p * (v8f)bits;  // same-size vector cast: reinterprets the bits
   return underflow ? v8f{} : res;
 }
 
@@ -257,23 +257,12 @@ at::Tensor vocab_row_stats_cpu(const at::Tensor& logits, const at::Tensor& targe
                                int64_t vocab_size, double inv_temperature, int64_t ignore_index, bool with_sum_z) {
   check_logits_target(logits, target, vocab_start, vocab_size, inv_temperature);
   const auto target_c = target.contiguous();
-  const int64_t rows = logits.size(0), local_vocab = logits.size(1);
-  auto stats = at::empty({rows, with_sum_z ? 5 : 4}, logits.options().dtype(acc_dtype_for(logits.scalar_type())));
+  auto stats = new_row_stats(logits, with_sum_z);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "vocab_row_stats_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    RowStatsParams<scalar_t, acc_t> p;
-    p.logits = logits.const_data_ptr<scalar_t>();
-    p.target = target_c.const_data_ptr<int64_t>();
-    p.stats = stats.mutable_data_ptr<acc_t>();
-    p.rows = rows;
-    p.local_vocab = local_vocab;
-    p.logits_row_stride = logits.stride(0);
-    p.valid_cols = valid_cols_of(vocab_start, vocab_size, local_vocab);
-    p.vocab_start = vocab_start;
-    p.ignore_index = ignore_index;
-    p.stats_cols = with_sum_z ? 5 : 4;
-    p.inv_temperature = static_cast<acc_t>(inv_temperature);
-    at::parallel_for(0, rows, grain_for(local_vocab), [&](int64_t b, int64_t e) { row_stats_rows(p, b, e); });
+    const auto p = make_row_stats_params<scalar_t, acc_t>(logits, target_c, stats, vocab_start, vocab_size,
+                                                          inv_temperature, ignore_index);
+    at::parallel_for(0, p.rows, grain_for(p.local_vocab), [&](int64_t b, int64_t e) { row_stats_rows(p, b, e); });
   });
   return stats;
 }
@@ -286,34 +275,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_row_stats_cpu(c
   TORCH_CHECK(vocab_size > 0, "vocab_size must be > 0, got ", vocab_size);
   const auto stats_c = stats.contiguous();
   const auto target_c = target.contiguous();
-  const int64_t shards = stats.size(0), rows = stats.size(1);
-  const int cols = static_cast<int>(stats.size(2));
+  const int64_t rows = stats.size(1);
   auto logp = at::empty({rows}, stats.options());
   auto entropy = at::empty({rows}, stats.options());
   auto mean_logp = at::empty({rows}, stats.options());
   auto row_state = at::empty({rows, 2}, stats.options());
   AT_DISPATCH_FLOATING_TYPES(stats.scalar_type(), "merge_row_stats_cpu", [&] {
-    const scalar_t* s = stats_c.const_data_ptr<scalar_t>();
-    const int64_t* t = target_c.const_data_ptr<int64_t>();
-    scalar_t *lp = logp.mutable_data_ptr<scalar_t>(), *h = entropy.mutable_data_ptr<scalar_t>();
-    scalar_t *ml = mean_logp.mutable_data_ptr<scalar_t>(), *rs = row_state.mutable_data_ptr<scalar_t>();
+    const auto p = make_merge_params<scalar_t>(stats_c, target_c, logp, entropy, mean_logp, row_state, ignore_index,
+                                               vocab_size);
     at::parallel_for(0, rows, 4096, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        SoftmaxStats<scalar_t> st = softmax_stats_empty<scalar_t>();
-        scalar_t y = -INFINITY, sum_z = 0;
-        for (int64_t k = 0; k < shards; ++k) {
-          const scalar_t* rec = s + (k * rows + r) * cols;
-          st = softmax_stats_merge(st, SoftmaxStats<scalar_t>{rec[kRowMax], rec[kRowSumExp], rec[kRowSumExpZ]});
-          y = std::max(y, rec[kRowTargetZ]);
-          if (cols > kRowSumZ) sum_z += rec[kRowSumZ];
-        }
-        const auto res = finish_row(st, y, sum_z, cols > kRowSumZ, vocab_size, t[r] == ignore_index);
-        lp[r] = res.logp;
-        h[r] = res.entropy;
-        ml[r] = res.mean_logp;
-        rs[2 * r + kStateLse] = res.lse;
-        rs[2 * r + kStateMeanZ] = res.mean_z;
-      }
+      for (int64_t r = b; r < e; ++r) merge_one_row(p, r);
     });
   });
   return {logp, entropy, mean_logp, row_state};
@@ -324,35 +295,14 @@ void logprob_backward_into_cpu(const at::Tensor& grad_logits, const c10::optiona
                                const c10::optional<at::Tensor>& grad_mean_logp, const at::Tensor& logits,
                                const at::Tensor& target, const at::Tensor& row_state, int64_t vocab_start,
                                int64_t vocab_size, double inv_temperature, int64_t ignore_index) {
-  check_logits_target(logits, target, vocab_start, vocab_size, inv_temperature);
-  check_row_state(row_state, logits);
-  const auto acc = acc_dtype_for(logits.scalar_type());
-  const auto g_lp = prepare_row_grad(grad_logp, logits, "grad_logp");
-  const auto g_h = prepare_row_grad(grad_entropy, logits, "grad_entropy");
-  const auto g_m = prepare_row_grad(grad_mean_logp, logits, "grad_mean_logp");
-  const auto state = row_state.to(acc).contiguous();
-  const auto target_c = target.contiguous();
-  const int64_t rows = logits.size(0), local_vocab = logits.size(1);
+  const auto in = prepare_backward(grad_logp, grad_entropy, grad_mean_logp, logits, target, row_state, vocab_start,
+                                   vocab_size, inv_temperature);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "logprob_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    LogprobBackwardParams<scalar_t, acc_t> p;
-    p.logits = logits.const_data_ptr<scalar_t>();
-    p.grad_logits = grad_logits.mutable_data_ptr<scalar_t>();
-    p.target = target_c.const_data_ptr<int64_t>();
-    p.row_state = state.const_data_ptr<acc_t>();
-    p.grad_logp = ptr_or_null<acc_t>(g_lp);
-    p.grad_entropy = ptr_or_null<acc_t>(g_h);
-    p.grad_mean_logp = ptr_or_null<acc_t>(g_m);
-    p.rows = rows;
-    p.local_vocab = local_vocab;
-    p.logits_row_stride = logits.stride(0);
-    p.grad_row_stride = grad_logits.stride(0);
-    p.valid_cols = valid_cols_of(vocab_start, vocab_size, local_vocab);
-    p.vocab_start = vocab_start;
-    p.vocab_size = vocab_size;
-    p.ignore_index = ignore_index;
-    p.inv_temperature = static_cast<acc_t>(inv_temperature);
-    at::parallel_for(0, rows, grain_for(local_vocab), [&](int64_t b, int64_t e) { backward_rows(p, b, e); });
+    const auto p = make_backward_params<scalar_t, acc_t>(grad_logits, logits, in.target, in.state, in.g_lp, in.g_h,
+                                                         in.g_m, vocab_start, vocab_size, inv_temperature,
+                                                         ignore_index);
+    at::parallel_for(0, p.rows, grain_for(p.local_vocab), [&](int64_t b, int64_t e) { backward_rows(p, b, e); });
   });
 }
 

@@ -9,9 +9,41 @@
 #include <cmath>
 #include <cstdint>
 
+#include "logprob_params.h"
 #include "rc_macros.h"
 
 namespace rollout_corr {
+
+// exp/log in the accumulation type: the CUDA float intrinsics on the device (expf/logf, full precision: the
+// build does not use --use_fast_math), std:: overloads on the host (CPU merge, CUDA emulator).
+RC_HD RC_FORCEINLINE float rc_exp(float x) {
+#ifdef __CUDA_ARCH__
+  return expf(x);
+#else
+  return std::exp(x);
+#endif
+}
+RC_HD RC_FORCEINLINE double rc_exp(double x) {
+#ifdef __CUDA_ARCH__
+  return ::exp(x);
+#else
+  return std::exp(x);
+#endif
+}
+RC_HD RC_FORCEINLINE float rc_log(float x) {
+#ifdef __CUDA_ARCH__
+  return logf(x);
+#else
+  return std::log(x);
+#endif
+}
+RC_HD RC_FORCEINLINE double rc_log(double x) {
+#ifdef __CUDA_ARCH__
+  return ::log(x);
+#else
+  return std::log(x);
+#endif
+}
 
 // Column layout of the per-row record written by vocab_row_stats (16 B, or 20 B with sum z).
 enum RowStatColumn : int { kRowMax = 0, kRowSumExp = 1, kRowSumExpZ = 2, kRowTargetZ = 3, kRowSumZ = 4 };
@@ -37,8 +69,8 @@ RC_HD RC_FORCEINLINE SoftmaxStats<acc_t> softmax_stats_merge(SoftmaxStats<acc_t>
   if (b.d == acc_t(0)) return a;
   if (a.d == acc_t(0)) return b;
   const acc_t m = a.m > b.m ? a.m : b.m;
-  const acc_t sa = exp(a.m - m);
-  const acc_t sb = exp(b.m - m);
+  const acc_t sa = rc_exp(a.m - m);
+  const acc_t sb = rc_exp(b.m - m);
   return {m, a.d * sa + b.d * sb, a.s * sa + b.s * sb};
 }
 
@@ -47,12 +79,12 @@ RC_HD RC_FORCEINLINE SoftmaxStats<acc_t> softmax_stats_merge(SoftmaxStats<acc_t>
 template <typename acc_t>
 RC_HD RC_FORCEINLINE void softmax_stats_add(SoftmaxStats<acc_t>& st, acc_t z) {
   if (z > st.m) {
-    const acc_t scale = exp(st.m - z);  // exp(-inf) = 0 for the first element
+    const acc_t scale = rc_exp(st.m - z);  // exp(-inf) = 0 for the first element
     st.d = st.d * scale + acc_t(1);
     st.s = st.s * scale + z;
     st.m = z;
   } else {
-    const acc_t e = exp(z - st.m);
+    const acc_t e = rc_exp(z - st.m);
     st.d += e;
     st.s += e * z;
   }
@@ -74,7 +106,7 @@ template <typename acc_t>
 RC_HD RC_FORCEINLINE RowResult<acc_t> finish_row(SoftmaxStats<acc_t> st, acc_t target_z, acc_t sum_z,
                                                  bool has_sum_z, int64_t vocab_size, bool ignored) {
   RowResult<acc_t> r;
-  r.lse = st.m + log(st.d);
+  r.lse = st.m + rc_log(st.d);
   r.mean_z = st.s / st.d;
   if (ignored) {
     r.logp = r.entropy = r.mean_logp = acc_t(0);
@@ -95,6 +127,26 @@ RC_HD RC_FORCEINLINE acc_t logprob_grad_element(acc_t z, acc_t p, bool is_target
   acc_t g = -(g_lp + g_m) * p - g_h * p * (z - mean_z) + g_m_over_v;
   if (is_target) g += g_lp;
   return g;
+}
+
+// Merge the shard records of one row and write its outputs (the CPU loop and the CUDA merge kernel call this).
+template <typename acc_t>
+RC_HD RC_FORCEINLINE void merge_one_row(const MergeParams<acc_t>& p, int64_t row) {
+  SoftmaxStats<acc_t> st = softmax_stats_empty<acc_t>();
+  acc_t y = -INFINITY, sum_z = acc_t(0);
+  const bool has_sum_z = p.stats_cols > kRowSumZ;
+  for (int64_t k = 0; k < p.shards; ++k) {
+    const acc_t* rec = p.stats + (k * p.rows + row) * p.stats_cols;
+    st = softmax_stats_merge(st, SoftmaxStats<acc_t>{rec[kRowMax], rec[kRowSumExp], rec[kRowSumExpZ]});
+    y = rec[kRowTargetZ] > y ? rec[kRowTargetZ] : y;
+    if (has_sum_z) sum_z += rec[kRowSumZ];
+  }
+  const RowResult<acc_t> r = finish_row(st, y, sum_z, has_sum_z, p.vocab_size, p.target[row] == p.ignore_index);
+  p.logp[row] = r.logp;
+  p.entropy[row] = r.entropy;
+  p.mean_logp[row] = r.mean_logp;
+  p.row_state[2 * row + kStateLse] = r.lse;
+  p.row_state[2 * row + kStateMeanZ] = r.mean_z;
 }
 
 }  // namespace rollout_corr

@@ -1,0 +1,54 @@
+// Device helpers shared by the kernel families. Only the device API that the CUDA emulator
+// (tests/cuda_emulator) implements may be used here: thread/block indices, __syncthreads, __shfl_*_sync,
+// static __shared__ arrays, atomics and the math functions.
+#pragma once
+
+#include <cstdint>
+
+#include "logprob_math.h"
+#include "rc_macros.h"
+
+// Shared memory through these two macros: on the GPU plain __shared__ declarations; under the CUDA emulator a
+// per-block arena that is poisoned before every block, so a read of a slot nobody wrote shows up as NaN.
+#ifndef RC_SHARED_ARRAY
+#define RC_SHARED_ARRAY(T, name, count) __shared__ T name[count]
+#endif
+#ifndef RC_DYNAMIC_SHARED
+#define RC_DYNAMIC_SHARED(T, name)                       \
+  extern __shared__ __align__(16) unsigned char rc_dynamic_smem_[]; \
+  T* const name = reinterpret_cast<T*>(rc_dynamic_smem_)
+#endif
+
+namespace rollout_corr {
+
+constexpr unsigned kFullWarpMask = 0xffffffffu;
+constexpr int kWarpSize = 32;
+
+// A 16-byte (or narrower) aligned pack of elements, for vectorized global loads and stores.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) AlignedVector {
+  T val[N];
+};
+
+// Merge of softmax summaries across the 32 lanes of a warp (butterfly: every lane ends with the result).
+template <typename acc_t>
+__device__ RC_FORCEINLINE SoftmaxStats<acc_t> warp_merge_stats(SoftmaxStats<acc_t> st) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    SoftmaxStats<acc_t> other;
+    other.m = __shfl_xor_sync(kFullWarpMask, st.m, offset);
+    other.d = __shfl_xor_sync(kFullWarpMask, st.d, offset);
+    other.s = __shfl_xor_sync(kFullWarpMask, st.s, offset);
+    st = softmax_stats_merge(st, other);
+  }
+  return st;
+}
+
+template <typename acc_t>
+__device__ RC_FORCEINLINE acc_t warp_sum(acc_t v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(kFullWarpMask, v, offset);
+  return v;
+}
+
+}  // namespace rollout_corr

@@ -1,0 +1,56 @@
+"""Builds the emulated kernel families (csrc/cuda/*_kernels.cuh compiled by g++ against cuda_emu.h).
+
+``load_emulator()`` JIT-compiles ``emu_*.cpp`` into one CPU extension registering ``torch.ops.rollout_corr_emu.*``.
+``kernel_override_dir`` puts a folder before ``csrc/cuda`` on the include path, which is how the self-test
+compiles deliberately broken copies of a kernel file. ``sanitize=True`` builds with AddressSanitizer (the
+process must then run with libasan preloaded; see docs/cuda_kernels.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Optional
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+EMU_SOURCES = sorted(str(p) for p in HERE.glob("emu_*.cpp"))
+
+_loaded = False
+
+
+def _include_dirs(kernel_override_dir: Optional[str]):
+    dirs = [str(HERE)]
+    if kernel_override_dir:
+        dirs.append(str(kernel_override_dir))
+    dirs += [str(ROOT / "csrc" / "cuda"), str(ROOT / "csrc" / "include"), str(ROOT / "csrc")]
+    return dirs
+
+
+def load_emulator(kernel_override_dir: Optional[str] = None, sanitize: bool = False, verbose: bool = False) -> None:
+    """Compile (cached by torch in its extensions folder) and load the emulated kernels into this process."""
+    global _loaded
+    if _loaded:
+        return
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O1", "-g0", "-fno-omit-frame-pointer", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function"]
+    if sanitize:
+        flags += ["-fsanitize=address", "-fno-sanitize-recover=all"]
+    key = hashlib.sha1(repr((kernel_override_dir, sanitize)).encode()).hexdigest()[:10]
+    build_dir = os.environ.get("ROLLOUT_CORR_EMU_BUILD_DIR")
+    if build_dir:
+        build_dir = os.path.join(build_dir, key)
+        os.makedirs(build_dir, exist_ok=True)
+    load(
+        name=f"rollout_corr_emu_{key}",
+        sources=EMU_SOURCES,
+        extra_include_paths=_include_dirs(kernel_override_dir),
+        extra_cflags=flags,
+        extra_ldflags=["-fsanitize=address"] if sanitize else [],
+        is_python_module=False,
+        build_directory=build_dir,
+        verbose=verbose,
+    )
+    _loaded = True
