@@ -1,0 +1,35 @@
+"""Test session setup: make sure the compiled kernels (not the pure-PyTorch fallback) are what runs.
+
+With a prebuilt `rollout_corr_ext._C` (pip install) nothing happens. Without one, the extension is JIT-compiled
+once (ROLLOUT_CORR_BUILD_DIR caches it). ROLLOUT_CORR_FORCE_REFERENCE=1 runs the suite on the reference backend.
+"""
+
+import os
+import sys
+import warnings
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)
+    import rollout_corr_ext  # noqa: E402
+
+if rollout_corr_ext.backend() == "reference" and os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0") != "1":
+    rollout_corr_ext.load_extension()
+
+
+def pytest_report_header(config):
+    return f"rollout_corr_ext backend: {rollout_corr_ext.backend()}"
+
+
+@pytest.fixture(scope="session")
+def compiled_backend():
+    if rollout_corr_ext.backend() == "reference":
+        pytest.skip("needs the compiled extension (ROLLOUT_CORR_FORCE_REFERENCE=1 is set)")
+    return rollout_corr_ext.backend()

@@ -1,0 +1,290 @@
+"""Single-process tests of the vocab-parallel log-prob / entropy / cross-entropy op (DESIGN §2, §7)."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import rollout_corr_ext as rc
+from rollout_corr_ext import ops, reference
+from tests.tolerances import grad_tol, output_tol
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def sample_inputs(dtype, device="cpu", seed=0):
+    """(logits, target, kwargs) cases: layouts, padding, temperature, ignore_index, tiny and ragged rows."""
+    g = torch.Generator().manual_seed(seed)
+
+    def make(shape, vocab_size=None, ignore=True, scale=3.0):
+        logits = (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
+        v = shape[-1] if vocab_size is None else vocab_size
+        target = torch.randint(0, v, shape[:-1], generator=g).to(device)
+        if ignore and target.numel() > 2:
+            target.view(-1)[1] = -100
+        return logits, target
+
+    yield (*make((7, 3, 129)), {})  # megatron [s, b, V]
+    yield (*make((3, 7, 129)), {"temperature": 0.7})  # [b, s, V]
+    yield (*make((5, 1000), vocab_size=997), {"vocab_size": 997})  # padded vocab
+    yield (*make((4, 2, 64), ignore=False), {"temperature": 1.9})
+    yield (*make((1, 1, 8)), {})  # a single token
+    logits, target = make((6, 1531), ignore=False)
+    target[4] = -1
+    yield logits, target, {"ignore_index": -1}
+    logits, target = make((4, 33), ignore=False)
+    target[2] = 5
+    yield logits, target, {"ignore_index": 5}  # ignore_index inside the vocab
+
+
+def dense_reference(logits, target, kw, label_smoothing=0.0):
+    return reference.log_probs_dense(
+        logits.double(), target, vocab_size=kw.get("vocab_size"), temperature=kw.get("temperature", 1.0),
+        ignore_index=kw.get("ignore_index", -100), label_smoothing=label_smoothing)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_matches_fp64_reference(dtype):
+    for logits, target, kw in sample_inputs(dtype):
+        logp, ent = rc.vocab_parallel_log_probs(logits, target, return_entropy=True, **kw)
+        ref_logp, ref_ent, _ = dense_reference(logits, target, kw)
+        assert logp.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        assert logp.shape == target.shape and ent.shape == target.shape
+        torch.testing.assert_close(logp.double(), ref_logp, **output_tol(dtype))
+        torch.testing.assert_close(ent.double(), ref_ent, **output_tol(dtype))
+        ignored = target == kw.get("ignore_index", -100)
+        assert torch.all(logp[ignored] == 0) and torch.all(ent[ignored] == 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_cross_entropy_and_grad_match_reference(dtype, label_smoothing):
+    for logits, target, kw in sample_inputs(dtype, seed=1):
+        x = logits.clone().requires_grad_(True)
+        loss = rc.vocab_parallel_cross_entropy(x, target, label_smoothing=label_smoothing, **kw)
+        xr = logits.double().requires_grad_(True)
+        _, _, ref_loss = reference.log_probs_dense(
+            xr, target, vocab_size=kw.get("vocab_size"), temperature=kw.get("temperature", 1.0),
+            ignore_index=kw.get("ignore_index", -100), label_smoothing=label_smoothing)
+        torch.testing.assert_close(loss.double(), ref_loss.detach(), **output_tol(dtype))
+        w = torch.randn(target.shape, dtype=torch.float64)
+        (loss * w.to(loss.dtype)).sum().backward()
+        (ref_loss * w).sum().backward()
+        assert x.grad.dtype == dtype
+        torch.testing.assert_close(x.grad.double(), xr.grad, **grad_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_joint_logp_entropy_gradient(dtype):
+    for logits, target, kw in sample_inputs(dtype, seed=2):
+        x = logits.clone().requires_grad_(True)
+        logp, ent = rc.vocab_parallel_log_probs(x, target, return_entropy=True, **kw)
+        xr = logits.double().requires_grad_(True)
+        ref_logp, ref_ent, _ = reference.log_probs_dense(
+            xr, target, vocab_size=kw.get("vocab_size"), temperature=kw.get("temperature", 1.0),
+            ignore_index=kw.get("ignore_index", -100))
+        a, b = torch.randn(target.shape, dtype=torch.float64), torch.randn(target.shape, dtype=torch.float64)
+        (logp * a.to(logp.dtype) + ent * b.to(ent.dtype)).sum().backward()
+        (ref_logp * a + ref_ent * b).sum().backward()
+        torch.testing.assert_close(x.grad.double(), xr.grad, **grad_tol(dtype))
+        if "vocab_size" in kw:  # padding columns get exactly zero gradient
+            assert torch.all(x.grad[..., kw["vocab_size"]:] == 0)
+
+
+def test_gradcheck_fp64():
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 11, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 10, (3, 4))
+    t[0, 1] = -100
+
+    def fn(inp):
+        logp, ent = rc.vocab_parallel_log_probs(inp, t, vocab_size=10, temperature=0.8, return_entropy=True)
+        ce = rc.vocab_parallel_cross_entropy(inp, t, label_smoothing=0.2, vocab_size=10, temperature=0.8)
+        return logp, ent, ce
+
+    assert torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_error_within_twice_eager(dtype):
+    """Our bf16/fp16 error vs fp64 is at most 2x that of an eager low-precision log_softmax vs fp64."""
+    torch.manual_seed(3)
+    logits = (torch.randn(64, 4096, dtype=torch.float64) * 4).to(dtype)
+    target = torch.randint(0, 4096, (64,))
+    exact = torch.log_softmax(logits.double(), -1).gather(1, target[:, None]).squeeze(1)
+    ours = rc.vocab_parallel_log_probs(logits, target).double()
+    eager = torch.log_softmax(logits, -1).gather(1, target[:, None]).squeeze(1).double()
+    our_err = (ours - exact).abs().max().item()
+    eager_err = (eager - exact).abs().max().item()
+    assert our_err <= 2 * eager_err + 1e-6, (our_err, eager_err)
+
+    x = logits.clone().requires_grad_(True)
+    rc.vocab_parallel_log_probs(x, target).sum().backward()
+    xe = logits.clone().requires_grad_(True)
+    torch.log_softmax(xe, -1).gather(1, target[:, None]).sum().backward()
+    xd = logits.double().requires_grad_(True)
+    torch.log_softmax(xd, -1).gather(1, target[:, None]).sum().backward()
+    assert (x.grad.double() - xd.grad).abs().max() <= 2 * (xe.grad.double() - xd.grad).abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("inplace_backward", [False, True])
+def test_caller_logits_untouched_unless_inplace(inplace_backward):
+    torch.manual_seed(4)
+    base = torch.randn(6, 50, requires_grad=True)
+    logits = base * 1.0  # a non-leaf, as an output layer produces
+    target = torch.randint(0, 50, (6,))
+    before = logits.detach().clone()
+    logp, ent = rc.vocab_parallel_log_probs(logits, target, return_entropy=True, inplace_backward=inplace_backward)
+    assert torch.equal(logits.detach(), before)
+    (logp.sum() + 0.5 * ent.sum()).backward()
+    ref = torch.randn(6, 50).requires_grad_(False)
+    xr = before.double().requires_grad_(True)
+    rl, re, _ = reference.log_probs_dense(xr, target)
+    (rl.sum() + 0.5 * re.sum()).backward()
+    torch.testing.assert_close(base.grad.double(), xr.grad, rtol=1e-5, atol=1e-6)
+    if inplace_backward:
+        # The gradient was written into the logits buffer: no [N, V] allocation for it.
+        torch.testing.assert_close(logits.detach().double(), xr.grad, rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(logits.detach(), before)
+    del ref
+
+
+def test_forward_without_grad_saves_nothing_and_allocates_small():
+    x = torch.randn(16, 300)
+    t = torch.randint(0, 300, (16,))
+    with torch.no_grad():
+        out = rc.vocab_parallel_log_probs(x, t)
+    assert out.grad_fn is None and out.shape == (16,)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda x, t: ((x, t[:-1]), {}), "target must have shape"),
+        (lambda x, t: ((x, t.float()), {}), "target must be an int64"),
+        (lambda x, t: ((x.long(), t), {}), "logits must be a float"),
+        (lambda x, t: ((x, t.clone().fill_(40)), {}), "target holds ids outside"),
+        (lambda x, t: ((x, t.clone().fill_(-3)), {}), "target holds ids outside"),
+        (lambda x, t: ((x, t.clone().fill_(35)), {"vocab_size": 30}), "target holds ids outside"),
+        (lambda x, t: ((x, t), {"vocab_size": 41}), "vocab_size=41 is inconsistent"),
+        (lambda x, t: ((x, t), {"vocab_size": 0}), "vocab_size=0 is inconsistent"),
+        (lambda x, t: ((x, t), {"vocab_start": 3}), "vocab_start=3 is inconsistent"),
+        (lambda x, t: ((x, t), {"vocab_start": -1}), "vocab_start=-1 is inconsistent"),
+        (lambda x, t: ((x, t), {"temperature": 0.0}), "temperature must be > 0"),
+        (lambda x, t: ((x, t.to("meta")), {}), "target is on meta but logits is on cpu"),
+    ],
+)
+def test_bad_input_names_the_argument(make, match):
+    x = torch.randn(5, 40)
+    t = torch.randint(0, 40, (5,))
+    x0, t0 = x.clone(), t.clone()
+    args, kw = make(x, t)
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
+        rc.vocab_parallel_log_probs(*args, **kw)
+    assert torch.equal(x, x0) and torch.equal(t, t0)
+
+
+def test_label_smoothing_out_of_range():
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        rc.vocab_parallel_cross_entropy(torch.randn(2, 5), torch.tensor([0, 1]), label_smoothing=1.0)
+
+
+def test_ops_opcheck(compiled_backend):
+    torch.manual_seed(5)
+    for dtype in [torch.float32, torch.bfloat16, torch.float64]:
+        x = torch.randn(6, 37).to(dtype)
+        t = torch.randint(0, 35, (6,))
+        t[1] = -100
+        args = (x, t, 0, 35, 1.25, -100, True)
+        torch.library.opcheck(torch.ops.rollout_corr.vocab_row_stats.default, args)
+        stats = ops.vocab_row_stats(*args).unsqueeze(0).repeat(2, 1, 1)
+        torch.library.opcheck(torch.ops.rollout_corr.merge_row_stats.default, (stats, t, -100, 70))
+        _, _, _, state = ops.merge_row_stats(stats, t, -100, 70)
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        g = torch.randn(6, dtype=acc)
+        torch.library.opcheck(torch.ops.rollout_corr.logprob_backward.default,
+                              (g, None, g, x, t, state, 0, 35, 1.25, -100))
+        torch.library.opcheck(torch.ops.rollout_corr.logprob_backward_.default,
+                              (x.clone(), g, g, None, t, state, 0, 35, 1.25, -100))
+
+
+def test_torch_compile_fullgraph_forward(compiled_backend):
+    x = torch.randn(4, 64)
+    t = torch.randint(0, 64, (4,))
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def f(a, b):
+        return ops.vocab_row_stats(a, b, 0, 64, 1.0, -100, False)
+
+    torch.testing.assert_close(f(x, t), ops.vocab_row_stats(x, t, 0, 64, 1.0, -100, False))
+
+
+def test_shard_with_only_padding_merges_cleanly():
+    """A shard whose columns are all padding contributes nothing (and no NaN) to the merge."""
+    torch.manual_seed(6)
+    full = torch.randn(5, 16, dtype=torch.float64)
+    target = torch.randint(0, 10, (5,))
+    shards = full.split(8, dim=-1)  # columns 10..15 are padding: shard 1 has 2 real columns
+    shards = [full[:, :8], full[:, 8:], torch.randn(5, 8, dtype=torch.float64)]  # third shard: all padding
+    recs = torch.stack([ops.vocab_row_stats(s, target, 8 * i, 10, 1.0, -100, True) for i, s in enumerate(shards)])
+    logp, ent, mean_logp, _ = ops.merge_row_stats(recs, target, -100, 10)
+    ref_logp, ref_ent, _ = reference.log_probs_dense(full[:, :10], target)
+    torch.testing.assert_close(logp, ref_logp)
+    torch.testing.assert_close(ent, ref_ent)
+    torch.testing.assert_close(mean_logp, torch.log_softmax(full[:, :10], -1).mean(-1))
+
+
+@pytest.mark.slow
+def test_shard_over_2_pow_31_elements():
+    """bf16 [70000, 32000] on one rank (2.24e9 elements): int64 indexing end to end, checked analytically."""
+    rows, vocab = 70000, 32000
+    assert rows * vocab > 2**31
+    x = torch.zeros(rows, vocab, dtype=torch.bfloat16)
+    target = torch.arange(rows) * 7919 % vocab
+    probe = torch.tensor([0, 1, 67109, 67110, rows - 2, rows - 1])  # rows around and past element 2^31
+    a = torch.tensor([2.0, -1.5, 3.0, 0.5, 4.0, -2.0], dtype=torch.float64)
+    x[probe, target[probe]] = a.to(torch.bfloat16)
+    x[rows - 1, vocab - 1] = 1.0  # the very last element, far past 2^31
+    logp = rc.vocab_parallel_log_probs(x, target)
+
+    def expected(row, a_val):
+        total = (vocab - 1) + math.exp(a_val)
+        extra = 0.0
+        if row == rows - 1 and target[row] != vocab - 1:
+            total += math.e - 1.0  # the column set to 1.0 was a 0
+        return a_val - math.log(total) + extra
+
+    for i, r in enumerate(probe.tolist()):
+        torch.testing.assert_close(logp[r].double(), torch.tensor(expected(r, a[i].item()), dtype=torch.float64),
+                                   rtol=1e-5, atol=1e-5)
+    untouched = torch.tensor([2, 5000, 69997])
+    torch.testing.assert_close(logp[untouched].double(), torch.full((3,), -math.log(vocab), dtype=torch.float64),
+                               rtol=1e-5, atol=1e-5)
+    # Backward, in place to keep memory at one copy: the gradient of the last row at its last column.
+    x.requires_grad_(False)
+    _, _, _, state = ops.merge_row_stats(ops.vocab_row_stats(x, target, 0, vocab, 1.0, -100, False).unsqueeze(0),
+                                         target, -100, vocab)
+    g = torch.zeros(rows)
+    g[rows - 1] = 1.0
+    ops.logprob_backward_(x, g, None, None, target, state, 0, vocab, 1.0, -100)
+    p_last = math.e / ((vocab - 2) + math.e + math.exp(a[-1].item()))
+    torch.testing.assert_close(x[rows - 1, vocab - 1].double(), torch.tensor(-p_last, dtype=torch.float64),
+                               rtol=1e-2, atol=1e-6)
+    assert x[0].abs().sum() == 0  # rows with zero upstream gradient get zero
+
+
+def test_int32_target_accepted_and_equal():
+    x = torch.randn(3, 20)
+    t = torch.randint(0, 20, (3,))
+    torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t.int()), rc.vocab_parallel_log_probs(x, t))
+
+
+def test_all_combinations_of_layouts_are_views_not_copies():
+    """A transposed [b, s, V] -> [s, b, V] input is handled (made contiguous along rows) with equal results."""
+    x = torch.randn(3, 5, 40)
+    t = torch.randint(0, 40, (3, 5))
+    xt, tt = x.transpose(0, 1), t.transpose(0, 1)
+    for a, b in itertools.product([x], [xt]):
+        torch.testing.assert_close(rc.vocab_parallel_log_probs(b, tt), rc.vocab_parallel_log_probs(a, t).transpose(0, 1))

@@ -1,0 +1,31 @@
+"""The one tolerance table of the test suite, keyed by dtype (rtol, atol)."""
+
+import torch
+
+#: Comparisons of a kernel's fp32 outputs against the fp64 oracle, by the dtype of the *input* logits.
+#: fp32 inputs are tight. bf16/fp16 inputs are exact inputs to an fp32-accumulating kernel, so outputs are
+#: held to the same fp32 tolerance (the oracle sees the same rounded values).
+OUTPUT_TOL = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (2e-5, 2e-5),
+    torch.bfloat16: (2e-5, 2e-5),
+    torch.float16: (2e-5, 2e-5),
+}
+
+#: Gradients are returned in the logits dtype, so one rounding to that dtype is allowed.
+GRAD_TOL = {
+    torch.float64: (1e-10, 1e-12),
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-5),
+    torch.float16: (2e-3, 1e-6),
+}
+
+
+def output_tol(dtype):
+    rtol, atol = OUTPUT_TOL[dtype]
+    return {"rtol": rtol, "atol": atol}
+
+
+def grad_tol(dtype):
+    rtol, atol = GRAD_TOL[dtype]
+    return {"rtol": rtol, "atol": atol}
