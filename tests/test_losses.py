@@ -1,0 +1,355 @@
+"""Policy losses and agg_loss (DESIGN §4) against the textbook oracles in ``reference.py`` (verl 0.9.1 formulas,
+Megatron-LM RL's ``calculate_grpo_loss``): values, gradients, metrics, global normalisers, RS-rejected rows, and
+bad input."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+
+import pytest
+import torch
+
+from rollout_corr_ext import reference as R
+from rollout_corr_ext.losses import (
+    LOSS_AGG_MODES,
+    PolicyLossConfig,
+    agg_loss,
+    calculate_grpo_loss,
+    compute_policy_loss,
+    compute_policy_loss_bypass,
+    compute_policy_loss_decoupled,
+    compute_policy_loss_reinforce,
+    compute_policy_loss_vanilla,
+)
+
+HAS_CORRECTION = importlib.util.find_spec("rollout_corr_ext.correction") is not None
+needs_correction = pytest.mark.skipif(not HAS_CORRECTION, reason="rollout_corr_ext.correction is not in this tree yet")
+
+TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
+
+# Global normalisers as verl's trainer sets them: dp_size with the global token / sequence counts.
+NORMALISERS = [
+    {},
+    dict(dp_size=4, batch_num_tokens=57, global_batch_size=13),
+    dict(loss_scale_factor=7.0),
+]
+
+
+def make_batch(dtype=torch.float64, b=6, t=9, seed=0, reject_rows=(2,), mask_dtype=torch.bool):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, t, generator=g, dtype=dtype) * 3
+    # A spread of log-ratios, so every branch is taken: ratios far above 1+eps, below 1-eps, and past c.
+    lp = old + torch.randn(b, t, generator=g, dtype=dtype) * 0.6
+    adv = torch.randn(b, t, generator=g, dtype=dtype) * 2
+    adv[0, :3] = 0.0  # A == 0 ties
+    lp[1, :2] = old[1, :2] + 1.5  # r = e^1.5 > c with A < 0: the dual clip is active
+    adv[1, :2] = -1.0
+    lp = lp.requires_grad_(True)
+    mask = torch.rand(b, t, generator=g) > 0.25
+    mask[:, :2] = True
+    for r in reject_rows:  # rows rejected by RS: all-zero mask
+        mask[r] = False
+    w = torch.rand(b, t, generator=g, dtype=dtype) * 2.5
+    return old, lp, adv, mask.to(mask_dtype), w
+
+
+def _grad(loss, x):
+    (g,) = torch.autograd.grad(loss, x, retain_graph=True)
+    return g
+
+
+# ------------------------------------------------------------------------------------------------------------
+# agg_loss
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("norm", NORMALISERS, ids=["local", "global", "scale"])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64, torch.int64])
+def test_agg_loss_matches_oracle(mode, norm, mask_dtype):
+    _, lp, _, mask, _ = make_batch(mask_dtype=mask_dtype)
+    loss_mat = lp * 1.7 - 0.3
+    mask_before = mask.clone()
+    ours = agg_loss(loss_mat, mask, mode, **norm)
+    ref = R.agg_loss_dense(loss_mat, mask, mode, **norm)
+    torch.testing.assert_close(ours, ref, **TOL[torch.float64])
+    torch.testing.assert_close(_grad(ours, lp), _grad(ref, lp), **TOL[torch.float64])
+    assert torch.equal(mask, mask_before)
+
+
+def test_agg_loss_modes_by_hand():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # last row rejected
+    assert agg_loss(loss, mask, "token-mean").item() == pytest.approx((1 + 2 + 4) / 3)
+    assert agg_loss(loss, mask, "token-sum").item() == pytest.approx(7.0)
+    assert agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((3 + 4) / 2)
+    assert agg_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 4) / 2, rel=1e-6)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx((3 + 4) / 2 / 3)
+    assert agg_loss(loss, mask, "token-mean", dp_size=2, batch_num_tokens=14).item() == pytest.approx(7 / 14 * 2)
+    assert agg_loss(loss, mask, "seq-mean-token-sum", dp_size=2, global_batch_size=4).item() == pytest.approx(7 / 4 * 2)
+    assert agg_loss(loss, mask, "token-sum", dp_size=3).item() == pytest.approx(21.0)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_loss_all_rows_rejected_is_zero_not_nan(mode):
+    lp = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    loss = agg_loss(lp * 2, mask, mode)
+    assert loss.item() == 0.0
+    assert torch.equal(_grad(loss, lp), torch.zeros_like(lp))
+
+
+def test_agg_loss_bad_input():
+    x, m = torch.randn(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        agg_loss(x, m, "seq-mean")
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        agg_loss(x, m, "token-mean", dp_size=2)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        agg_loss(x, m, "seq-mean-token-mean", dp_size=2)
+    with pytest.raises(ValueError, match="loss_mask"):
+        agg_loss(x, torch.ones(2, 4), "token-mean")
+    with pytest.raises(ValueError, match="dp_size"):
+        agg_loss(x, m, "token-sum", dp_size=0)
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        agg_loss(x, m, "seq-mean-token-sum-norm", loss_scale_factor=0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# PPO clip (vanilla) and REINFORCE
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("with_weights", [False, True])
+@pytest.mark.parametrize("norm", NORMALISERS, ids=["local", "global", "scale"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_vanilla_matches_oracle(mode, with_weights, norm, dtype):
+    old, lp, adv, mask, w = make_batch(dtype)
+    w = w if with_weights else None
+    cfg = PolicyLossConfig(clip_ratio=0.2, clip_ratio_low=0.15, clip_ratio_high=0.28, clip_ratio_c=2.5, **norm)
+    inputs = [x.detach().clone() for x in (old, adv, mask)] + ([w.clone()] if w is not None else [])
+    loss, metrics = compute_policy_loss_vanilla(old, lp, adv, mask, mode, cfg, w)
+    pg, clipfrac, clipfrac_lower, ppo_kl = R.ppo_clip_loss_dense(old, lp, adv, mask, 0.15, 0.28, 2.5, w)
+    ref = R.agg_loss_dense(pg, mask, mode, **norm)
+    tol = TOL[dtype]
+    torch.testing.assert_close(loss, ref, **tol)
+    torch.testing.assert_close(_grad(loss, lp), _grad(ref, lp), **tol)
+    torch.testing.assert_close(metrics["actor/pg_clipfrac"], clipfrac, **tol)
+    torch.testing.assert_close(metrics["actor/pg_clipfrac_lower"], clipfrac_lower, **tol)
+    torch.testing.assert_close(metrics["actor/ppo_kl"], ppo_kl.detach(), **tol)
+    assert set(metrics) == {"actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl"}
+    assert all(v.dim() == 0 and not v.requires_grad for v in metrics.values())
+    # every branch of the clip was exercised by this batch, so the comparison means something
+    assert 0 < clipfrac < 1 and 0 < clipfrac_lower
+    for before, after in zip(inputs, [old, adv, mask] + ([w] if w is not None else [])):
+        assert torch.equal(before, after)
+
+
+def test_vanilla_weights_multiply_after_clipping():
+    # r = e^1 is clipped to 1.2 for A > 0, so L = -A * 1.2 and then * w (not -A * min(r w, ...)).
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    lp = torch.ones(1, 2, dtype=torch.float64, requires_grad=True)
+    adv = torch.ones(1, 2, dtype=torch.float64)
+    w = torch.tensor([[0.5, 3.0]], dtype=torch.float64)
+    loss, m = compute_policy_loss_vanilla(old, lp, adv, torch.ones(1, 2), "token-sum", None, w)
+    assert loss.item() == pytest.approx(-(1.2 * 0.5 + 1.2 * 3.0))
+    assert m["actor/pg_clipfrac"].item() == pytest.approx(1.0, rel=1e-6)
+    assert torch.equal(_grad(loss, lp), torch.zeros_like(lp))  # clipped: no gradient
+
+
+def test_dual_clip_caps_negative_advantage():
+    old = torch.zeros(1, 1, dtype=torch.float64)
+    lp = torch.full((1, 1), 3.0, dtype=torch.float64, requires_grad=True)  # r = e^3 ~ 20 > c
+    adv = torch.full((1, 1), -1.0, dtype=torch.float64)
+    loss, m = compute_policy_loss_vanilla(old, lp, adv, torch.ones(1, 1), "token-mean",
+                                          PolicyLossConfig(clip_ratio_c=3.0))
+    assert loss.item() == pytest.approx(3.0)
+    assert m["actor/pg_clipfrac_lower"].item() == pytest.approx(1.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("with_weights", [False, True])
+def test_reinforce_matches_oracle(mode, with_weights):
+    rollout, lp, adv, mask, w = make_batch()
+    w = w if with_weights else None
+    loss, metrics = compute_policy_loss_reinforce(rollout, lp, adv, mask, mode, None, w)
+    pg = -adv * lp * (1.0 if w is None else w)
+    ref = R.agg_loss_dense(pg, mask, mode)
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(_grad(loss, lp), _grad(ref, lp))
+    m = mask.double()
+    kl = ((rollout - lp.detach()) * m).sum() / (m.sum() + 1e-8)
+    torch.testing.assert_close(metrics["actor/ppo_kl"], kl)
+    assert set(metrics) == {"actor/ppo_kl"}
+
+
+def test_weights_are_constants():
+    old, lp, adv, mask, w = make_batch()
+    w = w.requires_grad_(True)
+    loss, _ = compute_policy_loss_vanilla(old, lp, adv, mask, "token-mean", None, w)
+    loss.backward()
+    assert w.grad is None
+
+
+def test_policy_loss_bad_input():
+    old, lp, adv, mask, w = make_batch()
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        PolicyLossConfig(clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match="clip_ratio_low"):
+        PolicyLossConfig(clip_ratio_low=-0.1)
+    with pytest.raises(ValueError, match="dp_size"):
+        PolicyLossConfig(dp_size=0)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        compute_policy_loss_vanilla(old, lp, adv, mask, "mean")
+    with pytest.raises(ValueError, match="advantages"):
+        compute_policy_loss_vanilla(old, lp, adv[:, :-1], mask)
+    with pytest.raises(ValueError, match="response_mask"):
+        compute_policy_loss_vanilla(old, lp, adv, mask[:-1])
+    with pytest.raises(ValueError, match="rollout_is_weights"):
+        compute_policy_loss_vanilla(old, lp, adv, mask, "token-mean", None, w[:, :1])
+    with pytest.raises(TypeError, match="old_log_prob"):
+        compute_policy_loss_vanilla(old.long(), lp, adv, mask)
+    with pytest.raises(ValueError, match="rollout_log_prob"):
+        compute_policy_loss_reinforce(old[:1], lp, adv, mask)
+    with pytest.raises(TypeError, match="config"):
+        compute_policy_loss_vanilla(old, lp, adv, mask, "token-mean", 0.2)
+    with pytest.raises(ValueError, match="rollout_correction"):
+        compute_policy_loss_bypass(old, lp, adv, mask, "token-mean", PolicyLossConfig())
+
+
+def test_config_global_batch_copy():
+    cfg = PolicyLossConfig(clip_ratio=0.1)
+    cfg2 = cfg.with_global_batch(dp_size=2, batch_num_tokens=10)
+    assert cfg.dp_size == 1 and cfg2.dp_size == 2 and cfg2.clip_ratio == 0.1
+    assert cfg2.global_batch_info == dict(dp_size=2, batch_num_tokens=10, global_batch_size=None, loss_scale_factor=None)
+    with pytest.raises(TypeError, match="unknown"):
+        cfg.with_global_batch(clip_ratio=0.3)
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        cfg.with_global_batch(batch_num_tokens=0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Bypass and decoupled flows (rollout correction computed inside)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _rc(**kw):
+    from rollout_corr_ext.config import RolloutCorrectionConfig
+
+    return RolloutCorrectionConfig(**kw)
+
+
+@needs_correction
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("loss_type,is_level,rs", [
+    ("ppo_clip", "token", None),
+    ("ppo_clip", None, "seq_mean_k1"),
+    ("reinforce", "sequence", None),
+    ("reinforce", "token", "seq_max_k2"),
+])
+def test_bypass_matches_oracle(mode, loss_type, is_level, rs):
+    from rollout_corr_ext.correction import compute_rollout_correction
+
+    rollout, lp, adv, mask, _ = make_batch(reject_rows=())
+    rc = _rc(rollout_is=is_level, rollout_rs=rs, rollout_rs_threshold=(0.02 if rs == "seq_max_k2" else "0.8_1.25") if rs else None,
+             bypass_mode=True, loss_type=loss_type)
+    cfg = PolicyLossConfig(rollout_correction=rc)
+    loss, metrics = compute_policy_loss_bypass(rollout, lp, adv, mask, mode, cfg)
+    corr = compute_rollout_correction(lp.detach(), rollout, mask, rc)
+    if loss_type == "ppo_clip":  # weights only logged
+        pg, clipfrac, _, _ = R.ppo_clip_loss_dense(rollout, lp, adv, corr.response_mask, 0.2, 0.2, 3.0)
+        torch.testing.assert_close(metrics["actor/pg_clipfrac"], clipfrac)
+    else:
+        pg = -adv * lp * (1.0 if corr.weights is None else corr.weights)
+    ref = R.agg_loss_dense(pg, corr.response_mask, mode)
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(_grad(loss, lp), _grad(ref, lp))
+    assert any(k.startswith("rollout_corr/") for k in metrics)
+    if rs is not None:
+        assert (corr.response_mask != mask).any(), "the RS threshold should reject something in this batch"
+    # the one-call dispatcher takes the same path
+    loss2, _ = compute_policy_loss(None, lp, adv, mask, mode, cfg, rollout_log_prob=rollout)
+    torch.testing.assert_close(loss2, loss)
+
+
+@needs_correction
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_decoupled_matches_oracle(mode):
+    from rollout_corr_ext.correction import compute_rollout_correction
+
+    old, lp, adv, mask, _ = make_batch(reject_rows=())
+    rollout = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(5), dtype=old.dtype)
+    rc = _rc(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.85_1.15")
+    cfg = PolicyLossConfig(rollout_correction=rc)
+    loss, metrics = compute_policy_loss_decoupled(old, lp, rollout, adv, mask, mode, cfg)
+    corr = compute_rollout_correction(old, rollout, mask, rc)
+    assert corr.weights is not None and (corr.response_mask != mask).any()
+    pg, *_ = R.ppo_clip_loss_dense(old, lp, adv, corr.response_mask, 0.2, 0.2, 3.0, corr.weights)
+    ref = R.agg_loss_dense(pg, corr.response_mask, mode)
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(_grad(loss, lp), _grad(ref, lp))
+    for k, v in corr.metrics.items():
+        torch.testing.assert_close(metrics[k], v)
+    with pytest.raises(ValueError, match="bypass"):
+        compute_policy_loss_decoupled(old, lp, rollout, adv, mask, mode,
+                                      PolicyLossConfig(rollout_correction=_rc(bypass_mode=True)))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Megatron-LM RL GRPO form
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tis", [None, 1.5])
+@pytest.mark.parametrize("with_inference", [False, True])
+def test_grpo_matches_megatron_form(tis, with_inference):
+    old, lp, _, _, _ = make_batch(reject_rows=())
+    g = torch.Generator().manual_seed(3)
+    ref_lp = old + 0.2 * torch.randn(old.shape, generator=g, dtype=old.dtype)
+    inf_lp = old + 0.3 * torch.randn(old.shape, generator=g, dtype=old.dtype) if with_inference else None
+    adv = torch.randn(old.shape[0], generator=g, dtype=old.dtype)
+    out = calculate_grpo_loss(lp, old, ref_lp, adv, 0.2, 0.28, 0.05, 0.01, inf_lp, tis)
+    w = None
+    if with_inference:
+        w = (old - inf_lp).exp()
+        w = w if tis is None else torch.clamp(w, max=tis)
+    ref = R.grpo_loss_dense(lp, old, ref_lp, adv, 0.2, 0.28, 0.05, 0.01, w)
+    assert len(out) == 6
+    for ours, theirs in zip(out, ref):
+        torch.testing.assert_close(ours, theirs.detach() if ours.dtype != torch.bool and not ours.requires_grad else theirs)
+    torch.testing.assert_close(_grad(out[0].sum(), lp), _grad(ref[0].sum(), lp))
+    assert out[4].any() and out[5].any()
+
+
+@needs_correction
+def test_grpo_with_rollout_correction():
+    from rollout_corr_ext.correction import compute_rollout_correction
+
+    old, lp, _, mask, _ = make_batch(reject_rows=())
+    g = torch.Generator().manual_seed(4)
+    inf_lp = old + 0.3 * torch.randn(old.shape, generator=g, dtype=old.dtype)
+    adv = torch.randn(old.shape[0], generator=g, dtype=old.dtype)
+    rc = _rc(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.85_1.15")
+    out = calculate_grpo_loss(lp, old, old, adv, 0.2, 0.2, 0.0, 0.0, inf_lp, rollout_correction=rc, response_mask=mask)
+    assert len(out) == 7
+    corr = compute_rollout_correction(old, inf_lp, mask, rc)
+    ref = R.grpo_loss_dense(lp, old, old, adv, 0.2, 0.2, 0.0, 0.0, corr.weights)[0] * (corr.response_mask != 0)
+    torch.testing.assert_close(out[0], ref)
+    torch.testing.assert_close(out[6].response_mask, corr.response_mask)
+    with pytest.raises(ValueError, match="is_truncation_coef"):
+        calculate_grpo_loss(lp, old, old, adv, 0.2, 0.2, 0.0, 0.0, inf_lp, 2.0, rollout_correction=rc)
+
+
+def test_grpo_bad_input():
+    old, lp, _, _, _ = make_batch()
+    with pytest.raises(ValueError, match="advantages"):
+        calculate_grpo_loss(lp, old, old, torch.zeros(3), 0.2, 0.2, 0.0, 0.0)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        calculate_grpo_loss(lp, old, old[:, :2], torch.zeros(6), 0.2, 0.2, 0.0, 0.0)
+    with pytest.raises(ValueError, match="is_truncation_coef"):
+        calculate_grpo_loss(lp, old, old, torch.zeros(6), 0.2, 0.2, 0.0, 0.0, old, 0.0)
+    with pytest.raises(ValueError, match="clamp_eps_lower"):
+        calculate_grpo_loss(lp, old, old, torch.zeros(6), -0.2, 0.2, 0.0, 0.0)
