@@ -130,3 +130,65 @@ def logprob_backward_(
         return
     reference.logprob_backward_(logits, grad_logp, grad_entropy, grad_mean_logp, target, row_state,
                                 vocab_start, vocab_size, inv_temperature, ignore_index)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# §3 rollout correction: pass 1 (per-sequence aggregates) and pass 2 (weights, mask, packed metric partials)
+# ---------------------------------------------------------------------------------------------------------
+
+_rollout_fakes_registered = False
+
+
+def _rollout_compiled(name: str) -> bool:
+    """True when the compiled library has the op (the §3 kernels may land after the §2 ones)."""
+    global _rollout_fakes_registered
+    if not (_compiled and hasattr(torch.ops.rollout_corr, name)):
+        return False
+    if not _rollout_fakes_registered:
+        _rollout_fakes_registered = True
+        _register_rollout_fakes()
+    return True
+
+
+def _register_rollout_fakes() -> None:
+    @torch.library.register_fake("rollout_corr::rollout_seq_stats")
+    def _(log_prob, rollout_log_prob, mask, params):
+        return log_prob.new_empty((log_prob.shape[0], reference.RC_SEQ_COLS), dtype=_stats_dtype(log_prob.dtype))
+
+    if hasattr(torch.ops.rollout_corr, "rollout_token_pass"):
+        @torch.library.register_fake("rollout_corr::rollout_token_pass")
+        def _(log_prob, rollout_log_prob, mask, seq_stats, params, row_partials):
+            n_sum, n_max = reference.rc_partial_sizes(int(params[reference.RC_P_NUM_RS]))
+            has_w = int(params[reference.RC_P_IS_LEVEL]) != reference.RC_IS_NONE
+            w_shape = tuple(log_prob.shape) if has_w else (0,)
+            return (
+                log_prob.new_empty(w_shape, dtype=_stats_dtype(log_prob.dtype)),
+                torch.empty_like(mask),
+                log_prob.new_empty((n_sum,), dtype=torch.float64),
+                log_prob.new_empty((n_max,), dtype=torch.float64),
+            )
+
+
+def rollout_seq_stats(
+    log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor, params: list
+) -> torch.Tensor:
+    """Pass 1: per-sequence aggregates ``[B, RC_SEQ_COLS]`` of a ``[B, T]`` slice (see the reference)."""
+    if _rollout_compiled("rollout_seq_stats"):
+        return torch.ops.rollout_corr.rollout_seq_stats.default(log_prob, rollout_log_prob, mask, params)
+    return reference.rollout_seq_stats(log_prob, rollout_log_prob, mask, params)
+
+
+def rollout_token_pass(
+    log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    mask: torch.Tensor,
+    seq_stats: torch.Tensor,
+    params: list,
+    row_partials: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pass 2: (weights, mask_out, SUM partials fp64, MAX partials fp64) of a ``[B, T]`` slice."""
+    if _rollout_compiled("rollout_token_pass"):
+        return torch.ops.rollout_corr.rollout_token_pass.default(
+            log_prob, rollout_log_prob, mask, seq_stats, params, row_partials
+        )
+    return reference.rollout_token_pass(log_prob, rollout_log_prob, mask, seq_stats, params, row_partials)

@@ -1,0 +1,366 @@
+"""Rollout correction: IS weights, RS + veto mask and every diagnostic metric in two passes (DESIGN §3).
+
+Data flow on each rank (``[B, T]`` = this rank's rows, or this rank's slice of every row under context
+parallelism)::
+
+    pass 1  ops.rollout_seq_stats   -> per-sequence aggregates [B, K]
+            seq_group: all_reduce SUM (sum columns) + MAX (max columns)        (only with context parallelism)
+    pass 2  ops.rollout_token_pass  -> weights, mask, packed partials (SUM vector, MAX vector + histogram)
+            dp_group:  all_reduce SUM + all_reduce MAX of the partials         (exactly one of each)
+    finalize (torch ops on the reduced partials, no host sync)              -> metrics, batch-norm factor
+
+So every metric is the single-process value over the concatenated global batch. The formulas are verl 0.9.1's
+(``verl/trainer/ppo/rollout_corr_helper.py``); ``reference.rollout_correction_dense`` is the line-by-line oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, NamedTuple, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import ops
+from . import reference as R
+from .config import RolloutCorrectionConfig
+
+__all__ = ["RolloutCorrectionResult", "compute_rollout_correction", "compute_offpolicy_metrics", "finalize_metrics",
+           "pack_params", "OFFPOLICY_KEYS"]
+
+PREFIX = "rollout_corr/"
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                torch.bfloat16, torch.float32, torch.float64)
+_LEVEL_CODE = {None: R.RC_IS_NONE, "token": R.RC_IS_TOKEN, "sequence": R.RC_IS_SEQUENCE,
+               "geometric": R.RC_IS_GEOMETRIC}
+_CRIT_LEVEL = {"token": R.RC_LEVEL_TOKEN, "seq_sum": R.RC_LEVEL_SEQ_SUM, "seq_mean": R.RC_LEVEL_SEQ_MEAN,
+               "seq_max": R.RC_LEVEL_SEQ_MAX}
+_CRIT_STAT = {"k1": R.RC_STAT_K1, "k2": R.RC_STAT_K2, "k3": R.RC_STAT_K3, "ratio": R.RC_STAT_RATIO}
+#: verl 0.9.1 ``compute_offpolicy_metrics`` keys (without the prefix).
+OFFPOLICY_KEYS = ("training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "rollout_log_ppl",
+                  "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio",
+                  "chi2_token", "chi2_seq")
+PERCENTILES = (5, 25, 50, 75, 95)
+
+
+class RolloutCorrectionResult(NamedTuple):
+    """``weights``: ``[B, T]`` fp32 IS weights (detached, 0 at padding) or None; ``response_mask``: the input mask
+    with rejected tokens set to 0, in the input's dtype; ``metrics``: ``rollout_corr/*`` 0-dim fp64 tensors."""
+
+    weights: Optional[torch.Tensor]
+    response_mask: torch.Tensor
+    metrics: Dict[str, torch.Tensor]
+
+    def as_floats(self) -> Dict[str, float]:
+        """The metrics as Python floats, with one host sync for all of them."""
+        return _as_floats(self.metrics)
+
+
+def _as_floats(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:
+    if not metrics:
+        return {}
+    values = torch.stack([v.reshape(()).to(torch.float64) for v in metrics.values()]).tolist()
+    return dict(zip(metrics.keys(), values))
+
+
+def pack_params(config: RolloutCorrectionConfig, exclude_nonfinite: bool = False) -> list:
+    """The flat float list the two passes take (layout ``reference.RC_P_*``)."""
+    spec = config.is_spec
+    v = config.rollout_token_veto_threshold
+    crits = config.rs_criteria
+    p = [0.0] * (R.RC_P_HEADER + R.RC_P_CRIT * len(crits))
+    p[R.RC_P_IS_LEVEL] = float(_LEVEL_CODE[spec.level if spec else None])
+    p[R.RC_P_IS_MASK] = 1.0 if spec is not None and spec.mode == "mask" else 0.0
+    p[R.RC_P_IS_LOWER] = float(spec.lower) if spec is not None and spec.lower is not None else 0.0
+    p[R.RC_P_IS_UPPER] = float(spec.upper) if spec is not None else math.inf
+    p[R.RC_P_IS_METRIC_LOWER] = float(spec.metric_lower) if spec is not None else 0.0
+    p[R.RC_P_VETO_ON] = 1.0 if v is not None else 0.0
+    p[R.RC_P_VETO_LOG] = math.log(v) if v is not None else -math.inf
+    p[R.RC_P_EXCLUDE_NONFINITE] = 1.0 if exclude_nonfinite else 0.0
+    p[R.RC_P_NUM_RS] = float(len(crits))
+    for i, c in enumerate(crits):
+        o = R.RC_P_HEADER + i * R.RC_P_CRIT
+        p[o:o + R.RC_P_CRIT] = [float(_CRIT_LEVEL[c.level]), float(_CRIT_STAT[c.stat]), float(c.lower),
+                                float(c.upper), 1.0 if c.apply_lower else 0.0]
+    return p
+
+
+# ------------------------------------------------------------------------------------------------- finalize
+
+
+def _percentiles(hist: torch.Tensor) -> Dict[int, torch.Tensor]:
+    """Percentiles (``torch.quantile``'s linear interpolation) read off the log-space histogram.
+
+    Order statistic k lies in the first bin whose cumulative count exceeds k; it is read at the bin's geometric
+    centre, so each estimate is within a factor exp(bin width / 2) = exp(20 / RC_HIST_BINS) (< 0.49 %) of the
+    exact order statistic, and so is the interpolation of two such estimates.
+    """
+    cum = hist.cumsum(0)
+    total = cum[-1]
+    width = (R.RC_HIST_HI - R.RC_HIST_LO) / R.RC_HIST_BINS
+    q = torch.tensor([p / 100.0 for p in PERCENTILES], dtype=torch.float64, device=hist.device)
+    pos = q * (total - 1).clamp(min=0)
+    k0 = pos.floor()
+    k1 = torch.minimum(k0 + 1, (total - 1).clamp(min=0))
+    frac = pos - k0
+    i0 = torch.searchsorted(cum, k0, right=True).clamp(max=R.RC_HIST_BINS - 1)
+    i1 = torch.searchsorted(cum, k1, right=True).clamp(max=R.RC_HIST_BINS - 1)
+    c0 = torch.exp(R.RC_HIST_LO + (i0.to(torch.float64) + 0.5) * width)
+    c1 = torch.exp(R.RC_HIST_LO + (i1.to(torch.float64) + 0.5) * width)
+    est = c0 * (1 - frac) + c1 * frac
+    return {p: est[i] for i, p in enumerate(PERCENTILES)}
+
+
+def _std_from_sums(s: torch.Tensor, s2: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Unbiased std (``torch.std``) of n values from their sum and sum of squares (fp64)."""
+    var = (s2 - s * s / n.clamp(min=1)) / (n - 1).clamp(min=1)
+    return torch.where(n > 1, var.clamp(min=0).sqrt(), torch.zeros_like(var))
+
+
+def finalize_metrics(
+    sums: torch.Tensor, maxes: torch.Tensor, config: RolloutCorrectionConfig, exclude_nonfinite: bool = False
+) -> Dict[str, torch.Tensor]:
+    """Turn the (globally reduced) partials into the ``rollout_corr/*`` metric dict with torch ops only."""
+    S, M = sums, maxes
+    met: Dict[str, torch.Tensor] = {}
+    n = S[R.RC_S_N]
+    ne = n + R.RC_EPS
+    rows = S[R.RC_S_ROWS]
+    sv = S[R.RC_S_SEQ_VALID]
+    zero = torch.zeros((), dtype=torch.float64, device=S.device)
+
+    def masked_std(s, s2):  # verl: sqrt(clamp(E[x^2] - E[x]^2, 0)) over valid tokens when more than one
+        return torch.where(n > 1, (s2 / ne - (s / ne) ** 2).clamp(min=0).sqrt(), zero)
+
+    spec = config.is_spec
+    if spec is not None:
+        if spec.level == "token":
+            met["rollout_is_mean"] = S[R.RC_S_IS_W] / ne
+            met["rollout_is_ratio_fraction_high"] = S[R.RC_S_IS_HIGH] / ne
+            met["rollout_is_ratio_fraction_low"] = S[R.RC_S_IS_LOW] / ne
+            met["rollout_is_max"] = M[R.RC_M_IS_W]
+            met["rollout_is_min"] = -M[R.RC_M_IS_NEG_W]
+        else:
+            met["rollout_is_max"] = torch.exp(M[R.RC_M_IS_LOG].clamp(max=R.RC_SAFETY_BOUND))
+            met["rollout_is_min"] = torch.exp(-M[R.RC_M_IS_NEG_LOG])
+            met["rollout_is_mean"] = S[R.RC_S_IS_W] / ne
+            met["rollout_is_ratio_fraction_high"] = S[R.RC_S_IS_HIGH] / rows
+            met["rollout_is_ratio_fraction_low"] = S[R.RC_S_IS_LOW] / rows
+        met["rollout_is_std"] = masked_std(S[R.RC_S_IS_WC], S[R.RC_S_IS_WC2])
+        mean_c = S[R.RC_S_IS_WC] / ne
+        met["rollout_is_eff_sample_size"] = ne * (mean_c + R.RC_EPS) ** 2 / S[R.RC_S_IS_WC2]
+        met["rollout_is_seq_mean"] = S[R.RC_S_IS_SEQ] / rows
+        met["rollout_is_seq_std"] = _std_from_sums(S[R.RC_S_IS_SEQ], S[R.RC_S_IS_SEQ2], rows)
+        met["rollout_is_seq_max"] = M[R.RC_M_IS_SEQ]
+        met["rollout_is_seq_min"] = -M[R.RC_M_IS_NEG_SEQ]
+        met["rollout_is_seq_max_deviation"] = M[R.RC_M_IS_SEQ_DEV]
+        met["rollout_is_seq_fraction_high"] = S[R.RC_S_IS_SEQ_HIGH] / rows
+        met["rollout_is_seq_fraction_low"] = S[R.RC_S_IS_SEQ_LOW] / rows
+        if spec.mode == "mask":
+            met["rollout_is_oob_ratio"] = S[R.RC_S_IS_OOB] / ne
+        for p, value in _percentiles(S[R.RC_S_HIST:R.RC_S_HIST + R.RC_HIST_BINS]).items():
+            met[f"rollout_is_p{p}"] = value
+        if config.rollout_is_batch_normalize:
+            if spec.level == "token":
+                mean = S[R.RC_S_IS_W] / ne
+            else:
+                mean = S[R.RC_S_IS_SEQ] / sv.clamp(min=R.RC_EPS)
+            met["rollout_is_batch_norm_factor"] = torch.where(mean > 1e-8, mean, torch.ones_like(mean))
+
+    crits = config.rs_criteria
+    for c, crit in enumerate(crits):
+        o = R.RC_S_BASE + c * R.RC_RS_SUM
+        om = R.RC_M_BASE + c * R.RC_RS_MAX
+        p = f"rollout_rs_{crit.name}"
+        svc = sv.clamp(min=1)
+        met[f"{p}_mean"] = S[o + R.RC_RS_STAT] / ne
+        met[f"{p}_max"] = M[om + R.RC_RM_STAT]
+        met[f"{p}_min"] = -M[om + R.RC_RM_NEG_STAT]
+        denom = ne if crit.level == "token" else svc
+        met[f"{p}_fraction_high"] = S[o + R.RC_RS_HIGH] / denom
+        met[f"{p}_fraction_low"] = S[o + R.RC_RS_LOW] / denom if crit.apply_lower else zero
+        met[f"{p}_std"] = masked_std(S[o + R.RC_RS_SC], S[o + R.RC_RS_SC2])
+        met[f"{p}_seq_mean"] = S[o + R.RC_RS_SEQ] / svc
+        met[f"{p}_seq_std"] = _std_from_sums(S[o + R.RC_RS_SEQ], S[o + R.RC_RS_SEQ2], sv)
+        met[f"{p}_seq_max"] = M[om + R.RC_RM_SEQ]
+        met[f"{p}_seq_min"] = -M[om + R.RC_RM_NEG_SEQ]
+        met[f"{p}_seq_max_deviation"] = M[om + R.RC_RM_SEQ_DEV]
+        met[f"{p}_seq_fraction_high"] = S[o + R.RC_RS_SEQ_HIGH] / svc
+        if crit.apply_lower:
+            met[f"{p}_seq_fraction_low"] = S[o + R.RC_RS_SEQ_LOW] / svc
+        met[f"{p}_masked_fraction"] = S[o + R.RC_RS_REJ_TOK] / ne
+        met[f"{p}_seq_masked_fraction"] = S[o + R.RC_RS_REJ_SEQ] / svc
+    if crits:
+        met["rollout_rs_masked_fraction"] = S[R.RC_S_RS_REJ_TOK] / ne
+        met["rollout_rs_seq_masked_fraction"] = S[R.RC_S_RS_REJ_SEQ] / rows
+
+    met["rollout_is_veto_fraction"] = S[R.RC_S_VETO_SEQ] / rows
+    met["rollout_is_catastrophic_token_fraction"] = S[R.RC_S_CAT_TOK] / ne
+    met["masked_fraction"] = S[R.RC_S_FINAL_REJ_TOK] / ne
+    met["seq_masked_fraction"] = S[R.RC_S_FINAL_REJ_SEQ] / sv.clamp(min=1)
+    if exclude_nonfinite:
+        bad = S[R.RC_S_NONFINITE]
+        met["nonfinite_token_fraction"] = bad / (n + bad + R.RC_EPS)
+
+    met["training_ppl"] = S[R.RC_S_TRAIN_PPL] / rows
+    met["training_log_ppl"] = S[R.RC_S_TRAIN_LOGPPL] / rows
+    met["kl"] = -S[R.RC_S_LR] / ne
+    met["k3_kl"] = S[R.RC_S_K3RAW] / ne
+    met["rollout_ppl"] = S[R.RC_S_ROLL_PPL] / rows
+    met["rollout_log_ppl"] = S[R.RC_S_ROLL_LOGPPL] / rows
+    met["log_ppl_diff"] = S[R.RC_S_LPD] / rows
+    met["log_ppl_abs_diff"] = S[R.RC_S_ABS_LPD] / rows
+    met["log_ppl_diff_max"] = M[R.RC_M_LPD]
+    met["log_ppl_diff_min"] = -M[R.RC_M_NEG_LPD]
+    met["ppl_ratio"] = S[R.RC_S_PPL_RATIO] / rows
+    met["chi2_token"] = S[R.RC_S_RHO2] / ne - 1.0
+    met["chi2_seq"] = S[R.RC_S_CHI2_SEQ] / rows - 1.0
+    return {PREFIX + k: v for k, v in met.items()}
+
+
+# ------------------------------------------------------------------------------------------------- the op
+
+
+def _world(group, name: str) -> Tuple[int, int]:
+    if group is None:
+        return 1, 0
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{name} was given but torch.distributed is not initialized")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _check_inputs(log_prob, rollout_log_prob, response_mask, config, nonfinite) -> RolloutCorrectionConfig:
+    for name, t in (("log_prob", log_prob), ("rollout_log_prob", rollout_log_prob)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be a float16/bfloat16/float32/float64 tensor, got "
+                            f"{getattr(t, 'dtype', type(t))}")
+    if not isinstance(response_mask, torch.Tensor) or response_mask.dtype not in _MASK_DTYPES:
+        raise TypeError(f"response_mask must be a bool, integer or float tensor, got "
+                        f"{getattr(response_mask, 'dtype', type(response_mask))}")
+    if log_prob.dim() != 2:
+        raise ValueError(f"log_prob must be 2-D [batch, response_length], got shape {tuple(log_prob.shape)}")
+    if rollout_log_prob.shape != log_prob.shape:
+        raise ValueError(f"rollout_log_prob shape {tuple(rollout_log_prob.shape)} does not match log_prob shape "
+                         f"{tuple(log_prob.shape)}")
+    if response_mask.shape != log_prob.shape:
+        raise ValueError(f"response_mask shape {tuple(response_mask.shape)} does not match log_prob shape "
+                         f"{tuple(log_prob.shape)}")
+    for name, t in (("rollout_log_prob", rollout_log_prob), ("response_mask", response_mask)):
+        if t.device != log_prob.device:
+            raise ValueError(f"{name} is on {t.device} but log_prob is on {log_prob.device}; they must match")
+    if nonfinite not in ("error", "exclude"):
+        raise ValueError(f"nonfinite must be 'error' or 'exclude', got {nonfinite!r}")
+    if isinstance(config, RolloutCorrectionConfig):
+        return config
+    if isinstance(config, dict) or hasattr(config, "keys"):
+        return RolloutCorrectionConfig.from_dict(config)
+    raise TypeError(f"config must be a RolloutCorrectionConfig or a dict, got {type(config)}")
+
+
+def _raise_bad_values(sums, log_prob, rollout_log_prob, response_mask, nonfinite) -> None:
+    """No valid token / non-finite log-probs: a clear error on every rank (checked after the collectives, so
+    no rank hangs). CUDA: asynchronous device asserts, no host sync; CPU: one scalar read."""
+    n = sums[R.RC_S_N]
+    bad = sums[R.RC_S_NONFINITE] if nonfinite == "error" else torch.zeros_like(n)
+    msg_empty = "response_mask has no valid token (over the whole data-parallel batch); nothing to correct"
+    msg_bad = ("log_prob / rollout_log_prob hold NaN or +-inf at valid response_mask positions; fix the inputs "
+               "or pass nonfinite='exclude' to drop those tokens (counted in rollout_corr/nonfinite_token_fraction)")
+    if sums.device.type == "cuda":
+        torch._assert_async(n > 0, msg_empty)
+        torch._assert_async(bad == 0, msg_bad)
+        return
+    if not bool((n <= 0) | (bad > 0)):
+        return
+    if float(bad) > 0:
+        where = ""
+        valid = response_mask != 0
+        for name, t in (("log_prob", log_prob), ("rollout_log_prob", rollout_log_prob)):
+            hit = torch.nonzero(valid & ~torch.isfinite(t))
+            if hit.numel():
+                b, t_ = hit[0].tolist()
+                where = f" (first on this rank: {name}[{b}, {t_}] = {float(t[b, t_])})"
+                break
+        raise ValueError(msg_bad + where)
+    raise ValueError(msg_empty)
+
+
+def compute_rollout_correction(
+    log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    config: Union[RolloutCorrectionConfig, dict],
+    *,
+    dp_group=None,
+    seq_group=None,
+    nonfinite: str = "error",
+) -> RolloutCorrectionResult:
+    """IS weights, the RS + veto mask and every ``rollout_corr/*`` metric, exact over the global batch.
+
+    Args:
+        log_prob: ``[B, T]`` training-side log-probs (pi_old in decoupled mode, pi_theta in bypass mode); any float
+            dtype; never differentiated through (the weights are detached).
+        rollout_log_prob: ``[B, T]`` log-probs of the inference engine.
+        response_mask: ``[B, T]`` bool / int / float; nonzero = valid. Its dtype is kept in the output.
+        config: a :class:`RolloutCorrectionConfig` (or a dict of its fields).
+        dp_group: the ranks the global batch is split over. With context parallelism this is the data-parallel
+            group *with* context parallelism (megatron ``get_data_parallel_group(with_context_parallel=True)``);
+            None: this process only (or ``seq_group`` when only that is given).
+        seq_group: the context-parallel group (each rank holds a slice of every sequence along T); per-sequence
+            sums are all-reduced over it before sequence-level weights and rejections.
+        nonfinite: "error" (default): NaN/inf log-probs at valid positions raise; "exclude": those tokens are
+            dropped (0 in the output mask and weights) and counted in ``rollout_corr/nonfinite_token_fraction``.
+
+    Returns:
+        :class:`RolloutCorrectionResult` (weights or None, mask, metrics as 0-dim tensors; no host sync on CUDA).
+    """
+    config = _check_inputs(log_prob, rollout_log_prob, response_mask, config, nonfinite)
+    exclude = nonfinite == "exclude"
+    seq_world, seq_rank = _world(seq_group, "seq_group")
+    red_group = dp_group if dp_group is not None else seq_group
+    dp_world, _ = _world(red_group, "dp_group")
+    params = pack_params(config, exclude)
+
+    stats = ops.rollout_seq_stats(log_prob, rollout_log_prob, response_mask, params)
+    if seq_world > 1:
+        ns = R.RC_SEQ_NUM_SUM
+        part = stats[:, :ns].contiguous()
+        dist.all_reduce(part, op=dist.ReduceOp.SUM, group=seq_group)
+        top = stats[:, ns:].contiguous()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=seq_group)
+        stats = torch.cat([part, top], dim=1)
+
+    weights, mask_out, sums, maxes = ops.rollout_token_pass(
+        log_prob, rollout_log_prob, response_mask, stats, params, seq_rank == 0)
+    if dp_world > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=red_group)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=red_group)
+    _raise_bad_values(sums, log_prob, rollout_log_prob, response_mask, nonfinite)
+
+    metrics = finalize_metrics(sums, maxes, config, exclude)
+    if config.is_spec is None:
+        weights = None
+    elif config.rollout_is_batch_normalize:
+        # The global mean is known only after the reduce: one in-place scale of our own output.
+        factor = metrics[PREFIX + "rollout_is_batch_norm_factor"]
+        weights.mul_((1.0 / factor).to(weights.dtype))
+    return RolloutCorrectionResult(weights, mask_out, metrics)
+
+
+def compute_offpolicy_metrics(
+    log_prob: torch.Tensor,
+    rollout_log_prob: Optional[torch.Tensor],
+    response_mask: torch.Tensor,
+    *,
+    dp_group=None,
+    seq_group=None,
+) -> Dict[str, torch.Tensor]:
+    """verl's off-policy diagnostics alone (kl, k3_kl, ppl, log-ppl, ppl_ratio, chi2), ``rollout_corr/``-prefixed
+    0-dim tensors, reduced like :func:`compute_rollout_correction`. ``rollout_log_prob=None``: training ppl only."""
+    only_training = rollout_log_prob is None
+    if only_training:
+        rollout_log_prob = log_prob
+    res = compute_rollout_correction(log_prob, rollout_log_prob, response_mask, RolloutCorrectionConfig.disabled(),
+                                     dp_group=dp_group, seq_group=seq_group)
+    keys = ("training_ppl", "training_log_ppl") if only_training else OFFPOLICY_KEYS
+    return {PREFIX + k: res.metrics[PREFIX + k] for k in keys}

@@ -1,0 +1,364 @@
+"""Rollout correction (DESIGN §3) on one process: the two-pass pipeline against the fp64 dense oracle.
+
+Runs on the compiled ops when the extension is active and on ``reference.py`` otherwise
+(``ROLLOUT_CORR_FORCE_REFERENCE=1``); both must pass.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+import types
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rc_testutil import PERCENTILE_RTOL, PREFIX, TOL, assert_weights_mask, compare_metrics, make_inputs
+from rollout_corr_ext import RolloutCorrectionConfig as Cfg
+from rollout_corr_ext import compute_offpolicy_metrics, compute_rollout_correction
+from rollout_corr_ext import reference as R
+
+
+def _check(cfg, lp, rlp, mask, dtype=torch.float32, skip=(), **kw):
+    res = compute_rollout_correction(lp, rlp, mask, cfg, **kw)
+    w, m, met = R.rollout_correction_dense(lp.double(), rlp.double(), mask, cfg,
+                                           exclude_nonfinite=kw.get("nonfinite") == "exclude")
+    errors = compare_metrics(res.metrics, met, dtype, skip=skip)
+    assert not errors, "\n".join(errors)
+    assert_weights_mask(res, w, m, dtype)
+    return res
+
+
+IS_SPECS = {
+    "tis": dict(rollout_is_threshold=2.0),
+    "icepop": dict(rollout_is_threshold="0.5_5.0"),
+    "mask_auto_lower": dict(rollout_is_threshold=1.5, rollout_is_mode="mask"),
+    "tis_asym_metric_lower": dict(rollout_is_threshold=3.0, rollout_is_threshold_lower=0.6),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("spec", sorted(IS_SPECS))
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_is_levels_and_modes(level, spec, normalize, dtype):
+    scale = 0.3 if level == "token" else 0.05  # sequence weights = prod of ratios: keep them O(1)
+    lp, rlp, mask = make_inputs(12, 48, seed=1, scale=scale, pad_rows=(3,), dtype=dtype)
+    cfg = Cfg(rollout_is=level, rollout_rs=None, rollout_is_batch_normalize=normalize, **IS_SPECS[spec])
+    res = _check(cfg, lp, rlp, mask, dtype)
+    valid = mask
+    if normalize:  # the mean weight becomes 1
+        w = res.weights.double()
+        if level == "token":
+            mean = w[valid].mean()
+        else:
+            n = valid.sum(1)
+            seq_means = (w * valid).sum(1)[n > 0] / n[n > 0]
+            mean = seq_means.mean()
+        assert abs(float(mean) - 1.0) < 1e-5
+
+
+RS_ALONE = [
+    ("token_k1", "0.7_1.3"), ("token_k2", 0.02), ("token_k3", 0.02),
+    ("seq_sum_k1", "0.5_2.0"), ("seq_sum_k2", 0.5), ("seq_sum_k3", 0.5),
+    ("seq_mean_k1", "0.98_1.02"), ("seq_mean_k2", 0.02), ("seq_mean_k3", 0.02),
+    ("seq_max_k2", 0.05), ("seq_max_k3", 0.05),
+    ("token", "0.8_1.25"), ("sequence", 2.0), ("geometric", "0.99_1.01"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("criterion,threshold", RS_ALONE)
+def test_rs_criterion_alone(criterion, threshold, dtype):
+    lp, rlp, mask = make_inputs(16, 40, seed=2, scale=0.2, pad_rows=(5,), dtype=dtype)
+    res = _check(Cfg(rollout_is=None, rollout_rs=criterion, rollout_rs_threshold=threshold), lp, rlp, mask, dtype)
+    dropped = float(res.metrics[PREFIX + "rollout_rs_masked_fraction"])
+    assert 0.0 < dropped < 1.0, "the thresholds are meant to reject some tokens but not all"
+
+
+RS_COMBOS = [
+    ("token_k1,seq_mean_k3", "0.7_1.3,0.05", "token", 2.0),
+    ("seq_sum_k1,seq_max_k2,token_k2", "0.5_2.0,0.2,0.02", "sequence", "0.5_5.0"),
+    ("token_k3,geometric,seq_mean_k1", "0.02,0.99_1.01,0.98_1.02", None, 2.0),
+    ("token,sequence,token_k1,seq_sum_k2", "0.8_1.25,0.4_2.5,1.3,0.5", "geometric", 2.0),
+    ("seq_mean_k1,seq_mean_k1,token_k2", "0.98_1.02,0.02", "token", 2.0),  # duplicates removed
+]
+
+
+@pytest.mark.parametrize("veto", [None, 0.6])
+@pytest.mark.parametrize("rs,thr,level,is_thr", RS_COMBOS)
+def test_rs_combinations_and_veto(rs, thr, level, is_thr, veto):
+    lp, rlp, mask = make_inputs(16, 40, seed=3, scale=0.2, pad_rows=(0, 9))
+    cfg = Cfg(rollout_is=level, rollout_is_threshold=is_thr, rollout_rs=rs, rollout_rs_threshold=thr,
+              rollout_token_veto_threshold=veto)
+    res = _check(cfg, lp, rlp, mask)
+    if veto is not None:
+        assert float(res.metrics[PREFIX + "rollout_is_veto_fraction"]) > 0
+
+
+def test_veto_alone_rejects_whole_sequences():
+    lp, rlp, mask = make_inputs(10, 30, seed=4, scale=0.2)
+    lp[4, 3] = rlp[4, 3] + math.log(1e-5)  # one catastrophic token
+    mask[4, 3] = True
+    res = _check(Cfg(rollout_is="token", rollout_token_veto_threshold=1e-4), lp, rlp, mask)
+    assert not res.response_mask[4].any() and torch.equal(res.response_mask[:4], mask[:4])
+    assert float(res.metrics[PREFIX + "rollout_is_veto_fraction"]) == pytest.approx(0.1)
+    assert res.weights[4, 3] > 0, "the veto edits the mask only, as in verl 0.6.1"
+
+
+def test_auto_reciprocal_and_asymmetric_bounds():
+    c = Cfg(rollout_is="token", rollout_is_threshold=4.0, rollout_is_mode="mask",
+            rollout_rs="token_k1,token,seq_sum_k1", rollout_rs_threshold="2.0,1.25,0.8_1.5")
+    assert c.is_spec.lower == pytest.approx(0.25) and c.is_spec.upper == 4.0
+    k1, ratio, asym = c.rs_criteria
+    assert (k1.lower, k1.upper) == (pytest.approx(math.log(0.5)), pytest.approx(math.log(2.0)))
+    assert (ratio.lower, ratio.upper) == (pytest.approx(0.8), 1.25)
+    assert (asym.lower, asym.upper) == (pytest.approx(math.log(0.8)), pytest.approx(math.log(1.5)))
+    lp, rlp, mask = make_inputs(12, 32, seed=5, scale=0.3)
+    _check(c, lp, rlp, mask)
+    legacy_lower = Cfg(rollout_is=None, rollout_rs="geometric", rollout_rs_threshold=1.01,
+                       rollout_rs_threshold_lower=0.995)
+    assert legacy_lower.rs_criteria[0].lower == 0.995
+    _check(legacy_lower, *make_inputs(12, 32, seed=6, scale=0.02))
+
+
+@pytest.mark.parametrize("preset", ["decoupled_token_is", "decoupled_seq_is", "decoupled_token_icepop",
+                                    "bypass_pg_token_icepop", "decoupled_seq_is_rs", "decoupled_geo_rs",
+                                    "bypass_ppo_clip", "bypass_ppo_clip_k3_rs", "decoupled_geo_rs_token_tis",
+                                    "decoupled_k3_rs_seq_tis", "seq_mis", "geo_mis", "pure_is", "disabled"])
+def test_presets(preset):
+    lp, rlp, mask = make_inputs(16, 40, seed=7, scale=0.01)
+    _check(getattr(Cfg, preset)(), lp, rlp, mask)
+
+
+def test_edge_shapes_padding_rows_b1():
+    cfg = Cfg(rollout_is="token", rollout_rs="seq_mean_k3,token_k1", rollout_rs_threshold="0.05,0.7_1.3",
+              rollout_token_veto_threshold=0.5)
+    lp, rlp, mask = make_inputs(8, 24, seed=8, pad_rows=(0, 1, 7))
+    _check(cfg, lp, rlp, mask)
+    lp, rlp, mask = make_inputs(1, 24, seed=9)
+    _check(cfg, lp, rlp, mask)
+    _check(Cfg(rollout_is="sequence", rollout_rs="seq_sum_k2", rollout_rs_threshold=3.0),
+           *make_inputs(1, 32768, seed=10, scale=0.01))
+
+
+def test_bfloat16_inputs():
+    lp, rlp, mask = make_inputs(12, 40, seed=11, dtype=torch.bfloat16)
+    cfg = Cfg(rollout_is="token", rollout_rs="token_k2,seq_mean_k1", rollout_rs_threshold="0.05,0.98_1.02")
+    _check(cfg, lp, rlp, mask, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.int32, torch.float32, torch.bfloat16])
+def test_mask_dtype_preserved_and_weights_detached(mask_dtype):
+    lp, rlp, mask = make_inputs(8, 32, seed=12)
+    lp = torch.where(mask, lp, torch.zeros_like(lp)).requires_grad_(True)
+    cfg = Cfg(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25")
+    res = compute_rollout_correction(lp, rlp, mask.to(mask_dtype), cfg)
+    ref = compute_rollout_correction(lp.detach(), rlp, mask, cfg)
+    assert res.response_mask.dtype == mask_dtype
+    assert torch.equal(res.response_mask.bool(), ref.response_mask)
+    assert not res.weights.requires_grad and res.weights.dtype == torch.float32
+    assert all(not v.requires_grad and v.dim() == 0 for v in res.metrics.values())
+
+
+def test_inputs_never_modified():
+    lp, rlp, mask = make_inputs(8, 32, seed=13)
+    copies = [t.clone() for t in (lp, rlp, mask)]
+    compute_rollout_correction(lp, rlp, mask, Cfg(rollout_is="sequence", rollout_is_batch_normalize=True,
+                                                  rollout_rs="token_k1", rollout_rs_threshold=1.2,
+                                                  rollout_token_veto_threshold=0.5))
+    for a, b in zip((lp, rlp, mask), copies):
+        assert torch.equal(a, b) or torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_offpolicy_metrics_alone():
+    lp, rlp, mask = make_inputs(8, 32, seed=14)
+    got = compute_offpolicy_metrics(lp, rlp, mask)
+    _, _, met = R.rollout_correction_dense(lp.double(), rlp.double(), mask, Cfg.disabled())
+    want = {k: met[k] for k in ("training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "rollout_log_ppl",
+                                "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min",
+                                "ppl_ratio", "chi2_token", "chi2_seq")}
+    assert not compare_metrics(got, want, torch.float32)
+    only = compute_offpolicy_metrics(lp, None, mask)
+    assert set(only) == {PREFIX + "training_ppl", PREFIX + "training_log_ppl"}
+
+
+class _CountSyncs(TorchDispatchMode):
+    """Counts device->host scalar reads (what .item(), bool(), float(), .tolist() lower to)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_host_syncs_one_read_for_all_metrics():
+    lp, rlp, mask = make_inputs(8, 32, seed=15)
+    cfg = Cfg(rollout_is="token", rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="1.3,0.05")
+    with _CountSyncs() as c:
+        res = compute_rollout_correction(lp, rlp, mask, cfg)
+    # CPU only: one scalar read for the input-value check (CUDA uses asynchronous device asserts instead).
+    assert c.count <= 1
+    reads = []
+    real_tolist, real_item = torch.Tensor.tolist, torch.Tensor.item
+    try:
+        torch.Tensor.tolist = lambda self: reads.append("tolist") or real_tolist(self)
+        torch.Tensor.item = lambda self: reads.append("item") or real_item(self)
+        floats = res.as_floats()
+    finally:
+        torch.Tensor.tolist, torch.Tensor.item = real_tolist, real_item
+    assert reads == ["tolist"] and len(floats) == len(res.metrics)
+
+
+# --------------------------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_clear_errors():
+    lp, rlp, mask = make_inputs(4, 16, seed=16)
+    cfg = Cfg.decoupled_token_is()
+    with pytest.raises(ValueError, match="rollout_log_prob shape"):
+        compute_rollout_correction(lp, rlp[:, :8], mask, cfg)
+    with pytest.raises(ValueError, match="response_mask shape"):
+        compute_rollout_correction(lp, rlp, mask[:2], cfg)
+    with pytest.raises(ValueError, match="2-D"):
+        compute_rollout_correction(lp[0], rlp[0], mask[0], cfg)
+    with pytest.raises(ValueError, match="no valid token"):
+        compute_rollout_correction(lp, rlp, torch.zeros_like(mask), cfg)
+    with pytest.raises(TypeError, match="log_prob must be"):
+        compute_rollout_correction(lp.long(), rlp, mask, cfg)
+    with pytest.raises(ValueError, match="response_mask is on meta"):
+        compute_rollout_correction(lp, rlp, mask.to("meta"), cfg)
+    with pytest.raises(TypeError, match="config must be"):
+        compute_rollout_correction(lp, rlp, mask, 3)
+    with pytest.raises(ValueError, match="nonfinite must be"):
+        compute_rollout_correction(lp, rlp, mask, cfg, nonfinite="ignore")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_error_or_exclude(bad):
+    lp, rlp, mask = make_inputs(6, 20, seed=17)
+    mask[2, 5] = True
+    lp[2, 5] = bad
+    cfg = Cfg(rollout_is="sequence", rollout_rs="token_k2", rollout_rs_threshold=0.05)
+    with pytest.raises(ValueError, match=r"NaN or \+-inf.*log_prob\[2, 5\]"):
+        compute_rollout_correction(lp, rlp, mask, cfg)
+    res = _check(cfg, lp, rlp, mask, nonfinite="exclude")
+    assert res.response_mask[2, 5] == 0 and res.weights[2, 5] == 0
+    n_valid = int(mask.sum())
+    assert float(res.metrics[PREFIX + "nonfinite_token_fraction"]) == pytest.approx(1.0 / n_valid)
+
+
+# --------------------------------------------------------------------------------------------- large batches
+
+
+@pytest.mark.slow
+def test_more_than_2_pow_24_tokens_percentiles():
+    """Percentiles over more than 2^24 tokens (where older torch.quantile raises): histogram vs exact order stats."""
+    b, t = 4104, 4096  # 16,809,984 tokens > 2^24
+    g = torch.Generator().manual_seed(18)
+    rlp = -torch.rand(b, t, generator=g) * 4.0
+    lp = rlp + torch.randn(b, t, generator=g) * 0.3
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[:, -7:] = False
+    res = compute_rollout_correction(lp, rlp, mask, Cfg(rollout_is="token", rollout_rs="token_k1",
+                                                        rollout_rs_threshold=2.0))
+    raw = torch.exp((lp - rlp)[mask].clamp(-20, 20))
+    assert raw.numel() > 2 ** 24  # torch.quantile raised past 2^24 elements before torch 2.x; the oracle sorts
+    s = raw.sort().values
+    for q in (5, 25, 50, 75, 95):
+        pos = q / 100 * (s.numel() - 1)
+        k0 = int(pos)
+        exact = float(s[k0] * (1 - (pos - k0)) + s[min(k0 + 1, s.numel() - 1)] * (pos - k0))
+        got = float(res.metrics[PREFIX + f"rollout_is_p{q}"])
+        assert abs(got / exact - 1) <= PERCENTILE_RTOL * 1.001, (q, got, exact)
+    n = int(mask.sum())
+    assert float(res.metrics[PREFIX + "rollout_is_mean"]) == pytest.approx(
+        float(torch.exp((lp - rlp)[mask].double()).clamp(max=2.0).sum()) / n, rel=1e-5)
+
+
+# --------------------------------------------------------------------------------------------- verl parity
+
+
+def _load_verl_helper():
+    """verl 0.9.1's ``rollout_corr_helper`` with its heavy imports (ray, tensordict, transformers) stubbed.
+
+    Found via ``ROLLOUT_CORR_VERL_SRC`` (an unpacked verl wheel) or an installed ``verl``. Only the trivial masked
+    reductions are re-declared here, exactly as in ``verl/utils/torch_functional.py``.
+    """
+    src = os.environ.get("ROLLOUT_CORR_VERL_SRC")
+    if not src:
+        spec = importlib.util.find_spec("verl")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        src = os.path.dirname(list(spec.submodule_search_locations)[0])
+    path = os.path.join(src, "verl", "trainer", "ppo", "rollout_corr_helper.py")
+    if not os.path.exists(path):
+        return None
+    tf = types.ModuleType("verl.utils.torch_functional")
+    tf.masked_sum = lambda v, m, axis=None: (torch.where(m.bool(), v, 0.0) * m).sum(axis=axis)
+    tf.masked_mean = lambda v, m, axis=None: tf.masked_sum(v, m, axis) / (m.sum(axis=axis) + 1e-8)
+    proto = types.ModuleType("verl.protocol")
+
+    class DataProto:
+        def __init__(self, tensors):
+            self.batch = tensors
+
+        @classmethod
+        def from_dict(cls, tensors):
+            return cls(tensors)
+
+    proto.DataProto = DataProto
+    stubs = {"verl": types.ModuleType("verl"), "verl.utils": types.ModuleType("verl.utils"),
+             "verl.utils.torch_functional": tf, "verl.protocol": proto,
+             "verl.trainer.config.algorithm": types.SimpleNamespace(RolloutCorrectionConfig=object),
+             "verl.workers.config.actor": types.SimpleNamespace(PolicyLossConfig=object)}
+    saved = {k: sys.modules.get(k) for k in stubs}
+    sys.modules.update(stubs)
+    try:
+        spec = importlib.util.spec_from_file_location("_verl_rollout_corr_helper", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    return mod
+
+
+_VERL = _load_verl_helper()
+
+
+@pytest.mark.skipif(_VERL is None, reason="verl's rollout_corr_helper.py is not available (pip install verl==0.9.1 "
+                                          "or set ROLLOUT_CORR_VERL_SRC to an unpacked wheel); CI checks the oracle")
+@pytest.mark.parametrize("cfg", [
+    dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1,seq_mean_k3",
+         rollout_rs_threshold="0.7_1.3,0.05"),
+    dict(rollout_is="sequence", rollout_is_threshold="0.5_5.0", rollout_rs="seq_sum_k1,seq_max_k2,token_k2",
+         rollout_rs_threshold="0.5_2.0,0.2,0.02", rollout_is_batch_normalize=True),
+    dict(rollout_is="token", rollout_is_threshold=1.5, rollout_is_batch_normalize=True,
+         rollout_rs="seq_mean_k1,seq_sum_k3,token_k3", rollout_rs_threshold="1.02,0.5,0.02"),
+    dict(rollout_is=None, rollout_rs="seq_mean_k2", rollout_rs_threshold=0.05),
+])
+def test_verl_parity(cfg):
+    lp, rlp, mask = make_inputs(16, 40, seed=19, scale=0.1, pad_rows=(4,))
+    lp = torch.where(mask, lp, torch.zeros_like(lp))
+    w_proto, m_verl, met_verl = _VERL.compute_rollout_correction_and_rejection_mask(
+        lp, rlp, mask.float(), **cfg)
+    res = compute_rollout_correction(lp, rlp, mask.float(), Cfg(**cfg))
+    ours = res.as_floats()
+    missing = sorted(set(met_verl) - set(ours))
+    assert not missing, f"verl emits keys we do not: {missing}"
+    for k, v in met_verl.items():
+        assert ours[k] == pytest.approx(v, rel=2e-5, abs=2e-6), k
+    torch.testing.assert_close(res.response_mask, m_verl)
+    if w_proto is not None:
+        torch.testing.assert_close(res.weights, w_proto.batch["rollout_is_weights"], rtol=2e-6, atol=1e-6)
