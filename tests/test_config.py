@@ -1,0 +1,150 @@
+"""RolloutCorrectionConfig: presets with their sources' defaults, validation at build time, (de)serialisation,
+legacy conversion."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from rollout_corr_ext import RolloutCorrectionConfig as Cfg
+from rollout_corr_ext.config import PRESETS
+
+DEFAULTS = dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_is_mode=None, rollout_is_threshold_lower=None,
+                rollout_is_batch_normalize=False, rollout_rs=None, rollout_rs_threshold=None,
+                rollout_rs_threshold_lower=None, rollout_token_veto_threshold=None, bypass_mode=False,
+                loss_type="ppo_clip")
+
+#: preset -> the fields that differ from the defaults (verl 0.9.1 algorithm.py; the original API's names).
+EXPECTED = {
+    "decoupled_token_is": dict(rollout_is="token"),
+    "decoupled_seq_is": dict(),
+    "decoupled_token_icepop": dict(rollout_is="token", rollout_is_threshold="0.5_5.0"),
+    "bypass_pg_token_icepop": dict(rollout_is="token", rollout_is_threshold="0.5_5.0", bypass_mode=True,
+                                   loss_type="reinforce"),
+    "decoupled_seq_is_rs": dict(rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0"),
+    "decoupled_geo_rs": dict(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"),
+    "bypass_ppo_clip": dict(rollout_is=None, bypass_mode=True),
+    "bypass_ppo_clip_geo_rs": dict(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001",
+                                   bypass_mode=True),
+    "bypass_ppo_clip_k3_rs": dict(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01,
+                                  bypass_mode=True),
+    "bypass_pg_is": dict(bypass_mode=True, loss_type="reinforce"),
+    "bypass_pg_geo_rs": dict(rollout_is=None, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001",
+                             bypass_mode=True, loss_type="reinforce"),
+    "decoupled_geo_rs_seq_tis": dict(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"),
+    "decoupled_geo_rs_token_tis": dict(rollout_is="token", rollout_rs="seq_mean_k1",
+                                       rollout_rs_threshold="0.999_1.001"),
+    "bypass_pg_geo_rs_seq_tis": dict(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001", bypass_mode=True,
+                                     loss_type="reinforce"),
+    "bypass_pg_geo_rs_token_tis": dict(rollout_is="token", rollout_rs="seq_mean_k1",
+                                       rollout_rs_threshold="0.999_1.001", bypass_mode=True, loss_type="reinforce"),
+    "decoupled_k3_rs": dict(rollout_is=None, rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01),
+    "decoupled_k3_rs_seq_tis": dict(rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01),
+    "decoupled_k3_rs_token_tis": dict(rollout_is="token", rollout_rs="seq_mean_k3", rollout_rs_threshold=0.01),
+    "disabled": dict(rollout_is=None),
+    "token_is": dict(rollout_is="token"),
+    "token_tis": dict(rollout_is="token"),
+    "seq_is": dict(),
+    "seq_is_rs": dict(rollout_rs="sequence", rollout_rs_threshold=2.0),
+    "seq_mis": dict(rollout_rs="sequence", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0),
+    "geo_rs": dict(rollout_is=None, rollout_rs="geometric", rollout_rs_threshold=1.001,
+                   rollout_token_veto_threshold=1e-4),
+    "geo_mis": dict(rollout_is=None, rollout_rs="geometric", rollout_rs_threshold=1.001,
+                    rollout_rs_threshold_lower=0.999, rollout_token_veto_threshold=1e-4),
+    "ppo_is_bypass": dict(rollout_is="token", bypass_mode=True),
+    "pure_is": dict(bypass_mode=True, loss_type="reinforce"),
+}
+
+
+def test_preset_list_is_complete():
+    assert len(PRESETS) == 28 and set(PRESETS) == set(EXPECTED)
+    assert len([p for p in PRESETS[:19]]) == 19 and "disabled" in PRESETS[:19]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_presets_have_their_sources_defaults(name):
+    cfg = getattr(Cfg, name)()
+    assert cfg.to_dict() == {**DEFAULTS, **EXPECTED[name]}
+    assert Cfg.from_dict(cfg.to_dict()) == cfg
+    assert Cfg.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # YAML/JSON scalars only
+
+
+def test_threshold_forms():
+    tis = Cfg(rollout_is="token", rollout_is_threshold=3.0).is_spec
+    assert (tis.mode, tis.lower, tis.upper, tis.metric_lower) == ("truncate", None, 3.0, pytest.approx(1 / 3))
+    assert Cfg(rollout_is="token", rollout_is_threshold="3.0").is_spec.mode == "truncate"
+    ice = Cfg(rollout_is="token", rollout_is_threshold="0.5_5").is_spec
+    assert (ice.mode, ice.lower, ice.upper) == ("mask", 0.5, 5.0)
+    legacy = Cfg(rollout_is="geometric", rollout_is_threshold=2.0, rollout_is_mode="mask").is_spec
+    assert (legacy.mode, legacy.lower) == ("mask", 0.5)
+    legacy_lo = Cfg(rollout_is="sequence", rollout_is_threshold=2.0, rollout_is_mode="mask",
+                    rollout_is_threshold_lower=0.8).is_spec
+    assert legacy_lo.lower == 0.8
+    k = Cfg(rollout_rs="seq_mean_k1,seq_max_k3", rollout_rs_threshold=1.5).rs_criteria
+    assert k[0].lower == pytest.approx(math.log(1 / 1.5)) and k[1].upper == 1.5 and not k[1].apply_lower
+    assert [c.name for c in Cfg(rollout_rs="token_k2, token_k2 ,seq_sum_k3", rollout_rs_threshold="0.1,0.2")
+            .rs_criteria] == ["token_k2", "seq_sum_k3"]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(rollout_is="tokens"), r"rollout_is must be None or one of \['token', 'sequence', 'geometric'\]"),
+    (dict(rollout_rs="seq_k1", rollout_rs_threshold=2.0), r"rollout_rs: unknown criterion 'seq_k1'; allowed"),
+    (dict(rollout_is_threshold=0.0), r"rollout_is_threshold: the upper bound must be > 0"),
+    (dict(rollout_is_threshold=-1.0), r"rollout_is_threshold: the upper bound must be > 0"),
+    (dict(rollout_is_threshold="2_1"), r"rollout_is_threshold: lower bound 2.0 > upper bound 1.0"),
+    (dict(rollout_is_threshold="0_1"), r"rollout_is_threshold: the lower bound must be > 0"),
+    (dict(rollout_rs="token_k1", rollout_rs_threshold="2_1"), r"criterion 'token_k1'.*lower bound 2.0 > upper"),
+    (dict(rollout_rs="token_k1", rollout_rs_threshold=0), r"criterion 'token_k1'.*upper bound must be > 0"),
+    (dict(rollout_rs="seq_mean_k3", rollout_rs_threshold="0.1_0.2"), r"k2/k3 criteria take an upper bound only"),
+    (dict(rollout_rs="token_k2", rollout_rs_threshold=0.1, rollout_rs_threshold_lower=0.05),
+     r"rollout_rs_threshold_lower: k2/k3 criteria take an upper bound only"),
+    (dict(rollout_rs="token_k1"), r"rollout_rs_threshold is required when rollout_rs='token_k1'"),
+    (dict(rollout_rs="token_k1,token_k2,seq_sum_k3", rollout_rs_threshold="1.5,0.1"),
+     r"rollout_rs_threshold has 2 specs but rollout_rs has 3 criteria"),
+    (dict(loss_type="ppo"), r"loss_type must be one of \['ppo_clip', 'reinforce'\]"),
+    (dict(rollout_is_mode="clip"), r"rollout_is_mode must be None or one of \['truncate', 'mask'\]"),
+    (dict(rollout_is_threshold="0.5_2", rollout_is_mode="truncate"), r"rollout_is_threshold: a 'L_U' spec"),
+    (dict(rollout_token_veto_threshold=0), r"rollout_token_veto_threshold must be None or a number > 0"),
+    (dict(rollout_is_threshold=None), r"rollout_is_threshold is required when rollout_is='sequence'"),
+    (dict(rollout_is_threshold="abc"), r"rollout_is_threshold: cannot parse 'abc'"),
+    (dict(rollout_is_threshold=True), r"rollout_is_threshold must be a number"),
+    (dict(bypass_mode="yes"), r"bypass_mode must be a bool"),
+    (dict(rollout_rs=" , "), r"rollout_rs must name at least one criterion"),
+])
+def test_validation_names_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Cfg(**kwargs)
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(ValueError, match=r"unknown RolloutCorrectionConfig field\(s\) \['rollout_is_level'\]"):
+        Cfg.from_dict({"rollout_is_level": "token"})
+    assert Cfg.from_dict(None) == Cfg.disabled()
+
+
+def test_from_legacy_flat_keys():
+    with pytest.warns(UserWarning) as rec:
+        c = Cfg.from_legacy(dict(rollout_is=False, rollout_is_threshold=2.0, rollout_is_threshold_lower=None,
+                                 rollout_is_level="geometric", rollout_is_mode="mask",
+                                 rollout_is_veto_threshold=1e-4))
+    messages = " | ".join(str(w.message) for w in rec)
+    assert "rollout_is=False" in messages and "has no config equivalent" in messages and "veto" in messages
+    assert (c.rollout_is, c.rollout_is_mode, c.rollout_token_veto_threshold) == ("geometric", "mask", 1e-4)
+    assert c.is_spec.lower == 0.5
+    with pytest.warns(UserWarning, match="removes the sequence from response_mask"):
+        c = Cfg.from_legacy(dict(rollout_is=True, rollout_is_threshold=3.0, rollout_is_level="token"))
+    assert (c.rollout_is, c.rollout_is_threshold, c.is_spec.mode) == ("token", 3.0, "truncate")
+    with pytest.warns(UserWarning, match="switched the whole legacy feature off"):
+        c = Cfg.from_legacy(dict(rollout_is=True, rollout_is_threshold=None, rollout_is_level="token"))
+    assert c.rollout_is is None and c.rollout_token_veto_threshold is None
+    with pytest.warns(UserWarning, match="fell back to rollout_is_threshold"):
+        c = Cfg.from_legacy(dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="sequence",
+                                 rollout_rs_threshold=None, rollout_rs_threshold_lower=None,
+                                 rollout_token_veto_threshold=None, bypass_old_logprob_for_rollout=True,
+                                 use_pure_rollout_correction=True))
+    assert (c.rollout_rs_threshold, c.bypass_mode, c.loss_type) == (2.0, True, "reinforce")
+    assert Cfg.from_legacy(Cfg.decoupled_geo_rs().to_dict()) == Cfg.decoupled_geo_rs()
+    with pytest.raises(ValueError, match="from_legacy: unknown key 'tis_cap'"):
+        Cfg.from_legacy(dict(tis_cap=2.0))
