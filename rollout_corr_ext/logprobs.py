@@ -42,6 +42,17 @@ def _check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int) -> 
         )
 
 
+def _all_gather_rows(stats: torch.Tensor, group, world: int) -> torch.Tensor:
+    """The one collective: every rank's [N, K] record, concatenated along rows, viewed as [world, N, K].
+
+    torch >= 2.12 names it ``all_gather_single`` (``all_gather_into_tensor`` is its deprecated alias).
+    """
+    out = stats.new_empty((world * stats.shape[0],) + tuple(stats.shape[1:]))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, stats.contiguous(), group=group)
+    return out.view((world,) + tuple(stats.shape))
+
+
 class _VocabParallelLogProbs(torch.autograd.Function):
     """(logits [N, V_local], target [N]) -> (logp, entropy, mean_logp), each [N]."""
 
@@ -51,8 +62,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         stats = ops.vocab_row_stats(logits, target, vocab_start, vocab_size, inv_temperature, ignore_index,
                                     with_sum_z)
         if world > 1:
-            gathered = stats.new_empty((world,) + tuple(stats.shape))
-            dist.all_gather_into_tensor(gathered, stats, group=tp_group)
+            gathered = _all_gather_rows(stats, tp_group, world)
         else:
             gathered = stats.unsqueeze(0)
         logp, entropy, mean_logp, row_state = ops.merge_row_stats(gathered, target, ignore_index, vocab_size)
