@@ -203,6 +203,7 @@ def make_policy_loss_func(
         n = count.to(loss.dtype)
         loss_sum = loss * n
 
+        rows = rows.detach()
         tokens = rows[:, PG_ROW_TOKENS].sum()
         one = torch.ones((), dtype=torch.float32, device=logp.device)
         names = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy"]

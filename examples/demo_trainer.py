@@ -1,0 +1,415 @@
+"""A small but real GRPO trainer on megatron-core tensor parallelism, with rollout correction side by side.
+
+    torchrun --nproc_per_node=2 examples/demo_trainer.py            # CPU, gloo, TP=2 (the default)
+    torchrun --nproc_per_node=2 examples/demo_trainer.py --device cuda   # GPUs, NCCL
+
+What it does, per step and per correction setting:
+
+* **Rollout** with a mismatched sampler, as a real inference engine would be: a bf16 copy of the policy whose
+  weights are ``--stale`` optimizer steps old (asynchronous rollout). It samples responses for a synthetic task
+  with a verifiable reward (reverse a string of digits; reward = fraction of positions right) and records its
+  own log-probs at sampling time (log-softmax of its bf16 logits, as vLLM/SGLang return them).
+* **Advantages**: GRPO (reward normalised within each prompt's group).
+* **Update**: the trainer (fp32 megatron-core TP layers: ``VocabParallelEmbedding``, ``ColumnParallelLinear``,
+  ``RowParallelLinear``, vocab-parallel output layer) recomputes pi_old (decoupled settings) and runs PPO over
+  mini-batches through :func:`rollout_corr_ext.megatron.make_policy_loss_func`: vocab-parallel log-probs ->
+  rollout correction -> policy loss, in megatron-core's ``loss_func`` contract.
+
+Settings (``--settings``): ``none`` (PPO vs pi_old, mismatch ignored; correction metrics still logged),
+``token_tis`` (decoupled, token TIS C=2), ``seq_mis`` (decoupled, sequence TIS + sequence RS at 2),
+``geo_rs`` (decoupled, geometric-mean RS), ``bypass`` (PPO against pi_rollout, no recompute of pi_old).
+All settings start from the same weights and see the same prompts and sampling seeds.
+
+Outputs in ``--out-dir``: ``metrics.jsonl`` (one line per step and setting), ``curves.png`` (reward,
+``rollout_corr/kl``, ``rollout_corr/chi2_token`` and percentiles of the token IS ratio pi_train/pi_rollout).
+
+Attention is written here with plain torch ops around megatron's TP linears: megatron-core's attention
+modules and pipeline schedules need CUDA, so ``loss_func`` is called directly, in the same contract
+``forward_backward_func`` uses (``loss_sum / num_tokens``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+# The demo runs from a checkout: make the package importable without installing it.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+warnings.filterwarnings("ignore", message=".*compiled extension is not built.*")
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
+from megatron.core.tensor_parallel import (  # noqa: E402
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+from rollout_corr_ext.config import RolloutCorrectionConfig  # noqa: E402
+from rollout_corr_ext.losses import PolicyLossConfig  # noqa: E402
+from rollout_corr_ext.megatron import make_policy_loss_func, reported_means  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------------------
+# Task: reverse a digit string. Tokens 0-9 are digits, BOS and SEP frame the prompt.
+# ---------------------------------------------------------------------------------------------------------
+
+BOS, SEP = 10, 11
+VOCAB = 12  # divisible by the TP size 2 (and 4): no padding columns needed
+
+
+def make_prompts(n: int, digits: int, gen: torch.Generator) -> torch.Tensor:
+    body = torch.randint(0, 10, (n, digits), generator=gen)
+    return torch.cat([torch.full((n, 1), BOS), body, torch.full((n, 1), SEP)], dim=1)
+
+
+def reward_fn(prompts: torch.Tensor, responses: torch.Tensor, digits: int) -> torch.Tensor:
+    """Verifiable reward: fraction of response positions equal to the reversed digit string."""
+    want = prompts[:, 1:1 + digits].flip(1)
+    return (responses == want).float().mean(1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A tiny causal LM from megatron-core's tensor-parallel layers.
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Block(torch.nn.Module):
+    def __init__(self, cfg: ModelParallelConfig, hidden: int, heads: int, ffn: int, init):
+        super().__init__()
+        tp = cfg.tensor_model_parallel_size
+        if heads % tp:
+            raise ValueError(f"heads={heads} must be divisible by the TP size {tp}")
+        self.local_heads, self.head_dim = heads // tp, hidden // heads
+        self.ln1 = torch.nn.LayerNorm(hidden, dtype=cfg.params_dtype)
+        # Column-parallel QKV: this rank's output columns are its heads, laid out [heads_local, 3, head_dim].
+        self.qkv = ColumnParallelLinear(hidden, 3 * hidden, config=cfg, init_method=init, bias=True,
+                                        gather_output=False)
+        self.proj = RowParallelLinear(hidden, hidden, config=cfg, init_method=init, bias=True,
+                                      input_is_parallel=True, skip_bias_add=False)
+        self.ln2 = torch.nn.LayerNorm(hidden, dtype=cfg.params_dtype)
+        self.fc1 = ColumnParallelLinear(hidden, ffn, config=cfg, init_method=init, bias=True, gather_output=False)
+        self.fc2 = RowParallelLinear(ffn, hidden, config=cfg, init_method=init, bias=True, input_is_parallel=True,
+                                     skip_bias_add=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # h: [s, b, hidden]
+        s, b, _ = h.shape
+        qkv, _ = self.qkv(self.ln1(h))
+        qkv = qkv.view(s, b, self.local_heads, 3, self.head_dim).permute(3, 1, 2, 0, 4)  # [3, b, H, s, d]
+        att = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)  # [b, H, s, d]
+        att = att.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
+        out, _ = self.proj(att)
+        h = h + out
+        mid, _ = self.fc1(self.ln2(h))
+        out, _ = self.fc2(F.gelu(mid))
+        return h + out
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding -> ``layers`` pre-LN blocks -> LayerNorm -> vocab-parallel output layer ([s, b, V/tp] logits)."""
+
+    def __init__(self, cfg: ModelParallelConfig, hidden=64, heads=4, layers=2, ffn=256, max_len=32, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)  # identical replicated parameters on every TP rank; TP shards use the CPU init
+
+        def init(w):
+            return torch.nn.init.normal_(w, std=0.02)
+
+        self.embed = VocabParallelEmbedding(VOCAB, hidden, init_method=init, config=cfg)
+        self.pos = torch.nn.Embedding(max_len, hidden, dtype=cfg.params_dtype)
+        torch.nn.init.normal_(self.pos.weight, std=0.02)
+        self.blocks = torch.nn.ModuleList(Block(cfg, hidden, heads, ffn, init) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(hidden, dtype=cfg.params_dtype)
+        self.out = ColumnParallelLinear(hidden, VOCAB, config=cfg, init_method=init, bias=False, gather_output=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # tokens [b, s] -> logits [s, b, V_local]
+        s = tokens.shape[1]
+        h = self.embed(tokens.t()) + self.pos(torch.arange(s, device=tokens.device)).unsqueeze(1)
+        for blk in self.blocks:
+            h = blk(h)
+        logits, _ = self.out(self.ln_f(h))
+        return logits
+
+
+def model_config(tp: int, dtype: torch.dtype) -> ModelParallelConfig:
+    return ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True, perform_initialization=True,
+                               params_dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rollout: the mismatched sampler (bf16, stale weights), log-probs recorded at sampling time.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def gather_vocab(shard: torch.Tensor, tp_group) -> torch.Tensor:
+    """[b, V_local] shards -> [b, V] on every TP rank (megatron's gather helper allocates on CUDA)."""
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(parts, shard.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+@torch.no_grad()
+def rollout(sampler: TinyLM, prompts: torch.Tensor, length: int, gen: torch.Generator, tp_group):
+    """Sample ``length`` tokens per prompt; returns (responses [n, length], sampler log-probs [n, length])."""
+    seq = prompts
+    chosen, logps = [], []
+    for _ in range(length):
+        shard = sampler(seq)[-1].float()  # [b, V_local] of the bf16 logits, last position
+        full = gather_vocab(shard, tp_group)  # every TP rank sees the same logits
+        logp_all = torch.log_softmax(full, dim=-1)
+        # Sampling on the CPU generator shared by all ranks: identical draws everywhere.
+        tok = torch.multinomial(logp_all.exp().cpu(), 1, generator=gen).to(seq.device)
+        chosen.append(tok)
+        logps.append(logp_all.gather(1, tok))
+        seq = torch.cat([seq, tok], dim=1)
+    return torch.cat(chosen, 1), torch.cat(logps, 1)
+
+
+def grpo_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO outcome advantage, as verl's ``compute_grpo_outcome_advantage``: (r - mean_g) / (std_g + eps)."""
+    r = rewards.view(-1, group)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).reshape(-1)
+
+
+def token_logprobs(model: TinyLM, seq: torch.Tensor, tp_group) -> torch.Tensor:
+    """Trainer-side log-probs of every next token, [b, s] (the last column scores nothing and is 0)."""
+    from rollout_corr_ext.megatron import vocab_parallel_log_probs
+
+    logits = model(seq)  # [s, b, V_local]
+    target = torch.cat([seq[:, 1:], torch.zeros_like(seq[:, :1])], dim=1)
+    return vocab_parallel_log_probs(logits, target.t(), tp_group).t()
+
+
+SETTINGS = {
+    "none": lambda a: RolloutCorrectionConfig.disabled(),
+    "token_tis": lambda a: RolloutCorrectionConfig.decoupled_token_is(threshold=2.0),
+    "seq_mis": lambda a: RolloutCorrectionConfig.seq_mis(threshold=2.0),
+    "geo_rs": lambda a: RolloutCorrectionConfig.decoupled_geo_rs(rs_threshold=a.geo_rs_threshold),
+    "bypass": lambda a: RolloutCorrectionConfig.bypass_ppo_clip(),
+}
+
+
+class Run:
+    """One correction setting: trainer, stale bf16 sampler, optimizer, weight history."""
+
+    def __init__(self, name: str, args, device):
+        self.name, self.args, self.device = name, args, device
+        self.rc = SETTINGS[name](args)
+        self.bypass = bool(self.rc.bypass_mode)
+        self.cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, rollout_correction=self.rc)
+        self.model = TinyLM(model_config(args.tp, torch.float32), seed=args.seed).to(device)
+        self.sampler = TinyLM(model_config(args.tp, torch.bfloat16), seed=args.seed).to(device)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=args.lr, betas=(0.9, 0.99))
+        self.history = collections.deque(maxlen=args.stale + 1)
+
+    def sync_sampler(self):
+        """Push the weights of ``stale`` steps ago to the bf16 sampler (asynchronous rollout)."""
+        with torch.no_grad():
+            self.history.append({k: p.detach().clone() for k, p in self.model.named_parameters()})
+            for name, p in self.sampler.named_parameters():
+                p.copy_(self.history[0][name])  # casts fp32 -> bf16
+
+    def step(self, prompts: torch.Tensor, gen: torch.Generator, tp_group, dp_group) -> dict:
+        a = self.args
+        self.sync_sampler()
+        prompts = prompts.repeat_interleave(a.group, 0)
+        responses, rollout_lp_resp = rollout(self.sampler, prompts, a.digits, gen, tp_group)
+        rewards = reward_fn(prompts, responses, a.digits)
+        adv = grpo_advantages(rewards, a.group)
+
+        seq = torch.cat([prompts, responses], 1)
+        n, s = seq.shape
+        p = prompts.shape[1]
+        target = torch.cat([seq[:, 1:], torch.zeros_like(seq[:, :1])], 1)  # position t scores token t+1
+        mask = torch.zeros(n, s, dtype=torch.bool, device=seq.device)
+        mask[:, p - 1:s - 1] = True
+        rollout_lp = torch.zeros(n, s, device=seq.device)
+        rollout_lp[:, p - 1:s - 1] = rollout_lp_resp
+        with torch.no_grad():  # pi_old (decoupled) / pi_theta at step start (bypass: diagnostics only)
+            train_lp = token_logprobs(self.model, seq, tp_group)
+        old_lp = None if self.bypass else train_lp
+
+        reports = []
+        perm = torch.randperm(n, generator=gen).to(seq.device)
+        for idx in perm.chunk(a.minibatches):
+            loss_func = make_policy_loss_func(
+                target[idx], adv[idx], mask[idx],
+                old_log_prob=None if old_lp is None else old_lp[idx], rollout_log_prob=rollout_lp[idx],
+                config=self.cfg, loss_agg_mode="token-mean", tp_group=tp_group, dp_group=dp_group)
+            loss_sum, num_tokens, report = loss_func(self.model(seq[idx]))
+            loss = loss_sum / num_tokens.clamp(min=1)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            reports.append(report)
+
+        ratio = (train_lp - rollout_lp)[mask].exp()
+        q = torch.quantile(ratio.float(), torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], device=ratio.device))
+        rec = {"setting": self.name, "reward": float(rewards.mean()),
+               "exact_match": float((rewards == 1).float().mean())}
+        rec.update(reported_means(reports))
+        rec.update({f"demo/token_ratio_p{int(k * 100):02d}": float(v)
+                    for k, v in zip((0.05, 0.25, 0.5, 0.75, 0.95), q)})
+        return rec
+
+
+def _smooth(y, window):
+    """Trailing moving average: the per-step values of a 128-sample batch are noisy."""
+    out, acc = [], 0.0
+    for i, v in enumerate(y):
+        acc += v
+        if i >= window:
+            acc -= y[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+PANELS = [
+    ("reward", "reward: fraction of digits right", "linear"),
+    ("exact_match", "exact match (whole string reversed)", "linear"),
+    ("rollout_corr/kl", "rollout_corr/kl  (pi_rollout || pi_train)", "symlog"),
+    ("rollout_corr/chi2_token", "rollout_corr/chi2_token", "symlog"),
+    ("demo/token_ratio_p95", "token IS ratio pi_train/pi_rollout: p95", "log"),
+    ("demo/token_ratio_p05", "token IS ratio pi_train/pi_rollout: p5", "log"),
+]
+
+
+def plot(path: str, records, settings, window: int = 9):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    colors = dict(zip(settings, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    for ax, (key, title, scale) in zip(axes.flat, PANELS):
+        for name in settings:
+            rows = [r for r in records if r["setting"] == name and key in r]
+            if rows:
+                ax.plot([r["step"] for r in rows], _smooth([r[key] for r in rows], window), label=name,
+                        color=colors[name], lw=1.4)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        if scale == "symlog":
+            ax.set_yscale("symlog", linthresh=1e-3)
+        elif scale == "log":
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle(f"GRPO with a stale bf16 sampler: rollout-correction settings side by side "
+                 f"(moving average over {window} steps)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size (world size must be a multiple)")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--settings", default="none,token_tis,seq_mis,geo_rs,bypass")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    ap.add_argument("--group", type=int, default=8, help="responses per prompt (GRPO group)")
+    ap.add_argument("--minibatches", type=int, default=2, help="PPO mini-batches per step (one epoch)")
+    ap.add_argument("--digits", type=int, default=3)
+    ap.add_argument("--stale", type=int, default=2, help="sampler weights are this many optimizer steps old")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--geo-rs-threshold", default="0.9_1.1", help="geo_rs keep range of exp(mean log-ratio)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out-dir", default="demo_out")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    unknown = [s for s in args.settings.split(",") if s not in SETTINGS]
+    if unknown:
+        ap.error(f"unknown settings {unknown}; choose from {list(SETTINGS)}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    settings = args.settings.split(",")
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda asked for, but no CUDA device is visible")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world % args.tp:
+        raise SystemExit(f"world size {world} is not a multiple of --tp {args.tp}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    tp_group, dp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+
+    runs = [Run(name, args, device) for name in settings]
+    os.makedirs(args.out_dir, exist_ok=True)
+    jsonl = os.path.join(args.out_dir, "metrics.jsonl")
+    records = []
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps * len(runs), desc="GRPO", unit="upd", dynamic_ncols=True)
+    t0 = time.time()
+    out = open(jsonl, "w") if rank == 0 else None
+    for step in range(args.steps):
+        # Same prompts and sampling seed for every setting; each DP rank gets its own slice of prompts.
+        pgen = torch.Generator().manual_seed(args.seed * 100003 + step * world + dp_rank)
+        prompts = make_prompts(args.prompts, args.digits, pgen).to(device)
+        for run in runs:
+            gen = torch.Generator().manual_seed(args.seed * 7919 + step * world + dp_rank + 1)
+            rec = run.step(prompts, gen, tp_group, dp_group)
+            # Reward is local to this DP rank's prompts: average it over DP (TP ranks already agree).
+            r = torch.tensor([rec["reward"], rec["exact_match"]], device=device)
+            dist.all_reduce(r, group=dp_group)
+            rec["reward"], rec["exact_match"] = (r / dist.get_world_size(dp_group)).tolist()
+            rec["step"] = step
+            records.append(rec)
+            if out is not None:
+                out.write(json.dumps(rec) + "\n")
+                out.flush()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"step {step} {run.name} reward {rec['reward']:.2f}")
+    if bar is not None:
+        bar.close()
+    if rank == 0:
+        out.close()
+        png = os.path.join(args.out_dir, "curves.png")
+        plot(png, records, settings)
+        tail = max(1, args.steps // 5)
+        print(f"\n{args.steps} steps x {len(runs)} settings in {time.time() - t0:.0f}s  (TP={args.tp}, "
+              f"{backend}); means over the last {tail} steps:")
+        print(f"{'setting':<10} {'reward':>7} {'exact':>6} {'kl':>9} {'chi2_tok':>9} {'ratio p5':>9} {'ratio p95':>9}")
+        for name in settings:
+            rows = [r for r in records if r["setting"] == name][-tail:]
+
+            def mean(key):
+                vals = [r[key] for r in rows if key in r]
+                return sum(vals) / len(vals) if vals else math.nan
+
+            print(f"{name:<10} {mean('reward'):7.3f} {mean('exact_match'):6.3f} {mean('rollout_corr/kl'):9.2e} "
+                  f"{mean('rollout_corr/chi2_token'):9.2e} {mean('demo/token_ratio_p05'):9.3f} "
+                  f"{mean('demo/token_ratio_p95'):9.3f}")
+        print(f"wrote {jsonl} and {png}")
+    dist.barrier()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
