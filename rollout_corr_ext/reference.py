@@ -622,13 +622,16 @@ def rollout_correction_dense(
     config,
     *,
     exclude_nonfinite: bool = False,
+    dtype: torch.dtype = torch.float64,
+    percentiles: bool = True,
 ) -> Tuple[Optional[torch.Tensor], torch.Tensor, dict]:
     """The textbook oracle of the whole feature, one batch, fp64, written after verl's formulas line by line.
 
-    Returns (weights or None, new response_mask in the input dtype, {metric name without prefix: 0-dim fp64}).
-    Mask values are treated as 0/1 (nonzero = valid). ``config`` is a ``RolloutCorrectionConfig``.
+    Returns (weights or None, new response_mask in the input dtype, {metric name without prefix: 0-dim tensor}).
+    Mask values are treated as 0/1 (nonzero = valid). ``config`` is a ``RolloutCorrectionConfig``. ``dtype`` and
+    ``percentiles=False`` let the benchmark run it as a verl-style op-by-op fp32 baseline.
     """
-    d = torch.float64
+    d = dtype
     m_in = response_mask != 0
     lp = log_prob.detach().to(d)
     rlp = rollout_log_prob.detach().to(d)
@@ -700,9 +703,10 @@ def rollout_correction_dense(
         if spec.mode == "mask":
             met["rollout_is_oob_ratio"] = mmean(((raw < spec.lower) | (raw > up)).to(d))
         # Percentiles of the raw (pre-truncation) weight over valid tokens (ours; exact order statistics here).
-        raw_valid = raw[mb]
-        for q in (5, 25, 50, 75, 95):
-            met[f"rollout_is_p{q}"] = _rc_quantile_sorted(raw_valid, q / 100.0)
+        if percentiles:
+            raw_valid = raw[mb]
+            for q in (5, 25, 50, 75, 95):
+                met[f"rollout_is_p{q}"] = _rc_quantile_sorted(raw_valid, q / 100.0)
         if config.rollout_is_batch_normalize:
             if spec.level == "token":
                 mean = mmean(w)

@@ -1,0 +1,154 @@
+"""Rollout correction: our two-pass op vs an op-by-op eager implementation in the style of verl.
+
+Problem (default): B x T = 256 x 8192 (2.1 M tokens), fp32 log-probs, bool mask, token-level TIS (C = 2),
+two RS criteria (token_k1 + seq_mean_k3), every metric read back as Python floats.
+
+Baseline: ``reference.rollout_correction_dense`` run in fp32 without percentiles (verl 0.9.1 has none): one
+torch expression per metric, and one ``.item()`` per metric as verl's ``rollout_corr_helper`` does.
+
+Reported per implementation: median wall time of ``--repeats`` runs (after one warm-up), host syncs
+(``aten::_local_scalar_dense`` dispatches + ``.tolist()`` / ``.item()`` calls; on a GPU each is a device
+sync) before and including the metric read, peak extra resident memory (measured in a fresh subprocess),
+and the effective bandwidth over the bytes a fused implementation must move (inputs read twice, weights and
+mask written once). Run::
+
+    python benchmarks/bench_rollout_corr.py [--b 256 --t 8192 --repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import rollout_corr_ext as rc  # noqa: E402
+from rollout_corr_ext import reference as R  # noqa: E402
+
+CFG = dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1,seq_mean_k3",
+           rollout_rs_threshold="0.5_2.0,0.05")
+
+
+def make_inputs(b: int, t: int):
+    g = torch.Generator().manual_seed(0)
+    rlp = -torch.rand(b, t, generator=g) * 4.0
+    lp = rlp + torch.randn(b, t, generator=g) * 0.2
+    lengths = torch.randint(t // 4, t + 1, (b,), generator=g)
+    mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)
+    return lp, rlp, mask
+
+
+def run_ours(lp, rlp, mask, cfg):
+    res = rc.compute_rollout_correction(lp, rlp, mask, cfg)
+    return res.as_floats()
+
+
+def run_eager(lp, rlp, mask, cfg):
+    _, _, met = R.rollout_correction_dense(lp, rlp, mask, cfg, dtype=torch.float32, percentiles=False)
+    return {"rollout_corr/" + k: v.item() for k, v in met.items()}  # verl: one .item() per metric
+
+
+IMPLS = {"ours (two-pass op)": run_ours, "eager, verl style": run_eager}
+
+
+class CountSyncs(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_syncs(fn, *args):
+    reads = [0]
+    real_tolist = torch.Tensor.tolist
+    torch.Tensor.tolist = lambda self: reads.__setitem__(0, reads[0] + 1) or real_tolist(self)
+    try:
+        with CountSyncs() as c:
+            fn(*args)
+    finally:
+        torch.Tensor.tolist = real_tolist
+    return c.count + reads[0]
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+def measure_peak_memory(name: str, b: int, t: int) -> float:
+    """Peak extra RSS (MiB) of one call, measured in this (fresh) process after the inputs exist."""
+    cfg = rc.RolloutCorrectionConfig(**CFG)
+    IMPLS[name](*make_inputs(4, 64), cfg)  # lazy imports and one-off allocations, on a tiny batch
+    lp, rlp, mask = make_inputs(b, t)
+    base = _rss_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
+        f.write("5")
+    IMPLS[name](lp, rlp, mask, cfg)
+    return (_rss_kib("VmHWM") - base) / 1024.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--b", type=int, default=256)
+    ap.add_argument("--t", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args._memory:
+        print(json.dumps(measure_peak_memory(args._memory, args.b, args.t)))
+        return
+
+    lp, rlp, mask = make_inputs(args.b, args.t)
+    cfg = rc.RolloutCorrectionConfig(**CFG)
+    n = lp.numel()
+    fused_bytes = 2 * n * (4 + 4 + 1) + n * (4 + 1)
+    rows = []
+    check = {}
+    for name, fn in IMPLS.items():
+        fn(lp, rlp, mask, cfg)
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            check[name] = fn(lp, rlp, mask, cfg)
+            times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        syncs = count_syncs(fn, lp, rlp, mask, cfg)
+        env = dict(os.environ, ROLLOUT_CORR_FORCE_REFERENCE=os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0"))
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--b", str(args.b), "--t", str(args.t),
+                              "--_memory", name], capture_output=True, text=True, env=env, check=True)
+        peak = float(out.stdout.strip().splitlines()[-1])
+        rows.append((name, med, syncs, peak, fused_bytes / med / 1e9, len(check[name])))
+
+    base = rows[1][1]
+    print(f"rollout correction, B x T = {args.b} x {args.t} ({n / 1e6:.2f} M tokens), token TIS + token_k1 + "
+          f"seq_mean_k3, all metrics; backend={rc.backend()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    print()
+    print("| implementation | median time (ms) | speed-up | host syncs | peak extra memory (MiB) | effective GB/s | metrics |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, med, syncs, peak, gbs, nmet in rows:
+        print(f"| {name} | {med * 1e3:.1f} | {base / med:.1f}x | {syncs} | {peak:.0f} | {gbs:.2f} | {nmet} |")
+    shared = set(check[rows[0][0]]) & set(check[rows[1][0]])
+    worst = max(abs(check[rows[0][0]][k] - check[rows[1][0]][k]) / max(abs(check[rows[1][0]][k]), 1e-6)
+                for k in shared)
+    print()
+    print(f"max relative difference over the {len(shared)} shared metrics: {worst:.1e}")
+
+
+if __name__ == "__main__":
+    main()
