@@ -1,0 +1,114 @@
+"""Planted bugs: the emulator must catch each one (DESIGN §6, issue: "it proves it can fail").
+
+``python -m tests.cuda_emulator.mutants NAME`` copies the kernel headers into a temp folder, applies one
+mutation, builds the emulator against the mutated copy, runs the check that the mutation should break, and
+exits 0 when the bug was detected (wrong values or an emulator error), 1 when it slipped through.
+Each mutant runs in its own process: a broken kernel may crash, and each build registers the same op names.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+CUDA_DIR = ROOT / "csrc" / "cuda"
+
+#: name -> (file under csrc/cuda, text to find (must occur), replacement, check function name)
+MUTANTS = {
+    # The barrier between the per-warp partials written to shared memory and warp 0 reading them.
+    "missing_syncthreads": (
+        "logprob_kernels.cuh",
+        "    __syncthreads();\n    if (warp == 0) {",
+        "    if (warp == 0) {",
+        "check_row_stats_multiwarp",
+    ),
+    # Butterfly that starts at offset 8 instead of 16: the two half-warps are never merged.
+    "wrong_shuffle_offset": (
+        "device_utils.cuh",
+        "for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {\n    SoftmaxStats<acc_t> other;",
+        "for (int offset = kWarpSize / 4; offset > 0; offset /= 2) {\n    SoftmaxStats<acc_t> other;",
+        "check_row_stats_multiwarp",
+    ),
+    # Off-by-one column bound: the row sweep also reads the first padding column.
+    "off_by_one_bound": (
+        "logprob_kernels.cuh",
+        "for (int64_t c = num_vec * kVec + threadIdx.x; c < p.valid_cols; c += blockDim.x) {",
+        "for (int64_t c = num_vec * kVec + threadIdx.x; c <= p.valid_cols; c += blockDim.x) {",
+        "check_row_stats_padded",
+    ),
+}
+
+
+def make_mutant_dir(name: str, dest: Path) -> Path:
+    file, old, new, _ = MUTANTS[name]
+    for src in CUDA_DIR.glob("*.cuh"):
+        shutil.copy(src, dest / src.name)
+    text = (dest / file).read_text()
+    if text.count(old) < 1:
+        raise RuntimeError(f"mutant {name}: the text to mutate is no longer in {file}; update MUTANTS")
+    (dest / file).write_text(text.replace(old, new, 1))
+    return dest
+
+
+def _inputs(rows, cols, seed=0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g, dtype=torch.float64) * 3
+    t = torch.randint(0, cols, (rows,), generator=g)
+    return x.float(), t
+
+
+def _row_stats_mismatch(x, t, vocab_size, **knobs) -> str:
+    import torch
+
+    from rollout_corr_ext import reference
+
+    out = torch.ops.rollout_corr_emu.vocab_row_stats(x, t, 0, vocab_size, 1.0, -100, True, **knobs)
+    ref = reference.vocab_row_stats(x.double(), t, 0, vocab_size, 1.0, -100, True)
+    try:
+        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
+    except AssertionError as e:
+        return str(e).splitlines()[0]
+    return ""
+
+
+def check_row_stats_multiwarp() -> str:
+    x, t = _inputs(6, 4096)
+    for schedule in (0, 1):
+        why = _row_stats_mismatch(x, t, 4096, threads=256, schedule=schedule)
+        if why:
+            return f"schedule {schedule}: {why}"
+    return ""
+
+
+def check_row_stats_padded() -> str:
+    x, t = _inputs(5, 100)
+    t = t.clamp(max=96)
+    return _row_stats_mismatch(x, t, 97, threads=32, vec=1)
+
+
+def main(name: str) -> int:
+    import torch  # noqa: F401
+
+    from tests.cuda_emulator.loader import load_emulator
+
+    with tempfile.TemporaryDirectory() as tmp:
+        load_emulator(kernel_override_dir=str(make_mutant_dir(name, Path(tmp))))
+        try:
+            why = globals()[MUTANTS[name][3]]()
+        except Exception as e:  # noqa: BLE001 - an emulator error is a detection
+            why = f"{type(e).__name__}: {e}"
+    if why:
+        print(f"DETECTED {name}: {why}")
+        return 0
+    print(f"MISSED {name}")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main(sys.argv[1]))
