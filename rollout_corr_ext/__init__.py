@@ -105,4 +105,27 @@ __all__ = [
     "RolloutCorrectionResult",
     "compute_rollout_correction",
     "compute_offpolicy_metrics",
+    "LOSS_AGG_MODES",
+    "PolicyLossConfig",
+    "agg_loss",
+    "compute_policy_loss",
+    "compute_policy_loss_vanilla",
+    "compute_policy_loss_reinforce",
+    "compute_policy_loss_bypass",
+    "compute_policy_loss_decoupled",
+    "calculate_grpo_loss",
+    "make_policy_loss_func",
 ]
+
+from .losses import (  # noqa: E402
+    LOSS_AGG_MODES,
+    PolicyLossConfig,
+    agg_loss,
+    calculate_grpo_loss,
+    compute_policy_loss,
+    compute_policy_loss_bypass,
+    compute_policy_loss_decoupled,
+    compute_policy_loss_reinforce,
+    compute_policy_loss_vanilla,
+)
+from .megatron import make_policy_loss_func  # noqa: E402  (megatron-core itself is imported lazily)
