@@ -47,6 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", message=".*compiled extension is not built.*")
+warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")  # megatron's GPU-only advice
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
