@@ -28,13 +28,16 @@ def _include_dirs(kernel_override_dir: Optional[str]):
     return dirs
 
 
-def load_emulator(kernel_override_dir: Optional[str] = None, sanitize: bool = False, verbose: bool = False) -> None:
+def load_emulator(kernel_override_dir: Optional[str] = None, sanitize: Optional[bool] = None,
+                  verbose: bool = False) -> None:
     """Compile (cached by torch in its extensions folder) and load the emulated kernels into this process."""
     global _loaded
     if _loaded:
         return
     from torch.utils.cpp_extension import load
 
+    if sanitize is None:
+        sanitize = os.environ.get("ROLLOUT_CORR_EMU_ASAN", "0") == "1"
     flags = ["-O1", "-g0", "-fno-omit-frame-pointer", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function"]
     if sanitize:
         flags += ["-fsanitize=address", "-fno-sanitize-recover=all"]
