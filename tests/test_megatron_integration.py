@@ -315,5 +315,11 @@ def test_loss_func_single_process_bsv_layout_and_non_loss_data():
     # on-policy (no old_log_prob): ratio 1, loss = -mean(A) over valid tokens, gradient = REINFORCE's
     want = -(adv.view(-1, 1).expand(B, S).float() * mask).sum() / mask.sum()
     torch.testing.assert_close(a[0] / a[1], want)
+    # megatron-core divides the returned loss in place (forward_step_calc_loss): autograd must allow it
+    loss_sum, num_tokens, _ = f_sbv(logits.transpose(0, 1))
+    loss_sum /= torch.clamp(num_tokens, min=1)
+    loss_sum /= 2
+    loss_sum.backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
     data = f_sbv(logits.transpose(0, 1), non_loss_data=True)
     assert set(data) == {"log_prob", "entropy"} and data["log_prob"].shape == (B, S)
