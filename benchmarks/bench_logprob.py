@@ -1,0 +1,227 @@
+"""Benchmark: vocab-parallel log-probs (forward and forward+backward) vs megatron-core and eager PyTorch.
+
+Compares, in one run and on the same inputs:
+  * ours          rollout_corr_ext.vocab_parallel_cross_entropy (returns -logp, the same quantity as megatron's)
+  * ours-inplace  the same with inplace_backward=True (the gradient overwrites the logits buffer)
+  * megatron      megatron.core.tensor_parallel.vocab_parallel_cross_entropy (fed a copy: it writes its input)
+  * eager         -log_softmax(logits.float()).gather(target) (TP=1 only: it needs the whole vocab)
+
+For each: median time over --reps, throughput (bytes of logits read, and on fwd+bwd also the gradient written,
+per second; on CUDA also % of the peak HBM bandwidth given by --peak-gbps), peak extra memory during the step,
+and the number of torch.distributed collectives per step. TP=2 runs two gloo processes, each with one thread
+(TP=1 runs one process with all threads). Prints a markdown table.
+
+    python benchmarks/bench_logprob.py                       # the full CPU table of docs/benchmarks.md
+    python benchmarks/bench_logprob.py --tokens 2048 --vocab 32000 --dtypes bf16 --tp 1   # a quick look
+    python benchmarks/bench_logprob.py --device cuda --peak-gbps 4800                     # on a GPU (H200)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+warnings.filterwarnings("ignore")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+               "broadcast")
+
+
+class CountCollectives:
+    def __init__(self):
+        self.n = 0
+        self.saved = {}
+
+    def __enter__(self):
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                orig = getattr(dist, name)
+                self.saved[name] = orig
+
+                def wrapped(*a, __o=orig, **k):
+                    self.n += 1
+                    return __o(*a, **k)
+
+                setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, orig in self.saved.items():
+            setattr(dist, name, orig)
+
+
+def _rss_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class PeakMemory:
+    """Peak extra memory of a step: CUDA allocator peak on GPU; on CPU the process's resident-set high-water mark
+    (reset through /proc/self/clear_refs) above the resident set before the step."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.base = _rss_kib("VmRSS") * 1024
+        return self
+
+    def __exit__(self, *exc):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.peak = _rss_kib("VmHWM") * 1024 - self.base
+
+
+def _impls(tp, group):
+    import rollout_corr_ext as rc
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy as mcore_ce
+
+    impls = {
+        "ours": lambda x, t: rc.vocab_parallel_cross_entropy(x, t, 0.0, group if tp > 1 else None),
+        "ours-inplace": lambda x, t: rc.vocab_parallel_cross_entropy(x, t, 0.0, group if tp > 1 else None,
+                                                                     inplace_backward=True),
+        "megatron": lambda x, t: mcore_ce(x.clone() if not x.requires_grad else x * 1.0, t),
+    }
+    if tp == 1:
+        impls["eager"] = lambda x, t: -torch.log_softmax(x.float(), -1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
+    return impls
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _measure(fn, make_input, target, backward, reps, device, group):
+    times, peaks, colls = [], [], []
+    for i in range(reps + 1):  # the first run warms up
+        x = make_input()
+        if backward:
+            x.requires_grad_(True)
+        dist.barrier(group)
+        _sync(device)
+        with PeakMemory(device) as mem, CountCollectives() as cc:
+            t0 = time.perf_counter()
+            loss = fn(x, target)
+            if backward:
+                loss.sum().backward()
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+        if i > 0:
+            times.append(elapsed)
+            peaks.append(mem.peak)
+            colls.append(cc.n)
+        del x, loss
+    return statistics.median(times), max(peaks), max(colls)
+
+
+def _worker(rank, world, store, args, out_path):
+    threads = max(1, (os.cpu_count() or 1) // world) if args.device == "cpu" else 1
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    group = dist.group.WORLD
+    import rollout_corr_ext as rc
+
+    if rc.backend() == "reference":
+        rc.load_extension()
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    device = args.device
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    rows = []
+    for n in args.tokens:
+        for v_local in args.vocab:
+            for dname in args.dtypes:
+                dtype = DTYPES[dname]
+                g = torch.Generator().manual_seed(1234 + rank)
+                base = (torch.randn(n, v_local, generator=g) * 2).to(dtype).to(device)
+                target = torch.randint(0, v_local * world, (n,), generator=torch.Generator().manual_seed(7)).to(device)
+                elem = base.element_size()
+                for name, fn in _impls(world, group).items():
+                    for backward in (False, True):
+                        t, peak, coll = _measure(fn, lambda: base.clone(), target, backward, args.reps, device, group)
+                        moved = n * v_local * elem * (2 if backward else 1) + n * v_local * elem * backward
+                        rows.append((world, n, v_local, dname, name, "fwd+bwd" if backward else "fwd", t,
+                                     moved / t / 1e9, peak, coll))
+                del base
+    if rank == 0:
+        torch.save(rows, out_path)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument("--vocab", type=int, nargs="+", default=[32000, 64000], help="V_local (per rank)")
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--peak-gbps", type=float, default=None, help="peak memory bandwidth for the %% column (GPU)")
+    args = p.parse_args()
+
+    all_rows = []
+    for tp in args.tp:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.pt")
+            mp.spawn(_worker, args=(tp, os.path.join(tmp, "store"), args, out), nprocs=tp, join=True)
+            all_rows += torch.load(out)
+
+    import rollout_corr_ext as rc
+
+    print(f"device: {args.device} ({os.cpu_count()} cores), torch {torch.__version__}, backend {rc.backend()}, "
+          f"median of {args.reps} runs")
+    header = "| TP | tokens | V_local | dtype | impl | pass | time (ms) | GB/s |"
+    header += " % peak |" if args.peak_gbps else ""
+    header += " peak extra mem (MiB) | collectives |"
+    print(header)
+    print("|" + "---|" * header.count("|")[:-1] if False else "|" + "|".join(["---"] * (header.count("|") - 1)) + "|")
+    for world, n, v, dname, name, pas, t, gbps, peak, coll in all_rows:
+        line = f"| {world} | {n} | {v} | {dname} | {name} | {pas} | {t * 1e3:.1f} | {gbps:.2f} |"
+        if args.peak_gbps:
+            line += f" {100 * gbps / args.peak_gbps:.0f}% |"
+        line += f" {peak / 2**20:.0f} | {coll} |"
+        print(line)
+
+    # Speed-up summary against megatron-core for the fwd+bwd pass.
+    print()
+    print("| TP | tokens | V_local | dtype | fwd+bwd speed-up vs megatron | extra mem ours / megatron |")
+    print("|---|---|---|---|---|---|")
+    index = {(r[0], r[1], r[2], r[3], r[4], r[5]): r for r in all_rows}
+    for (world, n, v, dname, name, pas), r in index.items():
+        if name != "ours" or pas != "fwd+bwd":
+            continue
+        m = index[(world, n, v, dname, "megatron", pas)]
+        mem_ratio = r[8] / m[8] if m[8] > 0 else float("nan")
+        print(f"| {world} | {n} | {v} | {dname} | {m[6] / r[6]:.2f}x | {mem_ratio:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
