@@ -119,14 +119,16 @@ def main() -> None:
     fused_bytes = 2 * n * (4 + 4 + 1) + n * (4 + 1)
     rows = []
     check = {}
-    for name, fn in IMPLS.items():
-        fn(lp, rlp, mask, cfg)
-        times = []
-        for _ in range(args.repeats):
+    times = {name: [] for name in IMPLS}
+    for fn in IMPLS.values():
+        fn(lp, rlp, mask, cfg)  # warm-up
+    for _ in range(args.repeats):  # interleaved, so load from other processes hits both alike
+        for name, fn in IMPLS.items():
             t0 = time.perf_counter()
             check[name] = fn(lp, rlp, mask, cfg)
-            times.append(time.perf_counter() - t0)
-        med = statistics.median(times)
+            times[name].append(time.perf_counter() - t0)
+    for name, fn in IMPLS.items():
+        med = statistics.median(times[name])
         syncs = count_syncs(fn, lp, rlp, mask, cfg)
         env = dict(os.environ, ROLLOUT_CORR_FORCE_REFERENCE=os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0"))
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--b", str(args.b), "--t", str(args.t),

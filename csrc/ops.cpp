@@ -44,6 +44,15 @@ TORCH_LIBRARY(rollout_corr, m) {
       "logprob_backward_(Tensor(a!) logits, Tensor? grad_logp, Tensor? grad_entropy, Tensor? grad_mean_logp, "
       "Tensor target, Tensor row_state, int vocab_start, int vocab_size, float inv_temperature, "
       "int ignore_index) -> ()");
+
+  // §3 rollout correction, two passes over [B, T]. Pass 1: per-sequence aggregates [B, 18] (sums, then maxima),
+  // all-reduced over the context-parallel group between the passes. `params` is the packed configuration
+  // (layout RC_P_* in rollout_corr_ext/reference.py, rc::ParamIdx in rollout_math.h).
+  m.def("rollout_seq_stats(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, float[] params) -> Tensor");
+  // Pass 2: (IS weights [B, T] or [0], mask in mask's dtype, fp64 SUM partials, fp64 MAX partials).
+  m.def(
+      "rollout_token_pass(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor seq_stats, float[] params, "
+      "bool row_partials) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 }  // namespace rollout_corr

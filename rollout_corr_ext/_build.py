@@ -13,6 +13,7 @@ CSRC = ROOT / "csrc"
 CPU_SOURCES: List[str] = [
     "csrc/ops.cpp",
     "csrc/cpu/logprob.cpp",
+    "csrc/cpu/rollout_correction.cpp",
 ]
 
 #: CUDA launchers (device code lives in csrc/cuda/*_kernels.cuh, included by these).

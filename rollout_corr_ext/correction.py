@@ -320,6 +320,8 @@ def compute_rollout_correction(
     red_group = dp_group if dp_group is not None else seq_group
     dp_world, _ = _world(red_group, "dp_group")
     params = pack_params(config, exclude)
+    # The weights and metrics are constants for autograd (IS changes the measure, not the objective).
+    log_prob, rollout_log_prob = log_prob.detach(), rollout_log_prob.detach()
 
     stats = ops.rollout_seq_stats(log_prob, rollout_log_prob, response_mask, params)
     if seq_world > 1:

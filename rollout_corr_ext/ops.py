@@ -139,10 +139,13 @@ def logprob_backward_(
 _rollout_fakes_registered = False
 
 
-def _rollout_compiled(name: str) -> bool:
-    """True when the compiled library has the op (the §3 kernels may land after the §2 ones)."""
+def _rollout_compiled(name: str, device: torch.device) -> bool:
+    """True when the compiled library has the op with a kernel for ``device`` (else the reference runs)."""
     global _rollout_fakes_registered
     if not (_compiled and hasattr(torch.ops.rollout_corr, name)):
+        return False
+    key = "CUDA" if device.type == "cuda" else "CPU"
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"rollout_corr::{name}", key):
         return False
     if not _rollout_fakes_registered:
         _rollout_fakes_registered = True
@@ -173,7 +176,7 @@ def rollout_seq_stats(
     log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor, params: list
 ) -> torch.Tensor:
     """Pass 1: per-sequence aggregates ``[B, RC_SEQ_COLS]`` of a ``[B, T]`` slice (see the reference)."""
-    if _rollout_compiled("rollout_seq_stats"):
+    if _rollout_compiled("rollout_seq_stats", log_prob.device):
         return torch.ops.rollout_corr.rollout_seq_stats.default(log_prob, rollout_log_prob, mask, params)
     return reference.rollout_seq_stats(log_prob, rollout_log_prob, mask, params)
 
@@ -187,7 +190,7 @@ def rollout_token_pass(
     row_partials: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pass 2: (weights, mask_out, SUM partials fp64, MAX partials fp64) of a ``[B, T]`` slice."""
-    if _rollout_compiled("rollout_token_pass"):
+    if _rollout_compiled("rollout_token_pass", log_prob.device):
         return torch.ops.rollout_corr.rollout_token_pass.default(
             log_prob, rollout_log_prob, mask, seq_stats, params, row_partials
         )
