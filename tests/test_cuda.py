@@ -42,10 +42,3 @@ def test_cuda_inplace_backward_and_misaligned_rows():
     logp.sum().backward()
     torch.testing.assert_close(z.grad, y.grad, rtol=1e-5, atol=1e-6)
 
-
-def test_cuda_out_of_range_target_asserts_on_device():
-    x = torch.randn(4, 10, device="cuda")
-    t = torch.tensor([1, 2, 30, 3], device="cuda")
-    with pytest.raises(RuntimeError):
-        rc.vocab_parallel_log_probs(x, t)
-        torch.cuda.synchronize()
