@@ -19,6 +19,7 @@ CPU_SOURCES: List[str] = [
 #: CUDA launchers (device code lives in csrc/cuda/*_kernels.cuh, included by these).
 CUDA_SOURCES: List[str] = [
     "csrc/cuda/logprob.cu",
+    "csrc/cuda/rollout_correction.cu",
 ]
 
 INCLUDE_DIRS: List[str] = ["csrc/include", "csrc"]

@@ -135,104 +135,6 @@ struct Partials {
 
 RC_FORCEINLINE void upd_max(double& m, double v) { m = v > m ? v : m; }
 
-template <typename acc_t>
-void row_partials(const rc::Config<acc_t>& c, const acc_t* st, const rc::RowValues<acc_t>& r, Partials& P) {
-  // The reference's _rc_row_partials for one row: per-row values in acc_t, sums in fp64.
-  double* S = P.sums.data();
-  double* M = P.maxes.data();
-  const acc_t eps = static_cast<acc_t>(rc::kEps);
-  const double nd = r.n;
-  const bool sv = r.n > 0;
-  S[rc::kSN] += nd;
-  S[rc::kSRows] += 1;
-  S[rc::kSSeqValid] += sv;
-  S[rc::kSNonFinite] += st[rc::kSeqNonFinite];
-  if (c.is_level != rc::kIsNone) {
-    acc_t x, raw_mean;
-    if (c.is_level == rc::kIsToken) {
-      x = st[rc::kSeqWTok] / (r.n + eps);
-      raw_mean = st[rc::kSeqWRaw] / (r.n + eps);
-    } else {
-      const acc_t wc = r.w < acc_t(0) ? acc_t(0) : (r.w > c.is_upper ? c.is_upper : r.w);
-      S[rc::kSIsW] += nd * static_cast<double>(r.w);
-      S[rc::kSIsWc] += nd * static_cast<double>(wc);
-      S[rc::kSIsWc2] += nd * static_cast<double>(wc) * static_cast<double>(wc);
-      S[rc::kSIsHigh] += r.lg > c.log_is_upper;
-      S[rc::kSIsLow] += r.lg < c.log_is_metric_lower;
-      if (c.is_mask) S[rc::kSIsOob] += nd * ((r.raw < c.is_lower) || (r.raw > c.is_upper));
-      upd_max(M[rc::kMIsLog], r.lg);
-      upd_max(M[rc::kMIsNegLog], -r.lg);
-      S[rc::kSHist + rc::hist_index(rc::clamp20(r.lg))] += nd;
-      x = r.w * r.n / (r.n + eps);
-      raw_mean = r.raw * r.n / (r.n + eps);
-    }
-    S[rc::kSIsSeq] += x;
-    S[rc::kSIsSeq2] += static_cast<double>(x) * static_cast<double>(x);
-    S[rc::kSIsSeqHigh] += raw_mean > c.is_upper;
-    S[rc::kSIsSeqLow] += raw_mean < c.is_metric_lower;
-    upd_max(M[rc::kMIsSeq], x);
-    upd_max(M[rc::kMIsNegSeq], -x);
-    upd_max(M[rc::kMIsSeqDev], std::abs(static_cast<double>(x - acc_t(1))));
-  }
-  for (int i = 0; i < c.num_rs; ++i) {
-    double* Sc = S + rc::kSBase + i * rc::kRsSum;
-    double* Mc = M + rc::kMBase + i * rc::kRsMax;
-    const acc_t v = r.crit_val[i], lo = c.crit_lower[i], up = c.crit_upper[i];
-    const bool apply_lower = c.crit_apply_lower[i];
-    bool rej_row;
-    if (c.crit_level[i] != rc::kLevelToken) {
-      const acc_t cmin = apply_lower ? lo : acc_t(0);
-      const acc_t sc = v < cmin ? cmin : (v > up ? up : v);
-      Sc[rc::kRsStat] += nd * static_cast<double>(v);
-      Sc[rc::kRsSc] += nd * static_cast<double>(sc);
-      Sc[rc::kRsSc2] += nd * static_cast<double>(sc) * static_cast<double>(sc);
-      Sc[rc::kRsHigh] += (v > up) && sv;
-      if (apply_lower) Sc[rc::kRsLow] += (v < lo) && sv;
-      if (sv) {
-        upd_max(Mc[rc::kRmStat], v);
-        upd_max(Mc[rc::kRmNegStat], -v);
-      }
-      rej_row = !r.crit_keep[i] && sv;
-      Sc[rc::kRsRejTok] += rej_row ? nd : 0.0;
-    } else {
-      const acc_t cnt = st[rc::kSeqRejK1 + c.crit_stat[i]];
-      Sc[rc::kRsRejTok] += cnt;
-      rej_row = cnt > 0 && sv;
-    }
-    Sc[rc::kRsRejSeq] += rej_row;
-    if (sv) {
-      Sc[rc::kRsSeq] += v;
-      Sc[rc::kRsSeq2] += static_cast<double>(v) * static_cast<double>(v);
-      Sc[rc::kRsSeqHigh] += v > up;
-      if (apply_lower) Sc[rc::kRsSeqLow] += v < lo;
-      upd_max(Mc[rc::kRmSeq], v);
-      upd_max(Mc[rc::kRmNegSeq], -v);
-      upd_max(Mc[rc::kRmSeqDev], std::abs(static_cast<double>(v)));
-    }
-  }
-  const acc_t rej_tok = st[rc::kSeqRejToken];
-  S[rc::kSRsRejTok] += r.seq_rej_any ? nd : static_cast<double>(rej_tok);
-  S[rc::kSRsRejSeq] += (r.seq_rej_any && sv) || rej_tok > 0;
-  S[rc::kSVetoSeq] += r.veto;
-  const bool dropped = r.seq_rej_any || r.veto;
-  S[rc::kSFinalRejTok] += dropped ? nd : static_cast<double>(rej_tok);
-  S[rc::kSFinalRejSeq] += sv && (dropped || rej_tok > 0);
-  // Off-policy row terms (verl compute_offpolicy_metrics): per-sequence means, averaged over all rows.
-  const acc_t mlp = st[rc::kSeqLP] / (r.n + eps), mrlp = st[rc::kSeqRLP] / (r.n + eps);
-  const acc_t lpd = -r.lr_sum / (r.n + eps);
-  S[rc::kSLR] += r.lr_sum;
-  S[rc::kSTrainPpl] += rc::rc_exp(-mlp);
-  S[rc::kSTrainLogPpl] += -mlp;
-  S[rc::kSRollPpl] += rc::rc_exp(-mrlp);
-  S[rc::kSRollLogPpl] += -mrlp;
-  S[rc::kSLpd] += lpd;
-  S[rc::kSAbsLpd] += std::abs(lpd);
-  S[rc::kSPplRatio] += rc::rc_exp(lpd);
-  S[rc::kSChi2Seq] += rc::rc_exp(acc_t(2) * rc::clamp20(r.lr_sum));
-  upd_max(M[rc::kMLpd], lpd);
-  upd_max(M[rc::kMNegLpd], -lpd);
-}
-
 template <typename scalar_t, typename mask_t>
 void token_pass_rows(const scalar_t* lp, const scalar_t* rlp, const mask_t* mask, const at::opmath_type<scalar_t>* st,
                      int64_t T, const rc::Config<at::opmath_type<scalar_t>>& c, bool with_rows,
@@ -325,7 +227,7 @@ void token_pass_rows(const scalar_t* lp, const scalar_t* rlp, const mask_t* mask
       Sc[rc::kRsHigh] += c_hi[i];
       Sc[rc::kRsLow] += c_lo[i];
     }
-    if (with_rows) row_partials(c, str, r, P);
+    if (with_rows) rc::add_row_partials(c, str, r, S, M);
   }
 }
 

@@ -210,5 +210,136 @@ RC_HD inline void row_values(const acc_t* st, const Config<acc_t>& c, RowValues<
   r.veto = c.veto_on && st[kSeqNegMinLR] > -c.veto_log;
 }
 
+RC_HD RC_FORCEINLINE void rc_upd_max(double& m, double v) { m = v > m ? v : m; }
+
+// The row terms of pass 2 for one row (the reference's _rc_row_partials): per-row values in acc_t, sums in fp64,
+// into this worker's SUM / MAX partial rows. Added once per sequence (one rank of a context-parallel group).
+template <typename acc_t>
+RC_HD inline void add_row_partials(const Config<acc_t>& c, const acc_t* st, const RowValues<acc_t>& r, double* S,
+                                  double* M) {
+  // The reference's _rc_row_partials for one row: per-row values in acc_t, sums in fp64.
+  const acc_t eps = static_cast<acc_t>(kEps);
+  const double nd = r.n;
+  const bool sv = r.n > 0;
+  S[kSN] += nd;
+  S[kSRows] += 1;
+  S[kSSeqValid] += sv;
+  S[kSNonFinite] += st[kSeqNonFinite];
+  if (c.is_level != kIsNone) {
+    acc_t x, raw_mean;
+    if (c.is_level == kIsToken) {
+      x = st[kSeqWTok] / (r.n + eps);
+      raw_mean = st[kSeqWRaw] / (r.n + eps);
+    } else {
+      const acc_t wc = r.w < acc_t(0) ? acc_t(0) : (r.w > c.is_upper ? c.is_upper : r.w);
+      S[kSIsW] += nd * static_cast<double>(r.w);
+      S[kSIsWc] += nd * static_cast<double>(wc);
+      S[kSIsWc2] += nd * static_cast<double>(wc) * static_cast<double>(wc);
+      S[kSIsHigh] += r.lg > c.log_is_upper;
+      S[kSIsLow] += r.lg < c.log_is_metric_lower;
+      if (c.is_mask) S[kSIsOob] += nd * ((r.raw < c.is_lower) || (r.raw > c.is_upper));
+      rc_upd_max(M[kMIsLog], r.lg);
+      rc_upd_max(M[kMIsNegLog], -r.lg);
+      S[kSHist + hist_index(clamp20(r.lg))] += nd;
+      x = r.w * r.n / (r.n + eps);
+      raw_mean = r.raw * r.n / (r.n + eps);
+    }
+    S[kSIsSeq] += x;
+    S[kSIsSeq2] += static_cast<double>(x) * static_cast<double>(x);
+    S[kSIsSeqHigh] += raw_mean > c.is_upper;
+    S[kSIsSeqLow] += raw_mean < c.is_metric_lower;
+    rc_upd_max(M[kMIsSeq], x);
+    rc_upd_max(M[kMIsNegSeq], -x);
+    rc_upd_max(M[kMIsSeqDev], std::fabs(static_cast<double>(x - acc_t(1))));
+  }
+  for (int i = 0; i < c.num_rs; ++i) {
+    double* Sc = S + kSBase + i * kRsSum;
+    double* Mc = M + kMBase + i * kRsMax;
+    const acc_t v = r.crit_val[i], lo = c.crit_lower[i], up = c.crit_upper[i];
+    const bool apply_lower = c.crit_apply_lower[i];
+    bool rej_row;
+    if (c.crit_level[i] != kLevelToken) {
+      const acc_t cmin = apply_lower ? lo : acc_t(0);
+      const acc_t sc = v < cmin ? cmin : (v > up ? up : v);
+      Sc[kRsStat] += nd * static_cast<double>(v);
+      Sc[kRsSc] += nd * static_cast<double>(sc);
+      Sc[kRsSc2] += nd * static_cast<double>(sc) * static_cast<double>(sc);
+      Sc[kRsHigh] += (v > up) && sv;
+      if (apply_lower) Sc[kRsLow] += (v < lo) && sv;
+      if (sv) {
+        rc_upd_max(Mc[kRmStat], v);
+        rc_upd_max(Mc[kRmNegStat], -v);
+      }
+      rej_row = !r.crit_keep[i] && sv;
+      Sc[kRsRejTok] += rej_row ? nd : 0.0;
+    } else {
+      const acc_t cnt = st[kSeqRejK1 + c.crit_stat[i]];
+      Sc[kRsRejTok] += cnt;
+      rej_row = cnt > 0 && sv;
+    }
+    Sc[kRsRejSeq] += rej_row;
+    if (sv) {
+      Sc[kRsSeq] += v;
+      Sc[kRsSeq2] += static_cast<double>(v) * static_cast<double>(v);
+      Sc[kRsSeqHigh] += v > up;
+      if (apply_lower) Sc[kRsSeqLow] += v < lo;
+      rc_upd_max(Mc[kRmSeq], v);
+      rc_upd_max(Mc[kRmNegSeq], -v);
+      rc_upd_max(Mc[kRmSeqDev], std::fabs(static_cast<double>(v)));
+    }
+  }
+  const acc_t rej_tok = st[kSeqRejToken];
+  S[kSRsRejTok] += r.seq_rej_any ? nd : static_cast<double>(rej_tok);
+  S[kSRsRejSeq] += (r.seq_rej_any && sv) || rej_tok > 0;
+  S[kSVetoSeq] += r.veto;
+  const bool dropped = r.seq_rej_any || r.veto;
+  S[kSFinalRejTok] += dropped ? nd : static_cast<double>(rej_tok);
+  S[kSFinalRejSeq] += sv && (dropped || rej_tok > 0);
+  // Off-policy row terms (verl compute_offpolicy_metrics): per-sequence means, averaged over all rows.
+  const acc_t mlp = st[kSeqLP] / (r.n + eps), mrlp = st[kSeqRLP] / (r.n + eps);
+  const acc_t lpd = -r.lr_sum / (r.n + eps);
+  S[kSLR] += r.lr_sum;
+  S[kSTrainPpl] += rc_exp(-mlp);
+  S[kSTrainLogPpl] += -mlp;
+  S[kSRollPpl] += rc_exp(-mrlp);
+  S[kSRollLogPpl] += -mrlp;
+  S[kSLpd] += lpd;
+  S[kSAbsLpd] += (lpd < acc_t(0) ? -lpd : lpd);
+  S[kSPplRatio] += rc_exp(lpd);
+  S[kSChi2Seq] += rc_exp(acc_t(2) * clamp20(r.lr_sum));
+  rc_upd_max(M[kMLpd], lpd);
+  rc_upd_max(M[kMNegLpd], -lpd);
+}
+
 }  // namespace rc
+
+// Torch-free parameter blocks of the CUDA kernels (the launcher fills raw pointers and sizes).
+template <typename scalar_t, typename mask_t, typename acc_t>
+struct RolloutParams {
+  const scalar_t* log_prob;  // [rows, cols] contiguous
+  const scalar_t* rollout_log_prob;
+  const mask_t* mask;
+  acc_t* seq_stats;     // [rows, rc::kSeqCols]: written by pass 1, read by pass 2
+  acc_t* weights;       // [rows, cols] or nullptr (no IS level)
+  mask_t* mask_out;     // [rows, cols]
+  double* block_sums;   // [grid, num_sums], zero-filled by the launcher
+  double* block_maxes;  // [grid, num_maxes], -inf-filled by the launcher
+  int64_t rows;
+  int64_t cols;
+  int64_t num_sums;
+  int64_t num_maxes;
+  bool row_partials;
+  rc::Config<acc_t> cfg;
+};
+
+struct RolloutReduceParams {
+  const double* block_sums;
+  const double* block_maxes;
+  int64_t blocks;
+  int64_t num_sums;
+  int64_t num_maxes;
+  double* sums;
+  double* maxes;
+};
+
 }  // namespace rollout_corr
