@@ -14,12 +14,14 @@ CPU_SOURCES: List[str] = [
     "csrc/ops.cpp",
     "csrc/cpu/logprob.cpp",
     "csrc/cpu/rollout_correction.cpp",
+    "csrc/cpu/policy_loss.cpp",
 ]
 
 #: CUDA launchers (device code lives in csrc/cuda/*_kernels.cuh, included by these).
 CUDA_SOURCES: List[str] = [
     "csrc/cuda/logprob.cu",
     "csrc/cuda/rollout_correction.cu",
+    "csrc/cuda/policy_loss.cu",
 ]
 
 INCLUDE_DIRS: List[str] = ["csrc/include", "csrc"]

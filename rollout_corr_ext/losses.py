@@ -7,9 +7,9 @@ Every policy loss has the signature of verl's ``compute_policy_loss_vanilla``::
 
 with ``[B, T]`` inputs, a scalar ``loss`` and ``metrics`` a dict of **0-dim tensors** (no host sync; verl calls
 ``.item()`` on each). The per-token work of the PPO family (ratio, clip, dual clip, IS weight, clip
-indicators, the per-row partials every aggregation mode needs) is one function,
-:func:`rollout_corr_ext.reference.policy_loss_rows`, the contract of the fused elementwise kernel that will
-replace it; aggregation then only touches ``[B]`` vectors.
+indicators, the per-row partials every aggregation mode needs) is one fused op,
+:func:`rollout_corr_ext.ops.policy_loss_rows` (contract: :func:`rollout_corr_ext.reference.policy_loss_rows`,
+which also is its fallback); aggregation then only touches ``[B]`` vectors.
 
 Semantics reference: verl 0.9.1 ``verl/trainer/ppo/core_algos.py`` (``agg_loss``,
 ``compute_policy_loss_vanilla``, ``compute_policy_loss_reinforce``, ``compute_policy_loss_bypass_mode``) and
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from . import reference
+from . import ops, reference
 from .reference import (
     MASKED_MEAN_EPS,
     PG_KIND_PPO_CLIP,
@@ -278,8 +278,8 @@ def agg_loss(
 
 
 def _policy_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, weights):
-    loss_mat, rows = reference.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights,
-                                                cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c, kind)
+    loss_mat, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights,
+                                          cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c, kind)
     loss = aggregate_rows(rows[:, PG_ROW_LOSS_SUM], rows[:, PG_ROW_TOKENS], loss_agg_mode, log_prob.shape[-1],
                           **cfg.global_batch_info)
     tokens = rows[:, PG_ROW_TOKENS].sum() + MASKED_MEAN_EPS  # verl's masked_mean denominator
@@ -492,7 +492,7 @@ def calculate_grpo_loss(
 
     Returns Megatron's 6-tuple (loss, kl_term, ratios, entropy_term, truncated_from_above,
     truncated_from_below), all ``[B, T]``. The ratio goes through the same fused elementwise op as the PPO
-    family (``reference.policy_loss_rows`` without dual clip), whose log-ratio is clamped to +-20 before exp
+    family (``ops.policy_loss_rows`` without dual clip), whose log-ratio is clamped to +-20 before exp
     (Megatron overflows to inf there; identical otherwise).
 
     With ``rollout_correction`` (a RolloutCorrectionConfig) the weights come from our rollout correction of
@@ -535,8 +535,8 @@ def calculate_grpo_loss(
             weights = weights.clamp(max=is_truncation_coef)
 
     ones = torch.ones_like(lp, dtype=torch.bool)
-    pg_loss, _ = reference.policy_loss_rows(lp, old_logprobs, adv, ones, weights, float(clamp_eps_lower),
-                                            float(clamp_eps_upper), math.inf, PG_KIND_PPO_CLIP)
+    pg_loss, _ = ops.policy_loss_rows(lp, old_logprobs, adv, ones, weights, float(clamp_eps_lower),
+                                      float(clamp_eps_upper), math.inf, PG_KIND_PPO_CLIP)
     lp_acc = lp.to(acc)
     ref_diff = ref_logprobs.to(acc) - lp_acc
     kl_term = ref_diff.exp() - ref_diff - 1

@@ -54,6 +54,9 @@ def _register_fakes() -> None:
           inv_temperature, ignore_index):
         return None
 
+    if hasattr(torch.ops.rollout_corr, "policy_loss_rows"):
+        _register_policy_loss_ops()
+
 
 # ---------------------------------------------------------------------------------------------------------
 # §2 vocab-parallel log-probs: local row statistics, merge of the gathered records, backward
@@ -195,3 +198,76 @@ def rollout_token_pass(
             log_prob, rollout_log_prob, mask, seq_stats, params, row_partials
         )
     return reference.rollout_token_pass(log_prob, rollout_log_prob, mask, seq_stats, params, row_partials)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# §4 policy losses: the fused per-token loss + per-row partials, and its backward
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _register_policy_loss_ops() -> None:
+    """Fakes of both ops and the autograd formula of ``policy_loss_rows`` (gradient in ``log_prob`` only)."""
+
+    @torch.library.register_fake("rollout_corr::policy_loss_rows")
+    def _(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind):
+        acc = _stats_dtype(log_prob.dtype)
+        return (log_prob.new_empty(tuple(log_prob.shape), dtype=acc),
+                log_prob.new_empty((log_prob.shape[0], reference.PG_ROW_KL_SUM + 1), dtype=acc))
+
+    @torch.library.register_fake("rollout_corr::policy_loss_backward")
+    def _(grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
+          clip_high, clip_c, loss_kind):
+        return log_prob.new_empty(tuple(log_prob.shape))
+
+    def setup_context(ctx, inputs, output):
+        log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind = inputs
+        ctx.save_for_backward(log_prob, old_log_prob, advantages, response_mask, weights)
+        ctx.scalars = (clip_low, clip_high, clip_c, loss_kind)
+
+    def backward(ctx, grad_loss_mat, grad_rows):
+        log_prob, old_log_prob, advantages, response_mask, weights = ctx.saved_tensors
+        grad_log_prob = None
+        if ctx.needs_input_grad[0]:
+            # Only the loss column of rows carries a gradient (the others are detached metric partials).
+            grad_rows_loss = None if grad_rows is None else grad_rows[:, reference.PG_ROW_LOSS_SUM]
+            grad_log_prob = torch.ops.rollout_corr.policy_loss_backward.default(
+                grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights,
+                *ctx.scalars)
+        # advantages and weights are constants of the loss (the reference detaches the weights).
+        return grad_log_prob, None, None, None, None, None, None, None, None
+
+    torch.library.register_autograd("rollout_corr::policy_loss_rows", backward, setup_context=setup_context)
+
+
+def _policy_loss_compiled(device: torch.device) -> bool:
+    """True when the compiled library has the fused loss with a kernel for ``device`` (else the reference runs)."""
+    if not (_compiled and hasattr(torch.ops.rollout_corr, "policy_loss_rows")):
+        return False
+    key = "CUDA" if device.type == "cuda" else "CPU"
+    return torch._C._dispatch_has_kernel_for_dispatch_key("rollout_corr::policy_loss_rows", key)
+
+
+def policy_loss_rows(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    weights: Optional[torch.Tensor],
+    clip_low: float,
+    clip_high: float,
+    clip_c: float,
+    loss_kind: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token policy loss ``[B, T]`` and per-row partials ``[B, 5]`` (``reference.PG_ROW_*``) in one pass.
+
+    Same contract as :func:`rollout_corr_ext.reference.policy_loss_rows`: ``loss_mat`` and the loss column of
+    ``rows`` are differentiable in ``log_prob``; ``weights`` (may be None) are constants.
+    """
+    if _policy_loss_compiled(log_prob.device):
+        if weights is not None:
+            weights = weights.detach()
+        return torch.ops.rollout_corr.policy_loss_rows.default(
+            log_prob, old_log_prob, advantages, response_mask, weights, float(clip_low), float(clip_high),
+            float(clip_c), int(loss_kind))
+    return reference.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
+                                      clip_high, clip_c, loss_kind)

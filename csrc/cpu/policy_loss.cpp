@@ -1,0 +1,77 @@
+// CPU kernels of the fused policy loss (DESIGN §4): one pass over [B, T] writes the per-token loss and the
+// per-row partials (loss sum, tokens, clip counts, kl sum) that every aggregation mode and metric needs; the
+// backward is one more elementwise pass. Rows run in parallel (at::parallel_for), each row is summed serially
+// in the accumulation type (fp32, fp64 for fp64 inputs), so results do not depend on the thread count.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "policy_loss_host.h"
+#include "policy_loss_math.h"
+#include "policy_loss_params.h"
+
+namespace rollout_corr {
+namespace {
+
+// Rows per task: about 16K tokens each, enough to amortize scheduling.
+inline int64_t policy_grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols)); }
+
+std::tuple<at::Tensor, at::Tensor> policy_loss_rows_cpu(const at::Tensor& log_prob, const at::Tensor& old_log_prob,
+                                                        const at::Tensor& advantages, const at::Tensor& response_mask,
+                                                        const c10::optional<at::Tensor>& weights, double clip_low,
+                                                        double clip_high, double clip_c, int64_t loss_kind) {
+  check_policy_loss_inputs(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
+                           loss_kind);
+  auto [loss_mat, rows] = new_policy_loss_outputs(log_prob);
+  const at::Tensor w = defined_or_empty(weights);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_prob.scalar_type(), "policy_loss_rows_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto p = make_policy_loss_params<scalar_t, acc_t>(log_prob, old_log_prob, advantages, response_mask, w,
+                                                            loss_mat, rows, clip_low, clip_high, clip_c, loss_kind);
+    at::parallel_for(0, p.rows, policy_grain(p.cols), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        PolicyRowPartials<acc_t> partials = policy_row_partials_zero<acc_t>();
+        for (int64_t c = 0; c < p.cols; ++c) policy_loss_forward_token(p, r, c, partials);
+        for (int k = 0; k < kPgRowCols; ++k) p.row_partials[r * kPgRowCols + k] = partials.v[k];
+      }
+    });
+  });
+  return {loss_mat, rows};
+}
+
+at::Tensor policy_loss_backward_cpu(const c10::optional<at::Tensor>& grad_loss_mat,
+                                    const c10::optional<at::Tensor>& grad_rows_loss, const at::Tensor& log_prob,
+                                    const at::Tensor& old_log_prob, const at::Tensor& advantages,
+                                    const at::Tensor& response_mask, const c10::optional<at::Tensor>& weights,
+                                    double clip_low, double clip_high, double clip_c, int64_t loss_kind) {
+  check_policy_loss_inputs(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
+                           loss_kind);
+  const at::Tensor g_mat = defined_or_empty(grad_loss_mat);
+  const at::Tensor g_rows = defined_or_empty(grad_rows_loss);
+  check_policy_loss_grads(g_mat, g_rows, log_prob);
+  auto grad = at::empty({log_prob.size(0), log_prob.size(1)}, log_prob.options());
+  const at::Tensor w = defined_or_empty(weights);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_prob.scalar_type(), "policy_loss_backward_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const auto p = make_policy_loss_backward_params<scalar_t, acc_t>(g_mat, g_rows, log_prob, old_log_prob,
+                                                                     advantages, response_mask, w, grad, clip_low,
+                                                                     clip_high, clip_c, loss_kind);
+    at::parallel_for(0, p.rows, policy_grain(p.cols), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t c = 0; c < p.cols; ++c) policy_loss_backward_token(p, r, c);
+    });
+  });
+  return grad;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rollout_corr, CPU, m) {
+  m.impl("policy_loss_rows", &policy_loss_rows_cpu);
+  m.impl("policy_loss_backward", &policy_loss_backward_cpu);
+}
+
+}  // namespace rollout_corr

@@ -1,0 +1,86 @@
+// Torch-free parameter blocks of the fused policy-loss kernels (DESIGN §4): raw pointers, sizes and element
+// strides only, so the kernels compile without ATen (and therefore also under the CUDA emulator).
+//
+// Only log_prob (the differentiable input, and the one most often in bf16) gets a compile-time element type.
+// The other inputs come in whatever dtype the caller has (fp32 advantages next to bf16 log-probs, bool or float
+// masks, advantages expanded from [B] with a zero column stride), so they are read through dtype-tagged strided
+// views: no conversion copy, no materialised expansion, one extra well-predicted branch per load.
+#pragma once
+
+#include <cstdint>
+
+namespace rollout_corr {
+
+// Element type of a TokenView. The switch on it is uniform across a launch (a warp never diverges on it).
+enum class ViewDtype : int32_t {
+  kFloat32 = 0,
+  kFloat64,
+  kFloat16,
+  kBFloat16,
+  kBool,
+  kUInt8,
+  kInt8,
+  kInt16,
+  kInt32,
+  kInt64,
+};
+
+// A read-only [rows, cols] (or [rows], col_stride = 0) view of any supported dtype, in element strides.
+struct TokenView {
+  const void* data;  // nullptr: the input is absent (optional weights / upstream gradients)
+  int64_t row_stride;
+  int64_t col_stride;
+  ViewDtype dtype;
+};
+
+// loss_kind of policy_loss_rows (reference.PG_KIND_*).
+enum PolicyLossKind : int32_t { kPolicyLossPpoClip = 0, kPolicyLossReinforce = 1 };
+
+// Columns of the per-row partials (reference.PG_ROW_*).
+enum PolicyRowColumn : int32_t { kPgRowLossSum = 0, kPgRowTokens, kPgRowClip, kPgRowClipLower, kPgRowKlSum };
+constexpr int kPgRowCols = 5;
+
+// The scalar configuration, held in the accumulation type: the reference compares acc-dtype tensors with
+// Python floats, which torch rounds to the tensor's dtype, so the bounds are rounded the same way.
+template <typename acc_t>
+struct PolicyLossConfig {
+  acc_t ratio_lower;  // 1 - clip_low
+  acc_t ratio_upper;  // 1 + clip_high
+  acc_t clip_c;       // dual-clip bound (may be +inf: no dual clip)
+  int32_t kind;       // PolicyLossKind
+};
+
+template <typename scalar_t, typename acc_t>
+struct PolicyLossParams {
+  const scalar_t* log_prob;  // [rows, cols] with strides lp_row_stride, lp_col_stride
+  TokenView old_log_prob;
+  TokenView advantages;
+  TokenView mask;
+  TokenView weights;  // data == nullptr: no rollout IS weights
+  acc_t* loss_mat;    // [rows, cols] contiguous
+  acc_t* row_partials;  // [rows, kPgRowCols] contiguous
+  int64_t rows;
+  int64_t cols;
+  int64_t lp_row_stride;
+  int64_t lp_col_stride;
+  PolicyLossConfig<acc_t> cfg;
+};
+
+template <typename scalar_t, typename acc_t>
+struct PolicyLossBackwardParams {
+  const scalar_t* log_prob;
+  TokenView old_log_prob;
+  TokenView advantages;
+  TokenView mask;
+  TokenView weights;
+  TokenView grad_loss_mat;   // [rows, cols] or absent
+  TokenView grad_rows_loss;  // [rows] (col_stride 0) or absent
+  scalar_t* grad_log_prob;   // [rows, cols] contiguous
+  int64_t rows;
+  int64_t cols;
+  int64_t lp_row_stride;
+  int64_t lp_col_stride;
+  PolicyLossConfig<acc_t> cfg;
+};
+
+}  // namespace rollout_corr

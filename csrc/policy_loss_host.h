@@ -1,0 +1,168 @@
+// Host side of the fused policy-loss ops shared by the CPU and CUDA backends and the CUDA emulator's bindings:
+// boundary checks with named messages, and the builders of the torch-free kernel parameter blocks.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "policy_loss_params.h"
+
+namespace rollout_corr {
+
+inline bool is_policy_float_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
+}
+
+inline bool is_policy_mask_dtype(at::ScalarType t) {
+  return is_policy_float_dtype(t) || t == at::kBool || t == at::kByte || t == at::kChar || t == at::kShort ||
+         t == at::kInt || t == at::kLong;
+}
+
+inline ViewDtype view_dtype_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return ViewDtype::kFloat32;
+    case at::kDouble: return ViewDtype::kFloat64;
+    case at::kHalf: return ViewDtype::kFloat16;
+    case at::kBFloat16: return ViewDtype::kBFloat16;
+    case at::kBool: return ViewDtype::kBool;
+    case at::kByte: return ViewDtype::kUInt8;
+    case at::kChar: return ViewDtype::kInt8;
+    case at::kShort: return ViewDtype::kInt16;
+    case at::kInt: return ViewDtype::kInt32;
+    case at::kLong: return ViewDtype::kInt64;
+    default: TORCH_CHECK(false, "no TokenView for dtype ", t);
+  }
+}
+
+// A [rows, cols] view of a tensor of the same shape as log_prob, strides as they are (no copy).
+inline TokenView token_view(const at::Tensor& t) {
+  return TokenView{t.const_data_ptr(), t.stride(0), t.stride(1), view_dtype_of(t.scalar_type())};
+}
+inline TokenView token_view_or_absent(const at::Tensor& t) {
+  return t.defined() ? token_view(t) : TokenView{nullptr, 0, 0, ViewDtype::kFloat32};
+}
+// A [rows] view read at column 0 of every row.
+inline TokenView row_view_or_absent(const at::Tensor& t) {
+  return t.defined() ? TokenView{t.const_data_ptr(), t.stride(0), 0, view_dtype_of(t.scalar_type())}
+                     : TokenView{nullptr, 0, 0, ViewDtype::kFloat32};
+}
+
+inline at::ScalarType policy_acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+inline void check_token_input(const at::Tensor& t, const at::Tensor& log_prob, const char* name, bool is_mask) {
+  TORCH_CHECK(t.sizes() == log_prob.sizes(), name, " must have the shape of log_prob ", log_prob.sizes(), ", got ",
+              t.sizes());
+  TORCH_CHECK(t.device() == log_prob.device(), name, " is on ", t.device(), " but log_prob is on ",
+              log_prob.device());
+  if (is_mask) {
+    TORCH_CHECK(is_policy_mask_dtype(t.scalar_type()), name, " must be bool, integer or floating point, got ",
+                t.scalar_type());
+  } else {
+    TORCH_CHECK(is_policy_float_dtype(t.scalar_type()), name, " must be float16, bfloat16, float32 or float64, got ",
+                t.scalar_type());
+  }
+}
+
+inline void check_policy_loss_inputs(const at::Tensor& log_prob, const at::Tensor& old_log_prob,
+                                     const at::Tensor& advantages, const at::Tensor& response_mask,
+                                     const c10::optional<at::Tensor>& weights, double clip_low, double clip_high,
+                                     double clip_c, int64_t loss_kind) {
+  TORCH_CHECK(log_prob.dim() == 2, "log_prob must be 2-D [batch, response_length], got shape ", log_prob.sizes());
+  TORCH_CHECK(is_policy_float_dtype(log_prob.scalar_type()),
+              "log_prob must be float16, bfloat16, float32 or float64, got ", log_prob.scalar_type());
+  check_token_input(old_log_prob, log_prob, "old_log_prob", false);
+  check_token_input(advantages, log_prob, "advantages", false);
+  check_token_input(response_mask, log_prob, "response_mask", true);
+  if (weights.has_value() && weights->defined()) check_token_input(*weights, log_prob, "weights", false);
+  TORCH_CHECK(loss_kind == kPolicyLossPpoClip || loss_kind == kPolicyLossReinforce,
+              "loss_kind must be 0 (PG_KIND_PPO_CLIP) or 1 (PG_KIND_REINFORCE), got ", loss_kind);
+  TORCH_CHECK(clip_low >= 0 && clip_high >= 0, "clip_low and clip_high must be >= 0, got clip_low=", clip_low,
+              ", clip_high=", clip_high);
+  TORCH_CHECK(clip_c > 1.0, "clip_c (the dual-clip bound c) must be > 1 (inf disables the dual clip), got ", clip_c);
+}
+
+template <typename acc_t>
+PolicyLossConfig<acc_t> make_policy_loss_config(double clip_low, double clip_high, double clip_c, int64_t kind) {
+  PolicyLossConfig<acc_t> c;
+  // 1 - clip_low is formed in double, then rounded once, as the reference's Python float bound is.
+  c.ratio_lower = static_cast<acc_t>(1.0 - clip_low);
+  c.ratio_upper = static_cast<acc_t>(1.0 + clip_high);
+  c.clip_c = static_cast<acc_t>(clip_c);
+  c.kind = static_cast<int32_t>(kind);
+  return c;
+}
+
+inline at::Tensor defined_or_empty(const c10::optional<at::Tensor>& t) {
+  return (t.has_value() && t->defined()) ? *t : at::Tensor();
+}
+
+// Outputs: loss_mat [B, T] and rows [B, 5], both contiguous in the accumulation dtype.
+inline std::tuple<at::Tensor, at::Tensor> new_policy_loss_outputs(const at::Tensor& log_prob) {
+  const auto opts = log_prob.options().dtype(policy_acc_dtype(log_prob.scalar_type()));
+  return {at::empty({log_prob.size(0), log_prob.size(1)}, opts), at::empty({log_prob.size(0), kPgRowCols}, opts)};
+}
+
+template <typename scalar_t, typename acc_t>
+PolicyLossParams<scalar_t, acc_t> make_policy_loss_params(const at::Tensor& log_prob, const at::Tensor& old_log_prob,
+                                                          const at::Tensor& advantages,
+                                                          const at::Tensor& response_mask,
+                                                          const at::Tensor& weights, const at::Tensor& loss_mat,
+                                                          const at::Tensor& rows, double clip_low, double clip_high,
+                                                          double clip_c, int64_t loss_kind) {
+  PolicyLossParams<scalar_t, acc_t> p;
+  p.log_prob = log_prob.const_data_ptr<scalar_t>();
+  p.old_log_prob = token_view(old_log_prob);
+  p.advantages = token_view(advantages);
+  p.mask = token_view(response_mask);
+  p.weights = token_view_or_absent(weights);
+  p.loss_mat = loss_mat.mutable_data_ptr<acc_t>();
+  p.row_partials = rows.mutable_data_ptr<acc_t>();
+  p.rows = log_prob.size(0);
+  p.cols = log_prob.size(1);
+  p.lp_row_stride = log_prob.stride(0);
+  p.lp_col_stride = log_prob.stride(1);
+  p.cfg = make_policy_loss_config<acc_t>(clip_low, clip_high, clip_c, loss_kind);
+  return p;
+}
+
+// Upstream gradients of the backward: grad_loss_mat [B, T] and grad_rows_loss [B] (the loss column of rows'
+// gradient, usually a strided column view), either may be absent. Any float dtype, any strides.
+inline void check_policy_loss_grads(const at::Tensor& grad_loss_mat, const at::Tensor& grad_rows_loss,
+                                    const at::Tensor& log_prob) {
+  if (grad_loss_mat.defined()) check_token_input(grad_loss_mat, log_prob, "grad_loss_mat", false);
+  if (grad_rows_loss.defined()) {
+    TORCH_CHECK(grad_rows_loss.dim() == 1 && grad_rows_loss.size(0) == log_prob.size(0),
+                "grad_rows_loss must have shape [", log_prob.size(0), "] (one value per row), got ",
+                grad_rows_loss.sizes());
+    TORCH_CHECK(grad_rows_loss.device() == log_prob.device(), "grad_rows_loss is on ", grad_rows_loss.device(),
+                " but log_prob is on ", log_prob.device());
+    TORCH_CHECK(is_policy_float_dtype(grad_rows_loss.scalar_type()),
+                "grad_rows_loss must be float16, bfloat16, float32 or float64, got ", grad_rows_loss.scalar_type());
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+PolicyLossBackwardParams<scalar_t, acc_t> make_policy_loss_backward_params(
+    const at::Tensor& grad_loss_mat, const at::Tensor& grad_rows_loss, const at::Tensor& log_prob,
+    const at::Tensor& old_log_prob, const at::Tensor& advantages, const at::Tensor& response_mask,
+    const at::Tensor& weights, const at::Tensor& grad_log_prob, double clip_low, double clip_high, double clip_c,
+    int64_t loss_kind) {
+  PolicyLossBackwardParams<scalar_t, acc_t> p;
+  p.log_prob = log_prob.const_data_ptr<scalar_t>();
+  p.old_log_prob = token_view(old_log_prob);
+  p.advantages = token_view(advantages);
+  p.mask = token_view(response_mask);
+  p.weights = token_view_or_absent(weights);
+  p.grad_loss_mat = token_view_or_absent(grad_loss_mat);
+  p.grad_rows_loss = row_view_or_absent(grad_rows_loss);
+  p.grad_log_prob = grad_log_prob.mutable_data_ptr<scalar_t>();
+  p.rows = log_prob.size(0);
+  p.cols = log_prob.size(1);
+  p.lp_row_stride = log_prob.stride(0);
+  p.lp_col_stride = log_prob.stride(1);
+  p.cfg = make_policy_loss_config<acc_t>(clip_low, clip_high, clip_c, loss_kind);
+  return p;
+}
+
+}  // namespace rollout_corr
