@@ -196,13 +196,15 @@ def main():
 
     import rollout_corr_ext as rc
 
+    if rc.backend() == "reference":
+        rc.load_extension()  # what the workers ran (the header reports it)
     print(f"device: {args.device} ({os.cpu_count()} cores), torch {torch.__version__}, backend {rc.backend()}, "
           f"median of {args.reps} runs")
     header = "| TP | tokens | V_local | dtype | impl | pass | time (ms) | GB/s |"
     header += " % peak |" if args.peak_gbps else ""
     header += " peak extra mem (MiB) | collectives |"
     print(header)
-    print("|" + "---|" * header.count("|")[:-1] if False else "|" + "|".join(["---"] * (header.count("|") - 1)) + "|")
+    print("|" + "|".join(["---"] * (header.count("|") - 1)) + "|")
     for world, n, v, dname, name, pas, t, gbps, peak, coll in all_rows:
         line = f"| {world} | {n} | {v} | {dname} | {name} | {pas} | {t * 1e3:.1f} | {gbps:.2f} |"
         if args.peak_gbps:
