@@ -1,0 +1,327 @@
+"""The fused policy-loss op (DESIGN §4) against ``reference.policy_loss_rows``: compiled CPU kernels, and the
+CUDA kernels run thread by thread on the CUDA emulator.
+
+The oracle always runs in fp64 on the very values the op sees (low-precision inputs upcast), so the only
+allowed difference is the op's fp32 arithmetic (and, for the gradient, one rounding to log_prob's dtype).
+"""
+
+import math
+
+import pytest
+import torch
+
+from rollout_corr_ext import losses, ops, reference
+from rollout_corr_ext.reference import PG_KIND_PPO_CLIP, PG_KIND_REINFORCE, PG_ROW_LOSS_SUM, PG_ROW_TOKENS
+from tests.tolerances import GRAD_TOL, OUTPUT_TOL
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+KINDS = [PG_KIND_PPO_CLIP, PG_KIND_REINFORCE]
+
+#: The one tolerance table of this file, by log_prob's dtype: (rtol, atol) of loss_mat, of the row partials
+#: (sums over up to ~130 tokens of fp32 terms of size ~5: a few fp32 ulps of the running sum), of the gradient.
+TOL = {
+    dtype: {"loss": OUTPUT_TOL[dtype], "rows": (1e-10, 1e-10) if dtype == torch.float64 else (2e-5, 1e-4),
+            "grad": GRAD_TOL[dtype]}
+    for dtype in DTYPES
+}
+
+
+def tol(dtype, what):
+    rtol, atol = TOL[dtype][what]
+    return {"rtol": rtol, "atol": atol}
+
+
+def _case(b, t, dtype, seed, weights=True, expand_adv=False, mask_kind="bool", extremes=True, other_dtype=None):
+    """One input set. Log-ratios ~ N(0, 0.6) so both clip sides and the dual clip (r > c = 3) occur; with
+    `extremes`, a few log-ratios beyond +-20 (the clamp) and very negative advantages."""
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
+    lr = torch.randn(b, t, generator=g, dtype=torch.float64) * 0.6
+    if extremes and t > 3:
+        lr[:, 1] = 25.0  # clamped at +20: zero gradient through the ratio
+        lr[:, 2] = -30.0
+        lr[0, 3] = 1.5  # ratio 4.5 > c
+    old = lp - lr
+    if expand_adv:
+        adv = torch.randn(b, generator=g, dtype=torch.float64).reshape(-1, 1).expand(b, t)
+    else:
+        adv = torch.randn(b, t, generator=g, dtype=torch.float64) * 1.5
+    lengths = torch.randint(0, t + 1, (b,), generator=g)
+    mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)
+    if b > 2:
+        mask[1] = False  # a row RS rejected entirely
+        mask[2] = True
+    if mask_kind == "float":
+        mask = mask.double() * (0.5 + torch.rand(b, t, generator=g, dtype=torch.float64))
+    elif mask_kind == "int":
+        mask = mask.to(torch.int32)
+    w = (0.2 + 1.6 * torch.rand(b, t, generator=g, dtype=torch.float64)) if weights else None
+    od = other_dtype or dtype
+    return dict(lp=lp.to(dtype), old=old.to(od), adv=adv.to(od), mask=mask, w=None if w is None else w.to(od))
+
+
+def sample_inputs(dtype):
+    """(name, inputs, clip kwargs): ragged T across warp counts, B=1, a single token, masks of every kind,
+    advantages expanded from [B] (stride 0), mixed dtypes, no dual clip (c = inf, the GRPO form)."""
+    clip = dict(clip_low=0.2, clip_high=0.28, clip_c=3.0)
+    yield "ragged", _case(5, 37, dtype, 0), clip
+    yield "no_weights", _case(4, 130, dtype, 1, weights=False), clip
+    yield "B1", _case(1, 70, dtype, 2), clip
+    yield "single_token", _case(1, 1, dtype, 3, extremes=False), clip
+    yield "float_mask_expanded_adv", _case(6, 33, dtype, 4, expand_adv=True, mask_kind="float"), clip
+    yield "int_mask_fp32_others", _case(3, 64, dtype, 5, mask_kind="int", other_dtype=torch.float32), clip
+    yield "no_dual_clip", _case(4, 20, dtype, 6), dict(clip_low=0.1, clip_high=0.1, clip_c=math.inf)
+
+
+def _fp64(x):
+    return None if x is None else (x.double() if x.is_floating_point() else x)
+
+
+def _reference(inp, kind, clip, requires_grad=False):
+    lp = inp["lp"].detach().to(torch.float64, copy=True).requires_grad_(requires_grad)
+    loss, rows = reference.policy_loss_rows(lp, _fp64(inp["old"]), _fp64(inp["adv"]), inp["mask"], _fp64(inp["w"]),
+                                            clip["clip_low"], clip["clip_high"], clip["clip_c"], kind)
+    return lp, loss, rows
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _upstream(inp, seed):
+    g = torch.Generator().manual_seed(seed)
+    b, t = inp["lp"].shape
+    return (torch.randn(b, t, generator=g, dtype=torch.float64), torch.randn(b, generator=g, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The compiled op (CPU kernels; CUDA kernels too when a GPU is present)
+# ---------------------------------------------------------------------------------------------------------
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _to(inp, device):
+    return {k: (None if v is None else v.to(device)) for k, v in inp.items()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_forward_and_gradient_match_fp64_reference(compiled_backend, device, dtype, kind):
+    for name, inp, clip in sample_inputs(dtype):
+        dinp = _to(inp, device)
+        lp = dinp["lp"].clone().requires_grad_(True)
+        loss, rows = torch.ops.rollout_corr.policy_loss_rows(lp, dinp["old"], dinp["adv"], dinp["mask"], dinp["w"],
+                                                             clip["clip_low"], clip["clip_high"], clip["clip_c"],
+                                                             kind)
+        ref_lp, ref_loss, ref_rows = _reference(inp, kind, clip, requires_grad=True)
+        assert loss.dtype == rows.dtype == _acc(dtype), name
+        assert rows.shape == (lp.shape[0], 5), name
+        torch.testing.assert_close(loss.cpu().double(), ref_loss.detach(), **tol(dtype, "loss"), msg=name)
+        torch.testing.assert_close(rows.cpu().double(), ref_rows.detach(), **tol(dtype, "rows"), msg=name)
+
+        g_mat, g_row = _upstream(inp, seed=len(name))
+        ((loss * g_mat.to(device, loss.dtype)).sum() + (rows[:, PG_ROW_LOSS_SUM] * g_row.to(device, loss.dtype))
+         .sum()).backward()
+        ((ref_loss * g_mat).sum() + (ref_rows[:, PG_ROW_LOSS_SUM] * g_row).sum()).backward()
+        assert lp.grad.dtype == dtype, name
+        torch.testing.assert_close(lp.grad.cpu().double(), ref_lp.grad, **tol(dtype, "grad"), msg=name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradient_through_rows_only_and_loss_mat_only(compiled_backend, kind):
+    """Autograd hands the backward one upstream gradient and None/zeros for the other output."""
+    inp = _case(5, 40, torch.float64, 11)
+    clip = dict(clip_low=0.2, clip_high=0.2, clip_c=3.0)
+    for use_rows in (True, False):
+        lp = inp["lp"].clone().requires_grad_(True)
+        loss, rows = ops.policy_loss_rows(lp, inp["old"], inp["adv"], inp["mask"], inp["w"], **clip, loss_kind=kind)
+        ref_lp, ref_loss, ref_rows = _reference(inp, kind, clip, requires_grad=True)
+        (rows[:, PG_ROW_LOSS_SUM].sum() if use_rows else loss.sum()).backward()
+        (ref_rows[:, PG_ROW_LOSS_SUM].sum() if use_rows else ref_loss.sum()).backward()
+        torch.testing.assert_close(lp.grad, ref_lp.grad, rtol=1e-12, atol=1e-12)
+        if use_rows:  # masked tokens get exactly zero gradient from the row sums
+            assert torch.all(lp.grad[inp["mask"] == 0] == 0)
+
+
+def test_clamped_log_ratio_and_dual_clip_have_zero_gradient(compiled_backend):
+    inp = _case(3, 10, torch.float64, 12)
+    inp["adv"] = -inp["adv"].abs() - 0.1  # A < 0 everywhere: the dual clip applies
+    lp = inp["lp"].clone().requires_grad_(True)
+    loss, rows = ops.policy_loss_rows(lp, inp["old"], inp["adv"], torch.ones_like(inp["mask"]), None, 0.2, 0.2, 3.0,
+                                      PG_KIND_PPO_CLIP)
+    loss.sum().backward()
+    assert torch.all(lp.grad[:, 1] == 0) and torch.all(lp.grad[:, 2] == 0)  # |lp - old| > 20
+    assert lp.grad[0, 3] == 0 and rows[0, reference.PG_ROW_CLIP_LOWER] >= 1  # r = 4.5 > c: dual clip, flat
+    torch.testing.assert_close(loss[:, 1], -inp["adv"][:, 1] * 3.0)  # exp(20) capped at -A c
+
+
+def test_all_masked_rows_and_empty_shapes(compiled_backend):
+    inp = _case(4, 9, torch.float32, 13)
+    mask = torch.zeros(4, 9, dtype=torch.bool)
+    loss, rows = ops.policy_loss_rows(inp["lp"], inp["old"], inp["adv"], mask, inp["w"], 0.2, 0.2, 3.0,
+                                      PG_KIND_PPO_CLIP)
+    assert torch.all(rows == 0) and torch.isfinite(loss).all()
+    for b, t in ((0, 5), (3, 0)):
+        z = torch.zeros(b, t)
+        loss, rows = torch.ops.rollout_corr.policy_loss_rows(z, z, z, z.bool(), None, 0.2, 0.2, 3.0, 0)
+        assert loss.shape == (b, t) and rows.shape == (b, 5) and torch.all(rows == 0)
+
+
+def test_nan_in_padding_stays_out_of_the_rows(compiled_backend):
+    """Padded positions may hold junk (NaN): loss_mat keeps it, as the reference does, the row partials do not."""
+    inp = _case(3, 12, torch.float32, 14)
+    lp = inp["lp"].clone()
+    lp[inp["mask"] == 0] = float("nan")
+    loss, rows = ops.policy_loss_rows(lp, inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2, 0.2, 3.0, 0)
+    ref_loss, ref_rows = reference.policy_loss_rows(lp, inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2, 0.2,
+                                                    3.0, 0)
+    assert torch.isfinite(rows).all()
+    torch.testing.assert_close(loss, ref_loss, equal_nan=True, **tol(torch.float32, "loss"))
+    torch.testing.assert_close(rows, ref_rows, **tol(torch.float32, "rows"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradcheck_fp64(compiled_backend, kind):
+    inp = _case(3, 17, torch.float64, 15, extremes=False, mask_kind="float")
+    lp = inp["lp"].clone().requires_grad_(True)
+
+    def fn(x):
+        loss, rows = torch.ops.rollout_corr.policy_loss_rows(x, inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2,
+                                                             0.28, 3.0, kind)
+        return loss, rows[:, PG_ROW_LOSS_SUM]
+
+    assert torch.autograd.gradcheck(fn, (lp,), eps=1e-7, atol=1e-8)
+
+
+def test_opcheck_both_ops(compiled_backend):
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for name, inp, clip in list(sample_inputs(dtype))[:3]:
+            for kind in KINDS:
+                lp = inp["lp"].clone().requires_grad_(True)
+                args = (lp, inp["old"], inp["adv"], inp["mask"], inp["w"], clip["clip_low"], clip["clip_high"],
+                        clip["clip_c"], kind)
+                torch.library.opcheck(torch.ops.rollout_corr.policy_loss_rows.default, args)
+                g_mat, g_row = _upstream(inp, 0)
+                bargs = (g_mat.to(_acc(dtype)), g_row.to(_acc(dtype)), inp["lp"], *args[1:])
+                torch.library.opcheck(torch.ops.rollout_corr.policy_loss_backward.default, bargs)
+                torch.library.opcheck(torch.ops.rollout_corr.policy_loss_backward.default,
+                                      (None, g_row.to(_acc(dtype)), inp["lp"], *args[1:]))
+
+
+def test_losses_use_the_compiled_op(compiled_backend, monkeypatch):
+    """losses.py must run the fused op, not the reference (which would still give the right numbers)."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("reference.policy_loss_rows called although the compiled op is available")
+
+    monkeypatch.setattr(reference, "policy_loss_rows", forbidden)
+    inp = _case(3, 16, torch.float32, 16)
+    lp = inp["lp"].clone().requires_grad_(True)
+    loss, metrics = losses.compute_policy_loss_vanilla(inp["old"], lp, inp["adv"], inp["mask"], "token-mean")
+    loss.backward()
+    assert torch.isfinite(lp.grad).all() and set(metrics) >= {"actor/pg_clipfrac", "actor/ppo_kl"}
+
+
+_BAD = [
+    (lambda a: dict(a, old=a["old"][:, :-1]), "old_log_prob must have the shape of log_prob"),
+    (lambda a: dict(a, adv=a["adv"].to("meta")), "advantages is on meta but log_prob is on cpu"),
+    (lambda a: dict(a, adv=a["adv"].long()), "advantages must be float16, bfloat16, float32 or float64"),
+    (lambda a: dict(a, mask=a["mask"].to(torch.complex64)), "response_mask must be bool, integer or floating"),
+    (lambda a: dict(a, mask=a["mask"][:1]), "response_mask must have the shape of log_prob"),
+    (lambda a: dict(a, w=a["w"].int()), "weights must be float16, bfloat16, float32 or float64"),
+    (lambda a: dict(a, lp=a["lp"][0]), "log_prob must be 2-D"),
+    (lambda a: dict(a, lp=a["lp"].long()), "log_prob must be float16"),
+    (lambda a: dict(a, kind=2), "loss_kind must be 0"),
+    (lambda a: dict(a, clip_c=1.0), "clip_c .the dual-clip bound c. must be > 1"),
+    (lambda a: dict(a, clip_low=-0.1), "clip_low and clip_high must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("make, match", _BAD)
+def test_bad_input_names_the_argument(compiled_backend, make, match):
+    inp = dict(_case(3, 8, torch.float32, 17), kind=0, clip_c=3.0, clip_low=0.2)
+    before = {k: v.clone() for k, v in inp.items() if isinstance(v, torch.Tensor)}
+    bad = make(inp)
+    # Straight to the CPU kernel: the dispatcher would route a meta tensor to the fake kernel instead.
+    cpu_kernel = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.rollout_corr.policy_loss_rows.default.redispatch(
+            cpu_kernel, bad["lp"], bad["old"], bad["adv"], bad["mask"], bad["w"], bad["clip_low"], 0.2,
+            bad["clip_c"], bad["kind"])
+    for k, v in before.items():
+        assert torch.equal(inp[k], v), k  # inputs untouched
+
+
+def test_backward_bad_grad_shape_is_named(compiled_backend):
+    inp = _case(3, 8, torch.float32, 18)
+    with pytest.raises(RuntimeError, match="grad_rows_loss must have shape \\[3\\]"):
+        torch.ops.rollout_corr.policy_loss_backward(None, torch.ones(4), inp["lp"], inp["old"], inp["adv"],
+                                                    inp["mask"], inp["w"], 0.2, 0.2, 3.0, 0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The CUDA kernels on the CUDA emulator
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def emu():
+    from tests.cuda_emulator.loader import load_emulator
+
+    load_emulator()
+    if not hasattr(torch.ops.rollout_corr_emu, "policy_loss_rows"):
+        pytest.fail("the emulator module was built without emu_policy_loss.cpp")
+    return torch.ops.rollout_corr_emu
+
+
+# threads x schedule, and grids with fewer blocks than rows (the grid-stride loop over rows).
+EMU_KNOBS = [dict()] + [dict(threads=t, schedule=s) for t in (32, 64, 128) for s in (0, 1)] + [
+    dict(threads=32, schedule=1, max_blocks=2),
+    dict(threads=64, max_blocks=1),
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_kernels_match_fp64_reference(emu, dtype, kind):
+    for name, inp, clip in sample_inputs(dtype):
+        ref_lp, ref_loss, ref_rows = _reference(inp, kind, clip, requires_grad=True)
+        g_mat, g_row = _upstream(inp, seed=len(name))
+        ((ref_loss * g_mat).sum() + (ref_rows[:, PG_ROW_LOSS_SUM] * g_row).sum()).backward()
+        args = (inp["lp"], inp["old"], inp["adv"], inp["mask"], inp["w"], clip["clip_low"], clip["clip_high"],
+                clip["clip_c"], kind)
+        acc = _acc(dtype)
+        for knobs in EMU_KNOBS:
+            msg = f"{name} {knobs}"
+            loss, rows = emu.policy_loss_rows(*args, **knobs)
+            # Outputs start NaN-poisoned: every element written (the inputs are finite).
+            assert not loss.isnan().any() and not rows.isnan().any(), msg
+            torch.testing.assert_close(loss.double(), ref_loss.detach(), **tol(dtype, "loss"), msg=msg)
+            torch.testing.assert_close(rows.double(), ref_rows.detach(), **tol(dtype, "rows"), msg=msg)
+            grad = emu.policy_loss_backward(g_mat.to(acc), g_row.to(acc), *args, **knobs)
+            assert grad.dtype == dtype and not grad.isnan().any(), msg
+            torch.testing.assert_close(grad.double(), ref_lp.grad, **tol(dtype, "grad"), msg=msg)
+
+
+def test_emulated_rows_gradient_with_strided_upstream(emu):
+    """The upstream row gradient arrives as a column view of rows' gradient (stride 5), loss_mat's as None."""
+    inp = _case(7, 45, torch.float32, 19)
+    ref_lp, _, ref_rows = _reference(inp, PG_KIND_PPO_CLIP, dict(clip_low=0.2, clip_high=0.2, clip_c=3.0), True)
+    g_rows_full = torch.randn(7, 5)
+    (ref_rows * g_rows_full.double()).sum().backward()
+    grad = emu.policy_loss_backward(None, g_rows_full[:, PG_ROW_LOSS_SUM], inp["lp"], inp["old"], inp["adv"],
+                                    inp["mask"], inp["w"], 0.2, 0.2, 3.0, PG_KIND_PPO_CLIP, threads=32, max_blocks=3)
+    torch.testing.assert_close(grad.double(), ref_lp.grad, **tol(torch.float32, "grad"))
+
+
+def test_emulated_row_partials_equal_compiled_cpu_counts(emu, compiled_backend):
+    """Integer-valued columns (tokens, clip counts) are exact on every path."""
+    inp = _case(6, 300, torch.float32, 20)
+    args = (inp["lp"], inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2, 0.28, 3.0, PG_KIND_PPO_CLIP)
+    _, cpu_rows = torch.ops.rollout_corr.policy_loss_rows(*args)
+    _, emu_rows = emu.policy_loss_rows(*args, threads=64, schedule=1, max_blocks=4)
+    counts = [PG_ROW_TOKENS, reference.PG_ROW_CLIP, reference.PG_ROW_CLIP_LOWER]
+    assert torch.equal(cpu_rows[:, counts], emu_rows[:, counts])
+    assert torch.equal(cpu_rows[:, PG_ROW_TOKENS], inp["mask"].sum(-1).float())
