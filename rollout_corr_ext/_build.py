@@ -26,7 +26,7 @@ CUDA_SOURCES: List[str] = [
 
 INCLUDE_DIRS: List[str] = ["csrc/include", "csrc"]
 
-CXX_FLAGS: List[str] = ["-O3", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+CXX_FLAGS: List[str] = ["-O3", "-fopenmp", "-Wall", "-Wno-unknown-pragmas", "-Wno-psabi"]
 NVCC_FLAGS: List[str] = [
     "-O3",
     "-lineinfo",
