@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,22 @@ def find_extension(path: Path) -> Path:
     if not found:
         sys.exit(f"no _C*.so under {path}: build the CUDA extension first (see the docstring)")
     return found[0]
+
+
+def find_cuobjdump() -> str:
+    """CUDA_HOME's cuobjdump, else one on PATH, else the copy that triton's wheel (a torch dependency) ships."""
+    candidates = [os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump"),
+                  shutil.which("cuobjdump") or ""]
+    try:
+        import triton
+
+        candidates.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"))
+    except ImportError:
+        pass
+    for c in candidates:
+        if c and os.access(c, os.X_OK):
+            return c
+    sys.exit("cuobjdump not found (CUDA_HOME/bin, PATH, triton's backends/nvidia/bin)")
 
 
 def demangle(names):
@@ -48,9 +65,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", type=Path, help="the built extension (.so) or a folder holding it")
     p.add_argument("--arch", default="sm_90")
+    p.add_argument("--full", action="store_true", help="one row per template instantiation (default: per kernel)")
     args = p.parse_args()
     so = find_extension(args.path)
-    cuobjdump = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "cuobjdump")
+    cuobjdump = find_cuobjdump()
     text = subprocess.run([cuobjdump, "--dump-resource-usage", str(so)], capture_output=True, text=True,
                           check=True).stdout
     rows, arch = [], None
@@ -65,12 +83,27 @@ def main() -> None:
         m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", line)
         if m and arch == args.arch:
             rows.append((current, *map(int, m.groups())))
-    names = demangle([r[0] for r in rows])
-    print(f"| kernel ({args.arch}) | registers / thread | shared (B / block) | stack (B) | local (B) |")
-    print("|---|---|---|---|---|")
-    for (mangled, reg, stack, shared, local), name in sorted(zip(rows, names), key=lambda x: x[1]):
-        print(f"| `{short_name(name)}` | {reg} | {shared} | {stack} | {local} |")
+    names = [short_name(n) for n in demangle([r[0] for r in rows])]
+    if args.full:
+        print(f"| kernel ({args.arch}) | registers / thread | shared (B / block) | stack (B) | local (B) |")
+        print("|---|---|---|---|---|")
+        for (mangled, reg, stack, shared, local), name in sorted(zip(rows, names), key=lambda x: x[1]):
+            print(f"| `{name}` | {reg} | {shared} | {stack} | {local} |")
+        return
+    groups = {}
+    for (mangled, reg, stack, shared, local), name in zip(rows, names):
+        groups.setdefault(name.split("<", 1)[0], []).append((reg, shared, stack, local))
 
+    def span(values):
+        lo, hi = min(values), max(values)
+        return str(lo) if lo == hi else f"{lo}-{hi}"
+
+    print(f"| kernel ({args.arch}) | instantiations | registers / thread | shared (B / block) | stack (B) | local (B) |")
+    print("|---|---|---|---|---|---|")
+    for base in sorted(groups):
+        g = groups[base]
+        print(f"| `{base}` | {len(g)} | {span([x[0] for x in g])} | {span([x[1] for x in g])} | "
+              f"{span([x[2] for x in g])} | {span([x[3] for x in g])} |")
 
 if __name__ == "__main__":
     main()
