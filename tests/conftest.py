@@ -31,5 +31,5 @@ def pytest_report_header(config):
 @pytest.fixture(scope="session")
 def compiled_backend():
     if rollout_corr_ext.backend() == "reference":
-        pytest.skip("needs the compiled extension (ROLLOUT_CORR_FORCE_REFERENCE=1 is set)")
+        pytest.skip(reason="needs the compiled extension (ROLLOUT_CORR_FORCE_REFERENCE=1 is set)")
     return rollout_corr_ext.backend()

@@ -14,5 +14,5 @@ export ROLLOUT_CORR_EMU_BUILD_DIR=${ROLLOUT_CORR_EMU_BUILD_DIR:-$PWD/build/emu}/
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_stack_use_after_return=0
 # Left out: the planted-bug and divergence tests (their own builds) and the misaligned-row test, whose expected
 # C++ exception aborts under a preloaded ASan runtime when it crosses into the non-instrumented interpreter.
-LD_PRELOAD="$libasan" python -m pytest -q -p no:cacheprovider tests/test_cuda_emulator.py \
+LD_PRELOAD="$libasan" python -m pytest -q -p no:cacheprovider tests/test_cuda_emulator*.py \
   -k "not planted and not divergence and not misaligned"
