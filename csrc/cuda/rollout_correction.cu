@@ -1,5 +1,5 @@
 // CUDA launchers of the rollout-correction op (DESIGN §3): device guard, current stream, launch checks.
-// The shared host driver (checks, outputs, scratch, params, launch shapes): rollout_correction_launch.h;
+// The shared host driver (checks, outputs, scratch, params, launch shapes): rollout_correction_launch.cuh;
 // device code: rollout_correction_kernels.cuh (shared with the CUDA emulator).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -7,7 +7,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "rollout_correction_launch.h"
+#include "rollout_correction_launch.cuh"
 
 namespace rollout_corr {
 namespace {

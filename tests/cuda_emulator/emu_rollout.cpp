@@ -1,6 +1,6 @@
 // Emulated CUDA launchers of the rollout-correction kernel family: the very kernels of
 // csrc/cuda/rollout_correction_kernels.cuh, compiled by g++ against cuda_emu.h, through the same host driver as
-// the CUDA launchers (rollout_correction_launch.h), exposed as CPU ops torch.ops.rollout_corr_emu.rollout_*.
+// the CUDA launchers (rollout_correction_launch.cuh), exposed as CPU ops torch.ops.rollout_corr_emu.rollout_*.
 // Knobs the tests sweep: `threads` (0 = the launcher's choice), `schedule` (0 ascending, 1 descending) and
 // `max_blocks` (0 = the launcher's grid; smaller exercises the grid-stride loops and several scratch rows).
 #include "cuda_emu.h"  // must come first: it defines the device API the kernels use
@@ -8,7 +8,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "rollout_correction_launch.h"
+#include "rollout_correction_launch.cuh"
 
 namespace rollout_corr {
 namespace {
