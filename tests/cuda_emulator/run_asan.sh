@@ -16,3 +16,5 @@ export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_stack_use_after_retur
 # C++ exception aborts under a preloaded ASan runtime when it crosses into the non-instrumented interpreter.
 LD_PRELOAD="$libasan" python -m pytest -q -p no:cacheprovider tests/test_cuda_emulator*.py \
   -k "not planted and not divergence and not misaligned"
+# The fused policy-loss kernels (strided, dtype-tagged input views: the accesses most worth bounds-checking).
+LD_PRELOAD="$libasan" python -m pytest -q -p no:cacheprovider tests/test_policy_loss_kernel.py -k "emulated"
