@@ -39,6 +39,13 @@ MUTANTS = {
         "for (int64_t c = num_vec * kVec + threadIdx.x; c <= p.valid_cols; c += blockDim.x) {",
         "check_row_stats_padded",
     ),
+    # The same barrier in the policy-loss row reduction (warp 0 would read other warps' partials unwritten).
+    "policy_loss_missing_syncthreads": (
+        "policy_loss_kernels.cuh",
+        "    __syncthreads();\n    if (warp == 0) {",
+        "    if (warp == 0) {",
+        "check_policy_loss_multiwarp",
+    ),
 }
 
 
@@ -89,6 +96,28 @@ def check_row_stats_padded() -> str:
     x, t = _inputs(5, 100)
     t = t.clamp(max=96)
     return _row_stats_mismatch(x, t, 97, threads=32, vec=1)
+
+
+def check_policy_loss_multiwarp() -> str:
+    import torch
+
+    from rollout_corr_ext import reference
+
+    g = torch.Generator().manual_seed(0)
+    lp = -torch.rand(4, 300, generator=g, dtype=torch.float64)
+    old = lp + 0.3 * torch.randn(4, 300, generator=g, dtype=torch.float64)
+    adv = torch.randn(4, 300, generator=g, dtype=torch.float64)
+    mask = torch.rand(4, 300, generator=g) > 0.2
+    inputs = (lp.float(), old.float(), adv.float())
+    _, ref = reference.policy_loss_rows(*(x.double() for x in inputs), mask, None, 0.2, 0.2, 3.0, 0)
+    for schedule in (0, 1):
+        _, rows = torch.ops.rollout_corr_emu.policy_loss_rows(*inputs, mask, None, 0.2, 0.2, 3.0, 0, threads=128,
+                                                               schedule=schedule)
+        try:
+            torch.testing.assert_close(rows.double(), ref, rtol=2e-5, atol=1e-4)
+        except AssertionError as e:
+            return f"schedule {schedule}: {str(e).splitlines()[0]}"
+    return ""
 
 
 def main(name: str) -> int:
