@@ -261,7 +261,7 @@ def policy_loss_rows(
     """Per-token policy loss ``[B, T]`` and per-row partials ``[B, 5]`` (``reference.PG_ROW_*``) in one pass.
 
     Same contract as :func:`rollout_corr_ext.reference.policy_loss_rows`: ``loss_mat`` and the loss column of
-    ``rows`` are differentiable in ``log_prob``; ``weights`` (may be None) are constants.
+    ``rows`` are differentiable in ``log_prob`` only: ``advantages`` and ``weights`` (may be None) are constants.
     """
     if _policy_loss_compiled(log_prob.device):
         if weights is not None:

@@ -169,6 +169,26 @@ def test_all_masked_rows_and_empty_shapes(compiled_backend):
         assert loss.shape == (b, t) and rows.shape == (b, 5) and torch.all(rows == 0)
 
 
+def test_strided_views_read_in_place(compiled_backend):
+    """Non-contiguous inputs (a column-strided slice, a transposed buffer) are read through their strides."""
+    inp = _case(4, 30, torch.float32, 21)
+    wide = torch.randn(4, 60)
+    wide[:, ::2] = inp["lp"]
+    lp_strided = wide[:, ::2]
+    old_t = inp["old"].t().contiguous().t()
+    assert not lp_strided.is_contiguous() and not old_t.is_contiguous()
+    x = lp_strided.clone().requires_grad_(True)  # the gradient path, contiguous
+    got = ops.policy_loss_rows(lp_strided, old_t, inp["adv"], inp["mask"].t().contiguous().t(), inp["w"], 0.2, 0.2,
+                               3.0, PG_KIND_PPO_CLIP)
+    want = ops.policy_loss_rows(x, inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2, 0.2, 3.0, PG_KIND_PPO_CLIP)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b.detach())
+    g = torch.ops.rollout_corr.policy_loss_backward(None, torch.ones(4), lp_strided, old_t, inp["adv"], inp["mask"],
+                                                    inp["w"], 0.2, 0.2, 3.0, PG_KIND_PPO_CLIP)
+    want[1][:, PG_ROW_LOSS_SUM].sum().backward()
+    assert g.is_contiguous() and torch.equal(g, x.grad)
+
+
 def test_nan_in_padding_stays_out_of_the_rows(compiled_backend):
     """Padded positions may hold junk (NaN): loss_mat keeps it, as the reference does, the row partials do not."""
     inp = _case(3, 12, torch.float32, 14)
