@@ -362,3 +362,39 @@ def test_verl_parity(cfg):
     torch.testing.assert_close(res.response_mask, m_verl)
     if w_proto is not None:
         torch.testing.assert_close(res.weights, w_proto.batch["rollout_is_weights"], rtol=2e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------- compiled ops
+
+from rollout_corr_ext import ops as _ops  # noqa: E402
+from rollout_corr_ext.correction import pack_params  # noqa: E402
+
+_HAS_OPS = _ops._rollout_compiled("rollout_token_pass", torch.device("cpu"))
+
+
+@pytest.mark.skipif(not _HAS_OPS, reason="the compiled rollout_corr CPU kernels are not loaded (build the extension, "
+                                         "or ROLLOUT_CORR_JIT=1); the reference backend is what runs")
+@pytest.mark.parametrize("dtype,mask_dtype", [(torch.float32, torch.bool), (torch.bfloat16, torch.int64),
+                                              (torch.float64, torch.float32), (torch.float16, torch.int32)])
+@pytest.mark.parametrize("cfg_kw", [
+    dict(rollout_is="token", rollout_rs="token_k1,seq_mean_k3,token", rollout_rs_threshold="1.3,0.02,0.8_1.25",
+         rollout_token_veto_threshold=0.5),
+    dict(rollout_is="sequence", rollout_is_threshold="0.5_5.0", rollout_rs="seq_max_k2,geometric",
+         rollout_rs_threshold="0.05,0.99_1.01"),
+])
+def test_compiled_passes_match_reference_and_opcheck(cfg_kw, dtype, mask_dtype):
+    lp, rlp, mask = make_inputs(6, 40, seed=20, pad_rows=(2,), dtype=dtype)
+    mask = mask.to(mask_dtype)
+    params = pack_params(Cfg(**cfg_kw))
+    st = torch.ops.rollout_corr.rollout_seq_stats.default(lp, rlp, mask, params)
+    st_ref = R.rollout_seq_stats(lp, rlp, mask, params)
+    tol = TOL[torch.float64 if dtype == torch.float64 else torch.float32]
+    torch.testing.assert_close(st, st_ref, rtol=tol["rtol"] * 10, atol=tol["atol"] * 10)
+    out = torch.ops.rollout_corr.rollout_token_pass.default(lp, rlp, mask, st_ref, params, True)
+    ref = R.rollout_token_pass(lp, rlp, mask, st_ref, params, True)
+    torch.testing.assert_close(out[0], ref[0], **tol)
+    assert out[1].dtype == mask_dtype and torch.equal(out[1], ref[1])
+    torch.testing.assert_close(out[2], ref[2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[3], ref[3], rtol=1e-6, atol=1e-7)
+    torch.library.opcheck(torch.ops.rollout_corr.rollout_seq_stats.default, (lp, rlp, mask, params))
+    torch.library.opcheck(torch.ops.rollout_corr.rollout_token_pass.default, (lp, rlp, mask, st, params, True))
