@@ -141,7 +141,8 @@ def main() -> None:
           f"seq_mean_k3, all metrics; backend={rc.backend()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads")
     print()
-    print("| implementation | median time (ms) | speed-up | host syncs | peak extra memory (MiB) | effective GB/s | metrics |")
+    print("| implementation | median time (ms) | speed-up | host syncs | peak extra memory (MiB) | effective GB/s "
+          "| metrics |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, med, syncs, peak, gbs, nmet in rows:
         print(f"| {name} | {med * 1e3:.1f} | {base / med:.1f}x | {syncs} | {peak:.0f} | {gbs:.2f} | {nmet} |")
