@@ -151,6 +151,65 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &run); }
     assert "deadlock or divergent synchronisation" in mod.run(1)
 
 
+def test_emulator_device_api_semantics():
+    """The emulated device API itself: dynamic shared memory, __shfl_down/up/sync, __syncwarp, atomics, 2-D blocks."""
+    from torch.utils.cpp_extension import load_inline
+
+    src = r'''
+#include "cuda_emu.h"
+#include <torch/extension.h>
+#include "device_utils.cuh"
+// Block sum through dynamic shared memory + a shfl_down tree; one atomicAdd per block into a global total.
+__global__ void block_sum(const float* x, int n, float* total, int* blocks_done) {
+  RC_DYNAMIC_SHARED(float, partial);
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+  const int nthreads = blockDim.x * blockDim.y;
+  float v = 0.f;
+  for (int i = blockIdx.x * nthreads + tid; i < n; i += gridDim.x * nthreads) v += x[i];
+  for (int off = 16; off > 0; off /= 2) v += __shfl_down_sync(0xffffffffu, v, off);
+  if (tid % 32 == 0) partial[tid / 32] = v;
+  __syncthreads();
+  if (tid == 0) {
+    float s = 0.f;
+    for (int w = 0; w < nthreads / 32; ++w) s += partial[w];
+    atomicAdd(total, s);
+    atomicAdd(blocks_done, 1);
+  }
+}
+// Lane permutations: broadcast from lane 3, shift up by 1; and __syncwarp as a pure rendezvous.
+__global__ void lanes(int* out) {
+  const int lane = threadIdx.x % 32;
+  __syncwarp();
+  const int b = __shfl_sync(0xffffffffu, lane * 10, 3);
+  const int u = __shfl_up_sync(0xffffffffu, lane, 1);
+  out[threadIdx.x] = b * 1000 + u;
+}
+std::vector<double> run() {
+  std::vector<float> x(1000);
+  double want = 0;
+  for (int i = 0; i < 1000; ++i) { x[i] = 0.5f * (i % 7) - 1.f; want += x[i]; }
+  float total = 0.f; int done = 0;
+  emu::launch(block_sum, dim3(3), dim3(32, 4), 4 * sizeof(float), x.data(), 1000, &total, &done);
+  std::vector<int> out(64);
+  emu::launch(lanes, dim3(1), dim3(64), 0, out.data());
+  std::vector<double> r = {want, (double)total, (double)done};
+  for (int v : out) r.push_back(v);
+  return r;
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &run); }
+'''
+    mod = load_inline(name="rc_emu_device_api", cpp_sources=[src],
+                      extra_include_paths=[str(ROOT / "tests" / "cuda_emulator"), str(ROOT / "csrc" / "cuda"),
+                                           str(ROOT / "csrc" / "include")],
+                      extra_cflags=["-O1"], build_directory=_emu_build_dir("device_api"))
+    r = mod.run()
+    assert abs(r[0] - r[1]) < 1e-3 and r[2] == 3
+    lanes = [int(v) for v in r[3:]]
+    for t, v in enumerate(lanes):
+        lane = t % 32
+        assert v // 1000 == 30 and v % 1000 == (lane - 1 if lane > 0 else 0), (t, v)
+
+
 def _emu_build_dir(key):
     base = os.environ.get("ROLLOUT_CORR_EMU_BUILD_DIR")
     if not base:

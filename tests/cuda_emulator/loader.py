@@ -29,8 +29,11 @@ def _include_dirs(kernel_override_dir: Optional[str]):
 
 
 def load_emulator(kernel_override_dir: Optional[str] = None, sanitize: Optional[bool] = None,
-                  verbose: bool = False) -> None:
-    """Compile (cached by torch in its extensions folder) and load the emulated kernels into this process."""
+                  verbose: bool = False, sources: Optional[list] = None) -> None:
+    """Compile (cached by torch in its extensions folder) and load the emulated kernels into this process.
+
+    ``sources``: file names of the ``emu_*.cpp`` families to build (default: all of them).
+    """
     global _loaded
     if _loaded:
         return
@@ -41,14 +44,15 @@ def load_emulator(kernel_override_dir: Optional[str] = None, sanitize: Optional[
     flags = ["-O1", "-g0", "-fno-omit-frame-pointer", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function"]
     if sanitize:
         flags += ["-fsanitize=address", "-fno-sanitize-recover=all"]
-    key = hashlib.sha1(repr((kernel_override_dir, sanitize)).encode()).hexdigest()[:10]
+    chosen = EMU_SOURCES if sources is None else [str(HERE / name) for name in sources]
+    key = hashlib.sha1(repr((kernel_override_dir, sanitize, sorted(chosen))).encode()).hexdigest()[:10]
     build_dir = os.environ.get("ROLLOUT_CORR_EMU_BUILD_DIR")
     if build_dir:
         build_dir = os.path.join(build_dir, key)
         os.makedirs(build_dir, exist_ok=True)
     load(
         name=f"rollout_corr_emu_{key}",
-        sources=EMU_SOURCES,
+        sources=chosen,
         extra_include_paths=_include_dirs(kernel_override_dir),
         extra_cflags=flags,
         extra_ldflags=["-fsanitize=address"] if sanitize else [],
