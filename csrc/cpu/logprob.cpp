@@ -180,15 +180,7 @@ RC_FORCEINLINE void row_stats_one_row(const RowStatsParams<scalar_t, acc_t>& p, 
     st = softmax_stats_merge(st, SoftmaxStats<acc_t>{bm, bd, bs});
     sum_z += bz;
   }
-  const int64_t t = p.target[row];
-  const int64_t local = t - p.vocab_start;
-  const bool in_shard = t != p.ignore_index && local >= 0 && local < p.valid_cols;
-  acc_t* out = p.stats + row * p.stats_cols;
-  out[kRowMax] = st.m;
-  out[kRowSumExp] = st.d;
-  out[kRowSumExpZ] = st.s;
-  out[kRowTargetZ] = in_shard ? static_cast<acc_t>(x[local]) * p.inv_temperature : -INFINITY;
-  if (p.stats_cols > kRowSumZ) out[kRowSumZ] = sum_z;
+  write_row_record(p, row, x, st, sum_z);
 }
 
 template <typename scalar_t, typename acc_t>

@@ -58,17 +58,7 @@ __global__ void vocab_row_stats_kernel(RowStatsParams<scalar_t, acc_t> p) {
       sum_z = has ? warp_z[lane] : acc_t(0);
       st = warp_merge_stats(st);
       sum_z = warp_sum(sum_z);
-      if (lane == 0) {
-        const int64_t t = p.target[row];
-        const int64_t local = t - p.vocab_start;
-        const bool in_shard = t != p.ignore_index && local >= 0 && local < p.valid_cols;
-        acc_t* out = p.stats + row * p.stats_cols;
-        out[kRowMax] = st.m;
-        out[kRowSumExp] = st.d;
-        out[kRowSumExpZ] = st.s;
-        out[kRowTargetZ] = in_shard ? static_cast<acc_t>(x[local]) * p.inv_temperature : -INFINITY;
-        if (p.stats_cols > kRowSumZ) out[kRowSumZ] = sum_z;
-      }
+      if (lane == 0) write_row_record(p, row, x, st, sum_z);
     }
     __syncthreads();  // the warp_* slots are rewritten for the next row
   }

@@ -129,6 +129,22 @@ RC_HD RC_FORCEINLINE acc_t logprob_grad_element(acc_t z, acc_t p, bool is_target
   return g;
 }
 
+// Write one row's record (shared by the CPU loop and the CUDA kernel's lane 0). `x` is the row's logits: the
+// target's z is re-read with the same scaling as the sweep so that y and the stats agree bit for bit.
+template <typename scalar_t, typename acc_t>
+RC_HD RC_FORCEINLINE void write_row_record(const RowStatsParams<scalar_t, acc_t>& p, int64_t row, const scalar_t* x,
+                                           SoftmaxStats<acc_t> st, acc_t sum_z) {
+  const int64_t t = p.target[row];
+  const int64_t local = t - p.vocab_start;
+  const bool in_shard = t != p.ignore_index && local >= 0 && local < p.valid_cols;
+  acc_t* out = p.stats + row * p.stats_cols;
+  out[kRowMax] = st.m;
+  out[kRowSumExp] = st.d;
+  out[kRowSumExpZ] = st.s;
+  out[kRowTargetZ] = in_shard ? static_cast<acc_t>(x[local]) * p.inv_temperature : -INFINITY;
+  if (p.stats_cols > kRowSumZ) out[kRowSumZ] = sum_z;
+}
+
 // Merge the shard records of one row and write its outputs (the CPU loop and the CUDA merge kernel call this).
 template <typename acc_t>
 RC_HD RC_FORCEINLINE void merge_one_row(const MergeParams<acc_t>& p, int64_t row) {
