@@ -31,11 +31,12 @@ def _activate(module_has_cuda: bool) -> None:
 def _try_prebuilt() -> bool:
     if os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0") == "1":
         return False
+    import torch  # first: _C links against libtorch/libc10, which importing torch loads
+
     try:
         importlib.import_module(f"{__name__}._C")
     except ImportError:
         return False
-    import torch
 
     _activate(bool(torch.ops.rollout_corr.built_with_cuda()))
     return True
