@@ -98,3 +98,77 @@ def test_metrics_from_emulated_partials_match_dense_oracle(emu):
                                  skip=("batch_norm_factor",))
         assert not errors, "\n".join(errors)
         assert torch.equal(m, m_d)
+
+
+# Planted bugs: each must be caught (a missing barrier around the block reduction, an off-by-one row sweep).
+MUTANTS = {
+    "missing_syncthreads_partials": (
+        "    for (int k = 0; k < K; ++k) red[warp * (N + K) + N + k] = m[k];\n  }\n  __syncthreads();",
+        "    for (int k = 0; k < K; ++k) red[warp * (N + K) + N + k] = m[k];\n  }",
+    ),
+    "missing_syncthreads_results": (
+        "      out_max[k - N] = t;\n    }\n  }\n  __syncthreads();",
+        "      out_max[k - N] = t;\n    }\n  }",
+    ),
+    "off_by_one_sweep": (
+        "for (int64_t t = threadIdx.x; t < p.cols; t += blockDim.x) {\n      const mask_t mv",
+        "for (int64_t t = threadIdx.x; t + 1 < p.cols; t += blockDim.x) {\n      const mask_t mv",
+    ),
+}
+
+_MUTANT_CHECK = r"""
+import sys, torch
+sys.path[:0] = [{root!r}, {tests!r}]
+from tests.cuda_emulator.loader import load_emulator
+load_emulator(kernel_override_dir={dir!r})
+from rc_testutil import make_inputs
+from rollout_corr_ext import RolloutCorrectionConfig as Cfg, reference as R
+from rollout_corr_ext.correction import pack_params
+cfg = Cfg(rollout_is="token", rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="1.3,0.02")
+lp, rlp, m = make_inputs(4, 200, seed=1)
+m[1] = True  # a full row (its last token is valid)
+lp[1] = rlp[1] + 0.1
+p = pack_params(cfg)
+caught = False
+try:
+    for sched in (0, 1):
+        st_ref = R.rollout_seq_stats(lp, rlp, m, p)
+        st = torch.ops.rollout_corr_emu.rollout_seq_stats(lp, rlp, m, p, threads=128, schedule=sched)
+        out = torch.ops.rollout_corr_emu.rollout_token_pass(lp, rlp, m, st_ref, p, True, threads=128, schedule=sched)
+        ref = R.rollout_token_pass(lp, rlp, m, st_ref, p, True)
+        ok = (torch.allclose(st, st_ref, rtol=1e-4, atol=1e-4) and torch.equal(out[1], ref[1])
+              and torch.allclose(out[2], ref[2], rtol=1e-4, atol=1e-4) and torch.allclose(out[3], ref[3]))
+        caught |= not ok
+except Exception as e:  # an emulator error is a detection too
+    caught = True
+print("DETECTED" if caught else "MISSED")
+"""
+
+
+@pytest.mark.slow
+def test_planted_bugs_are_caught(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.cuda_emulator.loader import ROOT
+
+    def run(name):
+        old, new = MUTANTS[name]
+        d = tmp_path / name
+        d.mkdir()
+        for src in (ROOT / "csrc" / "cuda").glob("*.cuh"):
+            shutil.copy(src, d / src.name)
+        f = d / "rollout_correction_kernels.cuh"
+        text = f.read_text()
+        assert text.count(old) == 1, f"mutant {name}: pattern not found"
+        f.write_text(text.replace(old, new))
+        script = _MUTANT_CHECK.format(root=str(ROOT), tests=str(ROOT / "tests"), dir=str(d))
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
+        return name, proc
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(run, sorted(MUTANTS)))
+    for name, proc in results:
+        assert "DETECTED" in proc.stdout, f"mutant {name} was not caught:\n{(proc.stdout + proc.stderr)[-3000:]}"
