@@ -161,6 +161,23 @@ inline BackwardInputs prepare_backward(const c10::optional<at::Tensor>& grad_log
   return in;
 }
 
+// The merge's checked, contiguous inputs and its four freshly allocated outputs.
+struct MergeIO {
+  at::Tensor stats, target, logp, entropy, mean_logp, row_state;
+};
+
+inline MergeIO prepare_merge(const at::Tensor& stats, const at::Tensor& target, int64_t vocab_size) {
+  check_stats(stats, target);
+  TORCH_CHECK(vocab_size > 0, "vocab_size must be > 0, got ", vocab_size);
+  const int64_t rows = stats.size(1);
+  return {stats.contiguous(),
+          target.contiguous(),
+          at::empty({rows}, stats.options()),
+          at::empty({rows}, stats.options()),
+          at::empty({rows}, stats.options()),
+          at::empty({rows, 2}, stats.options())};
+}
+
 inline at::Tensor new_row_stats(const at::Tensor& logits, bool with_sum_z) {
   return at::empty({logits.size(0), with_sum_z ? 5 : 4}, logits.options().dtype(acc_dtype_for(logits.scalar_type())));
 }

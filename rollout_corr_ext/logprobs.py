@@ -143,7 +143,7 @@ def _vocab_parallel(
     logp, entropy, mean_logp = _VocabParallelLogProbs.apply(
         logits2d, target1d, tp_group, world, int(vocab_start), int(vocab_size), 1.0 / float(temperature),
         int(ignore_index), with_sum_z, inplace_backward)
-    return logp.reshape(lead), entropy.reshape(lead), mean_logp.reshape(lead)
+    return logp.reshape(lead), entropy.reshape(lead), mean_logp.reshape(lead), int(vocab_size)
 
 
 def vocab_parallel_log_probs(
@@ -175,8 +175,8 @@ def vocab_parallel_log_probs(
     Returns:
         fp32 log-probs ``[...]`` (fp64 for fp64 logits), and the entropy when ``return_entropy``.
     """
-    logp, entropy, _ = _vocab_parallel(logits, target, tp_group, vocab_start, vocab_size, temperature,
-                                       ignore_index, False, inplace_backward)
+    logp, entropy, _, _ = _vocab_parallel(logits, target, tp_group, vocab_start, vocab_size, temperature,
+                                          ignore_index, False, inplace_backward)
     return (logp, entropy) if return_entropy else logp
 
 
@@ -202,11 +202,10 @@ def vocab_parallel_cross_entropy(
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     with_sum_z = label_smoothing > 0
-    logp, _, mean_logp = _vocab_parallel(vocab_parallel_logits, target, tp_group, vocab_start, vocab_size,
-                                         temperature, ignore_index, with_sum_z, inplace_backward)
+    logp, _, mean_logp, v = _vocab_parallel(vocab_parallel_logits, target, tp_group, vocab_start, vocab_size,
+                                            temperature, ignore_index, with_sum_z, inplace_backward)
     loss = -logp
     if with_sum_z:
-        v = vocab_size if vocab_size is not None else _group_size_rank(tp_group)[0] * vocab_parallel_logits.shape[-1]
         smoothing = label_smoothing * v / (v - 1)
         loss = (1.0 - smoothing) * loss - smoothing * mean_logp
     return loss

@@ -1,6 +1,5 @@
 """Single-process tests of the vocab-parallel log-prob / entropy / cross-entropy op (DESIGN §2, §7)."""
 
-import itertools
 import math
 
 import pytest
@@ -138,7 +137,6 @@ def test_caller_logits_untouched_unless_inplace(inplace_backward):
     logp, ent = rc.vocab_parallel_log_probs(logits, target, return_entropy=True, inplace_backward=inplace_backward)
     assert torch.equal(logits.detach(), before)
     (logp.sum() + 0.5 * ent.sum()).backward()
-    ref = torch.randn(6, 50).requires_grad_(False)
     xr = before.double().requires_grad_(True)
     rl, re, _ = reference.log_probs_dense(xr, target)
     (rl.sum() + 0.5 * re.sum()).backward()
@@ -148,7 +146,6 @@ def test_caller_logits_untouched_unless_inplace(inplace_backward):
         torch.testing.assert_close(logits.detach().double(), xr.grad, rtol=1e-5, atol=1e-6)
     else:
         assert torch.equal(logits.detach(), before)
-    del ref
 
 
 def test_forward_without_grad_saves_nothing_and_allocates_small():
@@ -226,8 +223,8 @@ def test_shard_with_only_padding_merges_cleanly():
     torch.manual_seed(6)
     full = torch.randn(5, 16, dtype=torch.float64)
     target = torch.randint(0, 10, (5,))
-    shards = full.split(8, dim=-1)  # columns 10..15 are padding: shard 1 has 2 real columns
-    shards = [full[:, :8], full[:, 8:], torch.randn(5, 8, dtype=torch.float64)]  # third shard: all padding
+    # Columns 10..15 are padding: shard 1 has 2 real columns, shard 2 none at all.
+    shards = [full[:, :8], full[:, 8:], torch.randn(5, 8, dtype=torch.float64)]
     recs = torch.stack([ops.vocab_row_stats(s, target, 8 * i, 10, 1.0, -100, True) for i, s in enumerate(shards)])
     logp, ent, mean_logp, _ = ops.merge_row_stats(recs, target, -100, 10)
     ref_logp, ref_ent, _ = reference.log_probs_dense(full[:, :10], target)
@@ -251,10 +248,9 @@ def test_shard_over_2_pow_31_elements():
 
     def expected(row, a_val):
         total = (vocab - 1) + math.exp(a_val)
-        extra = 0.0
         if row == rows - 1 and target[row] != vocab - 1:
             total += math.e - 1.0  # the column set to 1.0 was a 0
-        return a_val - math.log(total) + extra
+        return a_val - math.log(total)
 
     for i, r in enumerate(probe.tolist()):
         torch.testing.assert_close(logp[r].double(), torch.tensor(expected(r, a[i].item()), dtype=torch.float64),
@@ -281,10 +277,9 @@ def test_int32_target_accepted_and_equal():
     torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t.int()), rc.vocab_parallel_log_probs(x, t))
 
 
-def test_all_combinations_of_layouts_are_views_not_copies():
-    """A transposed [b, s, V] -> [s, b, V] input is handled (made contiguous along rows) with equal results."""
+def test_non_flattenable_layout_matches_contiguous():
+    """A transposed [b, s, V] -> [s, b, V] input (leading dims not flattenable to a view) gives equal results."""
     x = torch.randn(3, 5, 40)
     t = torch.randint(0, 40, (3, 5))
-    xt, tt = x.transpose(0, 1), t.transpose(0, 1)
-    for a, b in itertools.product([x], [xt]):
-        torch.testing.assert_close(rc.vocab_parallel_log_probs(b, tt), rc.vocab_parallel_log_probs(a, t).transpose(0, 1))
+    torch.testing.assert_close(rc.vocab_parallel_log_probs(x.transpose(0, 1), t.transpose(0, 1)),
+                               rc.vocab_parallel_log_probs(x, t).transpose(0, 1))

@@ -263,23 +263,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_row_stats_cpu(c
                                                                                const at::Tensor& target,
                                                                                int64_t ignore_index,
                                                                                int64_t vocab_size) {
-  check_stats(stats, target);
-  TORCH_CHECK(vocab_size > 0, "vocab_size must be > 0, got ", vocab_size);
-  const auto stats_c = stats.contiguous();
-  const auto target_c = target.contiguous();
+  const MergeIO io = prepare_merge(stats, target, vocab_size);
   const int64_t rows = stats.size(1);
-  auto logp = at::empty({rows}, stats.options());
-  auto entropy = at::empty({rows}, stats.options());
-  auto mean_logp = at::empty({rows}, stats.options());
-  auto row_state = at::empty({rows, 2}, stats.options());
   AT_DISPATCH_FLOATING_TYPES(stats.scalar_type(), "merge_row_stats_cpu", [&] {
-    const auto p = make_merge_params<scalar_t>(stats_c, target_c, logp, entropy, mean_logp, row_state, ignore_index,
-                                               vocab_size);
+    const auto p = make_merge_params<scalar_t>(io.stats, io.target, io.logp, io.entropy, io.mean_logp, io.row_state,
+                                               ignore_index, vocab_size);
     at::parallel_for(0, rows, 4096, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) merge_one_row(p, r);
     });
   });
-  return {logp, entropy, mean_logp, row_state};
+  return {io.logp, io.entropy, io.mean_logp, io.row_state};
 }
 
 void logprob_backward_into_cpu(const at::Tensor& grad_logits, const c10::optional<at::Tensor>& grad_logp,

@@ -60,26 +60,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_row_stats_cuda(
                                                                                 const at::Tensor& target,
                                                                                 int64_t ignore_index,
                                                                                 int64_t vocab_size) {
-  check_stats(stats, target);
-  TORCH_CHECK(vocab_size > 0, "vocab_size must be > 0, got ", vocab_size);
   const c10::cuda::CUDAGuard guard(stats.device());
-  const auto stats_c = stats.contiguous();
-  const auto target_c = target.contiguous();
+  const MergeIO io = prepare_merge(stats, target, vocab_size);
   const int64_t rows = stats.size(1);
-  auto logp = at::empty({rows}, stats.options());
-  auto entropy = at::empty({rows}, stats.options());
-  auto mean_logp = at::empty({rows}, stats.options());
-  auto row_state = at::empty({rows, 2}, stats.options());
-  if (rows == 0) return {logp, entropy, mean_logp, row_state};
+  if (rows == 0) return {io.logp, io.entropy, io.mean_logp, io.row_state};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(stats.scalar_type(), "merge_row_stats_cuda", [&] {
-    const auto p = make_merge_params<scalar_t>(stats_c, target_c, logp, entropy, mean_logp, row_state, ignore_index,
-                                               vocab_size);
+    const auto p = make_merge_params<scalar_t>(io.stats, io.target, io.logp, io.entropy, io.mean_logp, io.row_state,
+                                               ignore_index, vocab_size);
     const int64_t blocks = std::min<int64_t>((rows + kMergeThreads - 1) / kMergeThreads, 65535);
     merge_row_stats_kernel<scalar_t><<<static_cast<unsigned>(blocks), kMergeThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {logp, entropy, mean_logp, row_state};
+  return {io.logp, io.entropy, io.mean_logp, io.row_state};
 }
 
 void logprob_backward_into_cuda(const at::Tensor& grad_logits, const c10::optional<at::Tensor>& grad_logp,

@@ -72,24 +72,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_row_stats_emu(c
                                                                                const at::Tensor& target,
                                                                                int64_t ignore_index, int64_t vocab_size,
                                                                                int64_t threads, int64_t schedule) {
-  check_stats(stats, target);
   apply_schedule(schedule);
-  const auto stats_c = stats.contiguous();
-  const auto target_c = target.contiguous();
+  const MergeIO io = prepare_merge(stats, target, vocab_size);
   const int64_t rows = stats.size(1);
-  auto logp = at::empty({rows}, stats.options());
-  auto entropy = at::empty({rows}, stats.options());
-  auto mean_logp = at::empty({rows}, stats.options());
-  auto row_state = at::empty({rows, 2}, stats.options());
-  if (rows == 0) return {logp, entropy, mean_logp, row_state};
+  if (rows == 0) return {io.logp, io.entropy, io.mean_logp, io.row_state};
   AT_DISPATCH_FLOATING_TYPES(stats.scalar_type(), "merge_row_stats_emu", [&] {
-    const auto p = make_merge_params<scalar_t>(stats_c, target_c, logp, entropy, mean_logp, row_state, ignore_index,
-                                               vocab_size);
+    const auto p = make_merge_params<scalar_t>(io.stats, io.target, io.logp, io.entropy, io.mean_logp, io.row_state,
+                                               ignore_index, vocab_size);
     const int t = choose_threads(threads, kMergeThreads);
     const int64_t blocks = std::min<int64_t>((rows + t - 1) / t, 65535);
     emu::launch(merge_row_stats_kernel<scalar_t>, dim3(static_cast<unsigned>(blocks)), dim3(t), 0, p);
   });
-  return {logp, entropy, mean_logp, row_state};
+  return {io.logp, io.entropy, io.mean_logp, io.row_state};
 }
 
 void logprob_backward_into_emu(const at::Tensor& grad_logits, const c10::optional<at::Tensor>& grad_logp,
