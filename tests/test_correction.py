@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rc_testutil import PERCENTILE_RTOL, PREFIX, TOL, assert_weights_mask, compare_metrics, make_inputs
+from rollout_corr_testing.rc_testutil import PERCENTILE_RTOL, PREFIX, TOL, assert_weights_mask, compare_metrics, make_inputs
 from rollout_corr_ext import RolloutCorrectionConfig as Cfg
 from rollout_corr_ext import compute_offpolicy_metrics, compute_rollout_correction
 from rollout_corr_ext import reference as R

@@ -5,8 +5,8 @@ import torch
 
 import rollout_corr_ext as rc
 from rollout_corr_ext import reference
-from tests.test_logprob import DTYPES, sample_inputs
-from tests.tolerances import grad_tol, output_tol
+from rollout_corr_testing.logprob_samples import DTYPES, sample_inputs
+from rollout_corr_testing.tolerances import grad_tol, output_tol
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or rc.backend() != "cuda",

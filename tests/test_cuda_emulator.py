@@ -1,4 +1,4 @@
-"""Every CUDA kernel, run thread by thread on the CUDA emulator (tests/cuda_emulator), against reference.py.
+"""Every CUDA kernel, run thread by thread on the CUDA emulator (rollout_corr_testing/cuda_emulator), against reference.py.
 
 The emulator compiles csrc/cuda/*_kernels.cuh unchanged with g++; these tests sweep ragged sizes, every dtype,
 block sizes, vector widths, both turnstile schedules and grids smaller than the row count (grid-stride loops).
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from rollout_corr_ext import reference
-from tests.cuda_emulator.loader import ROOT, load_emulator
-from tests.cuda_emulator.mutants import MUTANTS
-from tests.tolerances import grad_tol, output_tol
+from rollout_corr_testing.cuda_emulator.loader import ROOT, load_emulator
+from rollout_corr_testing.cuda_emulator.mutants import MUTANTS
+from rollout_corr_testing.tolerances import grad_tol, output_tol
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ std::string run(int which) {
 }
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &run); }
 '''
-    mod = load_inline(name="rc_emu_divergence", cpp_sources=[src], extra_include_paths=[str(ROOT / "tests" / "cuda_emulator")],
+    mod = load_inline(name="rc_emu_divergence", cpp_sources=[src], extra_include_paths=[str(ROOT / "rollout_corr_testing" / "cuda_emulator")],
                       extra_cflags=["-O1"], build_directory=_emu_build_dir("divergence"))
     assert "deadlock or divergent synchronisation" in mod.run(0)
     assert "deadlock or divergent synchronisation" in mod.run(1)
@@ -199,7 +199,7 @@ std::vector<double> run() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &run); }
 '''
     mod = load_inline(name="rc_emu_device_api", cpp_sources=[src],
-                      extra_include_paths=[str(ROOT / "tests" / "cuda_emulator"), str(ROOT / "csrc" / "cuda"),
+                      extra_include_paths=[str(ROOT / "rollout_corr_testing" / "cuda_emulator"), str(ROOT / "csrc" / "cuda"),
                                            str(ROOT / "csrc" / "include")],
                       extra_cflags=["-O1"], build_directory=_emu_build_dir("device_api"))
     r = mod.run()
@@ -224,7 +224,7 @@ def test_planted_bugs_are_caught():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
     def run(name):
-        proc = subprocess.run([sys.executable, "-m", "tests.cuda_emulator.mutants", name], cwd=str(ROOT), env=env,
+        proc = subprocess.run([sys.executable, "-m", "rollout_corr_testing.cuda_emulator.mutants", name], cwd=str(ROOT), env=env,
                               capture_output=True, text=True, timeout=900)
         return name, proc
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rc_testutil import TOL, compare_metrics, make_inputs
+from rollout_corr_testing.rc_testutil import TOL, compare_metrics, make_inputs
 from rollout_corr_ext import RolloutCorrectionConfig as Cfg
 from rollout_corr_ext import reference as R
 from rollout_corr_ext.correction import finalize_metrics, pack_params
-from tests.cuda_emulator.loader import load_emulator
+from rollout_corr_testing.cuda_emulator.loader import load_emulator
 
 
 @pytest.fixture(scope="module")
@@ -118,10 +118,10 @@ MUTANTS = {
 
 _MUTANT_CHECK = r"""
 import sys, torch
-sys.path[:0] = [{root!r}, {tests!r}]
-from tests.cuda_emulator.loader import load_emulator
+sys.path[:0] = [{root!r}]
+from rollout_corr_testing.cuda_emulator.loader import load_emulator
 load_emulator(kernel_override_dir={dir!r})
-from rc_testutil import make_inputs
+from rollout_corr_testing.rc_testutil import make_inputs
 from rollout_corr_ext import RolloutCorrectionConfig as Cfg, reference as R
 from rollout_corr_ext.correction import pack_params
 cfg = Cfg(rollout_is="token", rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="1.3,0.02")
@@ -152,7 +152,7 @@ def test_planted_bugs_are_caught(tmp_path):
     import sys
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.cuda_emulator.loader import ROOT
+    from rollout_corr_testing.cuda_emulator.loader import ROOT
 
     def run(name):
         old, new = MUTANTS[name]
@@ -164,7 +164,7 @@ def test_planted_bugs_are_caught(tmp_path):
         text = f.read_text()
         assert text.count(old) == 1, f"mutant {name}: pattern not found"
         f.write_text(text.replace(old, new))
-        script = _MUTANT_CHECK.format(root=str(ROOT), tests=str(ROOT / "tests"), dir=str(d))
+        script = _MUTANT_CHECK.format(root=str(ROOT), dir=str(d))
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=900)
         return name, proc
 

@@ -6,8 +6,8 @@ import torch.distributed as dist
 
 import rollout_corr_ext as rc
 from rollout_corr_ext import reference
-from tests.dist_utils import CollectiveCounter, run_workers
-from tests.tolerances import grad_tol, output_tol
+from rollout_corr_testing.dist_utils import CollectiveCounter, run_workers
+from rollout_corr_testing.tolerances import grad_tol, output_tol
 
 CASES = [
     # (leading shape, padded vocab, true vocab_size, temperature, label_smoothing)

@@ -12,7 +12,7 @@ import torch
 
 from rollout_corr_ext import losses, ops, reference
 from rollout_corr_ext.reference import PG_KIND_PPO_CLIP, PG_KIND_REINFORCE, PG_ROW_LOSS_SUM, PG_ROW_TOKENS
-from tests.tolerances import GRAD_TOL, OUTPUT_TOL
+from rollout_corr_testing.tolerances import GRAD_TOL, OUTPUT_TOL
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 KINDS = [PG_KIND_PPO_CLIP, PG_KIND_REINFORCE]
@@ -288,7 +288,7 @@ def test_backward_bad_grad_shape_is_named(compiled_backend):
 
 @pytest.fixture(scope="module")
 def emu():
-    from tests.cuda_emulator.loader import load_emulator
+    from rollout_corr_testing.cuda_emulator.loader import load_emulator
 
     load_emulator()
     if not hasattr(torch.ops.rollout_corr_emu, "policy_loss_rows"):

@@ -1,5 +1,5 @@
 // Device helpers shared by the kernel families. Only the device API that the CUDA emulator
-// (tests/cuda_emulator) implements may be used here: thread/block indices, __syncthreads, __shfl_*_sync,
+// (rollout_corr_testing/cuda_emulator) implements may be used here: thread/block indices, __syncthreads, __shfl_*_sync,
 // static __shared__ arrays, atomics and the math functions.
 #pragma once
 

@@ -1,5 +1,5 @@
 // Host driver of the rollout-correction CUDA kernels, shared by the CUDA launchers (rollout_correction.cu) and
-// the CUDA emulator's bindings (tests/cuda_emulator/emu_rollout.cpp): boundary checks, outputs, scratch, params
+// the CUDA emulator's bindings (rollout_corr_testing/cuda_emulator/emu_rollout.cpp): boundary checks, outputs, scratch, params
 // and launch shapes are decided here once; `launch(kernel, grid, block, params)` is the only backend-specific part.
 // A .cuh (host code) so that the emulator's kernel-override folders, which copy csrc/cuda/*.cuh, carry it too:
 // its "rollout_correction_kernels.cuh" include then resolves to the (mutated) copy next to it.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the emulated kernels under AddressSanitizer: the emulator extension is built with -fsanitize=address and
 # the Python process runs with libasan preloaded, so any out-of-bounds global or shared-memory access by a
-# kernel aborts the test with ASan's report. Usage (after scripts/bootstrap.sh): bash tests/cuda_emulator/run_asan.sh
+# kernel aborts the test with ASan's report. Usage (after scripts/bootstrap.sh): bash rollout_corr_testing/cuda_emulator/run_asan.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # shellcheck disable=SC1091

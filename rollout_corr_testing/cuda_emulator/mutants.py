@@ -1,6 +1,6 @@
 """Planted bugs: the emulator must catch each one (DESIGN §6, issue: "it proves it can fail").
 
-``python -m tests.cuda_emulator.mutants NAME`` copies the kernel headers into a temp folder, applies one
+``python -m rollout_corr_testing.cuda_emulator.mutants NAME`` copies the kernel headers into a temp folder, applies one
 mutation, builds the emulator against the mutated copy, runs the check that the mutation should break, and
 exits 0 when the bug was detected (wrong values or an emulator error), 1 when it slipped through.
 Each mutant runs in its own process: a broken kernel may crash, and each build registers the same op names.
@@ -123,7 +123,7 @@ def check_policy_loss_multiwarp() -> str:
 def main(name: str) -> int:
     import torch  # noqa: F401
 
-    from tests.cuda_emulator.loader import load_emulator
+    from rollout_corr_testing.cuda_emulator.loader import load_emulator
 
     with tempfile.TemporaryDirectory() as tmp:
         # Build only the emulated family the check exercises: each mutant is a separate (slow) compile.
