@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include "logprob_host.h"
+#include "launch_config.h"
 #include "logprob_kernels.cuh"
 
 namespace rollout_corr {

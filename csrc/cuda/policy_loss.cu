@@ -7,7 +7,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "logprob_params.h"  // row_block_threads, row_grid_blocks
+#include "launch_config.h"
 #include "policy_loss_host.h"
 #include "policy_loss_kernels.cuh"
 

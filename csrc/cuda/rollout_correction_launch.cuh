@@ -12,7 +12,7 @@
 #include <limits>
 #include <tuple>
 
-#include "logprob_params.h"
+#include "launch_config.h"
 #include "rollout_correction_kernels.cuh"
 #include "rollout_host.h"
 

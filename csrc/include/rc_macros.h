@@ -10,3 +10,13 @@
 #endif
 
 #define RC_FORCEINLINE inline __attribute__((always_inline))
+
+// Global-memory accesses of device code (and of the RC_HD functions that device code calls) go through these two
+// macros: plain loads and stores on the GPU and the CPU; under the CUDA emulator (which defines them first) they
+// are counted per launch, so the tests can measure bytes moved and sectors per warp-level request.
+#ifndef RC_LDG
+#define RC_LDG(ptr) (*(ptr))
+#endif
+#ifndef RC_STG
+#define RC_STG(ptr, value) (*(ptr) = (value))
+#endif

@@ -11,7 +11,7 @@
 
 #include <limits>
 
-#include "logprob_params.h"  // row_block_threads, row_grid_blocks: the launcher's choices
+#include "launch_config.h"  // the launchers' choices
 #include "policy_loss_host.h"
 #include "policy_loss_kernels.cuh"
 
