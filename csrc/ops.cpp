@@ -25,15 +25,19 @@ static bool built_with_cuda() {
 TORCH_LIBRARY(rollout_corr, m) {
   m.def("built_with_cuda() -> bool", &built_with_cuda);
 
-  // §2 vocab-parallel log-probs. One read of a [N, V_local] shard -> a [N, 4|5] record per row
-  // (max, sum exp, sum exp*z, target z[, sum z]) that is all-gathered over the TP group, then merged.
+  // §2 vocab-parallel log-probs. One read of a [N, V_local] shard -> the flat shard record [header + N * (4|5)]
+  // (a 64-byte header: rows, vocab range, target fingerprint; then per row max x, sum exp, sum exp*z, target x
+  // [, sum z], in max-shifted coordinates) that is all-gathered over the TP group, then merged.
   m.def(
       "vocab_row_stats(Tensor logits, Tensor target, int vocab_start, int vocab_size, float inv_temperature, "
       "int ignore_index, bool with_sum_z) -> Tensor");
-  // [R, N, K] records of all shards -> (logp, entropy, mean_logp, row_state [N, 2] = (lse, S/D)).
+  // [R, record_len] records of all shards -> (logp, entropy, mean_logp, row_state [N, 3] = (max x, log D, S/D),
+  // status [4] int32). Checks that the shards tile the vocab and agree on rows and targets, that targets are in
+  // range and rows hold no NaN / +inf and at least one finite logit: the CPU kernel raises a named error, the CUDA
+  // kernel sets the status slots (asserted asynchronously by the caller).
   m.def(
-      "merge_row_stats(Tensor stats, Tensor target, int ignore_index, int vocab_size) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
+      "merge_row_stats(Tensor gathered, Tensor target, int ignore_index, int vocab_size, float inv_temperature, "
+      "bool with_sum_z) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // Gradient of g_lp*logp + g_H*H + g_m*mean_logp w.r.t. the shard: one read, one write, no collective.
   m.def(
       "logprob_backward(Tensor? grad_logp, Tensor? grad_entropy, Tensor? grad_mean_logp, Tensor logits, "

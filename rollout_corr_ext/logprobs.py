@@ -1,20 +1,74 @@
 """Vocab-parallel log-probs, entropy and cross entropy: the autograd function and its one collective.
 
-Forward (DESIGN §2): one read of the local shard -> a 16-20 B record per row -> **one**
-``all_gather_into_tensor`` over ``tp_group`` (none at TP=1) -> merge. Backward: no collective, one read and
-one write of the shard. Saved: the logits themselves (not a copy) plus 8 B per row.
+Forward (DESIGN §2): one read of the local shard -> a shard record (a 64-byte header + 16-20 B per row) -> **one**
+all-gather over ``tp_group`` (none at TP=1) -> merge. Every rank checks the gathered headers, so shards that do not
+tile the vocab, disagree on rows or targets, or hold NaN/+inf logits give the same clear error on every rank.
+Backward: no collective, one read and one write of the shard. Saved: the logits themselves (not a copy) plus
+12 B per row.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
+import sys
 from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from . import ops
+from . import ops, reference
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+_STATUS_MESSAGES = (
+    (reference.STATUS_TARGET, "vocab_parallel_log_probs: target holds ids outside [0, vocab_size) that are not "
+                              "ignore_index (run on CPU for the position)"),
+    (reference.STATUS_NONFINITE, "vocab_parallel_log_probs: logits hold NaN or +inf in a row whose target is not "
+                                 "ignore_index (run on CPU for the position)"),
+    (reference.STATUS_NO_FINITE_LOGIT, "vocab_parallel_log_probs: a row whose target is not ignore_index has no "
+                                       "finite logit (all -inf): its softmax is undefined"),
+    (reference.STATUS_LAYOUT, "vocab_parallel_log_probs: the tensor-parallel shards do not fit together (vocab "
+                              "ranges overlap or leave gaps, or the ranks disagree on vocab_size, record format or "
+                              "targets); check vocab_start / vocab_size, or pass check_group=True for a named error"),
+)
+
+
+# --------------------------------------------------------------------------------------------- argument checks
+
+
+def as_int(name: str, value) -> int:
+    """An integral argument (int, numpy integer, 0-dim integer tensor); bools and floats are refused."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}") from None
+
+
+def as_real(name: str, value) -> float:
+    """A real-number argument (int, float, numpy scalar); bools, strings and tensors are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def as_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _positive_finite(name: str, value) -> float:
+    v = as_real(name, value)
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return v
+
+
+# --------------------------------------------------------------------------------------------- groups
 
 
 def _group_size_rank(group) -> Tuple[int, int]:
@@ -25,32 +79,49 @@ def _group_size_rank(group) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _check_targets(target: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
-    """Out-of-range targets are an error. CPU: an exact message; CUDA: an async device assert (no host sync)."""
-    bad = ((target < 0) | (target >= vocab_size)) & (target != ignore_index)
-    if target.device.type == "cuda":
-        torch._assert_async(
-            ~bad.any(),
-            f"target holds ids outside [0, vocab_size={vocab_size}) that are not ignore_index={ignore_index}",
-        )
-        return
-    if bool(bad.any()):
-        pos = int(torch.nonzero(bad.reshape(-1))[0])
-        raise ValueError(
-            f"target holds ids outside [0, vocab_size={vocab_size}) that are not ignore_index={ignore_index}: "
-            f"target.flatten()[{pos}] = {int(target.reshape(-1)[pos])}"
-        )
+def _megatron_tp_size() -> int:
+    """The tensor-parallel size megatron-core was initialized with (1 when it is not imported or initialized)."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None:
+        return 1
+    try:
+        if ps.model_parallel_is_initialized():
+            return int(ps.get_tensor_model_parallel_world_size())
+    except Exception:  # noqa: BLE001 - a half-initialized megatron is "not initialized" here
+        return 1
+    return 1
 
 
-def _all_gather_rows(stats: torch.Tensor, group, world: int) -> torch.Tensor:
-    """The one collective: every rank's [N, K] record, concatenated along rows, viewed as [world, N, K].
+def _all_gather(tensor: torch.Tensor, group, world: int) -> torch.Tensor:
+    """All-gather of equal-length 1-D tensors into ``[world, len]``.
 
     torch >= 2.12 names it ``all_gather_single`` (``all_gather_into_tensor`` is its deprecated alias).
     """
-    out = stats.new_empty((world * stats.shape[0],) + tuple(stats.shape[1:]))
+    out = tensor.new_empty((world, tensor.shape[0]))
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, stats.contiguous(), group=group)
-    return out.view((world,) + tuple(stats.shape))
+    gather(out.view(-1), tensor.contiguous(), group=group)
+    return out
+
+
+def _check_group_headers(record: torch.Tensor, group, world: int, vocab_size: int) -> None:
+    """The optional pre-check: all-gather the 64-byte headers alone (int64, the same size on every rank) and check
+    them on the host, so that ranks with different row counts or record formats get a clear error instead of a
+    collective whose sizes do not match. Every rank reaches the same verdict."""
+    hl = reference.header_len(record.dtype)
+    header = record[:hl].clone().view(torch.int64)  # a fresh 1-D copy: an int64 view needs an aligned offset
+    headers = _all_gather(header, group, world).cpu().tolist()
+    why = reference._layout_error(headers, vocab_size)
+    if why is not None:
+        raise ValueError("vocab_parallel_log_probs: the tensor-parallel shards do not fit together: " + why)
+
+
+def _assert_status(status: torch.Tensor) -> None:
+    """CUDA: the merge's status slots as asynchronous device asserts (no host sync)."""
+    for slot, message in _STATUS_MESSAGES:
+        torch._assert_async(status[slot] == 0, message)
+
+
+# --------------------------------------------------------------------------------------------- autograd
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
@@ -58,14 +129,19 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, tp_group, world, vocab_start, vocab_size, inv_temperature, ignore_index,
-                with_sum_z, inplace_backward):
-        stats = ops.vocab_row_stats(logits, target, vocab_start, vocab_size, inv_temperature, ignore_index,
-                                    with_sum_z)
+                with_sum_z, inplace_backward, check_group):
+        record = ops.vocab_row_stats(logits, target, vocab_start, vocab_size, inv_temperature, ignore_index,
+                                     with_sum_z)
         if world > 1:
-            gathered = _all_gather_rows(stats, tp_group, world)
+            if check_group:
+                _check_group_headers(record, tp_group, world, vocab_size)
+            gathered = _all_gather(record, tp_group, world)
         else:
-            gathered = stats.unsqueeze(0)
-        logp, entropy, mean_logp, row_state = ops.merge_row_stats(gathered, target, ignore_index, vocab_size)
+            gathered = record.unsqueeze(0)
+        logp, entropy, mean_logp, row_state, status = ops.merge_row_stats(gathered, target, ignore_index, vocab_size,
+                                                                          inv_temperature, with_sum_z)
+        if logits.device.type == "cuda":
+            _assert_status(status)
         ctx.save_for_backward(logits, target, row_state)
         ctx.args = (vocab_start, vocab_size, inv_temperature, ignore_index, inplace_backward)
         ctx.set_materialize_grads(False)
@@ -75,30 +151,62 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, grad_mean_logp):
+        with torch.no_grad():
+            grad = _VocabParallelLogProbs._first_order(ctx, grad_logp, grad_entropy, grad_mean_logp)
+        if grad is None or not torch.is_grad_enabled():
+            return (grad,) + (None,) * 10
+        # create_graph=True: the gradient must not look differentiable-with-zero-second-order. Attach it to every
+        # input that requires grad through a node whose backward raises, so that differentiating it again is a
+        # clear error rather than a silently dropped term.
+        anchors = [t for t in (ctx.saved_tensors[0], grad_logp, grad_entropy, grad_mean_logp)
+                   if t is not None and t.requires_grad]
+        if anchors:
+            grad = _NoDoubleBackward.apply(grad, *anchors)
+        return (grad,) + (None,) * 10
+
+    @staticmethod
+    def _first_order(ctx, grad_logp, grad_entropy, grad_mean_logp):
         logits, target, row_state = ctx.saved_tensors
         vocab_start, vocab_size, inv_temperature, ignore_index, inplace_backward = ctx.args
         if grad_logp is None and grad_entropy is None and grad_mean_logp is None:
-            return (None,) * 10
+            return None
         if inplace_backward:
             ops.logprob_backward_(logits, grad_logp, grad_entropy, grad_mean_logp, target, row_state,
                                   vocab_start, vocab_size, inv_temperature, ignore_index)
+            # The buffer now holds the gradient: bump its version so that autograd refuses any other node (or a
+            # second backward of this one, retain_graph=True) that saved these logits.
+            torch.autograd.graph.increment_version(logits)
             grad = logits
         else:
             grad = ops.logprob_backward(grad_logp, grad_entropy, grad_mean_logp, logits, target, row_state,
                                         vocab_start, vocab_size, inv_temperature, ignore_index)
-        return (grad,) + (None,) * 9
+        return grad
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Identity on the log-prob gradient whose own backward raises: the second-order term is not implemented."""
+
+    @staticmethod
+    def forward(ctx, grad, *anchors):
+        return grad.clone()
+
+    @staticmethod
+    def backward(ctx, *unused):
+        raise RuntimeError("vocab_parallel_log_probs / vocab_parallel_cross_entropy: double backward (differentiating "
+                           "the gradient again, e.g. after create_graph=True) is not supported")
 
 
 def _vocab_parallel(
     logits: torch.Tensor,
     target: torch.Tensor,
     tp_group,
-    vocab_start: Optional[int],
-    vocab_size: Optional[int],
-    temperature: float,
-    ignore_index: int,
+    vocab_start,
+    vocab_size,
+    temperature,
+    ignore_index,
     with_sum_z: bool,
-    inplace_backward: bool,
+    inplace_backward,
+    check_group,
 ):
     if not isinstance(logits, torch.Tensor) or logits.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"logits must be a float16/bfloat16/float32/float64 tensor, got "
@@ -113,37 +221,51 @@ def _vocab_parallel(
                          f"got {tuple(target.shape)}")
     if target.device != logits.device:
         raise ValueError(f"target is on {target.device} but logits is on {logits.device}; they must match")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    temperature = _positive_finite("temperature", temperature)
+    ignore_index = as_int("ignore_index", ignore_index)
+    inplace_backward = as_bool("inplace_backward", inplace_backward)
+    if check_group is not None:
+        check_group = as_bool("check_group", check_group)
 
     world, rank = _group_size_rank(tp_group)
     local_vocab = logits.shape[-1]
-    if vocab_start is None:
-        vocab_start = rank * local_vocab
-    if vocab_size is None:
-        vocab_size = world * local_vocab
-    if vocab_start < 0 or vocab_start + local_vocab > world * local_vocab:
+    if tp_group is None and vocab_size is None and _megatron_tp_size() > 1:
         raise ValueError(
-            f"vocab_start={vocab_start} is inconsistent with the shard: a shard of {local_vocab} columns on a "
-            f"group of {world} must start in [0, {(world - 1) * local_vocab}]")
-    if not 0 < vocab_size <= world * local_vocab:
-        raise ValueError(f"vocab_size={vocab_size} is inconsistent with the shards: it must be in "
-                         f"[1, {world * local_vocab}] (= tp size {world} x local vocab {local_vocab})")
-    if vocab_start >= vocab_size and world == 1:
-        raise ValueError(f"vocab_start={vocab_start} must be < vocab_size={vocab_size}")
-
-    target = target.to(torch.int64)
-    _check_targets(target, vocab_size, ignore_index)
+            f"tp_group=None, but megatron-core is initialized with tensor-parallel size {_megatron_tp_size()}: "
+            f"these logits are probably one vocab shard. Pass tp_group (or use "
+            f"rollout_corr_ext.megatron.vocab_parallel_log_probs, which defaults to megatron's group); for logits "
+            f"that hold the whole vocab on this rank, pass vocab_size explicitly")
+    vocab_start = rank * local_vocab if vocab_start is None else as_int("vocab_start", vocab_start)
+    vocab_size = world * local_vocab if vocab_size is None else as_int("vocab_size", vocab_size)
+    if vocab_start < 0:
+        raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    if with_sum_z and vocab_size < 2:
+        raise ValueError(f"label_smoothing > 0 needs vocab_size >= 2 (it spreads mass over the other tokens), got "
+                         f"vocab_size={vocab_size}")
+    if world == 1 and (vocab_start != 0 or vocab_size > local_vocab):
+        raise ValueError(f"with a single shard (tp_group of size 1 or None) the logits must hold the whole vocab: "
+                         f"vocab_start must be 0 (got {vocab_start}) and vocab_size <= {local_vocab} = "
+                         f"logits.shape[-1] (got {vocab_size})")
+    if inplace_backward and logits.requires_grad and logits.is_leaf:
+        raise ValueError("inplace_backward=True would overwrite a leaf tensor's values with its gradient; it is for "
+                         "logits that are an intermediate result (the output layer's output)")
+    if check_group is None:
+        check_group = logits.device.type == "cpu"
 
     lead = logits.shape[:-1]
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     logits2d = logits.reshape(-1, local_vocab)  # a view whenever the leading dims are flattenable
-    target1d = target.reshape(-1).contiguous()
+    if inplace_backward and logits2d.shape[0] > 1 and logits2d.stride(0) < local_vocab:
+        raise ValueError("inplace_backward=True needs logits whose rows do not share memory (got an expanded or "
+                         "stride-0 view); pass a materialized tensor or inplace_backward=False")
+    target1d = target.reshape(-1).to(torch.int64).contiguous()
     logp, entropy, mean_logp = _VocabParallelLogProbs.apply(
-        logits2d, target1d, tp_group, world, int(vocab_start), int(vocab_size), 1.0 / float(temperature),
-        int(ignore_index), with_sum_z, inplace_backward)
-    return logp.reshape(lead), entropy.reshape(lead), mean_logp.reshape(lead), int(vocab_size)
+        logits2d, target1d, tp_group, world, vocab_start, vocab_size, 1.0 / temperature, ignore_index, with_sum_z,
+        inplace_backward, check_group)
+    return logp.reshape(lead), entropy.reshape(lead), mean_logp.reshape(lead), vocab_size
 
 
 def vocab_parallel_log_probs(
@@ -157,26 +279,37 @@ def vocab_parallel_log_probs(
     ignore_index: int = -100,
     return_entropy: bool = False,
     inplace_backward: bool = False,
+    check_group: Optional[bool] = None,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """Log-probabilities of ``target`` under ``softmax(logits / temperature)`` with the vocab split over ``tp_group``.
 
     Args:
         logits: this rank's shard ``[..., V_local]`` (bf16/fp16/fp32/fp64), e.g. megatron's ``[s, b, V_local]``.
-        target: **global** token ids ``[...]`` (int64).
-        tp_group: the tensor-parallel process group (None: a single shard, no collective).
-        vocab_start: global id of this shard's first column (default ``rank * V_local``).
+            ``-inf`` entries (top-k / top-p masks) are legal: probability 0, no entropy contribution, zero gradient.
+        target: **global** token ids ``[...]`` (int64 or int32), the same on every rank of the group.
+        tp_group: the tensor-parallel process group (None: the logits hold the whole vocab, no collective).
+        vocab_start: global id of this shard's first column (default ``rank * V_local``; pass it with uneven shards).
         vocab_size: true vocab size; columns at or past it are padding and excluded (default ``world * V_local``).
-        temperature: z = logits / temperature.
-        ignore_index: positions with this target give 0 and zero gradient.
+        temperature: z = logits / temperature (finite, > 0).
+        ignore_index: positions with this target give 0 and zero gradient (their logits are not inspected).
         return_entropy: also return the entropy of ``softmax(z)``.
-        inplace_backward: write the gradient into the logits buffer (saves one ``[N, V_local]`` allocation;
-            the logits are overwritten during backward).
+        inplace_backward: write the gradient into the logits buffer (saves one ``[N, V_local]`` allocation). The
+            buffer is overwritten during backward and its version counter bumped, so autograd raises if anything
+            else saved these logits, or on a second backward (``retain_graph=True``). Refused for leaf tensors and
+            for views whose rows share memory.
+        check_group: all-gather the 64-byte record headers first and check them on the host (one more tiny
+            collective), so that ranks with different row counts get a named error instead of a failed
+            collective. Default: on for CPU tensors (gloo), off for CUDA tensors, where it would cost a host sync;
+            the vocab layout, vocab_size and targets are always checked after the one all-gather.
 
     Returns:
-        fp32 log-probs ``[...]`` (fp64 for fp64 logits), and the entropy when ``return_entropy``.
+        fp32 log-probs ``[...]`` (fp64 for fp64 logits), and the entropy when ``return_entropy``. A target at a
+        ``-inf`` column gives ``-inf``. NaN / +inf logits, rows whose every logit is ``-inf``, out-of-range
+        targets and mismatched shards raise (CPU: a message naming the row; CUDA: an asynchronous device assert).
     """
+    return_entropy = as_bool("return_entropy", return_entropy)
     logp, entropy, _, _ = _vocab_parallel(logits, target, tp_group, vocab_start, vocab_size, temperature,
-                                          ignore_index, False, inplace_backward)
+                                          ignore_index, False, inplace_backward, check_group)
     return (logp, entropy) if return_entropy else logp
 
 
@@ -191,19 +324,22 @@ def vocab_parallel_cross_entropy(
     temperature: float = 1.0,
     ignore_index: int = -100,
     inplace_backward: bool = False,
+    check_group: Optional[bool] = None,
 ) -> torch.Tensor:
     """Drop-in for megatron-core's ``tensor_parallel.vocab_parallel_cross_entropy``: returns -logp (fp32).
 
     Label smoothing follows megatron-core's definition (smoothing = eps * V / (V - 1),
     loss = (1 - smoothing) * nll - smoothing * mean_i logp_i) but over the **global** vocab and the globally
     summed logits, so it is also right under TP (megatron-core averages over the local shard only,
-    Megatron-LM issue #737). Unlike megatron-core it never modifies ``vocab_parallel_logits``.
+    Megatron-LM issue #737). Unlike megatron-core it never modifies ``vocab_parallel_logits``. With label smoothing,
+    a ``-inf`` logit makes the loss ``+inf`` (the smoothed target puts mass on a zero-probability token).
     """
+    label_smoothing = as_real("label_smoothing", label_smoothing)
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     with_sum_z = label_smoothing > 0
     logp, _, mean_logp, v = _vocab_parallel(vocab_parallel_logits, target, tp_group, vocab_start, vocab_size,
-                                            temperature, ignore_index, with_sum_z, inplace_backward)
+                                            temperature, ignore_index, with_sum_z, inplace_backward, check_group)
     loss = -logp
     if with_sum_z:
         smoothing = label_smoothing * v / (v - 1)

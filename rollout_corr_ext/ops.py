@@ -32,22 +32,28 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
 def _register_fakes() -> None:
     @torch.library.register_fake("rollout_corr::vocab_row_stats")
     def _(logits, target, vocab_start, vocab_size, inv_temperature, ignore_index, with_sum_z):
-        return logits.new_empty((logits.shape[0], 5 if with_sum_z else 4), dtype=_stats_dtype(logits.dtype))
+        torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.dim()}-D")
+        torch._check(target.shape[0] == logits.shape[0], lambda: "target must have one id per logits row")
+        acc = _stats_dtype(logits.dtype)
+        k = 5 if with_sum_z else 4
+        return logits.new_empty((reference.header_len(acc) + logits.shape[0] * k,), dtype=acc)
 
     @torch.library.register_fake("rollout_corr::merge_row_stats")
-    def _(stats, target, ignore_index, vocab_size):
-        n = stats.shape[1]
+    def _(gathered, target, ignore_index, vocab_size, inv_temperature, with_sum_z):
+        torch._check(gathered.dim() == 2, lambda: f"gathered must be 2-D, got {gathered.dim()}-D")
+        n = target.shape[0]
         return (
-            stats.new_empty((n,)),
-            stats.new_empty((n,)),
-            stats.new_empty((n,)),
-            stats.new_empty((n, 2)),
+            gathered.new_empty((n,)),
+            gathered.new_empty((n,)),
+            gathered.new_empty((n,)),
+            gathered.new_empty((n, reference.ROW_STATE_COLS)),
+            gathered.new_empty((4,), dtype=torch.int32),
         )
 
     @torch.library.register_fake("rollout_corr::logprob_backward")
     def _(grad_logp, grad_entropy, grad_mean_logp, logits, target, row_state, vocab_start, vocab_size,
           inv_temperature, ignore_index):
-        return torch.empty_like(logits)
+        return logits.new_empty(tuple(logits.shape))
 
     @torch.library.register_fake("rollout_corr::logprob_backward_")
     def _(logits, grad_logp, grad_entropy, grad_mean_logp, target, row_state, vocab_start, vocab_size,
@@ -72,7 +78,7 @@ def vocab_row_stats(
     ignore_index: int,
     with_sum_z: bool,
 ) -> torch.Tensor:
-    """Per-row record ``[N, 4|5]`` (max, sum-exp, sum-exp*z, target z[, sum z]) of one shard ``[N, V_local]``."""
+    """The flat shard record (header + ``[N, 4|5]`` max-shifted row summaries) of one shard ``[N, V_local]``."""
     if _compiled:
         return torch.ops.rollout_corr.vocab_row_stats.default(
             logits, target, vocab_start, vocab_size, inv_temperature, ignore_index, with_sum_z
@@ -82,12 +88,18 @@ def vocab_row_stats(
 
 
 def merge_row_stats(
-    stats: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_size: int
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge ``[R, N, K]`` shard records into (logp, entropy, mean_logp, row_state ``[N, 2]``)."""
+    gathered: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_size: int, inv_temperature: float,
+    with_sum_z: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge ``[R, record_len]`` shard records into (logp, entropy, mean_logp, row_state ``[N, 3]``, status ``[4]``).
+
+    Raises on CPU for a bad shard layout, out-of-range targets, NaN / +inf logits and rows of only -inf; on CUDA
+    the same conditions set ``status`` (the caller asserts it asynchronously).
+    """
     if _compiled:
-        return torch.ops.rollout_corr.merge_row_stats.default(stats, target, ignore_index, vocab_size)
-    return reference.merge_row_stats(stats, target, ignore_index, vocab_size)
+        return torch.ops.rollout_corr.merge_row_stats.default(gathered, target, ignore_index, vocab_size,
+                                                              inv_temperature, with_sum_z)
+    return reference.merge_row_stats(gathered, target, ignore_index, vocab_size, inv_temperature, with_sum_z)
 
 
 def logprob_backward(

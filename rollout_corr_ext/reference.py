@@ -21,10 +21,17 @@ import torch
 # §2 Vocab-parallel log-probs and entropy
 # ---------------------------------------------------------------------------------------------------------
 
-#: Columns of the per-row record that ``vocab_row_stats`` produces (the last one only with ``with_sum_z``).
-ROW_STAT_MAX, ROW_STAT_SUMEXP, ROW_STAT_SUMEXP_Z, ROW_STAT_TARGET_Z, ROW_STAT_SUM_Z = range(5)
-#: Columns of the per-row state saved for backward: log-sum-exp and the softmax mean of z (= S/D).
-ROW_STATE_LSE, ROW_STATE_MEAN_Z = range(2)
+#: Layout of the shard record (csrc/include/logprob_params.h): a 64-byte header of int64 slots, then per row
+#: (max x, sum exp, sum exp * z, target x[, sum z]) in max-shifted coordinates.
+(HDR_MAGIC, HDR_ROWS, HDR_VOCAB_START, HDR_LOCAL_VOCAB, HDR_VALID_COLS, HDR_VOCAB_SIZE, HDR_TARGET_HASH,
+ HDR_FORMAT) = range(8)
+HEADER_SLOTS, HEADER_BYTES, SHARD_MAGIC = 8, 64, 0x52434C5052303031
+ROW_STAT_MAX, ROW_STAT_SUMEXP, ROW_STAT_SUMEXP_Z, ROW_STAT_TARGET_X, ROW_STAT_SUM_Z = range(5)
+#: Columns of the per-row state saved for backward: max x, log D, softmax mean of (z - M/T).
+ROW_STATE_MAX, ROW_STATE_LOG_D, ROW_STATE_MEAN_Z = range(3)
+ROW_STATE_COLS = 3
+#: Status slots of the merge (CUDA): target out of range, NaN/+inf logits, no finite logit, shard layout.
+STATUS_TARGET, STATUS_NONFINITE, STATUS_NO_FINITE_LOGIT, STATUS_LAYOUT = range(4)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -37,6 +44,32 @@ def _valid_cols(vocab_start: int, vocab_size: int, local_vocab: int) -> int:
     return max(0, min(local_vocab, vocab_size - vocab_start))
 
 
+def header_len(acc: torch.dtype) -> int:
+    """Length of the shard-record header in elements of the accumulation dtype."""
+    return HEADER_BYTES // torch.empty((), dtype=acc).element_size()
+
+
+def _signed64(v: int) -> int:
+    v &= (1 << 64) - 1
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _lshr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def target_fingerprint(target: torch.Tensor) -> int:
+    """Wrapping sum over rows of splitmix64's finalizer of (row, id): the header's target fingerprint."""
+    t = target.reshape(-1).to(torch.int64).cpu()
+    rows = torch.arange(t.numel(), dtype=torch.int64)
+    z = t + _signed64(0x9E3779B97F4A7C15) * (rows + 1)
+    z = (z ^ _lshr(z, 30)) * _signed64(0xBF58476D1CE4E5B9)
+    z = (z ^ _lshr(z, 27)) * _signed64(0x94D049BB133111EB)
+    z = z ^ _lshr(z, 31)
+    return int(z.sum()) if t.numel() else 0
+
+
 def vocab_row_stats(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -46,65 +79,137 @@ def vocab_row_stats(
     ignore_index: int,
     with_sum_z: bool,
 ) -> torch.Tensor:
-    """Per-row softmax statistics of one vocab shard, z = logits * inv_temperature.
+    """The shard record of one vocab shard ``[N, V_local]`` (``target`` ``[N]`` holds **global** ids).
 
-    ``logits`` is ``[N, V_local]``, ``target`` ``[N]`` holds **global** ids. Returns ``[N, 4]`` (or ``[N, 5]``
-    with ``with_sum_z``): m = max z, d = sum exp(z - m), s = sum exp(z - m) z, y = z[target] when the target
-    lies in this shard (else -inf), and sum z. Padding columns (global id >= vocab_size) are excluded.
+    A flat tensor in the accumulation dtype: the 64-byte header (int64 slots ``HDR_*``), then per row, with
+    m = max x and zm = (x - m) * inv_temperature over the shard's non-padding columns: m, d = sum e^zm,
+    s = sum e^zm zm, y = x[target] when the target lies in this shard (else -inf)[, sz = sum zm]. -inf logits add
+    nothing to d and s; a shard of only -inf has d = 0 (the merge's identity).
     """
     acc = _acc_dtype(logits.dtype)
     n, local_vocab = logits.shape
     cols = _valid_cols(vocab_start, vocab_size, local_vocab)
-    z = logits[:, :cols].to(acc) * inv_temperature
-    out = torch.empty(n, 5 if with_sum_z else 4, dtype=acc, device=logits.device)
-    if cols == 0:
-        out[:, ROW_STAT_MAX] = -math.inf
-        out[:, ROW_STAT_SUMEXP] = 0
-        out[:, ROW_STAT_SUMEXP_Z] = 0
+    k = 5 if with_sum_z else 4
+    x = logits[:, :cols].to(acc)
+    rec = torch.zeros(n, k, dtype=acc, device=logits.device)
+    if cols > 0:
+        m = x.amax(dim=1)
+        empty = m == -math.inf
+        zm = (x - torch.where(empty, torch.zeros_like(m), m).unsqueeze(1)) * inv_temperature
+        e = torch.exp(zm)
+        rec[:, ROW_STAT_MAX] = m
+        rec[:, ROW_STAT_SUMEXP] = torch.where(empty, torch.zeros_like(m), e.sum(1))
+        rec[:, ROW_STAT_SUMEXP_Z] = torch.where(empty, torch.zeros_like(m),
+                                                torch.where(e > 0, e * zm, torch.zeros_like(zm)).sum(1))
+        if with_sum_z:
+            rec[:, ROW_STAT_SUM_Z] = torch.where(empty, torch.full_like(m, -math.inf), zm.sum(1))
     else:
-        m = z.amax(dim=1, keepdim=True)
-        e = torch.exp(z - m)
-        out[:, ROW_STAT_MAX] = m.squeeze(1)
-        out[:, ROW_STAT_SUMEXP] = e.sum(1)
-        out[:, ROW_STAT_SUMEXP_Z] = (e * z).sum(1)
+        rec[:, ROW_STAT_MAX] = -math.inf
     local = target - vocab_start
     in_shard = (local >= 0) & (local < cols) & (target != ignore_index)
-    picked = z.gather(1, local.clamp(0, max(cols - 1, 0)).unsqueeze(1)).squeeze(1) if cols else z.new_zeros(n)
-    out[:, ROW_STAT_TARGET_Z] = torch.where(in_shard, picked, torch.full_like(picked, -math.inf))
-    if with_sum_z:
-        out[:, ROW_STAT_SUM_Z] = z.sum(1)
-    return out
+    picked = x.gather(1, local.clamp(0, max(cols - 1, 0)).unsqueeze(1)).squeeze(1) if cols else x.new_zeros(n)
+    rec[:, ROW_STAT_TARGET_X] = torch.where(in_shard, picked, torch.full_like(picked, -math.inf))
+    elem = torch.empty((), dtype=acc).element_size()
+    header = torch.tensor([SHARD_MAGIC, n, vocab_start, local_vocab, cols, vocab_size,
+                           _signed64(target_fingerprint(target)), k + 16 * elem], dtype=torch.int64)
+    return torch.cat([header.view(acc).to(logits.device), rec.reshape(-1)])
+
+
+def _layout_error(headers, vocab_size: int) -> Optional[str]:
+    """The verdict of the shard-header check (the same rules as check_shard_headers in logprob_math.h)."""
+    h0 = headers[0]
+    for r, h in enumerate(headers):
+        if h[HDR_MAGIC] != SHARD_MAGIC:
+            return f"rank {r}'s record is not a log-prob shard record (different op or library version)"
+        if h[HDR_ROWS] != h0[HDR_ROWS]:
+            return f"rank 0 has {h0[HDR_ROWS]} rows but rank {r} has {h[HDR_ROWS]}"
+        if h[HDR_FORMAT] != h0[HDR_FORMAT]:
+            return f"ranks 0 and {r} use different record formats (return_entropy / label smoothing / logits dtype)"
+        if h[HDR_VOCAB_SIZE] != vocab_size:
+            return (f"rank {r} was given vocab_size={h[HDR_VOCAB_SIZE]} but this rank {vocab_size} (pass the true, "
+                    f"global vocab_size on every rank)")
+        if h[HDR_TARGET_HASH] != h0[HDR_TARGET_HASH]:
+            return f"ranks 0 and {r} were given different targets (every rank must pass the same global token ids)"
+        for q in range(r):
+            g = headers[q]
+            if (h[HDR_VALID_COLS] > 0 and g[HDR_VALID_COLS] > 0 and h[HDR_VOCAB_START] < g[HDR_VOCAB_START]
+                    + g[HDR_VALID_COLS] and g[HDR_VOCAB_START] < h[HDR_VOCAB_START] + h[HDR_VALID_COLS]):
+                return f"the vocab ranges of rank {q} and rank {r} overlap (check vocab_start)"
+    if sum(h[HDR_VALID_COLS] for h in headers) != vocab_size or any(h[HDR_VOCAB_START] < 0 for h in headers):
+        shards = "; ".join(f"{r}: {h[HDR_VOCAB_START]}, {h[HDR_LOCAL_VOCAB]}, {h[HDR_VALID_COLS]}"
+                           for r, h in enumerate(headers))
+        return (f"the shards do not cover [0, vocab_size={vocab_size}) exactly; shards (rank: vocab_start, local "
+                f"columns, columns below vocab_size): {shards}")
+    return None
 
 
 def merge_row_stats(
-    stats: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_size: int
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge the records of all shards ``[R, N, K]`` into (logp, entropy, mean_logp, row_state).
+    gathered: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_size: int, inv_temperature: float,
+    with_sum_z: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge the shard records of all ranks ``[R, record_len]`` into (logp, entropy, mean_logp, row_state, status).
 
-    M = max_r m_r, D = sum_r d_r e^(m_r - M), S = sum_r s_r e^(m_r - M), y = max_r y_r;
-    logp = y - M - log D, H = M + log D - S/D, mean_logp = sum z / vocab_size - (M + log D) (0 without sum z).
-    Ignored rows give 0 everywhere. row_state = [lse, S/D] is what backward needs.
+    M = max_r m_r; every other sum is rebased to M: D = sum_r d_r e^{(m_r - M)/T}, S = sum_r e^{(m_r - M)/T}
+    (s_r + d_r (m_r - M)/T), SZ = sum_r (sz_r + n_r (m_r - M)/T); then logp = (y - M)/T - log D, H = log D - S/D,
+    mean_logp = SZ / vocab_size - log D. Ignored rows give 0. Errors (bad layout, target out of range, NaN/+inf, a
+    row of only -inf) raise, naming the position.
     """
-    m = stats[..., ROW_STAT_MAX]
+    acc = gathered.dtype
+    r_count = gathered.shape[0]
+    k = 5 if with_sum_z else 4
+    hl = header_len(acc)
+    n = target.shape[0]
+    if gathered.shape[1] != hl + n * k:
+        raise RuntimeError(f"gathered shard records must have length {hl + n * k}, got {gathered.shape[1]}: the "
+                           f"tensor-parallel ranks disagree on the number of rows or on the record format")
+    headers = gathered[:, :hl].cpu().reshape(-1).clone().view(torch.int64).view(r_count, -1).tolist()
+    why = _layout_error(headers, vocab_size)
+    if why is not None:
+        raise RuntimeError("vocab_parallel_log_probs: the tensor-parallel shards do not fit together: " + why)
+    rec = gathered[:, hl:].reshape(r_count, n, k)
+    m, d, s = rec[..., ROW_STAT_MAX], rec[..., ROW_STAT_SUMEXP], rec[..., ROW_STAT_SUMEXP_Z]
+    poisoned = ((d != d) | (s != s) | (m == math.inf)).any(0)
     big_m = m.amax(0)
-    # A shard made only of padding has d = 0 and m = -inf; its scale must be 0, not exp(nan).
-    scale = torch.where(stats[..., ROW_STAT_SUMEXP] > 0, torch.exp(m - big_m), torch.zeros_like(m))
-    d = (stats[..., ROW_STAT_SUMEXP] * scale).sum(0)
-    s = (stats[..., ROW_STAT_SUMEXP_Z] * scale).sum(0)
-    y = stats[..., ROW_STAT_TARGET_Z].amax(0)
-    lse = big_m + torch.log(d)
-    mean_z = s / d
-    valid = target != ignore_index
-    zero = torch.zeros_like(lse)
-    logp = torch.where(valid, y - lse, zero)
-    entropy = torch.where(valid, lse - mean_z, zero)
-    if stats.shape[-1] > ROW_STAT_SUM_Z:
-        sum_z = stats[..., ROW_STAT_SUM_Z].sum(0)
-        mean_logp = torch.where(valid, sum_z / vocab_size - lse, zero)
+    mass = d > 0
+    delta = torch.where(mass, (m - big_m) * inv_temperature, torch.zeros_like(m))
+    scale = torch.where(mass, torch.exp(delta), torch.zeros_like(m))
+    d_tot = (d * scale).sum(0)
+    s_tot = torch.where(scale > 0, scale * (s + d * delta), torch.zeros_like(s)).sum(0)
+    y = rec[..., ROW_STAT_TARGET_X].amax(0)
+    ignored = target == ignore_index
+    bad_target = ~ignored & ((target < 0) | (target >= vocab_size))
+    if bool(bad_target.any()):
+        pos = int(torch.nonzero(bad_target)[0])
+        raise RuntimeError(f"target holds ids outside [0, vocab_size={vocab_size}) that are not "
+                           f"ignore_index={ignore_index}: target.flatten()[{pos}] = {int(target[pos])}")
+    bad_value = ~ignored & (poisoned | (d_tot != d_tot))
+    if bool(bad_value.any()):
+        pos = int(torch.nonzero(bad_value)[0])
+        raise RuntimeError(f"logits hold NaN or +inf in row {pos} of the flattened logits (logits.reshape(-1, "
+                           f"V_local)[{pos}], on this rank or another rank of the tensor-parallel group)")
+    no_mass = ~ignored & (d_tot == 0)
+    if bool(no_mass.any()):
+        pos = int(torch.nonzero(no_mass)[0])
+        raise RuntimeError(f"every logit of row {pos} (logits.reshape(-1, V_local)[{pos}], over all "
+                           f"tensor-parallel shards) is -inf: its softmax is undefined")
+    one = torch.ones_like(d_tot)
+    log_d = torch.log(torch.where(ignored, one, d_tot))
+    mean_z = torch.where(ignored, one, s_tot) / torch.where(ignored, one, d_tot)
+    zero = torch.zeros_like(log_d)
+    logp = torch.where(ignored, zero, (y - big_m) * inv_temperature - log_d)
+    entropy = torch.where(ignored, zero, log_d - mean_z)
+    if with_sum_z:
+        n_r = torch.tensor([h[HDR_VALID_COLS] for h in headers], dtype=acc, device=gathered.device).unsqueeze(1)
+        sz = rec[..., ROW_STAT_SUM_Z]
+        term = torch.where(mass, sz + n_r * delta, torch.where(n_r > 0, torch.full_like(sz, -math.inf),
+                                                                 torch.zeros_like(sz)))
+        mean_logp = torch.where(ignored, zero, term.sum(0) / vocab_size - log_d)
     else:
         mean_logp = zero.clone()
-    row_state = torch.stack([lse, mean_z], dim=1)
-    return logp, entropy, mean_logp, row_state
+    row_state = torch.stack([torch.where(ignored, zero, big_m), torch.where(ignored, zero, log_d),
+                             torch.where(ignored, zero, mean_z)], dim=1)
+    status = torch.zeros(4, dtype=torch.int32, device=gathered.device)
+    return logp, entropy, mean_logp, row_state, status
 
 
 def logprob_backward(
@@ -119,31 +224,33 @@ def logprob_backward(
     inv_temperature: float,
     ignore_index: int,
 ) -> torch.Tensor:
-    """Gradient w.r.t. one shard ``[N, V_local]`` of logits, in the logits dtype. With p = softmax(z):
+    """Gradient w.r.t. one shard ``[N, V_local]`` of logits, in the logits dtype. With zm = (x - M)/T and
+    p = e^{zm - log D}:
 
-    d logp / dx_i = (1[i = y] - p_i) / T;  d H / dx_i = -p_i (z_i - S/D) / T;  d mean_logp / dx_i = (1/V - p_i) / T.
-    Padding columns and ignored rows get 0.
+    d logp / dx_i = (1[i = y] - p_i) / T;  d H / dx_i = -p_i (zm_i - S/D) / T (0 where p = 0);
+    d mean_logp / dx_i = (1/V - p_i) / T. Padding columns and ignored rows get 0.
     """
     acc = _acc_dtype(logits.dtype)
     n, local_vocab = logits.shape
     cols = _valid_cols(vocab_start, vocab_size, local_vocab)
-    z = logits[:, :cols].to(acc) * inv_temperature
-    lse = row_state[:, ROW_STATE_LSE].to(acc).unsqueeze(1)
-    mean_z = row_state[:, ROW_STATE_MEAN_Z].to(acc).unsqueeze(1)
-    p = torch.exp(z - lse)
-    valid = (target != ignore_index).to(acc).unsqueeze(1)
+    x = logits[:, :cols].to(acc)
+    state = row_state.to(acc)
+    zm = (x - state[:, ROW_STATE_MAX:ROW_STATE_MAX + 1]) * inv_temperature
+    p = torch.exp(zm - state[:, ROW_STATE_LOG_D:ROW_STATE_LOG_D + 1])
+    ent = torch.where(p > 0, p * (zm - state[:, ROW_STATE_MEAN_Z:ROW_STATE_MEAN_Z + 1]), torch.zeros_like(p))
+    valid = (target != ignore_index).unsqueeze(1)
 
     def _g(g: Optional[torch.Tensor]) -> torch.Tensor:
         return torch.zeros(n, 1, dtype=acc, device=logits.device) if g is None else g.to(acc).reshape(n, 1)
 
     g_lp, g_h, g_m = _g(grad_logp), _g(grad_entropy), _g(grad_mean_logp)
-    grad = -(g_lp + g_m) * p - g_h * p * (z - mean_z) + g_m / vocab_size
+    grad = g_m / vocab_size - (g_lp + g_m) * p - g_h * ent
     local = target - vocab_start
     hit = (local >= 0) & (local < cols) & (target != ignore_index)
     rows = torch.nonzero(hit).squeeze(1)
     if cols:
         grad[rows, local[rows]] += g_lp.squeeze(1)[rows]
-    grad = grad * valid * inv_temperature
+    grad = torch.where(valid, grad * inv_temperature, torch.zeros_like(grad))
     out = torch.zeros(n, local_vocab, dtype=logits.dtype, device=logits.device)
     out[:, :cols] = grad.to(logits.dtype)
     return out
@@ -167,40 +274,6 @@ def logprob_backward_(
         vocab_start, vocab_size, inv_temperature, ignore_index,
     )
     logits.copy_(grad)
-
-
-def log_probs_dense(
-    full_logits: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    vocab_size: Optional[int] = None,
-    temperature: float = 1.0,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The textbook oracle on the whole (gathered) vocab: ``log_softmax`` + ``gather``, differentiable.
-
-    Returns (logp, entropy, cross_entropy_loss) with any leading shape; run it in fp64 for the reference.
-    ``cross_entropy_loss`` applies label smoothing over the true vocab the way megatron-core defines it
-    (smoothing = eps * V / (V - 1); loss = (1 - smoothing) * nll - smoothing * mean_i logp_i), but over
-    the **global** vocab.
-    """
-    v = full_logits.shape[-1] if vocab_size is None else vocab_size
-    z = full_logits[..., :v] / temperature
-    logp_all = torch.log_softmax(z, dim=-1)
-    valid = target != ignore_index
-    safe = torch.where(valid, target, torch.zeros_like(target))
-    logp = logp_all.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    zero = torch.zeros_like(logp)
-    logp = torch.where(valid, logp, zero)
-    entropy = torch.where(valid, entropy, zero)
-    loss = -logp
-    if label_smoothing > 0:
-        smoothing = label_smoothing * v / (v - 1)
-        mean_logp = torch.where(valid, logp_all.mean(-1), zero)
-        loss = (1.0 - smoothing) * loss - smoothing * mean_logp
-    return logp, entropy, loss
 
 
 # ---------------------------------------------------------------------------------------------------------

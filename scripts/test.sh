@@ -5,4 +5,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck disable=SC1091
 . scripts/bootstrap.sh
+# verl 0.9.1, the parity oracle of the rollout-correction tests: its wheel without its GPU stack (vllm, sglang,
+# flash-attn), plus the light packages its helper modules import at import time.
+python -m pip install -q --no-deps "verl==0.9.1"
+python -m pip install -q packaging ray "tensordict<=0.10.0" omegaconf transformers codetiming orjson
 python -m pytest -q -rfEs tests "$@"

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from rollout_corr_testing.logprob_oracle import log_probs_dense
+
 import rollout_corr_ext as rc
 from rollout_corr_ext import reference
 from rollout_corr_testing.logprob_samples import DTYPES, sample_inputs
@@ -20,7 +22,7 @@ def test_cuda_forward_backward_match_fp64_reference(dtype):
         x = logits.clone().requires_grad_(True)
         logp, ent = rc.vocab_parallel_log_probs(x, target, return_entropy=True, **kw)
         xr = logits.double().cpu().requires_grad_(True)
-        ref_logp, ref_ent, _ = reference.log_probs_dense(
+        ref_logp, ref_ent, _ = log_probs_dense(
             xr, target.cpu(), vocab_size=kw.get("vocab_size"), temperature=kw.get("temperature", 1.0),
             ignore_index=kw.get("ignore_index", -100))
         torch.testing.assert_close(logp.double().cpu(), ref_logp.detach(), **output_tol(dtype))

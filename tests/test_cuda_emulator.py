@@ -1,4 +1,5 @@
-"""Every CUDA kernel, run thread by thread on the CUDA emulator (rollout_corr_testing/cuda_emulator), against reference.py.
+"""The log-prob and policy-loss CUDA kernels, run thread by thread on the CUDA emulator (rollout_corr_testing/
+cuda_emulator), against independent fp64 oracles (log_softmax on the gathered vocab for the log-prob family).
 
 The emulator compiles csrc/cuda/*_kernels.cuh unchanged with g++; these tests sweep ragged sizes, every dtype,
 block sizes, vector widths, both turnstile schedules and grids smaller than the row count (grid-stride loops).
@@ -13,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from rollout_corr_ext import reference
 from rollout_corr_testing.cuda_emulator.loader import ROOT, load_emulator
+from rollout_corr_testing.cuda_emulator.logprob_pipeline import emulated_log_probs, oracle_log_probs
 from rollout_corr_testing.cuda_emulator.mutants import MUTANTS
 from rollout_corr_testing.tolerances import grad_tol, output_tol
 
@@ -27,14 +28,15 @@ def emu():
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
-# (rows, local_vocab, vocab_start, vocab_size): ragged vocab (not a multiple of the vector width), a padded
-# shard, a shard that starts mid-vocab, single-token rows, a shard that is all padding.
-SHAPES = [
-    (5, 203, 0, 203),
-    (3, 96, 0, 90),
-    (4, 64, 64, 128),
-    (1, 1, 0, 1),
-    (2, 40, 40, 40),
+# (rows, shard widths, vocab_size): ragged vocab (not a multiple of the vector width), a padded single shard, two
+# shards, single-token rows, a second shard that is all padding.
+CASES = [
+    (5, [203], 203),
+    (3, [96], 90),
+    (4, [64, 64], 128),
+    (1, [1], 1),
+    (2, [40, 40], 40),
+    (6, [130, 67], 190),
 ]
 KNOBS = [
     dict(),  # the launcher's own choices
@@ -42,71 +44,51 @@ KNOBS = [
     dict(threads=64, schedule=1),
     dict(threads=128, vec=1, max_blocks=1),
 ]
+MERGE_KNOBS = [dict(), dict(threads=32, schedule=1, max_blocks=1)]
 
 
-def _inputs(rows, cols, vocab_start, vocab_size, dtype, seed):
+def _inputs(rows, widths, vocab_size, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(rows, cols, generator=g, dtype=torch.float64) * 3).to(dtype)
+    full = (torch.randn(rows, sum(widths), generator=g, dtype=torch.float64) * 3).to(dtype)
     t = torch.randint(0, vocab_size, (rows,), generator=g)
     if rows > 1:
         t[rows // 2] = -100  # an ignored row
-    return x, t
+    shards = list(torch.split(full, widths, dim=-1))
+    return full, [s.contiguous() for s in shards], t
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_stats_merge_backward_match_reference(emu, dtype):
-    for i, (rows, cols, start, vsize) in enumerate(SHAPES):
-        x, t = _inputs(rows, cols, start, vsize, dtype, seed=i)
-        ref_stats = reference.vocab_row_stats(x.double(), t, start, vsize, 1.25, -100, True)
-        for knobs in KNOBS:
-            if knobs.get("vec") is None and knobs and rows * cols < 2:
-                continue
-            stats = emu.vocab_row_stats(x, t, start, vsize, 1.25, -100, True, **knobs)
-            torch.testing.assert_close(stats.double(), ref_stats, **output_tol(dtype), equal_nan=True)
-
-        # Merge two shards' records (the second shard: the same logits as a different vocab slice).
-        records = torch.stack([ref_stats, reference.vocab_row_stats(x.double(), t, start + cols, start + 2 * cols,
-                                                                     1.25, -100, True)]).to(ref_stats.dtype)
-        records = records.to(torch.float64 if dtype == torch.float64 else torch.float32)
-        want = reference.merge_row_stats(records.double(), t, -100, start + 2 * cols)
-        for knobs in (dict(), dict(threads=32, schedule=1)):
-            got = emu.merge_row_stats(records, t, -100, start + 2 * cols, **knobs)
-            for a, b in zip(got, want):
-                torch.testing.assert_close(a.double(), b, **output_tol(dtype), equal_nan=True)
-
-        _, _, _, state = reference.merge_row_stats(ref_stats.unsqueeze(0), t, -100, vsize)
+def test_pipeline_matches_log_softmax_for_every_launch_shape(emu, dtype):
+    """Row stats, merge and backward (out of place and in place) under every launch knob, against the fp64 oracle."""
+    temperature = 0.8
+    for i, (rows, widths, vsize) in enumerate(CASES):
+        full, shards, t = _inputs(rows, widths, vsize, dtype, seed=i)
         acc = torch.float64 if dtype == torch.float64 else torch.float32
-        g_lp, g_h = torch.randn(rows, dtype=acc), torch.randn(rows, dtype=acc)
-        want_grad = reference.logprob_backward(g_lp.double(), g_h.double(), g_lp.double(), x.double(), t,
-                                               state.double(), start, vsize, 1.25, -100)
-        for knobs in KNOBS:
-            grad = emu.logprob_backward(g_lp, g_h, g_lp, x, t, state.to(acc), start, vsize, 1.25, -100, **knobs)
-            assert grad.dtype == dtype and not grad.isnan().any()  # output is NaN-poisoned: all written
-            torch.testing.assert_close(grad.double(), want_grad, **grad_tol(dtype))
-        inplace = x.clone()
-        emu.logprob_backward_(inplace, g_lp, None, None, t, state.to(acc), start, vsize, 1.25, -100)
-        want_inplace = reference.logprob_backward(g_lp.double(), None, None, x.double(), t, state.double(), start,
-                                                  vsize, 1.25, -100)
-        torch.testing.assert_close(inplace.double(), want_inplace, **grad_tol(dtype))
+        g_lp, g_h, g_mz = (torch.randn(rows, dtype=acc) for _ in range(3))
+        want = oracle_log_probs(full, t, vsize, temperature, g_lp, g_h, g_mz)
+        for k, knobs in enumerate(KNOBS):
+            got = emulated_log_probs(shards, t, vsize, temperature, g_lp, g_h, g_mz, stats_knobs=knobs,
+                                     merge_knobs=MERGE_KNOBS[k % 2], backward_knobs=knobs, inplace=k == 3)
+            for name, a, b in zip(("logp", "entropy", "mean_logp"), got, want):
+                torch.testing.assert_close(a.double(), b, **output_tol(dtype),
+                                           msg=lambda m, n=name: f"case {i} knobs {knobs} {n}: {m}")
+            grad = got[3].double()
+            torch.testing.assert_close(grad[:, :vsize], want[3][:, :vsize], **grad_tol(dtype),
+                                       msg=lambda m: f"case {i} knobs {knobs} gradient: {m}")
+            assert torch.all(grad[:, vsize:] == 0), "padding columns get exactly zero gradient"
 
 
-def test_full_pipeline_on_the_emulator_matches_dense_oracle(emu):
-    """row stats of two shards -> merge -> backward, all emulated, against log_softmax in fp64."""
+def test_full_pipeline_on_the_emulator_with_logprob_only(emu):
+    """The forward without the mean term (the plain log-prob call) and a gradient of the log-probs only."""
     torch.manual_seed(0)
     full = torch.randn(9, 300, dtype=torch.float64) * 2
     t = torch.randint(0, 290, (9,))
-    x = full.float()
-    shards = [x[:, :150], x[:, 150:]]
-    recs = torch.stack([emu.vocab_row_stats(s, t, 150 * k, 290, 1.0, -100, False) for k, s in enumerate(shards)])
-    logp, ent, _, state = emu.merge_row_stats(recs, t, -100, 290)
-    xr = full.clone().requires_grad_(True)
-    ref_logp, ref_ent, _ = reference.log_probs_dense(xr, t, vocab_size=290)
-    torch.testing.assert_close(logp.double(), ref_logp.detach(), **output_tol(torch.float32))
-    torch.testing.assert_close(ent.double(), ref_ent.detach(), **output_tol(torch.float32))
-    ref_logp.sum().backward()
-    grads = [emu.logprob_backward(torch.ones(9), None, None, s, t, state, 150 * k, 290, 1.0, -100)
-             for k, s in enumerate(shards)]
-    torch.testing.assert_close(torch.cat(grads, 1).double(), xr.grad, **grad_tol(torch.float32))
+    shards = [full[:, :150].float().contiguous(), full[:, 150:].float().contiguous()]
+    got = emulated_log_probs(shards, t, 290, 1.0, torch.ones(9), None, None)
+    want = oracle_log_probs(full, t, 290, 1.0, torch.ones(9), None, None)
+    torch.testing.assert_close(got[0].double(), want[0], **output_tol(torch.float32))
+    torch.testing.assert_close(got[1].double(), want[1], **output_tol(torch.float32))
+    torch.testing.assert_close(got[3].double()[:, :290], want[3][:, :290], **grad_tol(torch.float32))
 
 
 def test_misaligned_rows_take_the_scalar_path(emu):
@@ -116,9 +98,10 @@ def test_misaligned_rows_take_the_scalar_path(emu):
     t = torch.randint(0, 129, (4,))
     with pytest.raises(RuntimeError, match="needs 16-byte aligned rows"):
         emu.vocab_row_stats(x, t, 0, 129, 1.0, -100, False, vec=4)
-    got = emu.vocab_row_stats(x, t, 0, 129, 1.0, -100, False)
-    torch.testing.assert_close(got.double(), reference.vocab_row_stats(x.double(), t, 0, 129, 1.0, -100, False),
-                               **output_tol(torch.float32))
+    got = emulated_log_probs([x], t, 129, 1.0, torch.ones(4), None, None)
+    want = oracle_log_probs(x, t, 129, 1.0, torch.ones(4), None, None)
+    torch.testing.assert_close(got[0].double(), want[0], **output_tol(torch.float32))
+    torch.testing.assert_close(got[3].double(), want[3], **grad_tol(torch.float32))
 
 
 def test_emulator_reports_barrier_divergence():

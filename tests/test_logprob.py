@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+from rollout_corr_testing.logprob_oracle import log_probs_dense
+
 import rollout_corr_ext as rc
 from rollout_corr_ext import ops, reference
 from rollout_corr_testing.logprob_samples import DTYPES, sample_inputs
@@ -12,7 +14,7 @@ from rollout_corr_testing.tolerances import grad_tol, output_tol
 
 
 def dense_reference(logits, target, kw, label_smoothing=0.0):
-    return reference.log_probs_dense(
+    return log_probs_dense(
         logits.double(), target, vocab_size=kw.get("vocab_size"), temperature=kw.get("temperature", 1.0),
         ignore_index=kw.get("ignore_index", -100), label_smoothing=label_smoothing)
 
@@ -37,7 +39,7 @@ def test_cross_entropy_and_grad_match_reference(dtype, label_smoothing):
         x = logits.clone().requires_grad_(True)
         loss = rc.vocab_parallel_cross_entropy(x, target, label_smoothing=label_smoothing, **kw)
         xr = logits.double().requires_grad_(True)
-        _, _, ref_loss = reference.log_probs_dense(
+        _, _, ref_loss = log_probs_dense(
             xr, target, vocab_size=kw.get("vocab_size"), temperature=kw.get("temperature", 1.0),
             ignore_index=kw.get("ignore_index", -100), label_smoothing=label_smoothing)
         torch.testing.assert_close(loss.double(), ref_loss.detach(), **output_tol(dtype))
@@ -54,7 +56,7 @@ def test_joint_logp_entropy_gradient(dtype):
         x = logits.clone().requires_grad_(True)
         logp, ent = rc.vocab_parallel_log_probs(x, target, return_entropy=True, **kw)
         xr = logits.double().requires_grad_(True)
-        ref_logp, ref_ent, _ = reference.log_probs_dense(
+        ref_logp, ref_ent, _ = log_probs_dense(
             xr, target, vocab_size=kw.get("vocab_size"), temperature=kw.get("temperature", 1.0),
             ignore_index=kw.get("ignore_index", -100))
         a, b = torch.randn(target.shape, dtype=torch.float64), torch.randn(target.shape, dtype=torch.float64)
@@ -112,7 +114,7 @@ def test_caller_logits_untouched_unless_inplace(inplace_backward):
     assert torch.equal(logits.detach(), before)
     (logp.sum() + 0.5 * ent.sum()).backward()
     xr = before.double().requires_grad_(True)
-    rl, re, _ = reference.log_probs_dense(xr, target)
+    rl, re, _ = log_probs_dense(xr, target)
     (rl.sum() + 0.5 * re.sum()).backward()
     torch.testing.assert_close(base.grad.double(), xr.grad, rtol=1e-5, atol=1e-6)
     if inplace_backward:
@@ -139,11 +141,11 @@ def test_forward_without_grad_saves_nothing_and_allocates_small():
         (lambda x, t: ((x, t.clone().fill_(40)), {}), "target holds ids outside"),
         (lambda x, t: ((x, t.clone().fill_(-3)), {}), "target holds ids outside"),
         (lambda x, t: ((x, t.clone().fill_(35)), {"vocab_size": 30}), "target holds ids outside"),
-        (lambda x, t: ((x, t), {"vocab_size": 41}), "vocab_size=41 is inconsistent"),
-        (lambda x, t: ((x, t), {"vocab_size": 0}), "vocab_size=0 is inconsistent"),
-        (lambda x, t: ((x, t), {"vocab_start": 3}), "vocab_start=3 is inconsistent"),
-        (lambda x, t: ((x, t), {"vocab_start": -1}), "vocab_start=-1 is inconsistent"),
-        (lambda x, t: ((x, t), {"temperature": 0.0}), "temperature must be > 0"),
+        (lambda x, t: ((x, t), {"vocab_size": 41}), r"vocab_size <= 40 = logits.shape\[-1\] \(got 41\)"),
+        (lambda x, t: ((x, t), {"vocab_size": 0}), "vocab_size must be >= 1, got 0"),
+        (lambda x, t: ((x, t), {"vocab_start": 3}), r"vocab_start must be 0 \(got 3\)"),
+        (lambda x, t: ((x, t), {"vocab_start": -1}), "vocab_start must be >= 0, got -1"),
+        (lambda x, t: ((x, t), {"temperature": 0.0}), "temperature must be finite and > 0, got 0.0"),
         (lambda x, t: ((x, t.to("meta")), {}), "target is on meta but logits is on cpu"),
     ],
 )
@@ -165,20 +167,22 @@ def test_label_smoothing_out_of_range():
 def test_ops_opcheck(compiled_backend):
     torch.manual_seed(5)
     for dtype in [torch.float32, torch.bfloat16, torch.float64]:
-        x = torch.randn(6, 37).to(dtype)
-        t = torch.randint(0, 35, (6,))
+        full = torch.randn(6, 74).to(dtype)
+        x = full[:, :37].contiguous()
+        t = torch.randint(0, 70, (6,))
         t[1] = -100
-        args = (x, t, 0, 35, 1.25, -100, True)
+        args = (x, t, 0, 70, 1.25, -100, True)
         torch.library.opcheck(torch.ops.rollout_corr.vocab_row_stats.default, args)
-        stats = ops.vocab_row_stats(*args).unsqueeze(0).repeat(2, 1, 1)
-        torch.library.opcheck(torch.ops.rollout_corr.merge_row_stats.default, (stats, t, -100, 70))
-        _, _, _, state = ops.merge_row_stats(stats, t, -100, 70)
+        stats = torch.stack([ops.vocab_row_stats(*args),
+                             ops.vocab_row_stats(full[:, 37:].contiguous(), t, 37, 70, 1.25, -100, True)])
+        torch.library.opcheck(torch.ops.rollout_corr.merge_row_stats.default, (stats, t, -100, 70, 1.25, True))
+        _, _, _, state, _ = ops.merge_row_stats(stats, t, -100, 70, 1.25, True)
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         g = torch.randn(6, dtype=acc)
         torch.library.opcheck(torch.ops.rollout_corr.logprob_backward.default,
-                              (g, None, g, x, t, state, 0, 35, 1.25, -100))
+                              (g, None, g, x, t, state, 0, 70, 1.25, -100))
         torch.library.opcheck(torch.ops.rollout_corr.logprob_backward_.default,
-                              (x.clone(), g, g, None, t, state, 0, 35, 1.25, -100))
+                              (x.clone(), g, g, None, t, state, 0, 70, 1.25, -100))
 
 
 def test_torch_compile_fullgraph_forward(compiled_backend):
@@ -200,8 +204,8 @@ def test_shard_with_only_padding_merges_cleanly():
     # Columns 10..15 are padding: shard 1 has 2 real columns, shard 2 none at all.
     shards = [full[:, :8], full[:, 8:], torch.randn(5, 8, dtype=torch.float64)]
     recs = torch.stack([ops.vocab_row_stats(s, target, 8 * i, 10, 1.0, -100, True) for i, s in enumerate(shards)])
-    logp, ent, mean_logp, _ = ops.merge_row_stats(recs, target, -100, 10)
-    ref_logp, ref_ent, _ = reference.log_probs_dense(full[:, :10], target)
+    logp, ent, mean_logp, _, _ = ops.merge_row_stats(recs, target, -100, 10, 1.0, True)
+    ref_logp, ref_ent, _ = log_probs_dense(full[:, :10], target)
     torch.testing.assert_close(logp, ref_logp)
     torch.testing.assert_close(ent, ref_ent)
     torch.testing.assert_close(mean_logp, torch.log_softmax(full[:, :10], -1).mean(-1))
@@ -234,8 +238,8 @@ def test_shard_over_2_pow_31_elements():
                                rtol=1e-5, atol=1e-5)
     # Backward, in place to keep memory at one copy: the gradient of the last row at its last column.
     x.requires_grad_(False)
-    _, _, _, state = ops.merge_row_stats(ops.vocab_row_stats(x, target, 0, vocab, 1.0, -100, False).unsqueeze(0),
-                                         target, -100, vocab)
+    _, _, _, state, _ = ops.merge_row_stats(
+        ops.vocab_row_stats(x, target, 0, vocab, 1.0, -100, False).unsqueeze(0), target, -100, vocab, 1.0, False)
     g = torch.zeros(rows)
     g[rows - 1] = 1.0
     ops.logprob_backward_(x, g, None, None, target, state, 0, vocab, 1.0, -100)

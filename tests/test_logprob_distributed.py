@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+
+from rollout_corr_testing.logprob_oracle import log_probs_dense
 import torch.distributed as dist
 
 import rollout_corr_ext as rc
@@ -39,12 +41,18 @@ def _tp_worker(rank, world, dtypes):
                                                         temperature=temp, return_entropy=True)
                 ce = rc.vocab_parallel_cross_entropy(shard, target, smoothing, group, vocab_size=vocab_size,
                                                      temperature=temp)
-            expected_collectives = 2 if world > 1 else 0  # one per call
+            # Per call: the record all-gather, plus (check_group's CPU default) the 64-byte header all-gather.
+            expected_collectives = 4 if world > 1 else 0
             assert len(fwd.calls) == expected_collectives, fwd.calls
             assert all(c in ("all_gather_single", "all_gather_into_tensor") for c in fwd.calls), fwd.calls
+            with CollectiveCounter() as lean:
+                lean_logp = rc.vocab_parallel_log_probs(shard.detach(), target, group, vocab_size=vocab_size,
+                                                        temperature=temp, check_group=False)
+            assert len(lean.calls) == (1 if world > 1 else 0), lean.calls  # exactly one collective
+            torch.testing.assert_close(lean_logp, logp.detach(), rtol=0, atol=0)
 
             xr = full_d.double().requires_grad_(True)
-            ref_logp, ref_ent, ref_ce = reference.log_probs_dense(xr, target, vocab_size=vocab_size, temperature=temp,
+            ref_logp, ref_ent, ref_ce = log_probs_dense(xr, target, vocab_size=vocab_size, temperature=temp,
                                                                   label_smoothing=smoothing)
             torch.testing.assert_close(logp.double(), ref_logp.detach(), **output_tol(dtype))
             torch.testing.assert_close(ent.double(), ref_ent.detach(), **output_tol(dtype))
@@ -123,3 +131,87 @@ def _megatron_smoothing_tp1_worker(rank, world):
 
 def test_parity_with_megatron_core_label_smoothing_tp1():
     run_workers(_megatron_smoothing_tp1_worker, 1)
+
+
+def _raises_everywhere(fn, exc, match):
+    """``fn()`` must raise ``exc`` matching ``match`` on this rank; then a barrier proves no rank hung or aborted."""
+    with pytest.raises(exc, match=match):
+        fn()
+    dist.barrier()
+
+
+def _layout_worker(rank, world):
+    """Shards that do not fit together give the same named error on every rank (gloo: no collective mismatch)."""
+    group = dist.group.WORLD
+    full, target = _global_inputs((3, 4), 96, 96, seed=21)
+    shard = full[..., rank * 48:(rank + 1) * 48].float()
+    fit = "the tensor-parallel shards do not fit together"
+
+    # Two ranks passing the same vocab_start (overlap and a gap).
+    _raises_everywhere(lambda: rc.vocab_parallel_log_probs(shard, target, group, vocab_start=0, vocab_size=96),
+                       ValueError, f"{fit}.*overlap")
+    # Uneven shards (50 + 46 columns) with the default vocab_start = rank * V_local: rank 1 starts at 46.
+    uneven = full[..., :50] if rank == 0 else full[..., 50:]
+    _raises_everywhere(lambda: rc.vocab_parallel_log_probs(uneven.float(), target, group, vocab_size=96),
+                       ValueError, f"{fit}.*overlap")
+    # ... and right with an explicit vocab_start.
+    logp = rc.vocab_parallel_log_probs(uneven.float(), target, group, vocab_start=0 if rank == 0 else 50,
+                                       vocab_size=96)
+    ref_logp, _, _ = log_probs_dense(full, target)
+    torch.testing.assert_close(logp.double(), ref_logp, **output_tol(torch.float32))
+    # A vocab_size that the shards do not cover.
+    _raises_everywhere(lambda: rc.vocab_parallel_log_probs(shard, target, group, vocab_size=100), ValueError,
+                       f"{fit}.*do not cover")
+    # Different row counts: a named error on every rank, not a gloo abort.
+    rows = shard[:2] if rank == 0 else shard[:3]
+    _raises_everywhere(lambda: rc.vocab_parallel_log_probs(rows, target[:rows.shape[0]], group), ValueError,
+                       f"{fit}.*rank 0 has 8 rows but rank 1 has 12")  # flattened rows
+    # Different targets.
+    other = target.clone()
+    if rank == 1:
+        other.view(-1)[5] = (other.view(-1)[5] + 1) % 96
+    _raises_everywhere(lambda: rc.vocab_parallel_log_probs(shard, other, group), ValueError,
+                       f"{fit}.*different targets")
+    # Different record formats (entropy-only vs label smoothing) on the two ranks.
+    _raises_everywhere(lambda: rc.vocab_parallel_cross_entropy(shard, target, 0.1 if rank else 0.0, group),
+                       ValueError, f"{fit}.*record formats")
+    # Without the pre-check (check_group=False) the merge still catches the layout after the one all-gather.
+    _raises_everywhere(lambda: rc.vocab_parallel_log_probs(shard, target, group, vocab_start=0, vocab_size=96,
+                                                           check_group=False), RuntimeError, "overlap")
+    # A shard whose every logit is -inf (a sampler mask) is legal: the other shard holds all the mass.
+    masked = full.clone()
+    masked[..., 48:] = float("-inf")
+    target_low = target % 48
+    shard = masked[..., rank * 48:(rank + 1) * 48].float()
+    logp, ent = rc.vocab_parallel_log_probs(shard, target_low, group, return_entropy=True)
+    ref_logp, ref_ent, _ = log_probs_dense(masked, target_low)
+    torch.testing.assert_close(logp.double(), ref_logp, **output_tol(torch.float32))
+    torch.testing.assert_close(ent.double(), ref_ent, **output_tol(torch.float32))
+
+
+def test_mismatched_shards_raise_on_every_rank():
+    run_workers(_layout_worker, 2)
+
+
+def _megatron_group_none_worker(rank, world):
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    try:
+        full, target = _global_inputs((4, 2), 64, 64, seed=13)
+        target.zero_()  # every target in the first shard: the silent off-by-log(tp) case
+        shard = full[..., rank * 32:(rank + 1) * 32].float()
+        for fn in (rc.vocab_parallel_log_probs, rc.vocab_parallel_cross_entropy):
+            with pytest.raises(ValueError, match="tp_group=None, but megatron-core is initialized with "
+                                                 "tensor-parallel size 2"):
+                fn(shard, target)
+        from rollout_corr_ext import megatron as rc_megatron
+        logp = rc_megatron.vocab_parallel_log_probs(shard, target)  # defaults to megatron's group: right
+        ref_logp, _, _ = log_probs_dense(full, target)
+        torch.testing.assert_close(logp.double(), ref_logp, **output_tol(torch.float32))
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_group_none_under_megatron_tp2_is_an_error():
+    run_workers(_megatron_group_none_worker, 2)

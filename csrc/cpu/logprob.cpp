@@ -1,18 +1,20 @@
 // CPU kernels of the vocab-parallel log-prob op (DESIGN §2).
 //
 // Rows run in parallel (at::parallel_for). Each row is streamed once in blocks of kBlock columns: a block is
-// converted to the accumulation type into a small buffer that stays in L1, its max is taken, then exp and
-// the two sums run over the buffer, and the block summary is merged into the row's (online softmax). So the
-// shard is read from memory once, with one exp per element. The inner loops are written over fixed-width
-// lane arrays so the compiler vectorizes them; `target_clones` builds an AVX2 copy picked at load time.
+// converted to the accumulation type into a small buffer that stays in L1, its max is taken, then exp and the
+// sums run over the buffer in max-shifted coordinates, and the block summary is merged into the row's (online
+// softmax, logprob_math.h). So the shard is read from memory once, with one exp per element. The inner loops use
+// the SIMD exp of vec_math.h; RC_CPU_MULTIVERSION builds an AVX2 copy picked at load time.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "logprob_host.h"
 #include "logprob_math.h"
@@ -25,102 +27,106 @@ using namespace cpu;
 
 constexpr int64_t kBlock = 512;  // columns per block: 2 KiB of fp32, comfortably L1-resident
 
-// Block summary (max, sum exp(z - max), sum exp(z - max) z, sum z) of n fp32 values.
-RC_FORCEINLINE void block_summary(const float* z, int64_t n, float& m, float& d, float& s, float& sum_z) {
+// Summary of n raw fp32 logits (relative to their own max). The max ignores NaN; a NaN then makes d NaN (exp
+// propagates it), a +inf makes every (x - m) of the block NaN or -inf: both poison the row, as they must.
+template <bool kSumZ>
+RC_FORCEINLINE RowSummary<float> block_summary(const float* x, int64_t n, float it) {
   constexpr int64_t kStep = kVec * kUnroll;
   int64_t i = 0;
   v8f vm[kUnroll];
   for (int k = 0; k < kUnroll; ++k) vm[k] = v8f{} - INFINITY;
   for (; i + kStep <= n; i += kStep)
     for (int k = 0; k < kUnroll; ++k) {
-      const v8f a = load_v8(z + i + k * kVec);
+      const v8f a = load_v8(x + i + k * kVec);
       vm[k] = a > vm[k] ? a : vm[k];
     }
-  m = -INFINITY;
+  float m = -INFINITY;
   for (int k = 0; k < kUnroll; ++k) m = std::max(m, hmax(vm[k]));
-  for (int64_t j = i; j < n; ++j) m = std::max(m, z[j]);
+  for (int64_t j = i; j < n; ++j) m = x[j] > m ? x[j] : m;
+  if (m == -INFINITY) {  // only -inf (and perhaps NaN): no mass; keep a NaN visible
+    bool nan = false;
+    for (int64_t j = 0; j < n; ++j) nan |= x[j] != x[j];
+    return {m, nan ? NAN : 0.f, 0.f, n > 0 ? -INFINITY : 0.f, n};
+  }
 
   v8f vd[kUnroll], vs[kUnroll], vz[kUnroll];
   for (int k = 0; k < kUnroll; ++k) vd[k] = vs[k] = vz[k] = v8f{};
   for (i = 0; i + kStep <= n; i += kStep)
     for (int k = 0; k < kUnroll; ++k) {
-      const v8f a = load_v8(z + i + k * kVec);
-      const v8f e = exp_v8(a - m);
+      const v8f zm = (load_v8(x + i + k * kVec) - m) * it;
+      const v8f e = exp_v8(zm);
       vd[k] += e;
-      vs[k] += e * a;
-      vz[k] += a;
+      vs[k] += e > 0.f ? e * zm : v8f{};  // 0, not 0 * -inf, for a -inf logit
+      if (kSumZ) vz[k] += zm;
     }
-  d = s = sum_z = 0.f;
+  RowSummary<float> r{m, 0.f, 0.f, 0.f, n};
   for (int k = 0; k < kUnroll; ++k) {
-    d += hsum(vd[k]);
-    s += hsum(vs[k]);
-    sum_z += hsum(vz[k]);
+    r.d += hsum(vd[k]);
+    r.s += hsum(vs[k]);
+    r.sz += hsum(vz[k]);
   }
   for (int64_t j = i; j < n; ++j) {
-    const float e = exp_acc(z[j] - m);
-    d += e;
-    s += e * z[j];
-    sum_z += z[j];
+    const float zm = (x[j] - m) * it;
+    const float e = exp_acc(zm);
+    r.d += e;
+    r.s += mass_times(e, zm);
+    if (kSumZ) r.sz += zm;
   }
+  return r;
 }
 
-RC_FORCEINLINE void block_summary(const double* z, int64_t n, double& m, double& d, double& s, double& sum_z) {
-  m = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, z[j]);
-  d = s = sum_z = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const double e = std::exp(z[j] - m);
-    d += e;
-    s += e * z[j];
-    sum_z += z[j];
-  }
+// fp64 (gradcheck, oracle-grade runs): the scalar online update of logprob_math.h, element by element.
+template <bool kSumZ>
+RC_FORCEINLINE RowSummary<double> block_summary(const double* x, int64_t n, double it) {
+  RowSummary<double> r = summary_empty<double>();
+  for (int64_t j = 0; j < n; ++j) summary_add(r, x[j], it);
+  return r;
 }
 
-// In-place over the block buffer: z -> d/dz of (g_lp logp + g_h H + g_m mean_logp), times 1/T, without the
-// target term (the caller adds g_lp * it at the target column).
-RC_FORCEINLINE void block_grad(float* z, int64_t n, float lse, float mean_z, float g_lp_plus_m, float g_h,
-                               float g_m_over_v, float it) {
+// In place over the block buffer: x -> d/dx of (g_lp logp + g_h H + g_m mean_logp) without the target term
+// (the caller adds it at the target column). zm = (x - M)/T, p = e^{zm - log D}.
+RC_FORCEINLINE void block_grad(float* x, int64_t n, float max_x, float log_d, float mean_z, float g_lp_plus_m,
+                               float g_h, float g_m_over_v, float it) {
   int64_t i = 0;
   for (; i + kVec <= n; i += kVec) {
-    const v8f a = load_v8(z + i);
-    const v8f p = exp_v8(a - lse);
-    store_v8(z + i, ((g_m_over_v - g_lp_plus_m * p) - g_h * p * (a - mean_z)) * it);
+    const v8f zm = (load_v8(x + i) - max_x) * it;
+    const v8f p = exp_v8(zm - log_d);
+    const v8f ent = p > 0.f ? p * (zm - mean_z) : v8f{};
+    store_v8(x + i, ((g_m_over_v - g_lp_plus_m * p) - g_h * ent) * it);
   }
   for (; i < n; ++i) {
-    const float p = exp_acc(z[i] - lse);
-    z[i] = ((g_m_over_v - g_lp_plus_m * p) - g_h * p * (z[i] - mean_z)) * it;
+    const float zm = (x[i] - max_x) * it;
+    const float p = exp_acc(zm - log_d);
+    x[i] = ((g_m_over_v - g_lp_plus_m * p) - g_h * mass_times(p, zm - mean_z)) * it;
   }
 }
 
-RC_FORCEINLINE void block_grad(double* z, int64_t n, double lse, double mean_z, double g_lp_plus_m, double g_h,
-                               double g_m_over_v, double it) {
+RC_FORCEINLINE void block_grad(double* x, int64_t n, double max_x, double log_d, double mean_z, double g_lp_plus_m,
+                               double g_h, double g_m_over_v, double it) {
   for (int64_t i = 0; i < n; ++i) {
-    const double p = std::exp(z[i] - lse);
-    z[i] = ((g_m_over_v - g_lp_plus_m * p) - g_h * p * (z[i] - mean_z)) * it;
+    const double zm = (x[i] - max_x) * it;
+    const double p = std::exp(zm - log_d);
+    x[i] = ((g_m_over_v - g_lp_plus_m * p) - g_h * mass_times(p, zm - mean_z)) * it;
   }
 }
 
 template <typename scalar_t, typename acc_t>
-RC_FORCEINLINE void load_scaled(const scalar_t* x, acc_t* z, int64_t n, acc_t inv_t) {
-  for (int64_t i = 0; i < n; ++i) z[i] = static_cast<acc_t>(x[i]) * inv_t;
+RC_FORCEINLINE void load_block(const scalar_t* x, acc_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<acc_t>(x[i]);
 }
 
 // One row's record. Multiversioned per dtype pair via the non-template wrappers below.
-template <typename scalar_t, typename acc_t>
+template <typename scalar_t, typename acc_t, bool kSumZ>
 RC_FORCEINLINE void row_stats_one_row(const RowStatsParams<scalar_t, acc_t>& p, int64_t row) {
   acc_t buf[kBlock];
   const scalar_t* x = p.logits + row * p.logits_row_stride;
-  SoftmaxStats<acc_t> st = softmax_stats_empty<acc_t>();
-  acc_t sum_z = 0;
+  RowSummary<acc_t> st = summary_empty<acc_t>();
   for (int64_t c0 = 0; c0 < p.valid_cols; c0 += kBlock) {
     const int64_t n = std::min(kBlock, p.valid_cols - c0);
-    load_scaled(x + c0, buf, n, p.inv_temperature);
-    acc_t bm, bd, bs, bz;
-    block_summary(buf, n, bm, bd, bs, bz);
-    st = softmax_stats_merge(st, SoftmaxStats<acc_t>{bm, bd, bs});
-    sum_z += bz;
+    load_block(x + c0, buf, n);
+    st = summary_merge(st, block_summary<kSumZ>(buf, n, p.inv_temperature), p.inv_temperature);
   }
-  write_row_record(p, row, x, st, sum_z);
+  write_row_record(p, row, x, st);
 }
 
 template <typename scalar_t, typename acc_t>
@@ -133,8 +139,8 @@ RC_FORCEINLINE void backward_one_row(const LogprobBackwardParams<scalar_t, acc_t
     std::fill(gx, gx + p.local_vocab, scalar_t(0));
     return;
   }
-  const acc_t lse = p.row_state[2 * row + kStateLse];
-  const acc_t mean_z = p.row_state[2 * row + kStateMeanZ];
+  const acc_t* state = p.row_state + row * kRowStateCols;
+  const acc_t max_x = state[kStateMax], log_d = state[kStateLogSumExp], mean_z = state[kStateMeanZ];
   const acc_t g_lp = p.grad_logp ? p.grad_logp[row] : acc_t(0);
   const acc_t g_h = p.grad_entropy ? p.grad_entropy[row] : acc_t(0);
   const acc_t g_m = p.grad_mean_logp ? p.grad_mean_logp[row] : acc_t(0);
@@ -143,13 +149,14 @@ RC_FORCEINLINE void backward_one_row(const LogprobBackwardParams<scalar_t, acc_t
   const int64_t local = t - p.vocab_start;
   for (int64_t c0 = 0; c0 < p.valid_cols; c0 += kBlock) {
     const int64_t n = std::min(kBlock, p.valid_cols - c0);
-    load_scaled(x + c0, buf, n, it);  // read the whole block before writing: grad may alias logits
+    load_block(x + c0, buf, n);  // read the whole block before writing: grad may alias logits
     const bool has_target = local >= c0 && local < c0 + n;
-    const acc_t z_target = has_target ? buf[local - c0] : acc_t(0);
-    block_grad(buf, n, lse, mean_z, g_lp + g_m, g_h, g_m_over_v, it);
+    const acc_t x_target = has_target ? buf[local - c0] : acc_t(0);
+    block_grad(buf, n, max_x, log_d, mean_z, g_lp + g_m, g_h, g_m_over_v, it);
     if (has_target) {
-      const acc_t prob = exp_acc(z_target - lse);
-      buf[local - c0] = logprob_grad_element(z_target, prob, true, g_lp, g_h, g_m_over_v, g_m, mean_z) * it;
+      const acc_t zm = (x_target - max_x) * it;
+      const acc_t prob = exp_acc(zm - log_d);
+      buf[local - c0] = logprob_grad_element(zm, prob, true, g_lp, g_h, g_m_over_v, g_m, mean_z) * it;
     }
     for (int64_t i = 0; i < n; ++i) gx[c0 + i] = static_cast<scalar_t>(buf[i]);
   }
@@ -157,14 +164,24 @@ RC_FORCEINLINE void backward_one_row(const LogprobBackwardParams<scalar_t, acc_t
 }
 
 // Non-template entry points so that target_clones can multiversion them (one per dtype).
-#define RC_DEFINE_ROW_KERNELS(scalar_t, acc_t, suffix)                                                      \
-  RC_CPU_MULTIVERSION void row_stats_rows_##suffix(const RowStatsParams<scalar_t, acc_t>& p, int64_t begin, \
-                                                   int64_t end) {                                          \
-    for (int64_t r = begin; r < end; ++r) row_stats_one_row(p, r);                                         \
-  }                                                                                                         \
-  RC_CPU_MULTIVERSION void backward_rows_##suffix(const LogprobBackwardParams<scalar_t, acc_t>& p,          \
-                                                  int64_t begin, int64_t end) {                             \
-    for (int64_t r = begin; r < end; ++r) backward_one_row(p, r);                                          \
+#define RC_DEFINE_ROW_KERNELS(scalar_t, acc_t, suffix)                                                       \
+  RC_CPU_MULTIVERSION void row_stats_rows_##suffix(const RowStatsParams<scalar_t, acc_t>& p, bool sum_z,    \
+                                                   int64_t begin, int64_t end) {                            \
+    if (sum_z) {                                                                                             \
+      for (int64_t r = begin; r < end; ++r) row_stats_one_row<scalar_t, acc_t, true>(p, r);                  \
+    } else {                                                                                                 \
+      for (int64_t r = begin; r < end; ++r) row_stats_one_row<scalar_t, acc_t, false>(p, r);                 \
+    }                                                                                                        \
+  }                                                                                                          \
+  RC_CPU_MULTIVERSION void backward_rows_##suffix(const LogprobBackwardParams<scalar_t, acc_t>& p,           \
+                                                  int64_t begin, int64_t end) {                              \
+    for (int64_t r = begin; r < end; ++r) backward_one_row(p, r);                                           \
+  }                                                                                                          \
+  inline void row_stats_rows(const RowStatsParams<scalar_t, acc_t>& p, bool sum_z, int64_t b, int64_t e) {   \
+    row_stats_rows_##suffix(p, sum_z, b, e);                                                                 \
+  }                                                                                                          \
+  inline void backward_rows(const LogprobBackwardParams<scalar_t, acc_t>& p, int64_t b, int64_t e) {         \
+    backward_rows_##suffix(p, b, e);                                                                         \
   }
 
 RC_DEFINE_ROW_KERNELS(float, float, f32)
@@ -173,15 +190,6 @@ RC_DEFINE_ROW_KERNELS(at::BFloat16, float, bf16)
 RC_DEFINE_ROW_KERNELS(at::Half, float, f16)
 #undef RC_DEFINE_ROW_KERNELS
 
-inline void row_stats_rows(const RowStatsParams<float, float>& p, int64_t b, int64_t e) { row_stats_rows_f32(p, b, e); }
-inline void row_stats_rows(const RowStatsParams<double, double>& p, int64_t b, int64_t e) { row_stats_rows_f64(p, b, e); }
-inline void row_stats_rows(const RowStatsParams<at::BFloat16, float>& p, int64_t b, int64_t e) { row_stats_rows_bf16(p, b, e); }
-inline void row_stats_rows(const RowStatsParams<at::Half, float>& p, int64_t b, int64_t e) { row_stats_rows_f16(p, b, e); }
-inline void backward_rows(const LogprobBackwardParams<float, float>& p, int64_t b, int64_t e) { backward_rows_f32(p, b, e); }
-inline void backward_rows(const LogprobBackwardParams<double, double>& p, int64_t b, int64_t e) { backward_rows_f64(p, b, e); }
-inline void backward_rows(const LogprobBackwardParams<at::BFloat16, float>& p, int64_t b, int64_t e) { backward_rows_bf16(p, b, e); }
-inline void backward_rows(const LogprobBackwardParams<at::Half, float>& p, int64_t b, int64_t e) { backward_rows_f16(p, b, e); }
-
 // Rows per task: enough columns per task to amortize scheduling.
 inline int64_t grain_for(int64_t local_vocab) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, local_vocab)); }
 
@@ -189,30 +197,68 @@ at::Tensor vocab_row_stats_cpu(const at::Tensor& logits, const at::Tensor& targe
                                int64_t vocab_size, double inv_temperature, int64_t ignore_index, bool with_sum_z) {
   check_logits_target(logits, target, vocab_start, vocab_size, inv_temperature);
   const auto target_c = target.contiguous();
-  auto stats = new_row_stats(logits, with_sum_z);
+  auto record = new_shard_record(logits, with_sum_z);
+  const ShardHeaderParams h = make_shard_header_params(record, target_c, logits, vocab_start, vocab_size, with_sum_z);
+  uint64_t hash = 0;  // wrapping sum: order-independent, so the same on every backend
+  for (int64_t r = 0; r < h.rows; ++r) hash += target_fingerprint(r, h.target[r]);
+  write_shard_header(h, hash);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "vocab_row_stats_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const auto p = make_row_stats_params<scalar_t, acc_t>(logits, target_c, stats, vocab_start, vocab_size,
-                                                          inv_temperature, ignore_index);
-    at::parallel_for(0, p.rows, grain_for(p.local_vocab), [&](int64_t b, int64_t e) { row_stats_rows(p, b, e); });
+    const auto p = make_row_stats_params<scalar_t, acc_t>(logits, target_c, record, vocab_start, vocab_size,
+                                                          inv_temperature, ignore_index, with_sum_z);
+    at::parallel_for(0, p.rows, grain_for(p.local_vocab),
+                     [&](int64_t b, int64_t e) { row_stats_rows(p, with_sum_z, b, e); });
   });
-  return stats;
+  return record;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_row_stats_cpu(const at::Tensor& stats,
-                                                                               const at::Tensor& target,
-                                                                               int64_t ignore_index,
-                                                                               int64_t vocab_size) {
-  const MergeIO io = prepare_merge(stats, target, vocab_size);
-  const int64_t rows = stats.size(1);
-  AT_DISPATCH_FLOATING_TYPES(stats.scalar_type(), "merge_row_stats_cpu", [&] {
-    const auto p = make_merge_params<scalar_t>(io.stats, io.target, io.logp, io.entropy, io.mean_logp, io.row_state,
-                                               ignore_index, vocab_size);
+// The first row (lowest index) that failed for each reason, for the error message.
+struct FirstFailures {
+  std::atomic<int64_t> row[kMergeStatusSlots];
+  FirstFailures() {
+    for (auto& r : row) r.store(std::numeric_limits<int64_t>::max());
+  }
+  void note(int slot, int64_t r) {
+    int64_t cur = row[slot].load();
+    while (r < cur && !row[slot].compare_exchange_weak(cur, r)) {
+    }
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_row_stats_cpu(
+    const at::Tensor& gathered, const at::Tensor& target, int64_t ignore_index, int64_t vocab_size,
+    double inv_temperature, bool with_sum_z) {
+  MergeIO io = prepare_merge(gathered, target, vocab_size, inv_temperature, with_sum_z);
+  const int64_t shard_bytes = io.gathered.size(1) * static_cast<int64_t>(io.gathered.element_size());
+  const LayoutCheck layout = check_shard_headers(io.gathered.const_data_ptr(), io.gathered.size(0), shard_bytes,
+                                                 vocab_size);
+  TORCH_CHECK(layout.code == kLayoutOk, layout_error_message(layout, io.gathered, vocab_size));
+  const int64_t rows = io.target.size(0);
+  FirstFailures fails;
+  AT_DISPATCH_FLOATING_TYPES(io.gathered.scalar_type(), "merge_row_stats_cpu", [&] {
+    const auto p = make_merge_params<scalar_t>(io, ignore_index, vocab_size, inv_temperature, false);
     at::parallel_for(0, rows, 4096, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) merge_one_row(p, r);
+      for (int64_t r = b; r < e; ++r) {
+        const int code = merge_one_row(p, r);
+        if (code != 0) fails.note(code - 1, r);
+      }
     });
   });
-  return {io.logp, io.entropy, io.mean_logp, io.row_state};
+  const int64_t none = std::numeric_limits<int64_t>::max();
+  const int64_t bad_target = fails.row[kStatusTarget].load();
+  TORCH_CHECK(bad_target == none, "target holds ids outside [0, vocab_size=", vocab_size,
+              ") that are not ignore_index=", ignore_index, ": target.flatten()[", bad_target,
+              "] = ", io.target.const_data_ptr<int64_t>()[bad_target]);
+  const int64_t bad_value = fails.row[kStatusNonFinite].load();
+  TORCH_CHECK(bad_value == none, "logits hold NaN or +inf in row ", bad_value,
+              " of the flattened logits (logits.reshape(-1, V_local)[", bad_value,
+              "], on this rank or another rank of the tensor-parallel group); rows whose target is ignore_index "
+              "are exempt");
+  const int64_t no_mass = fails.row[kStatusNoFiniteLogit].load();
+  TORCH_CHECK(no_mass == none, "every logit of row ", no_mass,
+              " (logits.reshape(-1, V_local)[", no_mass, "], over all tensor-parallel shards) is -inf: its "
+              "softmax is undefined; give such positions target = ignore_index");
+  return {io.logp, io.entropy, io.mean_logp, io.row_state, io.status};
 }
 
 void logprob_backward_into_cpu(const at::Tensor& grad_logits, const c10::optional<at::Tensor>& grad_logp,
@@ -236,7 +282,7 @@ at::Tensor logprob_backward_cpu(const c10::optional<at::Tensor>& grad_logp,
                                 const c10::optional<at::Tensor>& grad_mean_logp, const at::Tensor& logits,
                                 const at::Tensor& target, const at::Tensor& row_state, int64_t vocab_start,
                                 int64_t vocab_size, double inv_temperature, int64_t ignore_index) {
-  auto grad = at::empty_like(logits, at::MemoryFormat::Contiguous);
+  auto grad = at::empty({logits.size(0), logits.size(1)}, logits.options());
   logprob_backward_into_cpu(grad, grad_logp, grad_entropy, grad_mean_logp, logits, target, row_state, vocab_start,
                             vocab_size, inv_temperature, ignore_index);
   return grad;
@@ -247,6 +293,7 @@ void logprob_backward_inplace_cpu(const at::Tensor& logits, const c10::optional<
                                   const c10::optional<at::Tensor>& grad_mean_logp, const at::Tensor& target,
                                   const at::Tensor& row_state, int64_t vocab_start, int64_t vocab_size,
                                   double inv_temperature, int64_t ignore_index) {
+  check_inplace_target(logits);
   logprob_backward_into_cpu(logits, grad_logp, grad_entropy, grad_mean_logp, logits, target, row_state, vocab_start,
                             vocab_size, inv_temperature, ignore_index);
 }

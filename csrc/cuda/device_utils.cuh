@@ -5,7 +5,6 @@
 
 #include <cstdint>
 
-#include "logprob_math.h"
 #include "rc_macros.h"
 
 // Shared memory through these two macros: on the GPU plain __shared__ declarations; under the CUDA emulator a
@@ -29,20 +28,6 @@ template <typename T, int N>
 struct alignas(sizeof(T) * N) AlignedVector {
   T val[N];
 };
-
-// Merge of softmax summaries across the 32 lanes of a warp (butterfly: every lane ends with the result).
-template <typename acc_t>
-__device__ RC_FORCEINLINE SoftmaxStats<acc_t> warp_merge_stats(SoftmaxStats<acc_t> st) {
-#pragma unroll
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    SoftmaxStats<acc_t> other;
-    other.m = __shfl_xor_sync(kFullWarpMask, st.m, offset);
-    other.d = __shfl_xor_sync(kFullWarpMask, st.d, offset);
-    other.s = __shfl_xor_sync(kFullWarpMask, st.s, offset);
-    st = softmax_stats_merge(st, other);
-  }
-  return st;
-}
 
 template <typename acc_t>
 __device__ RC_FORCEINLINE acc_t warp_sum(acc_t v) {

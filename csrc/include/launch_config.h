@@ -32,3 +32,19 @@ inline int64_t row_grid_blocks(int64_t rows) {
 }
 
 }  // namespace rollout_corr
+
+namespace rollout_corr {
+
+// Overrides of the launch heuristics, used only by the CUDA emulator's tests to sweep block sizes, vector widths and
+// grids smaller than the row count (0 = the launcher's own choice). The CUDA launchers pass LaunchKnobs{}.
+struct LaunchKnobs {
+  int64_t threads = 0;
+  int64_t vec = 0;
+  int64_t max_blocks = 0;
+};
+
+inline int64_t capped_grid(int64_t blocks, const LaunchKnobs& k) {
+  return k.max_blocks > 0 ? (blocks < k.max_blocks ? blocks : k.max_blocks) : blocks;
+}
+
+}  // namespace rollout_corr

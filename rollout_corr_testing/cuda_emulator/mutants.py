@@ -27,9 +27,9 @@ MUTANTS = {
     ),
     # Butterfly that starts at offset 8 instead of 16: the two half-warps are never merged.
     "wrong_shuffle_offset": (
-        "device_utils.cuh",
-        "for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {\n    SoftmaxStats<acc_t> other;",
-        "for (int offset = kWarpSize / 4; offset > 0; offset /= 2) {\n    SoftmaxStats<acc_t> other;",
+        "logprob_kernels.cuh",
+        "for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {\n    RowSummary<acc_t> other;",
+        "for (int offset = kWarpSize / 4; offset > 0; offset /= 2) {\n    RowSummary<acc_t> other;",
         "check_row_stats_multiwarp",
     ),
     # Off-by-one column bound: the row sweep also reads the first padding column.
@@ -70,16 +70,19 @@ def _inputs(rows, cols, seed=0):
 
 
 def _row_stats_mismatch(x, t, vocab_size, **knobs) -> str:
+    """The forward values a user gets (row stats under the given launch knobs, then merge) vs the fp64 oracle."""
     import torch
 
-    from rollout_corr_ext import reference
+    from rollout_corr_testing.cuda_emulator.logprob_pipeline import emulated_log_probs, oracle_log_probs
 
-    out = torch.ops.rollout_corr_emu.vocab_row_stats(x, t, 0, vocab_size, 1.0, -100, True, **knobs)
-    ref = reference.vocab_row_stats(x.double(), t, 0, vocab_size, 1.0, -100, True)
-    try:
-        torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-4)
-    except AssertionError as e:
-        return str(e).splitlines()[0]
+    ones = torch.ones(x.shape[0])
+    got = emulated_log_probs([x], t, vocab_size, 1.0, ones, ones, ones, stats_knobs=knobs)
+    want = oracle_log_probs(x, t, vocab_size, 1.0, ones, ones, ones)
+    for name, a, b in zip(("logp", "entropy", "mean_logp"), got, want):
+        try:
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-4)
+        except AssertionError as e:
+            return f"{name}: {str(e).splitlines()[0]}"
     return ""
 
 

@@ -1,0 +1,495 @@
+"""The log-prob op on the inputs that break naive implementations (issue "No silent wrong answer"), on every
+implementation of the ops: compiled CPU kernels, emulated CUDA kernels, the pure-PyTorch fallback (and CUDA when a
+GPU is present). The oracle is fp64 ``torch.log_softmax`` on the whole vocab (rollout_corr_testing.logprob_oracle).
+
+Classes: -inf logits (a column, a block, a whole shard, the target, a whole row); extreme magnitudes (1e30, the
+fp16 / bf16 maximum, temperatures that overflow fp32 in unshifted coordinates); NaN / +inf logits; out-of-range
+targets; shard layouts that do not tile the vocab; in-place backward hazards; double backward; argument types.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import rollout_corr_ext as rc
+from rollout_corr_ext import ops
+from rollout_corr_testing.backends import logprob_backend
+from rollout_corr_testing.logprob_oracle import log_probs_dense
+from rollout_corr_testing.tolerances import grad_tol, output_tol
+
+BACKENDS = ["cpu", "emulated", "reference", "cuda"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+NEG_INF = -math.inf
+
+
+def _oracle(x, target, weights, **kw):
+    """fp64 (logp, entropy, ce), the gradient of sum(w_lp logp + w_h H + w_ce ce) w.r.t. x, and the elementwise sum
+    of the three terms' gradient magnitudes (the scale the rounding of a low-precision gradient is relative to:
+    autograd adds the per-output gradients in the logits' dtype, so cancelling terms keep their own rounding)."""
+    smoothing = kw.pop("label_smoothing", 0.0)
+    xr = x.detach().double().cpu().clone().requires_grad_(True)
+    logp, ent, ce = log_probs_dense(xr, target.cpu(), label_smoothing=smoothing, **kw)
+    w_lp, w_h, w_ce = weights
+    terms = [(torch.where(w_lp != 0, logp, torch.zeros_like(logp)) * w_lp).sum(), (ent * w_h).sum()]
+    if w_ce is not None:
+        terms.append((torch.where(w_ce != 0, ce, torch.zeros_like(ce)) * w_ce).sum())
+    grads = [torch.autograd.grad(term, xr, retain_graph=True)[0] for term in terms]
+    scale = sum(g.abs() for g in grads)
+    return logp.detach(), ent.detach(), ce.detach(), sum(grads), scale
+
+
+def _ours(x, target, weights, device, **kw):
+    smoothing = kw.pop("label_smoothing", 0.0)
+    xx = x.to(device).clone().requires_grad_(True)
+    t = target.to(device)
+    logp, ent = rc.vocab_parallel_log_probs(xx, t, return_entropy=True, **kw)
+    ce = rc.vocab_parallel_cross_entropy(xx, t, smoothing, **kw)
+    w_lp, w_h, w_ce = (None if w is None else w.to(device) for w in weights)
+    loss = (torch.where(w_lp != 0, logp, torch.zeros_like(logp)) * w_lp.to(logp.dtype)).sum()
+    loss = loss + (ent * w_h.to(ent.dtype)).sum()
+    if w_ce is not None:
+        loss = loss + (torch.where(w_ce != 0, ce, torch.zeros_like(ce)) * w_ce.to(ce.dtype)).sum()
+    loss.backward()
+    return logp.detach().double().cpu(), ent.detach().double().cpu(), ce.detach().double().cpu(), \
+        xx.grad.double().cpu()
+
+
+def _assert_matches(x, target, weights, backend, dtype, check_ce=True, **kw):
+    with logprob_backend(backend) as device:
+        ours = _ours(x, target, weights, device, **dict(kw))
+    *want, grad_scale = _oracle(x, target, weights, **dict(kw))
+    names = ("logp", "entropy", "cross entropy")
+    out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    for name, a, b in zip(names, ours, want):
+        b = b.to(out_dtype).double()  # the exact value rounded to the output dtype (-6.6e38 is -inf in fp32)
+        if name == "cross entropy" and not check_ce:
+            continue
+        torch.testing.assert_close(a, b, **output_tol(dtype), msg=lambda m, n=name: f"{backend} {dtype} {n}: {m}")
+    tol = grad_tol(dtype)
+    err = (ours[3] - want[3]).abs()
+    bound = tol["atol"] + tol["rtol"] * grad_scale
+    worst = int((err - bound).flatten().argmax())
+    assert bool((err <= bound).all()), (
+        f"{backend} {dtype} gradient: |error| {err.flatten()[worst]:.3g} > bound {bound.flatten()[worst]:.3g} at "
+        f"flat index {worst} (ours {ours[3].flatten()[worst]:.6g}, oracle {want[3].flatten()[worst]:.6g})")
+    return ours
+
+
+def _neg_inf_case(dtype, cols=700, seed=0):
+    """Rows: one -inf column; a 600-column -inf block (longer than a CPU block and a warp's share); the target at a
+    -inf column; all but one column -inf; a plain row; an ignored all -inf row."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(6, cols, generator=g, dtype=torch.float64) * 3).to(dtype)
+    t = torch.randint(0, cols, (6,), generator=g)
+    x[0, (t[0] + 1) % cols] = NEG_INF
+    x[1, :600] = NEG_INF
+    t[1] = 650
+    x[2, 10:30] = NEG_INF
+    t[2] = 15
+    x[3, :] = NEG_INF
+    x[3, 123] = 1.5
+    x[5, :] = NEG_INF
+    t[5] = -100
+    return x, t
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_neg_inf_logits_match_log_softmax(backend, dtype):
+    x, t = _neg_inf_case(dtype)
+    w = (torch.linspace(0.5, 1.5, 6, dtype=torch.float64), torch.linspace(-1, 1, 6, dtype=torch.float64), None)
+    logp, ent, _, grad = _assert_matches(x, t, w, backend, dtype, check_ce=False)
+    assert logp[2] == NEG_INF, "a target at a -inf column has log-probability -inf"
+    assert torch.isfinite(ent).all() and torch.isfinite(grad).all()
+    masked = torch.isinf(x) & (torch.arange(700) != t.unsqueeze(1))
+    assert torch.all(grad[masked] == 0), "-inf columns (other than a target) get exactly zero gradient"
+    assert ent[3] == 0 and logp[5] == 0 and ent[5] == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_neg_inf_with_label_smoothing_and_temperature(backend):
+    """mean_i log p_i is -inf when a column is -inf (the smoothed loss is +inf, as torch gives); its gradient is
+    finite: (1/V - p_i)/T."""
+    x, t = _neg_inf_case(torch.float32, seed=1)
+    w = (torch.zeros(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64),
+         torch.tensor([1.0, 0.5, 0.0, 2.0, 1.0, 1.0], dtype=torch.float64))
+    _, _, ce, grad = _assert_matches(x, t, w, backend, torch.float32, label_smoothing=0.1, temperature=0.7)
+    assert ce[0] == math.inf and math.isfinite(ce[4])
+    assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference"])
+def test_whole_shard_of_neg_inf_merges_as_identity(backend):
+    """A tensor-parallel shard whose rows are all -inf (a sampler mask, or padding filled with -inf) is the identity of
+    the merge; the rows of the other shard give the whole answer."""
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(5, 64, generator=g, dtype=torch.float64) * 2
+    full[:, 32:] = NEG_INF
+    full[4, 40] = 0.5  # one row with mass in the second shard too
+    t = torch.randint(0, 32, (5,), generator=g)
+    with logprob_backend(backend):
+        recs = torch.stack([ops.vocab_row_stats(full[:, :32].float(), t, 0, 64, 1.0, -100, True),
+                            ops.vocab_row_stats(full[:, 32:].float(), t, 32, 64, 1.0, -100, True)])
+        logp, ent, mean_logp, _, _ = ops.merge_row_stats(recs, t, -100, 64, 1.0, True)
+    ref_logp, ref_ent, _ = log_probs_dense(full, t)
+    torch.testing.assert_close(logp.double(), ref_logp, **output_tol(torch.float32))
+    torch.testing.assert_close(ent.double(), ref_ent, **output_tol(torch.float32))
+    assert torch.all(mean_logp == NEG_INF)
+
+
+def _extreme_case(dtype, seed=0):
+    """Rows around 1e30 (fp32/fp64/bf16) or at the fp16 maximum, with spreads that matter after the shift."""
+    g = torch.Generator().manual_seed(seed)
+    cols = 600
+    noise = torch.randn(5, cols, generator=g, dtype=torch.float64)
+    if dtype == torch.float16:
+        big = 65504.0
+        x = torch.cat([
+            torch.full((1, cols), big),                      # every logit at the fp16 maximum: uniform
+            (big - 32.0 * noise.abs().round()).clamp(min=-big)[1:2],  # the top of the fp16 range, spacing 32
+            -big + 32.0 * noise[2:3].abs().round(),           # the bottom of the range
+            noise[3:4] * 3,
+            torch.where(noise[4:5] > 0, torch.full((1, cols), big), torch.full((1, cols), -big)),
+        ])
+    else:
+        big = 1e30
+        x = torch.cat([
+            torch.full((1, cols), big),
+            big * (1 + 1e-6 * noise[1:2]),
+            -big * (1 + 1e-6 * noise[2:3].abs()),
+            noise[3:4] * 3,
+            torch.where(noise[4:5] > 0, torch.full((1, cols), big), torch.full((1, cols), -big)),
+        ])
+    x = x.to(dtype)
+    t = torch.randint(0, cols, (5,), generator=g)
+    return x, t
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 3.0])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_extreme_magnitudes_match_log_softmax(backend, dtype, temperature):
+    x, t = _extreme_case(dtype)
+    w = (torch.linspace(0.5, 1.5, 5, dtype=torch.float64), torch.linspace(-1, 1, 5, dtype=torch.float64),
+         torch.linspace(1, 2, 5, dtype=torch.float64))
+    logp, ent, _, grad = _assert_matches(x, t, w, backend, dtype, temperature=temperature, label_smoothing=0.05)
+    torch.testing.assert_close(logp[0], torch.tensor(-math.log(600), dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ent[0], torch.tensor(math.log(600), dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logits_near_the_fp32_maximum(backend, dtype):
+    """Columns at 3.3e38 next to +-1e30: x / 0.5 overflows fp32 unless shifted by the row max first. (Label
+    smoothing is left out: its mean term sums (x - max) / T over the vocab in fp32 and saturates to +inf at such
+    spreads, a documented range limit.)"""
+    x, t = _extreme_case(torch.float32)
+    x[4, :5] = 3.3e38
+    x = x.to(dtype)
+    w = (torch.linspace(0.5, 1.5, 5, dtype=torch.float64), torch.linspace(-1, 1, 5, dtype=torch.float64),
+         torch.linspace(1, 2, 5, dtype=torch.float64))
+    _assert_matches(x, t, w, backend, dtype, temperature=0.5)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference"])
+def test_nan_or_posinf_logits_raise_naming_the_row(backend, bad):
+    x = torch.randn(2, 4, 50)
+    t = torch.randint(0, 50, (2, 4))
+    x[1, 2, 17] = bad
+    with logprob_backend(backend):
+        with pytest.raises(RuntimeError, match="NaN or \\+inf"):
+            rc.vocab_parallel_log_probs(x, t)
+        t_ignored = t.clone()
+        t_ignored[1, 2] = -100  # the same NaN in an ignored row is not inspected
+        out = rc.vocab_parallel_log_probs(x, t_ignored)
+    assert out[1, 2] == 0 and torch.isfinite(out).all()
+    if backend != "emulated":  # the CPU messages name the (flattened) row
+        with logprob_backend(backend):
+            with pytest.raises(RuntimeError, match="row 6 "):
+                rc.vocab_parallel_log_probs(x, t)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference"])
+def test_row_of_only_neg_inf_raises(backend):
+    x = torch.randn(3, 40)
+    x[1] = NEG_INF
+    t = torch.randint(0, 40, (3,))
+    with logprob_backend(backend):
+        with pytest.raises(RuntimeError, match="-inf"):
+            rc.vocab_parallel_log_probs(x, t)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference"])
+def test_out_of_range_targets_raise_and_ignore_index_is_exempt(backend):
+    x = torch.randn(4, 30)
+    with logprob_backend(backend):
+        for bad in (30, -3, 10**12):
+            t = torch.tensor([0, bad, 5, 7])
+            with pytest.raises(RuntimeError, match="target holds ids outside"):
+                rc.vocab_parallel_log_probs(x, t)
+        t = torch.tensor([0, 99, 5, 7])
+        out = rc.vocab_parallel_log_probs(x, t, ignore_index=99)
+    assert out[1] == 0
+
+
+# --------------------------------------------------------------------------------------------- shard layouts
+
+
+def _records(shards, target, starts, vocab_size, with_sum_z=False):
+    return torch.stack([ops.vocab_row_stats(s, target, st, vocab_size, 1.0, -100, with_sum_z)
+                        for s, st in zip(shards, starts)])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference"])
+def test_merge_rejects_shards_that_do_not_tile_the_vocab(backend):
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(4, 60, generator=g)
+    t = torch.randint(0, 60, (4,), generator=g)
+    a, b = full[:, :30], full[:, 30:]
+    with logprob_backend(backend):
+        good = _records([a, b], t, [0, 30], 60)
+        logp, *_ = ops.merge_row_stats(good, t, -100, 60, 1.0, False)
+        torch.testing.assert_close(logp.double(), log_probs_dense(full.double(), t)[0], **output_tol(torch.float32))
+        cases = [
+            (_records([a, b], t, [0, 0], 60), "overlap|do not fit"),  # two ranks with the same vocab_start
+            (_records([a, b], t, [0, 31], 61), "do not cover|do not fit"),  # a gap at column 30
+            (torch.stack([_records([a], t, [0], 60)[0], _records([b], t, [30], 61)[0]]), "vocab_size|do not fit"),
+            (torch.stack([_records([a], t, [0], 60)[0], _records([b], t.flip(0), [30], 60)[0]]),
+             "different targets|do not fit"),
+        ]
+        for records, match in cases:
+            with pytest.raises(RuntimeError, match=match):
+                ops.merge_row_stats(records, t, -100, 60, 1.0, False)
+
+
+def test_merge_rejects_records_of_another_length():
+    t = torch.randint(0, 10, (3,))
+    rec = ops.vocab_row_stats(torch.randn(3, 10), t, 0, 10, 1.0, -100, False)
+    with pytest.raises(RuntimeError, match="number of rows or on the record format"):
+        ops.merge_row_stats(rec.unsqueeze(0), t, -100, 10, 1.0, True)
+
+
+# --------------------------------------------------------------------------------------------- in-place backward
+
+
+def _grad_out_of_place(x, t):
+    y = x.detach().clone().requires_grad_(True)
+    rc.vocab_parallel_log_probs(y * 1.0, t).sum().backward()
+    return y.grad
+
+
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference"])
+def test_inplace_backward_bumps_the_version_counter(backend):
+    torch.manual_seed(0)
+    base = torch.randn(4, 50, requires_grad=True)
+    t = torch.randint(0, 50, (4,))
+    with logprob_backend(backend):
+        logits = base * 1.0
+        v0 = logits._version
+        rc.vocab_parallel_log_probs(logits, t, inplace_backward=True).sum().backward()
+        assert logits._version > v0
+        torch.testing.assert_close(base.grad, _grad_out_of_place(base, t), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["ours_first", "other_first"])
+def test_inplace_backward_with_another_saver_is_right_or_refused(order):
+    """Another autograd node saved the same logits: whatever runs first, the result is the right gradient or
+    autograd's "modified by an inplace operation" error, never a gradient computed from overwritten logits."""
+    torch.manual_seed(1)
+    base = torch.randn(4, 30, requires_grad=True)
+    t = torch.randint(0, 30, (4,))
+    logits = base * 1.0
+    if order == "ours_first":
+        other = logits.sin().sum()  # created first: its backward runs after ours
+        lp = rc.vocab_parallel_log_probs(logits, t, inplace_backward=True).sum()
+    else:
+        lp = rc.vocab_parallel_log_probs(logits, t, inplace_backward=True).sum()
+        other = logits.sin().sum()
+    try:
+        (lp + other).backward()
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+        return
+    want = _grad_out_of_place(base, t) + base.detach().cos()
+    torch.testing.assert_close(base.grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_inplace_backward_two_calls_on_the_same_logits_are_refused_or_right():
+    torch.manual_seed(2)
+    base = torch.randn(3, 20, requires_grad=True)
+    t1, t2 = torch.randint(0, 20, (3,)), torch.randint(0, 20, (3,))
+    logits = base * 1.0
+    a = rc.vocab_parallel_log_probs(logits, t1, inplace_backward=True).sum()
+    b = rc.vocab_parallel_log_probs(logits, t2, inplace_backward=True).sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (a + b).backward()
+
+
+def test_inplace_backward_second_backward_is_refused():
+    base = torch.randn(3, 20, requires_grad=True)
+    t = torch.randint(0, 20, (3,))
+    lp = rc.vocab_parallel_log_probs(base * 1.0, t, inplace_backward=True).sum()
+    lp.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lp.backward()
+
+
+def test_inplace_backward_refuses_overlapping_and_leaf_logits():
+    t = torch.randint(0, 20, (4,))
+    row = torch.randn(1, 20)
+    with pytest.raises(ValueError, match="rows do not share memory"):
+        rc.vocab_parallel_log_probs(row.expand(4, 20), t, inplace_backward=True)
+    leaf = torch.randn(4, 20, requires_grad=True)
+    with pytest.raises(ValueError, match="leaf"):
+        rc.vocab_parallel_log_probs(leaf, t, inplace_backward=True)
+    # The op itself refuses overlapping memory too (a direct caller of torch.ops).
+    state = torch.zeros(4, 3)
+    with pytest.raises(RuntimeError, match="overlapping"):
+        ops.logprob_backward_(row.expand(4, 20), torch.ones(4), None, None, t, state, 0, 20, 1.0, -100)
+
+
+def test_expanded_logits_out_of_place_are_right():
+    row = torch.randn(1, 20)
+    t = torch.randint(0, 20, (4,))
+    x = row.expand(4, 20)
+    torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t),
+                               rc.vocab_parallel_log_probs(x.contiguous(), t))
+
+
+def test_double_backward_raises_instead_of_dropping_the_second_order_term():
+    x = torch.randn(3, 10, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 10, (3,))
+    logp = rc.vocab_parallel_log_probs(x, t)
+    (g,) = torch.autograd.grad(logp.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        g.pow(2).sum().backward()
+    # The silent case: another term makes the gradient differentiable, ours would contribute a dropped zero.
+    x2 = torch.randn(3, 10, dtype=torch.float64, requires_grad=True)
+    loss = rc.vocab_parallel_log_probs(x2, t).sum() + x2.pow(3).sum()
+    (g2,) = torch.autograd.grad(loss, x2, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(g2.sum(), x2)
+    # A first-order gradient taken with create_graph=True is still the right one.
+    torch.testing.assert_close(g2.detach(), torch.autograd.grad(
+        rc.vocab_parallel_log_probs(x2, t).sum() + x2.pow(3).sum(), x2)[0])
+
+
+# --------------------------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        (dict(vocab_size=7.5), TypeError, "vocab_size must be an integer"),
+        (dict(vocab_size=True), TypeError, "vocab_size must be an integer"),
+        (dict(vocab_start="0"), TypeError, "vocab_start must be an integer"),
+        (dict(vocab_start=1.0), TypeError, "vocab_start must be an integer"),
+        (dict(ignore_index=-100.5), TypeError, "ignore_index must be an integer"),
+        (dict(temperature="1.0"), TypeError, "temperature must be a real number"),
+        (dict(temperature=math.inf), ValueError, "temperature must be finite and > 0"),
+        (dict(temperature=math.nan), ValueError, "temperature must be finite and > 0"),
+        (dict(temperature=0.0), ValueError, "temperature must be finite and > 0"),
+        (dict(temperature=-1.0), ValueError, "temperature must be finite and > 0"),
+        (dict(return_entropy="yes"), TypeError, "return_entropy must be a bool"),
+        (dict(inplace_backward=1), TypeError, "inplace_backward must be a bool"),
+        (dict(vocab_size=0), ValueError, "vocab_size must be >= 1"),
+        (dict(vocab_size=41), ValueError, "vocab_size <= 40"),
+        (dict(vocab_start=-1), ValueError, "vocab_start must be >= 0"),
+        (dict(vocab_start=3), ValueError, "vocab_start must be 0"),
+    ],
+)
+def test_arguments_are_type_and_range_checked(kw, exc, match):
+    x = torch.randn(5, 40)
+    t = torch.randint(0, 40, (5,))
+    x0 = x.clone()
+    with pytest.raises(exc, match=match):
+        rc.vocab_parallel_log_probs(x, t, **kw)
+    assert torch.equal(x, x0)
+
+
+def test_numpy_and_tensor_integers_are_accepted():
+    np = pytest.importorskip("numpy")
+    x = torch.randn(5, 40)
+    t = torch.randint(0, 30, (5,))
+    want = rc.vocab_parallel_log_probs(x, t, vocab_size=30)
+    torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t, vocab_size=np.int64(30)), want)
+    torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t, vocab_size=torch.tensor(30)), want)
+    torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t, temperature=np.float32(1.0), vocab_size=30), want)
+
+
+def test_cross_entropy_arguments():
+    x = torch.randn(2, 5)
+    t = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="vocab_size >= 2"):
+        rc.vocab_parallel_cross_entropy(x[:, :1], torch.tensor([0, 0]), label_smoothing=0.1)
+    with pytest.raises(TypeError, match="label_smoothing must be a real number"):
+        rc.vocab_parallel_cross_entropy(x, t, label_smoothing="0.1")
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        rc.vocab_parallel_cross_entropy(x, t, label_smoothing=math.nan)
+    # Without smoothing a one-token vocab is fine: log p = 0.
+    assert torch.equal(rc.vocab_parallel_cross_entropy(x[:, :1], torch.tensor([0, 0])), torch.zeros(2))
+
+
+def test_empty_batch():
+    x = torch.randn(0, 7, 11, requires_grad=True)
+    t = torch.zeros(0, 7, dtype=torch.long)
+    logp, ent = rc.vocab_parallel_log_probs(x, t, return_entropy=True)
+    assert logp.shape == (0, 7) and ent.shape == (0, 7)
+    (logp.sum() + ent.sum()).backward()
+    assert x.grad.shape == x.shape
+
+
+# --------------------------------------------------------------------------------------------- property-based
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def _logit_batches(draw):
+    """Shapes, dtypes, -inf masks (sampler top-k / top-p), extreme magnitudes and ignored rows."""
+    dtype = draw(st.sampled_from(DTYPES))
+    rows = draw(st.integers(1, 6))
+    cols = draw(st.integers(1, 300))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    top = torch.finfo(dtype).max
+    scale = draw(st.sampled_from([1.0, 30.0, 1e4] + ([] if dtype == torch.float16 else [1e30])))
+    offset = draw(st.sampled_from([0.0, 0.9 * top, -0.9 * top] + ([] if dtype == torch.float16 else [1e30])))
+    x = (torch.randn(rows, cols, generator=g, dtype=torch.float64) * scale + offset).clamp(-top, top)
+    mask_p = draw(st.sampled_from([0.0, 0.1, 0.9]))
+    masked = torch.rand(rows, cols, generator=g) < mask_p
+    keep = torch.randint(0, cols, (rows,), generator=g)
+    masked[torch.arange(rows), keep] = False  # every row keeps a finite logit
+    x = x.masked_fill(masked, NEG_INF).to(dtype)
+    target = torch.randint(0, cols, (rows,), generator=g)
+    ignored = torch.rand(rows, generator=g) < 0.25
+    target[ignored] = -100
+    temperature = draw(st.sampled_from([0.5, 1.0, 2.0]))
+    return x, target, dtype, temperature
+
+
+def _property(backend, batch):
+    x, target, dtype, temperature = batch
+    rows = x.shape[0]
+    w = (torch.linspace(0.5, 1.5, rows, dtype=torch.float64), torch.linspace(-1, 1, rows, dtype=torch.float64), None)
+    _, ent, _, grad = _assert_matches(x, target, w, backend, dtype, check_ce=False, temperature=temperature)
+    assert torch.isfinite(ent).all() and torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference", "cuda"])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=_logit_batches())
+def test_property_log_probs_entropy_gradient_match_log_softmax(backend, batch):
+    _property(backend, batch)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=_logit_batches())
+def test_property_on_the_emulated_cuda_kernels(batch):
+    _property("emulated", batch)
