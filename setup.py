@@ -6,16 +6,36 @@ Install with `pip install --no-build-isolation -e .` in an environment that alre
 
 import importlib.util
 import os
+import shutil
+import sys
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
 
 # Load the shared source list without importing the package (its __init__ imports the built module).
 _spec = importlib.util.spec_from_file_location("_rc_build", Path(__file__).parent / "rollout_corr_ext" / "_build.py")
 _build = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_build)
 
-from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+try:
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+except ImportError:
+    sys.exit("rollout_corr_ext: building the extension needs torch in the build environment, and pip's build "
+             "isolation hides it. Install torch first, then build without isolation: "
+             "`pip install --no-build-isolation .` (or `python -m build --no-isolation`).")
+
+
+class BuildPyWithSources(build_py):
+    """Also copies csrc/ into the built package, so that load_extension() can JIT-compile from a wheel install."""
+
+    def run(self):
+        super().run()
+        if not getattr(self, "editable_mode", False):
+            shutil.copytree(HERE / "csrc", Path(self.build_lib) / "rollout_corr_ext" / "csrc", dirs_exist_ok=True)
+
 
 with_cuda = _build.want_cuda()
 if with_cuda:
@@ -27,5 +47,5 @@ print(f"rollout_corr_ext: building {'CPU + CUDA' if with_cuda else 'CPU'} kernel
 
 setup(
     ext_modules=[Extension("rollout_corr_ext._C", py_limited_api=False, **kwargs)],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True), "build_py": BuildPyWithSources},
 )

@@ -83,7 +83,11 @@ def backend() -> str:
 
 if not _try_prebuilt():
     if os.environ.get("ROLLOUT_CORR_JIT", "0") == "1":
-        load_extension()
+        try:
+            load_extension()
+        except Exception as exc:  # a failed JIT build must not make the package unimportable
+            warnings.warn(f"rollout_corr_ext: ROLLOUT_CORR_JIT=1 but the JIT build failed ({exc!r}); using the "
+                          f"pure-PyTorch reference backend", RuntimeWarning, stacklevel=2)
     elif os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0") != "1":
         warnings.warn(
             "rollout_corr_ext: the compiled extension is not built; using the pure-PyTorch reference backend "

@@ -6,7 +6,10 @@ import os
 from pathlib import Path
 from typing import Dict, List
 
-ROOT = Path(__file__).resolve().parent.parent
+_PACKAGE_DIR = Path(__file__).resolve().parent
+# A source checkout (or editable install) has csrc/ beside the package; a wheel carries a copy inside the package
+# (setup.py's build_py puts it there), so load_extension() works from either.
+ROOT = _PACKAGE_DIR.parent if (_PACKAGE_DIR.parent / "csrc" / "ops.cpp").is_file() else _PACKAGE_DIR
 CSRC = ROOT / "csrc"
 
 #: Sources of the always-built CPU part (schemas + CPU kernels).

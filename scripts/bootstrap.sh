@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Fresh-machine set-up, sourced by scripts/demo.sh and scripts/test.sh: a venv in .venv, torch 2.14.1, and
 # this package built in place (CPU kernels; CUDA kernels too when a GPU is visible or FORCE_CUDA=1).
+# A second run with no source change skips the install and the build (a stamp of the sources, the build
+# settings and the venv's torch); any change rebuilds, incrementally through ninja.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}
@@ -9,9 +11,26 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pip install -q --upgrade pip setuptools wheel
-python -m pip install -q "torch==2.14.1" ninja numpy
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export MAX_JOBS=${MAX_JOBS:-2}
-python -m pip install -q --no-build-isolation -e ".[test,demo]"
+
+build_stamp() {
+  {
+    find csrc -type f \( -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.def' \) \
+      -print0 | sort -z | xargs -0 sha256sum
+    sha256sum setup.py pyproject.toml rollout_corr_ext/_build.py
+    echo "FORCE_CUDA=${FORCE_CUDA:-} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-}"
+    python -c "import torch; print(torch.__version__)" 2>/dev/null || echo "no torch"
+  } | sha256sum | cut -d' ' -f1
+}
+stamp_file=.venv/.rollout_corr_build_stamp
+if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$(build_stamp)" ] \
+   && python -c "import rollout_corr_ext._C" 2>/dev/null; then
+  echo "rollout_corr_ext: sources unchanged since the last build, skipping install and build"
+else
+  python -m pip install -q --upgrade pip "setuptools>=77" wheel
+  python -m pip install -q "torch==2.14.1" ninja numpy
+  python -m pip install -q --no-build-isolation -e ".[test,demo]"
+  build_stamp > "$stamp_file"
+fi
 python -c "import rollout_corr_ext as r; print('rollout_corr_ext backend:', r.backend())"

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Packaging check (CI step): build the sdist and, from it, the wheel (`python -m build --no-isolation`), install
+# the wheel into a fresh venv that has only torch, import it (the compiled backend), then JIT-compile the same
+# sources from the installed package with load_extension() (the csrc/ copy the wheel carries).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck disable=SC1091
+. .venv/bin/activate
+export MAX_JOBS=${MAX_JOBS:-2}
+python -m pip install -q build
+out=build/package-check
+rm -rf "$out"
+mkdir -p "$out"
+python -m build --no-isolation --outdir "$out/dist" . > "$out/build.log" 2>&1 || { tail -n 40 "$out/build.log"; exit 1; }
+sdist=$(ls "$out"/dist/*.tar.gz)
+wheel=$(ls "$out"/dist/*.whl)
+echo "built $sdist and $wheel"
+for f in csrc/ops.cpp csrc/logprob_host.h csrc/cuda/logprob_kernels.cuh LICENSE CHANGELOG.md rollout_corr_ext/py.typed; do
+  tar -tzf "$sdist" | grep -q "/$f\$" || { echo "sdist lacks $f"; exit 1; }
+done
+python - "$wheel" <<'PY'
+import sys, zipfile
+names = set(zipfile.ZipFile(sys.argv[1]).namelist())
+for need in ("rollout_corr_ext/csrc/ops.cpp", "rollout_corr_ext/csrc/include/logprob_math.h", "rollout_corr_ext/py.typed"):
+    assert need in names, f"wheel lacks {need}"
+assert any(n.startswith("rollout_corr_ext/_C") for n in names), "wheel lacks the compiled module"
+PY
+"${PYTHON:-python3}" -m venv "$out/venv"
+"$out/venv/bin/python" -m pip install -q "torch==2.14.1" numpy ninja
+"$out/venv/bin/python" -m pip install -q --no-deps "$wheel"
+cd "$out"  # away from the source tree, so that the installed package is the one imported
+venv/bin/python - <<'PY'
+import torch, rollout_corr_ext as rc
+assert rc.backend() in ("cpu", "cuda"), rc.backend()
+x, t = torch.randn(3, 11), torch.randint(0, 11, (3,))
+torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t), torch.log_softmax(x, -1).gather(-1, t[:, None])[:, 0])
+print("wheel install: import ok, backend", rc.backend(), "version", rc.__version__)
+PY
+ROLLOUT_CORR_FORCE_REFERENCE=1 venv/bin/python - <<'PY'
+import os, torch, rollout_corr_ext as rc
+assert rc.backend() == "reference"
+os.environ["ROLLOUT_CORR_FORCE_REFERENCE"] = "0"
+print("load_extension() from the wheel install:", rc.load_extension(build_directory="jit-build"))
+x, t = torch.randn(3, 11), torch.randint(0, 11, (3,))
+torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t), torch.log_softmax(x, -1).gather(-1, t[:, None])[:, 0])
+PY
+echo "package check passed"
