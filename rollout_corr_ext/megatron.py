@@ -135,7 +135,7 @@ def _seq_numerator(row_sum, row_tokens, valid, mode, horizon, loss_scale_factor)
         row_sum = row_sum / (row_tokens.to(row_sum.dtype) + MASKED_MEAN_EPS)
     total = torch.where(valid, row_sum, torch.zeros_like(row_sum)).sum()
     if mode == "seq-mean-token-sum-norm":
-        total = total / (horizon.to(total.dtype).squeeze(0) if loss_scale_factor is None else loss_scale_factor)
+        total = total / (horizon.to(total.dtype) if loss_scale_factor is None else loss_scale_factor)
     return total
 
 
@@ -204,11 +204,12 @@ def make_policy_loss_func(
       s, e.g. megatron's load-balanced 2*cp chunks): ``pg_collection.cp``, else
       ``parallel_state.get_context_parallel_group()`` when CP > 1. Sequence-level IS / RS statistics and the
       ``seq-mean-*`` per-sequence token counts are summed over it (one all-reduce each), so the result equals
-      the single-process one; ``num_tokens`` for ``seq-mean-*`` counts each sequence once, on CP rank 0.
-      A ``dp_group`` that does not contain the ``seq_group`` ranks (the DP group without CP) is a ValueError.
-      Without parallel_state or a pg_collection, pass both groups yourself under CP: nothing else can tell that
-      your logits hold only part of each sequence. Exactness over CP ranks needs megatron's
-      ``calculate_per_token_loss=True`` (otherwise each rank's ``loss_sum / num_tokens`` is averaged).
+      the single-process one. Every CP rank returns the micro-batch's ``num_tokens`` (whole sequences) and
+      ``cp_size`` times its share of the numerator (as megatron-core scales CP losses), so megatron's sum over
+      DP x CP ranks (``calculate_per_token_loss=True``) and its mean of per-rank ``loss_sum / num_tokens``
+      (otherwise) both give the value of the whole sequences. A ``dp_group`` that does not contain the
+      ``seq_group`` ranks (the DP group without CP) is a ValueError. Without parallel_state or a pg_collection,
+      pass both groups yourself under CP: nothing else can tell that the logits hold only part of each sequence.
     """
     cfg = _as_config(config)
     _check_mode(loss_agg_mode)
@@ -243,7 +244,6 @@ def make_policy_loss_func(
     tp = _tp_group(tp_group, pg_collection)
     dp, seq = _loss_groups(dp_group, seq_group, pg_collection)
     seq_world = _size(seq)
-    seq_rank = dist.get_rank(seq) if seq_world > 1 else 0
     metric_group = dp if dp is not None else seq  # the ranks the global batch is split over
     if not entropy_coeff >= 0:
         raise ValueError(f"entropy_coeff must be >= 0, got {entropy_coeff}")
@@ -283,28 +283,33 @@ def make_policy_loss_func(
         _, _, rows = _policy_loss(kind, old, logp, advantages, mask, loss_agg_mode, cfg, weights)
         m = mask.to(logp.dtype)
         ent_rows = torch.where(mask != 0, entropy, torch.zeros_like(entropy)).mul(m).sum(-1)
+        # Whole sequences: under CP the ranks of seq_group hold pieces of the same sequences, so the per-row token
+        # counts, the padded length and the valid-token count are summed over it (one all-reduce of B + 2
+        # numbers, fp64 so counts stay exact) and every CP rank reports the micro-batch's num_tokens. Its share
+        # of the numerator is scaled by the CP size, as megatron-core scales CP losses: then both of megatron's
+        # reductions give the single-process value (the sum over DP x CP ranks of loss_sum over that of
+        # num_tokens with calculate_per_token_loss=True; otherwise the mean over the ranks of loss_sum / num_tokens).
+        row_tokens = rows[:, PG_ROW_TOKENS].detach()
+        packed = torch.cat([row_tokens.double(), torch.stack([
+            torch.tensor(float(logp.shape[-1]), dtype=torch.float64, device=row_tokens.device),
+            (mask != 0).sum().double()])])
+        if seq_world > 1:
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=seq)
+        row_tokens, horizon, valid_tokens = packed[:-2].to(rows.dtype), packed[-2], packed[-1]
         if loss_agg_mode == "token-mean":
-            # Per token: this rank's tokens are its share, whatever CP did to the sequences. For 0/1 masks
-            # value * count is sum(m * L); for fractional masks it keeps the micro-batch value exact.
-            count = (mask != 0).sum()
-            tokens_local = rows[:, PG_ROW_TOKENS].detach()
-            pg_sum = _safe_div(rows[:, PG_ROW_LOSS_SUM].sum(), tokens_local.sum()) * count
-            ent_sum = _safe_div(ent_rows.sum(), m.sum()) * count
+            # value * count is sum(m * L) for 0/1 masks; for fractional masks it keeps the micro-batch value exact
+            count = valid_tokens.round().to(torch.int64)
+            n = count.to(rows.dtype)
+            pg_sum = _safe_div(rows[:, PG_ROW_LOSS_SUM].sum(), row_tokens.sum()) * n
+            ent_sum = _safe_div(ent_rows.sum(), row_tokens.sum().to(ent_rows.dtype)) * n.to(ent_rows.dtype)
         else:
-            # seq-mean-*: a sequence's value needs its whole token count (and the padded length) over the CP
-            # ranks holding its pieces: one SUM all-reduce of [B + 1] numbers. Each rank then contributes its
-            # tokens' share of every row; the count of valid sequences is reported once, by CP rank 0.
-            row_tokens = rows[:, PG_ROW_TOKENS].detach()
-            horizon = torch.tensor([float(logp.shape[-1])], dtype=row_tokens.dtype, device=row_tokens.device)
-            if seq_world > 1:
-                packed = torch.cat([row_tokens, horizon])
-                dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=seq)
-                row_tokens, horizon = packed[:-1], packed[-1:]
             valid = row_tokens > 0  # rows RS rejected entirely (or without response tokens) do not count
-            count = valid.sum() if seq_rank == 0 else torch.zeros((), dtype=torch.int64, device=valid.device)
+            count = valid.sum()
             pg_sum = _seq_numerator(rows[:, PG_ROW_LOSS_SUM], row_tokens, valid, loss_agg_mode, horizon,
                                     cfg.loss_scale_factor)
             ent_sum = _seq_numerator(ent_rows, row_tokens, valid, loss_agg_mode, horizon, cfg.loss_scale_factor)
+        if seq_world > 1:
+            pg_sum, ent_sum = pg_sum * seq_world, ent_sum * seq_world
         n = count.to(pg_sum.dtype)
         loss_sum = pg_sum - entropy_coeff * ent_sum if entropy_coeff > 0 else pg_sum
 

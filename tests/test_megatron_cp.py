@@ -98,21 +98,30 @@ def _shard(batch, rows, seq_idx, vocab_slice):
     return local, (None, cut[0], cut[1], adv[rows], old[rows][:, seq_idx], rollout[rows][:, seq_idx])
 
 
-def _check_case(case, batch, ref, coords, dp_cp, failures, **groups):
+def _check_case(case, batch, ref, coords, dp_cp, cp_group, failures, **groups):
     """Run ``case`` on this rank's shard with ``groups`` (none: megatron defaults); compare with ``ref``."""
     from rollout_corr_ext.megatron import reported_means
 
     rows, seq_idx, vocab_slice = coords
+    dp_size = dist.get_world_size(dp_cp) // dist.get_world_size(cp_group)
     name = f"{case[0]}/{case[1]}" + (f" ({', '.join(groups)})" if groups else "")
     local, local_batch = _shard(batch, rows, seq_idx, vocab_slice)
     loss_sum, num_tokens, report = _loss_func(local_batch, *case, **groups)(local)
+    cp = dist.get_world_size(cp_group)
     totals = torch.stack([loss_sum.detach().double(), num_tokens.double()])
-    dist.all_reduce(totals, group=dp_cp)  # what megatron's schedule + finalize_model_grads add up
-    if int(totals[1]) != ref["count"]:
-        failures.append(f"{name}: num_tokens summed over DP x CP = {int(totals[1])}, single process {ref['count']}")
+    dist.all_reduce(totals, group=dp_cp)  # calculate_per_token_loss=True: schedule + finalize_model_grads sums
+    if int(totals[1]) != cp * ref["count"] or (dp_size == 1 and int(num_tokens) != ref["count"]):
+        failures.append(f"{name}: num_tokens {int(num_tokens)}, summed over DP x CP {int(totals[1])}; single "
+                        f"process {ref['count']} (every CP rank reports its DP rank's count)")
     got = totals[0] / totals[1].clamp(min=1)
     if not torch.allclose(got, ref["value"], rtol=1e-5, atol=1e-6):
         failures.append(f"{name}: loss {got.item():.8g} != single process {ref['value'].item():.8g}")
+    if dp_size == 1:  # calculate_per_token_loss=False: megatron averages loss_sum / num_tokens over the ranks
+        per_rank = (loss_sum.detach().double() / num_tokens.clamp(min=1)).reshape(1)
+        dist.all_reduce(per_rank, group=dp_cp)
+        if not torch.allclose(per_rank[0] / cp, ref["value"], rtol=1e-5, atol=1e-6):
+            failures.append(f"{name}: mean of per-rank loss_sum / num_tokens {per_rank.item() / cp:.8g} != "
+                            f"single process {ref['value'].item():.8g}")
     means = reported_means(report)
     if set(means) != set(ref["metrics"]):
         failures.append(f"{name}: metric names differ: {sorted(set(means) ^ set(ref['metrics']))}")
@@ -155,7 +164,7 @@ def _parallel_state_layout(tp: int, cp: int, seed: int, failures):
                   slice(tp_rank * v, (tp_rank + 1) * v))
         dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
         for case, ref in zip(CASES, refs):
-            _check_case(case, batch, ref, coords, dp_cp, failures)
+            _check_case(case, batch, ref, coords, dp_cp, ps.get_context_parallel_group(), failures)
         _expect_group_error("explicit dp_group without CP (parallel_state defaults for the rest)", batch,
                             dict(dp_group=ps.get_data_parallel_group()), failures)
     finally:
@@ -175,9 +184,9 @@ def _pg_collection_layout(seed: int, failures):
     pgc = ProcessGroupCollection(tp=single, cp=pair, dp=single, dp_cp=pair)
     coords = (torch.arange(ROWS), cp_token_index(T, 2, rank % 2), slice(0, VOCAB))
     for case, ref in zip(CASES, refs):
-        _check_case(case, batch, ref, coords, pair, failures, pg_collection=pgc)
+        _check_case(case, batch, ref, coords, pair, pair, failures, pg_collection=pgc)
     # DP=1: the CP group alone, passed explicitly, is also the group the metrics are reduced over
-    _check_case(CASES[1], batch, refs[1], coords, pair, failures, seq_group=pair)
+    _check_case(CASES[1], batch, refs[1], coords, pair, pair, failures, seq_group=pair)
     bad = {
         "explicit dp_group without CP next to pg_collection.cp": dict(dp_group=single, pg_collection=pgc),
         "pg_collection without .dp_cp under CP": dict(pg_collection=ProcessGroupCollection(tp=single, cp=pair,
