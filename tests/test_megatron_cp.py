@@ -1,14 +1,17 @@
 """Context parallelism in :func:`rollout_corr_ext.megatron.make_policy_loss_func` (issue 8 §7), gloo on CPU.
 
-megatron-core's ``parallel_state`` is initialised with ``context_parallel_size=2`` (TP=1 CP=2 DP=1, TP=2 CP=2
-DP=1 and TP=1 CP=2 DP=2). Each rank takes megatron's load-balanced share of every sequence (``2 * cp`` chunks,
-rank r holds chunks r and 2cp-1-r: ``rollout_corr_testing.dist_utils.cp_token_index``), its DP rows and its TP
-vocab shard of one global batch of logits, and calls the ``loss_func`` built with **default groups**. Summed
-over the DP x CP ranks (as megatron's ``finalize_model_grads`` does with ``calculate_per_token_loss=True``),
-``loss_sum / num_tokens``, every reported metric and the gradient w.r.t. each rank's logits shard must equal the
-single-process ``loss_func`` on the whole batch (computed in the same worker before parallel_state exists).
-The rollout-correction configs have sequence-level IS and sequence-level RS, so a sequence's statistics need
-all its CP pieces; each case checks that RS rejected some sequences and kept others.
+Four spawned workers (one fork server preloads megatron-core) run three layouts: TP=2 CP=2 DP=1 and TP=1 CP=2
+DP=2 with megatron-core's ``parallel_state`` and **default groups**, and TP=1 CP=2 DP=1 (two independent pairs)
+without parallel_state, groups given as a megatron ``ProcessGroupCollection`` or as an explicit ``seq_group``.
+Each rank takes megatron's load-balanced share of every sequence (``2 * cp`` chunks, rank r holds chunks r and
+2cp-1-r: ``rollout_corr_testing.dist_utils.cp_token_index``), its DP rows and its TP vocab shard of one global
+batch of logits. Against the single-process ``loss_func`` on the whole batch (computed in the same worker before
+any group exists): sum over DP x CP of ``loss_sum`` / sum of ``num_tokens`` (megatron with
+``calculate_per_token_loss=True``) and, at DP=1, the mean of the ranks' ``loss_sum / num_tokens`` (without it);
+every reported metric; the gradient w.r.t. each rank's logits shard. The rollout-correction configs have
+sequence-level IS and sequence-level RS, so a sequence's statistics need all its CP pieces; each case checks
+that RS rejected some sequences and kept others. Group combinations that would be silently wrong under CP
+must raise.
 """
 
 from __future__ import annotations
