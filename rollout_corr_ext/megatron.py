@@ -290,9 +290,9 @@ def make_policy_loss_func(
         # reductions give the single-process value (the sum over DP x CP ranks of loss_sum over that of
         # num_tokens with calculate_per_token_loss=True; otherwise the mean over the ranks of loss_sum / num_tokens).
         row_tokens = rows[:, PG_ROW_TOKENS].detach()
-        packed = torch.cat([row_tokens.double(), torch.stack([
-            torch.tensor(float(logp.shape[-1]), dtype=torch.float64, device=row_tokens.device),
-            (mask != 0).sum().double()])])
+        packed = torch.cat([row_tokens.double(),
+                            row_tokens.new_full((1,), float(logp.shape[-1]), dtype=torch.float64),  # no H2D copy
+                            (mask != 0).sum().double().reshape(1)])
         if seq_world > 1:
             dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=seq)
         row_tokens, horizon, valid_tokens = packed[:-2].to(rows.dtype), packed[-2], packed[-1]
