@@ -2,8 +2,10 @@
 ``loss_func`` factory for its ``forward_backward_func``.
 
 Process groups default to megatron-core's ``parallel_state`` (when it is initialized) and can always be given
-explicitly, either as groups or as a ``ProcessGroupCollection`` (``pg_collection.tp`` / ``.dp``), the way newer
-megatron-core releases pass them. Nothing here needs CUDA.
+explicitly, either as groups or as a ``ProcessGroupCollection`` (``pg_collection.tp`` / ``.dp_cp`` / ``.cp``), the
+way newer megatron-core releases pass them. Under context parallelism the loss follows megatron-core: the batch is
+split over the data-parallel group *with* CP, and sequence-level values are reduced over the CP group (see
+:func:`make_policy_loss_func`). Nothing here needs CUDA.
 """
 
 from __future__ import annotations
@@ -20,9 +22,19 @@ from .losses import (
     _check_mask,
     _check_mode,
     _policy_loss,
-    agg_loss,
+    _safe_div,
 )
-from .reference import PG_KIND_PPO_CLIP, PG_KIND_REINFORCE, PG_ROW_CLIP, PG_ROW_CLIP_LOWER, PG_ROW_KL_SUM, PG_ROW_TOKENS
+from .reference import (
+    MASKED_MEAN_EPS,
+    PG_KIND_PPO_CLIP,
+    PG_KIND_REINFORCE,
+    PG_ROW_CLIP,
+    PG_ROW_CLIP_LOWER,
+    PG_ROW_KL_SUM,
+    PG_ROW_LOSS_SUM,
+    PG_ROW_TOKENS,
+)
+
 
 def _parallel_state():
     try:
@@ -32,18 +44,65 @@ def _parallel_state():
     return parallel_state if parallel_state.model_parallel_is_initialized() else None
 
 
-def _default_group(kind: str, group, pg_collection):
-    """``group`` if given; else ``pg_collection.<tp|dp>``; else megatron's parallel_state group; else None."""
+def _tp_group(group, pg_collection):
+    """``group`` if given; else ``pg_collection.tp``; else megatron's parallel_state TP group; else None."""
     if group is not None:
         return group
     if pg_collection is not None:
-        if not hasattr(pg_collection, kind):
-            raise TypeError(f"pg_collection has no attribute {kind!r} (expected a megatron ProcessGroupCollection)")
-        return getattr(pg_collection, kind)
+        if not hasattr(pg_collection, "tp"):
+            raise TypeError("pg_collection has no attribute 'tp' (expected a megatron ProcessGroupCollection)")
+        return pg_collection.tp
     ps = _parallel_state()
-    if ps is None:
-        return None
-    return ps.get_tensor_model_parallel_group() if kind == "tp" else ps.get_data_parallel_group()
+    return None if ps is None else ps.get_tensor_model_parallel_group()
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _loss_groups(dp_group, seq_group, pg_collection):
+    """The (data-parallel, sequence) groups of the loss, following megatron-core under context parallelism.
+
+    CP splits every sequence's tokens over the CP ranks, so the batch a loss is global over is split over
+    DP x CP ranks (megatron's ``get_data_parallel_group(with_context_parallel=True)`` / ``pg_collection.dp_cp``,
+    the group its ``finalize_model_grads`` reduces ``num_tokens`` and the gradients over), and per-sequence sums
+    need the CP group (``get_context_parallel_group()`` / ``pg_collection.cp``). Explicit groups win; the other
+    one is defaulted the same way and the pair is checked, so a DP group without CP next to a CP group is an
+    error rather than per-rank metrics of half-sequences.
+    """
+    ps = _parallel_state() if pg_collection is None else None
+    if seq_group is None:
+        if pg_collection is not None:
+            seq_group = getattr(pg_collection, "cp", None)
+        elif ps is not None and ps.get_context_parallel_world_size() > 1:
+            seq_group = ps.get_context_parallel_group()
+    cp = _size(seq_group)
+    if dp_group is None:
+        if pg_collection is not None:
+            if hasattr(pg_collection, "dp_cp"):
+                dp_group = pg_collection.dp_cp
+            elif cp > 1:
+                raise ValueError(f"the context-parallel group has {cp} ranks but pg_collection has no .dp_cp (the "
+                                 "data-parallel group with context parallelism); add it or pass dp_group")
+            elif hasattr(pg_collection, "dp"):
+                dp_group = pg_collection.dp
+            else:
+                raise TypeError("pg_collection has neither .dp_cp nor .dp (expected a megatron "
+                                "ProcessGroupCollection); pass dp_group")
+        elif ps is not None:
+            dp_group = ps.get_data_parallel_group(with_context_parallel=True)
+    if (cp == 1 and pg_collection is not None and hasattr(pg_collection, "dp") and hasattr(pg_collection, "dp_cp")
+            and _size(pg_collection.dp_cp) != _size(pg_collection.dp)):
+        raise ValueError(f"pg_collection.dp_cp has {_size(pg_collection.dp_cp)} ranks and .dp {_size(pg_collection.dp)}"
+                         ": context parallelism is on, but there is no sequence group; add pg_collection.cp or "
+                         "pass seq_group (the context-parallel group)")
+    if cp > 1 and dp_group is not None:
+        missing = set(dist.get_process_group_ranks(seq_group)) - set(dist.get_process_group_ranks(dp_group))
+        if missing:
+            raise ValueError(f"dp_group must be the data-parallel group *with* context parallelism (megatron's "
+                             f"get_data_parallel_group(with_context_parallel=True) / pg_collection.dp_cp): it lacks "
+                             f"the ranks {sorted(missing)} of the context-parallel seq_group")
+    return dp_group, seq_group
 
 
 def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, tp_group=None, *, pg_collection=None,
@@ -55,7 +114,7 @@ def vocab_parallel_log_probs(logits: torch.Tensor, target: torch.Tensor, tp_grou
     must have the same leading shape, e.g. ``labels.transpose(0, 1)`` for megatron's ``[b, s]`` labels).
     Keyword arguments (``vocab_size``, ``temperature``, ``ignore_index``, ``return_entropy``, ...) pass through.
     """
-    return _lp.vocab_parallel_log_probs(logits, target, _default_group("tp", tp_group, pg_collection), **kwargs)
+    return _lp.vocab_parallel_log_probs(logits, target, _tp_group(tp_group, pg_collection), **kwargs)
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
@@ -65,7 +124,19 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     (Megatron-LM issue #737). The group defaults to megatron-core's tensor-parallel group.
     """
     return _lp.vocab_parallel_cross_entropy(vocab_parallel_logits, target, label_smoothing,
-                                            _default_group("tp", tp_group, pg_collection), **kwargs)
+                                            _tp_group(tp_group, pg_collection), **kwargs)
+
+
+def _seq_numerator(row_sum, row_tokens, valid, mode, horizon, loss_scale_factor) -> torch.Tensor:
+    """This rank's share of a seq-mean-* numerator, sum_b value_b (verl 0.9.1 ``agg_loss``): ``row_sum`` holds
+    this rank's part of each row's sum(m * L), ``row_tokens`` / ``horizon`` the whole sequences' token counts and
+    padded length (reduced over CP), so the shares of the CP ranks add up to the single-process numerator."""
+    if mode == "seq-mean-token-mean":
+        row_sum = row_sum / (row_tokens.to(row_sum.dtype) + MASKED_MEAN_EPS)
+    total = torch.where(valid, row_sum, torch.zeros_like(row_sum)).sum()
+    if mode == "seq-mean-token-sum-norm":
+        total = total / (horizon.to(total.dtype) if loss_scale_factor is None else loss_scale_factor)
+    return total
 
 
 def _bs(name: str, t, shape) -> torch.Tensor:
@@ -122,6 +193,23 @@ def make_policy_loss_func(
     ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``, ``actor/entropy``
     and every ``rollout_corr/*`` value (count 1 per micro-batch), summed over ``dp_group`` in one all-reduce
     when ``reduce_metrics`` (the ratio is unchanged if the training loop reduces again).
+
+    Groups (explicit arguments win; megatron-core 0.16 names):
+
+    * ``tp_group``: ``pg_collection.tp``, else ``parallel_state.get_tensor_model_parallel_group()``.
+    * ``dp_group``: the ranks one global batch is split over, i.e. data parallel *with* context parallelism:
+      ``pg_collection.dp_cp`` (``.dp`` only when there is no CP), else
+      ``parallel_state.get_data_parallel_group(with_context_parallel=True)``.
+    * ``seq_group``: the context-parallel group, whose ranks hold pieces of the same sequences (any split along
+      s, e.g. megatron's load-balanced 2*cp chunks): ``pg_collection.cp``, else
+      ``parallel_state.get_context_parallel_group()`` when CP > 1. Sequence-level IS / RS statistics and the
+      ``seq-mean-*`` per-sequence token counts are summed over it (one all-reduce each), so the result equals
+      the single-process one. Every CP rank returns the micro-batch's ``num_tokens`` (whole sequences) and
+      ``cp_size`` times its share of the numerator (as megatron-core scales CP losses), so megatron's sum over
+      DP x CP ranks (``calculate_per_token_loss=True``) and its mean of per-rank ``loss_sum / num_tokens``
+      (otherwise) both give the value of the whole sequences. A ``dp_group`` that does not contain the
+      ``seq_group`` ranks (the DP group without CP) is a ValueError. Without parallel_state or a pg_collection,
+      pass both groups yourself under CP: nothing else can tell that the logits hold only part of each sequence.
     """
     cfg = _as_config(config)
     _check_mode(loss_agg_mode)
@@ -153,8 +241,10 @@ def make_policy_loss_func(
     if rc is not None and not bypass and old_log_prob is None:
         raise ValueError("decoupled rollout correction needs old_log_prob (pi_old recomputed by the trainer); "
                          "set bypass_mode=True to use pi_rollout as pi_old instead")
-    tp = _default_group("tp", tp_group, pg_collection)
-    dp = _default_group("dp", dp_group, pg_collection)
+    tp = _tp_group(tp_group, pg_collection)
+    dp, seq = _loss_groups(dp_group, seq_group, pg_collection)
+    seq_world = _size(seq)
+    metric_group = dp if dp is not None else seq  # the ranks the global batch is split over
     if not entropy_coeff >= 0:
         raise ValueError(f"entropy_coeff must be >= 0, got {entropy_coeff}")
 
@@ -182,7 +272,7 @@ def make_policy_loss_func(
             with torch.no_grad():
                 train_side = logp.detach() if bypass else old_log_prob
                 result = compute_rollout_correction(train_side, rollout_log_prob, response_mask, rc,
-                                                    dp_group=dp, seq_group=seq_group)
+                                                    dp_group=dp, seq_group=seq)
             mask, corr_metrics = result.response_mask, result.metrics
             if bypass:
                 old = rollout_log_prob
@@ -190,25 +280,45 @@ def make_policy_loss_func(
                     kind, weights = PG_KIND_REINFORCE, result.weights
             else:
                 weights = result.weights
-        pg_loss, _, rows = _policy_loss(kind, old, logp, advantages, mask, loss_agg_mode, cfg, weights)
+        _, _, rows = _policy_loss(kind, old, logp, advantages, mask, loss_agg_mode, cfg, weights)
         m = mask.to(logp.dtype)
+        ent_rows = torch.where(mask != 0, entropy, torch.zeros_like(entropy)).mul(m).sum(-1)
+        # Whole sequences: under CP the ranks of seq_group hold pieces of the same sequences, so the per-row token
+        # counts, the padded length and the valid-token count are summed over it (one all-reduce of B + 2
+        # numbers, fp64 so counts stay exact) and every CP rank reports the micro-batch's num_tokens. Its share
+        # of the numerator is scaled by the CP size, as megatron-core scales CP losses: then both of megatron's
+        # reductions give the single-process value (the sum over DP x CP ranks of loss_sum over that of
+        # num_tokens with calculate_per_token_loss=True; otherwise the mean over the ranks of loss_sum / num_tokens).
+        row_tokens = rows[:, PG_ROW_TOKENS].detach()
+        packed = torch.cat([row_tokens.double(),
+                            row_tokens.new_full((1,), float(logp.shape[-1]), dtype=torch.float64),  # no H2D copy
+                            (mask != 0).sum().double().reshape(1)])
+        if seq_world > 1:
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=seq)
+        row_tokens, horizon, valid_tokens = packed[:-2].to(rows.dtype), packed[-2], packed[-1]
         if loss_agg_mode == "token-mean":
-            count = (mask != 0).sum()
+            # value * count is sum(m * L) for 0/1 masks; for fractional masks it keeps the micro-batch value exact
+            count = valid_tokens.round().to(torch.int64)
+            n = count.to(rows.dtype)
+            pg_sum = _safe_div(rows[:, PG_ROW_LOSS_SUM].sum(), row_tokens.sum()) * n
+            ent_sum = _safe_div(ent_rows.sum(), row_tokens.sum().to(ent_rows.dtype)) * n.to(ent_rows.dtype)
         else:
-            count = (m.sum(-1) > 0).sum()
-        loss = pg_loss
-        if entropy_coeff > 0:
-            loss = loss - entropy_coeff * agg_loss(entropy, mask, loss_agg_mode,
-                                                   loss_scale_factor=cfg.loss_scale_factor)
-        n = count.to(loss.dtype)
-        loss_sum = loss * n
+            valid = row_tokens > 0  # rows RS rejected entirely (or without response tokens) do not count
+            count = valid.sum()
+            pg_sum = _seq_numerator(rows[:, PG_ROW_LOSS_SUM], row_tokens, valid, loss_agg_mode, horizon,
+                                    cfg.loss_scale_factor)
+            ent_sum = _seq_numerator(ent_rows, row_tokens, valid, loss_agg_mode, horizon, cfg.loss_scale_factor)
+        if seq_world > 1:
+            pg_sum, ent_sum = pg_sum * seq_world, ent_sum * seq_world
+        n = count.to(pg_sum.dtype)
+        loss_sum = pg_sum - entropy_coeff * ent_sum if entropy_coeff > 0 else pg_sum
 
         rows = rows.detach()
         tokens = rows[:, PG_ROW_TOKENS].sum()
         one = torch.ones((), dtype=torch.float32, device=logp.device)
         names = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy"]
         pairs = [
-            (pg_loss.detach() * n, n),
+            (pg_sum.detach(), n),
             (rows[:, PG_ROW_CLIP].sum(), tokens),
             (rows[:, PG_ROW_CLIP_LOWER].sum(), tokens),
             (rows[:, PG_ROW_KL_SUM].sum(), tokens),
@@ -218,8 +328,8 @@ def make_policy_loss_func(
             names.append(k)
             pairs.append((v.detach().to(torch.float32), one))
         report = torch.stack([torch.stack([a.float(), b.float()]) for a, b in pairs])
-        if reduce_metrics and dp is not None and dist.get_world_size(dp) > 1:
-            dist.all_reduce(report, group=dp)
+        if reduce_metrics and _size(metric_group) > 1:
+            dist.all_reduce(report, group=metric_group)
         return loss_sum, count.to(torch.int), {k: report[i] for i, k in enumerate(names)}
 
     return loss_func

@@ -51,6 +51,19 @@ def run_workers(fn, world_size: int, *args) -> None:
         mp.spawn(_entry, args=(world_size, store, fn, args), nprocs=world_size, join=True)
 
 
+def run_workers_preloaded(fn, world_size: int, *args, preload=("megatron.core",)) -> None:
+    """:func:`run_workers` with the "forkserver" start method: ``preload`` is imported once in the fork server
+    (which never runs torch work, so forking it is safe) and every worker starts with it imported. megatron-core
+    takes 15-25 s to import on a loaded 2-core machine; spawned workers would each pay that."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(list(preload) + ["rollout_corr_ext"])  # ignored if the server runs
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        mp.start_processes(_entry, args=(world_size, store, fn, args), nprocs=world_size, join=True,
+                           start_method="forkserver")
+
+
 class CollectiveCounter:
     """Counts calls of torch.distributed collectives while active (they are looked up on the module at call time)."""
 
@@ -79,3 +92,15 @@ class CollectiveCounter:
         for name, orig in self._saved.items():
             setattr(dist, name, orig)
         return False
+
+
+def cp_token_index(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The sequence positions megatron-core's context parallelism gives ``cp_rank``: the sequence is cut into
+    ``2 * cp_size`` equal chunks and rank r holds chunks r and 2 * cp_size - 1 - r (the load-balanced layout of
+    megatron's ``get_batch_on_this_cp_rank``, so causal-attention work is even)."""
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"seq_len {seq_len} must be divisible by 2 * cp_size = {2 * cp_size}")
+    chunk = seq_len // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    second = torch.arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk)
+    return torch.cat([first, second])
