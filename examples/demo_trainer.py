@@ -352,7 +352,8 @@ def main(argv=None):
     if world % args.tp:
         raise SystemExit(f"world size {world} is not a multiple of --tp {args.tp}")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
-    tp_group, dp_group = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_data_parallel_group(with_context_parallel=True)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dp_rank = parallel_state.get_data_parallel_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
 
