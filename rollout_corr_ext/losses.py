@@ -277,7 +277,38 @@ def agg_loss(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _policy_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, weights):
+def _undefined_loss_tokens(kind: int, old_log_prob, log_prob, advantages, response_mask, weights):
+    """Response tokens whose loss is undefined: NaN or +inf log-probs, a log-ratio -inf - (-inf) (PPO), a -inf
+    log-prob under REINFORCE (an infinite loss), non-finite advantages or IS weights. Masked-out tokens are not
+    inspected. Elementwise over [b, s]: small next to the vocab-sized log-prob pass."""
+    inf = float("inf")
+    lp, old = log_prob, old_log_prob
+    bad = lp.isnan() | (lp == inf) | old.isnan() | (old == inf)
+    bad = bad | ((lp == -inf) & (old == -inf)) if kind == PG_KIND_PPO_CLIP else bad | (lp == -inf)
+    adv = advantages if advantages.dim() == lp.dim() else advantages.unsqueeze(-1)
+    bad = bad | ~torch.isfinite(adv)
+    if weights is not None:
+        bad = bad | ~torch.isfinite(weights)
+    return bad & (response_mask != 0)
+
+
+def _check_defined_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, weights, old_name):
+    bad = _undefined_loss_tokens(kind, old_log_prob, log_prob, advantages, response_mask, weights)
+    what = (f"log_prob / {old_name} NaN or +inf, log_prob and {old_name} both -inf"
+            + ("" if kind == PG_KIND_PPO_CLIP else ", log_prob -inf") + ", or non-finite advantages / IS weights")
+    if bad.device.type == "cpu":
+        if bool(bad.any()):
+            pos = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"policy loss undefined at response token {pos}: {what} (mask the token out, or fix the "
+                             f"log-probs; a target at a -inf logit has log-prob -inf)")
+    else:  # no host sync: an asynchronous device assert
+        torch._assert_async(~bad.any(), f"policy loss undefined at a response token: {what}")
+
+
+def _policy_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, weights,
+                 old_name: str = "old_log_prob"):
+    _check_defined_loss(kind, old_log_prob.detach(), log_prob.detach(), advantages.detach(), response_mask,
+                        None if weights is None else weights.detach(), old_name)
     loss_mat, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights,
                                           cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c, kind)
     loss = aggregate_rows(rows[:, PG_ROW_LOSS_SUM], rows[:, PG_ROW_TOKENS], loss_agg_mode, log_prob.shape[-1],
@@ -333,7 +364,7 @@ def compute_policy_loss_reinforce(
     _check_mode(loss_agg_mode)
     cfg = _as_config(config)
     loss, metrics, _ = _policy_loss(PG_KIND_REINFORCE, rollout_log_prob, log_prob, advantages, response_mask,
-                                    loss_agg_mode, cfg, rollout_is_weights)
+                                    loss_agg_mode, cfg, rollout_is_weights, old_name="rollout_log_prob")
     return loss, metrics
 
 

@@ -917,6 +917,31 @@ def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask != 0, values, torch.zeros_like(values)) * mask
 
 
+def _policy_token_terms(lp, old, adv, w, clip_low, clip_high, clip_c, loss_kind):
+    """Per-token (loss, clip, clip_lower, kl) of the policy losses (formulas in :func:`policy_loss_rows`)."""
+    acc = lp.dtype
+    neg_kl = torch.clamp(lp - old, -20.0, 20.0)
+    if loss_kind == PG_KIND_PPO_CLIP:
+        ratio = torch.exp(neg_kl)
+        loss1 = -adv * ratio
+        loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        clipped1 = torch.maximum(loss1, loss2)
+        loss3 = -adv * clip_c
+        negative = adv < 0
+        loss = torch.where(negative, torch.minimum(loss3, clipped1), clipped1)
+        clip = (loss2 > loss1).to(acc)
+        clip_lower = ((clipped1 > loss3) & negative).to(acc)
+        kl = -neg_kl
+    else:
+        loss = -adv * lp
+        clip = clip_lower = torch.zeros_like(lp)
+        # verl's reinforce loss logs ppo_kl = mean(rollout_lp - lp) without the +-20 clamp.
+        kl = old - lp
+    if w is not None:
+        loss = loss * w
+    return loss, clip, clip_lower, kl
+
+
 def policy_loss_rows(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -940,35 +965,23 @@ def policy_loss_rows(
     carries a gradient). One pass over the inputs: this is the contract of the fused loss kernel.
     """
     acc = _acc_dtype(log_prob.dtype)
-    lp = log_prob.to(acc)
-    adv = advantages.to(acc)
-    m = response_mask.to(acc)
-    neg_kl = torch.clamp(lp - old_log_prob.to(acc), -20.0, 20.0)
-    zeros = torch.zeros_like(lp)
-    if loss_kind == PG_KIND_PPO_CLIP:
-        ratio = torch.exp(neg_kl)
-        loss1 = -adv * ratio
-        loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-        clipped1 = torch.maximum(loss1, loss2)
-        loss3 = -adv * clip_c
-        negative = adv < 0
-        loss = torch.where(negative, torch.minimum(loss3, clipped1), clipped1)
-        clip = (loss2 > loss1).to(acc)
-        clip_lower = ((clipped1 > loss3) & negative).to(acc)
-        kl = -neg_kl
-    elif loss_kind == PG_KIND_REINFORCE:
-        loss = -adv * lp
-        clip = clip_lower = zeros
-        # verl's reinforce loss logs ppo_kl = mean(rollout_lp - lp) without the +-20 clamp.
-        kl = old_log_prob.to(acc) - lp
-    else:
+    if loss_kind not in (PG_KIND_PPO_CLIP, PG_KIND_REINFORCE):
         raise ValueError(f"loss_kind must be PG_KIND_PPO_CLIP or PG_KIND_REINFORCE, got {loss_kind}")
-    if weights is not None:
-        loss = loss * weights.detach().to(acc)
+    lp, old, adv = log_prob.to(acc), old_log_prob.to(acc), advantages.to(acc)
+    w = None if weights is None else weights.detach().to(acc)
+    m = response_mask.to(acc)
+    loss, clip, clip_lower, kl = _policy_token_terms(lp, old, adv, w, clip_low, clip_high, clip_c, loss_kind)
+    # The row sums are built from inputs selected at the valid tokens, so that a masked-out token's NaN / -inf
+    # never meets autograd's 0 * (local derivative) and the gradient there is exactly 0 (the kernels' rule).
+    valid = m != 0
+    zero, one = torch.zeros((), dtype=acc), torch.ones((), dtype=acc)
+    loss_v = _policy_token_terms(torch.where(valid, lp, zero), torch.where(valid, old, zero),
+                                 torch.where(valid, adv, zero), None if w is None else torch.where(valid, w, one),
+                                 clip_low, clip_high, clip_c, loss_kind)[0]
     with torch.no_grad():
         stats = torch.stack(
             [m.sum(-1), _masked(clip, m).sum(-1), _masked(clip_lower, m).sum(-1), _masked(kl, m).sum(-1)], dim=-1)
-    rows = torch.cat([_masked(loss, m).sum(-1, keepdim=True), stats], dim=-1)
+    rows = torch.cat([_masked(loss_v, m).sum(-1, keepdim=True), stats], dim=-1)
     return loss, rows
 
 

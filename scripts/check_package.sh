@@ -15,8 +15,9 @@ python -m build --no-isolation --outdir "$out/dist" . > "$out/build.log" 2>&1 ||
 sdist=$(ls "$out"/dist/*.tar.gz)
 wheel=$(ls "$out"/dist/*.whl)
 echo "built $sdist and $wheel"
+tar -tzf "$sdist" > "$out/sdist.txt"
 for f in csrc/ops.cpp csrc/logprob_host.h csrc/cuda/logprob_kernels.cuh LICENSE CHANGELOG.md rollout_corr_ext/py.typed; do
-  tar -tzf "$sdist" | grep -q "/$f\$" || { echo "sdist lacks $f"; exit 1; }
+  grep -q "/$f\$" "$out/sdist.txt" || { echo "sdist lacks $f"; exit 1; }
 done
 python - "$wheel" <<'PY'
 import sys, zipfile

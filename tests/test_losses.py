@@ -353,3 +353,54 @@ def test_grpo_bad_input():
         calculate_grpo_loss(lp, old, old, torch.zeros(6), 0.2, 0.2, 0.0, 0.0, old, 0.0)
     with pytest.raises(ValueError, match="clamp_eps_lower"):
         calculate_grpo_loss(lp, old, old, torch.zeros(6), -0.2, 0.2, 0.0, 0.0)
+
+
+# ------------------------------------------------------------------ undefined losses are errors, not NaN
+
+
+def _pl_inputs():
+    g = torch.Generator().manual_seed(4)
+    lp = -torch.rand(3, 5, generator=g, dtype=torch.float64)
+    old = lp + 0.1 * torch.randn(3, 5, generator=g, dtype=torch.float64)
+    adv = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[2, 3:] = False
+    return lp, old, adv, mask
+
+
+@pytest.mark.parametrize("case", ["lp_nan", "old_nan", "lp_posinf", "both_neg_inf", "adv_nan", "weight_inf"])
+@pytest.mark.parametrize("fn", ["vanilla", "reinforce"])
+def test_undefined_policy_loss_raises_naming_the_token(case, fn):
+    lp, old, adv, mask = _pl_inputs()
+    w = torch.ones(3, 5, dtype=torch.float64)
+    nan, inf = float("nan"), float("inf")
+    {"lp_nan": lambda: lp.__setitem__((1, 2), nan), "old_nan": lambda: old.__setitem__((1, 2), nan),
+     "lp_posinf": lambda: lp.__setitem__((1, 2), inf),
+     "both_neg_inf": lambda: (lp.__setitem__((1, 2), -inf), old.__setitem__((1, 2), -inf)),
+     "adv_nan": lambda: adv.__setitem__((1, 2), nan), "weight_inf": lambda: w.__setitem__((1, 2), inf)}[case]()
+    call = compute_policy_loss_vanilla if fn == "vanilla" else compute_policy_loss_reinforce
+    before = [t.clone() for t in (lp, old, adv, w)]
+    with pytest.raises(ValueError, match=r"policy loss undefined at response token \(1, 2\)"):
+        call(old, lp.requires_grad_(True), adv, mask, rollout_is_weights=w)
+    # The same values at a masked-out token are not inspected: a finite loss and gradient.
+    lp2, old2, adv2, w2 = (t.detach().clone() for t in (lp, old, adv, w))
+    for t, b in zip((lp2, old2, adv2, w2), before):
+        t[2, 4] = t[1, 2]
+        t[1, 2] = b[1, 2] if torch.isfinite(b[1, 2]) else 0.0
+    lp2[1, 2], old2[1, 2], adv2[1, 2], w2[1, 2] = -0.5, -0.4, 0.3, 1.0
+    lp2.requires_grad_(True)
+    loss, _ = call(old2, lp2, adv2, mask, rollout_is_weights=w2)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp2.grad).all()
+
+
+def test_neg_inf_log_prob_under_ppo_is_defined_by_the_clamp():
+    """PPO clamps the log-ratio to [-20, 20] (verl): log_prob -inf against a finite old_log_prob is a finite loss."""
+    lp, old, adv, mask = _pl_inputs()
+    lp[0, 1] = float("-inf")
+    lp.requires_grad_(True)
+    loss, metrics = compute_policy_loss_vanilla(old, lp, adv, mask)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all() and torch.isfinite(metrics["actor/ppo_kl"])
+    with pytest.raises(ValueError, match=r"response token \(0, 1\)"):
+        compute_policy_loss_reinforce(old, lp, adv, mask)

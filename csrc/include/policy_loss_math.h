@@ -176,8 +176,10 @@ RC_HD RC_FORCEINLINE void policy_loss_backward_token(const PolicyLossBackwardPar
   const acc_t m = view_load<acc_t>(p.mask, row, col);
   acc_t upstream = view_load_or<acc_t>(p.grad_loss_mat, row, col, acc_t(0));
   if (m != acc_t(0)) upstream += view_load_or<acc_t>(p.grad_rows_loss, row, 0, acc_t(0)) * m;
-  p.grad_log_prob[row * p.cols + col] =
-      static_cast<scalar_t>(upstream * policy_loss_token_grad(lp, old_lp, adv, w, p.cfg));
+  // A token nothing differentiates (masked out, loss_mat unused) gets exactly 0, even where its own values are
+  // NaN / -inf: 0 * NaN would leak a NaN into the gradient of a token that does not affect the loss.
+  p.grad_log_prob[row * p.cols + col] = static_cast<scalar_t>(
+      upstream == acc_t(0) ? acc_t(0) : upstream * policy_loss_token_grad(lp, old_lp, adv, w, p.cfg));
 }
 
 }  // namespace rollout_corr
