@@ -374,9 +374,10 @@ def compute_rollout_correction(
         config: a :class:`RolloutCorrectionConfig` (or a dict of its fields). Every rank of ``dp_group`` must pass
             the same config and ``nonfinite``: a mismatch raises the same ValueError on every rank (CUDA: a device
             assert), detected through a fingerprint carried in the MAX all-reduce (no extra collective).
-        dp_group: the ranks the global batch is split over (row counts may differ between them). With context parallelism this is the data-parallel
-            group *with* context parallelism (megatron ``get_data_parallel_group(with_context_parallel=True)``);
-            None: this process only (or ``seq_group`` when only that is given).
+        dp_group: the ranks the global batch is split over (row counts may differ between them). With context
+            parallelism this is the data-parallel group *with* context parallelism (megatron
+            ``get_data_parallel_group(with_context_parallel=True)``); None: this process only (or ``seq_group``
+            when only that is given).
         seq_group: the context-parallel group (each rank holds a slice of every sequence along T); per-sequence
             sums are all-reduced over it before sequence-level weights and rejections. Its ranks must hold the
             same number of rows (checked with one extra 16-byte all-reduce, a host sync on CUDA: ValueError on

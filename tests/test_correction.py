@@ -282,6 +282,22 @@ def test_mixed_input_dtypes_promote_to_the_wider(lp_dtype, rlp_dtype):
     assert torch.equal(lp.nan_to_num(), copies[0].nan_to_num()) and torch.equal(rlp, copies[1])
 
 
+@pytest.mark.parametrize("level", ["token", "sequence", None])
+def test_passes_on_a_rank_without_rows(level):
+    """A DP rank may hold no rows: its partials are the neutral elements (0 sums, -inf maxima), on every backend."""
+    from rollout_corr_ext import ops
+    from rollout_corr_ext.correction import pack_params
+
+    lp, rlp, mask = (x[:0] for x in make_inputs(3, 16, seed=33))
+    params = pack_params(Cfg(rollout_is=level, rollout_rs="token_k1,seq_mean_k3,geometric,seq_max_k2",
+                             rollout_rs_threshold="0.7_1.3,0.02,0.99_1.01,0.1"))
+    st = ops.rollout_seq_stats(lp, rlp, mask, params)
+    w, m, sums, maxes = ops.rollout_token_pass(lp, rlp, mask, st, params, True)
+    assert st.shape == (0, R.RC_SEQ_COLS) and m.shape == (0, 16)
+    assert (sums == 0).all() and (maxes == -math.inf).all()
+    assert (sums.numel(), maxes.numel()) == R.rc_partial_sizes(4)
+
+
 @pytest.mark.parametrize("dtype,weights_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
                                                  (torch.float32, torch.float32), (torch.float64, torch.float64)])
 def test_weights_dtype_is_fp32_or_fp64(dtype, weights_dtype):

@@ -100,6 +100,19 @@ def test_metrics_from_emulated_partials_match_dense_oracle(emu):
         assert torch.equal(m, m_d)
 
 
+def test_passes_on_a_rank_without_rows(emu):
+    """A DP rank may hold no rows: neutral partials (0 sums, -inf maxima), equal to the reference's."""
+    lp, rlp, mask = (x[:0] for x in make_inputs(3, 16, seed=22))
+    params = pack_params(Cfg(**CONFIGS[1]))
+    st = emu.rollout_seq_stats(lp, rlp, mask, params)
+    assert torch.equal(st, R.rollout_seq_stats(lp, rlp, mask, params))
+    out = emu.rollout_token_pass(lp, rlp, mask, st, params, True)
+    ref = R.rollout_token_pass(lp, rlp, mask, st, params, True)
+    for a, b in zip(out, ref):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert (out[2] == 0).all() and (out[3] == -float("inf")).all()
+
+
 @pytest.mark.parametrize("lp_dtype,rlp_dtype", [(torch.bfloat16, torch.float32), (torch.float64, torch.float16),
                                                (torch.float16, torch.bfloat16)], ids=str)
 def test_pipeline_on_emulated_kernels_with_mixed_dtypes(emu, monkeypatch, lp_dtype, rlp_dtype):
