@@ -13,6 +13,14 @@ and the effective bandwidth over the bytes a fused implementation must move (inp
 mask written once). Run::
 
     python benchmarks/bench_rollout_corr.py [--b 256 --t 8192 --repeats 5]
+
+``--dist`` instead measures what the cross-rank checks cost (issue 8 §7) on 2 gloo ranks (one thread each), per
+call of ``compute_rollout_correction`` on a ``--b`` x ``--t`` shard per rank: DP (``dp_group``: the partials travel at
+the fixed wire size with the config fingerprint, no extra collective) and CP (``seq_group``: one extra 16-byte
+all-reduce of the row counts before the per-row reduce). Baselines in the same run: the bare collectives of the
+previous layout (SUM + MAX of this config's unpadded partials), and the row-count check alone::
+
+    python benchmarks/bench_rollout_corr.py --dist [--b 64 --t 2048 --repeats 20]
 """
 
 from __future__ import annotations
@@ -153,5 +161,101 @@ def main() -> None:
     print(f"max relative difference over the {len(shared)} shared metrics: {worst:.1e}")
 
 
+# ------------------------------------------------------------------------------------------- --dist
+
+
+def _median_ms(fn, repeats: int) -> float:
+    import torch.distributed as dist
+
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _dist_worker(rank: int, world: int, store: str, b: int, t: int, repeats: int, out_path: str) -> None:
+    import torch.distributed as dist
+
+    from rollout_corr_ext import correction as C
+    from rollout_corr_testing.dist_utils import CollectiveCounter
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    if rc.backend() == "reference" and os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0") != "1":
+        rc.load_extension()
+    lp, rlp, mask = make_inputs(b, t)
+    cfg = rc.RolloutCorrectionConfig(**CFG)
+    group = dist.group.WORLD
+    params = C.pack_params(cfg)
+    st = rc.ops.rollout_seq_stats(lp, rlp, mask, params)
+    _, _, sums, maxes = rc.ops.rollout_token_pass(lp, rlp, mask, st, params, True)
+
+    def bare_reduce():  # the layout before the check: this config's sizes, no fingerprint
+        dist.all_reduce(sums.clone(), op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(maxes.clone(), op=dist.ReduceOp.MAX, group=group)
+
+    fingerprint = C.config_fingerprint(cfg)
+    rows = []
+    for name, fn in [
+        ("DP op (dp_group)", lambda: rc.compute_rollout_correction(lp, rlp, mask, cfg, dp_group=group)),
+        ("  its partials reduce: fixed wire size + fingerprint check",
+         lambda: C._raise_config_mismatch(C._reduce_partials(sums, maxes, fingerprint, group)[2], fingerprint)),
+        ("  baseline: bare SUM + MAX of the unpadded partials", bare_reduce),
+        ("CP op (seq_group)", lambda: rc.compute_rollout_correction(lp, rlp, mask, cfg, seq_group=group)),
+        ("  its row-count check alone (16-byte MAX all-reduce)", lambda: C._check_seq_rows(lp, group)),
+        ("single-process op (no collectives)", lambda: rc.compute_rollout_correction(lp, rlp, mask, cfg)),
+    ]:
+        ms = _median_ms(fn, repeats)
+        with CollectiveCounter() as cc:
+            fn()
+        rows.append((name, ms, len(cc.calls)))
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(dict(rows=rows, wire=[C._WIRE_SUM, C._WIRE_MAX], own=[sums.numel(), maxes.numel()]), f)
+    dist.destroy_process_group()
+
+
+def dist_main(args) -> None:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    b, t, repeats = args.b or 64, args.t or 2048, args.repeats or 20
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        mp.spawn(_dist_worker, args=(2, os.path.join(tmp, "store"), b, t, repeats, out), nprocs=2, join=True)
+        with open(out) as f:
+            res = json.load(f)
+    n = b * t
+    print(f"rollout correction across 2 gloo ranks (1 thread each), {b} x {t} per rank ({n / 1e6:.2f} M tokens), "
+          f"token TIS + token_k1 + seq_mean_k3; backend={rc.backend()}, torch {torch.__version__}")
+    print(f"partials per rank: this config {res['own'][0]} + {res['own'][1]} fp64 values; on the wire (any config) "
+          f"{res['wire'][0]} + {res['wire'][1]} ({(sum(res['wire']) - sum(res['own'])) * 8} bytes more)")
+    print()
+    wire_kib = sum(res["wire"]) * 8 / 1024
+    own_kib = sum(res["own"]) * 8 / 1024
+    extra = {"  its partials reduce": f"{wire_kib:.1f} KiB wire buffers (counted, not sampled)",
+             "  baseline": f"{own_kib:.1f} KiB copies (counted)", "  its row-count": "16 B (counted)"}
+    print("| what | median time (ms) | collectives | effective GB/s | extra memory |")
+    print("|---|---:|---:|---:|---:|")
+    fused_bytes = 2 * n * (4 + 4 + 1) + n * (4 + 1)
+    for name, ms, calls in res["rows"]:
+        gbs = f"{fused_bytes / (ms * 1e-3) / 1e9:.2f}" if "op" in name.split("(")[0] else "-"
+        mem = next((v for k, v in extra.items() if name.startswith(k)), "see the single-process table")
+        print(f"| {name} | {ms:.3f} | {calls} | {gbs} | {mem} |")
+
+
 if __name__ == "__main__":
-    main()
+    if "--dist" in sys.argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--dist", action="store_true")
+        ap.add_argument("--b", type=int, default=None)
+        ap.add_argument("--t", type=int, default=None)
+        ap.add_argument("--repeats", type=int, default=None)
+        dist_main(ap.parse_args())
+    else:
+        main()

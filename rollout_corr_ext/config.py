@@ -84,31 +84,64 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _parse_float(text: str, field: str) -> float:
+def _finite_float(x: Union[int, float], field: str) -> float:
+    """``float(x)``, refusing NaN, +-inf and ints too large for a float (a NaN bound would reject every token,
+    an infinite one silently switches the bound off)."""
     try:
-        return float(text)
+        v = float(x)
+    except OverflowError:
+        raise ValueError(f"{field} must be a finite number, got {x!r} (too large for a float)") from None
+    if not math.isfinite(v):
+        raise ValueError(f"{field} must be a finite number, got {x!r}")
+    return v
+
+
+def _optional_number(x: Any, field: str) -> Optional[float]:
+    """None, or a finite number (named error otherwise)."""
+    if x is None:
+        return None
+    if not _is_number(x):
+        raise ValueError(f"{field} must be None or a finite number, got {x!r}")
+    return _finite_float(x, field)
+
+
+def _parse_float(text: str, field: str) -> float:
+    # float() also accepts digit-group underscores ("1_0" == 10.0), which would misread a malformed 'L_U' spec.
+    try:
+        v = float(text) if "_" not in text else None
     except ValueError:
-        raise ValueError(f"{field}: cannot parse {text!r} as a number") from None
+        v = None
+    if v is None:
+        raise ValueError(f"{field}: cannot parse {text!r} as a number")
+    if not math.isfinite(v):  # "nan", "inf", "1e400"
+        raise ValueError(f"{field} must hold finite numbers, got {text!r}")
+    return v
 
 
 def _split_spec(spec: Union[str, float, int], field: str) -> Tuple[Optional[float], float]:
-    """'L_U' -> (L, U); 'U' or a number -> (None, U)."""
+    """'L_U' -> (L, U); 'U' or a number -> (None, U). Every bound is finite (named error otherwise)."""
     if isinstance(spec, bool) or not (_is_number(spec) or isinstance(spec, str)):
         raise ValueError(f"{field} must be a number or a 'L_U' / 'U' string, got {spec!r}")
     if _is_number(spec):
-        return None, float(spec)
+        return None, _finite_float(spec, field)
     text = spec.strip()
     if not text:
         raise ValueError(f"{field} must not be an empty string")
     if "_" in text:
-        lo, up = text.split("_", 1)
-        return _parse_float(lo, field), _parse_float(up, field)
+        parts = text.split("_")
+        if len(parts) != 2:
+            raise ValueError(f"{field}: expected 'L_U' (one underscore), got {spec!r}")
+        return _parse_float(parts[0].strip(), field), _parse_float(parts[1].strip(), field)
     return None, _parse_float(text, field)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutCorrectionConfig:
     """Rollout correction settings (DESIGN §3). Validated in ``__post_init__``; every error names the field.
+
+    Immutable (a frozen dataclass): assigning a field raises ``dataclasses.FrozenInstanceError``; derive a changed
+    config with ``dataclasses.replace(cfg, field=value)``, which validates again. Every threshold must be finite
+    (NaN / +-inf are refused in every spelling, numbers and spec strings alike).
 
     Fields (defaults are verl 0.9.1's):
         rollout_is: None | "token" | "sequence" | "geometric" -- IS weight level (None: no weights).
@@ -150,17 +183,19 @@ class RolloutCorrectionConfig:
             raise ValueError(f"rollout_is must be None or one of {list(IS_LEVELS)}, got {self.rollout_is!r}")
         if self.rollout_is_mode is not None and self.rollout_is_mode not in IS_MODES:
             raise ValueError(f"rollout_is_mode must be None or one of {list(IS_MODES)}, got {self.rollout_is_mode!r}")
-        v = self.rollout_token_veto_threshold
-        if v is not None and (not _is_number(v) or not v > 0):
-            raise ValueError(f"rollout_token_veto_threshold must be None or a number > 0, got {v!r}")
-        # Resolving validates; cached so the op never re-parses strings.
+        v = _optional_number(self.rollout_token_veto_threshold, "rollout_token_veto_threshold")
+        if v is not None and not v > 0:
+            raise ValueError(f"rollout_token_veto_threshold must be None or a finite number > 0, got {v!r}")
+        # Resolving validates; kept so the op never re-parses strings. The config is frozen, so the resolved view
+        # cannot go stale (dataclasses.replace runs __post_init__ again).
         object.__setattr__(self, "_is_spec", self._resolve_is())
         object.__setattr__(self, "_rs_criteria", self._resolve_rs())
 
     def _resolve_is(self) -> Optional[ISSpec]:
         thr, lower_opt = self.rollout_is_threshold, self.rollout_is_threshold_lower
-        if lower_opt is not None and (not _is_number(lower_opt) or not lower_opt > 0):
-            raise ValueError(f"rollout_is_threshold_lower must be None or a number > 0, got {lower_opt!r}")
+        _optional_number(lower_opt, "rollout_is_threshold_lower")
+        if lower_opt is not None and not lower_opt > 0:
+            raise ValueError(f"rollout_is_threshold_lower must be None or a finite number > 0, got {lower_opt!r}")
         if thr is None:
             if self.rollout_is is not None:
                 raise ValueError(f"rollout_is_threshold is required when rollout_is={self.rollout_is!r} "
@@ -195,8 +230,9 @@ class RolloutCorrectionConfig:
     def _resolve_rs(self) -> List[RSCriterion]:
         rs, spec = self.rollout_rs, self.rollout_rs_threshold
         lower_opt = self.rollout_rs_threshold_lower
-        if lower_opt is not None and (not _is_number(lower_opt) or lower_opt < 0):
-            raise ValueError(f"rollout_rs_threshold_lower must be None or a number >= 0, got {lower_opt!r}")
+        _optional_number(lower_opt, "rollout_rs_threshold_lower")
+        if lower_opt is not None and lower_opt < 0:
+            raise ValueError(f"rollout_rs_threshold_lower must be None or a finite number >= 0, got {lower_opt!r}")
         if rs is None:
             return []
         if not isinstance(rs, str):
@@ -217,7 +253,7 @@ class RolloutCorrectionConfig:
             raise ValueError(f"rollout_rs_threshold is required when rollout_rs={rs!r} (one spec per criterion "
                              f"or one shared: 'L_U' or U for k1/ratio criteria, U for k2/k3)")
         if _is_number(spec):
-            raw = [str(float(spec))]
+            raw = [repr(_finite_float(spec, "rollout_rs_threshold"))]
         elif isinstance(spec, str):
             raw = [p.strip() for p in spec.split(",") if p.strip()]
         else:

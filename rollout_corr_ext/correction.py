@@ -15,7 +15,9 @@ So every metric is the single-process value over the concatenated global batch. 
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -23,10 +25,10 @@ import torch.distributed as dist
 
 from . import ops
 from . import reference as R
-from .config import RolloutCorrectionConfig
+from .config import RS_CRITERIA, RolloutCorrectionConfig
 
 __all__ = ["RolloutCorrectionResult", "compute_rollout_correction", "compute_offpolicy_metrics", "finalize_metrics",
-           "pack_params", "OFFPOLICY_KEYS"]
+           "pack_params", "config_fingerprint", "OFFPOLICY_KEYS"]
 
 PREFIX = "rollout_corr/"
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -42,11 +44,21 @@ OFFPOLICY_KEYS = ("training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_pp
                   "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio",
                   "chi2_token", "chi2_seq")
 PERCENTILES = (5, 25, 50, 75, 95)
+#: The partial vectors travel over dp_group at a size independent of the config (room for every distinct RS
+#: criterion a config can name), so ranks with different configs cannot issue mismatched collectives; the MAX
+#: vector carries two more slots, +h and -h of this rank's config fingerprint h (both survive the MAX unchanged
+#: iff every rank has the same h).
+_WIRE_CRITS = len(RS_CRITERIA)
+_WIRE_SUM, _WIRE_MAX_BODY = R.rc_partial_sizes(_WIRE_CRITS)
+_WIRE_MAX = _WIRE_MAX_BODY + 2
+#: Fingerprints are integers below 2^24: exact in fp32 and fp64, so the MAX compares them exactly.
+_FINGERPRINT_BUCKETS = 1 << 24
 
 
 class RolloutCorrectionResult(NamedTuple):
-    """``weights``: ``[B, T]`` fp32 IS weights (detached, 0 at padding) or None; ``response_mask``: the input mask
-    with rejected tokens set to 0, in the input's dtype; ``metrics``: ``rollout_corr/*`` 0-dim fp64 tensors."""
+    """``weights``: ``[B, T]`` IS weights (detached, 0 at padding) or None; float32, or float64 when
+    ``log_prob`` or ``rollout_log_prob`` is float64. ``response_mask``: the input mask with rejected tokens set to
+    0, in the input's dtype; ``metrics``: ``rollout_corr/*`` 0-dim fp64 tensors."""
 
     weights: Optional[torch.Tensor]
     response_mask: torch.Tensor
@@ -84,6 +96,15 @@ def pack_params(config: RolloutCorrectionConfig, exclude_nonfinite: bool = False
         p[o:o + R.RC_P_CRIT] = [float(_CRIT_LEVEL[c.level]), float(_CRIT_STAT[c.stat]), float(c.lower),
                                 float(c.upper), 1.0 if c.apply_lower else 0.0]
     return p
+
+
+def config_fingerprint(config: RolloutCorrectionConfig, exclude_nonfinite: bool = False) -> int:
+    """An integer in [0, 2^24) identifying what the op applies: the packed parameters (IS spec, RS criteria with
+    their resolved bounds, veto, nonfinite mode) and the batch normalisation. Equal configs give equal values;
+    distinct ones collide with probability 2^-24."""
+    params = pack_params(config, exclude_nonfinite)
+    blob = struct.pack(f"<{len(params)}d?", *params, bool(config.rollout_is_batch_normalize))
+    return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") % _FINGERPRINT_BUCKETS
 
 
 # ------------------------------------------------------------------------------------------------- finalize
@@ -258,6 +279,53 @@ def _check_inputs(log_prob, rollout_log_prob, response_mask, config, nonfinite) 
     raise TypeError(f"config must be a RolloutCorrectionConfig or a dict, got {type(config)}")
 
 
+def _check_seq_rows(log_prob: torch.Tensor, seq_group) -> None:
+    """Context parallelism reduces per-row aggregates, so every rank of seq_group must hold the same rows. A
+    mismatch would be a collective of different sizes (a gloo abort, an NCCL hang): compare the row counts first
+    with one tiny MAX all-reduce of (B, -B) and raise the same clear error on every rank. Costs one 16-byte
+    collective and, on CUDA, one host sync, only when seq_group has more than one rank."""
+    b = log_prob.shape[0]
+    probe = torch.tensor([b, -b], dtype=torch.int64).to(log_prob.device)
+    dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=seq_group)
+    hi, neg_lo = probe.tolist()
+    if hi != b or -neg_lo != b:
+        raise ValueError(f"seq_group (context parallelism): the ranks hold different numbers of rows (between "
+                         f"{-neg_lo} and {hi}; this rank {b}); every context-parallel rank must pass the same "
+                         f"sequences, each its own slice of the response_length dimension")
+
+
+def _reduce_partials(sums: torch.Tensor, maxes: torch.Tensor, fingerprint: int, group):
+    """SUM / MAX all-reduce of the partials over ``group`` at the fixed wire size, with the config check.
+
+    Returns the reduced ``sums``, ``maxes`` (this config's sizes) and a bool 0-dim tensor: all ranks agree."""
+    ns, nm = sums.numel(), maxes.numel()
+    wire_s = sums.new_zeros(_WIRE_SUM)
+    wire_s[:ns] = sums
+    wire_m = maxes.new_full((_WIRE_MAX,), -math.inf)
+    wire_m[:nm] = maxes
+    wire_m[-2] = float(fingerprint)
+    wire_m[-1] = -float(fingerprint)
+    dist.all_reduce(wire_s, op=dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(wire_m, op=dist.ReduceOp.MAX, group=group)
+    # max(h) == h and max(-h) == -h on this rank  <=>  min(h) == max(h) over all ranks: the same verdict everywhere.
+    agree = (wire_m[-2] == fingerprint) & (wire_m[-1] == -fingerprint)
+    return wire_s[:ns], wire_m[:nm], agree
+
+
+_MSG_CONFIG_MISMATCH = (
+    "compute_rollout_correction: the ranks of dp_group pass different rollout-correction settings (config "
+    "fingerprints differ: RolloutCorrectionConfig fields or nonfinite); every data-parallel rank must use the "
+    "same config")
+
+
+def _raise_config_mismatch(agree: torch.Tensor, fingerprint: int) -> None:
+    if agree.device.type == "cuda":
+        torch._assert_async(agree, _MSG_CONFIG_MISMATCH)
+        return
+    if not bool(agree):
+        raise ValueError(f"{_MSG_CONFIG_MISMATCH} (this rank's fingerprint: {fingerprint})")
+
+
 def _raise_bad_values(sums, log_prob, rollout_log_prob, response_mask, nonfinite) -> None:
     """No valid token / non-finite log-probs: a clear error on every rank (checked after the collectives, so
     no rank hangs). CUDA: asynchronous device asserts, no host sync; CPU: one scalar read."""
@@ -298,21 +366,28 @@ def compute_rollout_correction(
     """IS weights, the RS + veto mask and every ``rollout_corr/*`` metric, exact over the global batch.
 
     Args:
-        log_prob: ``[B, T]`` training-side log-probs (pi_old in decoupled mode, pi_theta in bypass mode); any float
-            dtype; never differentiated through (the weights are detached).
-        rollout_log_prob: ``[B, T]`` log-probs of the inference engine.
+        log_prob: ``[B, T]`` training-side log-probs (pi_old in decoupled mode, pi_theta in bypass mode); float16,
+            bfloat16, float32 or float64; never differentiated through (the weights are detached).
+        rollout_log_prob: ``[B, T]`` log-probs of the inference engine; any of those dtypes, not necessarily
+            log_prob's (a mix is computed in the wider dtype; float16 with bfloat16 in float32).
         response_mask: ``[B, T]`` bool / int / float; nonzero = valid. Its dtype is kept in the output.
-        config: a :class:`RolloutCorrectionConfig` (or a dict of its fields).
-        dp_group: the ranks the global batch is split over. With context parallelism this is the data-parallel
-            group *with* context parallelism (megatron ``get_data_parallel_group(with_context_parallel=True)``);
-            None: this process only (or ``seq_group`` when only that is given).
+        config: a :class:`RolloutCorrectionConfig` (or a dict of its fields). Every rank of ``dp_group`` must pass
+            the same config and ``nonfinite``: a mismatch raises the same ValueError on every rank (CUDA: a device
+            assert), detected through a fingerprint carried in the MAX all-reduce (no extra collective).
+        dp_group: the ranks the global batch is split over (row counts may differ between them). With context
+            parallelism this is the data-parallel group *with* context parallelism (megatron
+            ``get_data_parallel_group(with_context_parallel=True)``); None: this process only (or ``seq_group``
+            when only that is given).
         seq_group: the context-parallel group (each rank holds a slice of every sequence along T); per-sequence
-            sums are all-reduced over it before sequence-level weights and rejections.
+            sums are all-reduced over it before sequence-level weights and rejections. Its ranks must hold the
+            same number of rows (checked with one extra 16-byte all-reduce, a host sync on CUDA: ValueError on
+            every rank otherwise).
         nonfinite: "error" (default): NaN/inf log-probs at valid positions raise; "exclude": those tokens are
             dropped (0 in the output mask and weights) and counted in ``rollout_corr/nonfinite_token_fraction``.
 
     Returns:
-        :class:`RolloutCorrectionResult` (weights or None, mask, metrics as 0-dim tensors; no host sync on CUDA).
+        :class:`RolloutCorrectionResult` (weights: float32, float64 when either log-prob input is float64; or None;
+        mask; metrics as 0-dim tensors; no host sync on CUDA without seq_group).
     """
     config = _check_inputs(log_prob, rollout_log_prob, response_mask, config, nonfinite)
     exclude = nonfinite == "exclude"
@@ -322,7 +397,15 @@ def compute_rollout_correction(
     params = pack_params(config, exclude)
     # The weights and metrics are constants for autograd (IS changes the measure, not the objective).
     log_prob, rollout_log_prob = log_prob.detach(), rollout_log_prob.detach()
+    if log_prob.dtype != rollout_log_prob.dtype:
+        # Mixed dtypes: promote to the wider (float16 + bfloat16 -> float32). Widening is exact and the kernels
+        # compute in float32 (float64 for float64) anyway, so this equals per-input loads; only the narrower input
+        # is copied.
+        wide = torch.promote_types(log_prob.dtype, rollout_log_prob.dtype)
+        log_prob, rollout_log_prob = log_prob.to(wide), rollout_log_prob.to(wide)
 
+    if seq_world > 1:
+        _check_seq_rows(log_prob, seq_group)
     stats = ops.rollout_seq_stats(log_prob, rollout_log_prob, response_mask, params)
     if seq_world > 1:
         ns = R.RC_SEQ_NUM_SUM
@@ -335,8 +418,9 @@ def compute_rollout_correction(
     weights, mask_out, sums, maxes = ops.rollout_token_pass(
         log_prob, rollout_log_prob, response_mask, stats, params, seq_rank == 0)
     if dp_world > 1:
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=red_group)
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=red_group)
+        fingerprint = config_fingerprint(config, exclude)
+        sums, maxes, agree = _reduce_partials(sums, maxes, fingerprint, red_group)
+        _raise_config_mismatch(agree, fingerprint)
     _raise_bad_values(sums, log_prob, rollout_log_prob, response_mask, nonfinite)
 
     metrics = finalize_metrics(sums, maxes, config, exclude)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
 
@@ -52,11 +53,34 @@ Number = Union[int, float, torch.Tensor]
 
 
 def _positive_or_none(name: str, value) -> None:
+    """A global normaliser: None, a finite real number > 0, or a one-element real tensor (verl passes 0-d tensors).
+
+    A CPU tensor is read here; on an accelerator the check is an asynchronous device assert (no host sync).
+    A negative normaliser would flip the loss sign, 0 would zero the loss and its gradient, NaN/inf poison it.
+    """
     if value is None:
         return
-    v = float(value) if not isinstance(value, torch.Tensor) else float(value.detach())
-    if not v > 0:
-        raise ValueError(f"{name} must be > 0 (or None), got {value}")
+    msg = f"{name} must be a finite number > 0 (or None)"
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise ValueError(f"{msg}: a tensor must be a one-element real tensor, got dtype {value.dtype} and "
+                             f"shape {tuple(value.shape)}")
+        if value.device.type == "cpu":
+            v = value.detach().reshape(()).item()
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{msg}, got tensor({v})")
+        else:
+            value = value.detach().reshape(())
+            torch._assert_async(torch.isfinite(value) & (value > 0), f"{msg}, got a tensor outside that range")
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{msg}, got {type(value).__name__} {value!r}")
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{msg}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -212,7 +236,13 @@ def aggregate_rows(
     _check_mode(loss_agg_mode)
     if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
         raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
+    _positive_or_none("batch_num_tokens", batch_num_tokens)
+    _positive_or_none("global_batch_size", global_batch_size)
     _positive_or_none("loss_scale_factor", loss_scale_factor)
+    # A one-element tensor normaliser must not broadcast the scalar loss to shape [1].
+    batch_num_tokens, global_batch_size, loss_scale_factor = (
+        x.reshape(()) if isinstance(x, torch.Tensor) else x
+        for x in (batch_num_tokens, global_batch_size, loss_scale_factor))
     if loss_agg_mode == "token-mean":
         if batch_num_tokens is None:
             if dp_size > 1:

@@ -507,7 +507,7 @@ def rollout_token_pass(
     sums = torch.zeros(n_sum, dtype=torch.float64, device=dev)
     maxes = torch.full((n_max,), -math.inf, dtype=torch.float64, device=dev)
     ninf = torch.full((), -math.inf, dtype=acc, device=dev)
-    has_t = lr.shape[1] > 0
+    has_t = lr.numel() > 0  # a DP rank may hold no rows (or rows of length 0): its maxima are -inf
 
     def tsum(x):  # sum over valid tokens: fp32 within a row, fp64 across rows
         return (x * vf).sum(1).to(torch.float64).sum()

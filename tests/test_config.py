@@ -3,6 +3,7 @@ legacy conversion."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -106,7 +107,7 @@ def test_threshold_forms():
     (dict(loss_type="ppo"), r"loss_type must be one of \['ppo_clip', 'reinforce'\]"),
     (dict(rollout_is_mode="clip"), r"rollout_is_mode must be None or one of \['truncate', 'mask'\]"),
     (dict(rollout_is_threshold="0.5_2", rollout_is_mode="truncate"), r"rollout_is_threshold: a 'L_U' spec"),
-    (dict(rollout_token_veto_threshold=0), r"rollout_token_veto_threshold must be None or a number > 0"),
+    (dict(rollout_token_veto_threshold=0), r"rollout_token_veto_threshold must be None or a finite number > 0"),
     (dict(rollout_is_threshold=None), r"rollout_is_threshold is required when rollout_is='sequence'"),
     (dict(rollout_is_threshold="abc"), r"rollout_is_threshold: cannot parse 'abc'"),
     (dict(rollout_is_threshold=True), r"rollout_is_threshold must be a number"),
@@ -148,3 +149,139 @@ def test_from_legacy_flat_keys():
     assert Cfg.from_legacy(Cfg.decoupled_geo_rs().to_dict()) == Cfg.decoupled_geo_rs()
     with pytest.raises(ValueError, match="from_legacy: unknown key 'tis_cap'"):
         Cfg.from_legacy(dict(tis_cap=2.0))
+
+
+# ----------------------------------------------------------------------------------------- immutability (issue 8 §6)
+
+_FIELD_VALUES = dict(rollout_is="token", rollout_is_threshold=1.05, rollout_is_mode="mask",
+                     rollout_is_threshold_lower=0.5, rollout_is_batch_normalize=True, rollout_rs="token_k1",
+                     rollout_rs_threshold=1.5, rollout_rs_threshold_lower=0.5, rollout_token_veto_threshold=0.1,
+                     bypass_mode=True, loss_type="reinforce")
+
+
+@pytest.mark.parametrize("field", sorted(_FIELD_VALUES))
+def test_config_is_frozen(field):
+    cfg = Cfg.decoupled_seq_is_rs()
+    before = (cfg.to_dict(), cfg.is_spec, cfg.rs_criteria)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(cfg, field, _FIELD_VALUES[field])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(cfg, field, "bogus")
+    assert (cfg.to_dict(), cfg.is_spec, cfg.rs_criteria) == before
+
+
+def test_policy_loss_config_is_frozen():
+    from rollout_corr_ext.losses import PolicyLossConfig
+
+    cfg = PolicyLossConfig(rollout_correction=Cfg.decoupled_token_is())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.clip_ratio = 0.5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rollout_correction.rollout_is_threshold = 1.05
+
+
+def test_replace_revalidates_and_changes_what_the_op_applies():
+    from rollout_corr_ext import compute_rollout_correction
+    from rollout_corr_testing.rc_testutil import make_inputs
+
+    cfg = Cfg.decoupled_token_is(threshold=2.0)
+    tight = dataclasses.replace(cfg, rollout_is_threshold=1.05)
+    assert cfg.is_spec.upper == 2.0 and tight.is_spec.upper == 1.05 and tight.to_dict()["rollout_is_threshold"] == 1.05
+    lp, rlp, mask = make_inputs(6, 32, seed=7, scale=0.3)
+    w = compute_rollout_correction(lp, rlp, mask, tight).weights
+    assert float(w[mask].max()) == pytest.approx(1.05) and float(w[mask].max()) <= 1.05 + 1e-6
+    assert float(compute_rollout_correction(lp, rlp, mask, cfg).weights[mask].max()) > 1.05
+    with_rs = dataclasses.replace(cfg, rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25")
+    assert [c.name for c in with_rs.rs_criteria] == ["token_k1"] and cfg.rs_criteria == []
+    with pytest.raises(ValueError, match=r"rollout_is must be None or one of"):
+        dataclasses.replace(cfg, rollout_is="bogus")
+    with pytest.raises(ValueError, match=r"rollout_is_threshold must be a finite number"):
+        dataclasses.replace(cfg, rollout_is_threshold=math.nan)
+
+
+def test_configs_are_hashable_values():
+    a, b = Cfg.decoupled_geo_rs(), Cfg.decoupled_geo_rs()
+    assert a == b and hash(a) == hash(b) and len({a, b, Cfg.decoupled_k3_rs()}) == 2
+
+
+# ------------------------------------------------------------------------------- non-finite thresholds (§6)
+
+_NAN, _INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(rollout_is_threshold=_NAN), "rollout_is_threshold"),
+    (dict(rollout_is_threshold=_INF), "rollout_is_threshold"),
+    (dict(rollout_is_threshold=-_INF), "rollout_is_threshold"),
+    (dict(rollout_is_threshold=10 ** 400), "rollout_is_threshold"),
+    (dict(rollout_is_threshold="nan"), "rollout_is_threshold"),
+    (dict(rollout_is_threshold="inf"), "rollout_is_threshold"),
+    (dict(rollout_is_threshold="Infinity"), "rollout_is_threshold"),
+    (dict(rollout_is_threshold="1e400"), "rollout_is_threshold"),
+    (dict(rollout_is_threshold="nan_2"), "rollout_is_threshold"),
+    (dict(rollout_is_threshold="0.5_inf"), "rollout_is_threshold"),
+    (dict(rollout_is_threshold="-inf_2"), "rollout_is_threshold"),
+    (dict(rollout_is_threshold="0.5_1e400"), "rollout_is_threshold"),
+    (dict(rollout_is_threshold=2.0, rollout_is_mode="mask", rollout_is_threshold_lower=_NAN),
+     "rollout_is_threshold_lower"),
+    (dict(rollout_is_threshold=2.0, rollout_is_threshold_lower=_INF), "rollout_is_threshold_lower"),
+    (dict(rollout_rs="token", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=_NAN),
+     "rollout_rs_threshold_lower"),
+    (dict(rollout_rs="token", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=_INF),
+     "rollout_rs_threshold_lower"),
+    (dict(rollout_rs="token", rollout_rs_threshold=_NAN), "rollout_rs_threshold"),
+    (dict(rollout_rs="token", rollout_rs_threshold=_INF), "rollout_rs_threshold"),
+    (dict(rollout_rs="seq_mean_k3", rollout_rs_threshold="inf"), "rollout_rs_threshold"),
+    (dict(rollout_rs="token_k1", rollout_rs_threshold="nan_2"), "rollout_rs_threshold"),
+    (dict(rollout_rs="token_k1,token_k2", rollout_rs_threshold="0.5_2,1e400"), "rollout_rs_threshold"),
+    (dict(rollout_rs="geometric", rollout_rs_threshold="0.9_NaN"), "rollout_rs_threshold"),
+    (dict(rollout_token_veto_threshold=_NAN), "rollout_token_veto_threshold"),
+    (dict(rollout_token_veto_threshold=_INF), "rollout_token_veto_threshold"),
+])
+def test_nonfinite_thresholds_rejected_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        Cfg(**kwargs)
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        Cfg.from_dict({**DEFAULTS, **kwargs})
+
+
+@pytest.mark.parametrize("spec", ["0.5_2_3", "0.5_1_0", "1_0", "_2", "0.5_"])
+def test_malformed_spec_strings_rejected(spec):
+    with pytest.raises(ValueError, match=r"rollout_is_threshold"):
+        Cfg(rollout_is="token", rollout_is_threshold=spec)
+
+
+# ------------------------------------------------------------------------------------ round trip (§6)
+
+_ROUND_TRIP = [getattr(Cfg, name)() for name in PRESETS] + [
+    Cfg(rollout_is="token", rollout_is_threshold="0.25_4", rollout_rs="token_k1,seq_max_k3,geometric",
+        rollout_rs_threshold="0.8_1.25,0.05,0.999_1.001", rollout_token_veto_threshold=1e-3,
+        rollout_is_batch_normalize=True),
+    Cfg(rollout_is="geometric", rollout_is_threshold=1.5, rollout_is_mode="mask", rollout_is_threshold_lower=0.7,
+        rollout_rs="sequence", rollout_rs_threshold=3, rollout_rs_threshold_lower=0),
+    dataclasses.replace(Cfg.decoupled_token_is(), rollout_is_threshold=1.05),
+]
+
+
+@pytest.mark.parametrize("i", range(len(_ROUND_TRIP)))
+def test_dict_round_trip_is_exactly_what_the_op_applies(i):
+    import torch
+
+    from rollout_corr_ext import compute_rollout_correction
+    from rollout_corr_ext.correction import config_fingerprint, pack_params
+    from rollout_corr_testing.rc_testutil import make_inputs
+
+    cfg = _ROUND_TRIP[i]
+    for back in (Cfg.from_dict(cfg.to_dict()), Cfg.from_dict(json.loads(json.dumps(cfg.to_dict())))):
+        assert back == cfg and back.to_dict() == cfg.to_dict()
+        assert (back.is_spec, back.rs_criteria) == (cfg.is_spec, cfg.rs_criteria)
+        assert pack_params(back) == pack_params(cfg) and config_fingerprint(back) == config_fingerprint(cfg)
+        lp, rlp, mask = make_inputs(8, 24, seed=i, scale=0.1)
+        a, b = compute_rollout_correction(lp, rlp, mask, cfg), compute_rollout_correction(lp, rlp, mask, back)
+        assert (a.weights is None) == (b.weights is None)
+        if a.weights is not None:
+            assert torch.equal(a.weights, b.weights)
+        assert torch.equal(a.response_mask, b.response_mask)
+        assert a.metrics.keys() == b.metrics.keys()
+        assert all(torch.equal(a.metrics[k], b.metrics[k]) or (a.metrics[k].isnan() and b.metrics[k].isnan())
+                   for k in a.metrics)

@@ -255,6 +255,56 @@ def test_nonfinite_error_or_exclude(bad):
     assert float(res.metrics[PREFIX + "nonfinite_token_fraction"]) == pytest.approx(1.0 / n_valid)
 
 
+# ------------------------------------------------------------------------------- mixed input dtypes (issue 8 §8)
+
+#: (log_prob dtype, rollout_log_prob dtype): the engine often returns fp32 while the trainer works in bf16.
+MIXED_DTYPES = [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float64),
+                (torch.float64, torch.bfloat16), (torch.float16, torch.bfloat16), (torch.float16, torch.float32),
+                (torch.bfloat16, torch.float64)]
+
+
+@pytest.mark.parametrize("lp_dtype,rlp_dtype", MIXED_DTYPES, ids=str)
+def test_mixed_input_dtypes_promote_to_the_wider(lp_dtype, rlp_dtype):
+    lp, rlp, mask = make_inputs(12, 40, seed=31, scale=0.2, pad_rows=(3,))
+    lp, rlp = lp.to(lp_dtype), rlp.to(rlp_dtype)
+    copies = (lp.clone(), rlp.clone())
+    cfg = Cfg(rollout_is="token", rollout_is_batch_normalize=True, rollout_rs="token_k1,seq_mean_k3",
+              rollout_rs_threshold="0.7_1.3,0.05", rollout_token_veto_threshold=0.3)
+    weights_dtype = torch.float64 if torch.float64 in (lp_dtype, rlp_dtype) else torch.float32
+    # the oracle sees the exact values of both inputs (widening is exact)
+    res = _check(cfg, lp, rlp, mask, weights_dtype)
+    assert res.weights.dtype == weights_dtype
+    wide = torch.promote_types(lp_dtype, rlp_dtype)
+    same = compute_rollout_correction(lp.to(wide), rlp.to(wide), mask, cfg)
+    assert torch.equal(res.weights, same.weights) and torch.equal(res.response_mask, same.response_mask)
+    assert all(torch.equal(res.metrics[k], same.metrics[k]) for k in same.metrics)
+    assert lp.dtype == lp_dtype and rlp.dtype == rlp_dtype
+    assert torch.equal(lp.nan_to_num(), copies[0].nan_to_num()) and torch.equal(rlp, copies[1])
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", None])
+def test_passes_on_a_rank_without_rows(level):
+    """A DP rank may hold no rows: its partials are the neutral elements (0 sums, -inf maxima), on every backend."""
+    from rollout_corr_ext import ops
+    from rollout_corr_ext.correction import pack_params
+
+    lp, rlp, mask = (x[:0] for x in make_inputs(3, 16, seed=33))
+    params = pack_params(Cfg(rollout_is=level, rollout_rs="token_k1,seq_mean_k3,geometric,seq_max_k2",
+                             rollout_rs_threshold="0.7_1.3,0.02,0.99_1.01,0.1"))
+    st = ops.rollout_seq_stats(lp, rlp, mask, params)
+    w, m, sums, maxes = ops.rollout_token_pass(lp, rlp, mask, st, params, True)
+    assert st.shape == (0, R.RC_SEQ_COLS) and m.shape == (0, 16)
+    assert (sums == 0).all() and (maxes == -math.inf).all()
+    assert (sums.numel(), maxes.numel()) == R.rc_partial_sizes(4)
+
+
+@pytest.mark.parametrize("dtype,weights_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                                                 (torch.float32, torch.float32), (torch.float64, torch.float64)])
+def test_weights_dtype_is_fp32_or_fp64(dtype, weights_dtype):
+    lp, rlp, mask = make_inputs(4, 16, seed=32, dtype=dtype)
+    assert compute_rollout_correction(lp, rlp, mask, Cfg.decoupled_seq_is()).weights.dtype == weights_dtype
+
+
 # --------------------------------------------------------------------------------------------- large batches
 
 

@@ -110,3 +110,87 @@ def _worker(rank: int, world: int, port: int, dp: int, cp: int) -> None:
 def test_distributed_equals_single_process(dp, cp):
     world = dp * cp
     mp.spawn(_worker, args=(world, _free_port(), dp, cp), nprocs=world, join=True)
+
+
+# ------------------------------------------------------------------ settings that differ between ranks (issue 8 §7)
+
+from rollout_corr_testing.dist_utils import run_workers  # noqa: E402
+
+_CFG_A = dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.7_1.3")
+#: rank r of a mismatch case uses MISMATCH[case][r % 2]: (config kwargs, nonfinite).
+MISMATCH = {
+    # a different number of RS criteria changed the size of the partial vectors: a gloo abort before the fix
+    "criteria_count": [(_CFG_A, "error"),
+                       (dict(_CFG_A, rollout_rs="token_k1,seq_mean_k3,geometric",
+                             rollout_rs_threshold="0.7_1.3,0.02,0.99_1.01"), "error")],
+    "rs_vs_none": [(_CFG_A, "error"), (dict(_CFG_A, rollout_rs=None, rollout_rs_threshold=None), "error")],
+    # same sizes, different semantics: silently mixed partials before the fix
+    "threshold": [(_CFG_A, "error"), (dict(_CFG_A, rollout_rs_threshold="0.7_1.31"), "error")],
+    "is_level": [(_CFG_A, "error"), (dict(_CFG_A, rollout_is="sequence"), "error")],
+    "batch_normalize": [(_CFG_A, "error"), (dict(_CFG_A, rollout_is_batch_normalize=True), "error")],
+    "nonfinite": [(_CFG_A, "error"), (_CFG_A, "exclude")],
+}
+
+
+def _mismatch_worker(rank, world, case, odd_rank):
+    lp, rlp, mask = make_inputs(B, T, seed=7, scale=0.2, pad_rows=(2,))
+    rows = _row_block(rank, world)
+    kwargs, nonfinite = MISMATCH[case][1 if rank == odd_rank else 0]
+    shard = [x[rows] for x in (lp, rlp, mask)]
+    with pytest.raises(ValueError, match=r"the ranks of dp_group pass different rollout-correction settings"):
+        compute_rollout_correction(*shard, Cfg(**kwargs), dp_group=dist.group.WORLD, nonfinite=nonfinite)
+    # The group is still usable, and agreeing ranks get the single-process result.
+    cfg = Cfg(**MISMATCH[case][0][0])
+    res = compute_rollout_correction(*shard, cfg, dp_group=dist.group.WORLD)
+    ref = compute_rollout_correction(lp, rlp, mask, cfg)
+    errors = compare_metrics(res.metrics, {k[len(PREFIX):]: v for k, v in ref.metrics.items()}, torch.float32)
+    assert not errors, errors
+    assert torch.equal(res.response_mask, ref.response_mask[rows])
+    torch.testing.assert_close(res.weights, ref.weights[rows], **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("case", sorted(MISMATCH))
+def test_dp_ranks_with_different_configs_raise_on_every_rank(case):
+    run_workers(_mismatch_worker, 2, case, 1)
+
+
+def test_dp_one_rank_of_three_differs_every_rank_raises():
+    run_workers(_mismatch_worker, 3, "criteria_count", 2)
+
+
+def _uneven_rows_worker(rank, world):
+    """Different (and empty) row counts on DP ranks are legal: every metric is the single-process value."""
+    lp, rlp, mask = make_inputs(B, T, seed=8, scale=0.2, pad_rows=(4,))
+    cuts = [0, 0, 5, B][: world + 1] if world == 3 else [0, 17, B]
+    rows = slice(cuts[rank], cuts[rank + 1])
+    cfg = Cfg(**MISMATCH["criteria_count"][1][0])
+    res = compute_rollout_correction(lp[rows], rlp[rows], mask[rows], cfg, dp_group=dist.group.WORLD)
+    ref = compute_rollout_correction(lp, rlp, mask, cfg)
+    errors = compare_metrics(res.metrics, {k[len(PREFIX):]: v for k, v in ref.metrics.items()}, torch.float32)
+    assert not errors, errors
+    assert torch.equal(res.response_mask, ref.response_mask[rows])
+    torch.testing.assert_close(res.weights, ref.weights[rows], **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dp_uneven_row_counts_still_equal_single_process(world):
+    run_workers(_uneven_rows_worker, world)
+
+
+def _cp_rows_worker(rank, world):
+    lp, rlp, mask = make_inputs(B, T, seed=9, scale=0.2)
+    cols = _zigzag_cols(rank, world)
+    cfg = Cfg(**_CFG_A)
+    rows = slice(0, B - 1) if rank == 1 else slice(0, B)  # rank 1 lost a sequence
+    with pytest.raises(ValueError, match=r"seq_group \(context parallelism\): the ranks hold different numbers of "
+                                         rf"rows \(between {B - 1} and {B}; this rank {B - rank}\)"):
+        compute_rollout_correction(lp[rows][:, cols], rlp[rows][:, cols], mask[rows][:, cols], cfg,
+                                   seq_group=dist.group.WORLD)
+    res = compute_rollout_correction(lp[:, cols], rlp[:, cols], mask[:, cols], cfg, seq_group=dist.group.WORLD)
+    ref = compute_rollout_correction(lp, rlp, mask, cfg)
+    errors = compare_metrics(res.metrics, {k[len(PREFIX):]: v for k, v in ref.metrics.items()}, torch.float32)
+    assert not errors, errors
+
+
+def test_cp_ranks_with_different_row_counts_raise_on_every_rank():
+    run_workers(_cp_rows_worker, 2)

@@ -100,6 +100,45 @@ def test_metrics_from_emulated_partials_match_dense_oracle(emu):
         assert torch.equal(m, m_d)
 
 
+def test_passes_on_a_rank_without_rows(emu):
+    """A DP rank may hold no rows: neutral partials (0 sums, -inf maxima), equal to the reference's."""
+    lp, rlp, mask = (x[:0] for x in make_inputs(3, 16, seed=22))
+    params = pack_params(Cfg(**CONFIGS[1]))
+    st = emu.rollout_seq_stats(lp, rlp, mask, params)
+    assert torch.equal(st, R.rollout_seq_stats(lp, rlp, mask, params))
+    out = emu.rollout_token_pass(lp, rlp, mask, st, params, True)
+    ref = R.rollout_token_pass(lp, rlp, mask, st, params, True)
+    for a, b in zip(out, ref):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert (out[2] == 0).all() and (out[3] == -float("inf")).all()
+
+
+@pytest.mark.parametrize("lp_dtype,rlp_dtype", [(torch.bfloat16, torch.float32), (torch.float64, torch.float16),
+                                               (torch.float16, torch.bfloat16)], ids=str)
+def test_pipeline_on_emulated_kernels_with_mixed_dtypes(emu, monkeypatch, lp_dtype, rlp_dtype):
+    """compute_rollout_correction with the emulated CUDA kernels as its passes: a mix of input dtypes is promoted to
+    the wider one (fp16 + bf16 -> fp32) before the kernels, which take one dtype and refuse a mix by name."""
+    from rollout_corr_ext import compute_rollout_correction, ops
+
+    lp, rlp, mask = make_inputs(9, 40, seed=21, scale=0.2, pad_rows=(4,))
+    lp, rlp = lp.to(lp_dtype), rlp.to(rlp_dtype)
+    cfg = Cfg(**CONFIGS[0])
+    with pytest.raises(RuntimeError, match="rollout_log_prob must have log_prob's dtype"):
+        emu.rollout_seq_stats(lp, rlp, mask, pack_params(cfg))
+    monkeypatch.setattr(ops, "rollout_seq_stats",
+                        lambda *a: emu.rollout_seq_stats(*a, threads=32, schedule=1, max_blocks=2))
+    monkeypatch.setattr(ops, "rollout_token_pass",
+                        lambda *a: emu.rollout_token_pass(*a, threads=64, schedule=1, max_blocks=3))
+    res = compute_rollout_correction(lp, rlp, mask, cfg)
+    w_d, m_d, met = R.rollout_correction_dense(lp.double(), rlp.double(), mask, cfg)
+    acc = torch.float64 if torch.float64 in (lp_dtype, rlp_dtype) else torch.float32
+    assert res.weights.dtype == acc
+    errors = compare_metrics(res.metrics, met, acc)
+    assert not errors, "\n".join(errors)
+    assert torch.equal(res.response_mask, m_d)
+    torch.testing.assert_close(res.weights, w_d.to(acc), **TOL[acc])
+
+
 # Planted bugs: each must be caught (a missing barrier around the block reduction, an off-by-one row sweep).
 MUTANTS = {
     "missing_syncthreads_partials": (

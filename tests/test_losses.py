@@ -117,6 +117,50 @@ def test_agg_loss_bad_input():
         agg_loss(x, m, "seq-mean-token-sum-norm", loss_scale_factor=0)
 
 
+_NORMALISER_KWARGS = ("batch_num_tokens", "global_batch_size", "loss_scale_factor")
+_BAD_NORMALISERS = [-1, -0.5, 0, 0.0, float("nan"), float("inf"), -float("inf"), 10 ** 400, True, "14", [14],
+                    torch.tensor(-1.0), torch.tensor(0), torch.tensor(float("nan")), torch.tensor(float("inf")),
+                    torch.tensor([3.0, 4.0]), torch.tensor(True)]
+
+
+def _mode_using(kwarg):
+    return {"batch_num_tokens": "token-mean", "global_batch_size": "seq-mean-token-sum",
+            "loss_scale_factor": "seq-mean-token-sum-norm"}[kwarg]
+
+
+@pytest.mark.parametrize("bad", _BAD_NORMALISERS, ids=repr)
+@pytest.mark.parametrize("kwarg", _NORMALISER_KWARGS)
+def test_agg_loss_normalisers_validated_naming_the_kwarg(kwarg, bad):
+    """A negative normaliser flipped the loss sign, 0 zeroed it (and its gradient), NaN/inf poisoned it."""
+    x, m = torch.randn(2, 3, requires_grad=True), torch.ones(2, 3)
+    for mode in (_mode_using(kwarg), "token-sum"):  # checked even where the mode does not use it
+        with pytest.raises(ValueError, match=rf"^{kwarg} must be a finite number > 0"):
+            agg_loss(x, m, mode, **{kwarg: bad})
+    with pytest.raises(ValueError, match=rf"^{kwarg} must be a finite number > 0"):
+        PolicyLossConfig(**{kwarg: bad})
+
+
+@pytest.mark.parametrize("kwarg", _NORMALISER_KWARGS)
+@pytest.mark.parametrize("good", [7, 7.0, torch.tensor(7), torch.tensor(7.0, dtype=torch.float64),
+                                  torch.tensor([7.0])], ids=repr)
+def test_agg_loss_normalisers_accept_numbers_and_0d_tensors(kwarg, good):
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    m = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    mode = _mode_using(kwarg)
+    got = agg_loss(x, m, mode, **{kwarg: good})
+    want = agg_loss(x, m, mode, **{kwarg: 7})
+    assert got.shape == () and torch.equal(got.detach(), want.detach())
+    assert torch.equal(_grad(got, x), _grad(want, x)) and _grad(got, x).abs().sum() > 0
+    assert PolicyLossConfig(**{kwarg: good}).global_batch_info[kwarg] is good
+
+
+def test_agg_loss_dp_size_validated():
+    x, m = torch.randn(2, 3), torch.ones(2, 3)
+    for bad in (0, -1, 1.5, True, "2", None):
+        with pytest.raises(ValueError, match=r"^dp_size must be an int >= 1"):
+            agg_loss(x, m, "token-sum", dp_size=bad)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # PPO clip (vanilla) and REINFORCE
 # ------------------------------------------------------------------------------------------------------------
