@@ -6,21 +6,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "cuda_launch.cuh"
 #include "logprob_launch.cuh"
 
 namespace rollout_corr {
 namespace {
-
-struct CudaLaunch {
-  cudaStream_t stream;
-  template <typename Kernel, typename Params>
-  void operator()(Kernel kernel, dim3 grid, dim3 block, const Params& p) const {
-    kernel<<<grid, block, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-};
-
-CudaLaunch current_stream_launch() { return CudaLaunch{at::cuda::getCurrentCUDAStream()}; }
 
 at::Tensor vocab_row_stats_cuda(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
                                 int64_t vocab_size, double inv_temperature, int64_t ignore_index, bool with_sum_z) {

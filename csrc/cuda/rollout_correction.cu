@@ -7,25 +7,17 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "cuda_launch.cuh"
 #include "rollout_correction_launch.cuh"
 
 namespace rollout_corr {
 namespace {
 
-struct CudaLaunch {
-  cudaStream_t stream;
-  template <typename Kernel, typename Params>
-  void operator()(Kernel kernel, dim3 grid, dim3 block, const Params& p) const {
-    kernel<<<grid, block, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-};
-
 at::Tensor rollout_seq_stats_cuda(const at::Tensor& log_prob, const at::Tensor& rollout_log_prob,
                                   const at::Tensor& mask, at::ArrayRef<double> params) {
   const c10::cuda::CUDAGuard guard(log_prob.device());
   return run_rollout_seq_stats(log_prob, rollout_log_prob, mask, params, 0, 0,
-                               CudaLaunch{at::cuda::getCurrentCUDAStream()});
+                               current_stream_launch());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cuda(
@@ -33,7 +25,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cu
     const at::Tensor& seq_stats, at::ArrayRef<double> params, bool row_partials) {
   const c10::cuda::CUDAGuard guard(log_prob.device());
   return run_rollout_token_pass(log_prob, rollout_log_prob, mask, seq_stats, params, row_partials, 0, 0,
-                                CudaLaunch{at::cuda::getCurrentCUDAStream()});
+                                current_stream_launch());
 }
 
 }  // namespace
