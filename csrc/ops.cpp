@@ -49,14 +49,32 @@ TORCH_LIBRARY(rollout_corr, m) {
       "Tensor target, Tensor row_state, int vocab_start, int vocab_size, float inv_temperature, "
       "int ignore_index) -> ()");
 
-  // §3 rollout correction, two passes over [B, T]. Pass 1: per-sequence aggregates [B, 18] (sums, then maxima),
-  // all-reduced over the context-parallel group between the passes. `params` is the packed configuration
-  // (layout RC_P_* in rollout_corr_ext/reference.py, rc::ParamIdx in rollout_math.h).
-  m.def("rollout_seq_stats(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, float[] params) -> Tensor");
-  // Pass 2: (IS weights [B, T] or [0], mask in mask's dtype, fp64 SUM partials, fp64 MAX partials).
+  // §3 rollout correction, two passes over [B, T] (log_prob, rollout_log_prob: any float dtypes; mask: bool,
+  // integer or float holding 0/1). The configuration is typed: is_level 0 none | 1 token | 2 sequence | 3 geometric;
+  // is_mask: IcePop (weights outside [is_lower, is_upper] -> 0) instead of TIS (min(w, is_upper)); is_metric_lower:
+  // the lower bound of the *_fraction_low diagnostics; veto_threshold: V or None; one entry per RS criterion in
+  // rs_level (0 token | 1 seq_sum | 2 seq_mean | 3 seq_max), rs_stat (0 k1 | 1 k2 | 2 k3 | 3 ratio), rs_lower,
+  // rs_upper, rs_apply_lower. Codes and every output slot: csrc/include/rollout_correction_layout.def.
+  // Pass 1: per-sequence aggregates [B, K] (sums, then maxima), all-reduced over the context-parallel group
+  // between the passes.
   m.def(
-      "rollout_token_pass(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor seq_stats, float[] params, "
-      "bool row_partials) -> (Tensor, Tensor, Tensor, Tensor)");
+      "rollout_seq_stats(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, int is_level, bool is_mask, "
+      "float is_lower, float is_upper, float is_metric_lower, float? veto_threshold, bool exclude_nonfinite, "
+      "int[] rs_level, int[] rs_stat, float[] rs_lower, float[] rs_upper, bool[] rs_apply_lower) -> Tensor");
+  // Pass 2: (IS weights [B, T] or [0], mask in mask's dtype, fp64 SUM partials, fp64 MAX partials). row_partials:
+  // add the per-sequence terms (false on all but one rank of a context-parallel group).
+  m.def(
+      "rollout_token_pass(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor seq_stats, int is_level, "
+      "bool is_mask, float is_lower, float is_upper, float is_metric_lower, float? veto_threshold, "
+      "bool exclude_nonfinite, int[] rs_level, int[] rs_stat, float[] rs_lower, float[] rs_upper, "
+      "bool[] rs_apply_lower, bool row_partials) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Checks the (reduced) SUM partials: a batch with no valid token, non-finite log-probs at valid positions
+  // (unless excluded), mask values other than 0/1, ranks with different configs (agree false). CPU: raises a
+  // ValueError naming the first offending position of this rank's inputs; CUDA: asynchronous device asserts.
+  // Returns a copy of sums, which the metrics are computed from (so the check is part of any traced graph).
+  m.def(
+      "rollout_check(Tensor sums, Tensor? agree, Tensor log_prob, Tensor rollout_log_prob, Tensor mask, "
+      "bool exclude_nonfinite) -> Tensor");
 
   // §4 fused policy loss, one pass over [B, T]: (loss_mat [B, T], rows [B, 5] = loss sum, tokens, clip, dual clip,
   // kl sum), in fp32 (fp64 for fp64 log_prob). loss_kind: 0 PPO clip (+ dual clip), 1 REINFORCE.

@@ -6,7 +6,9 @@
 
 #include <cmath>
 
+#include "policy_loss_math.h"
 #include "policy_loss_params.h"
+#include "token_view_host.h"
 
 namespace rollout_corr {
 
@@ -17,35 +19,6 @@ inline bool is_policy_float_dtype(at::ScalarType t) {
 inline bool is_policy_mask_dtype(at::ScalarType t) {
   return is_policy_float_dtype(t) || t == at::kBool || t == at::kByte || t == at::kChar || t == at::kShort ||
          t == at::kInt || t == at::kLong;
-}
-
-inline ViewDtype view_dtype_of(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return ViewDtype::kFloat32;
-    case at::kDouble: return ViewDtype::kFloat64;
-    case at::kHalf: return ViewDtype::kFloat16;
-    case at::kBFloat16: return ViewDtype::kBFloat16;
-    case at::kBool: return ViewDtype::kBool;
-    case at::kByte: return ViewDtype::kUInt8;
-    case at::kChar: return ViewDtype::kInt8;
-    case at::kShort: return ViewDtype::kInt16;
-    case at::kInt: return ViewDtype::kInt32;
-    case at::kLong: return ViewDtype::kInt64;
-    default: TORCH_CHECK(false, "no TokenView for dtype ", t);
-  }
-}
-
-// A [rows, cols] view of a tensor of the same shape as log_prob, strides as they are (no copy).
-inline TokenView token_view(const at::Tensor& t) {
-  return TokenView{t.const_data_ptr(), t.stride(0), t.stride(1), view_dtype_of(t.scalar_type())};
-}
-inline TokenView token_view_or_absent(const at::Tensor& t) {
-  return t.defined() ? token_view(t) : TokenView{nullptr, 0, 0, ViewDtype::kFloat32};
-}
-// A [rows] view read at column 0 of every row.
-inline TokenView row_view_or_absent(const at::Tensor& t) {
-  return t.defined() ? TokenView{t.const_data_ptr(), t.stride(0), 0, view_dtype_of(t.scalar_type())}
-                     : TokenView{nullptr, 0, 0, ViewDtype::kFloat32};
 }
 
 inline at::ScalarType policy_acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
@@ -82,6 +55,15 @@ inline void check_policy_loss_inputs(const at::Tensor& log_prob, const at::Tenso
   TORCH_CHECK(clip_c > 1.0, "clip_c (the dual-clip bound c) must be > 1 (inf disables the dual clip), got ", clip_c);
 }
 
+// What makes a policy loss undefined (the CPU error names the token; CUDA asserts asynchronously).
+inline constexpr const char* kMsgUndefinedLossWhat =
+    "log_prob / old_log_prob NaN or +inf, both -inf (PPO), log_prob -inf (REINFORCE), or non-finite advantages / IS "
+    "weights (mask the token out, or fix the log-probs; a target at a -inf logit has log-prob -inf)";
+inline constexpr const char* kMsgUndefinedLoss =
+    "policy loss undefined at a response token: log_prob / old_log_prob NaN or +inf, both -inf (PPO), log_prob -inf "
+    "(REINFORCE), or non-finite advantages / IS weights (mask the token out, or fix the log-probs; a target at a -inf "
+    "logit has log-prob -inf)";
+
 template <typename acc_t>
 PolicyLossConfig<acc_t> make_policy_loss_config(double clip_low, double clip_high, double clip_c, int64_t kind) {
   PolicyLossConfig<acc_t> c;
@@ -108,8 +90,9 @@ PolicyLossParams<scalar_t, acc_t> make_policy_loss_params(const at::Tensor& log_
                                                           const at::Tensor& advantages,
                                                           const at::Tensor& response_mask,
                                                           const at::Tensor& weights, const at::Tensor& loss_mat,
-                                                          const at::Tensor& rows, double clip_low, double clip_high,
-                                                          double clip_c, int64_t loss_kind) {
+                                                          const at::Tensor& rows, const at::Tensor& undefined,
+                                                          double clip_low, double clip_high, double clip_c,
+                                                          int64_t loss_kind) {
   PolicyLossParams<scalar_t, acc_t> p;
   p.log_prob = log_prob.const_data_ptr<scalar_t>();
   p.old_log_prob = token_view(old_log_prob);
@@ -118,12 +101,36 @@ PolicyLossParams<scalar_t, acc_t> make_policy_loss_params(const at::Tensor& log_
   p.weights = token_view_or_absent(weights);
   p.loss_mat = loss_mat.mutable_data_ptr<acc_t>();
   p.row_partials = rows.mutable_data_ptr<acc_t>();
+  p.undefined = undefined.mutable_data_ptr<int32_t>();
   p.rows = log_prob.size(0);
   p.cols = log_prob.size(1);
   p.lp_row_stride = log_prob.stride(0);
   p.lp_col_stride = log_prob.stride(1);
   p.cfg = make_policy_loss_config<acc_t>(clip_low, clip_high, clip_c, loss_kind);
   return p;
+}
+
+// The flag the forward kernels set on an undefined response-token loss (one int32, zero-filled).
+inline at::Tensor new_undefined_flag(const at::Tensor& log_prob) {
+  return at::zeros({1}, log_prob.options().dtype(at::kInt));
+}
+
+// CPU: raise the ValueError of an undefined loss, naming the first response token whose loss is undefined (found
+// again with the kernels' own test; this runs only when the flag is set).
+template <typename scalar_t, typename acc_t>
+void raise_undefined_policy_loss(const PolicyLossParams<scalar_t, acc_t>& p) {
+  for (int64_t r = 0; r < p.rows; ++r) {
+    for (int64_t c = 0; c < p.cols; ++c) {
+      const acc_t lp = static_cast<acc_t>(p.log_prob[r * p.lp_row_stride + c * p.lp_col_stride]);
+      if (policy_loss_undefined(lp, view_load<acc_t>(p.old_log_prob, r, c), view_load<acc_t>(p.advantages, r, c),
+                                view_load_or<acc_t>(p.weights, r, c, acc_t(1)), view_load<acc_t>(p.mask, r, c),
+                                p.cfg.kind)) {
+        TORCH_CHECK_VALUE(false, "policy loss undefined at response token (", r, ", ", c, "): ",
+                          kMsgUndefinedLossWhat);
+      }
+    }
+  }
+  TORCH_CHECK_VALUE(false, kMsgUndefinedLoss);
 }
 
 // Upstream gradients of the backward: grad_loss_mat [B, T] and grad_rows_loss [B] (the loss column of rows'

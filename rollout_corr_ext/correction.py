@@ -10,7 +10,8 @@ parallelism)::
     finalize (torch ops on the reduced partials, no host sync)              -> metrics, batch-norm factor
 
 So every metric is the single-process value over the concatenated global batch. The formulas are verl 0.9.1's
-(``verl/trainer/ppo/rollout_corr_helper.py``); ``reference.rollout_correction_dense`` is the line-by-line oracle.
+(``verl/trainer/ppo/rollout_corr_helper.py``); the tests hold them to an independent oracle
+(``rollout_corr_testing.rollout_oracle``) and to verl's own functions.
 """
 
 from __future__ import annotations
@@ -23,22 +24,18 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from . import _layout as LY
 from . import ops
-from . import reference as R
 from .config import RS_CRITERIA, RolloutCorrectionConfig
+from .ops import RolloutOpArgs
 
 __all__ = ["RolloutCorrectionResult", "compute_rollout_correction", "compute_offpolicy_metrics", "finalize_metrics",
-           "pack_params", "config_fingerprint", "OFFPOLICY_KEYS"]
+           "op_args", "config_fingerprint", "OFFPOLICY_KEYS"]
 
 PREFIX = "rollout_corr/"
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MASK_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
                 torch.bfloat16, torch.float32, torch.float64)
-_LEVEL_CODE = {None: R.RC_IS_NONE, "token": R.RC_IS_TOKEN, "sequence": R.RC_IS_SEQUENCE,
-               "geometric": R.RC_IS_GEOMETRIC}
-_CRIT_LEVEL = {"token": R.RC_LEVEL_TOKEN, "seq_sum": R.RC_LEVEL_SEQ_SUM, "seq_mean": R.RC_LEVEL_SEQ_MEAN,
-               "seq_max": R.RC_LEVEL_SEQ_MAX}
-_CRIT_STAT = {"k1": R.RC_STAT_K1, "k2": R.RC_STAT_K2, "k3": R.RC_STAT_K3, "ratio": R.RC_STAT_RATIO}
 #: verl 0.9.1 ``compute_offpolicy_metrics`` keys (without the prefix).
 OFFPOLICY_KEYS = ("training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "rollout_log_ppl",
                   "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio",
@@ -49,7 +46,7 @@ PERCENTILES = (5, 25, 50, 75, 95)
 #: vector carries two more slots, +h and -h of this rank's config fingerprint h (both survive the MAX unchanged
 #: iff every rank has the same h).
 _WIRE_CRITS = len(RS_CRITERIA)
-_WIRE_SUM, _WIRE_MAX_BODY = R.rc_partial_sizes(_WIRE_CRITS)
+_WIRE_SUM, _WIRE_MAX_BODY = LY.partial_sizes(_WIRE_CRITS)
 _WIRE_MAX = _WIRE_MAX_BODY + 2
 #: Fingerprints are integers below 2^24: exact in fp32 and fp64, so the MAX compares them exactly.
 _FINGERPRINT_BUCKETS = 1 << 24
@@ -76,34 +73,38 @@ def _as_floats(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:
     return dict(zip(metrics.keys(), values))
 
 
-def pack_params(config: RolloutCorrectionConfig, exclude_nonfinite: bool = False) -> list:
-    """The flat float list the two passes take (layout ``reference.RC_P_*``)."""
+def op_args(config: RolloutCorrectionConfig, exclude_nonfinite: bool = False) -> RolloutOpArgs:
+    """The typed arguments the two passes take (schema: csrc/ops.cpp; codes: ``_layout``)."""
     spec = config.is_spec
     v = config.rollout_token_veto_threshold
     crits = config.rs_criteria
-    p = [0.0] * (R.RC_P_HEADER + R.RC_P_CRIT * len(crits))
-    p[R.RC_P_IS_LEVEL] = float(_LEVEL_CODE[spec.level if spec else None])
-    p[R.RC_P_IS_MASK] = 1.0 if spec is not None and spec.mode == "mask" else 0.0
-    p[R.RC_P_IS_LOWER] = float(spec.lower) if spec is not None and spec.lower is not None else 0.0
-    p[R.RC_P_IS_UPPER] = float(spec.upper) if spec is not None else math.inf
-    p[R.RC_P_IS_METRIC_LOWER] = float(spec.metric_lower) if spec is not None else 0.0
-    p[R.RC_P_VETO_ON] = 1.0 if v is not None else 0.0
-    p[R.RC_P_VETO_LOG] = math.log(v) if v is not None else -math.inf
-    p[R.RC_P_EXCLUDE_NONFINITE] = 1.0 if exclude_nonfinite else 0.0
-    p[R.RC_P_NUM_RS] = float(len(crits))
-    for i, c in enumerate(crits):
-        o = R.RC_P_HEADER + i * R.RC_P_CRIT
-        p[o:o + R.RC_P_CRIT] = [float(_CRIT_LEVEL[c.level]), float(_CRIT_STAT[c.stat]), float(c.lower),
-                                float(c.upper), 1.0 if c.apply_lower else 0.0]
-    return p
+    return RolloutOpArgs(
+        is_level=LY.IS_LEVEL[spec.level if spec is not None else "none"],
+        is_mask=spec is not None and spec.mode == "mask",
+        is_lower=float(spec.lower) if spec is not None and spec.lower is not None else 0.0,
+        is_upper=float(spec.upper) if spec is not None else 1.0,
+        is_metric_lower=float(spec.metric_lower) if spec is not None else 1.0,
+        veto_threshold=float(v) if v is not None else None,
+        exclude_nonfinite=bool(exclude_nonfinite),
+        rs_level=[LY.RS_LEVEL[c.level] for c in crits],
+        rs_stat=[LY.RS_STAT[c.stat] for c in crits],
+        rs_lower=[float(c.lower) for c in crits],
+        rs_upper=[float(c.upper) for c in crits],
+        rs_apply_lower=[bool(c.apply_lower) for c in crits],
+    )
 
 
 def config_fingerprint(config: RolloutCorrectionConfig, exclude_nonfinite: bool = False) -> int:
     """An integer in [0, 2^24) identifying what the op applies: the packed parameters (IS spec, RS criteria with
     their resolved bounds, veto, nonfinite mode) and the batch normalisation. Equal configs give equal values;
     distinct ones collide with probability 2^-24."""
-    params = pack_params(config, exclude_nonfinite)
-    blob = struct.pack(f"<{len(params)}d?", *params, bool(config.rollout_is_batch_normalize))
+    a = op_args(config, exclude_nonfinite)
+    n = len(a.rs_level)
+    values = [a.is_level, a.is_mask, a.is_lower, a.is_upper, a.is_metric_lower,
+              a.veto_threshold if a.veto_threshold is not None else -1.0, a.exclude_nonfinite, n,
+              *a.rs_level, *a.rs_stat, *a.rs_lower, *a.rs_upper, *a.rs_apply_lower,
+              bool(config.rollout_is_batch_normalize)]
+    blob = struct.pack(f"<{len(values)}d", *[float(x) for x in values])
     return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") % _FINGERPRINT_BUCKETS
 
 
@@ -114,21 +115,21 @@ def _percentiles(hist: torch.Tensor) -> Dict[int, torch.Tensor]:
     """Percentiles (``torch.quantile``'s linear interpolation) read off the log-space histogram.
 
     Order statistic k lies in the first bin whose cumulative count exceeds k; it is read at the bin's geometric
-    centre, so each estimate is within a factor exp(bin width / 2) = exp(20 / RC_HIST_BINS) (< 0.49 %) of the
+    centre, so each estimate is within a factor exp(bin width / 2) = exp(20 / HIST_BINS) (< 0.49 %) of the
     exact order statistic, and so is the interpolation of two such estimates.
     """
     cum = hist.cumsum(0)
     total = cum[-1]
-    width = (R.RC_HIST_HI - R.RC_HIST_LO) / R.RC_HIST_BINS
+    width = (LY.HIST_HI - LY.HIST_LO) / LY.HIST_BINS
     q = torch.tensor([p / 100.0 for p in PERCENTILES], dtype=torch.float64, device=hist.device)
     pos = q * (total - 1).clamp(min=0)
     k0 = pos.floor()
     k1 = torch.minimum(k0 + 1, (total - 1).clamp(min=0))
     frac = pos - k0
-    i0 = torch.searchsorted(cum, k0, right=True).clamp(max=R.RC_HIST_BINS - 1)
-    i1 = torch.searchsorted(cum, k1, right=True).clamp(max=R.RC_HIST_BINS - 1)
-    c0 = torch.exp(R.RC_HIST_LO + (i0.to(torch.float64) + 0.5) * width)
-    c1 = torch.exp(R.RC_HIST_LO + (i1.to(torch.float64) + 0.5) * width)
+    i0 = torch.searchsorted(cum, k0, right=True).clamp(max=LY.HIST_BINS - 1)
+    i1 = torch.searchsorted(cum, k1, right=True).clamp(max=LY.HIST_BINS - 1)
+    c0 = torch.exp(LY.HIST_LO + (i0.to(torch.float64) + 0.5) * width)
+    c1 = torch.exp(LY.HIST_LO + (i1.to(torch.float64) + 0.5) * width)
     est = c0 * (1 - frac) + c1 * frac
     return {p: est[i] for i, p in enumerate(PERCENTILES)}
 
@@ -139,17 +140,43 @@ def _std_from_sums(s: torch.Tensor, s2: torch.Tensor, n: torch.Tensor) -> torch.
     return torch.where(n > 1, var.clamp(min=0).sqrt(), torch.zeros_like(var))
 
 
+class _Slots:
+    """Named access to the reduced partial vectors: ``P.s.tokens``, ``P.m.is_weight``, ``P.crit(i).s.stat``."""
+
+    class _View:
+        def __init__(self, vec: torch.Tensor, index: Dict[str, int], base: int = 0):
+            self._vec, self._index, self._base = vec, index, base
+
+        def __getattr__(self, name: str) -> torch.Tensor:
+            return self._vec[self._base + self._index[name]]
+
+    def __init__(self, sums: torch.Tensor, maxes: torch.Tensor):
+        self.sums, self.maxes = sums, maxes
+        self.s = _Slots._View(sums, LY.SUM)
+        self.m = _Slots._View(maxes, LY.MAX)
+        self.hist = sums[LY.SUM_HIST:LY.SUM_CRIT_BASE]
+
+    def crit(self, i: int):
+        """The SUM and MAX slot blocks of RS criterion ``i``."""
+        return (_Slots._View(self.sums, LY.CRIT_SUM, LY.SUM_CRIT_BASE + i * len(LY.CRIT_SUM)),
+                _Slots._View(self.maxes, LY.CRIT_MAX, LY.MAX_CRIT_BASE + i * len(LY.CRIT_MAX)))
+
+
 def finalize_metrics(
     sums: torch.Tensor, maxes: torch.Tensor, config: RolloutCorrectionConfig, exclude_nonfinite: bool = False
 ) -> Dict[str, torch.Tensor]:
-    """Turn the (globally reduced) partials into the ``rollout_corr/*`` metric dict with torch ops only."""
-    S, M = sums, maxes
+    """Turn the (globally reduced) partials into the ``rollout_corr/*`` metric dict with torch ops only.
+
+    Each metric reads the slots of ``csrc/include/rollout_correction_layout.def`` by name (formulas: verl 0.9.1
+    ``compute_is_metrics`` / ``compute_rs_metrics`` / ``compute_offpolicy_metrics``)."""
+    P = _Slots(sums, maxes)
+    S, M = P.s, P.m
     met: Dict[str, torch.Tensor] = {}
-    n = S[R.RC_S_N]
-    ne = n + R.RC_EPS
-    rows = S[R.RC_S_ROWS]
-    sv = S[R.RC_S_SEQ_VALID]
-    zero = torch.zeros((), dtype=torch.float64, device=S.device)
+    n = S.tokens
+    ne = n + LY.EPS
+    rows = S.rows
+    sv = S.valid_rows
+    zero = torch.zeros((), dtype=torch.float64, device=sums.device)
 
     def masked_std(s, s2):  # verl: sqrt(clamp(E[x^2] - E[x]^2, 0)) over valid tokens when more than one
         return torch.where(n > 1, (s2 / ne - (s / ne) ** 2).clamp(min=0).sqrt(), zero)
@@ -157,86 +184,85 @@ def finalize_metrics(
     spec = config.is_spec
     if spec is not None:
         if spec.level == "token":
-            met["rollout_is_mean"] = S[R.RC_S_IS_W] / ne
-            met["rollout_is_ratio_fraction_high"] = S[R.RC_S_IS_HIGH] / ne
-            met["rollout_is_ratio_fraction_low"] = S[R.RC_S_IS_LOW] / ne
-            met["rollout_is_max"] = M[R.RC_M_IS_W]
-            met["rollout_is_min"] = -M[R.RC_M_IS_NEG_W]
+            w_sum, wc_sum, wc_sq = S.is_weight, S.is_weight_clamped, S.is_weight_clamped_sq
+            met["rollout_is_mean"] = w_sum / ne
+            met["rollout_is_ratio_fraction_high"] = S.is_high / ne
+            met["rollout_is_ratio_fraction_low"] = S.is_low / ne
+            met["rollout_is_max"] = M.is_weight
+            met["rollout_is_min"] = -M.neg_is_weight
+            oob = S.is_out_of_band
         else:
-            met["rollout_is_max"] = torch.exp(M[R.RC_M_IS_LOG].clamp(max=R.RC_SAFETY_BOUND))
-            met["rollout_is_min"] = torch.exp(-M[R.RC_M_IS_NEG_LOG])
-            met["rollout_is_mean"] = S[R.RC_S_IS_W] / ne
-            met["rollout_is_ratio_fraction_high"] = S[R.RC_S_IS_HIGH] / rows
-            met["rollout_is_ratio_fraction_low"] = S[R.RC_S_IS_LOW] / rows
-        met["rollout_is_std"] = masked_std(S[R.RC_S_IS_WC], S[R.RC_S_IS_WC2])
-        mean_c = S[R.RC_S_IS_WC] / ne
-        met["rollout_is_eff_sample_size"] = ne * (mean_c + R.RC_EPS) ** 2 / S[R.RC_S_IS_WC2]
-        met["rollout_is_seq_mean"] = S[R.RC_S_IS_SEQ] / rows
-        met["rollout_is_seq_std"] = _std_from_sums(S[R.RC_S_IS_SEQ], S[R.RC_S_IS_SEQ2], rows)
-        met["rollout_is_seq_max"] = M[R.RC_M_IS_SEQ]
-        met["rollout_is_seq_min"] = -M[R.RC_M_IS_NEG_SEQ]
-        met["rollout_is_seq_max_deviation"] = M[R.RC_M_IS_SEQ_DEV]
-        met["rollout_is_seq_fraction_high"] = S[R.RC_S_IS_SEQ_HIGH] / rows
-        met["rollout_is_seq_fraction_low"] = S[R.RC_S_IS_SEQ_LOW] / rows
+            w_sum, wc_sum, wc_sq = S.seq_is_weight, S.seq_is_weight_clamped, S.seq_is_weight_clamped_sq
+            met["rollout_is_max"] = torch.exp(M.is_log_weight.clamp(max=LY.SAFETY_BOUND))
+            met["rollout_is_min"] = torch.exp(-M.neg_is_log_weight)
+            met["rollout_is_mean"] = w_sum / ne
+            met["rollout_is_ratio_fraction_high"] = S.seq_is_high / rows
+            met["rollout_is_ratio_fraction_low"] = S.seq_is_low / rows
+            oob = S.seq_is_out_of_band
+        met["rollout_is_std"] = masked_std(wc_sum, wc_sq)
+        met["rollout_is_eff_sample_size"] = ne * (wc_sum / ne + LY.EPS) ** 2 / wc_sq
+        met["rollout_is_seq_mean"] = S.is_seq_mean / rows
+        met["rollout_is_seq_std"] = _std_from_sums(S.is_seq_mean, S.is_seq_mean_sq, rows)
+        met["rollout_is_seq_max"] = M.is_seq_mean
+        met["rollout_is_seq_min"] = -M.neg_is_seq_mean
+        met["rollout_is_seq_max_deviation"] = M.is_seq_deviation
+        met["rollout_is_seq_fraction_high"] = S.is_seq_high / rows
+        met["rollout_is_seq_fraction_low"] = S.is_seq_low / rows
         if spec.mode == "mask":
-            met["rollout_is_oob_ratio"] = S[R.RC_S_IS_OOB] / ne
-        for p, value in _percentiles(S[R.RC_S_HIST:R.RC_S_HIST + R.RC_HIST_BINS]).items():
+            met["rollout_is_oob_ratio"] = oob / ne
+        for p, value in _percentiles(P.hist).items():
             met[f"rollout_is_p{p}"] = value
         if config.rollout_is_batch_normalize:
-            if spec.level == "token":
-                mean = S[R.RC_S_IS_W] / ne
-            else:
-                mean = S[R.RC_S_IS_SEQ] / sv.clamp(min=R.RC_EPS)
+            mean = w_sum / ne if spec.level == "token" else S.is_seq_mean / sv.clamp(min=LY.EPS)
             met["rollout_is_batch_norm_factor"] = torch.where(mean > 1e-8, mean, torch.ones_like(mean))
 
     crits = config.rs_criteria
-    for c, crit in enumerate(crits):
-        o = R.RC_S_BASE + c * R.RC_RS_SUM
-        om = R.RC_M_BASE + c * R.RC_RS_MAX
+    for i, crit in enumerate(crits):
+        Sc, Mc = P.crit(i)
         p = f"rollout_rs_{crit.name}"
         svc = sv.clamp(min=1)
-        met[f"{p}_mean"] = S[o + R.RC_RS_STAT] / ne
-        met[f"{p}_max"] = M[om + R.RC_RM_STAT]
-        met[f"{p}_min"] = -M[om + R.RC_RM_NEG_STAT]
+        met[f"{p}_mean"] = Sc.stat / ne
+        met[f"{p}_max"] = Mc.stat
+        met[f"{p}_min"] = -Mc.neg_stat
         denom = ne if crit.level == "token" else svc
-        met[f"{p}_fraction_high"] = S[o + R.RC_RS_HIGH] / denom
-        met[f"{p}_fraction_low"] = S[o + R.RC_RS_LOW] / denom if crit.apply_lower else zero
-        met[f"{p}_std"] = masked_std(S[o + R.RC_RS_SC], S[o + R.RC_RS_SC2])
-        met[f"{p}_seq_mean"] = S[o + R.RC_RS_SEQ] / svc
-        met[f"{p}_seq_std"] = _std_from_sums(S[o + R.RC_RS_SEQ], S[o + R.RC_RS_SEQ2], sv)
-        met[f"{p}_seq_max"] = M[om + R.RC_RM_SEQ]
-        met[f"{p}_seq_min"] = -M[om + R.RC_RM_NEG_SEQ]
-        met[f"{p}_seq_max_deviation"] = M[om + R.RC_RM_SEQ_DEV]
-        met[f"{p}_seq_fraction_high"] = S[o + R.RC_RS_SEQ_HIGH] / svc
+        met[f"{p}_fraction_high"] = Sc.high / denom
+        met[f"{p}_fraction_low"] = Sc.low / denom if crit.apply_lower else zero
+        met[f"{p}_std"] = masked_std(Sc.clamped, Sc.clamped_sq)
+        met[f"{p}_seq_mean"] = Sc.seq / svc
+        met[f"{p}_seq_std"] = _std_from_sums(Sc.seq, Sc.seq_sq, sv)
+        met[f"{p}_seq_max"] = Mc.seq
+        met[f"{p}_seq_min"] = -Mc.neg_seq
+        met[f"{p}_seq_max_deviation"] = Mc.seq_deviation
+        met[f"{p}_seq_fraction_high"] = Sc.seq_high / svc
         if crit.apply_lower:
-            met[f"{p}_seq_fraction_low"] = S[o + R.RC_RS_SEQ_LOW] / svc
-        met[f"{p}_masked_fraction"] = S[o + R.RC_RS_REJ_TOK] / ne
-        met[f"{p}_seq_masked_fraction"] = S[o + R.RC_RS_REJ_SEQ] / svc
+            met[f"{p}_seq_fraction_low"] = Sc.seq_low / svc
+        met[f"{p}_masked_fraction"] = Sc.rejected_tokens / ne
+        met[f"{p}_seq_masked_fraction"] = Sc.rejected_rows / svc
     if crits:
-        met["rollout_rs_masked_fraction"] = S[R.RC_S_RS_REJ_TOK] / ne
-        met["rollout_rs_seq_masked_fraction"] = S[R.RC_S_RS_REJ_SEQ] / rows
+        met["rollout_rs_masked_fraction"] = S.rs_rejected_tokens / ne
+        met["rollout_rs_seq_masked_fraction"] = S.rs_rejected_rows / rows
 
-    met["rollout_is_veto_fraction"] = S[R.RC_S_VETO_SEQ] / rows
-    met["rollout_is_catastrophic_token_fraction"] = S[R.RC_S_CAT_TOK] / ne
-    met["masked_fraction"] = S[R.RC_S_FINAL_REJ_TOK] / ne
-    met["seq_masked_fraction"] = S[R.RC_S_FINAL_REJ_SEQ] / sv.clamp(min=1)
+    met["rollout_is_veto_fraction"] = S.veto_rows / rows
+    met["rollout_is_catastrophic_token_fraction"] = S.catastrophic / ne
+    met["masked_fraction"] = S.final_rejected_tokens / ne
+    met["seq_masked_fraction"] = S.final_rejected_rows / sv.clamp(min=1)
     if exclude_nonfinite:
-        bad = S[R.RC_S_NONFINITE]
-        met["nonfinite_token_fraction"] = bad / (n + bad + R.RC_EPS)
+        bad = S.nonfinite
+        met["nonfinite_token_fraction"] = bad / (n + bad + LY.EPS)
 
-    met["training_ppl"] = S[R.RC_S_TRAIN_PPL] / rows
-    met["training_log_ppl"] = S[R.RC_S_TRAIN_LOGPPL] / rows
-    met["kl"] = -S[R.RC_S_LR] / ne
-    met["k3_kl"] = S[R.RC_S_K3RAW] / ne
-    met["rollout_ppl"] = S[R.RC_S_ROLL_PPL] / rows
-    met["rollout_log_ppl"] = S[R.RC_S_ROLL_LOGPPL] / rows
-    met["log_ppl_diff"] = S[R.RC_S_LPD] / rows
-    met["log_ppl_abs_diff"] = S[R.RC_S_ABS_LPD] / rows
-    met["log_ppl_diff_max"] = M[R.RC_M_LPD]
-    met["log_ppl_diff_min"] = -M[R.RC_M_NEG_LPD]
-    met["ppl_ratio"] = S[R.RC_S_PPL_RATIO] / rows
-    met["chi2_token"] = S[R.RC_S_RHO2] / ne - 1.0
-    met["chi2_seq"] = S[R.RC_S_CHI2_SEQ] / rows - 1.0
+    met["training_ppl"] = S.training_ppl / rows
+    met["training_log_ppl"] = S.training_log_ppl / rows
+    met["kl"] = -S.log_ratio / ne
+    met["k3_kl"] = S.k3_raw / ne
+    met["rollout_ppl"] = S.rollout_ppl / rows
+    met["rollout_log_ppl"] = S.rollout_log_ppl / rows
+    met["log_ppl_diff"] = S.log_ppl_diff / rows
+    met["log_ppl_abs_diff"] = S.log_ppl_abs_diff / rows
+    met["log_ppl_diff_max"] = M.log_ppl_diff
+    met["log_ppl_diff_min"] = -M.neg_log_ppl_diff
+    met["ppl_ratio"] = S.ppl_ratio / rows
+    met["chi2_token"] = S.rho_sq / ne - 1.0
+    met["chi2_seq"] = S.chi2_seq / rows - 1.0
     return {PREFIX + k: v for k, v in met.items()}
 
 
@@ -312,47 +338,6 @@ def _reduce_partials(sums: torch.Tensor, maxes: torch.Tensor, fingerprint: int, 
     return wire_s[:ns], wire_m[:nm], agree
 
 
-_MSG_CONFIG_MISMATCH = (
-    "compute_rollout_correction: the ranks of dp_group pass different rollout-correction settings (config "
-    "fingerprints differ: RolloutCorrectionConfig fields or nonfinite); every data-parallel rank must use the "
-    "same config")
-
-
-def _raise_config_mismatch(agree: torch.Tensor, fingerprint: int) -> None:
-    if agree.device.type == "cuda":
-        torch._assert_async(agree, _MSG_CONFIG_MISMATCH)
-        return
-    if not bool(agree):
-        raise ValueError(f"{_MSG_CONFIG_MISMATCH} (this rank's fingerprint: {fingerprint})")
-
-
-def _raise_bad_values(sums, log_prob, rollout_log_prob, response_mask, nonfinite) -> None:
-    """No valid token / non-finite log-probs: a clear error on every rank (checked after the collectives, so
-    no rank hangs). CUDA: asynchronous device asserts, no host sync; CPU: one scalar read."""
-    n = sums[R.RC_S_N]
-    bad = sums[R.RC_S_NONFINITE] if nonfinite == "error" else torch.zeros_like(n)
-    msg_empty = "response_mask has no valid token (over the whole data-parallel batch); nothing to correct"
-    msg_bad = ("log_prob / rollout_log_prob hold NaN or +-inf at valid response_mask positions; fix the inputs "
-               "or pass nonfinite='exclude' to drop those tokens (counted in rollout_corr/nonfinite_token_fraction)")
-    if sums.device.type == "cuda":
-        torch._assert_async(n > 0, msg_empty)
-        torch._assert_async(bad == 0, msg_bad)
-        return
-    if not bool((n <= 0) | (bad > 0)):
-        return
-    if float(bad) > 0:
-        where = ""
-        valid = response_mask != 0
-        for name, t in (("log_prob", log_prob), ("rollout_log_prob", rollout_log_prob)):
-            hit = torch.nonzero(valid & ~torch.isfinite(t))
-            if hit.numel():
-                b, t_ = hit[0].tolist()
-                where = f" (first on this rank: {name}[{b}, {t_}] = {float(t[b, t_])})"
-                break
-        raise ValueError(msg_bad + where)
-    raise ValueError(msg_empty)
-
-
 def compute_rollout_correction(
     log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
@@ -370,7 +355,8 @@ def compute_rollout_correction(
             bfloat16, float32 or float64; never differentiated through (the weights are detached).
         rollout_log_prob: ``[B, T]`` log-probs of the inference engine; any of those dtypes, not necessarily
             log_prob's (a mix is computed in the wider dtype; float16 with bfloat16 in float32).
-        response_mask: ``[B, T]`` bool / int / float; nonzero = valid. Its dtype is kept in the output.
+        response_mask: ``[B, T]`` bool / int / float holding 0 and 1 (other values raise a ValueError naming the
+            position). Its dtype is kept in the output.
         config: a :class:`RolloutCorrectionConfig` (or a dict of its fields). Every rank of ``dp_group`` must pass
             the same config and ``nonfinite``: a mismatch raises the same ValueError on every rank (CUDA: a device
             assert), detected through a fingerprint carried in the MAX all-reduce (no extra collective).
@@ -394,21 +380,16 @@ def compute_rollout_correction(
     seq_world, seq_rank = _world(seq_group, "seq_group")
     red_group = dp_group if dp_group is not None else seq_group
     dp_world, _ = _world(red_group, "dp_group")
-    params = pack_params(config, exclude)
-    # The weights and metrics are constants for autograd (IS changes the measure, not the objective).
+    args = op_args(config, exclude)
+    # The weights and metrics are constants for autograd (IS changes the measure, not the objective). Mixed input
+    # dtypes need no copy: the kernels read each input in its own dtype and compute in fp32 (fp64 if either is).
     log_prob, rollout_log_prob = log_prob.detach(), rollout_log_prob.detach()
-    if log_prob.dtype != rollout_log_prob.dtype:
-        # Mixed dtypes: promote to the wider (float16 + bfloat16 -> float32). Widening is exact and the kernels
-        # compute in float32 (float64 for float64) anyway, so this equals per-input loads; only the narrower input
-        # is copied.
-        wide = torch.promote_types(log_prob.dtype, rollout_log_prob.dtype)
-        log_prob, rollout_log_prob = log_prob.to(wide), rollout_log_prob.to(wide)
 
     if seq_world > 1:
         _check_seq_rows(log_prob, seq_group)
-    stats = ops.rollout_seq_stats(log_prob, rollout_log_prob, response_mask, params)
+    stats = ops.rollout_seq_stats(log_prob, rollout_log_prob, response_mask, args)
     if seq_world > 1:
-        ns = R.RC_SEQ_NUM_SUM
+        ns = LY.SEQ_NUM_SUMS
         part = stats[:, :ns].contiguous()
         dist.all_reduce(part, op=dist.ReduceOp.SUM, group=seq_group)
         top = stats[:, ns:].contiguous()
@@ -416,12 +397,12 @@ def compute_rollout_correction(
         stats = torch.cat([part, top], dim=1)
 
     weights, mask_out, sums, maxes = ops.rollout_token_pass(
-        log_prob, rollout_log_prob, response_mask, stats, params, seq_rank == 0)
+        log_prob, rollout_log_prob, response_mask, stats, args, seq_rank == 0)
+    agree = None
     if dp_world > 1:
-        fingerprint = config_fingerprint(config, exclude)
-        sums, maxes, agree = _reduce_partials(sums, maxes, fingerprint, red_group)
-        _raise_config_mismatch(agree, fingerprint)
-    _raise_bad_values(sums, log_prob, rollout_log_prob, response_mask, nonfinite)
+        sums, maxes, agree = _reduce_partials(sums, maxes, config_fingerprint(config, exclude), red_group)
+    # Every rank reaches the same verdict on the reduced sums (CPU: a ValueError; CUDA: device asserts, no sync).
+    sums = ops.rollout_check(sums, agree, log_prob, rollout_log_prob, response_mask, exclude)
 
     metrics = finalize_metrics(sums, maxes, config, exclude)
     if config.is_spec is None:

@@ -8,7 +8,7 @@ Every policy loss has the signature of verl's ``compute_policy_loss_vanilla``::
 with ``[B, T]`` inputs, a scalar ``loss`` and ``metrics`` a dict of **0-dim tensors** (no host sync; verl calls
 ``.item()`` on each). The per-token work of the PPO family (ratio, clip, dual clip, IS weight, clip
 indicators, the per-row partials every aggregation mode needs) is one fused op,
-:func:`rollout_corr_ext.ops.policy_loss_rows` (contract: :func:`rollout_corr_ext.reference.policy_loss_rows`,
+:func:`rollout_corr_ext.ops.policy_loss_rows` (contract: :func:`rollout_corr_ext.fallback.policy_loss_rows`,
 which also is its fallback); aggregation then only touches ``[B]`` vectors.
 
 Semantics reference: verl 0.9.1 ``verl/trainer/ppo/core_algos.py`` (``agg_loss``,
@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from . import ops, reference
-from .reference import (
+from . import fallback, ops
+from .fallback import (
     MASKED_MEAN_EPS,
     PG_KIND_PPO_CLIP,
     PG_KIND_REINFORCE,
@@ -296,7 +296,7 @@ def agg_loss(
     _check_mask("loss_mask", loss_mask, loss_mat, "loss_mat")
     _check_mode(loss_agg_mode)
     m = loss_mask.to(loss_mat.dtype)
-    row_loss_sum = reference._masked(loss_mat, m).sum(-1)
+    row_loss_sum = fallback._masked(loss_mat, m).sum(-1)
     return aggregate_rows(row_loss_sum, m.sum(-1), loss_agg_mode, loss_mat.shape[-1], dp_size=dp_size,
                           batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
                           loss_scale_factor=loss_scale_factor)
@@ -307,38 +307,10 @@ def agg_loss(
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _undefined_loss_tokens(kind: int, old_log_prob, log_prob, advantages, response_mask, weights):
-    """Response tokens whose loss is undefined: NaN or +inf log-probs, a log-ratio -inf - (-inf) (PPO), a -inf
-    log-prob under REINFORCE (an infinite loss), non-finite advantages or IS weights. Masked-out tokens are not
-    inspected. Elementwise over [b, s]: small next to the vocab-sized log-prob pass."""
-    inf = float("inf")
-    lp, old = log_prob, old_log_prob
-    bad = lp.isnan() | (lp == inf) | old.isnan() | (old == inf)
-    bad = bad | ((lp == -inf) & (old == -inf)) if kind == PG_KIND_PPO_CLIP else bad | (lp == -inf)
-    adv = advantages if advantages.dim() == lp.dim() else advantages.unsqueeze(-1)
-    bad = bad | ~torch.isfinite(adv)
-    if weights is not None:
-        bad = bad | ~torch.isfinite(weights)
-    return bad & (response_mask != 0)
-
-
-def _check_defined_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, weights, old_name):
-    bad = _undefined_loss_tokens(kind, old_log_prob, log_prob, advantages, response_mask, weights)
-    what = (f"log_prob / {old_name} NaN or +inf, log_prob and {old_name} both -inf"
-            + ("" if kind == PG_KIND_PPO_CLIP else ", log_prob -inf") + ", or non-finite advantages / IS weights")
-    if bad.device.type == "cpu":
-        if bool(bad.any()):
-            pos = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"policy loss undefined at response token {pos}: {what} (mask the token out, or fix the "
-                             f"log-probs; a target at a -inf logit has log-prob -inf)")
-    else:  # no host sync: an asynchronous device assert
-        torch._assert_async(~bad.any(), f"policy loss undefined at a response token: {what}")
-
-
 def _policy_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, weights,
                  old_name: str = "old_log_prob"):
-    _check_defined_loss(kind, old_log_prob.detach(), log_prob.detach(), advantages.detach(), response_mask,
-                        None if weights is None else weights.detach(), old_name)
+    # An undefined loss at a response token (NaN / +inf log-probs, ...) is an error raised by the op itself (CPU: a
+    # ValueError naming the token; CUDA: an asynchronous device assert), so nothing here reads a value on the host.
     loss_mat, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights,
                                           cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c, kind)
     loss = aggregate_rows(rows[:, PG_ROW_LOSS_SUM], rows[:, PG_ROW_TOKENS], loss_agg_mode, log_prob.shape[-1],
@@ -575,8 +547,10 @@ def calculate_grpo_loss(
         _check_float("inference_logprobs", inference_logprobs, lp)
     if is_truncation_coef is not None and not is_truncation_coef > 0:
         raise ValueError(f"is_truncation_coef must be > 0 or None, got {is_truncation_coef}")
+    if response_mask is not None:
+        _check_mask("response_mask", response_mask, lp)
 
-    acc = reference._acc_dtype(lp.dtype)
+    acc = fallback._acc_dtype(lp.dtype)
     adv = advantages.to(device=lp.device, dtype=acc).reshape(-1, 1).expand(lp.shape)
     result = None
     weights = None
@@ -587,7 +561,6 @@ def calculate_grpo_loss(
             raise ValueError("pass either is_truncation_coef (Megatron's TIS) or rollout_correction, not both")
         if response_mask is None:
             response_mask = torch.ones_like(lp, dtype=torch.bool)
-        _check_mask("response_mask", response_mask, lp)
         result = _correction(old_logprobs, inference_logprobs, response_mask, rollout_correction, dp_group, seq_group)
         weights = result.weights
     elif inference_logprobs is not None:
@@ -595,8 +568,10 @@ def calculate_grpo_loss(
         if is_truncation_coef is not None:
             weights = weights.clamp(max=is_truncation_coef)
 
-    ones = torch.ones_like(lp, dtype=torch.bool)
-    pg_loss, _ = ops.policy_loss_rows(lp, old_logprobs, adv, ones, weights, float(clamp_eps_lower),
+    # Megatron's per-token form has no mask: every token is a response token unless response_mask says otherwise
+    # (the op raises on an undefined loss at a response token; masked tokens are not inspected).
+    token_mask = response_mask if response_mask is not None else torch.ones_like(lp, dtype=torch.bool)
+    pg_loss, _ = ops.policy_loss_rows(lp, old_logprobs, adv, token_mask, weights, float(clamp_eps_lower),
                                       float(clamp_eps_upper), math.inf, PG_KIND_PPO_CLIP)
     lp_acc = lp.to(acc)
     ref_diff = ref_logprobs.to(acc) - lp_acc

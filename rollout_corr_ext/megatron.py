@@ -24,7 +24,7 @@ from .losses import (
     _policy_loss,
     _safe_div,
 )
-from .reference import (
+from .fallback import (
     MASKED_MEAN_EPS,
     PG_KIND_PPO_CLIP,
     PG_KIND_REINFORCE,

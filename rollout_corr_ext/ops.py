@@ -1,28 +1,39 @@
 """The whole Python op surface: typed wrappers over ``torch.ops.rollout_corr.*``, fake kernels and autograd.
 
-Every wrapper calls the compiled op when the extension is active and the function of the same name in
-:mod:`rollout_corr_ext.reference` otherwise, so the layers above never care which backend runs.
-Fake (meta) kernels are registered once the library is loaded, so ``torch.compile`` and meta tensors work.
+Every wrapper calls the compiled op when the extension is active and has kernels for the input's device, and the
+function of the same name in :mod:`rollout_corr_ext.fallback` otherwise, so the layers above never care which
+backend runs. Fake (meta) kernels are registered as soon as the library is loaded (at import), so ``torch.compile``
+and meta tensors work on ``torch.ops.rollout_corr.*`` before any wrapper has run.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import reference
+from . import _layout as LY
+from . import fallback
 
 _compiled = False
+_compiled_cuda = False
 
 
 def _on_extension_loaded() -> None:
     """Called by the package once ``torch.ops.rollout_corr`` exists: switch to it and register fakes."""
-    global _compiled
+    global _compiled, _compiled_cuda
     if _compiled:
         return
     _register_fakes()
     _compiled = True
+    _compiled_cuda = bool(torch.ops.rollout_corr.built_with_cuda())
+
+
+def _has_kernel(device: torch.device) -> bool:
+    """The compiled library has kernels for ``device`` (CPU always; CUDA when built with it; meta via the fakes)."""
+    if not _compiled:
+        return False
+    return device.type in ("cpu", "meta") or (device.type == "cuda" and _compiled_cuda)
 
 
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -36,7 +47,7 @@ def _register_fakes() -> None:
         torch._check(target.shape[0] == logits.shape[0], lambda: "target must have one id per logits row")
         acc = _stats_dtype(logits.dtype)
         k = 5 if with_sum_z else 4
-        return logits.new_empty((reference.header_len(acc) + logits.shape[0] * k,), dtype=acc)
+        return logits.new_empty((fallback.header_len(acc) + logits.shape[0] * k,), dtype=acc)
 
     @torch.library.register_fake("rollout_corr::merge_row_stats")
     def _(gathered, target, ignore_index, vocab_size, inv_temperature, with_sum_z):
@@ -46,7 +57,7 @@ def _register_fakes() -> None:
             gathered.new_empty((n,)),
             gathered.new_empty((n,)),
             gathered.new_empty((n,)),
-            gathered.new_empty((n, reference.ROW_STATE_COLS)),
+            gathered.new_empty((n, fallback.ROW_STATE_COLS)),
             gathered.new_empty((4,), dtype=torch.int32),
         )
 
@@ -60,8 +71,8 @@ def _register_fakes() -> None:
           inv_temperature, ignore_index):
         return None
 
-    if hasattr(torch.ops.rollout_corr, "policy_loss_rows"):
-        _register_policy_loss_ops()
+    _register_rollout_fakes()
+    _register_policy_loss_ops()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -79,11 +90,11 @@ def vocab_row_stats(
     with_sum_z: bool,
 ) -> torch.Tensor:
     """The flat shard record (header + ``[N, 4|5]`` max-shifted row summaries) of one shard ``[N, V_local]``."""
-    if _compiled:
+    if _has_kernel(logits.device):
         return torch.ops.rollout_corr.vocab_row_stats.default(
             logits, target, vocab_start, vocab_size, inv_temperature, ignore_index, with_sum_z
         )
-    return reference.vocab_row_stats(logits, target, vocab_start, vocab_size, inv_temperature, ignore_index,
+    return fallback.vocab_row_stats(logits, target, vocab_start, vocab_size, inv_temperature, ignore_index,
                                      with_sum_z)
 
 
@@ -96,10 +107,10 @@ def merge_row_stats(
     Raises on CPU for a bad shard layout, out-of-range targets, NaN / +inf logits and rows of only -inf; on CUDA
     the same conditions set ``status`` (the caller asserts it asynchronously).
     """
-    if _compiled:
+    if _has_kernel(gathered.device):
         return torch.ops.rollout_corr.merge_row_stats.default(gathered, target, ignore_index, vocab_size,
                                                               inv_temperature, with_sum_z)
-    return reference.merge_row_stats(gathered, target, ignore_index, vocab_size, inv_temperature, with_sum_z)
+    return fallback.merge_row_stats(gathered, target, ignore_index, vocab_size, inv_temperature, with_sum_z)
 
 
 def logprob_backward(
@@ -115,12 +126,12 @@ def logprob_backward(
     ignore_index: int,
 ) -> torch.Tensor:
     """Gradient of sum(g_lp*logp + g_H*H + g_m*mean_logp) w.r.t. the shard, in the logits dtype."""
-    if _compiled:
+    if _has_kernel(logits.device):
         return torch.ops.rollout_corr.logprob_backward.default(
             grad_logp, grad_entropy, grad_mean_logp, logits, target, row_state, vocab_start, vocab_size,
             inv_temperature, ignore_index,
         )
-    return reference.logprob_backward(grad_logp, grad_entropy, grad_mean_logp, logits, target, row_state,
+    return fallback.logprob_backward(grad_logp, grad_entropy, grad_mean_logp, logits, target, row_state,
                                       vocab_start, vocab_size, inv_temperature, ignore_index)
 
 
@@ -137,13 +148,13 @@ def logprob_backward_(
     ignore_index: int,
 ) -> None:
     """Like :func:`logprob_backward` but writes the gradient into ``logits`` (declared mutation)."""
-    if _compiled:
+    if _has_kernel(logits.device):
         torch.ops.rollout_corr.logprob_backward_.default(
             logits, grad_logp, grad_entropy, grad_mean_logp, target, row_state, vocab_start, vocab_size,
             inv_temperature, ignore_index,
         )
         return
-    reference.logprob_backward_(logits, grad_logp, grad_entropy, grad_mean_logp, target, row_state,
+    fallback.logprob_backward_(logits, grad_logp, grad_entropy, grad_mean_logp, target, row_state,
                                 vocab_start, vocab_size, inv_temperature, ignore_index)
 
 
@@ -151,49 +162,64 @@ def logprob_backward_(
 # §3 rollout correction: pass 1 (per-sequence aggregates) and pass 2 (weights, mask, packed metric partials)
 # ---------------------------------------------------------------------------------------------------------
 
-_rollout_fakes_registered = False
+class RolloutOpArgs(NamedTuple):
+    """The typed configuration arguments of the rollout ops, in schema order (csrc/ops.cpp). Codes:
+    ``_layout.IS_LEVEL`` / ``RS_LEVEL`` / ``RS_STAT``; one entry per RS criterion in the ``rs_*`` lists."""
+
+    is_level: int
+    is_mask: bool
+    is_lower: float
+    is_upper: float
+    is_metric_lower: float
+    veto_threshold: Optional[float]
+    exclude_nonfinite: bool
+    rs_level: List[int]
+    rs_stat: List[int]
+    rs_lower: List[float]
+    rs_upper: List[float]
+    rs_apply_lower: List[bool]
 
 
-def _rollout_compiled(name: str, device: torch.device) -> bool:
-    """True when the compiled library has the op with a kernel for ``device`` (else the reference runs)."""
-    global _rollout_fakes_registered
-    if not (_compiled and hasattr(torch.ops.rollout_corr, name)):
-        return False
-    key = "CUDA" if device.type == "cuda" else "CPU"
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"rollout_corr::{name}", key):
-        return False
-    if not _rollout_fakes_registered:
-        _rollout_fakes_registered = True
-        _register_rollout_fakes()
-    return True
+def _rollout_acc(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> torch.dtype:
+    return torch.float64 if torch.float64 in (log_prob.dtype, rollout_log_prob.dtype) else torch.float32
 
 
 def _register_rollout_fakes() -> None:
     @torch.library.register_fake("rollout_corr::rollout_seq_stats")
-    def _(log_prob, rollout_log_prob, mask, params):
-        return log_prob.new_empty((log_prob.shape[0], reference.RC_SEQ_COLS), dtype=_stats_dtype(log_prob.dtype))
+    def _(log_prob, rollout_log_prob, mask, is_level, is_mask, is_lower, is_upper, is_metric_lower, veto_threshold,
+          exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower):
+        torch._check(log_prob.dim() == 2, lambda: f"log_prob must be 2-D, got {log_prob.dim()}-D")
+        torch._check(rollout_log_prob.shape == log_prob.shape, lambda: "rollout_log_prob must have log_prob's shape")
+        torch._check(mask.shape == log_prob.shape, lambda: "mask must have log_prob's shape")
+        return log_prob.new_empty((log_prob.shape[0], LY.SEQ_COLS), dtype=_rollout_acc(log_prob, rollout_log_prob))
 
-    if hasattr(torch.ops.rollout_corr, "rollout_token_pass"):
-        @torch.library.register_fake("rollout_corr::rollout_token_pass")
-        def _(log_prob, rollout_log_prob, mask, seq_stats, params, row_partials):
-            n_sum, n_max = reference.rc_partial_sizes(int(params[reference.RC_P_NUM_RS]))
-            has_w = int(params[reference.RC_P_IS_LEVEL]) != reference.RC_IS_NONE
-            w_shape = tuple(log_prob.shape) if has_w else (0,)
-            return (
-                log_prob.new_empty(w_shape, dtype=_stats_dtype(log_prob.dtype)),
-                torch.empty_like(mask),
-                log_prob.new_empty((n_sum,), dtype=torch.float64),
-                log_prob.new_empty((n_max,), dtype=torch.float64),
-            )
+    @torch.library.register_fake("rollout_corr::rollout_token_pass")
+    def _(log_prob, rollout_log_prob, mask, seq_stats, is_level, is_mask, is_lower, is_upper, is_metric_lower,
+          veto_threshold, exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower, row_partials):
+        torch._check(log_prob.dim() == 2, lambda: f"log_prob must be 2-D, got {log_prob.dim()}-D")
+        torch._check(mask.shape == log_prob.shape, lambda: "mask must have log_prob's shape")
+        torch._check(seq_stats.shape[0] == log_prob.shape[0], lambda: "seq_stats must have one row per sequence")
+        n_sum, n_max = LY.partial_sizes(len(rs_level))
+        acc = _rollout_acc(log_prob, rollout_log_prob)
+        w_shape = tuple(log_prob.shape) if is_level != LY.IS_LEVEL["none"] else (0,)
+        return (
+            log_prob.new_empty(w_shape, dtype=acc),
+            mask.new_empty(tuple(mask.shape)),
+            log_prob.new_empty((n_sum,), dtype=torch.float64),
+            log_prob.new_empty((n_max,), dtype=torch.float64),
+        )
+
+    @torch.library.register_fake("rollout_corr::rollout_check")
+    def _(sums, agree, log_prob, rollout_log_prob, mask, exclude_nonfinite):
+        return torch.empty_like(sums)
 
 
-def rollout_seq_stats(
-    log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor, params: list
-) -> torch.Tensor:
-    """Pass 1: per-sequence aggregates ``[B, RC_SEQ_COLS]`` of a ``[B, T]`` slice (see the reference)."""
-    if _rollout_compiled("rollout_seq_stats", log_prob.device):
-        return torch.ops.rollout_corr.rollout_seq_stats.default(log_prob, rollout_log_prob, mask, params)
-    return reference.rollout_seq_stats(log_prob, rollout_log_prob, mask, params)
+def rollout_seq_stats(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor,
+                      args: RolloutOpArgs) -> torch.Tensor:
+    """Pass 1: per-sequence aggregates ``[B, _layout.SEQ_COLS]`` of a ``[B, T]`` slice."""
+    if _has_kernel(log_prob.device):
+        return torch.ops.rollout_corr.rollout_seq_stats.default(log_prob, rollout_log_prob, mask, *args)
+    return fallback.rollout_seq_stats(log_prob, rollout_log_prob, mask, *args)
 
 
 def rollout_token_pass(
@@ -201,15 +227,23 @@ def rollout_token_pass(
     rollout_log_prob: torch.Tensor,
     mask: torch.Tensor,
     seq_stats: torch.Tensor,
-    params: list,
+    args: RolloutOpArgs,
     row_partials: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pass 2: (weights, mask_out, SUM partials fp64, MAX partials fp64) of a ``[B, T]`` slice."""
-    if _rollout_compiled("rollout_token_pass", log_prob.device):
-        return torch.ops.rollout_corr.rollout_token_pass.default(
-            log_prob, rollout_log_prob, mask, seq_stats, params, row_partials
-        )
-    return reference.rollout_token_pass(log_prob, rollout_log_prob, mask, seq_stats, params, row_partials)
+    if _has_kernel(log_prob.device):
+        return torch.ops.rollout_corr.rollout_token_pass.default(log_prob, rollout_log_prob, mask, seq_stats, *args,
+                                                                 row_partials)
+    return fallback.rollout_token_pass(log_prob, rollout_log_prob, mask, seq_stats, *args, row_partials)
+
+
+def rollout_check(sums: torch.Tensor, agree: Optional[torch.Tensor], log_prob: torch.Tensor,
+                  rollout_log_prob: torch.Tensor, mask: torch.Tensor, exclude_nonfinite: bool) -> torch.Tensor:
+    """The batch checks of the reduced SUM partials (raise on CPU, device asserts on CUDA); returns a copy."""
+    if _has_kernel(log_prob.device):
+        return torch.ops.rollout_corr.rollout_check.default(sums, agree, log_prob, rollout_log_prob, mask,
+                                                            exclude_nonfinite)
+    return fallback.rollout_check(sums, agree, log_prob, rollout_log_prob, mask, exclude_nonfinite)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -224,7 +258,7 @@ def _register_policy_loss_ops() -> None:
     def _(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind):
         acc = _stats_dtype(log_prob.dtype)
         return (log_prob.new_empty(tuple(log_prob.shape), dtype=acc),
-                log_prob.new_empty((log_prob.shape[0], reference.PG_ROW_KL_SUM + 1), dtype=acc))
+                log_prob.new_empty((log_prob.shape[0], fallback.PG_ROW_KL_SUM + 1), dtype=acc))
 
     @torch.library.register_fake("rollout_corr::policy_loss_backward")
     def _(grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
@@ -241,7 +275,7 @@ def _register_policy_loss_ops() -> None:
         grad_log_prob = None
         if ctx.needs_input_grad[0]:
             # Only the loss column of rows carries a gradient (the others are detached metric partials).
-            grad_rows_loss = None if grad_rows is None else grad_rows[:, reference.PG_ROW_LOSS_SUM]
+            grad_rows_loss = None if grad_rows is None else grad_rows[:, fallback.PG_ROW_LOSS_SUM]
             grad_log_prob = torch.ops.rollout_corr.policy_loss_backward.default(
                 grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights,
                 *ctx.scalars)
@@ -249,14 +283,6 @@ def _register_policy_loss_ops() -> None:
         return grad_log_prob, None, None, None, None, None, None, None, None
 
     torch.library.register_autograd("rollout_corr::policy_loss_rows", backward, setup_context=setup_context)
-
-
-def _policy_loss_compiled(device: torch.device) -> bool:
-    """True when the compiled library has the fused loss with a kernel for ``device`` (else the reference runs)."""
-    if not (_compiled and hasattr(torch.ops.rollout_corr, "policy_loss_rows")):
-        return False
-    key = "CUDA" if device.type == "cuda" else "CPU"
-    return torch._C._dispatch_has_kernel_for_dispatch_key("rollout_corr::policy_loss_rows", key)
 
 
 def policy_loss_rows(
@@ -270,16 +296,16 @@ def policy_loss_rows(
     clip_c: float,
     loss_kind: int,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-token policy loss ``[B, T]`` and per-row partials ``[B, 5]`` (``reference.PG_ROW_*``) in one pass.
+    """Per-token policy loss ``[B, T]`` and per-row partials ``[B, 5]`` (``fallback.PG_ROW_*``) in one pass.
 
-    Same contract as :func:`rollout_corr_ext.reference.policy_loss_rows`: ``loss_mat`` and the loss column of
+    Same contract as :func:`rollout_corr_ext.fallback.policy_loss_rows`: ``loss_mat`` and the loss column of
     ``rows`` are differentiable in ``log_prob`` only: ``advantages`` and ``weights`` (may be None) are constants.
     """
-    if _policy_loss_compiled(log_prob.device):
+    if _has_kernel(log_prob.device):
         if weights is not None:
             weights = weights.detach()
         return torch.ops.rollout_corr.policy_loss_rows.default(
             log_prob, old_log_prob, advantages, response_mask, weights, float(clip_low), float(clip_high),
             float(clip_c), int(loss_kind))
-    return reference.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
+    return fallback.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
                                       clip_high, clip_c, loss_kind)

@@ -13,7 +13,7 @@ from typing import Dict, Iterator, List
 import torch
 
 import rollout_corr_ext
-from rollout_corr_ext import logprobs, ops, reference
+from rollout_corr_ext import fallback, logprobs, ops
 
 #: The log-prob ops of rollout_corr_ext.ops and the emulator knobs each accepts.
 LOGPROB_OPS: Dict[str, tuple] = {
@@ -55,20 +55,36 @@ def _emulated_merge(emu_merge, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def logprob_backend(name: str, **knobs) -> Iterator[str]:
-    """Within the block, ``rollout_corr_ext.ops``' log-prob functions run on backend ``name``; yields the device
-    the inputs must live on. ``knobs`` (threads, vec, schedule, max_blocks) tune the emulated launches."""
+def _swapped_ops(impl: Dict[str, object]) -> Iterator[str]:
+    """Replace ``rollout_corr_ext.ops`` functions by ``impl`` (name -> callable) within the block; yields "cpu"."""
+    saved = {op: getattr(ops, op) for op in impl}
+    try:
+        for op, fn in impl.items():
+            setattr(ops, op, fn)
+        yield "cpu"
+    finally:
+        for op, fn in saved.items():
+            setattr(ops, op, fn)
+
+
+def _skip_unless_runnable(name: str) -> None:
     reason = skip_reason(name)
     if reason:
         import pytest
 
         pytest.skip(reason)
+
+
+@contextlib.contextmanager
+def logprob_backend(name: str, **knobs) -> Iterator[str]:
+    """Within the block, ``rollout_corr_ext.ops``' log-prob functions run on backend ``name``; yields the device
+    the inputs must live on. ``knobs`` (threads, vec, schedule, max_blocks) tune the emulated launches."""
+    _skip_unless_runnable(name)
     if name in ("cpu", "cuda"):
         yield name
         return
-    saved = {op: getattr(ops, op) for op in LOGPROB_OPS}
     if name == "reference":
-        impl = {op: getattr(reference, op) for op in LOGPROB_OPS}
+        impl = {op: getattr(fallback, op) for op in LOGPROB_OPS}
     elif name == "emulated":
         from rollout_corr_testing.cuda_emulator.loader import load_emulator
 
@@ -79,10 +95,38 @@ def logprob_backend(name: str, **knobs) -> Iterator[str]:
         impl["merge_row_stats"] = functools.partial(_emulated_merge, impl["merge_row_stats"])
     else:
         raise ValueError(f"unknown backend {name!r}")
-    try:
-        for op, fn in impl.items():
-            setattr(ops, op, fn)
-        yield "cpu"
-    finally:
-        for op, fn in saved.items():
-            setattr(ops, op, fn)
+    with _swapped_ops(impl) as device:
+        yield device
+
+
+#: The rollout-correction ops of rollout_corr_ext.ops that have emulated CUDA kernels (rollout_check is host logic:
+#: its CPU version runs under every backend but the fallback).
+ROLLOUT_OPS = ("rollout_seq_stats", "rollout_token_pass")
+
+
+@contextlib.contextmanager
+def rollout_backend(name: str, **knobs) -> Iterator[str]:
+    """Within the block, ``rollout_corr_ext.ops``' rollout-correction passes run on backend ``name`` (``cpu``,
+    ``cuda``, ``emulated``, ``reference`` = the pure-PyTorch fallback); yields the device the inputs must live on.
+    ``knobs`` (threads, schedule, max_blocks) tune the emulated launches."""
+    _skip_unless_runnable(name)
+    if name in ("cpu", "cuda"):
+        yield name
+        return
+    if name == "reference":
+        impl = {"rollout_seq_stats": lambda lp, rlp, m, a: fallback.rollout_seq_stats(lp, rlp, m, *a),
+                "rollout_token_pass": lambda lp, rlp, m, st, a, rows: fallback.rollout_token_pass(lp, rlp, m, st, *a,
+                                                                                                   rows),
+                "rollout_check": fallback.rollout_check}
+    elif name == "emulated":
+        from rollout_corr_testing.cuda_emulator.loader import load_emulator
+
+        load_emulator()
+        emu = torch.ops.rollout_corr_emu
+        impl = {"rollout_seq_stats": lambda lp, rlp, m, a: emu.rollout_seq_stats(lp, rlp, m, *a, **knobs),
+                "rollout_token_pass": lambda lp, rlp, m, st, a, rows: emu.rollout_token_pass(lp, rlp, m, st, *a, rows,
+                                                                                             **knobs)}
+    else:
+        raise ValueError(f"unknown backend {name!r}")
+    with _swapped_ops(impl) as device:
+        yield device

@@ -268,14 +268,14 @@ def test_dict_round_trip_is_exactly_what_the_op_applies(i):
     import torch
 
     from rollout_corr_ext import compute_rollout_correction
-    from rollout_corr_ext.correction import config_fingerprint, pack_params
+    from rollout_corr_ext.correction import config_fingerprint, op_args
     from rollout_corr_testing.rc_testutil import make_inputs
 
     cfg = _ROUND_TRIP[i]
     for back in (Cfg.from_dict(cfg.to_dict()), Cfg.from_dict(json.loads(json.dumps(cfg.to_dict())))):
         assert back == cfg and back.to_dict() == cfg.to_dict()
         assert (back.is_spec, back.rs_criteria) == (cfg.is_spec, cfg.rs_criteria)
-        assert pack_params(back) == pack_params(cfg) and config_fingerprint(back) == config_fingerprint(cfg)
+        assert op_args(back) == op_args(cfg) and config_fingerprint(back) == config_fingerprint(cfg)
         lp, rlp, mask = make_inputs(8, 24, seed=i, scale=0.1)
         a, b = compute_rollout_correction(lp, rlp, mask, cfg), compute_rollout_correction(lp, rlp, mask, back)
         assert (a.weights is None) == (b.weights is None)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from rollout_corr_ext import reference as R
+from rollout_corr_testing import dense_oracles as R
 from rollout_corr_ext.losses import (
     LOSS_AGG_MODES,
     PolicyLossConfig,

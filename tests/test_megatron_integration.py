@@ -105,7 +105,7 @@ CASES = [
 def _run_case(name, mode, preset, ent, failures, rank):
     from megatron.core import parallel_state as ps
 
-    from rollout_corr_ext import reference as R
+    from rollout_corr_testing import dense_oracles as R
     from rollout_corr_ext.config import RolloutCorrectionConfig
     from rollout_corr_ext.correction import compute_rollout_correction
     from rollout_corr_ext.losses import PolicyLossConfig

@@ -1,4 +1,4 @@
-"""The fused policy-loss op (DESIGN §4) against ``reference.policy_loss_rows``: compiled CPU kernels, and the
+"""The fused policy-loss op (DESIGN §4) against ``fallback.policy_loss_rows``: compiled CPU kernels, and the
 CUDA kernels run thread by thread on the CUDA emulator.
 
 The oracle always runs in fp64 on the very values the op sees (low-precision inputs upcast), so the only
@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from rollout_corr_ext import losses, ops, reference
-from rollout_corr_ext.reference import PG_KIND_PPO_CLIP, PG_KIND_REINFORCE, PG_ROW_LOSS_SUM, PG_ROW_TOKENS
+from rollout_corr_ext import fallback, losses, ops
+from rollout_corr_ext.fallback import PG_KIND_PPO_CLIP, PG_KIND_REINFORCE, PG_ROW_LOSS_SUM, PG_ROW_TOKENS
 from rollout_corr_testing.tolerances import GRAD_TOL, OUTPUT_TOL
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -79,7 +79,7 @@ def _fp64(x):
 
 def _reference(inp, kind, clip, requires_grad=False):
     lp = inp["lp"].detach().to(torch.float64, copy=True).requires_grad_(requires_grad)
-    loss, rows = reference.policy_loss_rows(lp, _fp64(inp["old"]), _fp64(inp["adv"]), inp["mask"], _fp64(inp["w"]),
+    loss, rows = fallback.policy_loss_rows(lp, _fp64(inp["old"]), _fp64(inp["adv"]), inp["mask"], _fp64(inp["w"]),
                                             clip["clip_low"], clip["clip_high"], clip["clip_c"], kind)
     return lp, loss, rows
 
@@ -153,7 +153,7 @@ def test_clamped_log_ratio_and_dual_clip_have_zero_gradient(compiled_backend):
                                       PG_KIND_PPO_CLIP)
     loss.sum().backward()
     assert torch.all(lp.grad[:, 1] == 0) and torch.all(lp.grad[:, 2] == 0)  # |lp - old| > 20
-    assert lp.grad[0, 3] == 0 and rows[0, reference.PG_ROW_CLIP_LOWER] >= 1  # r = 4.5 > c: dual clip, flat
+    assert lp.grad[0, 3] == 0 and rows[0, fallback.PG_ROW_CLIP_LOWER] >= 1  # r = 4.5 > c: dual clip, flat
     torch.testing.assert_close(loss[:, 1], -inp["adv"][:, 1] * 3.0)  # exp(20) capped at -A c
 
 
@@ -195,7 +195,7 @@ def test_nan_in_padding_stays_out_of_the_rows(compiled_backend):
     lp = inp["lp"].clone()
     lp[inp["mask"] == 0] = float("nan")
     loss, rows = ops.policy_loss_rows(lp, inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2, 0.2, 3.0, 0)
-    ref_loss, ref_rows = reference.policy_loss_rows(lp, inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2, 0.2,
+    ref_loss, ref_rows = fallback.policy_loss_rows(lp, inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2, 0.2,
                                                     3.0, 0)
     assert torch.isfinite(rows).all()
     torch.testing.assert_close(loss, ref_loss, equal_nan=True, **tol(torch.float32, "loss"))
@@ -234,9 +234,9 @@ def test_losses_use_the_compiled_op(compiled_backend, monkeypatch):
     """losses.py must run the fused op, not the reference (which would still give the right numbers)."""
 
     def forbidden(*args, **kwargs):
-        raise AssertionError("reference.policy_loss_rows called although the compiled op is available")
+        raise AssertionError("fallback.policy_loss_rows called although the compiled op is available")
 
-    monkeypatch.setattr(reference, "policy_loss_rows", forbidden)
+    monkeypatch.setattr(fallback, "policy_loss_rows", forbidden)
     inp = _case(3, 16, torch.float32, 16)
     lp = inp["lp"].clone().requires_grad_(True)
     loss, metrics = losses.compute_policy_loss_vanilla(inp["old"], lp, inp["adv"], inp["mask"], "token-mean")
@@ -342,6 +342,6 @@ def test_emulated_row_partials_equal_compiled_cpu_counts(emu, compiled_backend):
     args = (inp["lp"], inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2, 0.28, 3.0, PG_KIND_PPO_CLIP)
     _, cpu_rows = torch.ops.rollout_corr.policy_loss_rows(*args)
     _, emu_rows = emu.policy_loss_rows(*args, threads=64, schedule=1, max_blocks=4)
-    counts = [PG_ROW_TOKENS, reference.PG_ROW_CLIP, reference.PG_ROW_CLIP_LOWER]
+    counts = [PG_ROW_TOKENS, fallback.PG_ROW_CLIP, fallback.PG_ROW_CLIP_LOWER]
     assert torch.equal(cpu_rows[:, counts], emu_rows[:, counts])
     assert torch.equal(cpu_rows[:, PG_ROW_TOKENS], inp["mask"].sum(-1).float())

@@ -27,10 +27,12 @@ std::tuple<at::Tensor, at::Tensor> policy_loss_rows_cpu(const at::Tensor& log_pr
                            loss_kind);
   auto [loss_mat, rows] = new_policy_loss_outputs(log_prob);
   const at::Tensor w = defined_or_empty(weights);
+  const at::Tensor undefined = new_undefined_flag(log_prob);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_prob.scalar_type(), "policy_loss_rows_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = make_policy_loss_params<scalar_t, acc_t>(log_prob, old_log_prob, advantages, response_mask, w,
-                                                            loss_mat, rows, clip_low, clip_high, clip_c, loss_kind);
+                                                            loss_mat, rows, undefined, clip_low, clip_high, clip_c,
+                                                            loss_kind);
     at::parallel_for(0, p.rows, policy_grain(p.cols), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         PolicyRowPartials<acc_t> partials = policy_row_partials_zero<acc_t>();
@@ -38,6 +40,7 @@ std::tuple<at::Tensor, at::Tensor> policy_loss_rows_cpu(const at::Tensor& log_pr
         for (int k = 0; k < kPgRowCols; ++k) p.row_partials[r * kPgRowCols + k] = partials.v[k];
       }
     });
+    if (*undefined.const_data_ptr<int32_t>() != 0) raise_undefined_policy_loss(p);
   });
   return {loss_mat, rows};
 }

@@ -1,278 +1,317 @@
-// CPU kernels of the rollout-correction op (DESIGN §3): two passes over [B, T].
+// CPU kernels of the rollout-correction op (DESIGN §3): two passes over [B, T], the per-token and per-sequence
+// math of rollout_correction_math.h (the same functions the CUDA kernels call).
 //
-// Pass 1 (rollout_seq_stats): one read of log_prob / rollout_log_prob / mask -> per-row aggregates [B, 18].
-// Pass 2 (rollout_token_pass): one read of the same inputs + the (context-parallel reduced) per-row aggregates ->
-// IS weights, the RS + veto mask (in the mask's dtype) and the packed metric partials (fp64 SUM vector with the
-// 4096-bin histogram, fp64 MAX vector). Rows run in parallel (at::parallel_for); each thread accumulates its
-// rows' partials in a private buffer (fp64), merged once at the end, so the result does not depend on timing.
-// Per-element math in the accumulation type (fp32; fp64 for fp64 inputs) through rollout_math.h, the same
-// header the CUDA kernels use. The contract is rollout_corr_ext/reference.py (rollout_seq_stats,
-// rollout_token_pass).
+// Rows run in parallel (at::parallel_for). Within a row, tokens are loaded a chunk at a time from the dtype-tagged
+// input views (one dtype switch per chunk, unit-stride conversion loops) and evaluated 8 at a time: the token
+// functions are instantiated with V = 8 x fp32 (GCC vector extensions, the project's SIMD exp of vec_math.h,
+// multiversioned for AVX2) for fp32 accumulation and with V = double for fp64 inputs. A chunk's tail is padded
+// with mask 0, which the token math neutralises, so there is no scalar tail loop. Each thread accumulates its
+// rows' metric partials in a private fp64 buffer, merged in thread order, so results do not depend on timing.
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
-#include "rollout_host.h"
-#include "rollout_math.h"
+#include "rollout_correction_host.h"
+#include "rollout_correction_math.h"
+#include "vec_math.h"
 
 namespace rollout_corr {
+namespace rc {
+
+// The token math on 8 fp32 lanes.
+template <>
+struct LaneMath<cpu::v8f> {
+  using Cond = cpu::v8i;
+  static RC_FORCEINLINE cpu::v8f splat(double c) { return cpu::v8f{} + static_cast<float>(c); }
+  static RC_FORCEINLINE cpu::v8i all_false() { return cpu::v8i{}; }
+  static RC_FORCEINLINE cpu::v8f exp(cpu::v8f x) { return cpu::exp_v8(x); }
+  static RC_FORCEINLINE cpu::v8f exp_exact(cpu::v8f x) {
+    for (int l = 0; l < cpu::kVec; ++l) x[l] = std::exp(x[l]);
+    return x;
+  }
+  static RC_FORCEINLINE bool any(cpu::v8i c) {
+    typedef long long v4ll __attribute__((vector_size(32)));
+    v4ll w;
+    std::memcpy(&w, &c, sizeof(w));
+    return (w[0] | w[1] | w[2] | w[3]) != 0;
+  }
+  // Histogram bins of 8 lanes (hist_index's arithmetic, vectorized; lanes are clamped log-weights, so f >= 0 and
+  // truncation is the floor).
+  static RC_FORCEINLINE cpu::v8i hist_bins(cpu::v8f log_w) {
+    const cpu::v8f f = (log_w - static_cast<float>(k_hist_lo)) * static_cast<float>(k_hist_bins / (k_hist_hi - k_hist_lo));
+    const cpu::v8f top = cpu::v8f{} + static_cast<float>(kHistBins - 1);
+    const cpu::v8f safe = f > 0.0f ? (f < top ? f : top) : cpu::v8f{};  // NaN -> 0
+    return __builtin_convertvector(safe, cpu::v8i);
+  }
+};
+
+}  // namespace rc
+
 namespace {
 
-template <typename mask_t>
-RC_FORCEINLINE bool nonzero(mask_t v) {
-  return static_cast<float>(v) != 0.f;
-}
-template <>
-RC_FORCEINLINE bool nonzero<bool>(bool v) {
-  return v;
-}
-template <>
-RC_FORCEINLINE bool nonzero<int64_t>(int64_t v) {
-  return v != 0;
-}
-template <>
-RC_FORCEINLINE bool nonzero<int32_t>(int32_t v) {
-  return v != 0;
-}
-template <>
-RC_FORCEINLINE bool nonzero<double>(double v) {
-  return v != 0.0;
-}
+constexpr int kChunk = 64;  // tokens per load: 8 vectors, small enough to stay in L1 with every input
+// Lane accumulators are fp32; every kFoldChunks chunks (32 tokens per lane) they are folded into fp64 row sums, so
+// a row's sums carry the rounding of a 32-term fp32 sum, not of a T/8-term one (sum w^2 - (sum w)^2 / n cancels).
+constexpr int kFoldChunks = 4;
 
-constexpr double kNegInf = -std::numeric_limits<double>::infinity();
-
-template <typename scalar_t, typename mask_t>
-void seq_stats_rows(const scalar_t* lp, const scalar_t* rlp, const mask_t* mask, int64_t T,
-                    const rc::Config<at::opmath_type<scalar_t>>& c, at::opmath_type<scalar_t>* out, int64_t b0,
-                    int64_t b1) {
-  using acc_t = at::opmath_type<scalar_t>;
-  for (int64_t b = b0; b < b1; ++b) {
-    const scalar_t* lpr = lp + b * T;
-    const scalar_t* rlpr = rlp + b * T;
-    const mask_t* mr = mask + b * T;
-    // Row sums in fp64 (cheap on the CPU; the reference sums rows pairwise in fp32).
-    double n = 0, lr_s = 0, k1 = 0, k2 = 0, k3 = 0, lp_s = 0, rlp_s = 0, wraw = 0, wtok = 0, rej_any = 0, nonfin = 0;
-    double rej[4] = {0, 0, 0, 0};
-    acc_t max_k2 = -INFINITY, max_k3 = -INFINITY, neg_min_lr = -INFINITY;
-    for (int64_t t = 0; t < T; ++t) {
-      if (!nonzero(mr[t])) continue;
-      const acc_t a = static_cast<acc_t>(lpr[t]), q = static_cast<acc_t>(rlpr[t]);
-      const bool fin = rc::rc_isfinite(a) && rc::rc_isfinite(q);
-      if (!fin) {
-        nonfin += 1;
-        if (c.exclude_nonfinite) continue;
-      }
-      const acc_t lr = a - q, l = rc::clamp20(lr), rho = rc::rc_exp(l), k3v = rc::k3_of(l);
-      const acc_t k2v = acc_t(0.5) * l * l;
-      n += 1;
-      lr_s += lr;
-      k1 -= l;
-      k2 += k2v;
-      k3 += k3v;
-      lp_s += a;
-      rlp_s += q;
-      wraw += rho;
-      if (c.is_level == rc::kIsToken) wtok += rc::is_weight(rho, c);
-      if (c.has_token_crit) {
-        bool any = false;
-        for (int i = 0; i < c.num_rs; ++i) {
-          if (c.crit_level[i] != rc::kLevelToken) continue;
-          const acc_t s = rc::token_stat(c.crit_stat[i], l, rho, k3v);
-          if (!rc::crit_keep(s, c.crit_lower[i], c.crit_upper[i], c.crit_apply_lower[i])) {
-            rej[c.crit_stat[i]] += 1;
-            any = true;
-          }
-        }
-        rej_any += any;
-      }
-      max_k2 = std::max(max_k2, k2v);
-      max_k3 = std::max(max_k3, k3v);
-      neg_min_lr = std::max(neg_min_lr, -lr);
+// Lane helpers: a vector type V of acc_t lanes, or acc_t itself (one lane).
+template <typename V, typename acc_t>
+struct Lanes {
+  static constexpr int kWidth = sizeof(V) / sizeof(acc_t);
+  static RC_FORCEINLINE V load(const acc_t* p) {
+    V v;
+    std::memcpy(&v, p, sizeof(V));
+    return v;
+  }
+  static RC_FORCEINLINE void store(acc_t* p, V v) { std::memcpy(p, &v, sizeof(V)); }
+  static RC_FORCEINLINE acc_t lane(const V& v, int l) {
+    if constexpr (kWidth == 1) {
+      return v;
+    } else {
+      return v[l];
     }
-    acc_t* o = out + b * rc::kSeqCols;
-    const double sums[rc::kSeqNumSum] = {n, lr_s, k1, k2, k3, lp_s, rlp_s, wraw, wtok, rej_any, rej[0], rej[1],
-                                         rej[2], rej[3], nonfin};
-    for (int k = 0; k < rc::kSeqNumSum; ++k) o[k] = static_cast<acc_t>(sums[k]);
-    o[rc::kSeqMaxK2] = max_k2;
-    o[rc::kSeqMaxK3] = max_k3;
-    o[rc::kSeqNegMinLR] = neg_min_lr;
+  }
+  static RC_FORCEINLINE double sum(const V& v) {
+    double s = 0;
+    for (int l = 0; l < kWidth; ++l) s += static_cast<double>(lane(v, l));
+    return s;
+  }
+  static RC_FORCEINLINE acc_t max(const V& v) {
+    acc_t m = lane(v, 0);
+    for (int l = 1; l < kWidth; ++l) m = lane(v, l) > m ? lane(v, l) : m;
+    return m;
+  }
+};
+
+// One chunk of a row's inputs as acc_t, padded with mask 0 past `n`: log-probs already in acc_t with unit stride
+// are read in place, anything else is converted into the chunk's buffers.
+template <typename acc_t>
+struct Chunk {
+  alignas(64) acc_t a_buf[kChunk];
+  alignas(64) acc_t q_buf[kChunk];
+  alignas(64) acc_t m[kChunk];
+  const acc_t* a;
+  const acc_t* q;
+  RC_FORCEINLINE void load(const RolloutParams<acc_t>& p, int64_t row, int64_t col0, int n) {
+    a = load_one(p.log_prob, row, col0, n, a_buf);
+    q = load_one(p.rollout_log_prob, row, col0, n, q_buf);
+    view_load_chunk<kChunk>(p.mask, row, col0, n, m);
+    for (int k = n; k < kChunk; ++k) m[k] = acc_t(0);
+  }
+  static RC_FORCEINLINE const acc_t* load_one(const TokenView& v, int64_t row, int64_t col0, int n, acc_t* buf) {
+    if (n == kChunk) {
+      if (const acc_t* direct = view_row_ptr<acc_t>(v, row, col0)) return direct;
+    }
+    view_load_chunk<kChunk>(v, row, col0, n, buf);
+    for (int k = n; k < kChunk; ++k) buf[k] = acc_t(0);
+    return buf;
+  }
+};
+
+// ---- pass 1 ----------------------------------------------------------------------------------------------------
+
+template <typename V, typename acc_t>
+RC_FORCEINLINE void seq_stats_rows(const RolloutParams<acc_t>& p, int64_t begin, int64_t end) {
+  using Ln = Lanes<V, acc_t>;
+  const rc::Config<acc_t> cfg = p.cfg;  // a local copy: no store in the loop can alias it, so nothing is reloaded
+  Chunk<acc_t> ch;
+  for (int64_t row = begin; row < end; ++row) {
+    rc::SeqAcc<V> acc;
+    rc::seq_acc_init(acc);
+    double row_sum[rc::seq::kNumSums] = {};
+    int chunks = 0;
+    for (int64_t col0 = 0; col0 < p.cols; col0 += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, p.cols - col0));
+      ch.load(p, row, col0, n);
+      for (int k = 0; k < n; k += Ln::kWidth)
+        rc::seq_stats_token(cfg, Ln::load(ch.a + k), Ln::load(ch.q + k), Ln::load(ch.m + k), acc);
+      if (++chunks == kFoldChunks || col0 + kChunk >= p.cols) {
+        for (int k = 0; k < rc::seq::kNumSums; ++k) {
+          row_sum[k] += Ln::sum(acc.sum[k]);
+          acc.sum[k] = rc::splat<V>(0);
+        }
+        chunks = 0;
+      }
+    }
+    acc_t* out = p.seq_stats + row * rc::seq::kCols;
+    for (int k = 0; k < rc::seq::kNumSums; ++k) out[k] = static_cast<acc_t>(row_sum[k]);
+    for (int k = rc::seq::kNumSums; k < rc::seq::kCols; ++k) out[k] = Ln::max(rc::seq_max(acc, k));
   }
 }
 
+// ---- pass 2 ----------------------------------------------------------------------------------------------------
+
+// Move the lane sums of `acc` into the fp64 row sums and zero them (the maxima stay in the lanes).
+template <typename V, typename acc_t>
+RC_FORCEINLINE void fold_lane_sums(rc::TokenAcc<V>& acc, rc::TokenAcc<double>& row, int num_token_crit) {
+  using Ln = Lanes<V, acc_t>;
+  for (int k = 0; k < rc::tok_sum::kCount; ++k) {
+    row.sum[k] += Ln::sum(acc.sum[k]);
+    acc.sum[k] = rc::splat<V>(0);
+  }
+  for (int j = 0; j < num_token_crit; ++j) {
+    for (int k = 0; k < rc::tok_crit_sum::kCount; ++k) {
+      row.crit_sum[j][k] += Ln::sum(acc.crit_sum[j][k]);
+      acc.crit_sum[j][k] = rc::splat<V>(0);
+    }
+  }
+}
+
+// Count the flagged lanes of a token-pass result into the histogram (branch-free: unflagged lanes add 0).
+template <typename V, typename acc_t>
+RC_FORCEINLINE void add_to_histogram(const rc::TokenOut<V>& o, uint32_t* hist) {
+  if constexpr (std::is_arithmetic_v<V>) {
+    if (o.hist) hist[rc::hist_index(o.log_w)] += 1u;
+  } else {
+    const auto bins = rc::LaneMath<V>::hist_bins(o.log_w);
+    for (int l = 0; l < Lanes<V, acc_t>::kWidth; ++l) hist[bins[l]] += static_cast<uint32_t>(o.hist[l] & 1);
+  }
+}
+
+// Per-thread partial buffers: SUM and MAX vectors, merged in thread order at the end.
+// The histogram counts in uint32 (16 KiB, L1-resident; exact up to 2^32 tokens per thread), folded into the fp64
+// SUM vector at the end.
+struct Partials {
+  std::vector<double> sums, maxes;
+  std::vector<uint32_t> hist;
+  Partials(int64_t ns, int64_t nm)
+      : sums(ns, 0.0), maxes(nm, -std::numeric_limits<double>::infinity()), hist(rc::kHistBins, 0u) {}
+};
+
+template <typename V, typename acc_t>
+RC_FORCEINLINE void token_pass_rows(const RolloutParams<acc_t>& p, Partials& P, int64_t begin, int64_t end) {
+  using Ln = Lanes<V, acc_t>;
+  const rc::Config<acc_t> c = p.cfg;  // a local copy: no store in the loop can alias it, so nothing is reloaded
+  double* S = P.sums.data();
+  uint32_t* hist = P.hist.data();
+  double* M = P.maxes.data();
+  Chunk<acc_t> ch;
+  alignas(64) acc_t w_out[kChunk];
+  alignas(64) acc_t m_out[kChunk];
+  for (int64_t row = begin; row < end; ++row) {
+    const acc_t* st = p.seq_stats + row * rc::seq::kCols;
+    rc::RowValues<acc_t> r;
+    rc::row_values(st, c, r);
+    const bool row_dropped = r.seq_rejected || r.veto;
+    rc::TokenAcc<V> acc;
+    rc::token_acc_init(acc);
+    rc::TokenAcc<double> row_acc;  // fp64 row sums (folded from the lanes every kFoldChunks chunks)
+    rc::token_acc_init(row_acc);
+    int chunks = 0;
+    for (int64_t col0 = 0; col0 < p.cols; col0 += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, p.cols - col0));
+      ch.load(p, row, col0, n);
+      for (int k = 0; k < n; k += Ln::kWidth) {
+        const rc::TokenOut<V> o = rc::token_pass_token(c, r, row_dropped, Ln::load(ch.a + k), Ln::load(ch.q + k),
+                                                       Ln::load(ch.m + k), acc);
+        Ln::store(w_out + k, o.weight);
+        Ln::store(m_out + k, o.mask);
+        if (c.is_level == rc::is_level::token) add_to_histogram<V, acc_t>(o, hist);
+      }
+      if (p.weights) std::memcpy(p.weights + row * p.cols + col0, w_out, n * sizeof(acc_t));
+      view_store_chunk<kChunk>(p.mask_out, row, col0, n, m_out);
+      if (++chunks == kFoldChunks || col0 + kChunk >= p.cols) {
+        fold_lane_sums<V, acc_t>(acc, row_acc, c.num_token_crit);
+        chunks = 0;
+      }
+    }
+    // Lane maxima -> the row's, then everything into the partial vectors by slot name.
+    for (int k = 0; k < rc::tok_max::kCount; ++k) row_acc.max[k] = Ln::max(acc.max[k]);
+    for (int j = 0; j < c.num_token_crit; ++j)
+      for (int k = 0; k < rc::tok_crit_max::kCount; ++k) row_acc.crit_max[j][k] = Ln::max(acc.crit_max[j][k]);
+    rc::fold_token_acc(c, row_acc, S, M);
+    if (p.row_partials) rc::add_row_partials(c, st, r, S, M);
+  }
+}
+
+// Non-template entry points, so that RC_CPU_MULTIVERSION (target_clones) can build an AVX2 copy of the fp32 path.
+RC_CPU_MULTIVERSION void seq_stats_rows_f32(const RolloutParams<float>& p, int64_t begin, int64_t end) {
+  seq_stats_rows<cpu::v8f, float>(p, begin, end);
+}
+void seq_stats_rows_f64(const RolloutParams<double>& p, int64_t begin, int64_t end) {
+  seq_stats_rows<double, double>(p, begin, end);
+}
+RC_CPU_MULTIVERSION void token_pass_rows_f32(const RolloutParams<float>& p, Partials& P, int64_t begin, int64_t end) {
+  token_pass_rows<cpu::v8f, float>(p, P, begin, end);
+}
+void token_pass_rows_f64(const RolloutParams<double>& p, Partials& P, int64_t begin, int64_t end) {
+  token_pass_rows<double, double>(p, P, begin, end);
+}
+inline void seq_stats_range(const RolloutParams<float>& p, int64_t b, int64_t e) { seq_stats_rows_f32(p, b, e); }
+inline void seq_stats_range(const RolloutParams<double>& p, int64_t b, int64_t e) { seq_stats_rows_f64(p, b, e); }
+inline void token_pass_range(const RolloutParams<float>& p, Partials& P, int64_t b, int64_t e) {
+  token_pass_rows_f32(p, P, b, e);
+}
+inline void token_pass_range(const RolloutParams<double>& p, Partials& P, int64_t b, int64_t e) {
+  token_pass_rows_f64(p, P, b, e);
+}
+
+// Rows per task: about 32K tokens, enough to amortise scheduling.
+inline int64_t rollout_grain(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
+
 at::Tensor rollout_seq_stats_cpu(const at::Tensor& log_prob, const at::Tensor& rollout_log_prob,
-                                 const at::Tensor& mask, at::ArrayRef<double> params) {
-  check_rollout_inputs(log_prob, rollout_log_prob, mask, params);
-  const auto lp = log_prob.contiguous(), rlp = rollout_log_prob.contiguous(), m = mask.contiguous();
-  const int64_t B = lp.size(0), T = lp.size(1);
-  const auto acc = lp.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  auto out = at::empty({B, rc::kSeqCols}, lp.options().dtype(acc));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lp.scalar_type(), "rollout_seq_stats_cpu", [&] {
-    using lp_t = scalar_t;
-    using acc_t = at::opmath_type<lp_t>;
-    const auto cfg = rc::decode_config<acc_t>(params.data(), static_cast<int64_t>(params.size()));
-    RC_DISPATCH_MASK_TYPES(m.scalar_type(), "rollout_seq_stats_cpu_mask", [&] {
-      using mask_t = scalar_t;
-      at::parallel_for(0, B, std::max<int64_t>(1, 32768 / std::max<int64_t>(T, 1)), [&](int64_t b0, int64_t b1) {
-        seq_stats_rows<lp_t, mask_t>(lp.data_ptr<lp_t>(), rlp.data_ptr<lp_t>(), m.data_ptr<mask_t>(), T, cfg,
-                                     out.data_ptr<acc_t>(), b0, b1);
-      });
-    });
+                                 const at::Tensor& mask, RC_ROLLOUT_CONFIG_PARAMS) {
+  check_rollout_inputs(log_prob, rollout_log_prob, mask);
+  const RolloutConfigArgs a = RC_ROLLOUT_CONFIG_ARGS;
+  const auto acc = rollout_acc_dtype(log_prob, rollout_log_prob);
+  auto out = at::empty({log_prob.size(0), rc::seq::kCols}, log_prob.options().dtype(acc));
+  RC_DISPATCH_ROLLOUT_ACC(acc, "rollout_seq_stats", [&] {
+    auto p = make_rollout_params<acc_t>(log_prob, rollout_log_prob, mask, a);
+    p.seq_stats = out.mutable_data_ptr<acc_t>();
+    at::parallel_for(0, p.rows, rollout_grain(p.cols), [&](int64_t b, int64_t e) { seq_stats_range(p, b, e); });
   });
   return out;
 }
 
-// Per-thread partial buffers: SUM and MAX vectors, merged in thread order at the end.
-struct Partials {
-  std::vector<double> sums, maxes;
-  Partials(int64_t ns, int64_t nm) : sums(ns, 0.0), maxes(nm, kNegInf) {}
-};
-
-RC_FORCEINLINE void upd_max(double& m, double v) { m = v > m ? v : m; }
-
-template <typename scalar_t, typename mask_t>
-void token_pass_rows(const scalar_t* lp, const scalar_t* rlp, const mask_t* mask, const at::opmath_type<scalar_t>* st,
-                     int64_t T, const rc::Config<at::opmath_type<scalar_t>>& c, bool with_rows,
-                     at::opmath_type<scalar_t>* weights, mask_t* mask_out, Partials& P, int64_t b0, int64_t b1) {
-  using acc_t = at::opmath_type<scalar_t>;
-  double* S = P.sums.data();
-  double* M = P.maxes.data();
-  const bool tok_is = c.is_level == rc::kIsToken;
-  for (int64_t b = b0; b < b1; ++b) {
-    const acc_t* str = st + b * rc::kSeqCols;
-    rc::RowValues<acc_t> r;
-    rc::row_values(str, c, r);
-    const bool row_dropped = r.seq_rej_any || r.veto;
-    const scalar_t* lpr = lp + b * T;
-    const scalar_t* rlpr = rlp + b * T;
-    const mask_t* mr = mask + b * T;
-    mask_t* mo = mask_out + b * T;
-    acc_t* wr = weights ? weights + b * T : nullptr;
-    double is_w = 0, is_wc = 0, is_wc2 = 0, is_hi = 0, is_lo = 0, is_oob = 0, k3raw = 0, rho2 = 0, cat = 0;
-    double c_stat[rc::kMaxCrit] = {}, c_sc[rc::kMaxCrit] = {}, c_sc2[rc::kMaxCrit] = {}, c_hi[rc::kMaxCrit] = {},
-           c_lo[rc::kMaxCrit] = {};
-    double* hist = S + rc::kSHist;
-    for (int64_t t = 0; t < T; ++t) {
-      const mask_t mv = mr[t];
-      bool valid = nonzero(mv);
-      const acc_t a = static_cast<acc_t>(lpr[t]), q = static_cast<acc_t>(rlpr[t]);
-      if (valid && c.exclude_nonfinite) valid = rc::rc_isfinite(a) && rc::rc_isfinite(q);
-      if (!valid) {
-        if (wr) wr[t] = acc_t(0);
-        mo[t] = mask_t(0);
-        continue;
-      }
-      const acc_t lr = a - q, l = rc::clamp20(lr), rho = rc::rc_exp(l), k3v = rc::k3_of(l);
-      if (tok_is) {
-        const acc_t w = rc::is_weight(rho, c);
-        const acc_t wc = w < acc_t(0) ? acc_t(0) : (w > c.is_upper ? c.is_upper : w);
-        wr[t] = w;
-        is_w += w;
-        is_wc += wc;
-        is_wc2 += wc * wc;
-        is_hi += rho > c.is_upper;
-        is_lo += rho < c.is_metric_lower;
-        if (c.is_mask) is_oob += (rho < c.is_lower) || (rho > c.is_upper);
-        upd_max(M[rc::kMIsW], w);
-        upd_max(M[rc::kMIsNegW], -w);
-        hist[rc::hist_index(l)] += 1.0;
-      } else if (wr) {
-        wr[t] = r.w;
-      }
-      bool tok_rej = false;
-      if (c.has_token_crit) {
-        for (int i = 0; i < c.num_rs; ++i) {
-          if (c.crit_level[i] != rc::kLevelToken) continue;
-          const acc_t s = rc::token_stat(c.crit_stat[i], l, rho, k3v);
-          const acc_t lo = c.crit_lower[i], up = c.crit_upper[i];
-          const bool apply_lower = c.crit_apply_lower[i];
-          tok_rej |= !rc::crit_keep(s, lo, up, apply_lower);
-          const acc_t cmin = apply_lower ? lo : acc_t(0);
-          const acc_t sc = s < cmin ? cmin : (s > up ? up : s);
-          c_stat[i] += s;
-          c_sc[i] += sc;
-          c_sc2[i] += sc * sc;
-          c_hi[i] += s > up;
-          if (apply_lower) c_lo[i] += s < lo;
-          double* Mc = M + rc::kMBase + i * rc::kRsMax;
-          upd_max(Mc[rc::kRmStat], s);
-          upd_max(Mc[rc::kRmNegStat], -s);
-        }
-      }
-      mo[t] = (tok_rej || row_dropped) ? mask_t(0) : mv;
-      k3raw += l == lr ? k3v : rc::k3_of(lr);  // k3_kl uses the unclamped ratio
-      rho2 += rho * rho;
-      if (c.veto_on) cat += lr < c.veto_log;
-    }
-    S[rc::kSIsW] += is_w;
-    S[rc::kSIsWc] += is_wc;
-    S[rc::kSIsWc2] += is_wc2;
-    S[rc::kSIsHigh] += is_hi;
-    S[rc::kSIsLow] += is_lo;
-    S[rc::kSIsOob] += is_oob;
-    S[rc::kSK3Raw] += k3raw;
-    S[rc::kSRho2] += rho2;
-    S[rc::kSCatTok] += cat;
-    for (int i = 0; i < c.num_rs; ++i) {
-      if (c.crit_level[i] != rc::kLevelToken) continue;
-      double* Sc = S + rc::kSBase + i * rc::kRsSum;
-      Sc[rc::kRsStat] += c_stat[i];
-      Sc[rc::kRsSc] += c_sc[i];
-      Sc[rc::kRsSc2] += c_sc2[i];
-      Sc[rc::kRsHigh] += c_hi[i];
-      Sc[rc::kRsLow] += c_lo[i];
-    }
-    if (with_rows) rc::add_row_partials(c, str, r, S, M);
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cpu(
     const at::Tensor& log_prob, const at::Tensor& rollout_log_prob, const at::Tensor& mask,
-    const at::Tensor& seq_stats, at::ArrayRef<double> params, bool row_partials_flag) {
-  check_rollout_inputs(log_prob, rollout_log_prob, mask, params);
-  check_seq_stats(seq_stats, log_prob);
-  const auto lp = log_prob.contiguous(), rlp = rollout_log_prob.contiguous(), m = mask.contiguous();
+    const at::Tensor& seq_stats, RC_ROLLOUT_CONFIG_PARAMS, bool row_partials) {
+  check_rollout_inputs(log_prob, rollout_log_prob, mask);
+  const RolloutConfigArgs a = RC_ROLLOUT_CONFIG_ARGS;
+  const auto acc = rollout_acc_dtype(log_prob, rollout_log_prob);
+  check_seq_stats(seq_stats, log_prob, acc);
   const auto st = seq_stats.contiguous();
-  const int64_t B = lp.size(0), T = lp.size(1);
-  const int num_rs = static_cast<int>(params[rc::kPNumRs]);
-  const int64_t ns = rc::sum_size(num_rs), nm = rc::max_size(num_rs);
-  const bool has_w = static_cast<int>(params[rc::kPIsLevel]) != rc::kIsNone;
-  const auto acc = lp.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  auto weights = has_w ? at::empty({B, T}, lp.options().dtype(acc)) : at::empty({0}, lp.options().dtype(acc));
-  auto mask_out = at::empty_like(m);
-  auto sums = at::zeros({ns}, lp.options().dtype(at::kDouble));
-  auto maxes = at::full({nm}, kNegInf, lp.options().dtype(at::kDouble));
+  RolloutPassOutputs o = new_rollout_pass_outputs(log_prob, mask, acc, a);
+  const int64_t ns = o.sums.numel(), nm = o.maxes.numel();
   std::vector<Partials> parts;
   const int nthreads = at::get_num_threads();
   parts.reserve(nthreads);
   for (int i = 0; i < nthreads; ++i) parts.emplace_back(ns, nm);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lp.scalar_type(), "rollout_token_pass_cpu", [&] {
-    using lp_t = scalar_t;
-    using acc_t = at::opmath_type<lp_t>;
-    const auto cfg = rc::decode_config<acc_t>(params.data(), static_cast<int64_t>(params.size()));
-    RC_DISPATCH_MASK_TYPES(m.scalar_type(), "rollout_token_pass_cpu_mask", [&] {
-      using mask_t = scalar_t;
-      at::parallel_for(0, B, std::max<int64_t>(1, 32768 / std::max<int64_t>(T, 1)), [&](int64_t b0, int64_t b1) {
-        Partials& P = parts[at::get_thread_num()];
-        token_pass_rows<lp_t, mask_t>(lp.data_ptr<lp_t>(), rlp.data_ptr<lp_t>(), m.data_ptr<mask_t>(),
-                                      st.data_ptr<acc_t>(), T, cfg, row_partials_flag,
-                                      has_w ? weights.data_ptr<acc_t>() : nullptr, mask_out.data_ptr<mask_t>(), P,
-                                      b0, b1);
-      });
-    });
+  RC_DISPATCH_ROLLOUT_ACC(acc, "rollout_token_pass", [&] {
+    auto p = make_rollout_params<acc_t>(log_prob, rollout_log_prob, mask, a);
+    p.seq_stats = const_cast<acc_t*>(st.const_data_ptr<acc_t>());
+    p.weights = o.weights.numel() > 0 ? o.weights.mutable_data_ptr<acc_t>() : nullptr;
+    p.mask_out = mutable_token_view(o.mask_out);
+    p.row_partials = row_partials;
+    at::parallel_for(0, p.rows, rollout_grain(p.cols),
+                     [&](int64_t b, int64_t e) { token_pass_range(p, parts[at::get_thread_num()], b, e); });
   });
-  double* S = sums.data_ptr<double>();
-  double* M = maxes.data_ptr<double>();
+  double* S = o.sums.mutable_data_ptr<double>();
+  double* M = o.maxes.mutable_data_ptr<double>();
   for (const auto& P : parts) {
+    for (int k = 0; k < rc::kHistBins; ++k) S[rc::sum_slot::kHist + k] += static_cast<double>(P.hist[k]);
     for (int64_t k = 0; k < ns; ++k) S[k] += P.sums[k];
     for (int64_t k = 0; k < nm; ++k) M[k] = std::max(M[k], P.maxes[k]);
   }
-  return {weights, mask_out, sums, maxes};
+  return {o.weights, o.mask_out, o.sums, o.maxes};
+}
+
+// The check reads three scalars (one host read on the CPU, where it is free); only on failure does it look for
+// the position to name.
+at::Tensor rollout_check_cpu(const at::Tensor& sums, const c10::optional<at::Tensor>& agree,
+                             const at::Tensor& log_prob, const at::Tensor& rollout_log_prob, const at::Tensor& mask,
+                             bool exclude_nonfinite) {
+  check_rollout_check_inputs(sums, agree, log_prob, rollout_log_prob, mask);
+  const auto status = rollout_status(sums, agree, exclude_nonfinite);
+  if (status != RolloutStatus::kOk) raise_rollout_status(status, log_prob, rollout_log_prob, mask);
+  return sums.clone();
 }
 
 }  // namespace
@@ -280,6 +319,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cp
 TORCH_LIBRARY_IMPL(rollout_corr, CPU, m) {
   m.impl("rollout_seq_stats", &rollout_seq_stats_cpu);
   m.impl("rollout_token_pass", &rollout_token_pass_cpu);
+  m.impl("rollout_check", &rollout_check_cpu);
 }
 
 }  // namespace rollout_corr

@@ -36,4 +36,14 @@ __device__ RC_FORCEINLINE acc_t warp_sum(acc_t v) {
   return v;
 }
 
+template <typename acc_t>
+__device__ RC_FORCEINLINE acc_t warp_max(acc_t v) {
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    const acc_t o = __shfl_xor_sync(kFullWarpMask, v, offset);
+    v = o > v ? o : v;
+  }
+  return v;
+}
+
 }  // namespace rollout_corr

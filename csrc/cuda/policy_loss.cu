@@ -25,16 +25,19 @@ std::tuple<at::Tensor, at::Tensor> policy_loss_rows_cuda(const at::Tensor& log_p
   auto [loss_mat, rows] = new_policy_loss_outputs(log_prob);
   if (log_prob.size(0) == 0) return {loss_mat, rows};
   const at::Tensor w = defined_or_empty(weights);
+  const at::Tensor undefined = new_undefined_flag(log_prob);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_prob.scalar_type(), "policy_loss_rows_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = make_policy_loss_params<scalar_t, acc_t>(log_prob, old_log_prob, advantages, response_mask, w,
-                                                            loss_mat, rows, clip_low, clip_high, clip_c, loss_kind);
+                                                            loss_mat, rows, undefined, clip_low, clip_high, clip_c,
+                                                            loss_kind);
     const int threads = row_block_threads(p.cols, 1);
     const auto blocks = static_cast<unsigned>(row_grid_blocks(p.rows));
     policy_loss_rows_kernel<scalar_t, acc_t><<<blocks, threads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+  at::_assert_async(undefined[0] == 0, kMsgUndefinedLoss);  // no host sync
   return {loss_mat, rows};
 }
 

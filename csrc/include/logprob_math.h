@@ -20,39 +20,9 @@
 
 #include "logprob_params.h"
 #include "rc_macros.h"
+#include "scalar_math.h"
 
 namespace rollout_corr {
-
-// exp/log in the accumulation type: the CUDA float intrinsics on the device (expf/logf, full precision: the
-// build does not use --use_fast_math), std:: overloads on the host (CPU merge, CUDA emulator).
-RC_HD RC_FORCEINLINE float rc_exp(float x) {
-#ifdef __CUDA_ARCH__
-  return expf(x);
-#else
-  return std::exp(x);
-#endif
-}
-RC_HD RC_FORCEINLINE double rc_exp(double x) {
-#ifdef __CUDA_ARCH__
-  return ::exp(x);
-#else
-  return std::exp(x);
-#endif
-}
-RC_HD RC_FORCEINLINE float rc_log(float x) {
-#ifdef __CUDA_ARCH__
-  return logf(x);
-#else
-  return std::log(x);
-#endif
-}
-RC_HD RC_FORCEINLINE double rc_log(double x) {
-#ifdef __CUDA_ARCH__
-  return ::log(x);
-#else
-  return std::log(x);
-#endif
-}
 
 template <typename acc_t>
 struct RowSummary {

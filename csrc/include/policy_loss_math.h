@@ -14,39 +14,14 @@
 
 #include <cstdint>
 
-#include "logprob_math.h"  // rc_exp
 #include "policy_loss_params.h"
+#include "token_view.h"
 #include "rc_macros.h"
+#include "scalar_math.h"
 
 namespace rollout_corr {
 
 constexpr double kPolicyLogRatioBound = 20.0;  // verl SAFETY_BOUND
-
-// Element (row, col) of a view, converted to acc_t. bool/integer masks become 0/1/... like Tensor.to(float).
-template <typename acc_t>
-RC_HD RC_FORCEINLINE acc_t view_load(const TokenView& v, int64_t row, int64_t col) {
-  const int64_t i = row * v.row_stride + col * v.col_stride;
-  switch (v.dtype) {
-    case ViewDtype::kFloat32: return static_cast<acc_t>(static_cast<const float*>(v.data)[i]);
-    case ViewDtype::kFloat64: return static_cast<acc_t>(static_cast<const double*>(v.data)[i]);
-    case ViewDtype::kFloat16: return static_cast<acc_t>(static_cast<float>(static_cast<const c10::Half*>(v.data)[i]));
-    case ViewDtype::kBFloat16:
-      return static_cast<acc_t>(static_cast<float>(static_cast<const c10::BFloat16*>(v.data)[i]));
-    case ViewDtype::kBool: return static_cast<const bool*>(v.data)[i] ? acc_t(1) : acc_t(0);
-    case ViewDtype::kUInt8: return static_cast<acc_t>(static_cast<const uint8_t*>(v.data)[i]);
-    case ViewDtype::kInt8: return static_cast<acc_t>(static_cast<const int8_t*>(v.data)[i]);
-    case ViewDtype::kInt16: return static_cast<acc_t>(static_cast<const int16_t*>(v.data)[i]);
-    case ViewDtype::kInt32: return static_cast<acc_t>(static_cast<const int32_t*>(v.data)[i]);
-    case ViewDtype::kInt64: return static_cast<acc_t>(static_cast<const int64_t*>(v.data)[i]);
-  }
-  return acc_t(0);
-}
-
-// An absent optional input reads as `absent` (1 for weights, 0 for upstream gradients).
-template <typename acc_t>
-RC_HD RC_FORCEINLINE acc_t view_load_or(const TokenView& v, int64_t row, int64_t col, acc_t absent) {
-  return v.data == nullptr ? absent : view_load<acc_t>(v, row, col);
-}
 
 // NaN-propagating max/min/clamp with torch.maximum / torch.minimum / torch.clamp semantics, so a NaN in a
 // padded position stays NaN in loss_mat exactly as in the reference.
@@ -151,6 +126,18 @@ RC_HD RC_FORCEINLINE void policy_row_partials_add(PolicyRowPartials<acc_t>& p, c
   }
 }
 
+// A response token (mask != 0) whose loss is undefined: NaN or +inf log-probs, a log-ratio -inf - (-inf) (PPO), a
+// -inf log-prob under REINFORCE (an infinite loss), non-finite advantages or IS weights. Masked tokens are never
+// inspected (padding holds junk).
+template <typename acc_t>
+RC_HD RC_FORCEINLINE bool policy_loss_undefined(acc_t lp, acc_t old_lp, acc_t adv, acc_t w, acc_t m, int32_t kind) {
+  const acc_t inf = static_cast<acc_t>(INFINITY);
+  bool bad = (lp != lp) || lp == inf || (old_lp != old_lp) || old_lp == inf;
+  bad = bad || (kind == kPolicyLossPpoClip ? (lp == -inf && old_lp == -inf) : lp == -inf);
+  bad = bad || !(adv - adv == acc_t(0)) || !(w - w == acc_t(0));
+  return bad && m != acc_t(0);
+}
+
 // The forward of one token: reads the inputs, writes loss_mat, folds the token into the row partials.
 template <typename scalar_t, typename acc_t>
 RC_HD RC_FORCEINLINE void policy_loss_forward_token(const PolicyLossParams<scalar_t, acc_t>& p, int64_t row,
@@ -163,6 +150,7 @@ RC_HD RC_FORCEINLINE void policy_loss_forward_token(const PolicyLossParams<scala
   const PolicyTokenResult<acc_t> t = policy_loss_token(lp, old_lp, adv, w, p.cfg);
   p.loss_mat[row * p.cols + col] = t.loss;
   policy_row_partials_add(partials, t, m);
+  if (policy_loss_undefined(lp, old_lp, adv, w, m, p.cfg.kind)) RC_STG(p.undefined, 1);  // any writer: same value
 }
 
 // The backward of one token: upstream gradient of loss_mat plus the row-loss gradient through the mask.

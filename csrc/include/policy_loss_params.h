@@ -2,36 +2,14 @@
 // strides only, so the kernels compile without ATen (and therefore also under the CUDA emulator).
 //
 // Only log_prob (the differentiable input, and the one most often in bf16) gets a compile-time element type.
-// The other inputs come in whatever dtype the caller has (fp32 advantages next to bf16 log-probs, bool or float
-// masks, advantages expanded from [B] with a zero column stride), so they are read through dtype-tagged strided
-// views: no conversion copy, no materialised expansion, one extra well-predicted branch per load.
+// The other inputs are read through the dtype-tagged strided views of token_view.h.
 #pragma once
 
 #include <cstdint>
 
+#include "token_view.h"
+
 namespace rollout_corr {
-
-// Element type of a TokenView. The switch on it is uniform across a launch (a warp never diverges on it).
-enum class ViewDtype : int32_t {
-  kFloat32 = 0,
-  kFloat64,
-  kFloat16,
-  kBFloat16,
-  kBool,
-  kUInt8,
-  kInt8,
-  kInt16,
-  kInt32,
-  kInt64,
-};
-
-// A read-only [rows, cols] (or [rows], col_stride = 0) view of any supported dtype, in element strides.
-struct TokenView {
-  const void* data;  // nullptr: the input is absent (optional weights / upstream gradients)
-  int64_t row_stride;
-  int64_t col_stride;
-  ViewDtype dtype;
-};
 
 // loss_kind of policy_loss_rows (reference.PG_KIND_*).
 enum PolicyLossKind : int32_t { kPolicyLossPpoClip = 0, kPolicyLossReinforce = 1 };
@@ -59,6 +37,7 @@ struct PolicyLossParams {
   TokenView weights;  // data == nullptr: no rollout IS weights
   acc_t* loss_mat;    // [rows, cols] contiguous
   acc_t* row_partials;  // [rows, kPgRowCols] contiguous
+  int32_t* undefined;   // set to 1 when a response token's loss is undefined (policy_loss_undefined)
   int64_t rows;
   int64_t cols;
   int64_t lp_row_stride;

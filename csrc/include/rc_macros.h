@@ -10,6 +10,11 @@
 #endif
 
 #define RC_FORCEINLINE inline __attribute__((always_inline))
+#if defined(__CUDACC__)
+#define RC_FORCEINLINE_LAMBDA
+#else
+#define RC_FORCEINLINE_LAMBDA __attribute__((always_inline))
+#endif
 
 // Global-memory accesses of device code (and of the RC_HD functions that device code calls) go through these two
 // macros: plain loads and stores on the GPU and the CPU; under the CUDA emulator (which defines them first) they

@@ -10,22 +10,11 @@
 
 #include <limits>
 
+#include "emu_launch.h"
 #include "logprob_launch.cuh"
 
 namespace rollout_corr {
 namespace {
-
-struct EmuLaunch {
-  template <typename Kernel, typename Params>
-  void operator()(Kernel kernel, dim3 grid, dim3 block, const Params& p) const {
-    emu::launch(kernel, grid, block, 0, p);
-  }
-};
-
-void apply_schedule(int64_t schedule) {
-  TORCH_CHECK(schedule == 0 || schedule == 1, "schedule must be 0 (ascending) or 1 (descending)");
-  emu::set_schedule(schedule == 0 ? emu::Schedule::kAscending : emu::Schedule::kDescending);
-}
 
 at::Tensor vocab_row_stats_emu(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
                                int64_t vocab_size, double inv_temperature, int64_t ignore_index, bool with_sum_z,

@@ -11,6 +11,7 @@
 
 #include <limits>
 
+#include "emu_launch.h"
 #include "launch_config.h"  // the launchers' choices
 #include "policy_loss_host.h"
 #include "policy_loss_kernels.cuh"
@@ -23,11 +24,10 @@ struct PolicyEmuLaunch {
 };
 
 PolicyEmuLaunch policy_emu_launch(int64_t rows, int64_t cols, int64_t threads, int64_t schedule, int64_t max_blocks) {
-  TORCH_CHECK(schedule == 0 || schedule == 1, "schedule must be 0 (ascending) or 1 (descending)");
   TORCH_CHECK(threads == 0 || (threads >= 32 && threads <= 1024 && threads % 32 == 0),
               "threads must be 0 or a multiple of 32 in [32, 1024]");
   TORCH_CHECK(max_blocks >= 0, "max_blocks must be >= 0");
-  emu::set_schedule(schedule == 0 ? emu::Schedule::kAscending : emu::Schedule::kDescending);
+  apply_schedule(schedule);
   const int t = threads == 0 ? row_block_threads(cols, 1) : static_cast<int>(threads);
   const int64_t blocks = row_grid_blocks(rows);
   return {dim3(static_cast<unsigned>(max_blocks > 0 ? std::min(blocks, max_blocks) : blocks)), dim3(t)};
@@ -48,11 +48,15 @@ std::tuple<at::Tensor, at::Tensor> policy_loss_rows_emu(const at::Tensor& log_pr
   auto rows = at::full({log_prob.size(0), kPgRowCols}, nan, opts);
   if (log_prob.size(0) == 0) return {loss_mat, rows};
   const at::Tensor w = defined_or_empty(weights);
+  const at::Tensor undefined = new_undefined_flag(log_prob);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_prob.scalar_type(), "policy_loss_rows_emu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = make_policy_loss_params<scalar_t, acc_t>(log_prob, old_log_prob, advantages, response_mask, w,
-                                                            loss_mat, rows, clip_low, clip_high, clip_c, loss_kind);
+                                                            loss_mat, rows, undefined, clip_low, clip_high, clip_c,
+                                                            loss_kind);
     emu::launch(policy_loss_rows_kernel<scalar_t, acc_t>, launch.grid, launch.block, 0, p);
+    // The flag the emulated kernel set, checked as the CPU op checks it (the CUDA op asserts it asynchronously).
+    if (*undefined.const_data_ptr<int32_t>() != 0) raise_undefined_policy_loss(p);
   });
   return {loss_mat, rows};
 }

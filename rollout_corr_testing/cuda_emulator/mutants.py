@@ -104,7 +104,7 @@ def check_row_stats_padded() -> str:
 def check_policy_loss_multiwarp() -> str:
     import torch
 
-    from rollout_corr_ext import reference
+    from rollout_corr_ext import fallback
 
     g = torch.Generator().manual_seed(0)
     lp = -torch.rand(4, 300, generator=g, dtype=torch.float64)
@@ -112,7 +112,7 @@ def check_policy_loss_multiwarp() -> str:
     adv = torch.randn(4, 300, generator=g, dtype=torch.float64)
     mask = torch.rand(4, 300, generator=g) > 0.2
     inputs = (lp.float(), old.float(), adv.float())
-    _, ref = reference.policy_loss_rows(*(x.double() for x in inputs), mask, None, 0.2, 0.2, 3.0, 0)
+    _, ref = fallback.policy_loss_rows(*(x.double() for x in inputs), mask, None, 0.2, 0.2, 3.0, 0)
     for schedule in (0, 1):
         _, rows = torch.ops.rollout_corr_emu.policy_loss_rows(*inputs, mask, None, 0.2, 0.2, 3.0, 0, threads=128,
                                                                schedule=schedule)

@@ -1,9 +1,11 @@
-"""The rollout-correction CUDA kernels, run thread by thread on the CUDA emulator, against reference.py.
+"""The rollout-correction CUDA kernels, run thread by thread on the CUDA emulator.
 
-The emulator compiles csrc/cuda/rollout_correction_kernels.cuh unchanged with g++ (through the same host driver
-as the CUDA launchers). Sweeps: IS levels and modes, token and sequence RS criteria, the veto, non-finite
-exclusion, input and mask dtypes, block sizes, both turnstile schedules (a missing barrier reads poisoned shared
-memory) and grids smaller than the row count (grid-stride loops, several scratch rows).
+The emulator compiles csrc/cuda/rollout_correction_kernels.cuh unchanged with g++ (through the same host driver and
+launch planning as the CUDA launchers). Pass by pass, the emulated kernels are compared with the pure-PyTorch
+fallback of the same ops; the whole pipeline on the emulated kernels is compared with the independent oracle.
+Sweeps: IS levels and modes, token and sequence RS criteria, the veto, non-finite exclusion, input and mask dtypes
+(mixed too), block sizes, both turnstile schedules (a missing barrier reads poisoned shared memory) and grids
+smaller than the row count (grid-stride loops, several scratch rows).
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_corr_testing.rc_testutil import TOL, compare_metrics, make_inputs
 from rollout_corr_ext import RolloutCorrectionConfig as Cfg
-from rollout_corr_ext import reference as R
-from rollout_corr_ext.correction import finalize_metrics, pack_params
+from rollout_corr_ext import compute_rollout_correction, fallback
+from rollout_corr_ext.correction import finalize_metrics, op_args
+from rollout_corr_testing.backends import rollout_backend
 from rollout_corr_testing.cuda_emulator.loader import load_emulator
+from rollout_corr_testing.rc_testutil import TOL, compare_metrics, make_inputs
+from rollout_corr_testing.dense_oracles import rollout_correction_dense
 
 
 @pytest.fixture(scope="module")
@@ -43,24 +47,24 @@ KNOBS = [
 SHAPES = [(6, 70), (3, 1), (9, 33)]
 
 
-def _check_pass_outputs(emu, lp, rlp, mask, cfg, knobs, exclude=False, dtype=torch.float32):
-    params = pack_params(cfg, exclude)
-    st_ref = R.rollout_seq_stats(lp, rlp, mask, params)
-    st = emu.rollout_seq_stats(lp, rlp, mask, params, **knobs)
-    tol = TOL[torch.float64 if lp.dtype == torch.float64 else torch.float32]
+def _check_pass_outputs(emu, lp, rlp, mask, cfg, knobs, exclude=False):
+    args = op_args(cfg, exclude)
+    st_ref = fallback.rollout_seq_stats(lp, rlp, mask, *args)
+    st = emu.rollout_seq_stats(lp, rlp, mask, *args, **knobs)
+    acc = torch.float64 if torch.float64 in (lp.dtype, rlp.dtype) else torch.float32
+    tol = TOL[acc]
     torch.testing.assert_close(st, st_ref, rtol=tol["rtol"] * 10, atol=tol["atol"] * 10, equal_nan=True)
-    w_ref, m_ref, s_ref, x_ref = R.rollout_token_pass(lp, rlp, mask, st_ref, params, True)
-    w, m, s, x = emu.rollout_token_pass(lp, rlp, mask, st_ref, params, True, **knobs)
+    w_ref, m_ref, s_ref, x_ref = fallback.rollout_token_pass(lp, rlp, mask, st_ref, *args, True)
+    w, m, s, x = emu.rollout_token_pass(lp, rlp, mask, st_ref, *args, True, **knobs)
     assert m.dtype == mask.dtype and torch.equal(m, m_ref)
     torch.testing.assert_close(w, w_ref, **tol)
-    torch.testing.assert_close(s, s_ref, rtol=1e-5 if lp.dtype != torch.float64 else 1e-10, atol=1e-5,
-                               equal_nan=True)
+    torch.testing.assert_close(s, s_ref, rtol=1e-5 if acc != torch.float64 else 1e-10, atol=1e-5, equal_nan=True)
     torch.testing.assert_close(x, x_ref, rtol=1e-6, atol=1e-7)
     return w, m, s, x
 
 
 @pytest.mark.parametrize("cfg_i", range(len(CONFIGS)))
-def test_passes_match_reference(emu, cfg_i):
+def test_passes_match_the_fallback(emu, cfg_i):
     cfg = Cfg(**CONFIGS[cfg_i])
     scale = 0.2 if CONFIGS[cfg_i]["rollout_is"] in ("token", None) else 0.05
     for si, (rows, cols) in enumerate(SHAPES):
@@ -77,6 +81,15 @@ def test_dtypes(emu, dtype, mask_dtype):
     _check_pass_outputs(emu, lp, rlp, mask.to(mask_dtype), cfg, dict(threads=32, schedule=1, max_blocks=2))
 
 
+def test_strided_inputs_are_read_in_place(emu):
+    """Transposed / sliced inputs go through the dtype-tagged views with their strides (no copy)."""
+    lp, rlp, mask = make_inputs(7, 30, seed=8, pad_rows=(3,))
+    lp_t = lp.t().contiguous().t()
+    rlp_s = torch.cat([rlp, rlp], dim=1)[:, ::2]
+    _check_pass_outputs(emu, lp_t, rlp_s.contiguous(), mask, Cfg(**CONFIGS[1]), dict(threads=32))
+    _check_pass_outputs(emu, lp_t, torch.cat([rlp, rlp], dim=1)[:, :30], mask, Cfg(**CONFIGS[0]), dict(threads=64))
+
+
 def test_nonfinite_excluded(emu):
     lp, rlp, mask = make_inputs(4, 24, seed=5)
     mask[1, 3] = True
@@ -86,28 +99,39 @@ def test_nonfinite_excluded(emu):
     _check_pass_outputs(emu, lp, rlp, mask, Cfg(**CONFIGS[1]), dict(threads=32, schedule=1), exclude=True)
 
 
+def test_bad_mask_values_are_counted(emu):
+    """Mask values other than 0/1 land in the bad_mask column (the pipeline then raises naming the position)."""
+    lp, rlp, mask = make_inputs(4, 24, seed=6)
+    m = mask.float()
+    m[2, 1] = 0.5
+    m[3, 0] = float("nan")
+    _check_pass_outputs(emu, lp, rlp, m, Cfg(**CONFIGS[0]), dict(threads=32))
+    with rollout_backend("emulated", threads=32):
+        with pytest.raises(ValueError, match=r"response_mask must hold only 0 and 1.*response_mask\[2, 1\] = 0.5"):
+            compute_rollout_correction(lp, rlp, m, Cfg(**CONFIGS[0]))
+
+
 def test_metrics_from_emulated_partials_match_dense_oracle(emu):
     for cfg_kw in CONFIGS:
         cfg = Cfg(**cfg_kw)
         lp, rlp, mask = make_inputs(7, 48, seed=11, scale=0.1, pad_rows=(0,))
-        params = pack_params(cfg)
-        st = emu.rollout_seq_stats(lp, rlp, mask, params, threads=64, schedule=1)
-        w, m, s, x = emu.rollout_token_pass(lp, rlp, mask, st, params, True, threads=64, schedule=1, max_blocks=3)
-        w_d, m_d, met = R.rollout_correction_dense(lp.double(), rlp.double(), mask, cfg)
-        errors = compare_metrics(finalize_metrics(s, x, cfg), met, torch.float32,
-                                 skip=("batch_norm_factor",))
+        args = op_args(cfg)
+        st = emu.rollout_seq_stats(lp, rlp, mask, *args, threads=64, schedule=1)
+        w, m, s, x = emu.rollout_token_pass(lp, rlp, mask, st, *args, True, threads=64, schedule=1, max_blocks=3)
+        w_d, m_d, met = rollout_correction_dense(lp.double(), rlp.double(), mask, cfg)
+        errors = compare_metrics(finalize_metrics(s, x, cfg), met, torch.float32, skip=("batch_norm_factor",))
         assert not errors, "\n".join(errors)
         assert torch.equal(m, m_d)
 
 
 def test_passes_on_a_rank_without_rows(emu):
-    """A DP rank may hold no rows: neutral partials (0 sums, -inf maxima), equal to the reference's."""
+    """A DP rank may hold no rows: neutral partials (0 sums, -inf maxima), equal to the fallback's."""
     lp, rlp, mask = (x[:0] for x in make_inputs(3, 16, seed=22))
-    params = pack_params(Cfg(**CONFIGS[1]))
-    st = emu.rollout_seq_stats(lp, rlp, mask, params)
-    assert torch.equal(st, R.rollout_seq_stats(lp, rlp, mask, params))
-    out = emu.rollout_token_pass(lp, rlp, mask, st, params, True)
-    ref = R.rollout_token_pass(lp, rlp, mask, st, params, True)
+    args = op_args(Cfg(**CONFIGS[1]))
+    st = emu.rollout_seq_stats(lp, rlp, mask, *args)
+    assert torch.equal(st, fallback.rollout_seq_stats(lp, rlp, mask, *args))
+    out = emu.rollout_token_pass(lp, rlp, mask, st, *args, True)
+    ref = fallback.rollout_token_pass(lp, rlp, mask, st, *args, True)
     for a, b in zip(out, ref):
         assert a.shape == b.shape and torch.equal(a, b)
     assert (out[2] == 0).all() and (out[3] == -float("inf")).all()
@@ -115,22 +139,15 @@ def test_passes_on_a_rank_without_rows(emu):
 
 @pytest.mark.parametrize("lp_dtype,rlp_dtype", [(torch.bfloat16, torch.float32), (torch.float64, torch.float16),
                                                (torch.float16, torch.bfloat16)], ids=str)
-def test_pipeline_on_emulated_kernels_with_mixed_dtypes(emu, monkeypatch, lp_dtype, rlp_dtype):
-    """compute_rollout_correction with the emulated CUDA kernels as its passes: a mix of input dtypes is promoted to
-    the wider one (fp16 + bf16 -> fp32) before the kernels, which take one dtype and refuse a mix by name."""
-    from rollout_corr_ext import compute_rollout_correction, ops
-
+def test_pipeline_on_emulated_kernels_with_mixed_dtypes(emu, lp_dtype, rlp_dtype):
+    """compute_rollout_correction on the emulated kernels: each input is read in its own dtype (no promotion copy),
+    the math runs in fp32 (fp64 when either input is fp64)."""
     lp, rlp, mask = make_inputs(9, 40, seed=21, scale=0.2, pad_rows=(4,))
     lp, rlp = lp.to(lp_dtype), rlp.to(rlp_dtype)
     cfg = Cfg(**CONFIGS[0])
-    with pytest.raises(RuntimeError, match="rollout_log_prob must have log_prob's dtype"):
-        emu.rollout_seq_stats(lp, rlp, mask, pack_params(cfg))
-    monkeypatch.setattr(ops, "rollout_seq_stats",
-                        lambda *a: emu.rollout_seq_stats(*a, threads=32, schedule=1, max_blocks=2))
-    monkeypatch.setattr(ops, "rollout_token_pass",
-                        lambda *a: emu.rollout_token_pass(*a, threads=64, schedule=1, max_blocks=3))
-    res = compute_rollout_correction(lp, rlp, mask, cfg)
-    w_d, m_d, met = R.rollout_correction_dense(lp.double(), rlp.double(), mask, cfg)
+    with rollout_backend("emulated", threads=32, schedule=1, max_blocks=2):
+        res = compute_rollout_correction(lp, rlp, mask, cfg)
+    w_d, m_d, met = rollout_correction_dense(lp.double(), rlp.double(), mask, cfg)
     acc = torch.float64 if torch.float64 in (lp_dtype, rlp_dtype) else torch.float32
     assert res.weights.dtype == acc
     errors = compare_metrics(res.metrics, met, acc)
@@ -150,8 +167,8 @@ MUTANTS = {
         "      out_max[k - N] = t;\n    }\n  }",
     ),
     "off_by_one_sweep": (
-        "for (int64_t t = threadIdx.x; t < p.cols; t += blockDim.x) {\n      const mask_t mv",
-        "for (int64_t t = threadIdx.x; t + 1 < p.cols; t += blockDim.x) {\n      const mask_t mv",
+        "for (int64_t t = threadIdx.x; t < p.cols; t += blockDim.x) {\n      const rc::TokenOut<acc_t> o",
+        "for (int64_t t = threadIdx.x; t + 1 < p.cols; t += blockDim.x) {\n      const rc::TokenOut<acc_t> o",
     ),
 }
 
@@ -161,20 +178,20 @@ sys.path[:0] = [{root!r}]
 from rollout_corr_testing.cuda_emulator.loader import load_emulator
 load_emulator(kernel_override_dir={dir!r})
 from rollout_corr_testing.rc_testutil import make_inputs
-from rollout_corr_ext import RolloutCorrectionConfig as Cfg, reference as R
-from rollout_corr_ext.correction import pack_params
+from rollout_corr_ext import RolloutCorrectionConfig as Cfg, fallback
+from rollout_corr_ext.correction import op_args
 cfg = Cfg(rollout_is="token", rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="1.3,0.02")
 lp, rlp, m = make_inputs(4, 200, seed=1)
 m[1] = True  # a full row (its last token is valid)
 lp[1] = rlp[1] + 0.1
-p = pack_params(cfg)
+a = op_args(cfg)
 caught = False
 try:
     for sched in (0, 1):
-        st_ref = R.rollout_seq_stats(lp, rlp, m, p)
-        st = torch.ops.rollout_corr_emu.rollout_seq_stats(lp, rlp, m, p, threads=128, schedule=sched)
-        out = torch.ops.rollout_corr_emu.rollout_token_pass(lp, rlp, m, st_ref, p, True, threads=128, schedule=sched)
-        ref = R.rollout_token_pass(lp, rlp, m, st_ref, p, True)
+        st_ref = fallback.rollout_seq_stats(lp, rlp, m, *a)
+        st = torch.ops.rollout_corr_emu.rollout_seq_stats(lp, rlp, m, *a, threads=128, schedule=sched)
+        out = torch.ops.rollout_corr_emu.rollout_token_pass(lp, rlp, m, st_ref, *a, True, threads=128, schedule=sched)
+        ref = fallback.rollout_token_pass(lp, rlp, m, st_ref, *a, True)
         ok = (torch.allclose(st, st_ref, rtol=1e-4, atol=1e-4) and torch.equal(out[1], ref[1])
               and torch.allclose(out[2], ref[2], rtol=1e-4, atol=1e-4) and torch.allclose(out[3], ref[3]))
         caught |= not ok

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from rollout_corr_testing.rc_testutil import PREFIX, TOL, compare_metrics, make_inputs
 from rollout_corr_ext import RolloutCorrectionConfig as Cfg
 from rollout_corr_ext import compute_offpolicy_metrics, compute_rollout_correction
-from rollout_corr_ext import reference as R
+from rollout_corr_testing import dense_oracles as R
 
 B, T = 24, 48
 CASES = [

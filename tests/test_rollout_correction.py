@@ -1,7 +1,8 @@
 """Rollout correction (DESIGN §3) on one process: the two-pass pipeline against the fp64 dense oracle.
 
-Runs on the compiled ops when the extension is active and on ``reference.py`` otherwise
-(``ROLLOUT_CORR_FORCE_REFERENCE=1``); both must pass.
+Runs on the compiled ops when the extension is active and on the pure-PyTorch fallback otherwise
+(``ROLLOUT_CORR_FORCE_REFERENCE=1``); both must pass. The independent oracle and the emulated kernels have their
+own files (test_rollout_oracle.py, test_cuda_emulator_rollout.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rollout_corr_testing.rc_testutil import PERCENTILE_RTOL, PREFIX, TOL, assert_weights_mask, compare_metrics, make_inputs
 from rollout_corr_ext import RolloutCorrectionConfig as Cfg
 from rollout_corr_ext import compute_offpolicy_metrics, compute_rollout_correction
-from rollout_corr_ext import reference as R
+from rollout_corr_ext import _layout as LY
+from rollout_corr_testing import dense_oracles as R
 
 
 def _check(cfg, lp, rlp, mask, dtype=torch.float32, skip=(), **kw):
@@ -286,16 +288,16 @@ def test_mixed_input_dtypes_promote_to_the_wider(lp_dtype, rlp_dtype):
 def test_passes_on_a_rank_without_rows(level):
     """A DP rank may hold no rows: its partials are the neutral elements (0 sums, -inf maxima), on every backend."""
     from rollout_corr_ext import ops
-    from rollout_corr_ext.correction import pack_params
+    from rollout_corr_ext.correction import op_args
 
     lp, rlp, mask = (x[:0] for x in make_inputs(3, 16, seed=33))
-    params = pack_params(Cfg(rollout_is=level, rollout_rs="token_k1,seq_mean_k3,geometric,seq_max_k2",
-                             rollout_rs_threshold="0.7_1.3,0.02,0.99_1.01,0.1"))
-    st = ops.rollout_seq_stats(lp, rlp, mask, params)
-    w, m, sums, maxes = ops.rollout_token_pass(lp, rlp, mask, st, params, True)
-    assert st.shape == (0, R.RC_SEQ_COLS) and m.shape == (0, 16)
+    args = op_args(Cfg(rollout_is=level, rollout_rs="token_k1,seq_mean_k3,geometric,seq_max_k2",
+                       rollout_rs_threshold="0.7_1.3,0.02,0.99_1.01,0.1"))
+    st = ops.rollout_seq_stats(lp, rlp, mask, args)
+    w, m, sums, maxes = ops.rollout_token_pass(lp, rlp, mask, st, args, True)
+    assert st.shape == (0, LY.SEQ_COLS) and m.shape == (0, 16)
     assert (sums == 0).all() and (maxes == -math.inf).all()
-    assert (sums.numel(), maxes.numel()) == R.rc_partial_sizes(4)
+    assert (sums.numel(), maxes.numel()) == LY.partial_sizes(4)
 
 
 @pytest.mark.parametrize("dtype,weights_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
@@ -416,35 +418,54 @@ def test_verl_parity(cfg):
 
 # --------------------------------------------------------------------------------------------- compiled ops
 
+from rollout_corr_ext import fallback as _fallback  # noqa: E402
 from rollout_corr_ext import ops as _ops  # noqa: E402
-from rollout_corr_ext.correction import pack_params  # noqa: E402
+from rollout_corr_ext.correction import op_args  # noqa: E402
 
-_HAS_OPS = _ops._rollout_compiled("rollout_token_pass", torch.device("cpu"))
+_HAS_OPS = _ops._has_kernel(torch.device("cpu"))
 
 
 @pytest.mark.skipif(not _HAS_OPS, reason="the compiled rollout_corr CPU kernels are not loaded (build the extension, "
-                                         "or ROLLOUT_CORR_JIT=1); the reference backend is what runs")
-@pytest.mark.parametrize("dtype,mask_dtype", [(torch.float32, torch.bool), (torch.bfloat16, torch.int64),
-                                              (torch.float64, torch.float32), (torch.float16, torch.int32)])
+                                         "or ROLLOUT_CORR_JIT=1); the pure-PyTorch fallback is what runs")
+@pytest.mark.parametrize("dtype,rlp_dtype,mask_dtype", [
+    (torch.float32, torch.float32, torch.bool), (torch.bfloat16, torch.bfloat16, torch.int64),
+    (torch.float64, torch.float64, torch.float32), (torch.float16, torch.float16, torch.int32),
+    (torch.bfloat16, torch.float32, torch.uint8), (torch.float16, torch.float64, torch.float16)])
 @pytest.mark.parametrize("cfg_kw", [
     dict(rollout_is="token", rollout_rs="token_k1,seq_mean_k3,token", rollout_rs_threshold="1.3,0.02,0.8_1.25",
          rollout_token_veto_threshold=0.5),
     dict(rollout_is="sequence", rollout_is_threshold="0.5_5.0", rollout_rs="seq_max_k2,geometric",
          rollout_rs_threshold="0.05,0.99_1.01"),
 ])
-def test_compiled_passes_match_reference_and_opcheck(cfg_kw, dtype, mask_dtype):
-    lp, rlp, mask = make_inputs(6, 40, seed=20, pad_rows=(2,), dtype=dtype)
-    mask = mask.to(mask_dtype)
-    params = pack_params(Cfg(**cfg_kw))
-    st = torch.ops.rollout_corr.rollout_seq_stats.default(lp, rlp, mask, params)
-    st_ref = R.rollout_seq_stats(lp, rlp, mask, params)
-    tol = TOL[torch.float64 if dtype == torch.float64 else torch.float32]
+def test_compiled_passes_match_fallback_and_opcheck(cfg_kw, dtype, rlp_dtype, mask_dtype):
+    """The CPU kernels (SIMD lanes, chunked loads of every dtype, padded tails) against the fallback, pass by pass,
+    on ragged rows whose lengths are not multiples of the chunk; and torch.library.opcheck of the schemas."""
+    lp, rlp, mask = make_inputs(6, 150, seed=20, pad_rows=(2,), dtype=dtype)
+    rlp, mask = rlp.to(rlp_dtype), mask.to(mask_dtype)
+    args = op_args(Cfg(**cfg_kw))
+    st = torch.ops.rollout_corr.rollout_seq_stats.default(lp, rlp, mask, *args)
+    st_ref = _fallback.rollout_seq_stats(lp, rlp, mask, *args)
+    tol = TOL[torch.float64 if torch.float64 in (dtype, rlp_dtype) else torch.float32]
     torch.testing.assert_close(st, st_ref, rtol=tol["rtol"] * 10, atol=tol["atol"] * 10)
-    out = torch.ops.rollout_corr.rollout_token_pass.default(lp, rlp, mask, st_ref, params, True)
-    ref = R.rollout_token_pass(lp, rlp, mask, st_ref, params, True)
+    out = torch.ops.rollout_corr.rollout_token_pass.default(lp, rlp, mask, st_ref, *args, True)
+    ref = _fallback.rollout_token_pass(lp, rlp, mask, st_ref, *args, True)
     torch.testing.assert_close(out[0], ref[0], **tol)
     assert out[1].dtype == mask_dtype and torch.equal(out[1], ref[1])
     torch.testing.assert_close(out[2], ref[2], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[3], ref[3], rtol=1e-6, atol=1e-7)
-    torch.library.opcheck(torch.ops.rollout_corr.rollout_seq_stats.default, (lp, rlp, mask, params))
-    torch.library.opcheck(torch.ops.rollout_corr.rollout_token_pass.default, (lp, rlp, mask, st, params, True))
+    torch.library.opcheck(torch.ops.rollout_corr.rollout_seq_stats.default, (lp, rlp, mask, *args))
+    torch.library.opcheck(torch.ops.rollout_corr.rollout_token_pass.default, (lp, rlp, mask, st, *args, True))
+    torch.library.opcheck(torch.ops.rollout_corr.rollout_check.default, (out[2], None, lp, rlp, mask, False))
+
+
+def test_fakes_work_on_meta_tensors_before_any_wrapper_ran():
+    """register_fake at import: the ops trace on meta tensors (shapes and dtypes only)."""
+    lp = torch.empty(3, 5, device="meta", dtype=torch.bfloat16)
+    rlp = torch.empty(3, 5, device="meta", dtype=torch.float64)
+    mask = torch.empty(3, 5, device="meta", dtype=torch.bool)
+    args = op_args(Cfg(rollout_is="token", rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="1.3,0.02"))
+    st = torch.ops.rollout_corr.rollout_seq_stats.default(lp, rlp, mask, *args)
+    assert st.shape == (3, LY.SEQ_COLS) and st.dtype == torch.float64
+    w, m, s, x = torch.ops.rollout_corr.rollout_token_pass.default(lp, rlp, mask, st, *args, True)
+    assert w.shape == (3, 5) and w.dtype == torch.float64 and m.dtype == torch.bool
+    assert (s.numel(), x.numel()) == LY.partial_sizes(2)
