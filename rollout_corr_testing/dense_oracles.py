@@ -69,7 +69,7 @@ def rollout_correction_dense(
     lr = lp - rlp
     n_row = m.sum(-1)
     n_tok = m.sum()
-    rows = float(lr.shape[0])
+
 
     def mmean(x, axis=None):  # verl_F.masked_mean
         return (torch.where(mb, x, z) * m).sum(axis) / (m.sum(axis) + RC_EPS)

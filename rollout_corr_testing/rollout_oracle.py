@@ -360,8 +360,10 @@ def rollout_correction_oracle(
                     keep = keep & (tok_stat >= lo)
                 row_vals = rmean(tok_stat)
             else:
-                if stat == "ratio":  # docs: sequence exp(clamp20(sum lr)), geometric exp(clamp20(sum lr / n_b))
-                    s = rsum(lr) if level == "sum" else rsum(lr) / n_b.clamp(min=1.0)
+                if stat == "ratio":
+                    # docs: sequence exp(clamp20(sum lr)); geometric exp(clamp20(sum lr / n_b)), the row mean taken as
+                    # verl's masked_mean (n_b + 1e-8), like the geometric IS level and every seq_mean_* criterion
+                    s = rsum(lr) if level == "sum" else rsum(lr) / (n_b + EPS)
                     row_vals = torch.exp(s.clamp(-CLAMP, CLAMP))
                 elif level == "sum":
                     row_vals = rsum(tok[stat])

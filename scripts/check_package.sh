@@ -22,7 +22,8 @@ done
 python - "$wheel" <<'PY'
 import sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
-for need in ("rollout_corr_ext/csrc/ops.cpp", "rollout_corr_ext/csrc/include/logprob_math.h", "rollout_corr_ext/py.typed"):
+for need in ("rollout_corr_ext/csrc/ops.cpp", "rollout_corr_ext/csrc/include/logprob_math.h",
+             "rollout_corr_ext/csrc/include/rollout_correction_layout.def", "rollout_corr_ext/py.typed"):
     assert need in names, f"wheel lacks {need}"
 assert any(n.startswith("rollout_corr_ext/_C") for n in names), "wheel lacks the compiled module"
 PY

@@ -6,7 +6,6 @@ import torch
 from rollout_corr_testing.logprob_oracle import log_probs_dense
 
 import rollout_corr_ext as rc
-from rollout_corr_ext import fallback as reference
 from rollout_corr_testing.logprob_samples import DTYPES, sample_inputs
 from rollout_corr_testing.tolerances import grad_tol, output_tol
 

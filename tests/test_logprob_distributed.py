@@ -7,7 +7,6 @@ from rollout_corr_testing.logprob_oracle import log_probs_dense
 import torch.distributed as dist
 
 import rollout_corr_ext as rc
-from rollout_corr_ext import fallback as reference
 from rollout_corr_testing.dist_utils import CollectiveCounter, run_workers
 from rollout_corr_testing.tolerances import grad_tol, output_tol
 

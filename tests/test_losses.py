@@ -5,8 +5,6 @@ bad input."""
 from __future__ import annotations
 
 import importlib.util
-import itertools
-import math
 
 import pytest
 import torch
