@@ -65,7 +65,8 @@ __global__ void rollout_seq_stats_kernel(RolloutParams<acc_t> p) {
       const int k = threadIdx.x;
       RC_STG(p.seq_stats + row * rc::seq::kCols + k, k < kSeqPassSums ? out_sum[k] : out_max[k - kSeqPassSums]);
     }
-    __syncthreads();  // out_sum / out_max are rewritten for the next row
+    // No barrier here: out_sum / out_max are rewritten only after the first barrier of the next row's reduction,
+    // which every reader of this row's values must reach first (and `red` only after this row's last barrier).
   }
 }
 
@@ -135,7 +136,7 @@ __global__ void rollout_token_pass_kernel(RolloutParams<acc_t> p) {
       rc::fold_token_acc(c, acc, S, M);
       if (p.row_partials) rc::add_row_partials(c, st, r, S, M);
     }
-    __syncthreads();  // out_sum / out_max are rewritten for the next row
+    // No barrier here (see the pass-1 kernel): thread 0 reads out_* before it reaches the next row's first barrier.
   }
   // This block's histogram into its partial row (each bin is owned by one thread).
   for (int k = threadIdx.x; k < rc::kHistBins; k += blockDim.x)
