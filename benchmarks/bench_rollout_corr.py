@@ -1,22 +1,45 @@
-"""Rollout correction: our two-pass op vs an op-by-op eager implementation in the style of verl.
+"""Rollout correction: our two-pass op vs verl 0.9.1's real implementation, with bandwidth baselines.
 
-Problem (default): B x T = 256 x 8192 (2.1 M tokens), fp32 log-probs, bool mask, token-level TIS (C = 2),
-two RS criteria (token_k1 + seq_mean_k3), every metric read back as Python floats.
+Problem (default): B x T = 256 x 8192 (2.1 M tokens), fp32 log-probs, bool mask (random lengths in [T/4, T]),
+token-level TIS (C = 2) + ``rollout_rs="token_k1,seq_max_k3"`` with thresholds ``"0.5_2.0,0.05"``, every metric
+read back as Python floats. The log-ratio noise varies per row (sigma in [0.01, 0.09]) with rare large spikes, so
+some tokens are clipped / rejected and about a quarter of the sequences are rejected (the run prints the fractions).
 
-Baseline: ``reference.rollout_correction_dense`` run in fp32 without percentiles (verl 0.9.1 has none): one
-torch expression per metric, and one ``.item()`` per metric as verl's ``rollout_corr_helper`` does.
+Rows, all measured in the same run, on the same inputs, interleaved repeat by repeat:
 
-Reported per implementation: median wall time of ``--repeats`` runs (after one warm-up), host syncs
-(``aten::_local_scalar_dense`` dispatches + ``.tolist()`` / ``.item()`` calls; on a GPU each is a device
-sync) before and including the metric read, peak extra resident memory (measured in a fresh subprocess),
-and the effective bandwidth over the bytes a fused implementation must move (inputs read twice, weights and
-mask written once). Run::
+* ours: ``rollout_corr_ext.compute_rollout_correction(lp, rlp, mask, cfg).as_floats()``;
+* verl 0.9.1: ``verl.trainer.ppo.rollout_corr_helper.compute_rollout_correction_and_rejection_mask`` (the real
+  function, imported from the installed package) on ``mask.float()`` (converted once, outside the timing), then
+  every metric read as a Python float, as a trainer does to log them. If verl cannot be imported the row is
+  skipped and the output says so;
+* plain read: the input bytes read once (``lp.sum(); rlp.sum()`` and the mask summed through an int64 view of its
+  bytes, since ``bool.sum()`` is compute-bound): the bandwidth ceiling;
+* plain read + write: ``lp`` and the mask copied into preallocated buffers.
 
-    python benchmarks/bench_rollout_corr.py [--b 256 --t 8192 --repeats 5]
+Before every timed call a 96 MiB buffer is read, so each call starts with its inputs out of the CPU caches (the
+inputs, 18 MiB, would otherwise fit in a large L3 and the plain read would measure cache bandwidth);
+``--warm-cache`` skips that.
 
-``--dist`` instead measures what the cross-rank checks cost (issue 8 §7) on 2 gloo ranks (one thread each), per
-call of ``compute_rollout_correction`` on a ``--b`` x ``--t`` shard per rank: DP (``dp_group``: the partials travel at
-the fixed wire size with the config fingerprint, no extra collective) and CP (``seq_group``: one extra 16-byte
+Columns: median wall time of ``--repeats`` runs (after one warm-up); speed-up vs verl; host syncs
+(``aten::_local_scalar_dense`` dispatches, i.e. ``.item()`` / ``float()`` / ``bool()`` of a tensor, plus
+``Tensor.tolist()`` calls, which do not dispatch it; in parentheses, ops whose output shape depends on the data --
+boolean indexing, ``nonzero``, ``masked_select`` -- which also synchronise on a GPU); peak extra resident memory of
+one call (measured in a fresh subprocess, inputs already allocated); effective GB/s over the bytes a fused
+implementation must move (inputs read twice: 2 x (4 + 4 + 1) B/token, weights written 4 B/token, mask written
+1 B/token; the baseline rows count the bytes they move themselves: 9 and 10 B/token); that bandwidth as a
+fraction of the plain read's; number of metrics. The peak memory counts every page the call touches that was not
+resident before it (buffers it allocates, and the baselines' preallocated outputs, first touched by the call).
+Run::
+
+    python benchmarks/bench_rollout_corr.py [--b 256 --t 8192 --repeats 5 --threads N --warm-cache]
+
+On a machine shared with other jobs every multi-threaded op can wait a scheduler time slice for its worker
+thread, which inflates implementations made of many small ops (verl: ~500) far more than ours (3 op calls): the
+run prints how much CPU other processes used while it was timing; ``--threads 1`` is less sensitive to that.
+
+``--dist`` instead measures what the cross-rank checks cost on 2 gloo ranks (one thread each), per call of
+``compute_rollout_correction`` on a ``--b`` x ``--t`` shard per rank: DP (``dp_group``: the partials travel at the
+fixed wire size with the config fingerprint, no extra collective) and CP (``seq_group``: one extra 16-byte
 all-reduce of the row counts before the per-row reduce). Baselines in the same run: the bare collectives of the
 previous layout (SUM + MAX of this config's unpadded partials), and the row-count check alone::
 
@@ -32,62 +55,163 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+warnings.filterwarnings("ignore")
 
 import rollout_corr_ext as rc  # noqa: E402
-from rollout_corr_ext import reference as R  # noqa: E402
 
-CFG = dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1,seq_mean_k3",
-           rollout_rs_threshold="0.5_2.0,0.05")
+RS = "token_k1,seq_max_k3"
+RS_THRESHOLD = "0.5_2.0,0.05"
+CFG = dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs=RS, rollout_rs_threshold=RS_THRESHOLD)
+CFG_TEXT = f"token TIS (C=2) + rollout_rs={RS!r} (thresholds {RS_THRESHOLD!r})"
+
+OURS = "ours: compute_rollout_correction(...).as_floats()"
+VERL = "verl 0.9.1: compute_rollout_correction_and_rejection_mask + float(metric) each"
+READ = "plain read of the inputs (lp, rlp, mask)"
+COPY = "plain read + write (copy lp and mask)"
+#: bytes per token each row moves: the fused minimum for the two implementations, their own for the baselines
+BYTES_PER_TOKEN = {OURS: 2 * (4 + 4 + 1) + 4 + 1, VERL: 2 * (4 + 4 + 1) + 4 + 1, READ: 4 + 4 + 1, COPY: 2 * (4 + 1)}
 
 
 def make_inputs(b: int, t: int):
     g = torch.Generator().manual_seed(0)
     rlp = -torch.rand(b, t, generator=g) * 4.0
-    lp = rlp + torch.randn(b, t, generator=g) * 0.2
+    sigma = 0.01 + 0.08 * torch.rand(b, 1, generator=g)  # per-row mismatch level
+    noise = torch.randn(b, t, generator=g) * sigma
+    spikes = torch.rand(b, t, generator=g) < 5e-5  # rare large disagreements (TIS clips, token_k1 rejects)
+    noise = torch.where(spikes, noise + torch.randn(b, t, generator=g), noise)
+    lp = rlp + noise
     lengths = torch.randint(t // 4, t + 1, (b,), generator=g)
     mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)
     return lp, rlp, mask
 
 
-def run_ours(lp, rlp, mask, cfg):
-    res = rc.compute_rollout_correction(lp, rlp, mask, cfg)
-    return res.as_floats()
+def _import_verl():
+    """verl's real helper, or (None, why)."""
+    try:
+        import verl
+        import verl.trainer.ppo.rollout_corr_helper as H
+    except Exception as exc:  # noqa: BLE001 - any failure to import means: no verl row, said loudly
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return H, getattr(verl, "__version__", "?")
 
 
-def run_eager(lp, rlp, mask, cfg):
-    _, _, met = R.rollout_correction_dense(lp, rlp, mask, cfg, dtype=torch.float32, percentiles=False)
-    return {"rollout_corr/" + k: v.item() for k, v in met.items()}  # verl: one .item() per metric
+# Each setup gets (lp, rlp, mask, cfg) and returns the zero-argument call to time; what it prepares (verl's float
+# mask, the copy buffers) is neither timed nor counted in the peak memory.
 
 
-IMPLS = {"ours (two-pass op)": run_ours, "eager, verl style": run_eager}
+def setup_ours(lp, rlp, mask, cfg):
+    return lambda: rc.compute_rollout_correction(lp, rlp, mask, cfg).as_floats()
+
+
+def setup_verl(lp, rlp, mask, cfg):
+    H, _ = _import_verl()
+    mask_f = mask.float()
+
+    def run():
+        _, _, metrics = H.compute_rollout_correction_and_rejection_mask(
+            lp, rlp, mask_f, rollout_is="token", rollout_is_threshold=2.0, rollout_rs=RS,
+            rollout_rs_threshold=RS_THRESHOLD)
+        return {k: float(v) for k, v in metrics.items()}  # what a trainer's logger does
+
+    return run
+
+
+def _bytes_view(mask):
+    flat = mask.reshape(-1)
+    return flat.view(torch.int64) if flat.numel() % 8 == 0 else flat.view(torch.uint8)
+
+
+def setup_read(lp, rlp, mask, cfg):
+    mview = _bytes_view(mask)
+    return lambda: (lp.sum(), rlp.sum(), mview.sum())
+
+
+def setup_copy(lp, rlp, mask, cfg):
+    buf, mbuf = torch.empty_like(lp), torch.empty_like(mask)
+    return lambda: (buf.copy_(lp), mbuf.copy_(mask))
+
+
+SETUPS = {OURS: setup_ours, VERL: setup_verl, READ: setup_read, COPY: setup_copy}
+
+
+# ------------------------------------------------------------------------------------------- host syncs
+
+_SHAPE_OPS = {torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default}
+_INDEX_OPS = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default}
 
 
 class CountSyncs(TorchDispatchMode):
+    """``_local_scalar_dense`` dispatches (host reads) and data-dependent-shape ops (device syncs on a GPU)."""
+
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.shape_ops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
+        elif func in _SHAPE_OPS:
+            self.shape_ops += 1
+        elif func in _INDEX_OPS and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                        for i in (args[1] if len(args) > 1 else ()) or ()):
+            self.shape_ops += 1
         return func(*args, **(kwargs or {}))
 
 
-def count_syncs(fn, *args):
+def count_syncs(fn):
+    """(host reads, data-dependent-shape ops) of one call. ``Tensor.tolist()`` reads the data directly without
+    dispatching ``_local_scalar_dense``, so it is counted by wrapping it."""
     reads = [0]
     real_tolist = torch.Tensor.tolist
-    torch.Tensor.tolist = lambda self: reads.__setitem__(0, reads[0] + 1) or real_tolist(self)
+
+    def tolist(self):
+        reads[0] += 1
+        return real_tolist(self)
+
+    torch.Tensor.tolist = tolist
     try:
         with CountSyncs() as c:
-            fn(*args)
+            fn()
     finally:
         torch.Tensor.tolist = real_tolist
-    return c.count + reads[0]
+    return c.count + reads[0], c.shape_ops
+
+
+class OtherLoad:
+    """The share of all CPUs used by other processes since construction: busy time in /proc/stat less this
+    process's own CPU time (so a noisy timing can be told from a quiet one)."""
+
+    def __init__(self):
+        self.t0, self.busy0, self.own0 = time.perf_counter(), self._busy(), self._own()
+
+    @staticmethod
+    def _busy() -> float:
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+        except OSError:
+            return float("nan")
+        return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system
+
+    def share(self) -> float:
+        wall = time.perf_counter() - self.t0
+        other = (self._busy() - self.busy0) - (self._own() - self.own0)
+        return max(other, 0.0) / (wall * (os.cpu_count() or 1))
+
+
+# ------------------------------------------------------------------------------------------- memory
 
 
 def _rss_kib(field: str) -> int:
@@ -101,13 +225,35 @@ def _rss_kib(field: str) -> int:
 def measure_peak_memory(name: str, b: int, t: int) -> float:
     """Peak extra RSS (MiB) of one call, measured in this (fresh) process after the inputs exist."""
     cfg = rc.RolloutCorrectionConfig(**CFG)
-    IMPLS[name](*make_inputs(4, 64), cfg)  # lazy imports and one-off allocations, on a tiny batch
-    lp, rlp, mask = make_inputs(b, t)
+    SETUPS[name](*make_inputs(4, 64), cfg)()  # lazy imports and one-off allocations, on a tiny batch
+    fn = SETUPS[name](*make_inputs(b, t), cfg)
     base = _rss_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
         f.write("5")
-    IMPLS[name](lp, rlp, mask, cfg)
+    fn()
     return (_rss_kib("VmHWM") - base) / 1024.0
+
+
+def peak_memory_subprocess(name: str, b: int, t: int):
+    # A fixed mmap threshold: glibc otherwise raises it after the first large free, keeps the freed input
+    # temporaries on its heap and serves the call's buffers from those already-resident pages (counted as 0).
+    env = dict(os.environ, ROLLOUT_CORR_FORCE_REFERENCE=os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0"),
+               MALLOC_MMAP_THRESHOLD_="65536")
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--b", str(b), "--t", str(t),
+                          "--threads", str(torch.get_num_threads()), "--_memory", name],
+                         capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        print(f"(peak memory of {name!r} could not be measured: {out.stderr.strip().splitlines()[-1:]})")
+        return None
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------------------------- main
+
+
+def _fmt(x: float) -> str:
+    """Three or four significant digits, never in exponent form."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}" if x >= 1 else f"{x:.3f}"
 
 
 def main() -> None:
@@ -115,50 +261,97 @@ def main() -> None:
     ap.add_argument("--b", type=int, default=256)
     ap.add_argument("--t", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
+    ap.add_argument("--warm-cache", action="store_true", help="do not evict the inputs from the caches between calls")
     ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args._memory:
         print(json.dumps(measure_peak_memory(args._memory, args.b, args.t)))
         return
 
+    H, verl_info = _import_verl()
+    names = [OURS, VERL, READ, COPY] if H is not None else [OURS, READ, COPY]
+    if H is None:
+        banner = "!" * 100
+        print(f"{banner}\n!!! verl could not be imported ({verl_info}):\n!!! the verl row is SKIPPED and there is "
+              f"no speed-up column. Install verl==0.9.1 to compare.\n{banner}\n", flush=True)
+
     lp, rlp, mask = make_inputs(args.b, args.t)
     cfg = rc.RolloutCorrectionConfig(**CFG)
     n = lp.numel()
-    fused_bytes = 2 * n * (4 + 4 + 1) + n * (4 + 1)
-    rows = []
-    check = {}
-    times = {name: [] for name in IMPLS}
-    for fn in IMPLS.values():
-        fn(lp, rlp, mask, cfg)  # warm-up
-    for _ in range(args.repeats):  # interleaved, so load from other processes hits both alike
-        for name, fn in IMPLS.items():
-            t0 = time.perf_counter()
-            check[name] = fn(lp, rlp, mask, cfg)
-            times[name].append(time.perf_counter() - t0)
-    for name, fn in IMPLS.items():
-        med = statistics.median(times[name])
-        syncs = count_syncs(fn, lp, rlp, mask, cfg)
-        env = dict(os.environ, ROLLOUT_CORR_FORCE_REFERENCE=os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0"))
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--b", str(args.b), "--t", str(args.t),
-                              "--_memory", name], capture_output=True, text=True, env=env, check=True)
-        peak = float(out.stdout.strip().splitlines()[-1])
-        rows.append((name, med, syncs, peak, fused_bytes / med / 1e9, len(check[name])))
+    fns = {name: SETUPS[name](lp, rlp, mask, cfg) for name in names}
+    flush = None if args.warm_cache else torch.ones(24 * 1024 * 1024)  # 96 MiB, several times any L3
 
-    base = rows[1][1]
-    print(f"rollout correction, B x T = {args.b} x {args.t} ({n / 1e6:.2f} M tokens), token TIS + token_k1 + "
-          f"seq_mean_k3, all metrics; backend={rc.backend()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
+    probe = OtherLoad()
+    results = {name: fn() for name, fn in fns.items()}  # warm-up (and the values compared below)
+    times = {name: [] for name in names}
+    for _ in range(args.repeats):  # interleaved, so load from other processes hits every row alike
+        for name, fn in fns.items():
+            if flush is not None:
+                flush.sum()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+
+    others = probe.share()
+    rows = {}
+    for name in names:
+        med = statistics.median(times[name])
+        syncs, shape_ops = count_syncs(fns[name])
+        peak = peak_memory_subprocess(name, args.b, args.t)
+        gbs = BYTES_PER_TOKEN[name] * n / med / 1e9
+        nmet = len(results[name]) if name in (OURS, VERL) else None
+        rows[name] = (med, syncs, shape_ops, peak, gbs, nmet)
+
+    read_gbs = rows[READ][4]
+    verl_med = rows[VERL][0] if VERL in rows else None
+    ours = results[OURS]
+    cache = "warm caches" if args.warm_cache else "inputs evicted from the caches before each call"
+    print(f"rollout correction, B x T = {args.b} x {args.t} ({n / 1e6:.2f} M tokens), fp32 log-probs, bool mask, "
+          f"{CFG_TEXT}, all metrics read as floats")
+    print(f"backend={rc.backend()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{os.cpu_count()} CPUs, verl {verl_info if H is not None else 'NOT AVAILABLE'}; median of {args.repeats} "
+          f"after a warm-up, {cache};\n"
+          f"other processes used {others:.0%} of the {os.cpu_count()} CPUs while this run was timing (1-min load "
+          f"average now {os.getloadavg()[0]:.1f}, this run included)")
+    print(f"workload: {ours['rollout_corr/rollout_is_ratio_fraction_high']:.1e} of tokens clipped by TIS, "
+          f"{ours['rollout_corr/rollout_rs_token_k1_masked_fraction']:.1e} rejected by token_k1, "
+          f"{ours['rollout_corr/seq_masked_fraction']:.1%} of sequences ("
+          f"{ours['rollout_corr/masked_fraction']:.1%} of tokens) rejected in all")
     print()
-    print("| implementation | median time (ms) | speed-up | host syncs | peak extra memory (MiB) | effective GB/s "
-          "| metrics |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, med, syncs, peak, gbs, nmet in rows:
-        print(f"| {name} | {med * 1e3:.1f} | {base / med:.1f}x | {syncs} | {peak:.0f} | {gbs:.2f} | {nmet} |")
-    shared = set(check[rows[0][0]]) & set(check[rows[1][0]])
-    worst = max(abs(check[rows[0][0]][k] - check[rows[1][0]][k]) / max(abs(check[rows[1][0]][k]), 1e-6)
-                for k in shared)
+    print("| implementation | median time (ms) | speed-up vs verl | host syncs | peak extra memory (MiB) "
+          "| effective GB/s | of plain-read GB/s | metrics |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name in names:
+        med, syncs, shape_ops, peak, gbs, nmet = rows[name]
+        speed = _fmt(verl_med / med) + "x" if verl_med else "n/a (no verl)"
+        sync = f"{syncs}" + (f" (+{shape_ops})" if shape_ops else "")
+        mem = f"{peak:.0f}" if peak is not None else "?"
+        label = name if name in (OURS, VERL) else f"{name}, {BYTES_PER_TOKEN[name]} B/token"
+        print(f"| {label} | {_fmt(med * 1e3)} | {speed} | {sync} | {mem} | {gbs:.2f} | {gbs / read_gbs:.1%} "
+              f"| {nmet if nmet is not None else '-'} |")
     print()
-    print(f"max relative difference over the {len(shared)} shared metrics: {worst:.1e}")
+    print("spread of the timed runs (min - max, ms): " + "; ".join(
+        f"{name.split(':')[0].split(' (')[0]} {_fmt(min(times[name]) * 1e3)} - {_fmt(max(times[name]) * 1e3)}"
+        for name in names))
+    print(f"effective GB/s of ours and verl: {BYTES_PER_TOKEN[OURS]} B/token (inputs read twice, weights + mask "
+          f"written once); host syncs in parentheses: data-dependent-shape ops (boolean indexing, nonzero), which "
+          f"also sync on a GPU")
+    if H is None:
+        print("\n!!! verl row SKIPPED (could not import verl): no metric comparison either.")
+        return
+    theirs = results[VERL]
+    shared = sorted(set(ours) & set(theirs))
+    rel = {k: abs(ours[k] - theirs[k]) / max(abs(theirs[k]), 1e-6) for k in shared}
+    worst = max(rel, key=rel.get)
+    print(f"metrics: ours {len(ours)}, verl {len(theirs)}, shared {len(shared)}; only ours: "
+          f"{', '.join(k.split('/', 1)[1] for k in sorted(set(ours) - set(theirs))) or '-'}; only verl: "
+          f"{', '.join(k.split('/', 1)[1] for k in sorted(set(theirs) - set(ours))) or '-'}")
+    print(f"max relative difference over the {len(shared)} shared metrics (|a - b| / max(|verl|, 1e-6)): "
+          f"{rel[worst]:.1e} at {worst} (ours {ours[worst]!r}, verl {theirs[worst]!r}); "
+          f"{sum(v > 1e-4 for v in rel.values())} above 1e-4")
 
 
 # ------------------------------------------------------------------------------------------- --dist
@@ -190,20 +383,24 @@ def _dist_worker(rank: int, world: int, store: str, b: int, t: int, repeats: int
     lp, rlp, mask = make_inputs(b, t)
     cfg = rc.RolloutCorrectionConfig(**CFG)
     group = dist.group.WORLD
-    params = C.pack_params(cfg)
-    st = rc.ops.rollout_seq_stats(lp, rlp, mask, params)
-    _, _, sums, maxes = rc.ops.rollout_token_pass(lp, rlp, mask, st, params, True)
+    args = C.op_args(cfg, exclude_nonfinite=False)
+    st = rc.ops.rollout_seq_stats(lp, rlp, mask, args)
+    _, _, sums, maxes = rc.ops.rollout_token_pass(lp, rlp, mask, st, args, True)
 
     def bare_reduce():  # the layout before the check: this config's sizes, no fingerprint
         dist.all_reduce(sums.clone(), op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(maxes.clone(), op=dist.ReduceOp.MAX, group=group)
 
     fingerprint = C.config_fingerprint(cfg)
+
+    def checked_reduce():  # what the op does after pass 2: padded reduce, then the agreement + batch checks
+        s, _, agree = C._reduce_partials(sums, maxes, fingerprint, group)
+        rc.ops.rollout_check(s, agree, lp, rlp, mask, False)
+
     rows = []
     for name, fn in [
         ("DP op (dp_group)", lambda: rc.compute_rollout_correction(lp, rlp, mask, cfg, dp_group=group)),
-        ("  its partials reduce: fixed wire size + fingerprint check",
-         lambda: C._raise_config_mismatch(C._reduce_partials(sums, maxes, fingerprint, group)[2], fingerprint)),
+        ("  its partials reduce: fixed wire size + fingerprint and batch checks", checked_reduce),
         ("  baseline: bare SUM + MAX of the unpadded partials", bare_reduce),
         ("CP op (seq_group)", lambda: rc.compute_rollout_correction(lp, rlp, mask, cfg, seq_group=group)),
         ("  its row-count check alone (16-byte MAX all-reduce)", lambda: C._check_seq_rows(lp, group)),
@@ -232,7 +429,7 @@ def dist_main(args) -> None:
             res = json.load(f)
     n = b * t
     print(f"rollout correction across 2 gloo ranks (1 thread each), {b} x {t} per rank ({n / 1e6:.2f} M tokens), "
-          f"token TIS + token_k1 + seq_mean_k3; backend={rc.backend()}, torch {torch.__version__}")
+          f"{CFG_TEXT}; backend={rc.backend()}, torch {torch.__version__}, median of {repeats}")
     print(f"partials per rank: this config {res['own'][0]} + {res['own'][1]} fp64 values; on the wire (any config) "
           f"{res['wire'][0]} + {res['wire'][1]} ({(sum(res['wire']) - sum(res['own'])) * 8} bytes more)")
     print()
@@ -242,7 +439,7 @@ def dist_main(args) -> None:
              "  baseline": f"{own_kib:.1f} KiB copies (counted)", "  its row-count": "16 B (counted)"}
     print("| what | median time (ms) | collectives | effective GB/s | extra memory |")
     print("|---|---:|---:|---:|---:|")
-    fused_bytes = 2 * n * (4 + 4 + 1) + n * (4 + 1)
+    fused_bytes = n * BYTES_PER_TOKEN[OURS]
     for name, ms, calls in res["rows"]:
         gbs = f"{fused_bytes / (ms * 1e-3) / 1e9:.2f}" if "op" in name.split("(")[0] else "-"
         mem = next((v for k, v in extra.items() if name.startswith(k)), "see the single-process table")
