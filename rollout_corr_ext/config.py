@@ -16,7 +16,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
-__all__ = ["RolloutCorrectionConfig", "RSCriterion", "ISSpec", "IS_LEVELS", "RS_CRITERIA", "LOSS_TYPES"]
+__all__ = ["RolloutCorrectionConfig", "RSCriterion", "ISSpec", "IS_LEVELS", "RS_CRITERIA", "LOSS_TYPES",
+           "VERL_ONLY_KEYS", "config_items"]
 
 #: IS aggregation levels (verl 0.9.1 has token and sequence; geometric is the original API's).
 IS_LEVELS: Tuple[str, ...] = ("token", "sequence", "geometric")
@@ -133,6 +134,30 @@ def _split_spec(spec: Union[str, float, int], field: str) -> Tuple[Optional[floa
             raise ValueError(f"{field}: expected 'L_U' (one underscore), got {spec!r}")
         return _parse_float(parts[0].strip(), field), _parse_float(parts[1].strip(), field)
     return None, _parse_float(text, field)
+
+
+#: Keys verl's config objects (and their Hydra YAML) carry that are not settings: ignored by every ``from_dict``.
+VERL_ONLY_KEYS = frozenset({"_target_"})
+
+
+def config_items(data: Any, what: str) -> Tuple[Dict[str, Any], bool]:
+    """``(settings dict, typed)`` of a config given as a mapping, an OmegaConf ``DictConfig`` or a dataclass
+    instance (verl's ``BaseConfig`` subclasses are both dataclasses and mappings). ``typed`` is True for a dataclass
+    instance: its fields are its own schema, so fields a reader does not know may be ignored. Values are not copied
+    (nested configs stay what they are); a ``DictConfig`` is resolved into plain containers."""
+    try:  # without importing omegaconf eagerly
+        from omegaconf import DictConfig, OmegaConf  # type: ignore
+
+        if isinstance(data, DictConfig):
+            return dict(OmegaConf.to_container(data, resolve=True)), False  # type: ignore[arg-type]
+    except ImportError:
+        pass
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        return {f.name: getattr(data, f.name) for f in dataclasses.fields(data)}, True
+    if isinstance(data, Mapping) or (hasattr(data, "keys") and hasattr(data, "__getitem__")):
+        return {k: data[k] for k in data.keys()}, False
+    raise TypeError(f"{what}: expected a mapping, an OmegaConf DictConfig or a dataclass config, got "
+                    f"{type(data).__name__}")
 
 
 @dataclass(frozen=True)
@@ -311,23 +336,25 @@ class RolloutCorrectionConfig:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RolloutCorrectionConfig":
-        """Build from a dict or an OmegaConf ``DictConfig`` with the current field names (unknown keys: error)."""
+    def from_dict(cls, data: Any) -> "RolloutCorrectionConfig":
+        """Build from a dict, an OmegaConf ``DictConfig`` or another typed config with these field names (verl's
+        ``RolloutCorrectionConfig`` included).
+
+        Known fields are validated as in the constructor; keys verl's configs carry that are not settings
+        (``_target_``) are ignored. A typed config object (a dataclass, e.g. verl's) may carry more fields of its
+        own: those are ignored too. In a plain dict or ``DictConfig`` any other key is an error (a typo must not
+        silently fall back to a default). ``None`` gives :meth:`disabled`.
+        """
         if data is None:
             return cls.disabled()
-        try:  # OmegaConf DictConfig -> plain container, without importing omegaconf eagerly
-            from omegaconf import DictConfig, OmegaConf  # type: ignore
-
-            if isinstance(data, DictConfig):
-                data = OmegaConf.to_container(data, resolve=True)  # type: ignore[assignment]
-        except ImportError:
-            pass
-        data = dict(data)
-        unknown = sorted(set(data) - set(_FIELD_NAMES))
-        if unknown:
+        if isinstance(data, cls):
+            return data
+        d, typed = config_items(data, "RolloutCorrectionConfig.from_dict")
+        unknown = sorted(k for k in d if k not in _FIELD_NAMES and k not in VERL_ONLY_KEYS)
+        if unknown and not typed:
             raise ValueError(f"unknown RolloutCorrectionConfig field(s) {unknown}; allowed: {list(_FIELD_NAMES)} "
                              f"(for the old flat keys use RolloutCorrectionConfig.from_legacy)")
-        return cls(**data)
+        return cls(**{k: v for k, v in d.items() if k in _FIELD_NAMES})
 
     @classmethod
     def from_legacy(cls, data: Mapping[str, Any]) -> "RolloutCorrectionConfig":

@@ -333,6 +333,11 @@ def _token_stat(stat: int, l: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
     return rho
 
 
+def _crit_centre(stat: int) -> float:
+    """What a criterion's std sums are centred on: 1 for ratio statistics, 0 for k1 / k2 / k3."""
+    return 1.0 if stat == LY.RS_STAT["ratio"] else 0.0
+
+
 def _token_is_weight(rho, is_mask, is_lower, is_upper):
     if is_mask:
         return torch.where((rho >= is_lower) & (rho <= is_upper), rho, torch.zeros_like(rho))
@@ -448,8 +453,8 @@ def rollout_token_pass(log_prob, rollout_log_prob, mask, seq_stats, is_level, is
         weights = w * vf
         wc = w.clamp(0.0, is_upper)
         S[_SUM["is_weight"]] += tsum(w)
-        S[_SUM["is_weight_clamped"]] += tsum(wc)
-        S[_SUM["is_weight_clamped_sq"]] += tsum(wc * wc)
+        S[_SUM["is_wc_dev"]] += tsum(wc - 1.0)  # deviations from 1: no cancellation in the std
+        S[_SUM["is_wc_dev_sq"]] += tsum((wc - 1.0) ** 2)
         S[_SUM["is_high"]] += tsum((rho > is_upper).to(acc))
         S[_SUM["is_low"]] += tsum((rho < is_metric_lower).to(acc))
         if is_mask:
@@ -468,8 +473,9 @@ def rollout_token_pass(log_prob, rollout_log_prob, mask, seq_stats, is_level, is
         token_rejected |= ~_keep(s, lower, upper, apply_lower)
         sc = s.clamp(lower if apply_lower else 0.0, upper)
         S[LY.crit_sum(i, "stat")] += tsum(s)
-        S[LY.crit_sum(i, "clamped")] += tsum(sc)
-        S[LY.crit_sum(i, "clamped_sq")] += tsum(sc * sc)
+        centre = _crit_centre(stat)
+        S[LY.crit_sum(i, "clamped_dev")] += tsum(sc - centre)
+        S[LY.crit_sum(i, "clamped_dev_sq")] += tsum((sc - centre) ** 2)
         S[LY.crit_sum(i, "high")] += tsum((s > upper).to(acc))
         if apply_lower:
             S[LY.crit_sum(i, "low")] += tsum((s < lower).to(acc))
@@ -517,8 +523,8 @@ def _row_partials(S, M, st, is_level, is_mask, is_lower, is_upper, is_metric_low
         else:
             wc = w_b.clamp(0.0, is_upper)
             S[_SUM["seq_is_weight"]] += (nd * f(w_b)).sum()
-            S[_SUM["seq_is_weight_clamped"]] += (nd * f(wc)).sum()
-            S[_SUM["seq_is_weight_clamped_sq"]] += (nd * f(wc) ** 2).sum()
+            S[_SUM["seq_is_wc_dev"]] += (nd * (f(wc) - 1.0)).sum()
+            S[_SUM["seq_is_wc_dev_sq"]] += (nd * (f(wc) - 1.0) ** 2).sum()
             S[_SUM["seq_is_high"]] += f(log_w > math.log(is_upper)).sum()
             S[_SUM["seq_is_low"]] += f(log_w < math.log(is_metric_lower)).sum()
             if is_mask:
@@ -541,8 +547,9 @@ def _row_partials(S, M, st, is_level, is_mask, is_lower, is_upper, is_metric_low
         if lvl != _TOKEN:
             sc = v.clamp(lower if apply_lower else 0.0, upper)
             S[LY.crit_sum(i, "stat")] += (nd * f(v)).sum()
-            S[LY.crit_sum(i, "clamped")] += (nd * f(sc)).sum()
-            S[LY.crit_sum(i, "clamped_sq")] += (nd * f(sc) ** 2).sum()
+            centre = _crit_centre(stat)
+            S[LY.crit_sum(i, "clamped_dev")] += (nd * (f(sc) - centre)).sum()
+            S[LY.crit_sum(i, "clamped_dev_sq")] += (nd * (f(sc) - centre) ** 2).sum()
             S[LY.crit_sum(i, "high")] += f((v > upper) & sv).sum()
             if apply_lower:
                 S[LY.crit_sum(i, "low")] += f((v < lower) & sv).sum()

@@ -83,6 +83,25 @@ def _positive_or_none(name: str, value) -> None:
         raise ValueError(f"{msg}, got {value!r}")
 
 
+#: The global normalisers of :func:`agg_loss` (verl's ``global_batch_info`` keys).
+_NORMALISERS = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
+
+#: Field names of verl 0.9.1's actor configs (``ActorConfig`` and its FSDP / Megatron / VeOmni / TorchTitan
+#: subclasses, and the keys of its actor YAML). ``PolicyLossConfig.from_dict`` ignores them in a plain dict.
+VERL_ACTOR_FIELDS = frozenset((
+    "calculate_entropy", "calculate_sum_pi_squared", "checkpoint", "clip_ratio", "clip_ratio_c", "clip_ratio_high",
+    "clip_ratio_low", "data_loader_seed", "engine", "entropy_checkpointing", "entropy_coeff",
+    "entropy_from_logits_chunk_size", "entropy_from_logits_with_chunking", "freeze_vision_tower", "fsdp_config",
+    "global_batch_info", "grad_clip", "kl_loss_coef", "kl_loss_type", "loss_agg_mode", "loss_scale_factor",
+    "megatron", "model_config", "optim", "pad_to_length", "policy_loss", "ppo_epochs",
+    "ppo_infer_max_token_len_per_gpu", "ppo_infer_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu",
+    "ppo_micro_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_mini_batch_size", "profile", "profiler", "qat",
+    "rollout_n", "shuffle", "strategy", "tau_neg", "tau_pos", "torchtitan", "ulysses_sequence_parallel_size",
+    "use_dynamic_bsz", "use_fused_kernels", "use_kl_loss", "use_prefix_grouper", "use_remove_padding",
+    "use_rollout_log_probs", "use_torch_compile", "veomni",
+))
+
+
 @dataclass(frozen=True)
 class PolicyLossConfig:
     """What verl's ``ActorConfig`` carries for the policy loss, validated when built.
@@ -124,8 +143,17 @@ class PolicyLossConfig:
         _positive_or_none("global_batch_size", self.global_batch_size)
         _positive_or_none("loss_scale_factor", self.loss_scale_factor)
         rc = self.rollout_correction
-        if rc is not None and not hasattr(rc, "loss_type"):
-            raise TypeError(f"rollout_correction must be a RolloutCorrectionConfig, got {type(rc).__name__}")
+        if rc is not None:
+            from .config import RolloutCorrectionConfig
+
+            if not isinstance(rc, RolloutCorrectionConfig):
+                # verl's RolloutCorrectionConfig, an OmegaConf DictConfig or a dict: converted (validated) once here.
+                try:
+                    rc = RolloutCorrectionConfig.from_dict(rc)
+                except TypeError:
+                    raise TypeError(f"rollout_correction must be a RolloutCorrectionConfig or a mapping of its "
+                                    f"fields, got {type(self.rollout_correction).__name__}") from None
+                object.__setattr__(self, "rollout_correction", rc)
 
     @property
     def clip_low(self) -> float:
@@ -141,6 +169,58 @@ class PolicyLossConfig:
         return dict(dp_size=self.dp_size, batch_num_tokens=self.batch_num_tokens,
                     global_batch_size=self.global_batch_size, loss_scale_factor=self.loss_scale_factor)
 
+    @classmethod
+    def from_dict(cls, data: Any) -> "PolicyLossConfig":
+        """Build from a dict / OmegaConf ``DictConfig`` of these fields, or from verl's actor config.
+
+        verl's ``ActorConfig`` (a dataclass with attribute access and ``.get``), its ``DictConfig`` form (Hydra
+        ``_target_``) and a dict carrying verl's ``global_batch_info`` / ``policy_loss`` are read as verl reads them
+        in its policy losses: ``clip_ratio``, ``clip_ratio_low`` / ``clip_ratio_high`` (None: ``clip_ratio``),
+        ``clip_ratio_c`` (default 3.0); the normalisers only from ``global_batch_info`` (``dp_size``,
+        ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``; verl's trainer copies the top-level
+        ``loss_scale_factor`` there); ``policy_loss.rollout_correction`` only when ``policy_loss.loss_mode`` is
+        ``"bypass_mode"`` (the only loss of verl that reads it). Every other verl field is ignored.
+
+        A plain dict of this class's fields is validated as the constructor does; verl's actor field names and
+        ``_target_`` are ignored; any other key is a ``ValueError`` naming it (a typo must not fall back to a
+        default silently).
+        """
+        from .config import VERL_ONLY_KEYS, config_items
+
+        if data is None:
+            return cls()
+        if isinstance(data, cls):
+            return data
+        d, typed = config_items(data, "PolicyLossConfig.from_dict")
+        names = {f.name for f in dataclasses.fields(cls)}
+        out = {k: v for k, v in d.items() if k in names}
+        verl_shaped = "_target_" in d or "global_batch_info" in d or "policy_loss" in d
+        if verl_shaped:
+            for k in _NORMALISERS:
+                out.pop(k, None)
+            info = d.get("global_batch_info")
+            info = config_items(info, "global_batch_info")[0] if info is not None else {}
+            unknown = sorted(set(info) - set(_NORMALISERS))
+            if unknown:
+                raise ValueError(f"global_batch_info: unknown key(s) {unknown}; allowed: {list(_NORMALISERS)}")
+            out.update({k: v for k, v in info.items() if v is not None})
+            policy_loss = d.get("policy_loss")
+            if "rollout_correction" not in out and policy_loss is not None:
+                pl = config_items(policy_loss, "policy_loss")[0]
+                if pl.get("loss_mode", "vanilla") == "bypass_mode":
+                    out["rollout_correction"] = pl.get("rollout_correction")
+            if out.get("clip_ratio_c") is None:
+                out.pop("clip_ratio_c", None)
+        if not (verl_shaped or typed):  # a typed config (a dataclass) has its own schema: extra fields are its own
+            unknown = sorted(k for k in d if k not in names and k not in VERL_ONLY_KEYS and k not in VERL_ACTOR_FIELDS)
+            if unknown:
+                raise ValueError(f"unknown PolicyLossConfig field(s) {unknown}; allowed: {sorted(names)} (and "
+                                 f"verl's actor config fields, which are ignored)")
+        dp = out.get("dp_size")
+        if isinstance(dp, numbers.Integral) and not isinstance(dp, bool):
+            out["dp_size"] = int(dp)
+        return cls(**out)
+
     def with_global_batch(self, **kwargs) -> "PolicyLossConfig":
         """A copy with new global normalisers (``dp_size``, ``batch_num_tokens``, ...); validated again."""
         unknown = set(kwargs) - {"dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor"}
@@ -154,9 +234,19 @@ def _as_config(config) -> PolicyLossConfig:
         return PolicyLossConfig()
     if isinstance(config, PolicyLossConfig):
         return config
-    if isinstance(config, Mapping):
-        return PolicyLossConfig(**config)
-    raise TypeError(f"config must be a PolicyLossConfig, a mapping of its fields or None, got {type(config).__name__}")
+    if isinstance(config, Mapping) or _is_dictconfig(config) or (
+            dataclasses.is_dataclass(config) and not isinstance(config, type)):
+        return PolicyLossConfig.from_dict(config)  # a dict of our fields, verl's ActorConfig, a DictConfig
+    raise TypeError(f"config must be a PolicyLossConfig, a mapping of its fields, verl's actor config or None, got "
+                    f"{type(config).__name__}")
+
+
+def _is_dictconfig(obj) -> bool:
+    try:
+        from omegaconf import DictConfig  # type: ignore
+    except ImportError:
+        return False
+    return isinstance(obj, DictConfig)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -271,13 +361,13 @@ def agg_loss(
     loss_mat: torch.Tensor,
     loss_mask: torch.Tensor,
     loss_agg_mode: str,
-    *,
     dp_size: int = 1,
     batch_num_tokens: Optional[Number] = None,
     global_batch_size: Optional[Number] = None,
     loss_scale_factor: Optional[Number] = None,
 ) -> torch.Tensor:
-    """Aggregate a ``[B, T]`` loss matrix into a scalar, exactly as verl 0.9.1 ``agg_loss`` defines it.
+    """Aggregate a ``[B, T]`` loss matrix into a scalar, exactly as verl 0.9.1 ``agg_loss`` defines it (same
+    parameters in the same order: verl's positional calls work).
 
     * ``token-mean``: sum(m L) / N * dp_size, N = ``batch_num_tokens`` (global valid tokens) or the local count.
     * ``token-sum``: sum(m L) * dp_size.

@@ -25,32 +25,38 @@
 namespace rollout_corr {
 namespace rc {
 
-// The token math on 8 fp32 lanes.
-template <>
-struct LaneMath<cpu::v8f> {
-  using Cond = cpu::v8i;
-  static RC_FORCEINLINE cpu::v8f splat(double c) { return cpu::v8f{} + static_cast<float>(c); }
-  static RC_FORCEINLINE cpu::v8i all_false() { return cpu::v8i{}; }
-  static RC_FORCEINLINE cpu::v8f exp(cpu::v8f x) { return cpu::exp_v8(x); }
-  static RC_FORCEINLINE cpu::v8f exp_exact(cpu::v8f x) {
-    for (int l = 0; l < cpu::kVec; ++l) x[l] = std::exp(x[l]);
+// The token math on CPU SIMD lanes of fp32 (8 lanes: AVX2 / baseline; 16 lanes: AVX-512).
+template <typename VF, typename VI>
+struct SimdLaneMath {
+  using Cond = VI;
+  static constexpr int kWidth = sizeof(VF) / sizeof(float);
+  static RC_FORCEINLINE VF splat(double c) { return VF{} + static_cast<float>(c); }
+  static RC_FORCEINLINE VI all_false() { return VI{}; }
+  static RC_FORCEINLINE VF exp(VF x) { return cpu::exp_vec<VF, VI>(x); }
+  static RC_FORCEINLINE VF exp_exact(VF x) {
+    for (int l = 0; l < kWidth; ++l) x[l] = std::exp(x[l]);
     return x;
   }
-  static RC_FORCEINLINE bool any(cpu::v8i c) {
-    typedef long long v4ll __attribute__((vector_size(32)));
-    v4ll w;
-    std::memcpy(&w, &c, sizeof(w));
-    return (w[0] | w[1] | w[2] | w[3]) != 0;
+  static RC_FORCEINLINE bool any(VI c) {
+    long long w[sizeof(VI) / 8];
+    std::memcpy(w, &c, sizeof(w));
+    long long a = 0;
+    for (int l = 0; l < static_cast<int>(sizeof(VI) / 8); ++l) a |= w[l];
+    return a != 0;
   }
-  // Histogram bins of 8 lanes (hist_index's arithmetic, vectorized; lanes are clamped log-weights, so f >= 0 and
+  // Histogram bins of the lanes (hist_index's arithmetic, vectorized; lanes are clamped log-weights, so f >= 0 and
   // truncation is the floor).
-  static RC_FORCEINLINE cpu::v8i hist_bins(cpu::v8f log_w) {
-    const cpu::v8f f = (log_w - static_cast<float>(k_hist_lo)) * static_cast<float>(k_hist_bins / (k_hist_hi - k_hist_lo));
-    const cpu::v8f top = cpu::v8f{} + static_cast<float>(kHistBins - 1);
-    const cpu::v8f safe = f > 0.0f ? (f < top ? f : top) : cpu::v8f{};  // NaN -> 0
-    return __builtin_convertvector(safe, cpu::v8i);
+  static RC_FORCEINLINE VI hist_bins(VF log_w) {
+    const VF f = (log_w - static_cast<float>(k_hist_lo)) * static_cast<float>(k_hist_bins / (k_hist_hi - k_hist_lo));
+    const VF top = VF{} + static_cast<float>(kHistBins - 1);
+    const VF safe = f > 0.0f ? (f < top ? f : top) : VF{};  // NaN -> 0
+    return __builtin_convertvector(safe, VI);
   }
 };
+template <>
+struct LaneMath<cpu::v8f> : SimdLaneMath<cpu::v8f, cpu::v8i> {};
+template <>
+struct LaneMath<cpu::v16f> : SimdLaneMath<cpu::v16f, cpu::v16i> {};
 
 }  // namespace rc
 
@@ -231,9 +237,17 @@ RC_FORCEINLINE void token_pass_rows(const RolloutParams<acc_t>& p, Partials& P, 
   }
 }
 
-// Non-template entry points, so that RC_CPU_MULTIVERSION (target_clones) can build an AVX2 copy of the fp32 path.
+// Non-template entry points: the fp32 path with 8 lanes under RC_CPU_MULTIVERSION (target_clones: an AVX2 copy and
+// the baseline), and with 16 lanes in an AVX-512 copy picked at run time when the CPU has it.
 RC_CPU_MULTIVERSION void seq_stats_rows_f32(const RolloutParams<float>& p, int64_t begin, int64_t end) {
   seq_stats_rows<cpu::v8f, float>(p, begin, end);
+}
+RC_CPU_AVX512 void seq_stats_rows_f32_avx512(const RolloutParams<float>& p, int64_t begin, int64_t end) {
+  seq_stats_rows<cpu::v16f, float>(p, begin, end);
+}
+RC_CPU_AVX512 void token_pass_rows_f32_avx512(const RolloutParams<float>& p, Partials& P, int64_t begin,
+                                              int64_t end) {
+  token_pass_rows<cpu::v16f, float>(p, P, begin, end);
 }
 void seq_stats_rows_f64(const RolloutParams<double>& p, int64_t begin, int64_t end) {
   seq_stats_rows<double, double>(p, begin, end);
@@ -244,10 +258,20 @@ RC_CPU_MULTIVERSION void token_pass_rows_f32(const RolloutParams<float>& p, Part
 void token_pass_rows_f64(const RolloutParams<double>& p, Partials& P, int64_t begin, int64_t end) {
   token_pass_rows<double, double>(p, P, begin, end);
 }
-inline void seq_stats_range(const RolloutParams<float>& p, int64_t b, int64_t e) { seq_stats_rows_f32(p, b, e); }
+inline void seq_stats_range(const RolloutParams<float>& p, int64_t b, int64_t e) {
+  if (cpu::has_avx512()) {
+    seq_stats_rows_f32_avx512(p, b, e);
+  } else {
+    seq_stats_rows_f32(p, b, e);
+  }
+}
 inline void seq_stats_range(const RolloutParams<double>& p, int64_t b, int64_t e) { seq_stats_rows_f64(p, b, e); }
 inline void token_pass_range(const RolloutParams<float>& p, Partials& P, int64_t b, int64_t e) {
-  token_pass_rows_f32(p, P, b, e);
+  if (cpu::has_avx512()) {
+    token_pass_rows_f32_avx512(p, P, b, e);
+  } else {
+    token_pass_rows_f32(p, P, b, e);
+  }
 }
 inline void token_pass_range(const RolloutParams<double>& p, Partials& P, int64_t b, int64_t e) {
   token_pass_rows_f64(p, P, b, e);

@@ -84,6 +84,10 @@ RC_HD RC_FORCEINLINE auto crit_keeps(V s, acc_t lower, acc_t upper, bool apply_l
   return apply_lower ? ((s <= splat<V>(upper)) & (s >= splat<V>(lower))) : (s <= splat<V>(upper));
 }
 
+// The value the std sums of a criterion are centred on (its statistic's typical value): 1 for ratio statistics
+// (rho ~ 1), 0 for k1 / k2 / k3 (~ 0). Centred sums keep E[x^2] - E[x]^2 free of fp32 cancellation.
+RC_HD RC_FORCEINLINE double crit_centre(int stat) { return stat == rs_stat::ratio ? 1.0 : 0.0; }
+
 // Token-level IS weight: TIS min(rho, U), IcePop rho * 1[L <= rho <= U].
 template <typename V, typename acc_t>
 RC_HD RC_FORCEINLINE V token_is_weight(V rho, const Config<acc_t>& c) {
@@ -266,8 +270,9 @@ RC_HD RC_FORCEINLINE TokenOut<V> token_pass_token(const Config<acc_t>& c, const 
     const V wc = w < zero ? zero : (w > upper ? upper : w);
     out.weight = select(k.valid, w, zero);
     t.sum[tok_sum::is_weight] += out.weight;
-    t.sum[tok_sum::is_weight_clamped] += select(k.valid, wc, zero);
-    t.sum[tok_sum::is_weight_clamped_sq] += select(k.valid, wc * wc, zero);
+    const V dev = select(k.valid, wc - one, zero);  // exact in fp32 near 1 (Sterbenz)
+    t.sum[tok_sum::is_wc_dev] += dev;
+    t.sum[tok_sum::is_wc_dev_sq] += dev * dev;
     t.sum[tok_sum::is_high] += select(k.valid & (rho > upper), one, zero);
     t.sum[tok_sum::is_low] += select(k.valid & (rho < splat<V>(c.is_metric_lower)), one, zero);
     if (c.is_mask)
@@ -290,8 +295,9 @@ RC_HD RC_FORCEINLINE TokenOut<V> token_pass_token(const Config<acc_t>& c, const 
     V* cs = t.crit_sum[j];
     V* cm = t.crit_max[j];
     cs[tok_crit_sum::stat] += select(k.valid, s, zero);
-    cs[tok_crit_sum::clamped] += select(k.valid, sc, zero);
-    cs[tok_crit_sum::clamped_sq] += select(k.valid, sc * sc, zero);
+    const V dev = select(k.valid, sc - splat<V>(crit_centre(c.crit_stat[i])), zero);
+    cs[tok_crit_sum::clamped_dev] += dev;
+    cs[tok_crit_sum::clamped_dev_sq] += dev * dev;
     cs[tok_crit_sum::high] += select(k.valid & (s > upper), one, zero);
     if (apply_lower) cs[tok_crit_sum::low] += select(k.valid & (s < lower), one, zero);
     cm[tok_crit_max::stat] = vmax(cm[tok_crit_max::stat], select(k.valid, s, neg_inf));
@@ -375,8 +381,9 @@ RC_HD inline void add_row_partials(const Config<acc_t>& c, const acc_t* st, cons
     } else {
       const acc_t wc = r.w < acc_t(0) ? acc_t(0) : (r.w > c.is_upper ? c.is_upper : r.w);
       S[sum_slot::seq_is_weight] += nd * static_cast<double>(r.w);
-      S[sum_slot::seq_is_weight_clamped] += nd * static_cast<double>(wc);
-      S[sum_slot::seq_is_weight_clamped_sq] += nd * static_cast<double>(wc) * static_cast<double>(wc);
+      const double dev = static_cast<double>(wc) - 1.0;
+      S[sum_slot::seq_is_wc_dev] += nd * dev;
+      S[sum_slot::seq_is_wc_dev_sq] += nd * dev * dev;
       S[sum_slot::seq_is_high] += r.log_w > c.log_is_upper;
       S[sum_slot::seq_is_low] += r.log_w < c.log_is_metric_lower;
       if (c.is_mask) S[sum_slot::seq_is_out_of_band] += nd * ((r.raw_w < c.is_lower) || (r.raw_w > c.is_upper));
@@ -404,8 +411,9 @@ RC_HD inline void add_row_partials(const Config<acc_t>& c, const acc_t* st, cons
       const acc_t clamp_min = apply_lower ? lo : acc_t(0);
       const acc_t sc = v < clamp_min ? clamp_min : (v > up ? up : v);
       Sc[crit_sum_slot::stat] += nd * static_cast<double>(v);
-      Sc[crit_sum_slot::clamped] += nd * static_cast<double>(sc);
-      Sc[crit_sum_slot::clamped_sq] += nd * static_cast<double>(sc) * static_cast<double>(sc);
+      const double dev = static_cast<double>(sc) - crit_centre(c.crit_stat[i]);
+      Sc[crit_sum_slot::clamped_dev] += nd * dev;
+      Sc[crit_sum_slot::clamped_dev_sq] += nd * dev * dev;
       Sc[crit_sum_slot::high] += (v > up) && sv;
       if (apply_lower) Sc[crit_sum_slot::low] += (v < lo) && sv;
       if (sv) {

@@ -1,0 +1,576 @@
+"""verl 0.9.1 drop-in: the rollout-correction helper and the policy losses with verl's signatures and return types,
+computed by this package's kernels.
+
+Every function here has the parameters of its verl namesake (names, order, defaults) and returns what verl returns:
+metrics as Python ``float`` s with verl's exact key set, IS weights in a ``DataProto`` where verl returns one, the
+mask in the input mask's dtype. So a verl code base swaps one import line::
+
+    # from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+    from rollout_corr_ext.verl import compute_rollout_correction_and_add_to_batch
+
+and :func:`register_policy_losses` puts the policy losses into verl's ``POLICY_LOSS_REGISTRY`` (``"vanilla"`` and
+``"bypass_mode"``), so verl's actors compute them here without any other change.
+
+Covered (verl module -> name):
+
+* ``verl.trainer.ppo.rollout_corr_helper``: :func:`compute_rollout_correction_and_rejection_mask`,
+  :func:`compute_rollout_correction_and_add_to_batch`, :func:`compute_rollout_correction_weights`,
+  :func:`compute_rollout_rejection_mask`, :func:`compute_offpolicy_metrics`,
+  :func:`compute_rollout_corr_metrics_from_logprobs`, :func:`apply_bypass_mode`; ``SAFETY_BOUND``,
+  ``SUPPORTED_ROLLOUT_RS_OPTIONS``.
+* ``verl.trainer.ppo.core_algos``: :func:`agg_loss`, :func:`compute_policy_loss_vanilla`,
+  :func:`compute_policy_loss_reinforce`, :func:`compute_policy_loss_bypass_mode`, :func:`compute_policy_loss`
+  (verl's deprecated 4-tuple form).
+
+What verl's signatures cannot carry is set once with :func:`configure` (or :func:`configured`, a context manager):
+the process groups (``dp_group`` / ``seq_group``: metrics and batch normalisation exact over the global batch),
+``extra_metrics`` (add this package's keys: IS-weight percentiles, veto and total-masking fractions) and
+``nonfinite``. Differences from verl are listed in ``docs/from_verl.md``.
+
+verl is needed only by the functions that build or take a ``DataProto`` and by :func:`register_policy_losses`;
+they import it when called and raise an ``ImportError`` naming themselves when it is missing. Everything else runs
+without verl installed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import warnings
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, MutableMapping, Optional, Sequence,
+                    Tuple, Union)
+
+import torch
+import torch.distributed as dist
+
+from . import losses as _losses
+from .config import RolloutCorrectionConfig
+from .correction import OFFPOLICY_KEYS, PREFIX, compute_rollout_correction
+from .losses import PolicyLossConfig, agg_loss
+
+if TYPE_CHECKING:  # pragma: no cover
+    from verl.protocol import DataProto
+
+__all__ = [
+    "VERL_VERSION",
+    "SAFETY_BOUND",
+    "SUPPORTED_ROLLOUT_RS_OPTIONS",
+    "configure",
+    "configured",
+    "compute_rollout_correction_and_rejection_mask",
+    "compute_rollout_correction_and_add_to_batch",
+    "compute_rollout_correction_weights",
+    "compute_rollout_rejection_mask",
+    "compute_offpolicy_metrics",
+    "compute_rollout_corr_metrics_from_logprobs",
+    "apply_bypass_mode",
+    "agg_loss",
+    "compute_policy_loss",
+    "compute_policy_loss_vanilla",
+    "compute_policy_loss_reinforce",
+    "compute_policy_loss_bypass_mode",
+    "register_policy_losses",
+    "restore_policy_losses",
+    "rollout_correction_config",
+    "policy_loss_config",
+]
+
+#: The verl release whose signatures, defaults, key sets and return types this module follows.
+VERL_VERSION = "0.9.1"
+#: verl's clamp of log-ratios before ``exp`` (the package uses the same bound).
+SAFETY_BOUND = 20.0
+#: verl's rejection criteria. The functions here also take this package's ratio criteria (``token``,
+#: ``sequence``, ``geometric``); see docs/rollout_correction.md.
+SUPPORTED_ROLLOUT_RS_OPTIONS = frozenset({
+    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1", "seq_mean_k2",
+    "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+})
+
+# ------------------------------------------------------------------------------------------------- settings
+
+_SETTINGS: Dict[str, Any] = {"dp_group": None, "seq_group": None, "extra_metrics": False, "nonfinite": "error"}
+
+
+def configure(**settings: Any) -> Dict[str, Any]:
+    """Set what verl's signatures cannot pass; returns the previous settings (``configure(**previous)`` restores).
+
+    Args (keyword only, each optional):
+        dp_group: the process group one global batch is split over (with context parallelism: data parallel *with*
+            CP). Metrics and batch normalisation are then exact over the global batch. ``None`` (default): this
+            process's rows, except that under an initialised ``torch.distributed`` batch normalisation uses the
+            default group, as verl does.
+        seq_group: the context-parallel group (ranks holding slices of the same sequences), or ``None``.
+        extra_metrics: ``True`` adds this package's metrics to verl's keys (``rollout_is_p5`` ... ``_p95``,
+            ``rollout_is_veto_fraction``, ``rollout_is_catastrophic_token_fraction``, ``masked_fraction``,
+            ``seq_masked_fraction``, and ``nonfinite_token_fraction`` with ``nonfinite="exclude"``). Default False:
+            exactly verl's key set.
+        nonfinite: ``"error"`` (default: NaN / inf log-probs at response tokens raise a ``ValueError``) or
+            ``"exclude"`` (such tokens are dropped from the mask and the weights).
+    """
+    unknown = sorted(set(settings) - set(_SETTINGS))
+    if unknown:
+        raise TypeError(f"configure: unknown setting(s) {unknown}; allowed: {sorted(_SETTINGS)}")
+    if "extra_metrics" in settings and not isinstance(settings["extra_metrics"], bool):
+        raise ValueError(f"extra_metrics must be a bool, got {settings['extra_metrics']!r}")
+    if "nonfinite" in settings and settings["nonfinite"] not in ("error", "exclude"):
+        raise ValueError(f"nonfinite must be 'error' or 'exclude', got {settings['nonfinite']!r}")
+    previous = dict(_SETTINGS)
+    _SETTINGS.update(settings)
+    return previous
+
+
+@contextlib.contextmanager
+def configured(**settings: Any) -> Iterator[None]:
+    """:func:`configure` for the duration of a ``with`` block."""
+    previous = configure(**settings)
+    try:
+        yield
+    finally:
+        _SETTINGS.clear()
+        _SETTINGS.update(previous)
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+
+
+def _require_verl(fn_name: str, module: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"rollout_corr_ext.verl.{fn_name} needs verl ({module}), which cannot be imported: {exc}. "
+                          f"Install it with `pip install --no-deps verl=={VERL_VERSION}` plus its light imports "
+                          f"(see scripts/test.sh).") from exc
+
+
+def _data_proto(fn_name: str):
+    return _require_verl(fn_name, "verl.protocol").DataProto
+
+
+def _get(obj: Any, key: str, default: Any = None) -> Any:
+    """verl's ``config.get(key, default)`` on a mapping, a DictConfig, verl's BaseConfig or a plain object."""
+    if obj is None:
+        return default
+    if isinstance(obj, Mapping) or hasattr(obj, "get"):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+def _config_from_args(rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs,
+                      rollout_rs_threshold) -> RolloutCorrectionConfig:
+    """Our config from verl's five helper arguments, with verl's conventions: no threshold switches IS off, and a
+    threshold is not read (nor validated) for a feature that is off."""
+    if rollout_is_threshold is None:
+        rollout_is = None
+    return RolloutCorrectionConfig(
+        rollout_is=rollout_is,
+        rollout_is_threshold=rollout_is_threshold if rollout_is is not None else None,
+        rollout_is_batch_normalize=bool(rollout_is_batch_normalize),
+        rollout_rs=rollout_rs,
+        rollout_rs_threshold=rollout_rs_threshold if rollout_rs is not None else None,
+    )
+
+
+def rollout_correction_config(rollout_corr_config: Any) -> RolloutCorrectionConfig:
+    """Our :class:`RolloutCorrectionConfig` from what verl's functions take: this package's config as is (every
+    field honoured), or verl's ``RolloutCorrectionConfig`` / a ``DictConfig`` / a dict read the way verl's helper
+    reads it: ``.get`` of ``rollout_is`` (None when absent), ``rollout_is_threshold`` (2.0),
+    ``rollout_is_batch_normalize`` (False), ``rollout_rs`` (None), ``rollout_rs_threshold`` (None) and
+    ``loss_type`` ("ppo_clip"); every other field (``_target_``, ``bypass_mode``, ...) is ignored."""
+    if isinstance(rollout_corr_config, RolloutCorrectionConfig):
+        return rollout_corr_config
+    c = rollout_corr_config
+    cfg = _config_from_args(_get(c, "rollout_is", None), _get(c, "rollout_is_threshold", 2.0),
+                            _get(c, "rollout_is_batch_normalize", False), _get(c, "rollout_rs", None),
+                            _get(c, "rollout_rs_threshold", None))
+    loss_type = _get(c, "loss_type", "ppo_clip")
+    return dataclasses.replace(cfg, loss_type=loss_type) if loss_type != cfg.loss_type else cfg
+
+
+def policy_loss_config(config: Any) -> PolicyLossConfig:
+    """Our :class:`PolicyLossConfig` from verl's actor config (dataclass, ``DictConfig`` or dict), a dict of our
+    fields, our config itself, or None (defaults). See :meth:`PolicyLossConfig.from_dict`."""
+    return _losses._as_config(config)
+
+
+def _weights_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The dtype of verl's weights: log-ratio arithmetic, then ``* response_mask``."""
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _groups(cfg: RolloutCorrectionConfig) -> Tuple[Any, Any]:
+    dp, seq = _SETTINGS["dp_group"], _SETTINGS["seq_group"]
+    if (dp is None and seq is None and cfg.is_spec is not None and cfg.rollout_is_batch_normalize
+            and dist.is_available() and dist.is_initialized()):
+        dp = dist.group.WORLD  # verl normalises the weights over the default group (distributed_masked_mean)
+    return dp, seq
+
+
+def _correct(log_prob, rollout_log_prob, response_mask, cfg: RolloutCorrectionConfig):
+    dp, seq = _groups(cfg)
+    with torch.no_grad():
+        return compute_rollout_correction(log_prob, rollout_log_prob, response_mask, cfg, dp_group=dp,
+                                          seq_group=seq, nonfinite=_SETTINGS["nonfinite"])
+
+
+def _is_keys(cfg: RolloutCorrectionConfig) -> List[str]:
+    """verl's IS metric keys for ``cfg``, in verl's order (``compute_is_metrics``, then IcePop, then batch norm)."""
+    spec = cfg.is_spec
+    if spec is None:
+        return []
+    if spec.level == "token":
+        head = ["mean", "ratio_fraction_high", "ratio_fraction_low", "max", "min"]
+    else:
+        head = ["max", "min", "mean", "ratio_fraction_high", "ratio_fraction_low"]
+    keys = head + ["std", "eff_sample_size", "seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation",
+                   "seq_fraction_high", "seq_fraction_low"]
+    if spec.mode == "mask":
+        keys.append("oob_ratio")
+    if cfg.rollout_is_batch_normalize:
+        keys.append("batch_norm_factor")
+    return ["rollout_is_" + k for k in keys]
+
+
+def _rs_keys(cfg: RolloutCorrectionConfig) -> List[str]:
+    """verl's RS metric keys for ``cfg``, in verl's order (per criterion, then the totals)."""
+    keys: List[str] = []
+    crits = cfg.rs_criteria
+    for c in crits:
+        names = ["mean", "max", "min", "fraction_high", "fraction_low", "std", "seq_mean", "seq_std", "seq_max",
+                 "seq_min", "seq_max_deviation", "seq_fraction_high"]
+        if c.apply_lower:
+            names.append("seq_fraction_low")
+        names += ["masked_fraction", "seq_masked_fraction"]
+        keys += [f"rollout_rs_{c.name}_{n}" for n in names]
+    if crits:
+        keys += ["rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction"]
+    return keys
+
+
+def _select(metrics: Dict[str, torch.Tensor], keys: Sequence[str], *, extras: bool, prefixed: bool,
+            head: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, float]:
+    """``head`` (unprefixed keys) then ``metrics[PREFIX + k]`` for ``keys`` (and, with ``extras``, the package's
+    further keys) as floats, with one host transfer for all of them."""
+    names: List[str] = []
+    values: List[torch.Tensor] = []
+    for k, v in (head or {}).items():
+        names.append(k)
+        values.append(v)
+    chosen = [PREFIX + k for k in keys]
+    if extras:
+        taken = set(chosen)
+        chosen += [k for k in metrics if k not in taken]
+    for k in chosen:
+        names.append(k if prefixed else k[len(PREFIX):])
+        values.append(metrics[k])
+    if not values:
+        return {}
+    floats = torch.stack([v.detach().reshape(()).to(torch.float64) for v in values]).tolist()
+    return dict(zip(names, floats))
+
+
+# ------------------------------------------------------------------------------------------------- rollout_corr_helper
+
+
+def compute_rollout_rejection_mask(
+    log_ratio: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_rs: str = "token_k1",
+    rollout_rs_threshold: Optional[Union[str, float]] = None,
+) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """verl's ``compute_rollout_rejection_mask``: the RS mask from ``log_ratio`` = log(pi_train / pi_rollout) and
+    verl's RS metrics (unprefixed floats). Returns ``(mask in response_mask's dtype, metrics)``."""
+    if rollout_rs is None or not isinstance(rollout_rs, str):
+        raise ValueError("rollout_rs must be a non-empty string of comma-separated criteria")
+    if rollout_rs_threshold is None:
+        raise ValueError("rollout_rs_threshold must be provided for rejection sampling")
+    if log_ratio.shape[0] == 0:
+        return response_mask, {}
+    cfg = RolloutCorrectionConfig(rollout_is=None, rollout_is_threshold=None, rollout_rs=rollout_rs,
+                                  rollout_rs_threshold=rollout_rs_threshold)
+    res = _correct(log_ratio, torch.zeros_like(log_ratio), response_mask, cfg)
+    return res.response_mask, _select(res.metrics, _rs_keys(cfg), extras=False, prefixed=False)
+
+
+def compute_rollout_correction_weights(
+    log_ratio: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str = "token",
+    rollout_is_threshold: Union[str, float] = 2.0,
+    rollout_is_batch_normalize: bool = False,
+) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """verl's ``compute_rollout_correction_weights``: IS weights from ``log_ratio`` (TIS for a number, IcePop for
+    ``"L_U"``; optional batch normalisation) and verl's IS metrics (unprefixed floats)."""
+    if rollout_is is None:
+        raise ValueError("rollout_is must be 'token' or 'sequence' (or this package's 'geometric'), got None")
+    if rollout_is_threshold is None:
+        raise ValueError("rollout_is_threshold must be a number (TIS) or a 'L_U' string (IcePop), got None")
+    cfg = RolloutCorrectionConfig(rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold,
+                                  rollout_is_batch_normalize=bool(rollout_is_batch_normalize), rollout_rs=None)
+    res = _correct(log_ratio, torch.zeros_like(log_ratio), response_mask, cfg)
+    keys = _is_keys(cfg)
+    if _SETTINGS["extra_metrics"]:  # the percentiles (the other additions are about the mask)
+        keys += [k[len(PREFIX):] for k in res.metrics if k.startswith(PREFIX + "rollout_is_p")]
+    weights = res.weights.to(_weights_dtype(log_ratio, response_mask))
+    return weights, _select(res.metrics, keys, extras=False, prefixed=False)
+
+
+def compute_rollout_correction_and_rejection_mask(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: Optional[str] = None,
+    rollout_is_threshold: Optional[Union[str, float]] = 2.0,
+    rollout_is_batch_normalize: bool = False,
+    rollout_rs: Optional[str] = None,
+    rollout_rs_threshold: Optional[Union[str, float]] = None,
+) -> Tuple[Optional["DataProto"], torch.Tensor, Dict[str, float]]:
+    """verl's ``compute_rollout_correction_and_rejection_mask``: ``(DataProto {"rollout_is_weights"} or None,
+    mask with RS applied, {"rollout_corr/<name>": float})`` with verl's key set (see :func:`configure` for more)."""
+    cfg = _config_from_args(rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs,
+                            rollout_rs_threshold)
+    weights, mask, metrics = _correct_verl(old_log_prob, rollout_log_prob, response_mask, cfg)
+    proto = None
+    if weights is not None:
+        proto = _data_proto("compute_rollout_correction_and_rejection_mask").from_dict(
+            tensors={"rollout_is_weights": weights})
+    return proto, mask, metrics
+
+
+def _correct_verl(old_log_prob, rollout_log_prob, response_mask, cfg):
+    """weights in verl's dtype (or None), the mask and verl's prefixed float metrics."""
+    res = _correct(old_log_prob, rollout_log_prob, response_mask, cfg)
+    keys = _is_keys(cfg) + _rs_keys(cfg) + list(OFFPOLICY_KEYS)
+    metrics = _select(res.metrics, keys, extras=_SETTINGS["extra_metrics"], prefixed=True)
+    weights = None
+    if res.weights is not None:
+        weights = res.weights.to(_weights_dtype(old_log_prob, rollout_log_prob, response_mask))
+    return weights, res.response_mask, metrics
+
+
+def compute_offpolicy_metrics(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: Optional[torch.Tensor],
+    response_mask: torch.Tensor,
+) -> Dict[str, Any]:
+    """verl's ``compute_offpolicy_metrics``: KL, k3 KL, perplexities, log-ppl differences, ppl ratio, chi^2 (token
+    and sequence) as unprefixed floats; ``rollout_log_prob=None``: ``training_ppl`` and ``training_log_ppl`` only."""
+    only_training = rollout_log_prob is None
+    cfg = RolloutCorrectionConfig.disabled()
+    res = _correct(old_log_prob, old_log_prob if only_training else rollout_log_prob, response_mask, cfg)
+    keys = OFFPOLICY_KEYS[:2] if only_training else OFFPOLICY_KEYS
+    return _select(res.metrics, keys, extras=False, prefixed=False)
+
+
+def compute_rollout_corr_metrics_from_logprobs(
+    log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> Dict[str, float]:
+    """verl's ``compute_rollout_corr_metrics_from_logprobs``: :func:`compute_offpolicy_metrics` under
+    ``rollout_corr/``."""
+    return {PREFIX + k: v for k, v in compute_offpolicy_metrics(log_prob, rollout_log_prob, response_mask).items()}
+
+
+def compute_rollout_correction_and_add_to_batch(
+    batch: "DataProto", rollout_corr_config: "RolloutCorrectionConfig"
+) -> Tuple["DataProto", Dict]:
+    """verl's ``compute_rollout_correction_and_add_to_batch``: reads ``old_log_probs``, ``rollout_log_probs`` and
+    ``response_mask`` from ``batch``, writes the RS mask back to ``response_mask`` and adds ``rollout_is_weights``
+    when an IS level is set. ``rollout_corr_config``: verl's config (read as verl reads it) or this package's."""
+    cfg = rollout_correction_config(rollout_corr_config)
+    weights, mask, metrics = _correct_verl(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
+                                           batch.batch["response_mask"], cfg)
+    batch.batch["response_mask"] = mask
+    if weights is not None:
+        proto = _data_proto("compute_rollout_correction_and_add_to_batch")
+        batch = batch.union(proto.from_dict(tensors={"rollout_is_weights": weights}))
+    return batch, metrics
+
+
+def apply_bypass_mode(
+    batch: "DataProto",
+    rollout_corr_config: Optional["RolloutCorrectionConfig"] = None,
+    policy_loss_config: "PolicyLossConfig" = None,
+) -> None:
+    """verl's ``apply_bypass_mode``: ``old_log_probs`` := ``rollout_log_probs`` in ``batch``, and the actor's
+    ``policy_loss_config`` gets ``rollout_correction`` and ``loss_mode = "bypass_mode"`` (which, after
+    :func:`register_policy_losses`, is this package's :func:`compute_policy_loss_bypass_mode`)."""
+    if "rollout_log_probs" not in batch.batch:
+        raise ValueError("bypass_mode=True requires rollout_log_probs in the batch (configure the rollout worker "
+                         "with calculate_log_probs=true)")
+    batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+    updates = (("rollout_correction", rollout_corr_config), ("loss_mode", "bypass_mode"))
+    try:
+        from omegaconf import DictConfig, open_dict  # type: ignore
+    except ImportError:  # pragma: no cover - verl depends on omegaconf
+        DictConfig = None
+    if DictConfig is not None and isinstance(policy_loss_config, DictConfig):
+        with open_dict(policy_loss_config):
+            for key, value in updates:
+                policy_loss_config[key] = value
+    elif isinstance(policy_loss_config, MutableMapping):
+        for key, value in updates:
+            policy_loss_config[key] = value
+    else:  # an attribute config (verl's BaseConfig dataclasses allow this only for their mutable fields)
+        for key, value in updates:
+            setattr(policy_loss_config, key, value)
+
+
+# ------------------------------------------------------------------------------------------------- core_algos
+
+_PPO_KEYS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
+_PG_KEYS = ("actor/ppo_kl",)
+
+
+def _loss_floats(metrics: Dict[str, torch.Tensor], keys: Sequence[str]) -> Dict[str, float]:
+    floats = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in keys]).tolist()
+    return dict(zip(keys, floats))
+
+
+def compute_policy_loss_vanilla(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Optional[Any] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """verl's ``compute_policy_loss_vanilla`` (registry name ``"vanilla"``): PPO clip (asymmetric, dual clip),
+    times ``rollout_is_weights`` when given, aggregated with ``config.global_batch_info``. ``config``: verl's actor
+    config (or a DictConfig / dict / :class:`PolicyLossConfig`). Metrics: ``actor/pg_clipfrac``, ``actor/ppo_kl``,
+    ``actor/pg_clipfrac_lower`` as floats."""
+    cfg = policy_loss_config(config)
+    loss, metrics = _losses.compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask,
+                                                        loss_agg_mode, cfg, rollout_is_weights)
+    return loss, _loss_floats(metrics, _PPO_KEYS)
+
+
+def compute_policy_loss_reinforce(
+    rollout_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-sum",
+    config: Optional[Any] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """verl's ``compute_policy_loss_reinforce``: -A log pi (times ``rollout_is_weights``), no clipping. Metrics:
+    ``actor/ppo_kl`` (mean of rollout_log_prob - log_prob) as a float."""
+    cfg = policy_loss_config(config)
+    loss, metrics = _losses.compute_policy_loss_reinforce(rollout_log_prob, log_prob, advantages, response_mask,
+                                                          loss_agg_mode, cfg, rollout_is_weights)
+    return loss, _loss_floats(metrics, _PG_KEYS)
+
+
+def _bypass_rollout_correction(config: Any) -> Any:
+    """Where verl's bypass loss finds its rollout-correction config: ``config.policy_loss.rollout_correction``
+    (this package's :class:`PolicyLossConfig`: its ``rollout_correction``)."""
+    if isinstance(config, PolicyLossConfig):
+        return config.rollout_correction
+    policy_loss = config.get("policy_loss") if isinstance(config, Mapping) else getattr(config, "policy_loss", None)
+    return _get(policy_loss, "rollout_correction", None)
+
+
+def compute_policy_loss_bypass_mode(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config: Optional[Any] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, Dict[str, Any]]:
+    """verl's ``compute_policy_loss_bypass_mode`` (registry name ``"bypass_mode"``): ``old_log_prob`` is the rollout
+    policy's; the rollout correction of pi_theta (detached) vs pi_rollout runs here (config:
+    ``config.policy_loss.rollout_correction``), its mask replaces ``response_mask``, then REINFORCE with the IS
+    weights (``loss_type="reinforce"``) or PPO clip without them (``"ppo_clip"``). ``rollout_is_weights`` is
+    ignored, as in verl. Metrics: the loss's, then verl's ``rollout_corr/*`` keys, as floats."""
+    if config is None:
+        raise ValueError("compute_policy_loss_bypass_mode needs config (the actor config carrying "
+                         "policy_loss.rollout_correction)")
+    source = _bypass_rollout_correction(config)
+    if source is None:
+        raise ValueError("rollout_correction config not found in config.policy_loss; with loss_mode='bypass_mode' "
+                         "the actor config must carry policy_loss.rollout_correction (apply_bypass_mode sets it)")
+    rc = rollout_correction_config(source)
+    cfg = dataclasses.replace(policy_loss_config(config), rollout_correction=None)
+    _losses._check_policy_inputs(old_log_prob, log_prob, advantages, response_mask)
+    _losses._check_mode(loss_agg_mode)
+    res = _correct(log_prob.detach(), old_log_prob.detach(), response_mask, rc)
+    if rc.loss_type == "reinforce":
+        loss, metrics = _losses.compute_policy_loss_reinforce(old_log_prob, log_prob, advantages, res.response_mask,
+                                                              loss_agg_mode, cfg, res.weights)
+        head = {k: metrics[k] for k in _PG_KEYS}
+    else:  # "ppo_clip" (the config validates loss_type): the clipped ratio is the IS correction, no weights
+        loss, metrics = _losses.compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, res.response_mask,
+                                                            loss_agg_mode, cfg, None)
+        head = {k: metrics[k] for k in _PPO_KEYS}
+    keys = _is_keys(rc) + _rs_keys(rc) + list(OFFPOLICY_KEYS)
+    return loss, _select(res.metrics, keys, extras=_SETTINGS["extra_metrics"], prefixed=True, head=head)
+
+
+def compute_policy_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    cliprange=None,
+    cliprange_low=None,
+    cliprange_high=None,
+    clip_ratio_c=3.0,
+    loss_agg_mode: str = "token-mean",
+):
+    """verl's deprecated ``compute_policy_loss``: PPO clip with explicit clip ranges, returning the 4-tuple
+    ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)`` of tensors (no global normalisers). Emits a
+    ``FutureWarning`` like verl's; prefer :func:`compute_policy_loss_vanilla`."""
+    warnings.warn("rollout_corr_ext.verl.compute_policy_loss is deprecated (as in verl); use "
+                  "compute_policy_loss_vanilla", FutureWarning, stacklevel=2)
+    if cliprange is None and (cliprange_low is None or cliprange_high is None):
+        raise ValueError("compute_policy_loss needs cliprange, or both cliprange_low and cliprange_high")
+    base = cliprange if cliprange is not None else cliprange_low
+    cfg = PolicyLossConfig(clip_ratio=base, clip_ratio_low=cliprange_low, clip_ratio_high=cliprange_high,
+                           clip_ratio_c=clip_ratio_c)
+    loss, metrics = _losses.compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask,
+                                                        loss_agg_mode, cfg, None)
+    return loss, metrics["actor/pg_clipfrac"], metrics["actor/ppo_kl"], metrics["actor/pg_clipfrac_lower"]
+
+
+# ------------------------------------------------------------------------------------------------- registry
+
+#: verl registry name -> this module's loss.
+POLICY_LOSSES: Dict[str, Callable] = {
+    "vanilla": compute_policy_loss_vanilla,
+    "bypass_mode": compute_policy_loss_bypass_mode,
+}
+
+
+def register_policy_losses(replace: bool = True, prefix: str = "rollout_corr_") -> Dict[str, Optional[Callable]]:
+    """Register this package's policy losses in verl's ``POLICY_LOSS_REGISTRY`` (``verl.trainer.ppo.core_algos``).
+
+    ``replace=True`` (default): under verl's own names ``"vanilla"`` and ``"bypass_mode"``, so verl's actors (and
+    ``apply_bypass_mode``) use them with no config change. ``replace=False``: under ``prefix + name``
+    (``"rollout_corr_vanilla"``, ``"rollout_corr_bypass_mode"``) next to verl's, selected with
+    ``actor.policy_loss.loss_mode``. Returns the entries replaced (None where a name was free), for
+    :func:`restore_policy_losses`. Raises ImportError when verl cannot be imported.
+    """
+    core_algos = _require_verl("register_policy_losses", "verl.trainer.ppo.core_algos")
+    names = {(name if replace else prefix + name): fn for name, fn in POLICY_LOSSES.items()}
+    previous = {name: core_algos.POLICY_LOSS_REGISTRY.get(name) for name in names}
+    for name, fn in names.items():
+        core_algos.register_policy_loss(name)(fn)
+    return previous
+
+
+def restore_policy_losses(previous: Mapping[str, Optional[Callable]]) -> None:
+    """Undo :func:`register_policy_losses`: put back the entries it returned (removing names that were free)."""
+    core_algos = _require_verl("restore_policy_losses", "verl.trainer.ppo.core_algos")
+    for name, fn in previous.items():
+        if fn is None:
+            core_algos.POLICY_LOSS_REGISTRY.pop(name, None)
+        else:
+            core_algos.POLICY_LOSS_REGISTRY[name] = fn

@@ -1,0 +1,769 @@
+"""``rollout_corr_ext.verl`` against verl 0.9.1's real functions (the installed wheel, not a stub).
+
+Every adapter function is called next to its verl namesake on the same inputs and every output is compared:
+signatures (names, order, kinds, defaults), IS weights (dtype and values), masks (dtype and values, exactly), metric
+dicts (the same keys in the same order, Python floats, values within rel 2e-5 / abs 2e-6 in fp32, 1e-9 in fp64),
+losses and the gradients of both through ``backward``. Configs: verl's own objects (``RolloutCorrectionConfig``
+with all 19 presets, ``ActorConfig`` with ``_target_``, ``ppo_mini_batch_size``, ``global_batch_info``, ...), their
+OmegaConf form and plain dicts.
+
+Inputs sit on a 2^-12 grid (``rc_testutil.make_inputs``), so log-ratios and row sums are exact and no threshold
+decision can flip between verl's eager fp32 math and the kernels. Padding holds finite junk where verl's weights
+are compared (verl's token weights are raw * mask: NaN junk gives NaN there, a documented difference with its own
+test).
+
+verl not importable (or another version): the tests FAIL when CI=true, and are skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)
+    import rollout_corr_ext
+    import rollout_corr_ext.verl as rv
+
+from rollout_corr_ext import PolicyLossConfig, RolloutCorrectionConfig
+from rollout_corr_ext.config import PRESETS
+from rollout_corr_testing.rc_testutil import make_inputs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VERL_PRESETS = PRESETS[:19]
+#: fp32: the kernels against verl; fp64 inputs: verl still reduces its fractions in fp32 (``.float().mean()``),
+#: rel 5e-7 covers that rounding.
+TOL = {torch.float32: dict(rel_tol=2e-5, abs_tol=2e-6), torch.float64: dict(rel_tol=5e-7, abs_tol=1e-12)}
+
+
+# --------------------------------------------------------------------------------------------------- verl
+
+
+class _Verl:
+    def __init__(self):
+        import verl
+        import verl.trainer.ppo.core_algos as core_algos
+        import verl.trainer.ppo.rollout_corr_helper as helper
+        from verl.protocol import DataProto
+        from verl.trainer.config.algorithm import RolloutCorrectionConfig as VerlRCConfig
+        from verl.workers.config.actor import ActorConfig
+        from verl.workers.config.actor import PolicyLossConfig as VerlPolicyLossConfig
+
+        self.version = getattr(verl, "__version__", None)
+        self.helper, self.core = helper, core_algos
+        self.DataProto, self.RCConfig, self.ActorConfig, self.PLConfig = (DataProto, VerlRCConfig, ActorConfig,
+                                                                           VerlPolicyLossConfig)
+
+    def actor(self, rc=None, loss_mode="vanilla", **kw):
+        """verl's ActorConfig, as its trainer builds one (strategy, rollout_n, micro batch size are required)."""
+        fields = dict(strategy="megatron", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=4)
+        fields.update(kw)
+        policy_loss = self.PLConfig(loss_mode=loss_mode, **({} if rc is None else {"rollout_correction": rc}))
+        return self.ActorConfig(policy_loss=policy_loss, **fields)
+
+
+@pytest.fixture(scope="module")
+def V():
+    """verl 0.9.1's modules. Missing or another version: FAIL under CI=true, skip otherwise."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            v = _Verl()
+    except Exception as exc:  # noqa: BLE001 - any import failure means "verl is not usable here"
+        v, msg = None, f"verl {rv.VERL_VERSION} cannot be imported: {exc!r}"
+    else:
+        msg = None if v.version == rv.VERL_VERSION else f"the adapter follows verl {rv.VERL_VERSION}; installed " \
+                                                         f"verl is {v.version}"
+    if msg:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return v
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+# --------------------------------------------------------------------------------------------------- compare
+
+
+def up(x):
+    """A floating tensor in fp64 (the same values: the inputs are exact in fp32); anything else as is."""
+    return x.to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def assert_metrics(ours, theirs, ref=None, dtype=torch.float32):
+    """Same keys in the same order, Python floats, equal values.
+
+    ``ref``: verl's metrics on the fp64 copies of the same inputs. verl's fp32 evaluation carries its own rounding,
+    most visibly the cancellation of E[x^2] - E[x]^2 in ``*_std`` when the spread is small (a relative error of
+    1e-3 at std ~ 2e-3). Values are then held to ``ref`` at the fp32 tolerance, and to verl's fp32 result within
+    verl's own fp32 error (|ours - verl32| <= |verl64 - verl32| + tolerance)."""
+    assert list(ours) == list(theirs), (f"keys differ: only ours {sorted(set(ours) - set(theirs))}, only verl "
+                                        f"{sorted(set(theirs) - set(ours))}, or order {list(ours)} vs {list(theirs)}")
+    assert all(type(v) is float for v in ours.values()), {k: type(v) for k, v in ours.items()}
+    tol = TOL[dtype]
+    if ref is None:
+        bad = [f"{k}: ours {ours[k]!r} verl {v!r}" for k, v in theirs.items() if not math.isclose(ours[k], v, **tol)]
+    else:
+        assert list(ref) == list(theirs)
+        bad = [f"{k}: ours {ours[k]!r} verl fp64 {ref[k]!r} verl {v!r}" for k, v in theirs.items()
+               if not math.isclose(ours[k], ref[k], **tol)
+               or abs(ours[k] - v) > abs(ref[k] - v) + max(tol["rel_tol"] * abs(ref[k]), tol["abs_tol"])]
+    assert not bad, "\n".join(bad)
+
+
+def assert_weights(ours, theirs):
+    if theirs is None:
+        assert ours is None
+        return
+    assert ours is not None and ours.dtype == theirs.dtype and ours.shape == theirs.shape
+    tol = TOL[theirs.dtype] if theirs.dtype in TOL else TOL[torch.float32]
+    torch.testing.assert_close(ours, theirs, rtol=tol["rel_tol"], atol=tol["abs_tol"])
+
+
+def assert_mask(ours, theirs):
+    assert ours.dtype == theirs.dtype
+    assert torch.equal(ours, theirs), f"masks differ at {torch.nonzero(ours != theirs).tolist()[:10]}"
+
+
+def inputs(b=12, t=40, seed=0, scale=0.2, dtype=torch.float32, mask_dtype=torch.float32, pad_rows=(5,)):
+    """(log_prob, rollout_log_prob, mask): grid log-probs, finite junk (0) at padding."""
+    lp, rlp, mask = make_inputs(b, t, seed=seed, scale=scale, pad_rows=pad_rows, dtype=torch.float64)
+    lp = torch.where(mask, lp, torch.zeros_like(lp))
+    return lp.to(dtype), rlp.to(dtype), mask.to(mask_dtype)
+
+
+def mix_rows(lp, rlp):
+    """Even rows' log-ratios scaled by 2^-8 (still exact: a 2^-20 grid): near-on-policy rows next to off-policy
+    ones, so tight RS bounds (verl's geometric 0.999_1.001, k3 0.01) keep some rows and reject others, and the IS
+    weights keep a spread for which the fp32 std is well conditioned."""
+    lr = lp - rlp
+    lr[::2] = lr[::2] * 2.0 ** -8
+    return rlp + lr
+
+
+def loss_inputs(b=10, t=24, seed=0, dtype=torch.float32, mask_dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = 2.0 ** -12
+    old = torch.round(-torch.rand(b, t, generator=g) * 3 / q) * q
+    lp = old + torch.round(torch.randn(b, t, generator=g) * 0.3 / q) * q
+    adv = torch.randn(b, t, generator=g)
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)
+    mask[2] = False  # a padding-only row
+    return old.to(dtype), lp.to(dtype), adv.to(dtype), mask.to(mask_dtype)
+
+
+def run_loss(fn, args, kwargs=None):
+    """``fn(*args)`` with args[1] (log_prob) a fresh leaf; returns (loss, metrics, d loss / d log_prob)."""
+    args = list(args)
+    lp = args[1].detach().clone().requires_grad_(True)
+    args[1] = lp
+    loss, metrics = fn(*args, **(kwargs or {}))
+    loss.backward()
+    return loss.detach(), metrics, lp.grad
+
+
+def assert_loss(ours, theirs, ref, dtype=torch.float32):
+    """``ours`` / ``theirs`` / ``ref``: (loss, metrics, grad) of ours, of verl on the same inputs and of verl on their
+    fp64 copies: loss and gradient against verl's, metrics as :func:`assert_metrics`."""
+    (l1, m1, g1), (l2, m2, g2) = ours, theirs
+    assert l1.shape == l2.shape == torch.Size([]) and l1.dtype == l2.dtype and g1.dtype == g2.dtype
+    tol = TOL[dtype]
+    assert math.isclose(l1.item(), ref[0].item(), **tol), (l1.item(), l2.item(), ref[0].item())
+    assert math.isclose(l1.item(), l2.item(), **tol), (l1.item(), l2.item())
+    assert_metrics(m1, m2, ref[1], dtype)
+    torch.testing.assert_close(g1, g2, rtol=tol["rel_tol"], atol=1e-7 if dtype == torch.float32 else 1e-12)
+
+
+def verl_loss(fn, args):
+    """verl's loss on ``args`` and on their fp64 copies (actor configs are shared)."""
+    return run_loss(fn, args), run_loss(fn, [up(a) for a in args])
+
+
+# --------------------------------------------------------------------------------------------------- signatures
+
+HELPER_FNS = ("compute_rollout_correction_and_rejection_mask", "compute_rollout_correction_and_add_to_batch",
+              "compute_rollout_correction_weights", "compute_rollout_rejection_mask", "compute_offpolicy_metrics",
+              "compute_rollout_corr_metrics_from_logprobs", "apply_bypass_mode")
+CORE_FNS = ("agg_loss", "compute_policy_loss", "compute_policy_loss_vanilla", "compute_policy_loss_reinforce",
+            "compute_policy_loss_bypass_mode")
+
+
+def _params(fn):
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("name", HELPER_FNS + CORE_FNS)
+def test_signature_equals_verl(V, name):
+    module = V.helper if name in HELPER_FNS else V.core
+    assert _params(getattr(rv, name)) == _params(getattr(module, name))
+
+
+def test_constants_equal_verl(V):
+    assert rv.SAFETY_BOUND == V.helper.SAFETY_BOUND
+    assert set(rv.SUPPORTED_ROLLOUT_RS_OPTIONS) == set(V.helper.SUPPORTED_ROLLOUT_RS_OPTIONS)
+
+
+def test_agg_loss_of_the_package_takes_verl_positional_order():
+    assert _params(rollout_corr_ext.agg_loss)[:7] == _params(rv.agg_loss)[:7]
+    x, m = torch.arange(15.0).reshape(3, 5), torch.ones(3, 5)
+    assert rollout_corr_ext.agg_loss(x, m, "token-mean", 2, 30.0).item() == pytest.approx(105.0 / 30 * 2)
+    assert rollout_corr_ext.agg_loss(x, m, "seq-mean-token-sum-norm", 1, None, None, 7.0).item() == pytest.approx(
+        105.0 / 3 / 7)
+
+
+# --------------------------------------------------------------------------------------------------- the helper
+
+HELPER_CASES = [
+    ("disabled", dict(), 0.2),
+    ("token_tis", dict(rollout_is="token", rollout_is_threshold=1.5), 0.3),
+    ("token_tis_str", dict(rollout_is="token", rollout_is_threshold="1.5"), 0.3),
+    ("seq_tis", dict(rollout_is="sequence", rollout_is_threshold=1.5), 0.1),
+    ("token_icepop_norm", dict(rollout_is="token", rollout_is_threshold="0.6_1.6", rollout_is_batch_normalize=True),
+     0.3),
+    ("seq_icepop_norm", dict(rollout_is="sequence", rollout_is_threshold="0.6_1.6", rollout_is_batch_normalize=True),
+     0.1),
+    ("is_without_threshold_is_off", dict(rollout_is="token", rollout_is_threshold=None), 0.2),
+    ("rs_token_k123", dict(rollout_rs="token_k1,token_k2,token_k3", rollout_rs_threshold="0.75_1.3,0.0311,0.0251"),
+     0.2),
+    ("rs_all_eleven", dict(rollout_rs="token_k1,token_k2,token_k3,seq_sum_k1,seq_sum_k2,seq_sum_k3,seq_mean_k1,"
+                                      "seq_mean_k2,seq_mean_k3,seq_max_k2,seq_max_k3",
+                           rollout_rs_threshold="0.75_1.3,0.0311,0.0311,0.45_2.3,0.53,0.53,0.93_1.07,0.0213,0.0213,"
+                                                "0.15,0.15"), 0.2),
+    ("rs_k1_numeric_dupes", dict(rollout_rs="seq_mean_k1, seq_mean_k1,token_k1", rollout_rs_threshold=1.07), 0.2),
+    ("token_tis_rs", dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="seq_sum_k1,seq_mean_k3",
+                          rollout_rs_threshold="0.45_2.3,0.0213"), 0.2),
+    ("seq_icepop_rs_norm", dict(rollout_is="sequence", rollout_is_threshold="0.6_1.6", rollout_is_batch_normalize=True,
+                                rollout_rs="seq_max_k2,seq_max_k3", rollout_rs_threshold="0.02,0.021"), 0.1),
+]
+
+
+@pytest.mark.parametrize("case", HELPER_CASES, ids=[c[0] for c in HELPER_CASES])
+def test_correction_and_rejection_mask(V, case):
+    _, kw, scale = case
+    lp, rlp, mask = inputs(scale=scale, seed=len(kw))
+    theirs = V.helper.compute_rollout_correction_and_rejection_mask(lp, rlp, mask, **kw)
+    ref = V.helper.compute_rollout_correction_and_rejection_mask(up(lp), up(rlp), mask, **kw)[2]
+    ours = rv.compute_rollout_correction_and_rejection_mask(lp, rlp, mask, **kw)
+    if theirs[0] is None:
+        assert ours[0] is None
+    else:
+        assert isinstance(ours[0], V.DataProto) and list(ours[0].batch.keys()) == ["rollout_is_weights"]
+        assert_weights(ours[0].batch["rollout_is_weights"], theirs[0].batch["rollout_is_weights"])
+    assert_mask(ours[1], theirs[1])
+    assert_metrics(ours[2], theirs[2], ref)
+    if "rollout_rs" in kw:  # the case is informative
+        assert 0.0 < theirs[2]["rollout_corr/rollout_rs_masked_fraction"] < 1.0
+
+
+@pytest.mark.parametrize("dtype,mask_dtype", [(torch.float64, torch.float64), (torch.float32, torch.bool),
+                                              (torch.float64, torch.int64), (torch.float32, torch.float64)])
+def test_correction_dtypes(V, dtype, mask_dtype):
+    """Weights in verl's dtype (log-prob dtype promoted with the mask's), the mask in its own dtype."""
+    kw = dict(rollout_is="token", rollout_is_threshold="0.6_1.6", rollout_rs="seq_mean_k1,token_k2",
+              rollout_rs_threshold="0.93_1.07,0.0311")
+    lp, rlp, mask = inputs(scale=0.2, dtype=dtype, mask_dtype=mask_dtype)
+    theirs = V.helper.compute_rollout_correction_and_rejection_mask(lp, rlp, mask, **kw)
+    ref = V.helper.compute_rollout_correction_and_rejection_mask(up(lp), up(rlp), mask, **kw)[2]
+    ours = rv.compute_rollout_correction_and_rejection_mask(lp, rlp, mask, **kw)
+    assert_weights(ours[0].batch["rollout_is_weights"], theirs[0].batch["rollout_is_weights"])
+    assert_mask(ours[1], theirs[1])
+    assert_metrics(ours[2], theirs[2], ref, dtype=dtype)
+
+
+def test_bf16_inputs_are_computed_in_fp32(V):
+    """Documented difference: verl does its arithmetic in the input dtype (bf16 log-ratios, exp, means); the kernels
+    read bf16 and compute in fp32. So ours equals verl on fp32 copies of the same bf16 values; the weights come
+    back in verl's dtype (bf16)."""
+    kw = dict(rollout_is="sequence", rollout_is_threshold=1.5, rollout_rs="token_k1", rollout_rs_threshold="0.75_1.3")
+    lp, rlp, mask = inputs(scale=0.1, mask_dtype=torch.bool)  # (a float32 mask would promote verl's weights)
+    lp16, rlp16 = lp.to(torch.bfloat16), rlp.to(torch.bfloat16)
+    ours = rv.compute_rollout_correction_and_rejection_mask(lp16, rlp16, mask, **kw)
+    want = V.helper.compute_rollout_correction_and_rejection_mask(lp16.float(), rlp16.float(), mask, **kw)
+    w = ours[0].batch["rollout_is_weights"]
+    assert w.dtype == V.helper.compute_rollout_correction_and_rejection_mask(
+        lp16, rlp16, mask, **kw)[0].batch["rollout_is_weights"].dtype == torch.bfloat16
+    torch.testing.assert_close(w, want[0].batch["rollout_is_weights"].to(torch.bfloat16), rtol=0, atol=0)
+    assert_mask(ours[1], want[1])
+    assert_metrics(ours[2], want[2],
+                   V.helper.compute_rollout_correction_and_rejection_mask(up(lp16), up(rlp16), mask, **kw)[2])
+
+
+@pytest.mark.parametrize("preset", VERL_PRESETS)
+def test_add_to_batch_on_verl_presets(V, preset):
+    """verl's own config objects (every preset) through ``compute_rollout_correction_and_add_to_batch``."""
+    lp, rlp, mask = inputs(scale=0.3, seed=VERL_PRESETS.index(preset))
+    lp = mix_rows(lp, rlp)
+    cfg = getattr(V.RCConfig, preset)()
+
+    def batch():
+        return V.DataProto.from_dict(tensors={"old_log_probs": lp.clone(), "rollout_log_probs": rlp.clone(),
+                                              "response_mask": mask.clone()})
+
+    b_theirs, m_theirs = V.helper.compute_rollout_correction_and_add_to_batch(batch(), cfg)
+    fields = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold")
+    ref = V.helper.compute_rollout_correction_and_rejection_mask(up(lp), up(rlp), mask,
+                                                                 **{k: cfg[k] for k in fields})[2]
+    b_ours, m_ours = rv.compute_rollout_correction_and_add_to_batch(batch(), cfg)
+    assert sorted(b_ours.batch.keys()) == sorted(b_theirs.batch.keys())
+    assert_mask(b_ours.batch["response_mask"], b_theirs.batch["response_mask"])
+    if "rollout_is_weights" in b_theirs.batch.keys():
+        assert_weights(b_ours.batch["rollout_is_weights"], b_theirs.batch["rollout_is_weights"])
+    assert_metrics(m_ours, m_theirs, ref)
+    if cfg.rollout_rs is not None:  # the case is informative
+        assert 0.0 < m_theirs["rollout_corr/rollout_rs_seq_masked_fraction"] < 1.0
+    # the same config as OmegaConf / a plain dict (verl's .get defaults for absent keys) and as our own preset
+    from omegaconf import OmegaConf
+
+    plain = {k: cfg[k] for k in cfg}
+    for alt in (OmegaConf.create(plain), plain, getattr(RolloutCorrectionConfig, preset)()):
+        _, m_alt = rv.compute_rollout_correction_and_add_to_batch(batch(), alt)
+        assert_metrics(m_alt, m_theirs, ref)
+    partial = {k: v for k, v in plain.items() if k != "rollout_is"}  # verl: .get("rollout_is", None) -> no IS
+    b1, m1 = V.helper.compute_rollout_correction_and_add_to_batch(batch(), partial)
+    b2, m2 = rv.compute_rollout_correction_and_add_to_batch(batch(), partial)
+    assert "rollout_is_weights" not in b1.batch.keys() and "rollout_is_weights" not in b2.batch.keys()
+    assert_mask(b2.batch["response_mask"], b1.batch["response_mask"])
+    assert list(m2) == list(m1)
+
+
+@pytest.mark.parametrize("kw", [dict(rollout_is="token", rollout_is_threshold=1.5),
+                                dict(rollout_is="sequence", rollout_is_threshold="0.6_1.6",
+                                     rollout_is_batch_normalize=True),
+                                dict(rollout_is="token", rollout_is_threshold=1.5, rollout_is_batch_normalize=True)],
+                         ids=["token_tis", "seq_icepop_norm", "token_tis_norm"])
+def test_correction_weights(V, kw):
+    lp, rlp, mask = inputs(scale=0.1 if kw["rollout_is"] == "sequence" else 0.3)
+    log_ratio = lp - rlp
+    w_theirs, m_theirs = V.helper.compute_rollout_correction_weights(log_ratio, mask, **kw)
+    ref = V.helper.compute_rollout_correction_weights(up(log_ratio), mask, **kw)[1]
+    w_ours, m_ours = rv.compute_rollout_correction_weights(log_ratio, mask, **kw)
+    assert_weights(w_ours, w_theirs)
+    assert_metrics(m_ours, m_theirs, ref)
+
+
+@pytest.mark.parametrize("kw", [dict(rollout_rs="token_k1", rollout_rs_threshold="0.75_1.3"),
+                                dict(rollout_rs="seq_sum_k2,seq_max_k3,seq_mean_k1",
+                                     rollout_rs_threshold="0.53,0.15,0.93_1.07")], ids=["token_k1", "three"])
+def test_rejection_mask(V, kw):
+    lp, rlp, mask = inputs(scale=0.2)
+    log_ratio = lp - rlp
+    mask_theirs, m_theirs = V.helper.compute_rollout_rejection_mask(log_ratio, mask, **kw)
+    ref = V.helper.compute_rollout_rejection_mask(up(log_ratio), mask, **kw)[1]
+    mask_ours, m_ours = rv.compute_rollout_rejection_mask(log_ratio, mask, **kw)
+    assert_mask(mask_ours, mask_theirs)
+    assert_metrics(m_ours, m_theirs, ref)
+    empty = torch.zeros(0, 5)
+    assert rv.compute_rollout_rejection_mask(empty, empty, **kw)[1] == {}
+
+
+def test_offpolicy_metrics(V):
+    lp, rlp, mask = inputs(scale=0.2, seed=4)
+    for ours, fn, second in ((rv.compute_offpolicy_metrics, V.helper.compute_offpolicy_metrics, rlp),
+                             (rv.compute_offpolicy_metrics, V.helper.compute_offpolicy_metrics, None),
+                             (rv.compute_rollout_corr_metrics_from_logprobs,
+                              V.helper.compute_rollout_corr_metrics_from_logprobs, rlp)):
+        assert_metrics(ours(lp, second, mask), fn(lp, second, mask), fn(up(lp), up(second), mask))
+
+
+def test_apply_bypass_mode(V):
+    from omegaconf import OmegaConf
+
+    lp, rlp, mask = inputs()
+    rc = V.RCConfig.bypass_pg_is()
+    outs = []
+    for fn in (V.helper.apply_bypass_mode, rv.apply_bypass_mode):
+        batch = V.DataProto.from_dict(tensors={"old_log_probs": lp.clone(), "rollout_log_probs": rlp.clone(),
+                                               "response_mask": mask.clone()})
+        pl = OmegaConf.create({"loss_mode": "vanilla", "ppo_kl_coef": 0.1})
+        OmegaConf.set_struct(pl, True)
+        assert fn(batch, rc, pl) is None
+        outs.append((batch.batch["old_log_probs"], pl.loss_mode, pl.rollout_correction))
+    assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1:] == outs[1][1:]
+    with pytest.raises(ValueError, match="rollout_log_probs"):
+        rv.apply_bypass_mode(V.DataProto.from_dict(tensors={"response_mask": mask}), rc, {})
+
+
+def test_nan_padding_is_zero_weight_not_nan(V):
+    """Documented difference: junk at padding. verl's token weights are raw * mask (NaN there); ours are 0. The
+    mask and every metric agree."""
+    lp, rlp, mask = inputs(scale=0.3)
+    lp = torch.where(mask.bool(), lp, torch.full_like(lp, float("nan")))
+    kw = dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token_k1", rollout_rs_threshold="0.75_1.3")
+    theirs = V.helper.compute_rollout_correction_and_rejection_mask(lp, rlp, mask, **kw)
+    ours = rv.compute_rollout_correction_and_rejection_mask(lp, rlp, mask, **kw)
+    w_t, w_o = theirs[0].batch["rollout_is_weights"], ours[0].batch["rollout_is_weights"]
+    valid = mask.bool()
+    assert bool(torch.isnan(w_t[~valid]).all()) and bool((w_o[~valid] == 0).all())
+    assert_weights(w_o[valid], w_t[valid])
+    assert_mask(ours[1], theirs[1])
+    assert_metrics(ours[2], theirs[2], V.helper.compute_rollout_correction_and_rejection_mask(up(lp), up(rlp), mask,
+                                                                                             **kw)[2])
+
+
+def test_no_valid_token_is_an_error(V):
+    lp, rlp, mask = inputs()
+    empty = torch.zeros_like(mask)
+    for fn in (V.helper.compute_rollout_correction_and_rejection_mask,
+               rv.compute_rollout_correction_and_rejection_mask):
+        with pytest.raises(ValueError, match="valid token"):
+            fn(lp, rlp, empty, rollout_is="token")
+    with pytest.raises(ValueError, match="valid token"):  # verl: an AssertionError here (documented)
+        rv.compute_offpolicy_metrics(lp, rlp, empty)
+
+
+def test_batch_norm_under_torch_distributed(V, monkeypatch):
+    """verl normalises the weights over the default process group when torch.distributed is initialised; so does
+    the adapter (dp_group=WORLD) unless configure() names the groups. One gloo rank: the values must agree."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    seen = []
+    real = rv.compute_rollout_correction
+    monkeypatch.setattr(rv, "compute_rollout_correction",
+                        lambda *a, **k: seen.append(k["dp_group"]) or real(*a, **k))
+    lp, rlp, mask = inputs(scale=0.2)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for kw in (dict(rollout_is="token", rollout_is_threshold=1.5, rollout_is_batch_normalize=True),
+                   dict(rollout_is="sequence", rollout_is_threshold="0.6_1.6", rollout_is_batch_normalize=True),
+                   dict(rollout_is="token", rollout_is_threshold=1.5)):
+            theirs = V.helper.compute_rollout_correction_and_rejection_mask(lp, rlp, mask, **kw)
+            ours = rv.compute_rollout_correction_and_rejection_mask(lp, rlp, mask, **kw)
+            assert_weights(ours[0].batch["rollout_is_weights"], theirs[0].batch["rollout_is_weights"])
+            assert_metrics(ours[2], theirs[2])
+        assert seen == [dist.group.WORLD, dist.group.WORLD, None]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fractional_mask_is_an_error():
+    """Documented difference: verl multiplies by a fractional mask; the package requires 0/1 and says where not."""
+    lp, rlp, mask = inputs()
+    mask[0, 0] = 0.5
+    with pytest.raises(ValueError, match="response_mask"):
+        rv.compute_rollout_correction_and_rejection_mask(lp, rlp, mask, rollout_is="token")
+
+
+# --------------------------------------------------------------------------------------------------- settings
+
+
+def test_extra_metrics_opt_in(V):
+    lp, rlp, mask = inputs(scale=0.3)
+    kw = dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token_k1", rollout_rs_threshold="0.75_1.3")
+    base = rv.compute_rollout_correction_and_rejection_mask(lp, rlp, mask, **kw)[2]
+    with rv.configured(extra_metrics=True):
+        extra = rv.compute_rollout_correction_and_rejection_mask(lp, rlp, mask, **kw)[2]
+        w_extra = rv.compute_rollout_correction_weights(lp - rlp, mask, "token", 1.5)[1]
+    assert rv._SETTINGS["extra_metrics"] is False
+    added = [k for k in extra if k not in base]
+    assert list(extra)[:len(base)] == list(base)
+    assert {f"rollout_corr/rollout_is_p{p}" for p in (5, 25, 50, 75, 95)} <= set(added)
+    assert {"rollout_corr/masked_fraction", "rollout_corr/seq_masked_fraction",
+            "rollout_corr/rollout_is_veto_fraction"} <= set(added)
+    assert [k for k in w_extra if k.startswith("rollout_is_p")] == [f"rollout_is_p{p}" for p in (5, 25, 50, 75, 95)]
+    with pytest.raises(TypeError, match="unknown setting"):
+        rv.configure(dp_groups=None)
+
+
+def test_groups_and_nonfinite_reach_the_op(monkeypatch):
+    seen = {}
+    real = rv.compute_rollout_correction
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **{**kwargs, "dp_group": None, "seq_group": None})
+
+    monkeypatch.setattr(rv, "compute_rollout_correction", spy)
+    lp, rlp, mask = inputs()
+    lp[0, 0] = float("nan")
+    with pytest.raises(ValueError):
+        rv.compute_offpolicy_metrics(lp, rlp, mask)
+    dp, seq = object(), object()
+    with rv.configured(dp_group=dp, seq_group=seq, nonfinite="exclude"):
+        rv.compute_offpolicy_metrics(lp, rlp, mask)
+    assert seen["dp_group"] is dp and seen["seq_group"] is seq and seen["nonfinite"] == "exclude"
+
+
+# --------------------------------------------------------------------------------------------------- losses
+
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_agg_loss(V, mode):
+    old, lp, adv, mask = loss_inputs()
+    for extra in ((), (1,), (2, 300.0, 9.0), (1, None, None, 7.0)):
+        outs = []
+        for fn in (V.core.agg_loss, rv.agg_loss):
+            x = (lp * adv).detach().requires_grad_(True)
+            loss = fn(x, mask, mode, *extra)  # verl's positional order
+            loss.backward()
+            outs.append((loss.detach(), x.grad))
+        assert math.isclose(outs[0][0].item(), outs[1][0].item(), rel_tol=2e-6), (extra, outs)
+        torch.testing.assert_close(outs[1][1], outs[0][1], rtol=2e-6, atol=1e-9)
+
+
+def _actor_variants(V, **kw):
+    """One actor config in verl's three forms (dataclass, DictConfig with _target_) and as a dict of our fields."""
+    from omegaconf import OmegaConf
+
+    actor = V.actor(**kw)
+    info = dict(actor.global_batch_info)
+    as_yaml = OmegaConf.create({"_target_": "verl.workers.config.McoreActorConfig", "strategy": "megatron",
+                                "ppo_mini_batch_size": 4, "clip_ratio": actor.clip_ratio,
+                                "clip_ratio_low": actor.clip_ratio_low, "clip_ratio_high": actor.clip_ratio_high,
+                                "clip_ratio_c": actor.clip_ratio_c, "global_batch_info": info,
+                                "loss_agg_mode": "token-mean", "policy_loss": {"loss_mode": "vanilla"}})
+    ours = dict(clip_ratio=actor.clip_ratio, clip_ratio_low=actor.clip_ratio_low,
+                clip_ratio_high=actor.clip_ratio_high, clip_ratio_c=actor.clip_ratio_c, **info)
+    return actor, [actor, as_yaml, ours, PolicyLossConfig(**ours)]
+
+
+ACTOR_CASES = [
+    ("defaults", dict()),
+    ("asymmetric_dual_clip", dict(clip_ratio=0.2, clip_ratio_low=0.1, clip_ratio_high=0.28, clip_ratio_c=2.5)),
+    ("global_tokens", dict(global_batch_info={"dp_size": 4, "batch_num_tokens": 517, "global_batch_size": 37,
+                                              "loss_scale_factor": None})),
+    ("global_seqs_scale", dict(global_batch_info={"dp_size": 2, "batch_num_tokens": 300, "global_batch_size": 21,
+                                                  "loss_scale_factor": 11})),
+]
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("case", ACTOR_CASES, ids=[c[0] for c in ACTOR_CASES])
+def test_policy_loss_vanilla(V, case, mode):
+    old, lp, adv, mask = loss_inputs(seed=len(mode))
+    w = torch.rand(old.shape, generator=torch.Generator().manual_seed(1)) * 2
+    actor, variants = _actor_variants(V, **case[1])
+    for weights in (None, w):
+        theirs, ref = verl_loss(V.core.compute_policy_loss_vanilla, (old, lp, adv, mask, mode, actor, weights))
+        for cfg in variants:
+            ours = run_loss(rv.compute_policy_loss_vanilla, (old, lp, adv, mask, mode, cfg, weights))
+            assert_loss(ours, theirs, ref)
+    # the package's own loss takes verl's actor config too (metrics stay tensors there)
+    loss, met = rollout_corr_ext.compute_policy_loss_vanilla(old, lp, adv, mask, mode, actor, w)
+    assert math.isclose(loss.item(), theirs[0].item(), rel_tol=2e-5) and isinstance(met["actor/ppo_kl"], torch.Tensor)
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-sum", "token-mean", "seq-mean-token-mean"])
+def test_policy_loss_reinforce(V, mode):
+    old, lp, adv, mask = loss_inputs(seed=3, mask_dtype=torch.bool)
+    w = torch.rand(old.shape, generator=torch.Generator().manual_seed(2)) * 2
+    actor, variants = _actor_variants(V, global_batch_info={"dp_size": 2, "batch_num_tokens": 250,
+                                                            "global_batch_size": 19})
+    for weights in (None, w):
+        theirs, ref = verl_loss(V.core.compute_policy_loss_reinforce, (old, lp, adv, mask, mode, actor, weights))
+        for cfg in variants:
+            ours = run_loss(rv.compute_policy_loss_reinforce, (old, lp, adv, mask, mode, cfg, weights))
+            assert_loss(ours, theirs, ref)
+
+
+BYPASS_PRESETS = [p for p in VERL_PRESETS if p.startswith("bypass_")]
+
+
+@pytest.mark.parametrize("preset", BYPASS_PRESETS)
+def test_policy_loss_bypass_mode(V, preset):
+    """verl's bypass loss on its bypass presets, config as verl's apply_bypass_mode leaves it."""
+    old, lp, adv, mask = loss_inputs(seed=BYPASS_PRESETS.index(preset))
+    lp = mix_rows(lp, old)
+    rc = getattr(V.RCConfig, preset)()
+    actor = V.actor(rc=rc, loss_mode="bypass_mode", clip_ratio_low=0.15, clip_ratio_high=0.25,
+                    global_batch_info={"dp_size": 1, "batch_num_tokens": None, "global_batch_size": None})
+    mode = "seq-mean-token-mean" if "pg" in preset else "token-mean"
+    theirs, ref = verl_loss(V.core.compute_policy_loss_bypass_mode, (old, lp, adv, mask, mode, actor))
+    if rc.rollout_rs is not None:  # the case is informative
+        assert 0.0 < theirs[1]["rollout_corr/rollout_rs_seq_masked_fraction"] < 1.0
+    assert_loss(run_loss(rv.compute_policy_loss_bypass_mode, (old, lp, adv, mask, mode, actor)), theirs, ref)
+    ours_cfg = PolicyLossConfig(clip_ratio=0.2, clip_ratio_low=0.15, clip_ratio_high=0.25,
+                                rollout_correction=getattr(RolloutCorrectionConfig, preset)())
+    assert_loss(run_loss(rv.compute_policy_loss_bypass_mode, (old, lp, adv, mask, mode, ours_cfg)), theirs, ref)
+
+
+def test_policy_loss_bypass_with_rs_and_batch_norm(V):
+    old, lp, adv, mask = loss_inputs(seed=11)
+    for loss_type in ("reinforce", "ppo_clip"):
+        rc = V.RCConfig(rollout_is="token", rollout_is_threshold="0.7_1.4", rollout_is_batch_normalize=True,
+                        rollout_rs="token_k1,seq_max_k2", rollout_rs_threshold="0.75_1.3,0.2", bypass_mode=True,
+                        loss_type=loss_type)
+        actor = V.actor(rc=rc, loss_mode="bypass_mode")
+        theirs, ref = verl_loss(V.core.compute_policy_loss_bypass_mode, (old, lp, adv, mask, "token-mean", actor))
+        assert 0 < theirs[1]["rollout_corr/rollout_rs_masked_fraction"] < 1
+        ours = run_loss(rv.compute_policy_loss_bypass_mode, (old, lp, adv, mask, "token-mean", actor))
+        assert_loss(ours, theirs, ref)
+    with pytest.raises(ValueError, match="rollout_correction"):
+        rv.compute_policy_loss_bypass_mode(old, lp, adv, mask, "token-mean", {"policy_loss": {}})
+
+
+def test_everything_rejected_is_zero_loss_not_nan(V):
+    """Documented difference: when RS rejects every token of a micro-batch, verl's token-mean is 0/0 = NaN (and
+    NaN gradients); ours is 0 with zero gradients, so one such micro-batch cannot poison the step."""
+    old, lp, adv, mask = loss_inputs(seed=4)
+    rc = V.RCConfig.bypass_ppo_clip_k3_rs(rs_threshold=1e-6)
+    actor = V.actor(rc=rc, loss_mode="bypass_mode")
+    l_t, m_t, g_t = run_loss(V.core.compute_policy_loss_bypass_mode, (old, lp, adv, mask, "token-mean", actor))
+    l_o, m_o, g_o = run_loss(rv.compute_policy_loss_bypass_mode, (old, lp, adv, mask, "token-mean", actor))
+    assert m_t["rollout_corr/rollout_rs_masked_fraction"] == 1.0 and math.isnan(l_t.item())
+    assert l_o.item() == 0.0 and bool((g_o == 0).all())
+    assert list(m_o) == list(m_t)
+
+
+def test_deprecated_compute_policy_loss(V):
+    old, lp, adv, mask = loss_inputs(seed=5)
+    for kw in (dict(cliprange=0.2), dict(cliprange=0.2, cliprange_low=0.1, cliprange_high=0.3, clip_ratio_c=2.0)):
+        outs = []
+        for fn in (V.core.compute_policy_loss, rv.compute_policy_loss):
+            x = lp.detach().clone().requires_grad_(True)
+            loss, clipfrac, kl, clipfrac_lower = fn(old, x, adv, mask, loss_agg_mode="seq-mean-token-mean", **kw)
+            loss.backward()
+            outs.append(([t.item() for t in (loss, clipfrac, kl, clipfrac_lower)], x.grad))
+        for a, b in zip(outs[1][0], outs[0][0]):
+            assert math.isclose(a, b, rel_tol=2e-5, abs_tol=2e-7)
+        torch.testing.assert_close(outs[1][1], outs[0][1], rtol=2e-5, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------------- registry
+
+
+def test_register_policy_losses(V):
+    registry = V.core.POLICY_LOSS_REGISTRY
+    before = dict(registry)
+    previous = rv.register_policy_losses()
+    try:
+        assert V.core.get_policy_loss_fn("vanilla") is rv.compute_policy_loss_vanilla
+        assert V.core.get_policy_loss_fn("bypass_mode") is rv.compute_policy_loss_bypass_mode
+        assert previous == {"vanilla": before["vanilla"], "bypass_mode": before["bypass_mode"]}
+        # called the way verl's ppo_loss calls it: keywords, bool mask, the actor config
+        old, lp, adv, mask = loss_inputs(mask_dtype=torch.bool)
+        actor = V.actor()
+        kwargs = dict(old_log_prob=old, log_prob=lp, advantages=adv, response_mask=mask, loss_agg_mode="token-mean",
+                      config=actor, rollout_is_weights=None)
+        got = V.core.get_policy_loss_fn("vanilla")(**kwargs)
+        want = before["vanilla"](**kwargs)
+        assert math.isclose(got[0].item(), want[0].item(), rel_tol=2e-5)
+        assert_metrics(got[1], want[1])
+    finally:
+        rv.restore_policy_losses(previous)
+    assert registry == before
+    previous = rv.register_policy_losses(replace=False)
+    try:
+        assert previous == {"rollout_corr_vanilla": None, "rollout_corr_bypass_mode": None}
+        assert registry["vanilla"] is before["vanilla"]
+        assert V.core.get_policy_loss_fn("rollout_corr_bypass_mode") is rv.compute_policy_loss_bypass_mode
+    finally:
+        rv.restore_policy_losses(previous)
+    assert registry == before
+
+
+# --------------------------------------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize("preset", VERL_PRESETS)
+def test_our_config_accepts_verl_config(V, preset):
+    from omegaconf import OmegaConf
+
+    verl_cfg = getattr(V.RCConfig, preset)()
+    want = getattr(RolloutCorrectionConfig, preset)()
+    assert "_target_" in dict(verl_cfg)
+    assert RolloutCorrectionConfig.from_dict(verl_cfg) == want
+    assert RolloutCorrectionConfig.from_dict(OmegaConf.create(dict(verl_cfg))) == want
+    assert RolloutCorrectionConfig.from_dict(dict(verl_cfg)) == want
+    assert PolicyLossConfig(rollout_correction=verl_cfg).rollout_correction == want
+
+
+def test_package_api_takes_verl_configs(V):
+    lp, rlp, mask = inputs(scale=0.3)
+    verl_cfg = V.RCConfig.decoupled_geo_rs_token_tis(rs_threshold="0.8_1.25")
+    res = rollout_corr_ext.compute_rollout_correction(lp, rlp, mask, verl_cfg)
+    want = rollout_corr_ext.compute_rollout_correction(lp, rlp, mask, RolloutCorrectionConfig.from_dict(verl_cfg))
+    assert torch.equal(res.weights, want.weights) and torch.equal(res.response_mask, want.response_mask)
+    # verl's actor config with loss_mode="bypass_mode": the package's bypass flow reads its rollout correction
+    actor = V.actor(rc=V.RCConfig.bypass_pg_is(), loss_mode="bypass_mode", ppo_mini_batch_size=8,
+                    global_batch_info={"dp_size": 2, "batch_num_tokens": 400, "global_batch_size": 20,
+                                       "loss_scale_factor": None})
+    cfg = PolicyLossConfig.from_dict(actor)
+    assert (cfg.dp_size, cfg.batch_num_tokens, cfg.global_batch_size) == (2, 400, 20)
+    assert cfg.rollout_correction == RolloutCorrectionConfig.bypass_pg_is()
+    old, lp2, adv, mask2 = loss_inputs()
+    loss, metrics = rollout_corr_ext.compute_policy_loss(None, lp2, adv, mask2, "token-mean", actor,
+                                                         rollout_log_prob=old)
+    theirs, _ = V.core.compute_policy_loss_bypass_mode(old, lp2, adv, mask2, "token-mean", actor)
+    assert math.isclose(loss.item(), theirs.item(), rel_tol=2e-5)
+    # vanilla loss mode: verl's default policy_loss.rollout_correction is not read (verl reads it only in bypass)
+    assert PolicyLossConfig.from_dict(V.actor()).rollout_correction is None
+
+
+def test_plain_dicts_validate_known_fields_and_ignore_verl_ones():
+    cfg = PolicyLossConfig.from_dict({"clip_ratio": 0.3, "ppo_mini_batch_size": 4, "strategy": "megatron",
+                                      "_target_": "verl.workers.config.ActorConfig", "global_batch_info": {}})
+    assert cfg == PolicyLossConfig(clip_ratio=0.3)
+    assert PolicyLossConfig.from_dict({"clip_ratio": 0.3, "loss_agg_mode": "token-mean"}) == cfg
+    with pytest.raises(ValueError, match=r"unknown PolicyLossConfig field\(s\) \['clip_ration'\]"):
+        PolicyLossConfig.from_dict({"clip_ration": 0.3})
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        PolicyLossConfig.from_dict({"_target_": "x", "clip_ratio_c": 0.5})
+    with pytest.raises(ValueError, match="global_batch_info"):
+        PolicyLossConfig.from_dict({"global_batch_info": {"dp": 2}})
+    rc = RolloutCorrectionConfig.from_dict({"_target_": "verl.trainer.config.RolloutCorrectionConfig",
+                                            "rollout_is": "token", "rollout_is_threshold": 1.5})
+    assert rc == RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.5)
+    with pytest.raises(ValueError, match=r"unknown RolloutCorrectionConfig field\(s\) \['rollout_is_levle'\]"):
+        RolloutCorrectionConfig.from_dict({"_target_": "x", "rollout_is_levle": "token"})
+    with pytest.raises(ValueError, match="rollout_is_threshold"):
+        RolloutCorrectionConfig.from_dict({"_target_": "x", "rollout_is": "token", "rollout_is_threshold": -1.0})
+
+
+# --------------------------------------------------------------------------------------------------- without verl
+
+_NO_VERL = r"""
+import sys, warnings
+sys.modules["verl"] = None  # `import verl` raises ImportError
+warnings.simplefilter("ignore")
+import torch
+import rollout_corr_ext.verl as rv
+lp = -torch.rand(4, 6); rlp = lp + 0.01 * torch.randn(4, 6); mask = torch.ones(4, 6)
+assert set(rv.compute_offpolicy_metrics(lp, rlp, mask)) >= {"kl", "chi2_seq"}
+proto, m, met = rv.compute_rollout_correction_and_rejection_mask(lp, rlp, mask)  # no weights: no DataProto needed
+assert proto is None and "rollout_corr/kl" in met
+loss, met = rv.compute_policy_loss_vanilla(rlp, lp, torch.randn(4, 6), mask, "token-mean", {"clip_ratio": 0.2})
+assert isinstance(met["actor/ppo_kl"], float)
+for call, name in ((lambda: rv.compute_rollout_correction_and_rejection_mask(lp, rlp, mask, rollout_is="token"),
+                    "compute_rollout_correction_and_rejection_mask"),
+                   (rv.register_policy_losses, "register_policy_losses")):
+    try:
+        call()
+    except ImportError as exc:
+        assert name in str(exc), str(exc)
+    else:
+        raise AssertionError(name + " did not raise ImportError")
+print("OK")
+"""
+
+
+def test_imports_and_runs_without_verl():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _NO_VERL], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+
+
+def test_configure_returns_the_previous_settings():
+    prev = rv.configure(extra_metrics=True)
+    snapshot = copy.copy(rv._SETTINGS)
+    rv.configure(**prev)
+    assert snapshot["extra_metrics"] is True and rv._SETTINGS == prev
