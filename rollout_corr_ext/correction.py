@@ -69,7 +69,10 @@ class RolloutCorrectionResult(NamedTuple):
 def _as_floats(metrics: Dict[str, torch.Tensor]) -> Dict[str, float]:
     if not metrics:
         return {}
-    values = torch.stack([v.reshape(()).to(torch.float64) for v in metrics.values()]).tolist()
+    tensors = list(metrics.values())
+    if not all(v.dim() == 0 and v.dtype == torch.float64 for v in tensors):
+        tensors = [v.reshape(()).to(torch.float64) for v in tensors]
+    values = torch.stack(tensors).tolist()
     return dict(zip(metrics.keys(), values))
 
 
@@ -141,25 +144,27 @@ def _std_from_sums(s: torch.Tensor, s2: torch.Tensor, n: torch.Tensor) -> torch.
 
 
 class _Slots:
-    """Named access to the reduced partial vectors: ``P.s.tokens``, ``P.m.is_weight``, ``P.crit(i).s.stat``."""
+    """Named access to the reduced partial vectors: ``P.s.tokens``, ``P.m.is_weight``, ``P.crit(i)[0].stat``.
+    Each block is split into 0-dim views by one ``unbind`` (not one indexing op per slot)."""
 
     class _View:
-        def __init__(self, vec: torch.Tensor, index: Dict[str, int], base: int = 0):
-            self._vec, self._index, self._base = vec, index, base
+        def __init__(self, block: torch.Tensor, index: Dict[str, int]):
+            self._values, self._index = block.unbind(), index
 
         def __getattr__(self, name: str) -> torch.Tensor:
-            return self._vec[self._base + self._index[name]]
+            return self._values[self._index[name]]
 
     def __init__(self, sums: torch.Tensor, maxes: torch.Tensor):
         self.sums, self.maxes = sums, maxes
-        self.s = _Slots._View(sums, LY.SUM)
-        self.m = _Slots._View(maxes, LY.MAX)
+        self.s = _Slots._View(sums[:LY.SUM_HIST], LY.SUM)
+        self.m = _Slots._View(maxes[:LY.MAX_CRIT_BASE], LY.MAX)
         self.hist = sums[LY.SUM_HIST:LY.SUM_CRIT_BASE]
 
     def crit(self, i: int):
         """The SUM and MAX slot blocks of RS criterion ``i``."""
-        return (_Slots._View(self.sums, LY.CRIT_SUM, LY.SUM_CRIT_BASE + i * len(LY.CRIT_SUM)),
-                _Slots._View(self.maxes, LY.CRIT_MAX, LY.MAX_CRIT_BASE + i * len(LY.CRIT_MAX)))
+        ns, nm = len(LY.CRIT_SUM), len(LY.CRIT_MAX)
+        s0, m0 = LY.SUM_CRIT_BASE + i * ns, LY.MAX_CRIT_BASE + i * nm
+        return (_Slots._View(self.sums[s0:s0 + ns], LY.CRIT_SUM), _Slots._View(self.maxes[m0:m0 + nm], LY.CRIT_MAX))
 
 
 def finalize_metrics(

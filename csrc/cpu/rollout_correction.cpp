@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "memory_hints.h"
 #include "rollout_correction_host.h"
 #include "rollout_correction_math.h"
 #include "vec_math.h"
@@ -243,11 +244,11 @@ RC_CPU_MULTIVERSION void seq_stats_rows_f32(const RolloutParams<float>& p, int64
   seq_stats_rows<cpu::v8f, float>(p, begin, end);
 }
 RC_CPU_AVX512 void seq_stats_rows_f32_avx512(const RolloutParams<float>& p, int64_t begin, int64_t end) {
-  seq_stats_rows<cpu::v16f, float>(p, begin, end);
+  seq_stats_rows<cpu::v8f, float>(p, begin, end);
 }
 RC_CPU_AVX512 void token_pass_rows_f32_avx512(const RolloutParams<float>& p, Partials& P, int64_t begin,
                                               int64_t end) {
-  token_pass_rows<cpu::v16f, float>(p, P, begin, end);
+  token_pass_rows<cpu::v8f, float>(p, P, begin, end);
 }
 void seq_stats_rows_f64(const RolloutParams<double>& p, int64_t begin, int64_t end) {
   seq_stats_rows<double, double>(p, begin, end);
@@ -303,6 +304,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cp
   check_seq_stats(seq_stats, log_prob, acc);
   const auto st = seq_stats.contiguous();
   RolloutPassOutputs o = new_rollout_pass_outputs(log_prob, mask, acc, a);
+  cpu::advise_huge_pages(o.weights.data_ptr(), o.weights.nbytes());
+  cpu::advise_huge_pages(o.mask_out.data_ptr(), o.mask_out.nbytes());
   const int64_t ns = o.sums.numel(), nm = o.maxes.numel();
   std::vector<Partials> parts;
   const int nthreads = at::get_num_threads();

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "rc_macros.h"
@@ -23,11 +24,16 @@
 namespace rollout_corr {
 namespace cpu {
 
-// Whether this CPU runs the RC_CPU_AVX512 copies (checked once).
+// Whether to run the RC_CPU_AVX512 copies: the CPU has AVX-512 and ROLLOUT_CORR_CPU_ISA (read once) is not
+// "avx2" (set it to compare the two paths in one build).
 inline bool has_avx512() {
 #if RC_CPU_HAS_AVX512_PATH
-  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  static const bool yes = [] {
+    const char* isa = std::getenv("ROLLOUT_CORR_CPU_ISA");
+    if (isa != nullptr && std::strcmp(isa, "avx2") == 0) return false;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  }();
   return yes;
 #else
   return false;
