@@ -75,13 +75,21 @@ RC_HD RC_FORCEINLINE V k3_of(V l, V rho) {
 }
 
 // RS statistic of one token (k1 = -l, k2 = l^2/2, k3, ratio = rho) and whether criterion bounds keep it.
+// (A switch, not a select: the statistic is uniform across lanes and threads, so only its own arm runs.)
 template <typename V>
 RC_HD RC_FORCEINLINE V token_stat(int stat, V l, V rho, V k3) {
-  return stat == rs_stat::k1 ? -l : (stat == rs_stat::k2 ? splat<V>(0.5) * l * l : (stat == rs_stat::k3 ? k3 : rho));
+  switch (stat) {
+    case rs_stat::k1: return -l;
+    case rs_stat::k2: return splat<V>(0.5) * l * l;
+    case rs_stat::k3: return k3;
+    default: return rho;
+  }
 }
 template <typename V, typename acc_t>
 RC_HD RC_FORCEINLINE auto crit_keeps(V s, acc_t lower, acc_t upper, bool apply_lower) {
-  return apply_lower ? ((s <= splat<V>(upper)) & (s >= splat<V>(lower))) : (s <= splat<V>(upper));
+  auto keep = s <= splat<V>(upper);
+  if (apply_lower) keep = keep & (s >= splat<V>(lower));
+  return keep;
 }
 
 // The value the std sums of a criterion are centred on (its statistic's typical value): 1 for ratio statistics
