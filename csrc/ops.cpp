@@ -49,8 +49,9 @@ TORCH_LIBRARY(rollout_corr, m) {
       "Tensor target, Tensor row_state, int vocab_start, int vocab_size, float inv_temperature, "
       "int ignore_index) -> ()");
 
-  // §3 rollout correction, two passes over [B, T] (log_prob, rollout_log_prob: any float dtypes; mask: bool,
-  // integer or float holding 0/1). The configuration is typed: is_level 0 none | 1 token | 2 sequence | 3 geometric;
+  // §3 rollout correction, two passes over a padded [B, T] batch, or over a packed token stream [T] with
+  // cu_seqlens [B + 1] (megatron's THD layout; sequences reduced segment by segment, no unpacking). log_prob,
+  // rollout_log_prob: any float dtypes; mask: bool, integer or float holding 0/1. The configuration is typed: is_level 0 none | 1 token | 2 sequence | 3 geometric;
   // is_mask: IcePop (weights outside [is_lower, is_upper] -> 0) instead of TIS (min(w, is_upper)); is_metric_lower:
   // the lower bound of the *_fraction_low diagnostics; veto_threshold: V or None; one entry per RS criterion in
   // rs_level (0 token | 1 seq_sum | 2 seq_mean | 3 seq_max), rs_stat (0 k1 | 1 k2 | 2 k3 | 3 ratio), rs_lower,
@@ -58,14 +59,15 @@ TORCH_LIBRARY(rollout_corr, m) {
   // Pass 1: per-sequence aggregates [B, K] (sums, then maxima), all-reduced over the context-parallel group
   // between the passes.
   m.def(
-      "rollout_seq_stats(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, int is_level, bool is_mask, "
+      "rollout_seq_stats(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor? cu_seqlens, int is_level, "
+      "bool is_mask, "
       "float is_lower, float is_upper, float is_metric_lower, float? veto_threshold, bool exclude_nonfinite, "
       "int[] rs_level, int[] rs_stat, float[] rs_lower, float[] rs_upper, bool[] rs_apply_lower) -> Tensor");
   // Pass 2: (IS weights [B, T] or [0], mask in mask's dtype, fp64 SUM partials, fp64 MAX partials). row_partials:
   // add the per-sequence terms (false on all but one rank of a context-parallel group).
   m.def(
-      "rollout_token_pass(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor seq_stats, int is_level, "
-      "bool is_mask, float is_lower, float is_upper, float is_metric_lower, float? veto_threshold, "
+      "rollout_token_pass(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor? cu_seqlens, Tensor seq_stats, "
+      "int is_level, bool is_mask, float is_lower, float is_upper, float is_metric_lower, float? veto_threshold, "
       "bool exclude_nonfinite, int[] rs_level, int[] rs_stat, float[] rs_lower, float[] rs_upper, "
       "bool[] rs_apply_lower, bool row_partials) -> (Tensor, Tensor, Tensor, Tensor)");
   // Checks the (reduced) SUM partials: a batch with no valid token, non-finite log-probs at valid positions

@@ -140,7 +140,9 @@ rc::Config<acc_t> decode_rollout_config(const RolloutConfigArgs& a) {
 
 inline void check_rollout_inputs(const at::Tensor& log_prob, const at::Tensor& rollout_log_prob,
                                  const at::Tensor& mask) {
-  TORCH_CHECK(log_prob.dim() == 2, "log_prob must be 2-D [batch, response_length], got shape ", log_prob.sizes());
+  TORCH_CHECK(log_prob.dim() == 2 || log_prob.dim() == 1,
+              "log_prob must be 2-D [batch, response_length] (or the 1-D packed token stream with cu_seqlens), got "
+              "shape ", log_prob.sizes());
   TORCH_CHECK(is_rollout_float_dtype(log_prob.scalar_type()),
               "log_prob must be float16, bfloat16, float32 or float64, got ", log_prob.scalar_type());
   TORCH_CHECK(is_rollout_float_dtype(rollout_log_prob.scalar_type()),
@@ -157,10 +159,50 @@ inline void check_rollout_inputs(const at::Tensor& log_prob, const at::Tensor& r
               log_prob.device());
 }
 
-inline void check_seq_stats(const at::Tensor& seq_stats, const at::Tensor& log_prob, at::ScalarType acc) {
-  TORCH_CHECK(seq_stats.dim() == 2 && seq_stats.size(0) == log_prob.size(0) && seq_stats.size(1) == rc::seq::kCols,
-              "seq_stats must be [", log_prob.size(0), ", ", static_cast<int>(rc::seq::kCols), "], got ",
-              seq_stats.sizes());
+// The batch layout: padded (log_prob [B, T], no cu_seqlens) or packed (megatron's THD: log_prob [T] tokens,
+// cu_seqlens [B + 1] int32/int64 with cu_seqlens[0] = 0, non-decreasing, cu_seqlens[B] = T). `offsets`: the int64
+// cu_seqlens the kernels read (undefined when padded). Checked on the host for CPU tensors, by asynchronous device
+// asserts on CUDA (the kernels clamp the spans, so a bad cu_seqlens can never make them read out of bounds).
+struct RolloutLayout {
+  int64_t rows, cols;
+  at::Tensor offsets;
+};
+inline RolloutLayout rollout_layout(const at::Tensor& log_prob, const c10::optional<at::Tensor>& cu_seqlens) {
+  if (!cu_seqlens.has_value() || !cu_seqlens->defined()) {
+    TORCH_CHECK(log_prob.dim() == 2, "log_prob must be 2-D [batch, response_length] without cu_seqlens, got shape ",
+                log_prob.sizes(), " (a 1-D packed token stream needs cu_seqlens)");
+    return {log_prob.size(0), log_prob.size(1), at::Tensor()};
+  }
+  const at::Tensor& cu = *cu_seqlens;
+  TORCH_CHECK(log_prob.dim() == 1, "with cu_seqlens, log_prob must be the 1-D packed token stream [total_tokens], "
+              "got shape ", log_prob.sizes());
+  TORCH_CHECK(cu.dim() == 1 && cu.numel() >= 1, "cu_seqlens must be 1-D [num_sequences + 1], got shape ", cu.sizes());
+  TORCH_CHECK(cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong, "cu_seqlens must be int32 or int64, got ",
+              cu.scalar_type());
+  TORCH_CHECK(cu.device() == log_prob.device(), "cu_seqlens is on ", cu.device(), " but log_prob is on ",
+              log_prob.device());
+  const int64_t total = log_prob.size(0);
+  at::Tensor off = cu.to(at::kLong).contiguous();
+  const char* what = "cu_seqlens must start at 0, never decrease and end at the number of packed tokens";
+  if (off.is_cpu()) {
+    const int64_t* o = off.const_data_ptr<int64_t>();
+    const int64_t n = off.numel();
+    TORCH_CHECK_VALUE(o[0] == 0 && o[n - 1] == total, what, " (", total, "): got cu_seqlens[0] = ", o[0],
+                      ", cu_seqlens[-1] = ", o[n - 1]);
+    for (int64_t i = 1; i < n; ++i)
+      TORCH_CHECK_VALUE(o[i] >= o[i - 1], what, ": cu_seqlens[", i, "] = ", o[i], " < cu_seqlens[", i - 1, "] = ",
+                        o[i - 1]);
+  } else {
+    at::_assert_async((off[0] == 0).logical_and(off[-1] == total), what);
+    if (off.numel() > 1) at::_assert_async((off.slice(0, 1) >= off.slice(0, 0, -1)).all(), what);
+  }
+  return {off.numel() - 1, total, off};
+}
+
+inline void check_seq_stats(const at::Tensor& seq_stats, int64_t rows, const at::Tensor& log_prob,
+                            at::ScalarType acc) {
+  TORCH_CHECK(seq_stats.dim() == 2 && seq_stats.size(0) == rows && seq_stats.size(1) == rc::seq::kCols,
+              "seq_stats must be [", rows, ", ", static_cast<int>(rc::seq::kCols), "], got ", seq_stats.sizes());
   TORCH_CHECK(seq_stats.scalar_type() == acc, "seq_stats must be ", acc, ", got ", seq_stats.scalar_type());
   TORCH_CHECK(seq_stats.device() == log_prob.device(), "seq_stats is on ", seq_stats.device(), " but log_prob is on ",
               log_prob.device());
@@ -187,13 +229,15 @@ inline RolloutPassOutputs new_rollout_pass_outputs(const at::Tensor& log_prob, c
 
 template <typename acc_t>
 RolloutParams<acc_t> make_rollout_params(const at::Tensor& log_prob, const at::Tensor& rollout_log_prob,
-                                         const at::Tensor& mask, const RolloutConfigArgs& a) {
+                                         const at::Tensor& mask, const RolloutLayout& layout,
+                                         const RolloutConfigArgs& a) {
   RolloutParams<acc_t> p{};
   p.log_prob = token_view(log_prob);
   p.rollout_log_prob = token_view(rollout_log_prob);
   p.mask = token_view(mask);
-  p.rows = log_prob.size(0);
-  p.cols = log_prob.size(1);
+  p.row_offsets = layout.offsets.defined() ? layout.offsets.const_data_ptr<int64_t>() : nullptr;
+  p.rows = layout.rows;
+  p.cols = layout.cols;
   p.num_sums = rc::sum_size(static_cast<int>(a.rs_level.size()));
   p.num_maxes = rc::max_size(static_cast<int>(a.rs_level.size()));
   p.cfg = decode_rollout_config<acc_t>(a);
@@ -247,9 +291,14 @@ inline RolloutStatus rollout_status(const at::Tensor& sums, const c10::optional<
 inline std::string first_position(const at::Tensor& hit, const char* name, const at::Tensor& values) {
   const auto idx = at::nonzero(hit);
   if (idx.size(0) == 0) return "";
-  const int64_t b = idx[0][0].item<int64_t>(), t = idx[0][1].item<int64_t>();
-  return std::string(" (first on this rank: ") + name + "[" + std::to_string(b) + ", " + std::to_string(t) +
-         "] = " + std::to_string(values[b][t].item<double>()) + ")";
+  std::string where = std::string(" (first on this rank: ") + name + "[";
+  at::Tensor value = values;
+  for (int64_t d = 0; d < idx.size(1); ++d) {
+    const int64_t i = idx[0][d].item<int64_t>();
+    where += (d ? ", " : "") + std::to_string(i);
+    value = value[i];
+  }
+  return where + "] = " + std::to_string(value.item<double>()) + ")";
 }
 
 // Raise the ValueError of a failed check, naming this rank's first offending position where there is one.

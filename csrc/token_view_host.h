@@ -23,8 +23,10 @@ inline ViewDtype view_dtype_of(at::ScalarType t) {
   }
 }
 
-// A [rows, cols] view of a tensor of the same shape as log_prob, strides as they are (no copy).
+// A [rows, cols] view of a tensor of the same shape as log_prob, strides as they are (no copy). A 1-D tensor (a
+// packed token stream) is one row: row 0, its tokens along the columns.
 inline TokenView token_view(const at::Tensor& t) {
+  if (t.dim() == 1) return TokenView{t.const_data_ptr(), 0, t.stride(0), view_dtype_of(t.scalar_type())};
   return TokenView{t.const_data_ptr(), t.stride(0), t.stride(1), view_dtype_of(t.scalar_type())};
 }
 inline TokenView token_view_or_absent(const at::Tensor& t) {
@@ -37,6 +39,7 @@ inline TokenView row_view_or_absent(const at::Tensor& t) {
 }
 
 inline MutableTokenView mutable_token_view(at::Tensor& t) {
+  if (t.dim() == 1) return MutableTokenView{t.mutable_data_ptr(), 0, t.stride(0), view_dtype_of(t.scalar_type())};
   return MutableTokenView{t.mutable_data_ptr(), t.stride(0), t.stride(1), view_dtype_of(t.scalar_type())};
 }
 

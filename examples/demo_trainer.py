@@ -57,6 +57,7 @@ from megatron.core.tensor_parallel import (  # noqa: E402
     VocabParallelEmbedding,
 )
 
+import rollout_corr_ext as rc  # noqa: E402
 from rollout_corr_ext.config import RolloutCorrectionConfig  # noqa: E402
 from rollout_corr_ext.losses import PolicyLossConfig  # noqa: E402
 from rollout_corr_ext.megatron import make_policy_loss_func, reported_means  # noqa: E402
@@ -395,7 +396,8 @@ def main(argv=None):
         plot(png, records, settings)
         tail = max(1, args.steps // 5)
         print(f"\n{args.steps} steps x {len(runs)} settings in {time.time() - t0:.0f}s  (TP={args.tp}, "
-              f"{backend}); means over the last {tail} steps:")
+              f"{backend}, rollout_corr_ext backend={rc.backend()}, seed {args.seed}); means over the last {tail} "
+              f"steps:")
         print(f"{'setting':<10} {'reward':>7} {'exact':>6} {'kl':>9} {'chi2_tok':>9} {'ratio p5':>9} {'ratio p95':>9}")
         for name in settings:
             rows = [r for r in records if r["setting"] == name][-tail:]

@@ -288,7 +288,8 @@ def _world(group, name: str) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _check_inputs(log_prob, rollout_log_prob, response_mask, config, nonfinite) -> RolloutCorrectionConfig:
+def _check_inputs(log_prob, rollout_log_prob, response_mask, config, nonfinite,
+                  cu_seqlens=None) -> RolloutCorrectionConfig:
     for name, t in (("log_prob", log_prob), ("rollout_log_prob", rollout_log_prob)):
         if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be a float16/bfloat16/float32/float64 tensor, got "
@@ -296,8 +297,21 @@ def _check_inputs(log_prob, rollout_log_prob, response_mask, config, nonfinite) 
     if not isinstance(response_mask, torch.Tensor) or response_mask.dtype not in _MASK_DTYPES:
         raise TypeError(f"response_mask must be a bool, integer or float tensor, got "
                         f"{getattr(response_mask, 'dtype', type(response_mask))}")
-    if log_prob.dim() != 2:
-        raise ValueError(f"log_prob must be 2-D [batch, response_length], got shape {tuple(log_prob.shape)}")
+    if cu_seqlens is None:
+        if log_prob.dim() != 2:
+            raise ValueError(f"log_prob must be 2-D [batch, response_length], got shape {tuple(log_prob.shape)} "
+                             f"(a packed token stream needs cu_seqlens)")
+    else:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got "
+                            f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"cu_seqlens must be 1-D [num_sequences + 1], got shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.device != log_prob.device:
+            raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but log_prob is on {log_prob.device}")
+        if log_prob.dim() != 1 and not (log_prob.dim() == 2 and 1 in tuple(log_prob.shape)):
+            raise ValueError(f"with cu_seqlens, log_prob must be the packed token stream [T] (or megatron's [1, T] / "
+                             f"[T, 1]), got shape {tuple(log_prob.shape)}")
     if rollout_log_prob.shape != log_prob.shape:
         raise ValueError(f"rollout_log_prob shape {tuple(rollout_log_prob.shape)} does not match log_prob shape "
                          f"{tuple(log_prob.shape)}")
@@ -316,13 +330,12 @@ def _check_inputs(log_prob, rollout_log_prob, response_mask, config, nonfinite) 
     raise TypeError(f"config must be a RolloutCorrectionConfig or a dict, got {type(config)}")
 
 
-def _check_seq_rows(log_prob: torch.Tensor, seq_group) -> None:
+def _check_seq_rows(b: int, device: torch.device, seq_group) -> None:
     """Context parallelism reduces per-row aggregates, so every rank of seq_group must hold the same rows. A
     mismatch would be a collective of different sizes (a gloo abort, an NCCL hang): compare the row counts first
     with one tiny MAX all-reduce of (B, -B) and raise the same clear error on every rank. Costs one 16-byte
     collective and, on CUDA, one host sync, only when seq_group has more than one rank."""
-    b = log_prob.shape[0]
-    probe = torch.tensor([b, -b], dtype=torch.int64).to(log_prob.device)
+    probe = torch.tensor([b, -b], dtype=torch.int64).to(device)
     dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=seq_group)
     hi, neg_lo = probe.tolist()
     if hi != b or -neg_lo != b:
@@ -358,8 +371,14 @@ def compute_rollout_correction(
     dp_group=None,
     seq_group=None,
     nonfinite: str = "error",
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> RolloutCorrectionResult:
     """IS weights, the RS + veto mask and every ``rollout_corr/*`` metric, exact over the global batch.
+
+    Padded batches are ``[B, T]``; **packed** batches (megatron's THD layout, sequence packing) are the 1-D token
+    stream ``[T]`` (or megatron's ``[1, T]`` / ``[T, 1]``) with ``cu_seqlens`` ``[B + 1]`` (int32/int64: sequence b is
+    tokens ``cu_seqlens[b]:cu_seqlens[b + 1]``). Every sequence-level quantity then reduces over each segment, in
+    the kernels, without unpacking; the outputs keep the inputs' shape.
 
     Args:
         log_prob: ``[B, T]`` training-side log-probs (pi_old in decoupled mode, pi_theta in bypass mode); float16,
@@ -381,12 +400,22 @@ def compute_rollout_correction(
             every rank otherwise).
         nonfinite: "error" (default): NaN/inf log-probs at valid positions raise; "exclude": those tokens are
             dropped (0 in the output mask and weights) and counted in ``rollout_corr/nonfinite_token_fraction``.
+        cu_seqlens: packed layout (see above); ``response_mask`` then masks tokens inside the stream (prompt tokens,
+            tool outputs, padding between segments). With context parallelism each rank passes its own local stream
+            and local cu_seqlens: the same sequences in the same order, each rank its share of every sequence
+            (megatron's ``cu_seqlens_q_padded // cp_size`` layout).
 
     Returns:
         :class:`RolloutCorrectionResult` (weights: float32, float64 when either log-prob input is float64; or None;
         mask; metrics as 0-dim tensors; no host sync on CUDA without seq_group).
     """
-    config = _check_inputs(log_prob, rollout_log_prob, response_mask, config, nonfinite)
+    config = _check_inputs(log_prob, rollout_log_prob, response_mask, config, nonfinite, cu_seqlens)
+    out_shape = tuple(log_prob.shape)
+    if cu_seqlens is not None:  # the kernels take the packed stream as 1-D views (no copy)
+        log_prob, rollout_log_prob, response_mask = (t.reshape(-1) for t in (log_prob, rollout_log_prob,
+                                                                             response_mask))
+        if response_mask.shape != log_prob.shape or rollout_log_prob.shape != log_prob.shape:
+            raise ValueError("log_prob, rollout_log_prob and response_mask must hold the same packed tokens")
     exclude = nonfinite == "exclude"
     seq_world, seq_rank = _world(seq_group, "seq_group")
     red_group = dp_group if dp_group is not None else seq_group
@@ -396,9 +425,10 @@ def compute_rollout_correction(
     # dtypes need no copy: the kernels read each input in its own dtype and compute in fp32 (fp64 if either is).
     log_prob, rollout_log_prob = log_prob.detach(), rollout_log_prob.detach()
 
+    num_rows = log_prob.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if seq_world > 1:
-        _check_seq_rows(log_prob, seq_group)
-    stats = ops.rollout_seq_stats(log_prob, rollout_log_prob, response_mask, args)
+        _check_seq_rows(num_rows, log_prob.device, seq_group)
+    stats = ops.rollout_seq_stats(log_prob, rollout_log_prob, response_mask, args, cu_seqlens)
     if seq_world > 1:
         ns = LY.SEQ_NUM_SUMS
         part = stats[:, :ns].contiguous()
@@ -408,7 +438,7 @@ def compute_rollout_correction(
         stats = torch.cat([part, top], dim=1)
 
     weights, mask_out, sums, maxes = ops.rollout_token_pass(
-        log_prob, rollout_log_prob, response_mask, stats, args, seq_rank == 0)
+        log_prob, rollout_log_prob, response_mask, stats, args, seq_rank == 0, cu_seqlens)
     agree = None
     if dp_world > 1:
         sums, maxes, agree = _reduce_partials(sums, maxes, config_fingerprint(config, exclude), red_group)
@@ -422,6 +452,9 @@ def compute_rollout_correction(
         # The global mean is known only after the reduce: one in-place scale of our own output.
         factor = metrics[PREFIX + "rollout_is_batch_norm_factor"]
         weights.mul_((1.0 / factor).to(weights.dtype))
+    if cu_seqlens is not None:
+        weights = None if weights is None else weights.reshape(out_shape)
+        mask_out = mask_out.reshape(out_shape)
     return RolloutCorrectionResult(weights, mask_out, metrics)
 
 
@@ -432,13 +465,15 @@ def compute_offpolicy_metrics(
     *,
     dp_group=None,
     seq_group=None,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Dict[str, torch.Tensor]:
     """verl's off-policy diagnostics alone (kl, k3_kl, ppl, log-ppl, ppl_ratio, chi2), ``rollout_corr/``-prefixed
-    0-dim tensors, reduced like :func:`compute_rollout_correction`. ``rollout_log_prob=None``: training ppl only."""
+    0-dim tensors, reduced like :func:`compute_rollout_correction` (padded or packed with ``cu_seqlens``).
+    ``rollout_log_prob=None``: training ppl only."""
     only_training = rollout_log_prob is None
     if only_training:
         rollout_log_prob = log_prob
     res = compute_rollout_correction(log_prob, rollout_log_prob, response_mask, RolloutCorrectionConfig.disabled(),
-                                     dp_group=dp_group, seq_group=seq_group)
+                                     dp_group=dp_group, seq_group=seq_group, cu_seqlens=cu_seqlens)
     keys = ("training_ppl", "training_log_ppl") if only_training else OFFPOLICY_KEYS
     return {PREFIX + k: res.metrics[PREFIX + k] for k in keys}

@@ -344,9 +344,47 @@ def _token_is_weight(rho, is_mask, is_lower, is_upper):
     return rho.clamp(max=is_upper)
 
 
-def rollout_seq_stats(log_prob, rollout_log_prob, mask, is_level, is_mask, is_lower, is_upper, is_metric_lower,
-                      veto_threshold, exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower):
-    """Pass 1: per-sequence aggregates ``[B, SEQ_COLS]`` (columns: ``_layout.SEQ``)."""
+_CU_MSG = "cu_seqlens must start at 0, never decrease and end at the number of packed tokens"
+
+
+def _check_cu_seqlens(log_prob: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The packed layout's checks (the kernels' rollout_layout), returning cu_seqlens as int64."""
+    if log_prob.dim() != 1:
+        raise ValueError(f"with cu_seqlens, log_prob must be the 1-D packed token stream [total_tokens], got shape "
+                         f"{tuple(log_prob.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [num_sequences + 1], got "
+                         f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.to(torch.int64)
+    ok = (cu[0] == 0) & (cu[-1] == log_prob.shape[0]) & (cu[1:] >= cu[:-1]).all()
+    if cu.device.type == "cuda":
+        torch._assert_async(ok, _CU_MSG)
+    elif not bool(ok):
+        raise ValueError(f"{_CU_MSG} ({log_prob.shape[0]}): got {cu.tolist()}")
+    return cu
+
+
+def _padded(x: torch.Tensor, cu: torch.Tensor):
+    """The fallback's way to a packed stream: a padded [B, max_len] copy (0 past each end) and its validity.
+    (The kernels reduce segment by segment instead.)"""
+    lens = cu[1:] - cu[:-1]
+    width = int(lens.max()) if lens.numel() else 0
+    pos = torch.arange(width, device=x.device)
+    inside = pos.unsqueeze(0) < lens.unsqueeze(1)
+    idx = (cu[:-1].unsqueeze(1) + pos.unsqueeze(0)).clamp(max=max(x.shape[0] - 1, 0))
+    taken = x[idx] if x.numel() else x.new_zeros(idx.shape)
+    return torch.where(inside, taken, torch.zeros((), dtype=x.dtype, device=x.device)), inside
+
+
+def rollout_seq_stats(log_prob, rollout_log_prob, mask, cu_seqlens, is_level, is_mask, is_lower, is_upper,
+                      is_metric_lower, veto_threshold, exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper,
+                      rs_apply_lower):
+    """Pass 1: per-sequence aggregates ``[B, SEQ_COLS]`` (columns: ``_layout.SEQ``); packed: one row per segment."""
+    if cu_seqlens is not None:
+        cu = _check_cu_seqlens(log_prob, cu_seqlens)
+        return rollout_seq_stats(_padded(log_prob, cu)[0], _padded(rollout_log_prob, cu)[0], _padded(mask, cu)[0],
+                                 None, is_level, is_mask, is_lower, is_upper, is_metric_lower, veto_threshold,
+                                 exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower)
     valid, nonfinite, bad_mask, lp, rlp, lr, l, rho = _token_values(log_prob, rollout_log_prob, mask,
                                                                      exclude_nonfinite)
     acc = lr.dtype
@@ -420,10 +458,19 @@ def _hist_index(log_w: torch.Tensor) -> torch.Tensor:
     return ((log_w - LY.HIST_LO) * scale).floor().clamp(0, LY.HIST_BINS - 1).to(torch.int64)
 
 
-def rollout_token_pass(log_prob, rollout_log_prob, mask, seq_stats, is_level, is_mask, is_lower, is_upper,
-                       is_metric_lower, veto_threshold, exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper,
-                       rs_apply_lower, row_partials):
-    """Pass 2: (weights or ``[0]``, mask_out, SUM partials, MAX partials); slots: ``_layout.SUM`` / ``MAX``."""
+def rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, is_level, is_mask, is_lower,
+                       is_upper, is_metric_lower, veto_threshold, exclude_nonfinite, rs_level, rs_stat, rs_lower,
+                       rs_upper, rs_apply_lower, row_partials):
+    """Pass 2: (weights or ``[0]``, mask_out, SUM partials, MAX partials); slots: ``_layout.SUM`` / ``MAX``.
+    Weights and mask_out in the inputs' layout (packed: ``[T]``)."""
+    if cu_seqlens is not None:
+        cu = _check_cu_seqlens(log_prob, cu_seqlens)
+        m_pad, inside = _padded(mask, cu)
+        w, m_out, S, M = rollout_token_pass(_padded(log_prob, cu)[0], _padded(rollout_log_prob, cu)[0], m_pad, None,
+                                            seq_stats, is_level, is_mask, is_lower, is_upper, is_metric_lower,
+                                            veto_threshold, exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper,
+                                            rs_apply_lower, row_partials)
+        return (w[inside] if w.numel() or inside.numel() == 0 else w, m_out[inside], S, M)
     valid, _, _, lp, rlp, lr, l, rho = _token_values(log_prob, rollout_log_prob, mask, exclude_nonfinite)
     acc = lr.dtype
     dev = lr.device

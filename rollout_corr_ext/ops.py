@@ -185,20 +185,28 @@ def _rollout_acc(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> torc
 
 
 def _register_rollout_fakes() -> None:
+    def rows_of(log_prob, cu_seqlens):
+        if cu_seqlens is None:
+            torch._check(log_prob.dim() == 2, lambda: f"log_prob must be 2-D, got {log_prob.dim()}-D")
+            return log_prob.shape[0]
+        torch._check(log_prob.dim() == 1, lambda: "with cu_seqlens, log_prob must be 1-D (packed tokens)")
+        return cu_seqlens.shape[0] - 1
+
     @torch.library.register_fake("rollout_corr::rollout_seq_stats")
-    def _(log_prob, rollout_log_prob, mask, is_level, is_mask, is_lower, is_upper, is_metric_lower, veto_threshold,
-          exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower):
-        torch._check(log_prob.dim() == 2, lambda: f"log_prob must be 2-D, got {log_prob.dim()}-D")
+    def _(log_prob, rollout_log_prob, mask, cu_seqlens, is_level, is_mask, is_lower, is_upper, is_metric_lower,
+          veto_threshold, exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower):
         torch._check(rollout_log_prob.shape == log_prob.shape, lambda: "rollout_log_prob must have log_prob's shape")
         torch._check(mask.shape == log_prob.shape, lambda: "mask must have log_prob's shape")
-        return log_prob.new_empty((log_prob.shape[0], LY.SEQ_COLS), dtype=_rollout_acc(log_prob, rollout_log_prob))
+        return log_prob.new_empty((rows_of(log_prob, cu_seqlens), LY.SEQ_COLS),
+                                  dtype=_rollout_acc(log_prob, rollout_log_prob))
 
     @torch.library.register_fake("rollout_corr::rollout_token_pass")
-    def _(log_prob, rollout_log_prob, mask, seq_stats, is_level, is_mask, is_lower, is_upper, is_metric_lower,
-          veto_threshold, exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower, row_partials):
-        torch._check(log_prob.dim() == 2, lambda: f"log_prob must be 2-D, got {log_prob.dim()}-D")
+    def _(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, is_level, is_mask, is_lower, is_upper,
+          is_metric_lower, veto_threshold, exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower,
+          row_partials):
         torch._check(mask.shape == log_prob.shape, lambda: "mask must have log_prob's shape")
-        torch._check(seq_stats.shape[0] == log_prob.shape[0], lambda: "seq_stats must have one row per sequence")
+        torch._check(seq_stats.shape[0] == rows_of(log_prob, cu_seqlens),
+                     lambda: "seq_stats must have one row per sequence")
         n_sum, n_max = LY.partial_sizes(len(rs_level))
         acc = _rollout_acc(log_prob, rollout_log_prob)
         w_shape = tuple(log_prob.shape) if is_level != LY.IS_LEVEL["none"] else (0,)
@@ -215,11 +223,12 @@ def _register_rollout_fakes() -> None:
 
 
 def rollout_seq_stats(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, mask: torch.Tensor,
-                      args: RolloutOpArgs) -> torch.Tensor:
-    """Pass 1: per-sequence aggregates ``[B, _layout.SEQ_COLS]`` of a ``[B, T]`` slice."""
+                      args: RolloutOpArgs, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Pass 1: per-sequence aggregates ``[B, _layout.SEQ_COLS]`` of a padded ``[B, T]`` slice, or of a packed
+    ``[T]`` token stream with ``cu_seqlens`` ``[B + 1]``."""
     if _has_kernel(log_prob.device):
-        return torch.ops.rollout_corr.rollout_seq_stats.default(log_prob, rollout_log_prob, mask, *args)
-    return fallback.rollout_seq_stats(log_prob, rollout_log_prob, mask, *args)
+        return torch.ops.rollout_corr.rollout_seq_stats.default(log_prob, rollout_log_prob, mask, cu_seqlens, *args)
+    return fallback.rollout_seq_stats(log_prob, rollout_log_prob, mask, cu_seqlens, *args)
 
 
 def rollout_token_pass(
@@ -229,12 +238,14 @@ def rollout_token_pass(
     seq_stats: torch.Tensor,
     args: RolloutOpArgs,
     row_partials: bool,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pass 2: (weights, mask_out, SUM partials fp64, MAX partials fp64) of a ``[B, T]`` slice."""
+    """Pass 2: (weights, mask_out, SUM partials fp64, MAX partials fp64); weights and mask_out in the inputs'
+    layout (padded ``[B, T]`` or packed ``[T]``)."""
     if _has_kernel(log_prob.device):
-        return torch.ops.rollout_corr.rollout_token_pass.default(log_prob, rollout_log_prob, mask, seq_stats, *args,
-                                                                 row_partials)
-    return fallback.rollout_token_pass(log_prob, rollout_log_prob, mask, seq_stats, *args, row_partials)
+        return torch.ops.rollout_corr.rollout_token_pass.default(log_prob, rollout_log_prob, mask, cu_seqlens,
+                                                                 seq_stats, *args, row_partials)
+    return fallback.rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, *args, row_partials)
 
 
 def rollout_check(sums: torch.Tensor, agree: Optional[torch.Tensor], log_prob: torch.Tensor,

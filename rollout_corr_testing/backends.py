@@ -114,19 +114,194 @@ def rollout_backend(name: str, **knobs) -> Iterator[str]:
         yield name
         return
     if name == "reference":
-        impl = {"rollout_seq_stats": lambda lp, rlp, m, a: fallback.rollout_seq_stats(lp, rlp, m, *a),
-                "rollout_token_pass": lambda lp, rlp, m, st, a, rows: fallback.rollout_token_pass(lp, rlp, m, st, *a,
-                                                                                                   rows),
+        impl = {"rollout_seq_stats": lambda lp, rlp, m, a, cu=None: fallback.rollout_seq_stats(lp, rlp, m, cu, *a),
+                "rollout_token_pass": lambda lp, rlp, m, st, a, rows, cu=None: fallback.rollout_token_pass(
+                    lp, rlp, m, cu, st, *a, rows),
                 "rollout_check": fallback.rollout_check}
     elif name == "emulated":
         from rollout_corr_testing.cuda_emulator.loader import load_emulator
 
         load_emulator()
         emu = torch.ops.rollout_corr_emu
-        impl = {"rollout_seq_stats": lambda lp, rlp, m, a: emu.rollout_seq_stats(lp, rlp, m, *a, **knobs),
-                "rollout_token_pass": lambda lp, rlp, m, st, a, rows: emu.rollout_token_pass(lp, rlp, m, st, *a, rows,
-                                                                                             **knobs)}
+        impl = {"rollout_seq_stats": lambda lp, rlp, m, a, cu=None: emu.rollout_seq_stats(lp, rlp, m, cu, *a, **knobs),
+                "rollout_token_pass": lambda lp, rlp, m, st, a, rows, cu=None: emu.rollout_token_pass(
+                    lp, rlp, m, cu, st, *a, rows, **knobs)}
     else:
         raise ValueError(f"unknown backend {name!r}")
     with _swapped_ops(impl) as device:
         yield device
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every op-level test on every device (issue §1): cpu, the emulated CUDA kernels, cuda
+# ---------------------------------------------------------------------------------------------------------
+
+#: The device variants of an op-level test, in test-id order: ``cpu`` (CPU tensors on the active backend: the compiled
+#: CPU kernels, or the pure-PyTorch fallback under ROLLOUT_CORR_FORCE_REFERENCE=1), ``emulated`` (the CUDA kernels
+#: thread by thread on the CPU emulator) and ``cuda`` (the CUDA kernels on a GPU).
+DEVICES = ("cpu", "emulated", "cuda")
+
+#: Small emulated launches: 64 threads, the descending turnstile schedule, at most 3 blocks, so grid-stride loops and
+#: block reductions run while emulation stays cheap (the knob names every emulated family accepts).
+EMULATED_KNOBS = dict(threads=64, schedule=1, max_blocks=3)
+
+#: The policy-loss ops of rollout_corr_ext.ops that have emulated CUDA kernels.
+POLICY_LOSS_OPS = ("policy_loss_rows",)
+
+
+def device_skip_reason(name: str):
+    """Why the device variant ``name`` cannot run here (None when it can). ``cpu`` always runs (on the fallback when
+    the extension is not loaded); ``emulated`` and ``cuda`` as :func:`skip_reason` says."""
+    if name == "cpu":
+        return None
+    return skip_reason(name)
+
+
+def device_params(*names: str, emulated_reason: str = None) -> list:
+    """``pytest.param`` per device variant (default :data:`DEVICES`), each marked skip with its reason where it
+    cannot run, so a CPU-only machine reports the CUDA variants as skipped instead of leaving them out. CUDA
+    variants carry the ``cuda`` marker (``pytest -m cuda`` selects them on a GPU machine). ``emulated_reason``: leave
+    the emulated variant out of ``names`` and record why (the test's sizes are too large for the thread-by-thread
+    emulator); it is then listed as skipped with that reason."""
+    import pytest
+
+    names = names or DEVICES
+    out = []
+    for name in names:
+        reason = device_skip_reason(name)
+        marks = [pytest.mark.skip(reason=f"{name}: {reason}")] if reason else []
+        if name == "cuda":
+            marks.append(pytest.mark.cuda)
+        out.append(pytest.param(name, marks=marks, id=name))
+    if emulated_reason and "emulated" not in names:
+        out.append(pytest.param("emulated", marks=[pytest.mark.skip(reason=f"emulated: {emulated_reason}")],
+                                id="emulated"))
+    return out
+
+
+class _EmulatedPolicyLoss(torch.autograd.Function):
+    """The emulated ``policy_loss_rows`` with the autograd formula the compiled op registers (gradient in
+    ``log_prob`` only, through the emulated ``policy_loss_backward``)."""
+
+    @staticmethod
+    def forward(ctx, knobs, log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
+                loss_kind):
+        emu = torch.ops.rollout_corr_emu
+        loss_mat, rows = emu.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
+                                              clip_high, clip_c, loss_kind, **knobs)
+        ctx.save_for_backward(log_prob, old_log_prob, advantages, response_mask, weights)
+        ctx.scalars = (clip_low, clip_high, clip_c, loss_kind)
+        ctx.knobs = knobs
+        ctx.set_materialize_grads(False)
+        return loss_mat, rows
+
+    @staticmethod
+    def backward(ctx, grad_loss_mat, grad_rows):
+        log_prob, old_log_prob, advantages, response_mask, weights = ctx.saved_tensors
+        grad = None
+        if ctx.needs_input_grad[1] and (grad_loss_mat is not None or grad_rows is not None):
+            grad_rows_loss = None if grad_rows is None else grad_rows[:, fallback.PG_ROW_LOSS_SUM]
+            grad = torch.ops.rollout_corr_emu.policy_loss_backward(
+                grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights,
+                *ctx.scalars, **ctx.knobs)
+        return None, grad, None, None, None, None, None, None, None, None
+
+
+def _emulated_policy_loss_rows(knobs, log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
+                               clip_high, clip_c, loss_kind):
+    if weights is not None:
+        weights = weights.detach()  # a constant of the loss, as in ops.policy_loss_rows
+    return _EmulatedPolicyLoss.apply(knobs, log_prob, old_log_prob, advantages, response_mask, weights,
+                                     float(clip_low), float(clip_high), float(clip_c), int(loss_kind))
+
+
+@contextlib.contextmanager
+def policy_loss_backend(name: str, **knobs) -> Iterator[str]:
+    """Within the block, ``rollout_corr_ext.ops.policy_loss_rows`` (and so every policy loss, ``calculate_grpo_loss``
+    and ``make_policy_loss_func``) runs on backend ``name``; yields the device the inputs must live on. ``knobs``
+    (threads, schedule, max_blocks) tune the emulated launches."""
+    _skip_unless_runnable(name)
+    if name in ("cpu", "cuda"):
+        yield name
+        return
+    if name == "reference":
+        impl = {"policy_loss_rows": fallback.policy_loss_rows}
+    elif name == "emulated":
+        from rollout_corr_testing.cuda_emulator.loader import load_emulator
+
+        load_emulator()
+        impl = {"policy_loss_rows": functools.partial(_emulated_policy_loss_rows, dict(knobs))}
+    else:
+        raise ValueError(f"unknown backend {name!r}")
+    with _swapped_ops(impl) as device:
+        yield device
+
+
+@contextlib.contextmanager
+def ops_on(name: str, **knobs) -> Iterator[str]:
+    """Every op family of ``rollout_corr_ext.ops`` (log-probs, rollout correction, policy loss) on the device variant
+    ``name`` of :data:`DEVICES` within the block; yields the device the inputs must live on. ``cpu`` swaps nothing (the
+    active backend runs); ``emulated`` uses :data:`EMULATED_KNOBS` unless ``knobs`` are given."""
+    reason = device_skip_reason(name)
+    if reason:
+        import pytest
+
+        pytest.skip(f"{name}: {reason}")
+    if name == "cpu":
+        yield "cpu"
+        return
+    if name == "emulated" and not knobs:
+        knobs = dict(EMULATED_KNOBS)
+    no_vec = {k: v for k, v in knobs.items() if k != "vec"}  # vec: the log-prob kernels' knob alone
+    with logprob_backend(name, **knobs) as device, rollout_backend(name, **no_vec), \
+            policy_loss_backend(name, **no_vec):
+        yield device
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA: checks that are asynchronous device asserts
+# ---------------------------------------------------------------------------------------------------------
+
+#: What a device-side assert prints: the CUDA runtime's error (the message given to ``torch._assert_async`` is not
+#: kept on CUDA) or the kernel's own assertion line.
+DEVICE_ASSERT_MARKERS = ("device-side assert", "Assertion", "CUDA error")
+
+_SUBPROCESS_PRELUDE = """
+import os, sys, warnings
+sys.path.insert(0, {root!r})
+warnings.simplefilter("ignore")
+import torch
+import rollout_corr_ext as rc
+if rc.backend() == "reference" and os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0") != "1":
+    rc.load_extension()
+assert rc.backend() == "cuda", "the subprocess has no CUDA backend: " + rc.backend()
+from rollout_corr_ext import ops
+"""
+
+
+def run_python(code: str, timeout: float = 600.0):
+    """Run ``code`` (after a prelude importing torch, rollout_corr_ext as rc and its ops, on the CUDA backend) in a
+    fresh interpreter; returns the CompletedProcess. A device-side assert poisons the CUDA context of the process
+    that triggers it, so tests of asynchronous checks run the bad call here, not in the test session."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    source = _SUBPROCESS_PRELUDE.format(root=root) + textwrap.dedent(code)
+    return subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=timeout,
+                          cwd=root)
+
+
+def assert_device_assert(code: str, what: str = "") -> None:
+    """``code`` must end its process with a device-side assert: the process fails, the line after the bad call
+    (``torch.cuda.synchronize()``, added here) is never passed, and the output names a device assert."""
+    import textwrap
+
+    proc = run_python(textwrap.dedent(code) + "\ntorch.cuda.synchronize()\nprint('NO DEVICE ASSERT')\n")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "NO DEVICE ASSERT" not in proc.stdout, (
+        f"{what}: expected a device-side assert, but the process finished (exit {proc.returncode}):\n{out[-3000:]}")
+    assert any(m in out for m in DEVICE_ASSERT_MARKERS), (
+        f"{what}: the process failed, but not with a device-side assert (exit {proc.returncode}):\n{out[-3000:]}")

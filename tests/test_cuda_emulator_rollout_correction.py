@@ -49,13 +49,13 @@ SHAPES = [(6, 70), (3, 1), (9, 33)]
 
 def _check_pass_outputs(emu, lp, rlp, mask, cfg, knobs, exclude=False):
     args = op_args(cfg, exclude)
-    st_ref = fallback.rollout_seq_stats(lp, rlp, mask, *args)
-    st = emu.rollout_seq_stats(lp, rlp, mask, *args, **knobs)
+    st_ref = fallback.rollout_seq_stats(lp, rlp, mask, None, *args)
+    st = emu.rollout_seq_stats(lp, rlp, mask, None, *args, **knobs)
     acc = torch.float64 if torch.float64 in (lp.dtype, rlp.dtype) else torch.float32
     tol = TOL[acc]
     torch.testing.assert_close(st, st_ref, rtol=tol["rtol"] * 10, atol=tol["atol"] * 10, equal_nan=True)
-    w_ref, m_ref, s_ref, x_ref = fallback.rollout_token_pass(lp, rlp, mask, st_ref, *args, True)
-    w, m, s, x = emu.rollout_token_pass(lp, rlp, mask, st_ref, *args, True, **knobs)
+    w_ref, m_ref, s_ref, x_ref = fallback.rollout_token_pass(lp, rlp, mask, None, st_ref, *args, True)
+    w, m, s, x = emu.rollout_token_pass(lp, rlp, mask, None, st_ref, *args, True, **knobs)
     assert m.dtype == mask.dtype and torch.equal(m, m_ref)
     torch.testing.assert_close(w, w_ref, **tol)
     torch.testing.assert_close(s, s_ref, rtol=1e-5 if acc != torch.float64 else 1e-10, atol=1e-5, equal_nan=True)
@@ -116,8 +116,8 @@ def test_metrics_from_emulated_partials_match_dense_oracle(emu):
         cfg = Cfg(**cfg_kw)
         lp, rlp, mask = make_inputs(7, 48, seed=11, scale=0.1, pad_rows=(0,))
         args = op_args(cfg)
-        st = emu.rollout_seq_stats(lp, rlp, mask, *args, threads=64, schedule=1)
-        w, m, s, x = emu.rollout_token_pass(lp, rlp, mask, st, *args, True, threads=64, schedule=1, max_blocks=3)
+        st = emu.rollout_seq_stats(lp, rlp, mask, None, *args, threads=64, schedule=1)
+        w, m, s, x = emu.rollout_token_pass(lp, rlp, mask, None, st, *args, True, threads=64, schedule=1, max_blocks=3)
         w_d, m_d, met = rollout_correction_dense(lp.double(), rlp.double(), mask, cfg)
         errors = compare_metrics(finalize_metrics(s, x, cfg), met, torch.float32, skip=("batch_norm_factor",))
         assert not errors, "\n".join(errors)
@@ -128,10 +128,10 @@ def test_passes_on_a_rank_without_rows(emu):
     """A DP rank may hold no rows: neutral partials (0 sums, -inf maxima), equal to the fallback's."""
     lp, rlp, mask = (x[:0] for x in make_inputs(3, 16, seed=22))
     args = op_args(Cfg(**CONFIGS[1]))
-    st = emu.rollout_seq_stats(lp, rlp, mask, *args)
-    assert torch.equal(st, fallback.rollout_seq_stats(lp, rlp, mask, *args))
-    out = emu.rollout_token_pass(lp, rlp, mask, st, *args, True)
-    ref = fallback.rollout_token_pass(lp, rlp, mask, st, *args, True)
+    st = emu.rollout_seq_stats(lp, rlp, mask, None, *args)
+    assert torch.equal(st, fallback.rollout_seq_stats(lp, rlp, mask, None, *args))
+    out = emu.rollout_token_pass(lp, rlp, mask, None, st, *args, True)
+    ref = fallback.rollout_token_pass(lp, rlp, mask, None, st, *args, True)
     for a, b in zip(out, ref):
         assert a.shape == b.shape and torch.equal(a, b)
     assert (out[2] == 0).all() and (out[3] == -float("inf")).all()
@@ -167,8 +167,10 @@ MUTANTS = {
         "      out_max[k - N] = t;\n    }\n  }",
     ),
     "off_by_one_sweep": (
-        "for (int64_t t = threadIdx.x; t < p.cols; t += blockDim.x) {\n      const rc::TokenOut<acc_t> o",
-        "for (int64_t t = threadIdx.x; t + 1 < p.cols; t += blockDim.x) {\n      const rc::TokenOut<acc_t> o",
+        "for (int64_t t = threadIdx.x; t < sp.len; t += blockDim.x) {\n      const int64_t col = sp.col0 + t;\n"
+        "      const rc::TokenOut<acc_t> o",
+        "for (int64_t t = threadIdx.x; t + 1 < sp.len; t += blockDim.x) {\n      const int64_t col = sp.col0 + t;\n"
+        "      const rc::TokenOut<acc_t> o",
     ),
 }
 
@@ -188,10 +190,10 @@ a = op_args(cfg)
 caught = False
 try:
     for sched in (0, 1):
-        st_ref = fallback.rollout_seq_stats(lp, rlp, m, *a)
-        st = torch.ops.rollout_corr_emu.rollout_seq_stats(lp, rlp, m, *a, threads=128, schedule=sched)
-        out = torch.ops.rollout_corr_emu.rollout_token_pass(lp, rlp, m, st_ref, *a, True, threads=128, schedule=sched)
-        ref = fallback.rollout_token_pass(lp, rlp, m, st_ref, *a, True)
+        st_ref = fallback.rollout_seq_stats(lp, rlp, m, None, *a)
+        st = torch.ops.rollout_corr_emu.rollout_seq_stats(lp, rlp, m, None, *a, threads=128, schedule=sched)
+        out = torch.ops.rollout_corr_emu.rollout_token_pass(lp, rlp, m, None, st_ref, *a, True, threads=128, schedule=sched)
+        ref = fallback.rollout_token_pass(lp, rlp, m, None, st_ref, *a, True)
         ok = (torch.allclose(st, st_ref, rtol=1e-4, atol=1e-4) and torch.equal(out[1], ref[1])
               and torch.allclose(out[2], ref[2], rtol=1e-4, atol=1e-4) and torch.allclose(out[3], ref[3]))
         caught |= not ok

@@ -361,18 +361,18 @@ def test_compiled_passes_match_fallback_and_opcheck(cfg_kw, dtype, rlp_dtype, ma
     lp, rlp, mask = make_inputs(6, 150, seed=20, pad_rows=(2,), dtype=dtype)
     rlp, mask = rlp.to(rlp_dtype), mask.to(mask_dtype)
     args = op_args(Cfg(**cfg_kw))
-    st = torch.ops.rollout_corr.rollout_seq_stats.default(lp, rlp, mask, *args)
-    st_ref = _fallback.rollout_seq_stats(lp, rlp, mask, *args)
+    st = torch.ops.rollout_corr.rollout_seq_stats.default(lp, rlp, mask, None, *args)
+    st_ref = _fallback.rollout_seq_stats(lp, rlp, mask, None, *args)
     tol = TOL[torch.float64 if torch.float64 in (dtype, rlp_dtype) else torch.float32]
     torch.testing.assert_close(st, st_ref, rtol=tol["rtol"] * 10, atol=tol["atol"] * 10)
-    out = torch.ops.rollout_corr.rollout_token_pass.default(lp, rlp, mask, st_ref, *args, True)
-    ref = _fallback.rollout_token_pass(lp, rlp, mask, st_ref, *args, True)
+    out = torch.ops.rollout_corr.rollout_token_pass.default(lp, rlp, mask, None, st_ref, *args, True)
+    ref = _fallback.rollout_token_pass(lp, rlp, mask, None, st_ref, *args, True)
     torch.testing.assert_close(out[0], ref[0], **tol)
     assert out[1].dtype == mask_dtype and torch.equal(out[1], ref[1])
     torch.testing.assert_close(out[2], ref[2], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[3], ref[3], rtol=1e-6, atol=1e-7)
-    torch.library.opcheck(torch.ops.rollout_corr.rollout_seq_stats.default, (lp, rlp, mask, *args))
-    torch.library.opcheck(torch.ops.rollout_corr.rollout_token_pass.default, (lp, rlp, mask, st, *args, True))
+    torch.library.opcheck(torch.ops.rollout_corr.rollout_seq_stats.default, (lp, rlp, mask, None, *args))
+    torch.library.opcheck(torch.ops.rollout_corr.rollout_token_pass.default, (lp, rlp, mask, None, st, *args, True))
     torch.library.opcheck(torch.ops.rollout_corr.rollout_check.default, (out[2], None, lp, rlp, mask, False))
 
 
@@ -382,9 +382,9 @@ def test_fakes_work_on_meta_tensors_before_any_wrapper_ran():
     rlp = torch.empty(3, 5, device="meta", dtype=torch.float64)
     mask = torch.empty(3, 5, device="meta", dtype=torch.bool)
     args = op_args(Cfg(rollout_is="token", rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="1.3,0.02"))
-    st = torch.ops.rollout_corr.rollout_seq_stats.default(lp, rlp, mask, *args)
+    st = torch.ops.rollout_corr.rollout_seq_stats.default(lp, rlp, mask, None, *args)
     assert st.shape == (3, LY.SEQ_COLS) and st.dtype == torch.float64
-    w, m, s, x = torch.ops.rollout_corr.rollout_token_pass.default(lp, rlp, mask, st, *args, True)
+    w, m, s, x = torch.ops.rollout_corr.rollout_token_pass.default(lp, rlp, mask, None, st, *args, True)
     assert w.shape == (3, 5) and w.dtype == torch.float64 and m.dtype == torch.bool
     assert (s.numel(), x.numel()) == LY.partial_sizes(2)
 
@@ -405,3 +405,19 @@ def test_std_metrics_do_not_cancel_near_on_policy(level, rs):
     _, _, met = R.rollout_correction_dense(lp.double(), rlp.double(), mask, cfg)
     for key in ["rollout_is_std", "rollout_is_eff_sample_size"] + (["rollout_rs_token_std"] if rs else []):
         assert float(res.metrics[PREFIX + key]) == pytest.approx(float(met[key]), rel=2e-5), key
+
+
+def test_packed_ops_opcheck_and_fakes():
+    """The packed layout through the op schemas (cu_seqlens), opcheck and meta tensors."""
+    if not _HAS_OPS:
+        pytest.skip("the compiled rollout_corr CPU kernels are not loaded")
+    lp, rlp, mask = make_inputs(1, 40, seed=4)
+    lp, rlp, mask = lp.reshape(-1), rlp.reshape(-1), mask.reshape(-1)
+    cu = torch.tensor([0, 7, 7, 30, 40])
+    args = op_args(Cfg(rollout_is="sequence", rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="1.3,0.02"))
+    st = torch.ops.rollout_corr.rollout_seq_stats.default(lp, rlp, mask, cu, *args)
+    assert st.shape == (4, LY.SEQ_COLS)
+    torch.library.opcheck(torch.ops.rollout_corr.rollout_seq_stats.default, (lp, rlp, mask, cu, *args))
+    torch.library.opcheck(torch.ops.rollout_corr.rollout_token_pass.default, (lp, rlp, mask, cu, st, *args, True))
+    meta = [t.to("meta") for t in (lp, rlp, mask, cu)]
+    assert torch.ops.rollout_corr.rollout_seq_stats.default(*meta, *args).shape == (4, LY.SEQ_COLS)

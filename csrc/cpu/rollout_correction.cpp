@@ -130,16 +130,17 @@ RC_FORCEINLINE void seq_stats_rows(const RolloutParams<acc_t>& p, int64_t begin,
   const rc::Config<acc_t> cfg = p.cfg;  // a local copy: no store in the loop can alias it, so nothing is reloaded
   Chunk<acc_t> ch;
   for (int64_t row = begin; row < end; ++row) {
+    const SeqSpan sp = seq_span(p, row);
     rc::SeqAcc<V> acc;
     rc::seq_acc_init(acc);
     double row_sum[rc::seq::kNumSums] = {};
     int chunks = 0;
-    for (int64_t col0 = 0; col0 < p.cols; col0 += kChunk) {
-      const int n = static_cast<int>(std::min<int64_t>(kChunk, p.cols - col0));
-      ch.load(p, row, col0, n);
+    for (int64_t t0 = 0; t0 < sp.len; t0 += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, sp.len - t0));
+      ch.load(p, sp.row, sp.col0 + t0, n);
       for (int k = 0; k < n; k += Ln::kWidth)
         rc::seq_stats_token(cfg, Ln::load(ch.a + k), Ln::load(ch.q + k), Ln::load(ch.m + k), acc);
-      if (++chunks == kFoldChunks || col0 + kChunk >= p.cols) {
+      if (++chunks == kFoldChunks || t0 + kChunk >= sp.len) {
         for (int k = 0; k < rc::seq::kNumSums; ++k) {
           row_sum[k] += Ln::sum(acc.sum[k]);
           acc.sum[k] = rc::splat<V>(0);
@@ -203,6 +204,7 @@ RC_FORCEINLINE void token_pass_rows(const RolloutParams<acc_t>& p, Partials& P, 
   alignas(64) acc_t w_out[kChunk];
   alignas(64) acc_t m_out[kChunk];
   for (int64_t row = begin; row < end; ++row) {
+    const SeqSpan sp = seq_span(p, row);
     const acc_t* st = p.seq_stats + row * rc::seq::kCols;
     rc::RowValues<acc_t> r;
     rc::row_values(st, c, r);
@@ -212,9 +214,9 @@ RC_FORCEINLINE void token_pass_rows(const RolloutParams<acc_t>& p, Partials& P, 
     rc::TokenAcc<double> row_acc;  // fp64 row sums (folded from the lanes every kFoldChunks chunks)
     rc::token_acc_init(row_acc);
     int chunks = 0;
-    for (int64_t col0 = 0; col0 < p.cols; col0 += kChunk) {
-      const int n = static_cast<int>(std::min<int64_t>(kChunk, p.cols - col0));
-      ch.load(p, row, col0, n);
+    for (int64_t t0 = 0; t0 < sp.len; t0 += kChunk) {
+      const int n = static_cast<int>(std::min<int64_t>(kChunk, sp.len - t0));
+      ch.load(p, sp.row, sp.col0 + t0, n);
       for (int k = 0; k < n; k += Ln::kWidth) {
         const rc::TokenOut<V> o = rc::token_pass_token(c, r, row_dropped, Ln::load(ch.a + k), Ln::load(ch.q + k),
                                                        Ln::load(ch.m + k), acc);
@@ -222,9 +224,9 @@ RC_FORCEINLINE void token_pass_rows(const RolloutParams<acc_t>& p, Partials& P, 
         Ln::store(m_out + k, o.mask);
         if (c.is_level == rc::is_level::token) add_to_histogram<V, acc_t>(o, hist);
       }
-      if (p.weights) std::memcpy(p.weights + row * p.cols + col0, w_out, n * sizeof(acc_t));
-      view_store_chunk<kChunk>(p.mask_out, row, col0, n, m_out);
-      if (++chunks == kFoldChunks || col0 + kChunk >= p.cols) {
+      if (p.weights) std::memcpy(p.weights + weight_index(p, sp, t0), w_out, n * sizeof(acc_t));
+      view_store_chunk<kChunk>(p.mask_out, sp.row, sp.col0 + t0, n, m_out);
+      if (++chunks == kFoldChunks || t0 + kChunk >= sp.len) {
         fold_lane_sums<V, acc_t>(acc, row_acc, c.num_token_crit);
         chunks = 0;
       }
@@ -279,29 +281,41 @@ inline void token_pass_range(const RolloutParams<double>& p, Partials& P, int64_
 }
 
 // Rows per task: about 32K tokens, enough to amortise scheduling.
-inline int64_t rollout_grain(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
+inline int64_t rollout_grain(int64_t tokens_per_row) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(tokens_per_row, 1));
+}
+// Average tokens per sequence (packed batches: the stream over the segments).
+template <typename acc_t>
+int64_t tokens_per_row(const RolloutParams<acc_t>& p) {
+  return p.row_offsets == nullptr ? p.cols : p.cols / std::max<int64_t>(p.rows, 1);
+}
 
 at::Tensor rollout_seq_stats_cpu(const at::Tensor& log_prob, const at::Tensor& rollout_log_prob,
-                                 const at::Tensor& mask, RC_ROLLOUT_CONFIG_PARAMS) {
+                                 const at::Tensor& mask, const c10::optional<at::Tensor>& cu_seqlens,
+                                 RC_ROLLOUT_CONFIG_PARAMS) {
   check_rollout_inputs(log_prob, rollout_log_prob, mask);
+  const RolloutLayout layout = rollout_layout(log_prob, cu_seqlens);
   const RolloutConfigArgs a = RC_ROLLOUT_CONFIG_ARGS;
   const auto acc = rollout_acc_dtype(log_prob, rollout_log_prob);
-  auto out = at::empty({log_prob.size(0), rc::seq::kCols}, log_prob.options().dtype(acc));
+  auto out = at::empty({layout.rows, rc::seq::kCols}, log_prob.options().dtype(acc));
   RC_DISPATCH_ROLLOUT_ACC(acc, "rollout_seq_stats", [&] {
-    auto p = make_rollout_params<acc_t>(log_prob, rollout_log_prob, mask, a);
+    auto p = make_rollout_params<acc_t>(log_prob, rollout_log_prob, mask, layout, a);
     p.seq_stats = out.mutable_data_ptr<acc_t>();
-    at::parallel_for(0, p.rows, rollout_grain(p.cols), [&](int64_t b, int64_t e) { seq_stats_range(p, b, e); });
+    at::parallel_for(0, p.rows, rollout_grain(tokens_per_row(p)),
+                     [&](int64_t b, int64_t e) { seq_stats_range(p, b, e); });
   });
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cpu(
     const at::Tensor& log_prob, const at::Tensor& rollout_log_prob, const at::Tensor& mask,
-    const at::Tensor& seq_stats, RC_ROLLOUT_CONFIG_PARAMS, bool row_partials) {
+    const c10::optional<at::Tensor>& cu_seqlens, const at::Tensor& seq_stats, RC_ROLLOUT_CONFIG_PARAMS,
+    bool row_partials) {
   check_rollout_inputs(log_prob, rollout_log_prob, mask);
+  const RolloutLayout layout = rollout_layout(log_prob, cu_seqlens);
   const RolloutConfigArgs a = RC_ROLLOUT_CONFIG_ARGS;
   const auto acc = rollout_acc_dtype(log_prob, rollout_log_prob);
-  check_seq_stats(seq_stats, log_prob, acc);
+  check_seq_stats(seq_stats, layout.rows, log_prob, acc);
   const auto st = seq_stats.contiguous();
   RolloutPassOutputs o = new_rollout_pass_outputs(log_prob, mask, acc, a);
   cpu::advise_huge_pages(o.weights.data_ptr(), o.weights.nbytes());
@@ -312,12 +326,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cp
   parts.reserve(nthreads);
   for (int i = 0; i < nthreads; ++i) parts.emplace_back(ns, nm);
   RC_DISPATCH_ROLLOUT_ACC(acc, "rollout_token_pass", [&] {
-    auto p = make_rollout_params<acc_t>(log_prob, rollout_log_prob, mask, a);
+    auto p = make_rollout_params<acc_t>(log_prob, rollout_log_prob, mask, layout, a);
     p.seq_stats = const_cast<acc_t*>(st.const_data_ptr<acc_t>());
     p.weights = o.weights.numel() > 0 ? o.weights.mutable_data_ptr<acc_t>() : nullptr;
     p.mask_out = mutable_token_view(o.mask_out);
     p.row_partials = row_partials;
-    at::parallel_for(0, p.rows, rollout_grain(p.cols),
+    at::parallel_for(0, p.rows, rollout_grain(tokens_per_row(p)),
                      [&](int64_t b, int64_t e) { token_pass_range(p, parts[at::get_thread_num()], b, e); });
   });
   double* S = o.sums.mutable_data_ptr<double>();

@@ -39,7 +39,7 @@ __global__ void policy_loss_rows_kernel(PolicyLossParams<scalar_t, acc_t> p) {
       }
       if (lane == 0) {
 #pragma unroll
-        for (int k = 0; k < kPgRowCols; ++k) p.row_partials[row * kPgRowCols + k] = partials.v[k];
+        for (int k = 0; k < kPgRowCols; ++k) RC_STG(p.row_partials + row * kPgRowCols + k, partials.v[k]);
       }
     }
     __syncthreads();  // warp_partials is rewritten for the next row

@@ -14,18 +14,20 @@ namespace rollout_corr {
 namespace {
 
 at::Tensor rollout_seq_stats_cuda(const at::Tensor& log_prob, const at::Tensor& rollout_log_prob,
-                                  const at::Tensor& mask, RC_ROLLOUT_CONFIG_PARAMS) {
+                                  const at::Tensor& mask, const c10::optional<at::Tensor>& cu_seqlens,
+                                  RC_ROLLOUT_CONFIG_PARAMS) {
   const c10::cuda::CUDAGuard guard(log_prob.device());
-  return run_rollout_seq_stats(log_prob, rollout_log_prob, mask, RC_ROLLOUT_CONFIG_ARGS, LaunchKnobs{},
+  return run_rollout_seq_stats(log_prob, rollout_log_prob, mask, cu_seqlens, RC_ROLLOUT_CONFIG_ARGS, LaunchKnobs{},
                                current_stream_launch());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cuda(
     const at::Tensor& log_prob, const at::Tensor& rollout_log_prob, const at::Tensor& mask,
-    const at::Tensor& seq_stats, RC_ROLLOUT_CONFIG_PARAMS, bool row_partials) {
+    const c10::optional<at::Tensor>& cu_seqlens, const at::Tensor& seq_stats, RC_ROLLOUT_CONFIG_PARAMS,
+    bool row_partials) {
   const c10::cuda::CUDAGuard guard(log_prob.device());
-  return run_rollout_token_pass(log_prob, rollout_log_prob, mask, seq_stats, RC_ROLLOUT_CONFIG_ARGS, row_partials,
-                                LaunchKnobs{}, current_stream_launch());
+  return run_rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, RC_ROLLOUT_CONFIG_ARGS,
+                                row_partials, LaunchKnobs{}, current_stream_launch());
 }
 
 // No host sync: the conditions become asynchronous device asserts (the message surfaces at the next sync).

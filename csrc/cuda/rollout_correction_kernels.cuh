@@ -54,11 +54,13 @@ __global__ void rollout_seq_stats_kernel(RolloutParams<acc_t> p) {
   RC_SHARED_ARRAY(acc_t, out_sum, kSeqPassSums);
   RC_SHARED_ARRAY(acc_t, out_max, kSeqPassMaxes);
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const SeqSpan sp = seq_span(p, row);
     rc::SeqAcc<acc_t> acc;
     rc::seq_acc_init(acc);
-    for (int64_t t = threadIdx.x; t < p.cols; t += blockDim.x) {
-      rc::seq_stats_token(p.cfg, view_load<acc_t>(p.log_prob, row, t), view_load<acc_t>(p.rollout_log_prob, row, t),
-                          view_load<acc_t>(p.mask, row, t), acc);
+    for (int64_t t = threadIdx.x; t < sp.len; t += blockDim.x) {
+      const int64_t col = sp.col0 + t;
+      rc::seq_stats_token(p.cfg, view_load<acc_t>(p.log_prob, sp.row, col),
+                          view_load<acc_t>(p.rollout_log_prob, sp.row, col), view_load<acc_t>(p.mask, sp.row, col), acc);
     }
     block_reduce_sum_max<acc_t, kSeqPassSums, kSeqPassMaxes>(acc.sum, acc.max, red, out_sum, out_max);
     if (threadIdx.x < rc::seq::kCols) {
@@ -113,18 +115,21 @@ __global__ void rollout_token_pass_kernel(RolloutParams<acc_t> p) {
   __syncthreads();
 
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const SeqSpan sp = seq_span(p, row);
     const acc_t* st = p.seq_stats + row * rc::seq::kCols;
     rc::RowValues<acc_t> r;
     rc::row_values(st, c, r);
     const bool row_dropped = r.seq_rejected || r.veto;
     rc::TokenAcc<acc_t> acc;
     rc::token_acc_init(acc);
-    for (int64_t t = threadIdx.x; t < p.cols; t += blockDim.x) {
+    for (int64_t t = threadIdx.x; t < sp.len; t += blockDim.x) {
+      const int64_t col = sp.col0 + t;
       const rc::TokenOut<acc_t> o =
-          rc::token_pass_token(c, r, row_dropped, view_load<acc_t>(p.log_prob, row, t),
-                               view_load<acc_t>(p.rollout_log_prob, row, t), view_load<acc_t>(p.mask, row, t), acc);
-      if (p.weights) RC_STG(p.weights + row * p.cols + t, o.weight);
-      view_store(p.mask_out, row, t, o.mask);
+          rc::token_pass_token(c, r, row_dropped, view_load<acc_t>(p.log_prob, sp.row, col),
+                               view_load<acc_t>(p.rollout_log_prob, sp.row, col),
+                               view_load<acc_t>(p.mask, sp.row, col), acc);
+      if (p.weights) RC_STG(p.weights + weight_index(p, sp, t), o.weight);
+      view_store(p.mask_out, sp.row, col, o.mask);
       if (o.hist) atomicAdd(&hist[rc::hist_index(o.log_w)], 1u);
     }
     acc_t s[kSums];
@@ -140,7 +145,7 @@ __global__ void rollout_token_pass_kernel(RolloutParams<acc_t> p) {
   }
   // This block's histogram into its partial row (each bin is owned by one thread).
   for (int k = threadIdx.x; k < rc::kHistBins; k += blockDim.x)
-    S[rc::sum_slot::kHist + k] += static_cast<double>(hist[k]);
+    rc::add_to(S[rc::sum_slot::kHist + k], static_cast<double>(hist[k]));
 }
 
 // Fold the per-block partial rows in block order (deterministic): one thread per slot.

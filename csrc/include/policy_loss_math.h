@@ -142,13 +142,13 @@ RC_HD RC_FORCEINLINE bool policy_loss_undefined(acc_t lp, acc_t old_lp, acc_t ad
 template <typename scalar_t, typename acc_t>
 RC_HD RC_FORCEINLINE void policy_loss_forward_token(const PolicyLossParams<scalar_t, acc_t>& p, int64_t row,
                                                     int64_t col, PolicyRowPartials<acc_t>& partials) {
-  const acc_t lp = static_cast<acc_t>(p.log_prob[row * p.lp_row_stride + col * p.lp_col_stride]);
+  const acc_t lp = static_cast<acc_t>(RC_LDG(p.log_prob + row * p.lp_row_stride + col * p.lp_col_stride));
   const acc_t old_lp = view_load<acc_t>(p.old_log_prob, row, col);
   const acc_t adv = view_load<acc_t>(p.advantages, row, col);
   const acc_t w = view_load_or<acc_t>(p.weights, row, col, acc_t(1));
   const acc_t m = view_load<acc_t>(p.mask, row, col);
   const PolicyTokenResult<acc_t> t = policy_loss_token(lp, old_lp, adv, w, p.cfg);
-  p.loss_mat[row * p.cols + col] = t.loss;
+  RC_STG(p.loss_mat + row * p.cols + col, t.loss);
   policy_row_partials_add(partials, t, m);
   if (policy_loss_undefined(lp, old_lp, adv, w, m, p.cfg.kind)) RC_STG(p.undefined, 1);  // any writer: same value
 }
@@ -157,7 +157,7 @@ RC_HD RC_FORCEINLINE void policy_loss_forward_token(const PolicyLossParams<scala
 template <typename scalar_t, typename acc_t>
 RC_HD RC_FORCEINLINE void policy_loss_backward_token(const PolicyLossBackwardParams<scalar_t, acc_t>& p,
                                                      int64_t row, int64_t col) {
-  const acc_t lp = static_cast<acc_t>(p.log_prob[row * p.lp_row_stride + col * p.lp_col_stride]);
+  const acc_t lp = static_cast<acc_t>(RC_LDG(p.log_prob + row * p.lp_row_stride + col * p.lp_col_stride));
   const acc_t old_lp = view_load<acc_t>(p.old_log_prob, row, col);
   const acc_t adv = view_load<acc_t>(p.advantages, row, col);
   const acc_t w = view_load_or<acc_t>(p.weights, row, col, acc_t(1));
@@ -166,8 +166,8 @@ RC_HD RC_FORCEINLINE void policy_loss_backward_token(const PolicyLossBackwardPar
   if (m != acc_t(0)) upstream += view_load_or<acc_t>(p.grad_rows_loss, row, 0, acc_t(0)) * m;
   // A token nothing differentiates (masked out, loss_mat unused) gets exactly 0, even where its own values are
   // NaN / -inf: 0 * NaN would leak a NaN into the gradient of a token that does not affect the loss.
-  p.grad_log_prob[row * p.cols + col] = static_cast<scalar_t>(
-      upstream == acc_t(0) ? acc_t(0) : upstream * policy_loss_token_grad(lp, old_lp, adv, w, p.cfg));
+  RC_STG(p.grad_log_prob + row * p.cols + col,
+         static_cast<scalar_t>(upstream == acc_t(0) ? acc_t(0) : upstream * policy_loss_token_grad(lp, old_lp, adv, w, p.cfg)));
 }
 
 }  // namespace rollout_corr

@@ -196,8 +196,8 @@ struct RowValues {
 template <typename acc_t>
 RC_HD inline void row_values(const acc_t* st, const Config<acc_t>& c, RowValues<acc_t>& r) {
   const acc_t eps = static_cast<acc_t>(k_eps);
-  r.n = st[seq::tokens];
-  r.lr_sum = st[seq::log_ratio];
+  r.n = RC_LDG(st + seq::tokens);
+  r.lr_sum = RC_LDG(st + seq::log_ratio);
   r.log_w = c.is_level == is_level::sequence ? r.lr_sum : r.lr_sum / (r.n + eps);
   r.raw_w = rc_exp(clamp20(r.log_w));
   if (c.is_mask)
@@ -211,14 +211,14 @@ RC_HD inline void row_values(const acc_t* st, const Config<acc_t>& c, RowValues<
     r.crit_keep[i] = true;
     if (level == rs_level::token) {  // per-row mean of the token statistic (verl masked_mean(axis=-1))
       const int col = stat == rs_stat::k1 ? seq::k1 : (stat == rs_stat::k2 ? seq::k2 : (stat == rs_stat::k3 ? seq::k3 : seq::rho));
-      v = st[col] / (r.n + eps);
+      v = RC_LDG(st + col) / (r.n + eps);
     } else {
       if (stat == rs_stat::ratio) {
         v = rc_exp(clamp20(level == rs_level::seq_sum ? r.lr_sum : r.lr_sum / (r.n + eps)));
       } else if (level == rs_level::seq_max) {  // verl: -inf (no valid token) -> 0
-        v = r.n > 0 ? st[stat == rs_stat::k2 ? seq::max_k2 : seq::max_k3] : acc_t(0);
+        v = r.n > 0 ? RC_LDG(st + (stat == rs_stat::k2 ? seq::max_k2 : seq::max_k3)) : acc_t(0);
       } else {
-        const acc_t s = st[stat == rs_stat::k1 ? seq::k1 : (stat == rs_stat::k2 ? seq::k2 : seq::k3)];
+        const acc_t s = RC_LDG(st + (stat == rs_stat::k1 ? seq::k1 : (stat == rs_stat::k2 ? seq::k2 : seq::k3)));
         v = level == rs_level::seq_sum ? s : s / (r.n + eps);
       }
       r.crit_keep[i] = crit_keeps(v, c.crit_lower[i], c.crit_upper[i], c.crit_apply_lower[i]);
@@ -227,7 +227,7 @@ RC_HD inline void row_values(const acc_t* st, const Config<acc_t>& c, RowValues<
     r.crit_value[i] = v;
   }
   // Veto: a valid token with lr < log V  <=>  max(-lr) > -log V.
-  r.veto = c.veto_on && st[seq::neg_min_log_ratio] > -c.veto_log;
+  r.veto = c.veto_on && RC_LDG(st + seq::neg_min_log_ratio) > -c.veto_log;
 }
 
 // ---- pass 2: weights, mask and the TOKEN-sourced metric terms -------------------------------------------------------
@@ -331,14 +331,19 @@ RC_HD RC_FORCEINLINE int hist_index(acc_t log_w) {
   return f < static_cast<acc_t>(kHistBins - 1) ? static_cast<int>(f) : kHistBins - 1;
 }
 
-RC_HD RC_FORCEINLINE void upd_max(double& m, double v) { m = v > m ? v : m; }
+// The partial SUM / MAX rows are global memory on the GPU (per-block scratch): through RC_LDG / RC_STG.
+RC_HD RC_FORCEINLINE void upd_max(double& m, double v) {
+  const double old = RC_LDG(&m);
+  RC_STG(&m, v > old ? v : old);
+}
+RC_HD RC_FORCEINLINE void add_to(double& s, double v) { RC_STG(&s, RC_LDG(&s) + v); }
 
 // Add the TOKEN terms of one reduced accumulator (scalars: acc_t on the GPU, fp64 on the CPU) into the SUM / MAX
 // partial vectors, slot by name.
 template <typename acc_t, typename T>
 RC_HD inline void fold_token_acc(const Config<acc_t>& c, const TokenAcc<T>& t, double* S, double* M) {
 #define RC_SUM(name, source) RC_SUM_##source(name)
-#define RC_SUM_TOKEN(name) S[sum_slot::name] += static_cast<double>(t.sum[tok_sum::name]);
+#define RC_SUM_TOKEN(name) add_to(S[sum_slot::name], static_cast<double>(t.sum[tok_sum::name]));
 #define RC_SUM_ROW(name)
 #define RC_MAX(name, source) RC_MAX_##source(name)
 #define RC_MAX_TOKEN(name) upd_max(M[max_slot::name], static_cast<double>(t.max[tok_max::name]));
@@ -354,7 +359,7 @@ RC_HD inline void fold_token_acc(const Config<acc_t>& c, const TokenAcc<T>& t, d
     const T* cs = t.crit_sum[j];
     const T* cm = t.crit_max[j];
 #define RC_CRIT_SUM(name, source) RC_CRIT_SUM_##source(name)
-#define RC_CRIT_SUM_TOKEN(name) Sc[crit_sum_slot::name] += static_cast<double>(cs[tok_crit_sum::name]);
+#define RC_CRIT_SUM_TOKEN(name) add_to(Sc[crit_sum_slot::name], static_cast<double>(cs[tok_crit_sum::name]));
 #define RC_CRIT_SUM_ROW(name)
 #define RC_CRIT_MAX(name, source) RC_CRIT_MAX_##source(name)
 #define RC_CRIT_MAX_TOKEN(name) upd_max(Mc[crit_max_slot::name], static_cast<double>(cm[tok_crit_max::name]));
@@ -376,35 +381,35 @@ RC_HD inline void add_row_partials(const Config<acc_t>& c, const acc_t* st, cons
   const acc_t eps = static_cast<acc_t>(k_eps);
   const double nd = r.n;
   const bool sv = r.n > 0;
-  S[sum_slot::tokens] += nd;
-  S[sum_slot::rows] += 1;
-  S[sum_slot::valid_rows] += sv;
-  S[sum_slot::nonfinite] += st[seq::nonfinite];
-  S[sum_slot::bad_mask] += st[seq::bad_mask];
+  add_to(S[sum_slot::tokens], nd);
+  add_to(S[sum_slot::rows], 1);
+  add_to(S[sum_slot::valid_rows], sv);
+  add_to(S[sum_slot::nonfinite], RC_LDG(st + seq::nonfinite));
+  add_to(S[sum_slot::bad_mask], RC_LDG(st + seq::bad_mask));
   if (c.is_level != is_level::none) {
     acc_t x, raw_mean;  // the row's mean weight, and its mean raw (pre-truncation) weight
     if (c.is_level == is_level::token) {
-      x = st[seq::token_weight] / (r.n + eps);
-      raw_mean = st[seq::rho] / (r.n + eps);
+      x = RC_LDG(st + seq::token_weight) / (r.n + eps);
+      raw_mean = RC_LDG(st + seq::rho) / (r.n + eps);
     } else {
       const acc_t wc = r.w < acc_t(0) ? acc_t(0) : (r.w > c.is_upper ? c.is_upper : r.w);
-      S[sum_slot::seq_is_weight] += nd * static_cast<double>(r.w);
+      add_to(S[sum_slot::seq_is_weight], nd * static_cast<double>(r.w));
       const double dev = static_cast<double>(wc) - 1.0;
-      S[sum_slot::seq_is_wc_dev] += nd * dev;
-      S[sum_slot::seq_is_wc_dev_sq] += nd * dev * dev;
-      S[sum_slot::seq_is_high] += r.log_w > c.log_is_upper;
-      S[sum_slot::seq_is_low] += r.log_w < c.log_is_metric_lower;
-      if (c.is_mask) S[sum_slot::seq_is_out_of_band] += nd * ((r.raw_w < c.is_lower) || (r.raw_w > c.is_upper));
+      add_to(S[sum_slot::seq_is_wc_dev], nd * dev);
+      add_to(S[sum_slot::seq_is_wc_dev_sq], nd * dev * dev);
+      add_to(S[sum_slot::seq_is_high], r.log_w > c.log_is_upper);
+      add_to(S[sum_slot::seq_is_low], r.log_w < c.log_is_metric_lower);
+      if (c.is_mask) add_to(S[sum_slot::seq_is_out_of_band], nd * ((r.raw_w < c.is_lower) || (r.raw_w > c.is_upper)));
       upd_max(M[max_slot::is_log_weight], r.log_w);
       upd_max(M[max_slot::neg_is_log_weight], -r.log_w);
-      S[sum_slot::kHist + hist_index(clamp20(r.log_w))] += nd;
+      add_to(S[sum_slot::kHist + hist_index(clamp20(r.log_w))], nd);
       x = r.w * r.n / (r.n + eps);
       raw_mean = r.raw_w * r.n / (r.n + eps);
     }
-    S[sum_slot::is_seq_mean] += x;
-    S[sum_slot::is_seq_mean_sq] += static_cast<double>(x) * static_cast<double>(x);
-    S[sum_slot::is_seq_high] += raw_mean > c.is_upper;
-    S[sum_slot::is_seq_low] += raw_mean < c.is_metric_lower;
+    add_to(S[sum_slot::is_seq_mean], x);
+    add_to(S[sum_slot::is_seq_mean_sq], static_cast<double>(x) * static_cast<double>(x));
+    add_to(S[sum_slot::is_seq_high], raw_mean > c.is_upper);
+    add_to(S[sum_slot::is_seq_low], raw_mean < c.is_metric_lower);
     upd_max(M[max_slot::is_seq_mean], x);
     upd_max(M[max_slot::neg_is_seq_mean], -x);
     upd_max(M[max_slot::is_seq_deviation], std::fabs(static_cast<double>(x - acc_t(1))));
@@ -418,57 +423,57 @@ RC_HD inline void add_row_partials(const Config<acc_t>& c, const acc_t* st, cons
     if (c.crit_level[i] != rs_level::token) {  // the token slots, filled per sequence and n_b-weighted
       const acc_t clamp_min = apply_lower ? lo : acc_t(0);
       const acc_t sc = v < clamp_min ? clamp_min : (v > up ? up : v);
-      Sc[crit_sum_slot::stat] += nd * static_cast<double>(v);
+      add_to(Sc[crit_sum_slot::stat], nd * static_cast<double>(v));
       const double dev = static_cast<double>(sc) - crit_centre(c.crit_stat[i]);
-      Sc[crit_sum_slot::clamped_dev] += nd * dev;
-      Sc[crit_sum_slot::clamped_dev_sq] += nd * dev * dev;
-      Sc[crit_sum_slot::high] += (v > up) && sv;
-      if (apply_lower) Sc[crit_sum_slot::low] += (v < lo) && sv;
+      add_to(Sc[crit_sum_slot::clamped_dev], nd * dev);
+      add_to(Sc[crit_sum_slot::clamped_dev_sq], nd * dev * dev);
+      add_to(Sc[crit_sum_slot::high], (v > up) && sv);
+      if (apply_lower) add_to(Sc[crit_sum_slot::low], (v < lo) && sv);
       if (sv) {
         upd_max(Mc[crit_max_slot::stat], v);
         upd_max(Mc[crit_max_slot::neg_stat], -v);
       }
       rejected_row = !r.crit_keep[i] && sv;
-      Sc[crit_sum_slot::rejected_tokens] += rejected_row ? nd : 0.0;
+      add_to(Sc[crit_sum_slot::rejected_tokens], rejected_row ? nd : 0.0);
     } else {
       const int stat = c.crit_stat[i];
-      const acc_t count = st[stat == rs_stat::k1   ? seq::rejected_k1
+      const acc_t count = RC_LDG(st + (stat == rs_stat::k1   ? seq::rejected_k1
                              : stat == rs_stat::k2 ? seq::rejected_k2
                              : stat == rs_stat::k3 ? seq::rejected_k3
-                                                   : seq::rejected_ratio];
-      Sc[crit_sum_slot::rejected_tokens] += count;
+                                                   : seq::rejected_ratio));
+      add_to(Sc[crit_sum_slot::rejected_tokens], count);
       rejected_row = count > 0 && sv;
     }
-    Sc[crit_sum_slot::rejected_rows] += rejected_row;
+    add_to(Sc[crit_sum_slot::rejected_rows], rejected_row);
     if (sv) {
-      Sc[crit_sum_slot::seq] += v;
-      Sc[crit_sum_slot::seq_sq] += static_cast<double>(v) * static_cast<double>(v);
-      Sc[crit_sum_slot::seq_high] += v > up;
-      if (apply_lower) Sc[crit_sum_slot::seq_low] += v < lo;
+      add_to(Sc[crit_sum_slot::seq], v);
+      add_to(Sc[crit_sum_slot::seq_sq], static_cast<double>(v) * static_cast<double>(v));
+      add_to(Sc[crit_sum_slot::seq_high], v > up);
+      if (apply_lower) add_to(Sc[crit_sum_slot::seq_low], v < lo);
       upd_max(Mc[crit_max_slot::seq], v);
       upd_max(Mc[crit_max_slot::neg_seq], -v);
       upd_max(Mc[crit_max_slot::seq_deviation], std::fabs(static_cast<double>(v)));
     }
   }
-  const acc_t rejected_tokens = st[seq::rejected];
-  S[sum_slot::rs_rejected_tokens] += r.seq_rejected ? nd : static_cast<double>(rejected_tokens);
-  S[sum_slot::rs_rejected_rows] += (r.seq_rejected && sv) || rejected_tokens > 0;
-  S[sum_slot::veto_rows] += r.veto;
+  const acc_t rejected_tokens = RC_LDG(st + seq::rejected);
+  add_to(S[sum_slot::rs_rejected_tokens], r.seq_rejected ? nd : static_cast<double>(rejected_tokens));
+  add_to(S[sum_slot::rs_rejected_rows], (r.seq_rejected && sv) || rejected_tokens > 0);
+  add_to(S[sum_slot::veto_rows], r.veto);
   const bool dropped = r.seq_rejected || r.veto;
-  S[sum_slot::final_rejected_tokens] += dropped ? nd : static_cast<double>(rejected_tokens);
-  S[sum_slot::final_rejected_rows] += sv && (dropped || rejected_tokens > 0);
+  add_to(S[sum_slot::final_rejected_tokens], dropped ? nd : static_cast<double>(rejected_tokens));
+  add_to(S[sum_slot::final_rejected_rows], sv && (dropped || rejected_tokens > 0));
   // Off-policy row terms (verl compute_offpolicy_metrics): per-sequence means, averaged over all rows.
-  const acc_t mean_lp = st[seq::log_prob] / (r.n + eps), mean_rlp = st[seq::rollout_log_prob] / (r.n + eps);
+  const acc_t mean_lp = RC_LDG(st + seq::log_prob) / (r.n + eps), mean_rlp = RC_LDG(st + seq::rollout_log_prob) / (r.n + eps);
   const acc_t lpd = -r.lr_sum / (r.n + eps);
-  S[sum_slot::log_ratio] += r.lr_sum;
-  S[sum_slot::training_ppl] += rc_exp(-mean_lp);
-  S[sum_slot::training_log_ppl] += -mean_lp;
-  S[sum_slot::rollout_ppl] += rc_exp(-mean_rlp);
-  S[sum_slot::rollout_log_ppl] += -mean_rlp;
-  S[sum_slot::log_ppl_diff] += lpd;
-  S[sum_slot::log_ppl_abs_diff] += (lpd < acc_t(0) ? -lpd : lpd);
-  S[sum_slot::ppl_ratio] += rc_exp(lpd);
-  S[sum_slot::chi2_seq] += rc_exp(acc_t(2) * clamp20(r.lr_sum));
+  add_to(S[sum_slot::log_ratio], r.lr_sum);
+  add_to(S[sum_slot::training_ppl], rc_exp(-mean_lp));
+  add_to(S[sum_slot::training_log_ppl], -mean_lp);
+  add_to(S[sum_slot::rollout_ppl], rc_exp(-mean_rlp));
+  add_to(S[sum_slot::rollout_log_ppl], -mean_rlp);
+  add_to(S[sum_slot::log_ppl_diff], lpd);
+  add_to(S[sum_slot::log_ppl_abs_diff], (lpd < acc_t(0) ? -lpd : lpd));
+  add_to(S[sum_slot::ppl_ratio], rc_exp(lpd));
+  add_to(S[sum_slot::chi2_seq], rc_exp(acc_t(2) * clamp20(r.lr_sum)));
   upd_max(M[max_slot::log_ppl_diff], lpd);
   upd_max(M[max_slot::neg_log_ppl_diff], -lpd);
 }

@@ -178,15 +178,18 @@ struct Config {
 }  // namespace rc
 
 // Kernel parameters of both passes. Inputs are dtype-tagged strided views (any float dtype for the log-probs, any
-// mask dtype, no conversion copy); outputs are contiguous.
+// mask dtype, no conversion copy); outputs are contiguous. Two layouts: padded ([rows, cols] views, sequence b in
+// row b) and packed (megatron's THD layout: 1-D views of `cols` tokens, sequence b in columns [offsets[b],
+// offsets[b + 1]) of row 0, `row_offsets` = cu_seqlens).
 template <typename acc_t>
 struct RolloutParams {
   TokenView log_prob;
   TokenView rollout_log_prob;
   TokenView mask;
+  const int64_t* row_offsets;  // packed: [rows + 1] cu_seqlens (int64); nullptr: padded
   acc_t* seq_stats;     // [rows, rc::seq::kCols]: written by pass 1, read by pass 2
-  acc_t* weights;       // [rows, cols] or nullptr (no IS level)
-  MutableTokenView mask_out;  // [rows, cols] in the mask's dtype
+  acc_t* weights;       // padded [rows, cols] / packed [cols], or nullptr (no IS level)
+  MutableTokenView mask_out;  // the mask's layout and dtype
   double* block_sums;   // CUDA: [grid, num_sums] scratch, zero-filled by the launcher
   double* block_maxes;  // CUDA: [grid, num_maxes] scratch, -inf-filled by the launcher
   int64_t rows;
@@ -196,6 +199,26 @@ struct RolloutParams {
   bool row_partials;    // add the per-sequence (ROW) terms: false on all but one rank of a context-parallel group
   rc::Config<acc_t> cfg;
 };
+
+// Where sequence b lies in the views: (row, first column, length). Packed offsets are clamped into [0, cols] and
+// made non-decreasing, so a malformed cu_seqlens (rejected by the host checks, asynchronously on CUDA) can never
+// send a kernel out of bounds.
+struct SeqSpan {
+  int64_t row, col0, len;
+};
+template <typename acc_t>
+RC_HD RC_FORCEINLINE SeqSpan seq_span(const RolloutParams<acc_t>& p, int64_t b) {
+  if (p.row_offsets == nullptr) return {b, 0, p.cols};
+  int64_t s = RC_LDG(p.row_offsets + b), e = RC_LDG(p.row_offsets + b + 1);
+  s = s < 0 ? 0 : (s > p.cols ? p.cols : s);
+  e = e < s ? s : (e > p.cols ? p.cols : e);
+  return {0, s, e - s};
+}
+// Index of (row, col) in the contiguous weights output (padded [rows, cols]; packed [cols], row 0).
+template <typename acc_t>
+RC_HD RC_FORCEINLINE int64_t weight_index(const RolloutParams<acc_t>& p, const SeqSpan& s, int64_t t) {
+  return s.row * p.cols + s.col0 + t;
+}
 
 struct RolloutReduceParams {
   const double* block_sums;

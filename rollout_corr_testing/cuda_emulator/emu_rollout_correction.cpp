@@ -26,19 +26,20 @@ LaunchKnobs emu_knobs(int64_t threads, int64_t schedule, int64_t max_blocks) {
 }
 
 at::Tensor rollout_seq_stats_emu(const at::Tensor& log_prob, const at::Tensor& rollout_log_prob,
-                                 const at::Tensor& mask, RC_ROLLOUT_CONFIG_PARAMS, int64_t threads, int64_t schedule,
-                                 int64_t max_blocks) {
+                                 const at::Tensor& mask, const c10::optional<at::Tensor>& cu_seqlens,
+                                 RC_ROLLOUT_CONFIG_PARAMS, int64_t threads, int64_t schedule, int64_t max_blocks) {
   const LaunchKnobs knobs = emu_knobs(threads, schedule, max_blocks);
-  return run_rollout_seq_stats(log_prob, rollout_log_prob, mask, RC_ROLLOUT_CONFIG_ARGS, knobs, EmuLaunch{});
+  return run_rollout_seq_stats(log_prob, rollout_log_prob, mask, cu_seqlens, RC_ROLLOUT_CONFIG_ARGS, knobs,
+                               EmuLaunch{});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_emu(
     const at::Tensor& log_prob, const at::Tensor& rollout_log_prob, const at::Tensor& mask,
-    const at::Tensor& seq_stats, RC_ROLLOUT_CONFIG_PARAMS, bool row_partials, int64_t threads, int64_t schedule,
-    int64_t max_blocks) {
+    const c10::optional<at::Tensor>& cu_seqlens, const at::Tensor& seq_stats, RC_ROLLOUT_CONFIG_PARAMS,
+    bool row_partials, int64_t threads, int64_t schedule, int64_t max_blocks) {
   const LaunchKnobs knobs = emu_knobs(threads, schedule, max_blocks);
-  return run_rollout_token_pass(log_prob, rollout_log_prob, mask, seq_stats, RC_ROLLOUT_CONFIG_ARGS, row_partials,
-                                knobs, EmuLaunch{});
+  return run_rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, RC_ROLLOUT_CONFIG_ARGS,
+                                row_partials, knobs, EmuLaunch{});
 }
 
 }  // namespace
@@ -49,9 +50,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_em
   "bool[] rs_apply_lower"
 
 TORCH_LIBRARY_FRAGMENT(rollout_corr_emu, m) {
-  m.def("rollout_seq_stats(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, " RC_EMU_ROLLOUT_CONFIG
+  m.def("rollout_seq_stats(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor? cu_seqlens, "
+        RC_EMU_ROLLOUT_CONFIG
         ", int threads=0, int schedule=0, int max_blocks=0) -> Tensor");
-  m.def("rollout_token_pass(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor seq_stats, "
+  m.def("rollout_token_pass(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor? cu_seqlens, "
+        "Tensor seq_stats, "
         RC_EMU_ROLLOUT_CONFIG ", bool row_partials, int threads=0, int schedule=0, int max_blocks=0) -> "
         "(Tensor, Tensor, Tensor, Tensor)");
 }
