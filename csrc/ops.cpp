@@ -78,16 +78,18 @@ TORCH_LIBRARY(rollout_corr, m) {
       "rollout_check(Tensor sums, Tensor? agree, Tensor log_prob, Tensor rollout_log_prob, Tensor mask, "
       "bool exclude_nonfinite) -> Tensor");
 
-  // §4 fused policy loss, one pass over [B, T]: (loss_mat [B, T], rows [B, 5] = loss sum, tokens, clip, dual clip,
-  // kl sum), in fp32 (fp64 for fp64 log_prob). loss_kind: 0 PPO clip (+ dual clip), 1 REINFORCE.
+  // §4 fused policy loss, one pass over [B, T] (or a packed [T] stream with cu_seqlens [B + 1]): (loss_mat in
+  // log_prob's shape, rows [B, 5] = loss sum, tokens, clip, dual clip, kl sum per sequence), in fp32 (fp64 for
+  // fp64 log_prob). loss_kind: 0 PPO clip (+ dual clip), 1 REINFORCE.
   m.def(
       "policy_loss_rows(Tensor log_prob, Tensor old_log_prob, Tensor advantages, Tensor response_mask, "
-      "Tensor? weights, float clip_low, float clip_high, float clip_c, int loss_kind) -> (Tensor, Tensor)");
+      "Tensor? weights, float clip_low, float clip_high, float clip_c, int loss_kind, Tensor? cu_seqlens=None) -> "
+      "(Tensor, Tensor)");
   // d/d log_prob of sum(grad_loss_mat * loss_mat) + sum_b grad_rows_loss[b] * rows[b, 0], in log_prob's dtype.
   m.def(
       "policy_loss_backward(Tensor? grad_loss_mat, Tensor? grad_rows_loss, Tensor log_prob, Tensor old_log_prob, "
       "Tensor advantages, Tensor response_mask, Tensor? weights, float clip_low, float clip_high, float clip_c, "
-      "int loss_kind) -> Tensor");
+      "int loss_kind, Tensor? cu_seqlens=None) -> Tensor");
 }
 
 }  // namespace rollout_corr

@@ -41,7 +41,9 @@ inline void check_policy_loss_inputs(const at::Tensor& log_prob, const at::Tenso
                                      const at::Tensor& advantages, const at::Tensor& response_mask,
                                      const c10::optional<at::Tensor>& weights, double clip_low, double clip_high,
                                      double clip_c, int64_t loss_kind) {
-  TORCH_CHECK(log_prob.dim() == 2, "log_prob must be 2-D [batch, response_length], got shape ", log_prob.sizes());
+  TORCH_CHECK(log_prob.dim() == 2 || log_prob.dim() == 1,
+              "log_prob must be 2-D [batch, response_length] (or the 1-D packed token stream with cu_seqlens), got "
+              "shape ", log_prob.sizes());
   TORCH_CHECK(is_policy_float_dtype(log_prob.scalar_type()),
               "log_prob must be float16, bfloat16, float32 or float64, got ", log_prob.scalar_type());
   check_token_input(old_log_prob, log_prob, "old_log_prob", false);
@@ -79,10 +81,10 @@ inline at::Tensor defined_or_empty(const c10::optional<at::Tensor>& t) {
   return (t.has_value() && t->defined()) ? *t : at::Tensor();
 }
 
-// Outputs: loss_mat [B, T] and rows [B, 5], both contiguous in the accumulation dtype.
-inline std::tuple<at::Tensor, at::Tensor> new_policy_loss_outputs(const at::Tensor& log_prob) {
+// Outputs: loss_mat (log_prob's shape: [B, T], or [T] packed) and rows [B, 5], contiguous, accumulation dtype.
+inline std::tuple<at::Tensor, at::Tensor> new_policy_loss_outputs(const at::Tensor& log_prob, int64_t rows) {
   const auto opts = log_prob.options().dtype(policy_acc_dtype(log_prob.scalar_type()));
-  return {at::empty({log_prob.size(0), log_prob.size(1)}, opts), at::empty({log_prob.size(0), kPgRowCols}, opts)};
+  return {at::empty(log_prob.sizes(), opts), at::empty({rows, kPgRowCols}, opts)};
 }
 
 template <typename scalar_t, typename acc_t>
@@ -91,8 +93,8 @@ PolicyLossParams<scalar_t, acc_t> make_policy_loss_params(const at::Tensor& log_
                                                           const at::Tensor& response_mask,
                                                           const at::Tensor& weights, const at::Tensor& loss_mat,
                                                           const at::Tensor& rows, const at::Tensor& undefined,
-                                                          double clip_low, double clip_high, double clip_c,
-                                                          int64_t loss_kind) {
+                                                          const SeqLayout& layout, double clip_low, double clip_high,
+                                                          double clip_c, int64_t loss_kind) {
   PolicyLossParams<scalar_t, acc_t> p;
   p.log_prob = log_prob.const_data_ptr<scalar_t>();
   p.old_log_prob = token_view(old_log_prob);
@@ -102,10 +104,11 @@ PolicyLossParams<scalar_t, acc_t> make_policy_loss_params(const at::Tensor& log_
   p.loss_mat = loss_mat.mutable_data_ptr<acc_t>();
   p.row_partials = rows.mutable_data_ptr<acc_t>();
   p.undefined = undefined.mutable_data_ptr<int32_t>();
-  p.rows = log_prob.size(0);
-  p.cols = log_prob.size(1);
-  p.lp_row_stride = log_prob.stride(0);
-  p.lp_col_stride = log_prob.stride(1);
+  p.row_offsets = layout.offsets.defined() ? layout.offsets.const_data_ptr<int64_t>() : nullptr;
+  p.rows = layout.rows;
+  p.cols = layout.cols;
+  p.lp_row_stride = log_prob.dim() == 2 ? log_prob.stride(0) : 0;
+  p.lp_col_stride = log_prob.stride(log_prob.dim() - 1);
   p.cfg = make_policy_loss_config<acc_t>(clip_low, clip_high, clip_c, loss_kind);
   return p;
 }
@@ -119,12 +122,17 @@ inline at::Tensor new_undefined_flag(const at::Tensor& log_prob) {
 // again with the kernels' own test; this runs only when the flag is set).
 template <typename scalar_t, typename acc_t>
 void raise_undefined_policy_loss(const PolicyLossParams<scalar_t, acc_t>& p) {
-  for (int64_t r = 0; r < p.rows; ++r) {
-    for (int64_t c = 0; c < p.cols; ++c) {
+  for (int64_t b = 0; b < p.rows; ++b) {
+    const SeqSpan sp = seq_span(p.row_offsets, p.cols, b);
+    for (int64_t c = sp.col0; c < sp.col0 + sp.len; ++c) {
+      const int64_t r = sp.row;
       const acc_t lp = static_cast<acc_t>(p.log_prob[r * p.lp_row_stride + c * p.lp_col_stride]);
       if (policy_loss_undefined(lp, view_load<acc_t>(p.old_log_prob, r, c), view_load<acc_t>(p.advantages, r, c),
                                 view_load_or<acc_t>(p.weights, r, c, acc_t(1)), view_load<acc_t>(p.mask, r, c),
                                 p.cfg.kind)) {
+        if (p.row_offsets != nullptr)  // packed: the token's index in the stream
+          TORCH_CHECK_VALUE(false, "policy loss undefined at response token (", c, ") of sequence ", b, ": ",
+                            kMsgUndefinedLossWhat);
         TORCH_CHECK_VALUE(false, "policy loss undefined at response token (", r, ", ", c, "): ",
                           kMsgUndefinedLossWhat);
       }
@@ -136,11 +144,11 @@ void raise_undefined_policy_loss(const PolicyLossParams<scalar_t, acc_t>& p) {
 // Upstream gradients of the backward: grad_loss_mat [B, T] and grad_rows_loss [B] (the loss column of rows'
 // gradient, usually a strided column view), either may be absent. Any float dtype, any strides.
 inline void check_policy_loss_grads(const at::Tensor& grad_loss_mat, const at::Tensor& grad_rows_loss,
-                                    const at::Tensor& log_prob) {
+                                    const at::Tensor& log_prob, int64_t rows) {
   if (grad_loss_mat.defined()) check_token_input(grad_loss_mat, log_prob, "grad_loss_mat", false);
   if (grad_rows_loss.defined()) {
-    TORCH_CHECK(grad_rows_loss.dim() == 1 && grad_rows_loss.size(0) == log_prob.size(0),
-                "grad_rows_loss must have shape [", log_prob.size(0), "] (one value per row), got ",
+    TORCH_CHECK(grad_rows_loss.dim() == 1 && grad_rows_loss.size(0) == rows,
+                "grad_rows_loss must have shape [", rows, "] (one value per sequence), got ",
                 grad_rows_loss.sizes());
     TORCH_CHECK(grad_rows_loss.device() == log_prob.device(), "grad_rows_loss is on ", grad_rows_loss.device(),
                 " but log_prob is on ", log_prob.device());
@@ -153,8 +161,8 @@ template <typename scalar_t, typename acc_t>
 PolicyLossBackwardParams<scalar_t, acc_t> make_policy_loss_backward_params(
     const at::Tensor& grad_loss_mat, const at::Tensor& grad_rows_loss, const at::Tensor& log_prob,
     const at::Tensor& old_log_prob, const at::Tensor& advantages, const at::Tensor& response_mask,
-    const at::Tensor& weights, const at::Tensor& grad_log_prob, double clip_low, double clip_high, double clip_c,
-    int64_t loss_kind) {
+    const at::Tensor& weights, const at::Tensor& grad_log_prob, const SeqLayout& layout, double clip_low,
+    double clip_high, double clip_c, int64_t loss_kind) {
   PolicyLossBackwardParams<scalar_t, acc_t> p;
   p.log_prob = log_prob.const_data_ptr<scalar_t>();
   p.old_log_prob = token_view(old_log_prob);
@@ -164,10 +172,11 @@ PolicyLossBackwardParams<scalar_t, acc_t> make_policy_loss_backward_params(
   p.grad_loss_mat = token_view_or_absent(grad_loss_mat);
   p.grad_rows_loss = row_view_or_absent(grad_rows_loss);
   p.grad_log_prob = grad_log_prob.mutable_data_ptr<scalar_t>();
-  p.rows = log_prob.size(0);
-  p.cols = log_prob.size(1);
-  p.lp_row_stride = log_prob.stride(0);
-  p.lp_col_stride = log_prob.stride(1);
+  p.row_offsets = layout.offsets.defined() ? layout.offsets.const_data_ptr<int64_t>() : nullptr;
+  p.rows = layout.rows;
+  p.cols = layout.cols;
+  p.lp_row_stride = log_prob.dim() == 2 ? log_prob.stride(0) : 0;
+  p.lp_col_stride = log_prob.stride(log_prob.dim() - 1);
   p.cfg = make_policy_loss_config<acc_t>(clip_low, clip_high, clip_c, loss_kind);
   return p;
 }

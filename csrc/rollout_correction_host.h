@@ -159,46 +159,6 @@ inline void check_rollout_inputs(const at::Tensor& log_prob, const at::Tensor& r
               log_prob.device());
 }
 
-// The batch layout: padded (log_prob [B, T], no cu_seqlens) or packed (megatron's THD: log_prob [T] tokens,
-// cu_seqlens [B + 1] int32/int64 with cu_seqlens[0] = 0, non-decreasing, cu_seqlens[B] = T). `offsets`: the int64
-// cu_seqlens the kernels read (undefined when padded). Checked on the host for CPU tensors, by asynchronous device
-// asserts on CUDA (the kernels clamp the spans, so a bad cu_seqlens can never make them read out of bounds).
-struct RolloutLayout {
-  int64_t rows, cols;
-  at::Tensor offsets;
-};
-inline RolloutLayout rollout_layout(const at::Tensor& log_prob, const c10::optional<at::Tensor>& cu_seqlens) {
-  if (!cu_seqlens.has_value() || !cu_seqlens->defined()) {
-    TORCH_CHECK(log_prob.dim() == 2, "log_prob must be 2-D [batch, response_length] without cu_seqlens, got shape ",
-                log_prob.sizes(), " (a 1-D packed token stream needs cu_seqlens)");
-    return {log_prob.size(0), log_prob.size(1), at::Tensor()};
-  }
-  const at::Tensor& cu = *cu_seqlens;
-  TORCH_CHECK(log_prob.dim() == 1, "with cu_seqlens, log_prob must be the 1-D packed token stream [total_tokens], "
-              "got shape ", log_prob.sizes());
-  TORCH_CHECK(cu.dim() == 1 && cu.numel() >= 1, "cu_seqlens must be 1-D [num_sequences + 1], got shape ", cu.sizes());
-  TORCH_CHECK(cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong, "cu_seqlens must be int32 or int64, got ",
-              cu.scalar_type());
-  TORCH_CHECK(cu.device() == log_prob.device(), "cu_seqlens is on ", cu.device(), " but log_prob is on ",
-              log_prob.device());
-  const int64_t total = log_prob.size(0);
-  at::Tensor off = cu.to(at::kLong).contiguous();
-  const char* what = "cu_seqlens must start at 0, never decrease and end at the number of packed tokens";
-  if (off.is_cpu()) {
-    const int64_t* o = off.const_data_ptr<int64_t>();
-    const int64_t n = off.numel();
-    TORCH_CHECK_VALUE(o[0] == 0 && o[n - 1] == total, what, " (", total, "): got cu_seqlens[0] = ", o[0],
-                      ", cu_seqlens[-1] = ", o[n - 1]);
-    for (int64_t i = 1; i < n; ++i)
-      TORCH_CHECK_VALUE(o[i] >= o[i - 1], what, ": cu_seqlens[", i, "] = ", o[i], " < cu_seqlens[", i - 1, "] = ",
-                        o[i - 1]);
-  } else {
-    at::_assert_async((off[0] == 0).logical_and(off[-1] == total), what);
-    if (off.numel() > 1) at::_assert_async((off.slice(0, 1) >= off.slice(0, 0, -1)).all(), what);
-  }
-  return {off.numel() - 1, total, off};
-}
-
 inline void check_seq_stats(const at::Tensor& seq_stats, int64_t rows, const at::Tensor& log_prob,
                             at::ScalarType acc) {
   TORCH_CHECK(seq_stats.dim() == 2 && seq_stats.size(0) == rows && seq_stats.size(1) == rc::seq::kCols,
@@ -229,7 +189,7 @@ inline RolloutPassOutputs new_rollout_pass_outputs(const at::Tensor& log_prob, c
 
 template <typename acc_t>
 RolloutParams<acc_t> make_rollout_params(const at::Tensor& log_prob, const at::Tensor& rollout_log_prob,
-                                         const at::Tensor& mask, const RolloutLayout& layout,
+                                         const at::Tensor& mask, const SeqLayout& layout,
                                          const RolloutConfigArgs& a) {
   RolloutParams<acc_t> p{};
   p.log_prob = token_view(log_prob);

@@ -774,10 +774,12 @@ def policy_loss_rows(
     clip_high: float,
     clip_c: float,
     loss_kind: int,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token policy loss and the per-row partials every aggregation mode and metric is built from.
 
-    All inputs ``[B, T]``; ``weights`` (rollout IS weights, treated as constants) may be None.
+    All inputs ``[B, T]`` (or the packed ``[T]`` stream with ``cu_seqlens`` ``[B + 1]``: one row of partials per
+    segment); ``weights`` (rollout IS weights, treated as constants) may be None.
     ``loss_kind == PG_KIND_PPO_CLIP``: r = exp(clamp20(lp - lp_old)); L = max(-A r, -A clip(r, 1 - clip_low,
     1 + clip_high)), and for A < 0, L = min(L, -A clip_c) (dual clip); then L * w.
     ``loss_kind == PG_KIND_REINFORCE``: L = -A lp w (``old_log_prob`` is the rollout policy, used for ppo_kl).
@@ -802,10 +804,19 @@ def policy_loss_rows(
     loss_v = _policy_token_terms(torch.where(valid, lp, zero), torch.where(valid, old, zero),
                                  torch.where(valid, adv, zero), None if w is None else torch.where(valid, w, one),
                                  clip_low, clip_high, clip_c, loss_kind)[0]
+    if cu_seqlens is None:
+        def row_sum(x):
+            return x.sum(-1)
+    else:
+        cu = _check_cu_seqlens(log_prob, cu_seqlens)
+        seg = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1])
+
+        def row_sum(x):  # a sum per segment (differentiable: index_add)
+            return torch.zeros(cu.numel() - 1, dtype=x.dtype, device=x.device).index_add(0, seg, x)
     with torch.no_grad():
         stats = torch.stack(
-            [m.sum(-1), _masked(clip, m).sum(-1), _masked(clip_lower, m).sum(-1), _masked(kl, m).sum(-1)], dim=-1)
-    rows = torch.cat([_masked(loss_v, m).sum(-1, keepdim=True), stats], dim=-1)
+            [row_sum(m), row_sum(_masked(clip, m)), row_sum(_masked(clip_lower, m)), row_sum(_masked(kl, m))], dim=-1)
+    rows = torch.cat([row_sum(_masked(loss_v, m)).unsqueeze(-1), stats], dim=-1)
     return loss, rows
 
 

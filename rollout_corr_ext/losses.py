@@ -276,12 +276,47 @@ def _check_mask(name: str, mask, ref: torch.Tensor, ref_name: str = "log_prob") 
         raise ValueError(f"{name} is on {mask.device} but {ref_name} is on {ref.device}")
 
 
+def _check_cu_seqlens(cu_seqlens, log_prob: torch.Tensor) -> None:
+    """The packed layout at the API boundary (the op checks the values: named errors on CPU, asserts on CUDA)."""
+    if cu_seqlens is None:
+        if log_prob.dim() != 2:
+            raise ValueError(f"log_prob must be [batch, response_length], got shape {tuple(log_prob.shape)} (a packed "
+                             f"token stream needs cu_seqlens)")
+        return
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got "
+                        f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D [num_sequences + 1], got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != log_prob.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but log_prob is on {log_prob.device}")
+    if log_prob.dim() != 1:
+        raise ValueError(f"with cu_seqlens, log_prob must be the 1-D packed token stream [T], got shape "
+                         f"{tuple(log_prob.shape)}")
+
+
+def _horizon(log_prob: torch.Tensor, cu_seqlens):
+    """The padded length seq-mean-token-sum-norm divides by: T, or packed the longest segment (the width the same
+    sequences would be padded to; a 0-dim tensor, so no host read)."""
+    if cu_seqlens is None:
+        return log_prob.shape[-1]
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    return lens.max().clamp(min=1) if lens.numel() else 1
+
+
+def _segment_sum(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Per-segment sums of a packed [T] tensor (differentiable)."""
+    cu = cu_seqlens.to(torch.int64)
+    seg = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=x.device), cu[1:] - cu[:-1],
+                                  output_size=x.shape[0])
+    return torch.zeros(cu.numel() - 1, dtype=x.dtype, device=x.device).index_add(0, seg, x)
+
+
 def _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights=None,
-                         old_name: str = "old_log_prob") -> None:
+                         old_name: str = "old_log_prob", cu_seqlens=None) -> None:
     if not isinstance(log_prob, torch.Tensor) or not log_prob.is_floating_point():
         raise TypeError(f"log_prob must be a floating-point torch.Tensor, got {getattr(log_prob, 'dtype', type(log_prob))}")
-    if log_prob.dim() != 2:
-        raise ValueError(f"log_prob must be [batch, response_length], got shape {tuple(log_prob.shape)}")
+    _check_cu_seqlens(cu_seqlens, log_prob)
     _check_float(old_name, old_log_prob, log_prob)
     _check_float("advantages", advantages, log_prob)
     _check_mask("response_mask", response_mask, log_prob)
@@ -365,9 +400,13 @@ def agg_loss(
     batch_num_tokens: Optional[Number] = None,
     global_batch_size: Optional[Number] = None,
     loss_scale_factor: Optional[Number] = None,
+    *,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Aggregate a ``[B, T]`` loss matrix into a scalar, exactly as verl 0.9.1 ``agg_loss`` defines it (same
-    parameters in the same order: verl's positional calls work).
+    parameters in the same order: verl's positional calls work). Packed: ``loss_mat`` ``[T]`` with ``cu_seqlens``
+    ``[B + 1]`` (sequences = segments; ``seq-mean-token-sum-norm``'s default divisor is the longest segment, the
+    length the same sequences would be padded to).
 
     * ``token-mean``: sum(m L) / N * dp_size, N = ``batch_num_tokens`` (global valid tokens) or the local count.
     * ``token-sum``: sum(m L) * dp_size.
@@ -380,14 +419,18 @@ def agg_loss(
     difference from verl: where verl computes 0/0 (every token masked, no global normaliser) this returns 0
     with a zero gradient, so a micro-batch whose rows were all rejected by RS cannot poison the step.
     """
-    if not isinstance(loss_mat, torch.Tensor) or not loss_mat.is_floating_point() or loss_mat.dim() != 2:
+    if not isinstance(loss_mat, torch.Tensor) or not loss_mat.is_floating_point():
         raise ValueError(f"loss_mat must be a floating-point [batch, response_length] tensor, got "
                          f"{getattr(loss_mat, 'shape', type(loss_mat))}")
+    _check_cu_seqlens(cu_seqlens, loss_mat)
     _check_mask("loss_mask", loss_mask, loss_mat, "loss_mat")
     _check_mode(loss_agg_mode)
     m = loss_mask.to(loss_mat.dtype)
-    row_loss_sum = fallback._masked(loss_mat, m).sum(-1)
-    return aggregate_rows(row_loss_sum, m.sum(-1), loss_agg_mode, loss_mat.shape[-1], dp_size=dp_size,
+    if cu_seqlens is None:
+        row_loss_sum, row_tokens = fallback._masked(loss_mat, m).sum(-1), m.sum(-1)
+    else:
+        row_loss_sum, row_tokens = _segment_sum(fallback._masked(loss_mat, m), cu_seqlens), _segment_sum(m, cu_seqlens)
+    return aggregate_rows(row_loss_sum, row_tokens, loss_agg_mode, _horizon(loss_mat, cu_seqlens), dp_size=dp_size,
                           batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
                           loss_scale_factor=loss_scale_factor)
 
@@ -398,12 +441,13 @@ def agg_loss(
 
 
 def _policy_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, weights,
-                 old_name: str = "old_log_prob"):
+                 old_name: str = "old_log_prob", cu_seqlens=None):
     # An undefined loss at a response token (NaN / +inf log-probs, ...) is an error raised by the op itself (CPU: a
     # ValueError naming the token; CUDA: an asynchronous device assert), so nothing here reads a value on the host.
     loss_mat, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights,
-                                          cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c, kind)
-    loss = aggregate_rows(rows[:, PG_ROW_LOSS_SUM], rows[:, PG_ROW_TOKENS], loss_agg_mode, log_prob.shape[-1],
+                                          cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c, kind, cu_seqlens)
+    loss = aggregate_rows(rows[:, PG_ROW_LOSS_SUM], rows[:, PG_ROW_TOKENS], loss_agg_mode,
+                          _horizon(log_prob, cu_seqlens),
                           **cfg.global_batch_info)
     tokens = rows[:, PG_ROW_TOKENS].sum() + MASKED_MEAN_EPS  # verl's masked_mean denominator
     metrics = {"actor/ppo_kl": rows[:, PG_ROW_KL_SUM].sum() / tokens}
@@ -421,6 +465,8 @@ def compute_policy_loss_vanilla(
     loss_agg_mode: str = "token-mean",
     config: Optional[PolicyLossConfig] = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
+    *,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """PPO clip with asymmetric ratios and dual clip; rollout IS weights multiply each token's loss after clipping.
 
@@ -430,11 +476,12 @@ def compute_policy_loss_vanilla(
     ``actor/pg_clipfrac`` (upper/ratio clip active), ``actor/pg_clipfrac_lower`` (dual clip active),
     ``actor/ppo_kl`` (mean of lp_old - lp, clamped).
     """
-    _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights)
+    _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
+                         cu_seqlens=cu_seqlens)
     _check_mode(loss_agg_mode)
     cfg = _as_config(config)
     loss, metrics, _ = _policy_loss(PG_KIND_PPO_CLIP, old_log_prob, log_prob, advantages, response_mask,
-                                    loss_agg_mode, cfg, rollout_is_weights)
+                                    loss_agg_mode, cfg, rollout_is_weights, cu_seqlens=cu_seqlens)
     return loss, metrics
 
 
@@ -446,26 +493,29 @@ def compute_policy_loss_reinforce(
     loss_agg_mode: str = "seq-mean-token-sum",
     config: Optional[PolicyLossConfig] = None,
     rollout_is_weights: Optional[torch.Tensor] = None,
+    *,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """REINFORCE with importance sampling ("pure IS"): L = -A lp w, no clipping (verl's default agg mode).
 
     ``rollout_log_prob`` only feeds the metric ``actor/ppo_kl`` = mean(rollout_lp - lp) over valid tokens.
     """
     _check_policy_inputs(rollout_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
-                         old_name="rollout_log_prob")
+                         old_name="rollout_log_prob", cu_seqlens=cu_seqlens)
     _check_mode(loss_agg_mode)
     cfg = _as_config(config)
     loss, metrics, _ = _policy_loss(PG_KIND_REINFORCE, rollout_log_prob, log_prob, advantages, response_mask,
-                                    loss_agg_mode, cfg, rollout_is_weights, old_name="rollout_log_prob")
+                                    loss_agg_mode, cfg, rollout_is_weights, old_name="rollout_log_prob",
+                                    cu_seqlens=cu_seqlens)
     return loss, metrics
 
 
-def _correction(log_prob, rollout_log_prob, response_mask, rc, dp_group, seq_group):
+def _correction(log_prob, rollout_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens=None):
     from .correction import compute_rollout_correction
 
     with torch.no_grad():
         return compute_rollout_correction(log_prob.detach(), rollout_log_prob.detach(), response_mask, rc,
-                                          dp_group=dp_group, seq_group=seq_group)
+                                          dp_group=dp_group, seq_group=seq_group, cu_seqlens=cu_seqlens)
 
 
 def _require_correction(cfg: PolicyLossConfig, fn: str):
@@ -485,6 +535,7 @@ def compute_policy_loss_bypass(
     *,
     dp_group=None,
     seq_group=None,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Bypass mode (two policies): ``old_log_prob`` **is** the rollout policy's log-prob.
 
@@ -499,17 +550,17 @@ def compute_policy_loss_bypass(
     ``rollout_is_weights`` is ignored (computed internally), as in verl. Metrics: the loss's plus every
     ``rollout_corr/*`` metric of the correction (global over ``dp_group``).
     """
-    _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask)
+    _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, cu_seqlens=cu_seqlens)
     _check_mode(loss_agg_mode)
     cfg = _as_config(config)
     rc = _require_correction(cfg, "compute_policy_loss_bypass")
-    result = _correction(log_prob, old_log_prob, response_mask, rc, dp_group, seq_group)
+    result = _correction(log_prob, old_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens)
     if rc.loss_type == "reinforce":
         loss, metrics = compute_policy_loss_reinforce(old_log_prob, log_prob, advantages, result.response_mask,
-                                                      loss_agg_mode, cfg, result.weights)
+                                                      loss_agg_mode, cfg, result.weights, cu_seqlens=cu_seqlens)
     elif rc.loss_type == "ppo_clip":
         loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, result.response_mask,
-                                                    loss_agg_mode, cfg, None)
+                                                    loss_agg_mode, cfg, None, cu_seqlens=cu_seqlens)
     else:  # the config validates this; kept for configs built some other way
         raise ValueError(f"rollout_correction.loss_type must be 'ppo_clip' or 'reinforce', got {rc.loss_type!r}")
     metrics.update(result.metrics)
@@ -527,6 +578,7 @@ def compute_policy_loss_decoupled(
     *,
     dp_group=None,
     seq_group=None,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Decoupled PPO (three policies): PPO clip of pi_theta against pi_old (the trainer's own recomputed
     log-probs), times w = IS(pi_old / pi_rollout) from ``config.rollout_correction``, over its RS mask.
@@ -535,19 +587,20 @@ def compute_policy_loss_decoupled(
     :func:`compute_policy_loss_vanilla`; this is that flow in one call (pass ``dp_group`` so the weights'
     batch normalisation and the metrics are global). Without ``config.rollout_correction`` it is plain PPO.
     """
-    _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask)
+    _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, cu_seqlens=cu_seqlens)
     _check_float("rollout_log_prob", rollout_log_prob, log_prob)
     _check_mode(loss_agg_mode)
     cfg = _as_config(config)
     rc = cfg.rollout_correction
     if rc is None:
-        return compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg)
+        return compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg,
+                                           cu_seqlens=cu_seqlens)
     if getattr(rc, "bypass_mode", False):
         raise ValueError("config.rollout_correction.bypass_mode is True: use compute_policy_loss_bypass "
                          "(pi_old = pi_rollout), not the decoupled flow")
-    result = _correction(old_log_prob, rollout_log_prob, response_mask, rc, dp_group, seq_group)
+    result = _correction(old_log_prob, rollout_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens)
     loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, result.response_mask,
-                                                loss_agg_mode, cfg, result.weights)
+                                                loss_agg_mode, cfg, result.weights, cu_seqlens=cu_seqlens)
     metrics.update(result.metrics)
     return loss, metrics
 
@@ -563,8 +616,10 @@ def compute_policy_loss(
     rollout_log_prob: Optional[torch.Tensor] = None,
     dp_group=None,
     seq_group=None,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """The one entry point a trainer needs: picks the flow from ``config.rollout_correction``.
+    """The one entry point a trainer needs: picks the flow from ``config.rollout_correction``. Padded ``[B, T]``
+    inputs, or packed ``[T]`` token streams with ``cu_seqlens`` ``[B + 1]`` (megatron's THD layout).
 
     * no correction config: PPO of pi_theta vs ``old_log_prob`` (``rollout_log_prob`` unused);
     * ``bypass_mode``: :func:`compute_policy_loss_bypass` with pi_old = ``rollout_log_prob``
@@ -574,14 +629,16 @@ def compute_policy_loss(
     cfg = _as_config(config)
     rc = cfg.rollout_correction
     if rc is None:
-        return compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg)
+        return compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg,
+                                           cu_seqlens=cu_seqlens)
     if rollout_log_prob is None:
         raise ValueError("rollout_log_prob is required when config.rollout_correction is set")
     if getattr(rc, "bypass_mode", False):
         return compute_policy_loss_bypass(rollout_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                                          cfg, dp_group=dp_group, seq_group=seq_group)
+                                          cfg, dp_group=dp_group, seq_group=seq_group, cu_seqlens=cu_seqlens)
     return compute_policy_loss_decoupled(old_log_prob, log_prob, rollout_log_prob, advantages, response_mask,
-                                         loss_agg_mode, cfg, dp_group=dp_group, seq_group=seq_group)
+                                         loss_agg_mode, cfg, dp_group=dp_group, seq_group=seq_group,
+                                         cu_seqlens=cu_seqlens)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -266,32 +266,35 @@ def _register_policy_loss_ops() -> None:
     """Fakes of both ops and the autograd formula of ``policy_loss_rows`` (gradient in ``log_prob`` only)."""
 
     @torch.library.register_fake("rollout_corr::policy_loss_rows")
-    def _(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind):
+    def _(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind,
+          cu_seqlens=None):
         acc = _stats_dtype(log_prob.dtype)
+        rows = log_prob.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         return (log_prob.new_empty(tuple(log_prob.shape), dtype=acc),
-                log_prob.new_empty((log_prob.shape[0], fallback.PG_ROW_KL_SUM + 1), dtype=acc))
+                log_prob.new_empty((rows, fallback.PG_ROW_KL_SUM + 1), dtype=acc))
 
     @torch.library.register_fake("rollout_corr::policy_loss_backward")
     def _(grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
-          clip_high, clip_c, loss_kind):
+          clip_high, clip_c, loss_kind, cu_seqlens=None):
         return log_prob.new_empty(tuple(log_prob.shape))
 
     def setup_context(ctx, inputs, output):
-        log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind = inputs
-        ctx.save_for_backward(log_prob, old_log_prob, advantages, response_mask, weights)
+        (log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind,
+         cu_seqlens) = inputs
+        ctx.save_for_backward(log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens)
         ctx.scalars = (clip_low, clip_high, clip_c, loss_kind)
 
     def backward(ctx, grad_loss_mat, grad_rows):
-        log_prob, old_log_prob, advantages, response_mask, weights = ctx.saved_tensors
+        log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens = ctx.saved_tensors
         grad_log_prob = None
         if ctx.needs_input_grad[0]:
             # Only the loss column of rows carries a gradient (the others are detached metric partials).
             grad_rows_loss = None if grad_rows is None else grad_rows[:, fallback.PG_ROW_LOSS_SUM]
             grad_log_prob = torch.ops.rollout_corr.policy_loss_backward.default(
                 grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights,
-                *ctx.scalars)
+                *ctx.scalars, cu_seqlens)
         # advantages and weights are constants of the loss (the reference detaches the weights).
-        return grad_log_prob, None, None, None, None, None, None, None, None
+        return grad_log_prob, None, None, None, None, None, None, None, None, None
 
     torch.library.register_autograd("rollout_corr::policy_loss_rows", backward, setup_context=setup_context)
 
@@ -306,8 +309,10 @@ def policy_loss_rows(
     clip_high: float,
     clip_c: float,
     loss_kind: int,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-token policy loss ``[B, T]`` and per-row partials ``[B, 5]`` (``fallback.PG_ROW_*``) in one pass.
+    """Per-token policy loss (``[B, T]``, or ``[T]`` packed with ``cu_seqlens``) and per-sequence partials
+    ``[B, 5]`` (``fallback.PG_ROW_*``) in one pass.
 
     Same contract as :func:`rollout_corr_ext.fallback.policy_loss_rows`: ``loss_mat`` and the loss column of
     ``rows`` are differentiable in ``log_prob`` only: ``advantages`` and ``weights`` (may be None) are constants.
@@ -317,6 +322,6 @@ def policy_loss_rows(
             weights = weights.detach()
         return torch.ops.rollout_corr.policy_loss_rows.default(
             log_prob, old_log_prob, advantages, response_mask, weights, float(clip_low), float(clip_high),
-            float(clip_c), int(loss_kind))
+            float(clip_c), int(loss_kind), cu_seqlens)
     return fallback.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
-                                      clip_high, clip_c, loss_kind)
+                                      clip_high, clip_c, loss_kind, cu_seqlens)

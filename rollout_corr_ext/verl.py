@@ -47,7 +47,8 @@ import torch.distributed as dist
 from . import losses as _losses
 from .config import RolloutCorrectionConfig
 from .correction import OFFPOLICY_KEYS, PREFIX, compute_rollout_correction
-from .losses import PolicyLossConfig, agg_loss
+from .losses import PolicyLossConfig
+from .losses import agg_loss as _agg_loss
 
 if TYPE_CHECKING:  # pragma: no cover
     from verl.protocol import DataProto
@@ -90,6 +91,14 @@ SUPPORTED_ROLLOUT_RS_OPTIONS = frozenset({
 # ------------------------------------------------------------------------------------------------- settings
 
 _SETTINGS: Dict[str, Any] = {"dp_group": None, "seq_group": None, "extra_metrics": False, "nonfinite": "error"}
+
+
+
+def agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
+             loss_scale_factor=None):
+    """verl 0.9.1's ``agg_loss`` (same parameters, same order), backed by :func:`rollout_corr_ext.agg_loss`."""
+    return _agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size,
+                     loss_scale_factor)
 
 
 def configure(**settings: Any) -> Dict[str, Any]:

@@ -22,21 +22,24 @@ inline int64_t policy_grain(int64_t cols) { return std::max<int64_t>(1, 16384 / 
 std::tuple<at::Tensor, at::Tensor> policy_loss_rows_cpu(const at::Tensor& log_prob, const at::Tensor& old_log_prob,
                                                         const at::Tensor& advantages, const at::Tensor& response_mask,
                                                         const c10::optional<at::Tensor>& weights, double clip_low,
-                                                        double clip_high, double clip_c, int64_t loss_kind) {
+                                                        double clip_high, double clip_c, int64_t loss_kind,
+                                                        const c10::optional<at::Tensor>& cu_seqlens) {
+  const SeqLayout layout = seq_layout(log_prob, cu_seqlens);  // first: names a layout mistake as such
   check_policy_loss_inputs(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
                            loss_kind);
-  auto [loss_mat, rows] = new_policy_loss_outputs(log_prob);
+  auto [loss_mat, rows] = new_policy_loss_outputs(log_prob, layout.rows);
   const at::Tensor w = defined_or_empty(weights);
   const at::Tensor undefined = new_undefined_flag(log_prob);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_prob.scalar_type(), "policy_loss_rows_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = make_policy_loss_params<scalar_t, acc_t>(log_prob, old_log_prob, advantages, response_mask, w,
-                                                            loss_mat, rows, undefined, clip_low, clip_high, clip_c,
-                                                            loss_kind);
-    at::parallel_for(0, p.rows, policy_grain(p.cols), [&](int64_t begin, int64_t end) {
+                                                            loss_mat, rows, undefined, layout, clip_low, clip_high,
+                                                            clip_c, loss_kind);
+    at::parallel_for(0, p.rows, policy_grain(p.cols / std::max<int64_t>(1, p.row_offsets ? p.rows : 1)), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         PolicyRowPartials<acc_t> partials = policy_row_partials_zero<acc_t>();
-        for (int64_t c = 0; c < p.cols; ++c) policy_loss_forward_token(p, r, c, partials);
+        const SeqSpan sp = seq_span(p.row_offsets, p.cols, r);
+        for (int64_t t = 0; t < sp.len; ++t) policy_loss_forward_token(p, sp.row, sp.col0 + t, partials);
         for (int k = 0; k < kPgRowCols; ++k) p.row_partials[r * kPgRowCols + k] = partials.v[k];
       }
     });
@@ -49,22 +52,27 @@ at::Tensor policy_loss_backward_cpu(const c10::optional<at::Tensor>& grad_loss_m
                                     const c10::optional<at::Tensor>& grad_rows_loss, const at::Tensor& log_prob,
                                     const at::Tensor& old_log_prob, const at::Tensor& advantages,
                                     const at::Tensor& response_mask, const c10::optional<at::Tensor>& weights,
-                                    double clip_low, double clip_high, double clip_c, int64_t loss_kind) {
+                                    double clip_low, double clip_high, double clip_c, int64_t loss_kind,
+                                    const c10::optional<at::Tensor>& cu_seqlens) {
+  const SeqLayout layout = seq_layout(log_prob, cu_seqlens);  // first: names a layout mistake as such
   check_policy_loss_inputs(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
                            loss_kind);
   const at::Tensor g_mat = defined_or_empty(grad_loss_mat);
   const at::Tensor g_rows = defined_or_empty(grad_rows_loss);
-  check_policy_loss_grads(g_mat, g_rows, log_prob);
-  auto grad = at::empty({log_prob.size(0), log_prob.size(1)}, log_prob.options());
+  check_policy_loss_grads(g_mat, g_rows, log_prob, layout.rows);
+  auto grad = at::empty(log_prob.sizes(), log_prob.options());
   const at::Tensor w = defined_or_empty(weights);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_prob.scalar_type(), "policy_loss_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = make_policy_loss_backward_params<scalar_t, acc_t>(g_mat, g_rows, log_prob, old_log_prob,
-                                                                     advantages, response_mask, w, grad, clip_low,
-                                                                     clip_high, clip_c, loss_kind);
-    at::parallel_for(0, p.rows, policy_grain(p.cols), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        for (int64_t c = 0; c < p.cols; ++c) policy_loss_backward_token(p, r, c);
+                                                                     advantages, response_mask, w, grad, layout,
+                                                                     clip_low, clip_high, clip_c, loss_kind);
+    at::parallel_for(0, p.rows, policy_grain(p.cols / std::max<int64_t>(1, p.row_offsets ? p.rows : 1)),
+                     [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const SeqSpan sp = seq_span(p.row_offsets, p.cols, r);
+        for (int64_t t = 0; t < sp.len; ++t) policy_loss_backward_token(p, r, sp.row, sp.col0 + t);
+      }
     });
   });
   return grad;

@@ -294,7 +294,7 @@ at::Tensor rollout_seq_stats_cpu(const at::Tensor& log_prob, const at::Tensor& r
                                  const at::Tensor& mask, const c10::optional<at::Tensor>& cu_seqlens,
                                  RC_ROLLOUT_CONFIG_PARAMS) {
   check_rollout_inputs(log_prob, rollout_log_prob, mask);
-  const RolloutLayout layout = rollout_layout(log_prob, cu_seqlens);
+  const SeqLayout layout = seq_layout(log_prob, cu_seqlens);
   const RolloutConfigArgs a = RC_ROLLOUT_CONFIG_ARGS;
   const auto acc = rollout_acc_dtype(log_prob, rollout_log_prob);
   auto out = at::empty({layout.rows, rc::seq::kCols}, log_prob.options().dtype(acc));
@@ -312,7 +312,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cp
     const c10::optional<at::Tensor>& cu_seqlens, const at::Tensor& seq_stats, RC_ROLLOUT_CONFIG_PARAMS,
     bool row_partials) {
   check_rollout_inputs(log_prob, rollout_log_prob, mask);
-  const RolloutLayout layout = rollout_layout(log_prob, cu_seqlens);
+  const SeqLayout layout = seq_layout(log_prob, cu_seqlens);
   const RolloutConfigArgs a = RC_ROLLOUT_CONFIG_ARGS;
   const auto acc = rollout_acc_dtype(log_prob, rollout_log_prob);
   check_seq_stats(seq_stats, layout.rows, log_prob, acc);

@@ -22,7 +22,8 @@ __global__ void policy_loss_rows_kernel(PolicyLossParams<scalar_t, acc_t> p) {
 
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
     PolicyRowPartials<acc_t> partials = policy_row_partials_zero<acc_t>();
-    for (int64_t col = threadIdx.x; col < p.cols; col += blockDim.x) policy_loss_forward_token(p, row, col, partials);
+    const SeqSpan sp = seq_span(p.row_offsets, p.cols, row);
+    for (int64_t t = threadIdx.x; t < sp.len; t += blockDim.x) policy_loss_forward_token(p, sp.row, sp.col0 + t, partials);
 
 #pragma unroll
     for (int k = 0; k < kPgRowCols; ++k) partials.v[k] = warp_sum(partials.v[k]);
@@ -51,7 +52,8 @@ __global__ void policy_loss_rows_kernel(PolicyLossParams<scalar_t, acc_t> p) {
 template <typename scalar_t, typename acc_t>
 __global__ void policy_loss_backward_kernel(PolicyLossBackwardParams<scalar_t, acc_t> p) {
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
-    for (int64_t col = threadIdx.x; col < p.cols; col += blockDim.x) policy_loss_backward_token(p, row, col);
+    const SeqSpan sp = seq_span(p.row_offsets, p.cols, row);
+    for (int64_t t = threadIdx.x; t < sp.len; t += blockDim.x) policy_loss_backward_token(p, row, sp.row, sp.col0 + t);
   }
 }
 

@@ -56,21 +56,23 @@ std::tuple<at::Tensor, at::Tensor> run_policy_loss_rows(const at::Tensor& log_pr
                                                         const at::Tensor& advantages, const at::Tensor& response_mask,
                                                         const c10::optional<at::Tensor>& weights, double clip_low,
                                                         double clip_high, double clip_c, int64_t loss_kind,
+                                                        const c10::optional<at::Tensor>& cu_seqlens,
                                                         const LaunchKnobs& knobs, OutputInit init, Launch&& launch) {
+  const SeqLayout layout = seq_layout(log_prob, cu_seqlens);  // first: names a layout mistake as such
   check_policy_loss_inputs(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
                            loss_kind);
   const auto opts = log_prob.options().dtype(policy_acc_dtype(log_prob.scalar_type()));
-  auto loss_mat = new_output({log_prob.size(0), log_prob.size(1)}, opts, init);
-  auto rows = new_output({log_prob.size(0), kPgRowCols}, opts, init);
-  if (log_prob.size(0) == 0) return {loss_mat, rows};
+  auto loss_mat = new_output(log_prob.sizes(), opts, init);
+  auto rows = new_output({layout.rows, kPgRowCols}, opts, init);
+  if (layout.rows == 0) return {loss_mat, rows};
   const at::Tensor w = defined_or_empty(weights);
   const at::Tensor undefined = new_undefined_flag(log_prob);
-  const PolicyLossLaunchPlan plan = plan_policy_loss_launch(log_prob.size(0), log_prob.size(1), knobs);
+  const PolicyLossLaunchPlan plan = plan_policy_loss_launch(layout.rows, tokens_per_sequence(layout), knobs);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_prob.scalar_type(), "policy_loss_rows", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = make_policy_loss_params<scalar_t, acc_t>(log_prob, old_log_prob, advantages, response_mask, w,
-                                                            loss_mat, rows, undefined, clip_low, clip_high, clip_c,
-                                                            loss_kind);
+                                                            loss_mat, rows, undefined, layout, clip_low, clip_high,
+                                                            clip_c, loss_kind);
     launch(policy_loss_rows_kernel<scalar_t, acc_t>, plan.grid, plan.block, p);
     check_undefined_flag(undefined, p);
   });
@@ -83,21 +85,23 @@ at::Tensor run_policy_loss_backward(const c10::optional<at::Tensor>& grad_loss_m
                                     const at::Tensor& old_log_prob, const at::Tensor& advantages,
                                     const at::Tensor& response_mask, const c10::optional<at::Tensor>& weights,
                                     double clip_low, double clip_high, double clip_c, int64_t loss_kind,
-                                    const LaunchKnobs& knobs, OutputInit init, Launch&& launch) {
+                                    const c10::optional<at::Tensor>& cu_seqlens, const LaunchKnobs& knobs,
+                                    OutputInit init, Launch&& launch) {
+  const SeqLayout layout = seq_layout(log_prob, cu_seqlens);  // first: names a layout mistake as such
   check_policy_loss_inputs(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
                            loss_kind);
   const at::Tensor g_mat = defined_or_empty(grad_loss_mat);
   const at::Tensor g_rows = defined_or_empty(grad_rows_loss);
-  check_policy_loss_grads(g_mat, g_rows, log_prob);
-  auto grad = new_output({log_prob.size(0), log_prob.size(1)}, log_prob.options(), init);
-  if (log_prob.numel() == 0) return grad;
+  check_policy_loss_grads(g_mat, g_rows, log_prob, layout.rows);
+  auto grad = new_output(log_prob.sizes(), log_prob.options(), init);
+  if (log_prob.numel() == 0 || layout.rows == 0) return grad;
   const at::Tensor w = defined_or_empty(weights);
-  const PolicyLossLaunchPlan plan = plan_policy_loss_launch(log_prob.size(0), log_prob.size(1), knobs);
+  const PolicyLossLaunchPlan plan = plan_policy_loss_launch(layout.rows, tokens_per_sequence(layout), knobs);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_prob.scalar_type(), "policy_loss_backward", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = make_policy_loss_backward_params<scalar_t, acc_t>(g_mat, g_rows, log_prob, old_log_prob,
-                                                                     advantages, response_mask, w, grad, clip_low,
-                                                                     clip_high, clip_c, loss_kind);
+                                                                     advantages, response_mask, w, grad, layout,
+                                                                     clip_low, clip_high, clip_c, loss_kind);
     launch(policy_loss_backward_kernel<scalar_t, acc_t>, plan.grid, plan.block, p);
   });
   return grad;

@@ -32,17 +32,12 @@ inline RolloutLaunchPlan plan_rollout_launch(int64_t rows, int64_t cols, const L
   return {dim3(static_cast<unsigned>(blocks)), dim3(threads)};
 }
 
-// Threads per block from the tokens of an average sequence (packed batches: the stream over the segments).
-inline int64_t rollout_tokens_per_row(const RolloutLayout& layout, bool packed) {
-  return packed ? layout.cols / std::max<int64_t>(layout.rows, 1) : layout.cols;
-}
-
 template <typename Launch>
 at::Tensor run_rollout_seq_stats(const at::Tensor& log_prob, const at::Tensor& rollout_log_prob,
                                  const at::Tensor& mask, const c10::optional<at::Tensor>& cu_seqlens,
                                  const RolloutConfigArgs& a, const LaunchKnobs& knobs, Launch&& launch) {
   check_rollout_inputs(log_prob, rollout_log_prob, mask);
-  const RolloutLayout layout = rollout_layout(log_prob, cu_seqlens);
+  const SeqLayout layout = seq_layout(log_prob, cu_seqlens);
   const auto acc = rollout_acc_dtype(log_prob, rollout_log_prob);
   auto out = at::empty({layout.rows, rc::seq::kCols}, log_prob.options().dtype(acc));
   if (layout.rows == 0) return out;
@@ -50,7 +45,7 @@ at::Tensor run_rollout_seq_stats(const at::Tensor& log_prob, const at::Tensor& r
     auto p = make_rollout_params<acc_t>(log_prob, rollout_log_prob, mask, layout, a);
     p.seq_stats = out.mutable_data_ptr<acc_t>();
     const RolloutLaunchPlan plan =
-        plan_rollout_launch(p.rows, rollout_tokens_per_row(layout, p.row_offsets != nullptr), knobs);
+        plan_rollout_launch(p.rows, tokens_per_sequence(layout), knobs);
     launch(rollout_seq_stats_kernel<acc_t>, plan.grid, plan.block, p);
   });
   return out;
@@ -62,7 +57,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_rollout_token_pas
     const c10::optional<at::Tensor>& cu_seqlens, const at::Tensor& seq_stats, const RolloutConfigArgs& a,
     bool row_partials, const LaunchKnobs& knobs, Launch&& launch) {
   check_rollout_inputs(log_prob, rollout_log_prob, mask);
-  const RolloutLayout layout = rollout_layout(log_prob, cu_seqlens);
+  const SeqLayout layout = seq_layout(log_prob, cu_seqlens);
   const auto acc = rollout_acc_dtype(log_prob, rollout_log_prob);
   check_seq_stats(seq_stats, layout.rows, log_prob, acc);
   const auto st = seq_stats.contiguous();
@@ -70,7 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_rollout_token_pas
   if (layout.rows == 0) return {o.weights, o.mask_out, o.sums, o.maxes};
   const int64_t ns = o.sums.numel(), nm = o.maxes.numel();
   const RolloutLaunchPlan plan =
-      plan_rollout_launch(layout.rows, rollout_tokens_per_row(layout, layout.offsets.defined()), knobs);
+      plan_rollout_launch(layout.rows, tokens_per_sequence(layout), knobs);
   const int64_t grid = plan.grid.x;
   const auto f64 = log_prob.options().dtype(at::kDouble);
   auto block_sums = at::zeros({grid, ns}, f64);

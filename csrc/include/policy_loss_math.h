@@ -154,16 +154,17 @@ RC_HD RC_FORCEINLINE void policy_loss_forward_token(const PolicyLossParams<scala
 }
 
 // The backward of one token: upstream gradient of loss_mat plus the row-loss gradient through the mask.
+// `seq` is the sequence (its row of rows / grad_rows_loss); (row, col) the token's position in the views.
 template <typename scalar_t, typename acc_t>
 RC_HD RC_FORCEINLINE void policy_loss_backward_token(const PolicyLossBackwardParams<scalar_t, acc_t>& p,
-                                                     int64_t row, int64_t col) {
+                                                     int64_t seq, int64_t row, int64_t col) {
   const acc_t lp = static_cast<acc_t>(RC_LDG(p.log_prob + row * p.lp_row_stride + col * p.lp_col_stride));
   const acc_t old_lp = view_load<acc_t>(p.old_log_prob, row, col);
   const acc_t adv = view_load<acc_t>(p.advantages, row, col);
   const acc_t w = view_load_or<acc_t>(p.weights, row, col, acc_t(1));
   const acc_t m = view_load<acc_t>(p.mask, row, col);
   acc_t upstream = view_load_or<acc_t>(p.grad_loss_mat, row, col, acc_t(0));
-  if (m != acc_t(0)) upstream += view_load_or<acc_t>(p.grad_rows_loss, row, 0, acc_t(0)) * m;
+  if (m != acc_t(0)) upstream += view_load_or<acc_t>(p.grad_rows_loss, seq, 0, acc_t(0)) * m;
   // A token nothing differentiates (masked out, loss_mat unused) gets exactly 0, even where its own values are
   // NaN / -inf: 0 * NaN would leak a NaN into the gradient of a token that does not affect the loss.
   RC_STG(p.grad_log_prob + row * p.cols + col,

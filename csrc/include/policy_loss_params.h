@@ -36,7 +36,8 @@ struct PolicyLossParams {
   TokenView mask;
   TokenView weights;  // data == nullptr: no rollout IS weights
   acc_t* loss_mat;    // [rows, cols] contiguous
-  acc_t* row_partials;  // [rows, kPgRowCols] contiguous
+  acc_t* row_partials;  // [rows, kPgRowCols] contiguous (one row per sequence)
+  const int64_t* row_offsets;  // packed (1-D views, THD): [rows + 1] cu_seqlens; nullptr: padded [rows, cols]
   int32_t* undefined;   // set to 1 when a response token's loss is undefined (policy_loss_undefined)
   int64_t rows;
   int64_t cols;
@@ -54,7 +55,8 @@ struct PolicyLossBackwardParams {
   TokenView weights;
   TokenView grad_loss_mat;   // [rows, cols] or absent
   TokenView grad_rows_loss;  // [rows] (col_stride 0) or absent
-  scalar_t* grad_log_prob;   // [rows, cols] contiguous
+  scalar_t* grad_log_prob;   // log_prob's layout, contiguous
+  const int64_t* row_offsets;  // as in PolicyLossParams
   int64_t rows;
   int64_t cols;
   int64_t lp_row_stride;

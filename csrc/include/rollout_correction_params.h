@@ -200,19 +200,10 @@ struct RolloutParams {
   rc::Config<acc_t> cfg;
 };
 
-// Where sequence b lies in the views: (row, first column, length). Packed offsets are clamped into [0, cols] and
-// made non-decreasing, so a malformed cu_seqlens (rejected by the host checks, asynchronously on CUDA) can never
-// send a kernel out of bounds.
-struct SeqSpan {
-  int64_t row, col0, len;
-};
+// Where sequence b lies in the views (token_view.h: padded row b, or a packed segment of row 0).
 template <typename acc_t>
 RC_HD RC_FORCEINLINE SeqSpan seq_span(const RolloutParams<acc_t>& p, int64_t b) {
-  if (p.row_offsets == nullptr) return {b, 0, p.cols};
-  int64_t s = RC_LDG(p.row_offsets + b), e = RC_LDG(p.row_offsets + b + 1);
-  s = s < 0 ? 0 : (s > p.cols ? p.cols : s);
-  e = e < s ? s : (e > p.cols ? p.cols : e);
-  return {0, s, e - s};
+  return seq_span(p.row_offsets, p.cols, b);
 }
 // Index of (row, col) in the contiguous weights output (padded [rows, cols]; packed [cols], row 0).
 template <typename acc_t>

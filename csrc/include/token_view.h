@@ -47,6 +47,21 @@ struct MutableTokenView {
   ViewDtype dtype;
 };
 
+// Where sequence b lies in [rows, cols] views. Padded batches: row b, columns [0, cols). Packed batches (megatron's
+// THD layout, `offsets` = cu_seqlens as int64): row 0 of 1-D views, columns [offsets[b], offsets[b + 1]), clamped
+// into [0, cols] and made non-decreasing, so a malformed cu_seqlens (rejected by the host checks, asynchronously
+// on CUDA) can never send a kernel out of bounds.
+struct SeqSpan {
+  int64_t row, col0, len;
+};
+RC_HD RC_FORCEINLINE SeqSpan seq_span(const int64_t* offsets, int64_t cols, int64_t b) {
+  if (offsets == nullptr) return {b, 0, cols};
+  int64_t s = RC_LDG(offsets + b), e = RC_LDG(offsets + b + 1);
+  s = s < 0 ? 0 : (s > cols ? cols : s);
+  e = e < s ? s : (e > cols ? cols : e);
+  return {0, s, e - s};
+}
+
 // Apply `f(typed pointer)` to the view's data cast to its element type.
 template <typename F>
 RC_HD RC_FORCEINLINE auto view_visit(ViewDtype dtype, const void* data, F&& f) {
