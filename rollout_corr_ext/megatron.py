@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import logprobs as _lp
+from .losses import _horizon, _segment_sum
 from .losses import (
     PolicyLossConfig,
     _as_config,
@@ -139,6 +140,24 @@ def _seq_numerator(row_sum, row_tokens, valid, mode, horizon, loss_scale_factor)
     return total
 
 
+def _packed_boundaries(packed_seq_params, cu_seqlens, cp_size: int):
+    """This rank's packed-sequence boundaries: ``cu_seqlens`` as given, or megatron's ``PackedSeqParams``
+    (``cu_seqlens_q_padded`` else ``cu_seqlens_q``; divided by the CP size, as each CP rank holds that share of every
+    padded sequence). None: padded [b, s] batches."""
+    if packed_seq_params is not None and cu_seqlens is not None:
+        raise ValueError("pass either packed_seq_params or cu_seqlens, not both")
+    if cu_seqlens is not None:
+        return cu_seqlens
+    if packed_seq_params is None:
+        return None
+    cu = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    if cu is None:
+        cu = getattr(packed_seq_params, "cu_seqlens_q", None)
+    if cu is None:
+        raise ValueError("packed_seq_params carries no cu_seqlens_q / cu_seqlens_q_padded")
+    return cu // cp_size if cp_size > 1 else cu
+
+
 def _bs(name: str, t, shape) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -165,6 +184,8 @@ def make_policy_loss_func(
     seq_group=None,
     pg_collection=None,
     reduce_metrics: bool = True,
+    packed_seq_params=None,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Callable:
     """Build the ``loss_func`` that megatron-core's ``forward_backward_func`` expects, for one micro-batch.
 
@@ -210,6 +231,15 @@ def make_policy_loss_func(
       (otherwise) both give the value of the whole sequences. A ``dp_group`` that does not contain the
       ``seq_group`` ranks (the DP group without CP) is a ValueError. Without parallel_state or a pg_collection,
       pass both groups yourself under CP: nothing else can tell that the logits hold only part of each sequence.
+
+    **Packed sequences** (sequence packing, megatron's THD layout): pass megatron's ``packed_seq_params`` (its
+    ``cu_seqlens_q_padded``, else ``cu_seqlens_q``; with CP > 1 each rank holds ``1 / cp_size`` of every padded
+    sequence, so the local boundaries ``cu_seqlens_q_padded // cp_size`` are used) or ``cu_seqlens`` itself (this
+    rank's local boundaries). Then ``target``, ``response_mask``, ``old_log_prob``, ``rollout_log_prob`` are the
+    packed token stream ``[T]`` (or ``[1, T]`` / ``[T, 1]``), ``advantages`` is ``[T]`` or one value per sequence
+    ``[B]``, and the logits are ``[T, 1, V_local]`` (``sbv``) or ``[1, T, V_local]`` (``bsv``). Padding tokens
+    between segments must be 0 in ``response_mask``. No reshaping to ``[b, s]`` anywhere: every sequence-level
+    quantity reduces over its segment in the kernels.
     """
     cfg = _as_config(config)
     _check_mode(loss_agg_mode)
@@ -221,11 +251,31 @@ def make_policy_loss_func(
                          "make_policy_loss_func: megatron's schedule normalises by the returned num_tokens")
     if logits_layout not in ("sbv", "bsv"):
         raise ValueError(f"logits_layout must be 'sbv' (output layer) or 'bsv' (GPTModel output), got {logits_layout!r}")
-    if not isinstance(target, torch.Tensor) or target.dim() != 2:
-        raise ValueError(f"target must be a [b, s] tensor of token ids, got {getattr(target, 'shape', type(target))}")
+    if not isinstance(target, torch.Tensor):
+        raise ValueError(f"target must be a tensor of token ids, got {type(target).__name__}")
+    tp = _tp_group(tp_group, pg_collection)
+    dp, seq = _loss_groups(dp_group, seq_group, pg_collection)
+    seq_world = _size(seq)
+    cu = _packed_boundaries(packed_seq_params, cu_seqlens, seq_world)
+    if cu is not None:  # packed: 1-D token streams
+        if target.dim() == 2 and 1 in tuple(target.shape):
+            target, response_mask, old_log_prob, rollout_log_prob = (
+                None if t is None else t.reshape(-1) for t in (target, response_mask, old_log_prob, rollout_log_prob))
+        if target.dim() != 1:
+            raise ValueError(f"with packed sequences target must be the packed token stream [T] (or [1, T] / "
+                             f"[T, 1]), got shape {tuple(target.shape)}")
+        cu = cu.to(target.device)
+        num_seqs = cu.shape[0] - 1
+        if isinstance(advantages, torch.Tensor) and advantages.dim() == 1 and advantages.shape[0] == num_seqs \
+                and num_seqs != target.shape[0]:
+            advantages = torch.repeat_interleave(advantages, cu[1:] - cu[:-1], output_size=target.shape[0])
+        elif isinstance(advantages, torch.Tensor) and advantages.dim() == 2 and 1 in tuple(advantages.shape):
+            advantages = advantages.reshape(-1)
+    elif target.dim() != 2:
+        raise ValueError(f"target must be a [b, s] tensor of token ids, got {tuple(target.shape)}")
     shape = tuple(target.shape)
     _check_mask("response_mask", response_mask, target, "target")
-    if isinstance(advantages, torch.Tensor) and advantages.dim() == 1:
+    if cu is None and isinstance(advantages, torch.Tensor) and advantages.dim() == 1:
         if advantages.shape[0] != shape[0]:
             raise ValueError(f"advantages of shape [b] must have b = {shape[0]}, got {tuple(advantages.shape)}")
         advantages = advantages.reshape(-1, 1).expand(shape)
@@ -241,9 +291,6 @@ def make_policy_loss_func(
     if rc is not None and not bypass and old_log_prob is None:
         raise ValueError("decoupled rollout correction needs old_log_prob (pi_old recomputed by the trainer); "
                          "set bypass_mode=True to use pi_rollout as pi_old instead")
-    tp = _tp_group(tp_group, pg_collection)
-    dp, seq = _loss_groups(dp_group, seq_group, pg_collection)
-    seq_world = _size(seq)
     metric_group = dp if dp is not None else seq  # the ranks the global batch is split over
     if not entropy_coeff >= 0:
         raise ValueError(f"entropy_coeff must be >= 0, got {entropy_coeff}")
@@ -254,7 +301,15 @@ def make_policy_loss_func(
             raise ValueError(f"loss_func expects vocab-parallel logits [s, b, V_local] (or [b, s, V_local]), got "
                              f"{getattr(logits, 'shape', type(logits))}")
         tgt = target.to(logits.device)
-        if logits_layout == "sbv":
+        if cu is not None:  # [T, 1, V] or [1, T, V]: the log-probs of the stream, [T]
+            if logits.shape[:-1].numel() != tgt.shape[0] or 1 not in tuple(logits.shape[:-1]):
+                raise ValueError(f"packed sequences: logits must be [T, 1, V_local] or [1, T, V_local] with T = "
+                                 f"{tgt.shape[0]}, got {tuple(logits.shape)}")
+            logp, entropy = _lp.vocab_parallel_log_probs(logits, tgt.reshape(logits.shape[:-1]), tp,
+                                                         vocab_size=vocab_size, temperature=temperature,
+                                                         return_entropy=True)
+            logp, entropy = logp.reshape(-1), entropy.reshape(-1)
+        elif logits_layout == "sbv":
             logp, entropy = _lp.vocab_parallel_log_probs(logits, tgt.transpose(0, 1), tp, vocab_size=vocab_size,
                                                          temperature=temperature, return_entropy=True)
             logp, entropy = logp.transpose(0, 1), entropy.transpose(0, 1)
@@ -272,7 +327,7 @@ def make_policy_loss_func(
             with torch.no_grad():
                 train_side = logp.detach() if bypass else old_log_prob
                 result = compute_rollout_correction(train_side, rollout_log_prob, response_mask, rc,
-                                                    dp_group=dp, seq_group=seq)
+                                                    dp_group=dp, seq_group=seq, cu_seqlens=cu)
             mask, corr_metrics = result.response_mask, result.metrics
             if bypass:
                 old = rollout_log_prob
@@ -280,9 +335,10 @@ def make_policy_loss_func(
                     kind, weights = PG_KIND_REINFORCE, result.weights
             else:
                 weights = result.weights
-        _, _, rows = _policy_loss(kind, old, logp, advantages, mask, loss_agg_mode, cfg, weights)
+        _, _, rows = _policy_loss(kind, old, logp, advantages, mask, loss_agg_mode, cfg, weights, cu_seqlens=cu)
         m = mask.to(logp.dtype)
-        ent_rows = torch.where(mask != 0, entropy, torch.zeros_like(entropy)).mul(m).sum(-1)
+        ent_masked = torch.where(mask != 0, entropy, torch.zeros_like(entropy)).mul(m)
+        ent_rows = ent_masked.sum(-1) if cu is None else _segment_sum(ent_masked, cu)
         # Whole sequences: under CP the ranks of seq_group hold pieces of the same sequences, so the per-row token
         # counts, the padded length and the valid-token count are summed over it (one all-reduce of B + 2
         # numbers, fp64 so counts stay exact) and every CP rank reports the micro-batch's num_tokens. Its share
@@ -290,12 +346,12 @@ def make_policy_loss_func(
         # reductions give the single-process value (the sum over DP x CP ranks of loss_sum over that of
         # num_tokens with calculate_per_token_loss=True; otherwise the mean over the ranks of loss_sum / num_tokens).
         row_tokens = rows[:, PG_ROW_TOKENS].detach()
-        packed = torch.cat([row_tokens.double(),
-                            row_tokens.new_full((1,), float(logp.shape[-1]), dtype=torch.float64),  # no H2D copy
-                            (mask != 0).sum().double().reshape(1)])
+        local_horizon = (row_tokens.new_full((1,), float(logp.shape[-1]), dtype=torch.float64)  # no H2D copy
+                         if cu is None else _horizon(logp, cu).double().reshape(1))
+        counts = torch.cat([row_tokens.double(), local_horizon, (mask != 0).sum().double().reshape(1)])
         if seq_world > 1:
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=seq)
-        row_tokens, horizon, valid_tokens = packed[:-2].to(rows.dtype), packed[-2], packed[-1]
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=seq)
+        row_tokens, horizon, valid_tokens = counts[:-2].to(rows.dtype), counts[-2], counts[-1]
         if loss_agg_mode == "token-mean":
             # value * count is sum(m * L) for 0/1 masks; for fractional masks it keeps the micro-batch value exact
             count = valid_tokens.round().to(torch.int64)

@@ -1,0 +1,167 @@
+"""Packed sequences (megatron's THD layout) in :func:`rollout_corr_ext.megatron.make_policy_loss_func`.
+
+One global batch of B sequences with padded lengths L_b (multiples of 2 * cp) is run three ways and compared with
+the single-process **padded** ``loss_func`` on ``[s, b, V]`` logits: (1) packed on one process (logits
+``[T, 1, V]``, megatron's ``PackedSeqParams``); (2) packed over DP = 2 (each rank packs its sequences);
+(3) packed over CP = 2 (each rank holds megatron's load-balanced share of every sequence, 2 * cp chunks, rank r
+chunks r and 2cp-1-r, with the local boundaries ``cu_seqlens_q_padded // cp``). Loss (megatron's
+``calculate_per_token_loss=True`` reduction), ``num_tokens``, every reported metric and the gradient of the logits
+must match. Rollout correction with sequence-level IS / RS, so each sequence's statistics need all its pieces.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rollout_corr_testing.dist_utils import cp_token_index, run_workers_preloaded
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+VOCAB, T = 24, 16
+LENGTHS = [16, 8, 12, 4]  # padded sequence lengths: multiples of 2 * cp = 4; one is the full width T
+CASES = [
+    ("token-mean", "seq_is_rs", 0.0),
+    ("seq-mean-token-mean", "seq_is_rs", 0.01),
+    ("seq-mean-token-sum-norm", "bypass_geo_rs", 0.0),
+    ("seq-mean-token-sum", "bypass_pg_seq_is", 0.0),
+]
+
+
+def _config(preset):
+    from rollout_corr_ext.config import RolloutCorrectionConfig
+
+    if preset == "seq_is_rs":
+        return RolloutCorrectionConfig.decoupled_seq_is_rs(is_threshold=1.5, rs_threshold="0.4_2.5")
+    if preset == "bypass_geo_rs":
+        return RolloutCorrectionConfig.bypass_ppo_clip_geo_rs(rs_threshold="0.9_1.1")
+    return RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_max_k2",
+                                   rollout_rs_threshold=0.5, bypass_mode=True, loss_type="reinforce")
+
+
+def _batch(seed=7):
+    """Padded [b, s] tensors (positions past L_b are padding: mask 0) and [s, b, V] logits."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(LENGTHS)
+    logits = 2.0 * torch.randn(T, b, VOCAB, generator=g)
+    target = torch.randint(0, VOCAB, (b, T), generator=g)
+    mask = torch.zeros(b, T, dtype=torch.bool)
+    for i, n in enumerate(LENGTHS):
+        mask[i, 1 + i % 2:n - (i % 3 == 0)] = True
+    adv = torch.randn(b, generator=g)
+    lp = torch.log_softmax(logits.double(), -1).gather(-1, target.t().unsqueeze(-1)).squeeze(-1).t()
+    scale = torch.tensor([0.05, 0.6, 0.2, 0.4], dtype=torch.float64)
+    old = (lp + 0.1 * torch.randn(b, T, generator=g, dtype=torch.float64)).float()
+    rollout = (lp + scale.view(-1, 1) * torch.randn(b, T, generator=g, dtype=torch.float64)).float()
+    return logits, target, mask, adv, old, rollout
+
+
+def _make(case, target, mask, adv, old, rollout, **kw):
+    from rollout_corr_ext.losses import PolicyLossConfig
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    mode, preset, ent = case
+    rc = _config(preset)
+    cfg = PolicyLossConfig(clip_ratio=0.2, rollout_correction=rc)
+    return make_policy_loss_func(target, adv, mask, old_log_prob=None if rc.bypass_mode else old,
+                                 rollout_log_prob=rollout, config=cfg, loss_agg_mode=mode, entropy_coeff=ent, **kw)
+
+
+def _padded_reference(batch, case):
+    from rollout_corr_ext.megatron import reported_means
+
+    logits = batch[0].clone().requires_grad_(True)
+    loss_sum, num_tokens, report = _make(case, *batch[1:])(logits)
+    value = loss_sum / num_tokens.clamp(min=1)
+    value.backward()
+    return value.detach().double(), int(num_tokens), reported_means(report), logits.grad
+
+
+def _pack(batch, seqs, positions):
+    """Pack sequences ``seqs`` (each at ``positions(b)``) into one stream: logits [T', 1, V], the rest [T'],
+    advantages per sequence, cu_seqlens, and the (position, sequence) index of every packed token."""
+    logits, target, mask, adv, old, rollout = batch
+    index = [(int(p), b) for b in seqs for p in positions(b)]
+    pos = torch.tensor([p for p, _ in index])
+    row = torch.tensor([b for _, b in index])
+    lens = [len(positions(b)) for b in seqs]
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lens).cumsum(0)
+    packed_logits = logits[pos, row].unsqueeze(1).clone().requires_grad_(True)
+    return (packed_logits, target[row, pos], mask[row, pos], adv[list(seqs)], old[row, pos], rollout[row, pos], cu,
+            pos, row)
+
+
+def _compare(name, got, ref, failures):
+    value, count, metrics, grad_ok = got
+    ref_value, ref_count, ref_metrics = ref
+    if count != ref_count:
+        failures.append(f"{name}: num_tokens {count} != {ref_count}")
+    if not torch.allclose(value, ref_value, rtol=1e-5, atol=1e-6):
+        failures.append(f"{name}: loss {value.item():.8g} != padded {ref_value.item():.8g}")
+    if set(metrics) != set(ref_metrics):
+        failures.append(f"{name}: metric names differ: {sorted(set(metrics) ^ set(ref_metrics))}")
+    for k in sorted(set(metrics) & set(ref_metrics)):
+        if not abs(metrics[k] - ref_metrics[k]) <= 1e-4 * abs(ref_metrics[k]) + 1e-6:
+            failures.append(f"{name}: metric {k} = {metrics[k]:.8g}, padded {ref_metrics[k]:.8g}")
+    if not grad_ok:
+        failures.append(f"{name}: gradient of the packed logits differs from the padded one")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_packed_single_process_equals_padded(case):
+    from rollout_corr_ext.megatron import reported_means
+
+    batch = _batch()
+    ref_value, ref_count, ref_metrics, ref_grad = _padded_reference(batch, case)
+    plog, tgt, mask, adv, old, rollout, cu, pos, row = _pack(batch, range(len(LENGTHS)),
+                                                             lambda b: torch.arange(LENGTHS[b]))
+    params = types.SimpleNamespace(cu_seqlens_q=cu, cu_seqlens_q_padded=cu, qkv_format="thd")
+    loss_sum, num_tokens, report = _make(case, tgt, mask, adv, old, rollout, packed_seq_params=params)(plog)
+    value = loss_sum / num_tokens.clamp(min=1)
+    value.backward()
+    grad_ok = torch.allclose(plog.grad[:, 0], ref_grad[pos, row], rtol=1e-4, atol=1e-7)
+    failures = []
+    _compare(case[0], (value.detach().double(), int(num_tokens), reported_means(report), grad_ok),
+             (ref_value, ref_count, ref_metrics), failures)
+    assert not failures, "\n".join(failures)
+
+
+def _worker(rank, world, layout):
+    from rollout_corr_ext.megatron import reported_means
+
+    failures = []
+    group = dist.new_group([0, 1])
+    for case in CASES:
+        batch = _batch()
+        ref_value, ref_count, ref_metrics, ref_grad = _padded_reference(batch, case)
+        if layout == "dp":  # each rank packs its own sequences
+            seqs = [rank, rank + 2]
+            packed = _pack(batch, seqs, lambda b: torch.arange(LENGTHS[b]))
+            groups = dict(dp_group=group, seq_group=None)
+        else:  # CP: every sequence, this rank's load-balanced half of each
+            seqs = list(range(len(LENGTHS)))
+            packed = _pack(batch, seqs, lambda b: cp_token_index(LENGTHS[b], world, rank))
+            groups = dict(dp_group=group, seq_group=group)
+        plog, tgt, mask, adv, old, rollout, cu, pos, row = packed
+        global_cu = cu * (world if layout == "cp" else 1)  # megatron's cu_seqlens_q_padded: the whole sequences
+        params = types.SimpleNamespace(cu_seqlens_q=global_cu, cu_seqlens_q_padded=global_cu, qkv_format="thd")
+        loss_sum, num_tokens, report = _make(case, tgt, mask, adv, old, rollout, packed_seq_params=params,
+                                             tp_group=None, **groups)(plog)
+        totals = torch.stack([loss_sum.detach().double(), num_tokens.double()])
+        dist.all_reduce(totals, group=group)  # calculate_per_token_loss=True: megatron sums over DP x CP
+        value = totals[0] / totals[1].clamp(min=1)
+        count = int(totals[1]) // (world if layout == "cp" else 1)  # every CP rank reports the whole count
+        (loss_sum / totals[1].clamp(min=1).to(loss_sum.dtype)).backward()
+        grad_ok = torch.allclose(plog.grad[:, 0], ref_grad[pos, row], rtol=1e-4, atol=1e-7)
+        _compare(f"{layout}/{case[0]}", (value, count, reported_means(report), grad_ok),
+                 (ref_value, ref_count, ref_metrics), failures)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("layout", ["dp", "cp"])
+def test_packed_distributed_equals_single_process_padded(layout):
+    run_workers_preloaded(_worker, 2, layout)
