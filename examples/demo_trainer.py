@@ -244,11 +244,30 @@ class Run:
         reports = []
         perm = torch.randperm(n, generator=gen).to(seq.device)
         for idx in perm.chunk(a.minibatches):
-            loss_func = make_policy_loss_func(
-                target[idx], adv[idx], mask[idx],
-                old_log_prob=None if old_lp is None else old_lp[idx], rollout_log_prob=rollout_lp[idx],
-                config=self.cfg, loss_agg_mode="token-mean", tp_group=tp_group, dp_group=dp_group)
-            loss_sum, num_tokens, report = loss_func(self.model(seq[idx]))
+            if a.packed:
+                # Sequence packing (megatron's THD layout): the loss sees one stream of the response-scoring
+                # positions of every sequence, with cu_seqlens; no padding reaches it. (A packed trainer's model
+                # would emit [T, 1, V] itself; this tiny model runs padded and its logits are packed here.)
+                r = s - p
+                cut = slice(p - 1, s - 1)
+                cu = torch.arange(0, len(idx) * r + 1, r, device=seq.device)
+
+                def stream(t):
+                    return None if t is None else t[idx][:, cut].reshape(-1)
+
+                loss_func = make_policy_loss_func(
+                    stream(target), adv[idx], stream(mask), old_log_prob=stream(old_lp),
+                    rollout_log_prob=stream(rollout_lp), config=self.cfg, loss_agg_mode="token-mean",
+                    tp_group=tp_group, dp_group=dp_group, cu_seqlens=cu)
+                logits = self.model(seq[idx])  # [s, b, V_local]
+                loss_sum, num_tokens, report = loss_func(logits[cut].transpose(0, 1).reshape(-1, 1,
+                                                                                              logits.shape[-1]))
+            else:
+                loss_func = make_policy_loss_func(
+                    target[idx], adv[idx], mask[idx],
+                    old_log_prob=None if old_lp is None else old_lp[idx], rollout_log_prob=rollout_lp[idx],
+                    config=self.cfg, loss_agg_mode="token-mean", tp_group=tp_group, dp_group=dp_group)
+                loss_sum, num_tokens, report = loss_func(self.model(seq[idx]))
             loss = loss_sum / num_tokens.clamp(min=1)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -327,6 +346,8 @@ def parse_args(argv=None):
     ap.add_argument("--group", type=int, default=8, help="responses per prompt (GRPO group)")
     ap.add_argument("--minibatches", type=int, default=2, help="PPO mini-batches per step (one epoch)")
     ap.add_argument("--digits", type=int, default=3)
+    ap.add_argument("--packed", action="store_true",
+                    help="feed the loss packed sequences (a 1-D token stream with cu_seqlens) instead of [b, s]")
     ap.add_argument("--stale", type=int, default=2, help="sampler weights are this many optimizer steps old")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--geo-rs-threshold", default="0.9_1.1", help="geo_rs keep range of exp(mean log-ratio)")

@@ -26,19 +26,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_demo_smoke_two_ranks(tmp_path):
-    out = tmp_path / "demo"
+def _run_demo(tmp_path, out, *extra, settings=SETTINGS, steps=STEPS):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={_free_port()}", os.path.join(ROOT, "examples", "demo_trainer.py"),
-           f"--steps={STEPS}", "--prompts=4", "--group=4", "--stale=1", f"--settings={','.join(SETTINGS)}",
-           f"--out-dir={out}"]
+           f"--steps={steps}", "--prompts=4", "--group=4", "--stale=1", f"--settings={','.join(settings)}",
+           f"--out-dir={out}", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=240)
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log  # torchrun returns 0 only when both ranks exit cleanly
     assert "wrote" in proc.stdout, log
+    assert "rollout_corr_ext backend=" in proc.stdout, log  # the demo says which kernels it ran
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+def test_demo_packed_gives_the_padded_curves(tmp_path):
+    """--packed feeds the loss one token stream with cu_seqlens: the same run, to float rounding."""
+    settings = ["token_tis", "geo_rs", "bypass"]
+    padded = _run_demo(tmp_path, tmp_path / "padded", settings=settings, steps=3)
+    packed = _run_demo(tmp_path, tmp_path / "packed", "--packed", settings=settings, steps=3)
+    assert len(padded) == len(packed) == 3 * len(settings)
+    for a, b in zip(padded, packed):
+        assert a.keys() == b.keys()
+        for k, v in a.items():
+            if isinstance(v, float):
+                assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-7), (a["setting"], a["step"], k)
+
+
+def test_demo_smoke_two_ranks(tmp_path):
+    out = tmp_path / "demo"
+    records = _run_demo(tmp_path, out)
     assert len(records) == STEPS * len(SETTINGS)
     assert [r["setting"] for r in records[: len(SETTINGS)]] == SETTINGS
     for r in records:
