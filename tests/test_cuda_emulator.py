@@ -2,8 +2,10 @@
 cuda_emulator), against independent fp64 oracles (log_softmax on the gathered vocab for the log-prob family).
 
 The emulator compiles csrc/cuda/*_kernels.cuh unchanged with g++; these tests sweep ragged sizes, every dtype,
-block sizes, vector widths, both turnstile schedules and grids smaller than the row count (grid-stride loops).
-The self-test at the end plants bugs in copies of the kernels and asserts that each one is caught.
+block sizes, vector widths, the turnstile schedules (ascending, descending, warp-major: one warp a row ahead) and
+grids smaller than the row count (grid-stride loops), with racecheck on in every launch. The self-test at the end
+plants bugs in copies of the kernels and asserts that each one is caught. (Traffic and coalescing:
+test_cuda_emulator_traffic.py; races and barriers: test_cuda_emulator_races.py.)
 """
 
 import os
@@ -43,6 +45,7 @@ KNOBS = [
     dict(threads=32, vec=1, schedule=1, max_blocks=2),
     dict(threads=64, schedule=1),
     dict(threads=128, vec=1, max_blocks=1),
+    dict(threads=64, schedule=2, max_blocks=2),  # warp-major: the last warp runs a row ahead
 ]
 MERGE_KNOBS = [dict(), dict(threads=32, schedule=1, max_blocks=1)]
 
@@ -104,102 +107,28 @@ def test_misaligned_rows_take_the_scalar_path(emu):
     torch.testing.assert_close(got[3].double(), want[3], **grad_tol(torch.float32))
 
 
-def test_emulator_reports_barrier_divergence():
-    """A kernel where half the block skips a __syncthreads is an error, not a silent pass (builds a tiny module)."""
-    from torch.utils.cpp_extension import load_inline
-
-    src = r'''
-#include "cuda_emu.h"
-#include <torch/extension.h>
-__global__ void divergent(int* out) {
-  if (threadIdx.x < 16) __syncthreads();
-  out[threadIdx.x] = 1;
-}
-__global__ void shuffle_partial(int* out) {
-  if (threadIdx.x < 8) out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, (int)threadIdx.x, 1);
-}
-std::string run(int which) {
-  std::vector<int> out(64, 0);
-  try {
-    if (which == 0) emu::launch(divergent, dim3(1), dim3(64), 0, out.data());
-    else emu::launch(shuffle_partial, dim3(1), dim3(32), 0, out.data());
-  } catch (const emu::EmulatorError& e) { return e.what(); }
-  return "";
-}
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &run); }
-'''
-    mod = load_inline(name="rc_emu_divergence", cpp_sources=[src], extra_include_paths=[str(ROOT / "rollout_corr_testing" / "cuda_emulator")],
-                      extra_cflags=["-O1"], build_directory=_emu_build_dir("divergence"))
-    assert "deadlock or divergent synchronisation" in mod.run(0)
-    assert "deadlock or divergent synchronisation" in mod.run(1)
+def test_emulator_reports_barrier_divergence(emu):
+    """synccheck: a __syncthreads reached by half the block, a full-mask shuffle reached by 8 lanes of 32, and the two
+    halves of a block waiting at different __syncthreads statements are errors naming the kernel, the barrier's
+    line and the threads, not silent passes (rollout_corr_testing/cuda_emulator/emu_selftest.cpp)."""
+    half = emu.selftest_divergence(0)
+    assert "deadlock or divergent synchronisation in selftest::half_block_barrier_kernel block (0,0,0)" in half
+    assert "synccheck: __syncthreads at emu_selftest.cpp:" in half
+    assert "reached by threads 0-15 only; threads 16-63 exited" in half
+    assert "deadlock or divergent synchronisation" in emu.selftest_divergence(1)
+    split = emu.selftest_divergence(2)
+    assert "divergent __syncthreads" in split and "threads 0-31 at emu_selftest.cpp:" in split, split
+    assert "threads 32-63 at emu_selftest.cpp:" in split, split
 
 
-def test_emulator_device_api_semantics():
+def test_emulator_device_api_semantics(emu):
     """The emulated device API itself: dynamic shared memory, __shfl_down/up/sync, __syncwarp, atomics, 2-D blocks."""
-    from torch.utils.cpp_extension import load_inline
-
-    src = r'''
-#include "cuda_emu.h"
-#include <torch/extension.h>
-#include "device_utils.cuh"
-// Block sum through dynamic shared memory + a shfl_down tree; one atomicAdd per block into a global total.
-__global__ void block_sum(const float* x, int n, float* total, int* blocks_done) {
-  RC_DYNAMIC_SHARED(float, partial);
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  const int nthreads = blockDim.x * blockDim.y;
-  float v = 0.f;
-  for (int i = blockIdx.x * nthreads + tid; i < n; i += gridDim.x * nthreads) v += x[i];
-  for (int off = 16; off > 0; off /= 2) v += __shfl_down_sync(0xffffffffu, v, off);
-  if (tid % 32 == 0) partial[tid / 32] = v;
-  __syncthreads();
-  if (tid == 0) {
-    float s = 0.f;
-    for (int w = 0; w < nthreads / 32; ++w) s += partial[w];
-    atomicAdd(total, s);
-    atomicAdd(blocks_done, 1);
-  }
-}
-// Lane permutations: broadcast from lane 3, shift up by 1; and __syncwarp as a pure rendezvous.
-__global__ void lanes(int* out) {
-  const int lane = threadIdx.x % 32;
-  __syncwarp();
-  const int b = __shfl_sync(0xffffffffu, lane * 10, 3);
-  const int u = __shfl_up_sync(0xffffffffu, lane, 1);
-  out[threadIdx.x] = b * 1000 + u;
-}
-std::vector<double> run() {
-  std::vector<float> x(1000);
-  double want = 0;
-  for (int i = 0; i < 1000; ++i) { x[i] = 0.5f * (i % 7) - 1.f; want += x[i]; }
-  float total = 0.f; int done = 0;
-  emu::launch(block_sum, dim3(3), dim3(32, 4), 4 * sizeof(float), x.data(), 1000, &total, &done);
-  std::vector<int> out(64);
-  emu::launch(lanes, dim3(1), dim3(64), 0, out.data());
-  std::vector<double> r = {want, (double)total, (double)done};
-  for (int v : out) r.push_back(v);
-  return r;
-}
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &run); }
-'''
-    mod = load_inline(name="rc_emu_device_api", cpp_sources=[src],
-                      extra_include_paths=[str(ROOT / "rollout_corr_testing" / "cuda_emulator"), str(ROOT / "csrc" / "cuda"),
-                                           str(ROOT / "csrc" / "include")],
-                      extra_cflags=["-O1"], build_directory=_emu_build_dir("device_api"))
-    r = mod.run()
+    r = emu.selftest_device_api()
     assert abs(r[0] - r[1]) < 1e-3 and r[2] == 3
     lanes = [int(v) for v in r[3:]]
     for t, v in enumerate(lanes):
         lane = t % 32
         assert v // 1000 == 30 and v % 1000 == (lane - 1 if lane > 0 else 0), (t, v)
-
-
-def _emu_build_dir(key):
-    base = os.environ.get("ROLLOUT_CORR_EMU_BUILD_DIR")
-    if not base:
-        return None
-    path = os.path.join(base, key)
-    os.makedirs(path, exist_ok=True)
-    return path
 
 
 def test_planted_bugs_are_caught():

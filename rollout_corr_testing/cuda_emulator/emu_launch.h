@@ -17,10 +17,14 @@ struct EmuLaunch {
   }
 };
 
-// The turnstile order of the next launches: 0 ascending thread ids, 1 descending.
+// The turnstile order of the next launches: 0 ascending thread ids, 1 descending, 2 warp-major from the last warp
+// (each warp runs on its own to its next __syncthreads: one warp a row ahead of the others), 3 warp-major from the
+// first warp.
 inline void apply_schedule(int64_t schedule) {
-  TORCH_CHECK(schedule == 0 || schedule == 1, "schedule must be 0 (ascending) or 1 (descending)");
-  emu::set_schedule(schedule == 0 ? emu::Schedule::kAscending : emu::Schedule::kDescending);
+  TORCH_CHECK(schedule >= 0 && schedule <= 3,
+              "schedule must be 0 (ascending), 1 (descending), 2 (warp-major, last warp first) or 3 (warp-major, "
+              "first warp first), got ", schedule);
+  emu::set_schedule(static_cast<emu::Schedule>(schedule));
 }
 
 }  // namespace rollout_corr
