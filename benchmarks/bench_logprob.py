@@ -9,7 +9,8 @@ Compares, in one run and on the same inputs:
 For each: median time over --reps, throughput (bytes of logits read, and on fwd+bwd also the gradient written,
 per second; on CUDA also % of the peak HBM bandwidth given by --peak-gbps), peak extra memory during the step,
 and the number of torch.distributed collectives per step. TP=2 runs two gloo processes, each with one thread
-(TP=1 runs one process with all threads). Prints a markdown table.
+(TP=1 runs one process with all threads); with ``--device cuda`` one process per GPU on NCCL (a TP size larger than
+the number of visible GPUs is skipped, and said so). Prints a markdown table.
 
     python benchmarks/bench_logprob.py                       # the full CPU table of docs/benchmarks.md
     python benchmarks/bench_logprob.py --tokens 2048 --vocab 32000 --dtypes bf16 --tp 1   # a quick look
@@ -102,7 +103,10 @@ def _impls(tp, group):
 
     impls = {
         "ours": lambda x, t: rc.vocab_parallel_cross_entropy(x, t, 0.0, group if tp > 1 else None),
-        "ours-inplace": lambda x, t: rc.vocab_parallel_cross_entropy(x, t, 0.0, group if tp > 1 else None,
+        # The output layer's logits are a non-leaf: a view stands in for them (no copy), since in-place backward
+        # refuses to overwrite a leaf.
+        "ours-inplace": lambda x, t: rc.vocab_parallel_cross_entropy(x.view_as(x) if x.requires_grad else x, t, 0.0,
+                                                                     group if tp > 1 else None,
                                                                      inplace_backward=True),
         "megatron": lambda x, t: mcore_ce(x.clone() if not x.requires_grad else x * 1.0, t),
     }
@@ -142,7 +146,12 @@ def _measure(fn, make_input, target, backward, reps, device, group):
 def _worker(rank, world, store, args, out_path):
     threads = max(1, (os.cpu_count() or 1) // world) if args.device == "cpu" else 1
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    if args.device == "cuda":  # one GPU per rank, NCCL
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     group = dist.group.WORLD
     import rollout_corr_ext as rc
 
@@ -152,8 +161,6 @@ def _worker(rank, world, store, args, out_path):
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     device = args.device
-    if device == "cuda":
-        torch.cuda.set_device(rank)
     rows = []
     for n in args.tokens:
         for v_local in args.vocab:
@@ -188,7 +195,12 @@ def main():
     args = p.parse_args()
 
     all_rows = []
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
     for tp in args.tp:
+        if args.device == "cuda" and tp > torch.cuda.device_count():
+            print(f"(TP={tp} skipped: needs {tp} GPUs, {torch.cuda.device_count()} visible)")
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.pt")
             mp.spawn(_worker, args=(tp, os.path.join(tmp, "store"), args, out), nprocs=tp, join=True)
@@ -198,8 +210,9 @@ def main():
 
     if rc.backend() == "reference":
         rc.load_extension()  # what the workers ran (the header reports it)
-    print(f"device: {args.device} ({os.cpu_count()} cores), torch {torch.__version__}, backend {rc.backend()}, "
-          f"median of {args.reps} runs")
+    where = (f"cuda ({torch.cuda.get_device_name()}, CUDA {torch.version.cuda}, NCCL for TP > 1)"
+             if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)")
+    print(f"device: {where}, torch {torch.__version__}, backend {rc.backend()}, median of {args.reps} runs")
     header = "| TP | tokens | V_local | dtype | impl | pass | time (ms) | GB/s |"
     header += " % peak |" if args.peak_gbps else ""
     header += " peak extra mem (MiB) | collectives |"

@@ -124,8 +124,9 @@ def _percentiles(hist: torch.Tensor) -> Dict[int, torch.Tensor]:
     cum = hist.cumsum(0)
     total = cum[-1]
     width = (LY.HIST_HI - LY.HIST_LO) / LY.HIST_BINS
-    q = torch.tensor([p / 100.0 for p in PERCENTILES], dtype=torch.float64, device=hist.device)
-    pos = q * (total - 1).clamp(min=0)
+    last = (total - 1).clamp(min=0).to(torch.float64)
+    # Built from Python scalars on the device: no host-to-device copy, so the op stays CUDA-graph capturable.
+    pos = torch.stack([last * (p / 100.0) for p in PERCENTILES])
     k0 = pos.floor()
     k1 = torch.minimum(k0 + 1, (total - 1).clamp(min=0))
     frac = pos - k0

@@ -336,7 +336,10 @@ def _check_mode(loss_agg_mode: str) -> None:
 
 def _safe_div(num: torch.Tensor, den) -> torch.Tensor:
     """num / den, and 0 where den == 0 (verl gives NaN there; see :func:`agg_loss`). Gradient-safe."""
-    den = torch.as_tensor(den, dtype=num.dtype, device=num.device)
+    if not isinstance(den, torch.Tensor):
+        # A Python number stays a scalar operand: no host-to-device copy (CUDA-graph capturable, no sync).
+        return num / den if den != 0 else num * 0.0
+    den = den.to(dtype=num.dtype, device=num.device)
     nonzero = den != 0
     return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num))
 

@@ -157,12 +157,13 @@ def device_skip_reason(name: str):
     return skip_reason(name)
 
 
-def device_params(*names: str, emulated_reason: str = None) -> list:
+def device_params(*names: str, emulated_reason: str = None, cuda_reason: str = None) -> list:
     """``pytest.param`` per device variant (default :data:`DEVICES`), each marked skip with its reason where it
     cannot run, so a CPU-only machine reports the CUDA variants as skipped instead of leaving them out. CUDA
-    variants carry the ``cuda`` marker (``pytest -m cuda`` selects them on a GPU machine). ``emulated_reason``: leave
-    the emulated variant out of ``names`` and record why (the test's sizes are too large for the thread-by-thread
-    emulator); it is then listed as skipped with that reason."""
+    variants carry the ``cuda`` marker (``pytest -m cuda`` selects them on a GPU machine). ``emulated_reason`` /
+    ``cuda_reason``: that variant is left out of ``names`` on purpose (sizes beyond the thread-by-thread emulator; a
+    check that is an asynchronous device assert on CUDA, tested in a subprocess elsewhere); it is then listed as
+    skipped with that reason, on every machine."""
     import pytest
 
     names = names or DEVICES
@@ -173,9 +174,10 @@ def device_params(*names: str, emulated_reason: str = None) -> list:
         if name == "cuda":
             marks.append(pytest.mark.cuda)
         out.append(pytest.param(name, marks=marks, id=name))
-    if emulated_reason and "emulated" not in names:
-        out.append(pytest.param("emulated", marks=[pytest.mark.skip(reason=f"emulated: {emulated_reason}")],
-                                id="emulated"))
+    for name, why in (("emulated", emulated_reason), ("cuda", cuda_reason)):
+        if why and name not in names:
+            marks = [pytest.mark.skip(reason=f"{name}: {why}")] + ([pytest.mark.cuda] if name == "cuda" else [])
+            out.append(pytest.param(name, marks=marks, id=name))
     return out
 
 
@@ -185,13 +187,14 @@ class _EmulatedPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, knobs, log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
-                loss_kind):
+                loss_kind, cu_seqlens):
         emu = torch.ops.rollout_corr_emu
+        extra = dict(knobs) if cu_seqlens is None else dict(knobs, cu_seqlens=cu_seqlens)  # packed: keyword
         loss_mat, rows = emu.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
-                                              clip_high, clip_c, loss_kind, **knobs)
+                                              clip_high, clip_c, loss_kind, **extra)
         ctx.save_for_backward(log_prob, old_log_prob, advantages, response_mask, weights)
         ctx.scalars = (clip_low, clip_high, clip_c, loss_kind)
-        ctx.knobs = knobs
+        ctx.extra = extra
         ctx.set_materialize_grads(False)
         return loss_mat, rows
 
@@ -203,16 +206,16 @@ class _EmulatedPolicyLoss(torch.autograd.Function):
             grad_rows_loss = None if grad_rows is None else grad_rows[:, fallback.PG_ROW_LOSS_SUM]
             grad = torch.ops.rollout_corr_emu.policy_loss_backward(
                 grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights,
-                *ctx.scalars, **ctx.knobs)
-        return None, grad, None, None, None, None, None, None, None, None
+                *ctx.scalars, **ctx.extra)
+        return (None, grad) + (None,) * 9  # knobs, log_prob, then 9 constants
 
 
 def _emulated_policy_loss_rows(knobs, log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
-                               clip_high, clip_c, loss_kind):
+                               clip_high, clip_c, loss_kind, cu_seqlens=None):
     if weights is not None:
         weights = weights.detach()  # a constant of the loss, as in ops.policy_loss_rows
     return _EmulatedPolicyLoss.apply(knobs, log_prob, old_log_prob, advantages, response_mask, weights,
-                                     float(clip_low), float(clip_high), float(clip_c), int(loss_kind))
+                                     float(clip_low), float(clip_high), float(clip_c), int(loss_kind), cu_seqlens)
 
 
 @contextlib.contextmanager
@@ -225,7 +228,7 @@ def policy_loss_backend(name: str, **knobs) -> Iterator[str]:
         yield name
         return
     if name == "reference":
-        impl = {"policy_loss_rows": fallback.policy_loss_rows}
+        impl = {"policy_loss_rows": fallback.policy_loss_rows}  # differentiable torch ops
     elif name == "emulated":
         from rollout_corr_testing.cuda_emulator.loader import load_emulator
 

@@ -1,9 +1,12 @@
-"""Spawned multi-process tests with gloo on CPU.
+"""Spawned multi-process tests: gloo on CPU, NCCL on GPUs.
 
-``run_workers(fn, world_size, *args)`` starts ``world_size`` processes that join one gloo group (a file store
-in a temp folder, so parallel runs never collide on a port) and call ``fn(rank, world_size, *args)``. A worker
-that fails raises only after every rank has all-reduced a failure flag, so no rank hangs in a collective
-waiting for a dead peer; the parent then re-raises the first worker's traceback.
+``run_workers(fn, world_size, *args, device="cpu")`` starts ``world_size`` processes that join one process group (a
+file store in a temp folder, so parallel runs never collide on a port) and call ``fn(rank, world_size, *args)``.
+``device="cpu"``: gloo, CPU tensors; ``device="cuda"``: NCCL, rank r on GPU r (:func:`worker_device` tells a worker
+where its tensors go). :func:`dist_params` gives the two variants as pytest parameters, the NCCL one skipped with the
+reason where fewer GPUs than ranks are visible. A worker that fails raises only after every rank has all-reduced a
+failure flag, so no rank hangs in a collective waiting for a dead peer; the parent then re-raises the first worker's
+traceback.
 """
 
 from __future__ import annotations
@@ -27,16 +30,80 @@ def _ensure_backend():
         rollout_corr_ext.load_extension()
 
 
-def _entry(rank, world_size, store_path, fn, args):
+#: The device of this worker's tensors ("cpu" with gloo, "cuda:<rank>" with NCCL); set by the worker entry point.
+_WORKER_DEVICE = ["cpu"]
+
+
+def worker_device() -> torch.device:
+    """Where a worker started by :func:`run_workers` keeps its tensors (its GPU under NCCL, else the CPU)."""
+    return torch.device(_WORKER_DEVICE[0])
+
+
+def dist_backend(device: str) -> str:
+    """The process-group backend of a device variant: NCCL for "cuda", gloo for "cpu"."""
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def dist_skip_reason(device: str, world_size: int):
+    """Why ``world_size`` ranks on ``device`` cannot run here (None when they can): NCCL needs one GPU per rank and
+    the extension built with its CUDA kernels."""
+    if device != "cuda":
+        return None
+    import rollout_corr_ext
+
+    if not torch.cuda.is_available():
+        return "NCCL variant: needs CUDA GPUs (none visible)"
+    if not dist.is_nccl_available():
+        return "NCCL variant: this torch build has no NCCL"
+    if rollout_corr_ext.backend() != "cuda":
+        return "NCCL variant: needs the extension built with its CUDA kernels"
+    if torch.cuda.device_count() < world_size:
+        return f"NCCL variant: needs {world_size} GPUs (one per rank), {torch.cuda.device_count()} visible"
+    return None
+
+
+def dist_params(world_size: int, cuda_reason: str = None) -> list:
+    """pytest parameters "cpu" (gloo, id ``gloo``) and "cuda" (NCCL, id ``nccl``: skipped with the reason unless
+    ``world_size`` GPUs are visible; marked ``cuda``). ``cuda_reason``: the NCCL variant is skipped on every machine
+    with that reason (a check that is an asynchronous device assert on CUDA)."""
+    import pytest
+
+    out = []
+    for device in ("cpu", "cuda"):
+        reason = dist_skip_reason(device, world_size)
+        if device == "cuda" and cuda_reason:
+            reason = f"NCCL variant: {cuda_reason}"
+        marks = [pytest.mark.skip(reason=reason)] if reason else []
+        if device == "cuda":
+            marks.append(pytest.mark.cuda)
+        out.append(pytest.param(device, marks=marks, id="nccl" if device == "cuda" else "gloo"))
+    return out
+
+
+def init_worker_group(rank: int, world_size: int, device: str, **init_kwargs) -> torch.device:
+    """Join the process group of ``device`` ("cpu": gloo; "cuda": NCCL with this rank on GPU ``rank``) and return the
+    device of this worker's tensors. ``init_kwargs`` go to ``init_process_group`` (init_method, timeout, ...)."""
+    if device == "cuda":
+        local = torch.device("cuda", rank)
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=local, **init_kwargs)
+    else:
+        local = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, **init_kwargs)
+    _WORKER_DEVICE[0] = str(local)
+    return local
+
+
+def _entry(rank, world_size, store_path, fn, args, device="cpu"):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+    local = init_worker_group(rank, world_size, device, init_method=f"file://{store_path}")
     error = None
     try:
         _ensure_backend()
         fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - reported after the agreement below
         error = traceback.format_exc()
-    flag = torch.tensor([1.0 if error else 0.0])
+    flag = torch.tensor([1.0 if error else 0.0], device=local)
     dist.all_reduce(flag)
     dist.destroy_process_group()
     if error:
@@ -45,22 +112,26 @@ def _entry(rank, world_size, store_path, fn, args):
         raise AssertionError(f"rank {rank}: another rank failed")
 
 
-def run_workers(fn, world_size: int, *args) -> None:
+def run_workers(fn, world_size: int, *args, device: str = "cpu") -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        mp.spawn(_entry, args=(world_size, store, fn, args), nprocs=world_size, join=True)
+        mp.spawn(_entry, args=(world_size, store, fn, args, device), nprocs=world_size, join=True)
 
 
-def run_workers_preloaded(fn, world_size: int, *args, preload=("megatron.core",)) -> None:
+def run_workers_preloaded(fn, world_size: int, *args, preload=("megatron.core",), device: str = "cpu") -> None:
     """:func:`run_workers` with the "forkserver" start method: ``preload`` is imported once in the fork server
     (which never runs torch work, so forking it is safe) and every worker starts with it imported. megatron-core
-    takes 15-25 s to import on a loaded 2-core machine; spawned workers would each pay that."""
+    takes 15-25 s to import on a loaded 2-core machine; spawned workers would each pay that. ``device="cuda"``
+    spawns instead: the fork server's imports ask torch about CUDA, and a CUDA runtime must not be forked."""
+    if device == "cuda":
+        run_workers(fn, world_size, *args, device=device)
+        return
     import multiprocessing
 
     multiprocessing.set_forkserver_preload(list(preload) + ["rollout_corr_ext"])  # ignored if the server runs
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        mp.start_processes(_entry, args=(world_size, store, fn, args), nprocs=world_size, join=True,
+        mp.start_processes(_entry, args=(world_size, store, fn, args, device), nprocs=world_size, join=True,
                            start_method="forkserver")
 
 

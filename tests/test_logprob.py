@@ -1,4 +1,9 @@
-"""Single-process tests of the vocab-parallel log-prob / entropy / cross-entropy op (DESIGN §2, §7)."""
+"""Single-process tests of the vocab-parallel log-prob / entropy / cross-entropy op (DESIGN §2, §7).
+
+Every op-level test runs on each device variant of ``rollout_corr_testing.backends.DEVICES``: ``cpu``, ``emulated``
+(the CUDA kernels on the CPU thread-model emulator) and ``cuda`` (skipped with the reason without a GPU), with the
+same fp64 oracles (on the CPU) and the tolerance table of ``rollout_corr_testing.tolerances``.
+"""
 
 import math
 
@@ -9,8 +14,14 @@ from rollout_corr_testing.logprob_oracle import log_probs_dense
 
 import rollout_corr_ext as rc
 from rollout_corr_ext import ops
+from rollout_corr_testing.backends import device_params, ops_on
 from rollout_corr_testing.logprob_samples import DTYPES, sample_inputs
 from rollout_corr_testing.tolerances import grad_tol, output_tol
+
+DEVICES = device_params()
+#: opcheck and torch.compile check the registered torch.ops.rollout_corr kernels, which the emulator is not.
+COMPILED_DEVICES = device_params("cpu", "cuda", emulated_reason="checks the registered torch.ops.rollout_corr "
+                                                                "kernels; the emulator registers its own test library")
 
 
 def dense_reference(logits, target, kw, label_smoothing=0.0):
@@ -19,117 +30,137 @@ def dense_reference(logits, target, kw, label_smoothing=0.0):
         ignore_index=kw.get("ignore_index", -100), label_smoothing=label_smoothing)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_forward_matches_fp64_reference(dtype):
-    for logits, target, kw in sample_inputs(dtype):
-        logp, ent = rc.vocab_parallel_log_probs(logits, target, return_entropy=True, **kw)
-        ref_logp, ref_ent, _ = dense_reference(logits, target, kw)
-        assert logp.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-        assert logp.shape == target.shape and ent.shape == target.shape
-        torch.testing.assert_close(logp.double(), ref_logp, **output_tol(dtype))
-        torch.testing.assert_close(ent.double(), ref_ent, **output_tol(dtype))
-        ignored = target == kw.get("ignore_index", -100)
-        assert torch.all(logp[ignored] == 0) and torch.all(ent[ignored] == 0)
+def test_forward_matches_fp64_reference(dtype, device):
+    with ops_on(device) as dev:
+        for logits, target, kw in sample_inputs(dtype, device=dev):
+            logp, ent = rc.vocab_parallel_log_probs(logits, target, return_entropy=True, **kw)
+            assert logp.device == logits.device and ent.device == logits.device
+            logp, ent, logits, target = logp.cpu(), ent.cpu(), logits.cpu(), target.cpu()
+            ref_logp, ref_ent, _ = dense_reference(logits, target, kw)
+            assert logp.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+            assert logp.shape == target.shape and ent.shape == target.shape
+            torch.testing.assert_close(logp.double(), ref_logp, **output_tol(dtype))
+            torch.testing.assert_close(ent.double(), ref_ent, **output_tol(dtype))
+            ignored = target == kw.get("ignore_index", -100)
+            assert torch.all(logp[ignored] == 0) and torch.all(ent[ignored] == 0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_cross_entropy_and_grad_match_reference(dtype, label_smoothing):
-    for logits, target, kw in sample_inputs(dtype, seed=1):
-        x = logits.clone().requires_grad_(True)
-        loss = rc.vocab_parallel_cross_entropy(x, target, label_smoothing=label_smoothing, **kw)
-        xr = logits.double().requires_grad_(True)
-        _, _, ref_loss = log_probs_dense(
-            xr, target, vocab_size=kw.get("vocab_size"), temperature=kw.get("temperature", 1.0),
-            ignore_index=kw.get("ignore_index", -100), label_smoothing=label_smoothing)
-        torch.testing.assert_close(loss.double(), ref_loss.detach(), **output_tol(dtype))
-        w = torch.randn(target.shape, dtype=torch.float64)
-        (loss * w.to(loss.dtype)).sum().backward()
-        (ref_loss * w).sum().backward()
-        assert x.grad.dtype == dtype
-        torch.testing.assert_close(x.grad.double(), xr.grad, **grad_tol(dtype))
+def test_cross_entropy_and_grad_match_reference(dtype, label_smoothing, device):
+    with ops_on(device) as dev:
+        for logits, target, kw in sample_inputs(dtype, seed=1):
+            x = logits.to(dev, copy=True).requires_grad_(True)
+            loss = rc.vocab_parallel_cross_entropy(x, target.to(dev), label_smoothing=label_smoothing, **kw)
+            xr = logits.double().requires_grad_(True)
+            _, _, ref_loss = log_probs_dense(
+                xr, target, vocab_size=kw.get("vocab_size"), temperature=kw.get("temperature", 1.0),
+                ignore_index=kw.get("ignore_index", -100), label_smoothing=label_smoothing)
+            torch.testing.assert_close(loss.double().cpu(), ref_loss.detach(), **output_tol(dtype))
+            w = torch.randn(target.shape, dtype=torch.float64)
+            (loss * w.to(dev, loss.dtype)).sum().backward()
+            (ref_loss * w).sum().backward()
+            assert x.grad.dtype == dtype and x.grad.device == x.device
+            torch.testing.assert_close(x.grad.double().cpu(), xr.grad, **grad_tol(dtype))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_joint_logp_entropy_gradient(dtype):
-    for logits, target, kw in sample_inputs(dtype, seed=2):
-        x = logits.clone().requires_grad_(True)
-        logp, ent = rc.vocab_parallel_log_probs(x, target, return_entropy=True, **kw)
-        xr = logits.double().requires_grad_(True)
-        ref_logp, ref_ent, _ = log_probs_dense(
-            xr, target, vocab_size=kw.get("vocab_size"), temperature=kw.get("temperature", 1.0),
-            ignore_index=kw.get("ignore_index", -100))
-        a, b = torch.randn(target.shape, dtype=torch.float64), torch.randn(target.shape, dtype=torch.float64)
-        (logp * a.to(logp.dtype) + ent * b.to(ent.dtype)).sum().backward()
-        (ref_logp * a + ref_ent * b).sum().backward()
-        torch.testing.assert_close(x.grad.double(), xr.grad, **grad_tol(dtype))
-        if "vocab_size" in kw:  # padding columns get exactly zero gradient
-            assert torch.all(x.grad[..., kw["vocab_size"]:] == 0)
+def test_joint_logp_entropy_gradient(dtype, device):
+    with ops_on(device) as dev:
+        for logits, target, kw in sample_inputs(dtype, seed=2):
+            x = logits.to(dev, copy=True).requires_grad_(True)
+            logp, ent = rc.vocab_parallel_log_probs(x, target.to(dev), return_entropy=True, **kw)
+            xr = logits.double().requires_grad_(True)
+            ref_logp, ref_ent, _ = log_probs_dense(
+                xr, target, vocab_size=kw.get("vocab_size"), temperature=kw.get("temperature", 1.0),
+                ignore_index=kw.get("ignore_index", -100))
+            a, b = torch.randn(target.shape, dtype=torch.float64), torch.randn(target.shape, dtype=torch.float64)
+            (logp * a.to(dev, logp.dtype) + ent * b.to(dev, ent.dtype)).sum().backward()
+            (ref_logp * a + ref_ent * b).sum().backward()
+            grad = x.grad.cpu()
+            torch.testing.assert_close(grad.double(), xr.grad, **grad_tol(dtype))
+            if "vocab_size" in kw:  # padding columns get exactly zero gradient
+                assert torch.all(grad[..., kw["vocab_size"]:] == 0)
 
 
-def test_gradcheck_fp64():
-    torch.manual_seed(0)
-    x = torch.randn(3, 4, 11, dtype=torch.float64, requires_grad=True)
-    t = torch.randint(0, 10, (3, 4))
-    t[0, 1] = -100
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_fp64(device):
+    with ops_on(device) as dev:
+        torch.manual_seed(0)
+        x = torch.randn(3, 4, 11, dtype=torch.float64).to(dev).requires_grad_(True)
+        t = torch.randint(0, 10, (3, 4))
+        t[0, 1] = -100
+        t = t.to(dev)
 
-    def fn(inp):
-        logp, ent = rc.vocab_parallel_log_probs(inp, t, vocab_size=10, temperature=0.8, return_entropy=True)
-        ce = rc.vocab_parallel_cross_entropy(inp, t, label_smoothing=0.2, vocab_size=10, temperature=0.8)
-        return logp, ent, ce
+        def fn(inp):
+            logp, ent = rc.vocab_parallel_log_probs(inp, t, vocab_size=10, temperature=0.8, return_entropy=True)
+            ce = rc.vocab_parallel_cross_entropy(inp, t, label_smoothing=0.2, vocab_size=10, temperature=0.8)
+            return logp, ent, ce
 
-    assert torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-7)
+        assert torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_error_within_twice_eager(dtype):
-    """Our bf16/fp16 error vs fp64 is at most 2x that of an eager low-precision log_softmax vs fp64."""
+def test_low_precision_error_within_twice_eager(dtype, device):
+    """Our bf16/fp16 error vs fp64 is at most 2x that of an eager low-precision log_softmax vs fp64 (on the CPU)."""
     torch.manual_seed(3)
     logits = (torch.randn(64, 4096, dtype=torch.float64) * 4).to(dtype)
     target = torch.randint(0, 4096, (64,))
     exact = torch.log_softmax(logits.double(), -1).gather(1, target[:, None]).squeeze(1)
-    ours = rc.vocab_parallel_log_probs(logits, target).double()
+    with ops_on(device) as dev:
+        ours = rc.vocab_parallel_log_probs(logits.to(dev), target.to(dev)).double().cpu()
+        x = logits.to(dev, copy=True).requires_grad_(True)
+        rc.vocab_parallel_log_probs(x, target.to(dev)).sum().backward()
+        our_grad = x.grad.double().cpu()
     eager = torch.log_softmax(logits, -1).gather(1, target[:, None]).squeeze(1).double()
     our_err = (ours - exact).abs().max().item()
     eager_err = (eager - exact).abs().max().item()
     assert our_err <= 2 * eager_err + 1e-6, (our_err, eager_err)
 
-    x = logits.clone().requires_grad_(True)
-    rc.vocab_parallel_log_probs(x, target).sum().backward()
     xe = logits.clone().requires_grad_(True)
     torch.log_softmax(xe, -1).gather(1, target[:, None]).sum().backward()
     xd = logits.double().requires_grad_(True)
     torch.log_softmax(xd, -1).gather(1, target[:, None]).sum().backward()
-    assert (x.grad.double() - xd.grad).abs().max() <= 2 * (xe.grad.double() - xd.grad).abs().max() + 1e-6
+    assert (our_grad - xd.grad).abs().max() <= 2 * (xe.grad.double() - xd.grad).abs().max() + 1e-6
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("inplace_backward", [False, True])
-def test_caller_logits_untouched_unless_inplace(inplace_backward):
+def test_caller_logits_untouched_unless_inplace(inplace_backward, device):
     torch.manual_seed(4)
-    base = torch.randn(6, 50, requires_grad=True)
-    logits = base * 1.0  # a non-leaf, as an output layer produces
-    target = torch.randint(0, 50, (6,))
-    before = logits.detach().clone()
-    logp, ent = rc.vocab_parallel_log_probs(logits, target, return_entropy=True, inplace_backward=inplace_backward)
-    assert torch.equal(logits.detach(), before)
-    (logp.sum() + 0.5 * ent.sum()).backward()
-    xr = before.double().requires_grad_(True)
-    rl, re, _ = log_probs_dense(xr, target)
+    with ops_on(device) as dev:
+        base = torch.randn(6, 50).to(dev).requires_grad_(True)
+        logits = base * 1.0  # a non-leaf, as an output layer produces
+        target = torch.randint(0, 50, (6,)).to(dev)
+        before = logits.detach().clone()
+        logp, ent = rc.vocab_parallel_log_probs(logits, target, return_entropy=True,
+                                                inplace_backward=inplace_backward)
+        assert torch.equal(logits.detach(), before)
+        (logp.sum() + 0.5 * ent.sum()).backward()
+    xr = before.cpu().double().requires_grad_(True)
+    rl, re, _ = log_probs_dense(xr, target.cpu())
     (rl.sum() + 0.5 * re.sum()).backward()
-    torch.testing.assert_close(base.grad.double(), xr.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(base.grad.double().cpu(), xr.grad, rtol=1e-5, atol=1e-6)
     if inplace_backward:
         # The gradient was written into the logits buffer: no [N, V] allocation for it.
-        torch.testing.assert_close(logits.detach().double(), xr.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(logits.detach().double().cpu(), xr.grad, rtol=1e-5, atol=1e-6)
     else:
         assert torch.equal(logits.detach(), before)
 
 
-def test_forward_without_grad_saves_nothing_and_allocates_small():
-    x = torch.randn(16, 300)
-    t = torch.randint(0, 300, (16,))
-    with torch.no_grad():
-        out = rc.vocab_parallel_log_probs(x, t)
-    assert out.grad_fn is None and out.shape == (16,)
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_without_grad_saves_nothing_and_allocates_small(device):
+    with ops_on(device) as dev:
+        x = torch.randn(16, 300).to(dev)
+        t = torch.randint(0, 300, (16,)).to(dev)
+        with torch.no_grad():
+            out = rc.vocab_parallel_log_probs(x, t)
+    assert out.grad_fn is None and out.shape == (16,) and out.device == x.device
 
 
 @pytest.mark.parametrize(
@@ -146,16 +177,21 @@ def test_forward_without_grad_saves_nothing_and_allocates_small():
         (lambda x, t: ((x, t), {"vocab_start": 3}), r"vocab_start must be 0 \(got 3\)"),
         (lambda x, t: ((x, t), {"vocab_start": -1}), "vocab_start must be >= 0, got -1"),
         (lambda x, t: ((x, t), {"temperature": 0.0}), "temperature must be finite and > 0, got 0.0"),
-        (lambda x, t: ((x, t.to("meta")), {}), "target is on meta but logits is on cpu"),
+        (lambda x, t: ((x, t.to("meta")), {}), "target is on meta but logits is on (cpu|cuda)"),
     ],
 )
-def test_bad_input_names_the_argument(make, match):
-    x = torch.randn(5, 40)
-    t = torch.randint(0, 40, (5,))
-    x0, t0 = x.clone(), t.clone()
-    args, kw = make(x, t)
-    with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
-        rc.vocab_parallel_log_probs(*args, **kw)
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_names_the_argument(make, match, device):
+    if device == "cuda" and "target holds ids" in match:
+        pytest.skip("cuda: out-of-range targets are an asynchronous device assert, which poisons the CUDA context; "
+                    "tests/test_cuda.py::test_device_asserts_end_the_process runs it in a subprocess")
+    with ops_on(device) as dev:
+        x = torch.randn(5, 40).to(dev)
+        t = torch.randint(0, 40, (5,)).to(dev)
+        x0, t0 = x.clone(), t.clone()
+        args, kw = make(x, t)
+        with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
+            rc.vocab_parallel_log_probs(*args, **kw)
     assert torch.equal(x, x0) and torch.equal(t, t0)
 
 
@@ -164,13 +200,15 @@ def test_label_smoothing_out_of_range():
         rc.vocab_parallel_cross_entropy(torch.randn(2, 5), torch.tensor([0, 1]), label_smoothing=1.0)
 
 
-def test_ops_opcheck(compiled_backend):
+@pytest.mark.parametrize("device", COMPILED_DEVICES)
+def test_ops_opcheck(compiled_backend, device):
     torch.manual_seed(5)
     for dtype in [torch.float32, torch.bfloat16, torch.float64]:
-        full = torch.randn(6, 74).to(dtype)
+        full = torch.randn(6, 74).to(device, dtype)
         x = full[:, :37].contiguous()
         t = torch.randint(0, 70, (6,))
         t[1] = -100
+        t = t.to(device)
         args = (x, t, 0, 70, 1.25, -100, True)
         torch.library.opcheck(torch.ops.rollout_corr.vocab_row_stats.default, args)
         stats = torch.stack([ops.vocab_row_stats(*args),
@@ -178,16 +216,17 @@ def test_ops_opcheck(compiled_backend):
         torch.library.opcheck(torch.ops.rollout_corr.merge_row_stats.default, (stats, t, -100, 70, 1.25, True))
         _, _, _, state, _ = ops.merge_row_stats(stats, t, -100, 70, 1.25, True)
         acc = torch.float64 if dtype == torch.float64 else torch.float32
-        g = torch.randn(6, dtype=acc)
+        g = torch.randn(6, dtype=acc).to(device)
         torch.library.opcheck(torch.ops.rollout_corr.logprob_backward.default,
                               (g, None, g, x, t, state, 0, 70, 1.25, -100))
         torch.library.opcheck(torch.ops.rollout_corr.logprob_backward_.default,
                               (x.clone(), g, g, None, t, state, 0, 70, 1.25, -100))
 
 
-def test_torch_compile_fullgraph_forward(compiled_backend):
-    x = torch.randn(4, 64)
-    t = torch.randint(0, 64, (4,))
+@pytest.mark.parametrize("device", COMPILED_DEVICES)
+def test_torch_compile_fullgraph_forward(compiled_backend, device):
+    x = torch.randn(4, 64).to(device)
+    t = torch.randint(0, 64, (4,)).to(device)
 
     @torch.compile(backend="aot_eager", fullgraph=True)
     def f(a, b):
@@ -196,37 +235,45 @@ def test_torch_compile_fullgraph_forward(compiled_backend):
     torch.testing.assert_close(f(x, t), ops.vocab_row_stats(x, t, 0, 64, 1.0, -100, False))
 
 
-def test_shard_with_only_padding_merges_cleanly():
+@pytest.mark.parametrize("device", DEVICES)
+def test_shard_with_only_padding_merges_cleanly(device):
     """A shard whose columns are all padding contributes nothing (and no NaN) to the merge."""
     torch.manual_seed(6)
     full = torch.randn(5, 16, dtype=torch.float64)
     target = torch.randint(0, 10, (5,))
     # Columns 10..15 are padding: shard 1 has 2 real columns, shard 2 none at all.
     shards = [full[:, :8], full[:, 8:], torch.randn(5, 8, dtype=torch.float64)]
-    recs = torch.stack([ops.vocab_row_stats(s, target, 8 * i, 10, 1.0, -100, True) for i, s in enumerate(shards)])
-    logp, ent, mean_logp, _, _ = ops.merge_row_stats(recs, target, -100, 10, 1.0, True)
+    with ops_on(device) as dev:
+        t = target.to(dev)
+        recs = torch.stack([ops.vocab_row_stats(s.to(dev), t, 8 * i, 10, 1.0, -100, True)
+                            for i, s in enumerate(shards)])
+        logp, ent, mean_logp, _, status = ops.merge_row_stats(recs, t, -100, 10, 1.0, True)
+    assert not status.cpu().any(), status
     ref_logp, ref_ent, _ = log_probs_dense(full[:, :10], target)
-    torch.testing.assert_close(logp, ref_logp)
-    torch.testing.assert_close(ent, ref_ent)
-    torch.testing.assert_close(mean_logp, torch.log_softmax(full[:, :10], -1).mean(-1))
+    torch.testing.assert_close(logp.cpu(), ref_logp)
+    torch.testing.assert_close(ent.cpu(), ref_ent)
+    torch.testing.assert_close(mean_logp.cpu(), torch.log_softmax(full[:, :10], -1).mean(-1))
 
 
 @pytest.mark.slow
-def test_shard_over_2_pow_31_elements():
+@pytest.mark.parametrize("device", device_params("cpu", "cuda", emulated_reason="2.24e9 elements: far beyond what "
+                                                                                "the thread-by-thread emulator runs"))
+def test_shard_over_2_pow_31_elements(device):
     """bf16 [70000, 32000] on one rank (2.24e9 elements): int64 indexing end to end, checked analytically."""
     rows, vocab = 70000, 32000
     assert rows * vocab > 2**31
-    x = torch.zeros(rows, vocab, dtype=torch.bfloat16)
-    target = torch.arange(rows) * 7919 % vocab
-    probe = torch.tensor([0, 1, 67109, 67110, rows - 2, rows - 1])  # rows around and past element 2^31
+    x = torch.zeros(rows, vocab, dtype=torch.bfloat16, device=device)
+    target = (torch.arange(rows) * 7919 % vocab).to(device)
+    probe = torch.tensor([0, 1, 67109, 67110, rows - 2, rows - 1], device=device)  # rows around/past element 2^31
     a = torch.tensor([2.0, -1.5, 3.0, 0.5, 4.0, -2.0], dtype=torch.float64)
-    x[probe, target[probe]] = a.to(torch.bfloat16)
+    x[probe, target[probe]] = a.to(device, torch.bfloat16)
     x[rows - 1, vocab - 1] = 1.0  # the very last element, far past 2^31
-    logp = rc.vocab_parallel_log_probs(x, target)
+    logp = rc.vocab_parallel_log_probs(x, target).cpu()
+    target_cpu = target.cpu()
 
     def expected(row, a_val):
         total = (vocab - 1) + math.exp(a_val)
-        if row == rows - 1 and target[row] != vocab - 1:
+        if row == rows - 1 and target_cpu[row] != vocab - 1:
             total += math.e - 1.0  # the column set to 1.0 was a 0
         return a_val - math.log(total)
 
@@ -240,24 +287,28 @@ def test_shard_over_2_pow_31_elements():
     x.requires_grad_(False)
     _, _, _, state, _ = ops.merge_row_stats(
         ops.vocab_row_stats(x, target, 0, vocab, 1.0, -100, False).unsqueeze(0), target, -100, vocab, 1.0, False)
-    g = torch.zeros(rows)
+    g = torch.zeros(rows, device=device)
     g[rows - 1] = 1.0
     ops.logprob_backward_(x, g, None, None, target, state, 0, vocab, 1.0, -100)
     p_last = math.e / ((vocab - 2) + math.e + math.exp(a[-1].item()))
-    torch.testing.assert_close(x[rows - 1, vocab - 1].double(), torch.tensor(-p_last, dtype=torch.float64),
+    torch.testing.assert_close(x[rows - 1, vocab - 1].double().cpu(), torch.tensor(-p_last, dtype=torch.float64),
                                rtol=1e-2, atol=1e-6)
     assert x[0].abs().sum() == 0  # rows with zero upstream gradient get zero
 
 
-def test_int32_target_accepted_and_equal():
-    x = torch.randn(3, 20)
-    t = torch.randint(0, 20, (3,))
-    torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t.int()), rc.vocab_parallel_log_probs(x, t))
+@pytest.mark.parametrize("device", DEVICES)
+def test_int32_target_accepted_and_equal(device):
+    with ops_on(device) as dev:
+        x = torch.randn(3, 20).to(dev)
+        t = torch.randint(0, 20, (3,)).to(dev)
+        torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t.int()), rc.vocab_parallel_log_probs(x, t))
 
 
-def test_non_flattenable_layout_matches_contiguous():
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_flattenable_layout_matches_contiguous(device):
     """A transposed [b, s, V] -> [s, b, V] input (leading dims not flattenable to a view) gives equal results."""
-    x = torch.randn(3, 5, 40)
-    t = torch.randint(0, 40, (3, 5))
-    torch.testing.assert_close(rc.vocab_parallel_log_probs(x.transpose(0, 1), t.transpose(0, 1)),
-                               rc.vocab_parallel_log_probs(x, t).transpose(0, 1))
+    with ops_on(device) as dev:
+        x = torch.randn(3, 5, 40).to(dev)
+        t = torch.randint(0, 40, (3, 5)).to(dev)
+        torch.testing.assert_close(rc.vocab_parallel_log_probs(x.transpose(0, 1), t.transpose(0, 1)),
+                                   rc.vocab_parallel_log_probs(x, t).transpose(0, 1))

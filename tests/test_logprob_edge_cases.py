@@ -15,14 +15,29 @@ import pytest
 import torch
 
 import rollout_corr_ext as rc
-from rollout_corr_ext import ops
-from rollout_corr_testing.backends import logprob_backend
+from rollout_corr_ext import fallback, ops
+from rollout_corr_testing.backends import device_params, logprob_backend, ops_on
 from rollout_corr_testing.logprob_oracle import log_probs_dense
 from rollout_corr_testing.tolerances import grad_tol, output_tol
 
 BACKENDS = ["cpu", "emulated", "reference", "cuda"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 NEG_INF = -math.inf
+#: cpu / emulated / cuda (skipped with the reason without a GPU) for the tests that run the public API only.
+DEVICES = device_params()
+
+
+def _status(x, target, vocab_size=None, starts=None, shards=None, temperature=1.0):
+    """The merge's status slots (``fallback.STATUS_*``) of ``x`` split into ``shards`` at ``starts``, computed by the
+    ops directly. On CUDA the public API turns a non-zero slot into an asynchronous device assert, which would poison
+    this process's CUDA context; the slots show what the kernels detected without asserting (the assert itself:
+    tests/test_cuda.py::test_device_asserts_end_the_process, in a subprocess)."""
+    shards = [x] if shards is None else shards
+    starts = [0] if starts is None else starts
+    vocab_size = x.shape[-1] if vocab_size is None else vocab_size
+    recs = torch.stack([ops.vocab_row_stats(s.reshape(-1, s.shape[-1]), target.reshape(-1), st, vocab_size,
+                                            1.0 / temperature, -100, False) for s, st in zip(shards, starts)])
+    return ops.merge_row_stats(recs, target.reshape(-1), -100, vocab_size, 1.0 / temperature, False)[4].cpu()
 
 
 def _oracle(x, target, weights, **kw):
@@ -121,7 +136,7 @@ def test_neg_inf_with_label_smoothing_and_temperature(backend):
     assert torch.isfinite(grad).all()
 
 
-@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference"])
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference", "cuda"])
 def test_whole_shard_of_neg_inf_merges_as_identity(backend):
     """A tensor-parallel shard whose rows are all -inf (a sampler mask, or padding filled with -inf) is the identity of
     the merge; the rows of the other shard give the whole answer."""
@@ -130,14 +145,16 @@ def test_whole_shard_of_neg_inf_merges_as_identity(backend):
     full[:, 32:] = NEG_INF
     full[4, 40] = 0.5  # one row with mass in the second shard too
     t = torch.randint(0, 32, (5,), generator=g)
-    with logprob_backend(backend):
-        recs = torch.stack([ops.vocab_row_stats(full[:, :32].float(), t, 0, 64, 1.0, -100, True),
-                            ops.vocab_row_stats(full[:, 32:].float(), t, 32, 64, 1.0, -100, True)])
-        logp, ent, mean_logp, _, _ = ops.merge_row_stats(recs, t, -100, 64, 1.0, True)
+    with logprob_backend(backend) as dev:
+        td = t.to(dev)
+        recs = torch.stack([ops.vocab_row_stats(full[:, :32].float().to(dev), td, 0, 64, 1.0, -100, True),
+                            ops.vocab_row_stats(full[:, 32:].float().to(dev), td, 32, 64, 1.0, -100, True)])
+        logp, ent, mean_logp, _, status = ops.merge_row_stats(recs, td, -100, 64, 1.0, True)
+    assert not status.cpu().any(), status
     ref_logp, ref_ent, _ = log_probs_dense(full, t)
-    torch.testing.assert_close(logp.double(), ref_logp, **output_tol(torch.float32))
-    torch.testing.assert_close(ent.double(), ref_ent, **output_tol(torch.float32))
-    assert torch.all(mean_logp == NEG_INF)
+    torch.testing.assert_close(logp.double().cpu(), ref_logp, **output_tol(torch.float32))
+    torch.testing.assert_close(ent.double().cpu(), ref_ent, **output_tol(torch.float32))
+    assert torch.all(mean_logp.cpu() == NEG_INF)
 
 
 def _extreme_case(dtype, seed=0):
@@ -196,44 +213,54 @@ def test_logits_near_the_fp32_maximum(backend, dtype):
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
-@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference"])
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference", "cuda"])
 def test_nan_or_posinf_logits_raise_naming_the_row(backend, bad):
     x = torch.randn(2, 4, 50)
     t = torch.randint(0, 50, (2, 4))
     x[1, 2, 17] = bad
-    with logprob_backend(backend):
-        with pytest.raises(RuntimeError, match="NaN or \\+inf"):
-            rc.vocab_parallel_log_probs(x, t)
-        t_ignored = t.clone()
-        t_ignored[1, 2] = -100  # the same NaN in an ignored row is not inspected
-        out = rc.vocab_parallel_log_probs(x, t_ignored)
+    t_ignored = t.clone()
+    t_ignored[1, 2] = -100  # the same NaN in an ignored row is not inspected
+    with logprob_backend(backend) as dev:
+        if dev == "cuda":  # detected (the status slot the public API asserts on), not raised here
+            assert _status(x.to(dev), t.to(dev))[fallback.STATUS_NONFINITE] != 0
+            assert not _status(x.to(dev), t_ignored.to(dev)).any()
+        else:
+            with pytest.raises(RuntimeError, match="NaN or \\+inf"):
+                rc.vocab_parallel_log_probs(x, t)
+        out = rc.vocab_parallel_log_probs(x.to(dev), t_ignored.to(dev)).cpu()
     assert out[1, 2] == 0 and torch.isfinite(out).all()
-    if backend != "emulated":  # the CPU messages name the (flattened) row
+    if backend not in ("emulated", "cuda"):  # the CPU messages name the (flattened) row
         with logprob_backend(backend):
             with pytest.raises(RuntimeError, match="row 6 "):
                 rc.vocab_parallel_log_probs(x, t)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference"])
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference", "cuda"])
 def test_row_of_only_neg_inf_raises(backend):
     x = torch.randn(3, 40)
     x[1] = NEG_INF
     t = torch.randint(0, 40, (3,))
-    with logprob_backend(backend):
+    with logprob_backend(backend) as dev:
+        if dev == "cuda":
+            assert _status(x.to(dev), t.to(dev))[fallback.STATUS_NO_FINITE_LOGIT] != 0
+            return
         with pytest.raises(RuntimeError, match="-inf"):
             rc.vocab_parallel_log_probs(x, t)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference"])
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference", "cuda"])
 def test_out_of_range_targets_raise_and_ignore_index_is_exempt(backend):
     x = torch.randn(4, 30)
-    with logprob_backend(backend):
+    with logprob_backend(backend) as dev:
         for bad in (30, -3, 10**12):
             t = torch.tensor([0, bad, 5, 7])
+            if dev == "cuda":
+                assert _status(x.to(dev), t.to(dev))[fallback.STATUS_TARGET] != 0, bad
+                continue
             with pytest.raises(RuntimeError, match="target holds ids outside"):
                 rc.vocab_parallel_log_probs(x, t)
         t = torch.tensor([0, 99, 5, 7])
-        out = rc.vocab_parallel_log_probs(x, t, ignore_index=99)
+        out = rc.vocab_parallel_log_probs(x.to(dev), t.to(dev), ignore_index=99).cpu()
     assert out[1] == 0
 
 
@@ -245,16 +272,18 @@ def _records(shards, target, starts, vocab_size, with_sum_z=False):
                         for s, st in zip(shards, starts)])
 
 
-@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference"])
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference", "cuda"])
 def test_merge_rejects_shards_that_do_not_tile_the_vocab(backend):
     g = torch.Generator().manual_seed(0)
     full = torch.randn(4, 60, generator=g)
-    t = torch.randint(0, 60, (4,), generator=g)
-    a, b = full[:, :30], full[:, 30:]
-    with logprob_backend(backend):
+    t_cpu = torch.randint(0, 60, (4,), generator=g)
+    with logprob_backend(backend) as dev:
+        t = t_cpu.to(dev)
+        a, b = full[:, :30].to(dev), full[:, 30:].to(dev)
         good = _records([a, b], t, [0, 30], 60)
         logp, *_ = ops.merge_row_stats(good, t, -100, 60, 1.0, False)
-        torch.testing.assert_close(logp.double(), log_probs_dense(full.double(), t)[0], **output_tol(torch.float32))
+        torch.testing.assert_close(logp.double().cpu(), log_probs_dense(full.double(), t_cpu)[0],
+                                   **output_tol(torch.float32))
         cases = [
             (_records([a, b], t, [0, 0], 60), "overlap|do not fit"),  # two ranks with the same vocab_start
             (_records([a, b], t, [0, 31], 61), "do not cover|do not fit"),  # a gap at column 30
@@ -263,15 +292,21 @@ def test_merge_rejects_shards_that_do_not_tile_the_vocab(backend):
              "different targets|do not fit"),
         ]
         for records, match in cases:
+            if dev == "cuda":  # the CUDA merge sets the layout status slot (asserted asynchronously by the API)
+                status = ops.merge_row_stats(records, t, -100, 60, 1.0, False)[4].cpu()
+                assert status[fallback.STATUS_LAYOUT] != 0, match
+                continue
             with pytest.raises(RuntimeError, match=match):
                 ops.merge_row_stats(records, t, -100, 60, 1.0, False)
 
 
-def test_merge_rejects_records_of_another_length():
-    t = torch.randint(0, 10, (3,))
-    rec = ops.vocab_row_stats(torch.randn(3, 10), t, 0, 10, 1.0, -100, False)
-    with pytest.raises(RuntimeError, match="number of rows or on the record format"):
-        ops.merge_row_stats(rec.unsqueeze(0), t, -100, 10, 1.0, True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_rejects_records_of_another_length(device):
+    with ops_on(device) as dev:
+        t = torch.randint(0, 10, (3,)).to(dev)
+        rec = ops.vocab_row_stats(torch.randn(3, 10).to(dev), t, 0, 10, 1.0, -100, False)
+        with pytest.raises(RuntimeError, match="number of rows or on the record format"):
+            ops.merge_row_stats(rec.unsqueeze(0), t, -100, 10, 1.0, True)
 
 
 # --------------------------------------------------------------------------------------------- in-place backward
@@ -283,12 +318,12 @@ def _grad_out_of_place(x, t):
     return y.grad
 
 
-@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference"])
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference", "cuda"])
 def test_inplace_backward_bumps_the_version_counter(backend):
     torch.manual_seed(0)
-    base = torch.randn(4, 50, requires_grad=True)
-    t = torch.randint(0, 50, (4,))
-    with logprob_backend(backend):
+    with logprob_backend(backend) as dev:
+        base = torch.randn(4, 50).to(dev).requires_grad_(True)
+        t = torch.randint(0, 50, (4,)).to(dev)
         logits = base * 1.0
         v0 = logits._version
         rc.vocab_parallel_log_probs(logits, t, inplace_backward=True).sum().backward()
@@ -296,87 +331,99 @@ def test_inplace_backward_bumps_the_version_counter(backend):
         torch.testing.assert_close(base.grad, _grad_out_of_place(base, t), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("order", ["ours_first", "other_first"])
-def test_inplace_backward_with_another_saver_is_right_or_refused(order):
+def test_inplace_backward_with_another_saver_is_right_or_refused(order, device):
     """Another autograd node saved the same logits: whatever runs first, the result is the right gradient or
     autograd's "modified by an inplace operation" error, never a gradient computed from overwritten logits."""
     torch.manual_seed(1)
-    base = torch.randn(4, 30, requires_grad=True)
-    t = torch.randint(0, 30, (4,))
-    logits = base * 1.0
-    if order == "ours_first":
-        other = logits.sin().sum()  # created first: its backward runs after ours
-        lp = rc.vocab_parallel_log_probs(logits, t, inplace_backward=True).sum()
-    else:
-        lp = rc.vocab_parallel_log_probs(logits, t, inplace_backward=True).sum()
-        other = logits.sin().sum()
-    try:
-        (lp + other).backward()
-    except RuntimeError as e:
-        assert "modified by an inplace operation" in str(e)
-        return
-    want = _grad_out_of_place(base, t) + base.detach().cos()
+    with ops_on(device) as dev:
+        base = torch.randn(4, 30).to(dev).requires_grad_(True)
+        t = torch.randint(0, 30, (4,)).to(dev)
+        logits = base * 1.0
+        if order == "ours_first":
+            other = logits.sin().sum()  # created first: its backward runs after ours
+            lp = rc.vocab_parallel_log_probs(logits, t, inplace_backward=True).sum()
+        else:
+            lp = rc.vocab_parallel_log_probs(logits, t, inplace_backward=True).sum()
+            other = logits.sin().sum()
+        try:
+            (lp + other).backward()
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e)
+            return
+        want = _grad_out_of_place(base, t) + base.detach().cos()
     torch.testing.assert_close(base.grad, want, rtol=1e-5, atol=1e-6)
 
 
-def test_inplace_backward_two_calls_on_the_same_logits_are_refused_or_right():
+@pytest.mark.parametrize("device", DEVICES)
+def test_inplace_backward_two_calls_on_the_same_logits_are_refused_or_right(device):
     torch.manual_seed(2)
-    base = torch.randn(3, 20, requires_grad=True)
-    t1, t2 = torch.randint(0, 20, (3,)), torch.randint(0, 20, (3,))
-    logits = base * 1.0
-    a = rc.vocab_parallel_log_probs(logits, t1, inplace_backward=True).sum()
-    b = rc.vocab_parallel_log_probs(logits, t2, inplace_backward=True).sum()
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        (a + b).backward()
+    with ops_on(device) as dev:
+        base = torch.randn(3, 20).to(dev).requires_grad_(True)
+        t1, t2 = torch.randint(0, 20, (3,)).to(dev), torch.randint(0, 20, (3,)).to(dev)
+        logits = base * 1.0
+        a = rc.vocab_parallel_log_probs(logits, t1, inplace_backward=True).sum()
+        b = rc.vocab_parallel_log_probs(logits, t2, inplace_backward=True).sum()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (a + b).backward()
 
 
-def test_inplace_backward_second_backward_is_refused():
-    base = torch.randn(3, 20, requires_grad=True)
-    t = torch.randint(0, 20, (3,))
-    lp = rc.vocab_parallel_log_probs(base * 1.0, t, inplace_backward=True).sum()
-    lp.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        lp.backward()
+@pytest.mark.parametrize("device", DEVICES)
+def test_inplace_backward_second_backward_is_refused(device):
+    with ops_on(device) as dev:
+        base = torch.randn(3, 20).to(dev).requires_grad_(True)
+        t = torch.randint(0, 20, (3,)).to(dev)
+        lp = rc.vocab_parallel_log_probs(base * 1.0, t, inplace_backward=True).sum()
+        lp.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            lp.backward()
 
 
-def test_inplace_backward_refuses_overlapping_and_leaf_logits():
-    t = torch.randint(0, 20, (4,))
-    row = torch.randn(1, 20)
-    with pytest.raises(ValueError, match="rows do not share memory"):
-        rc.vocab_parallel_log_probs(row.expand(4, 20), t, inplace_backward=True)
-    leaf = torch.randn(4, 20, requires_grad=True)
-    with pytest.raises(ValueError, match="leaf"):
-        rc.vocab_parallel_log_probs(leaf, t, inplace_backward=True)
-    # The op itself refuses overlapping memory too (a direct caller of torch.ops).
-    state = torch.zeros(4, 3)
-    with pytest.raises(RuntimeError, match="overlapping"):
-        ops.logprob_backward_(row.expand(4, 20), torch.ones(4), None, None, t, state, 0, 20, 1.0, -100)
+@pytest.mark.parametrize("device", DEVICES)
+def test_inplace_backward_refuses_overlapping_and_leaf_logits(device):
+    with ops_on(device) as dev:
+        t = torch.randint(0, 20, (4,)).to(dev)
+        row = torch.randn(1, 20).to(dev)
+        with pytest.raises(ValueError, match="rows do not share memory"):
+            rc.vocab_parallel_log_probs(row.expand(4, 20), t, inplace_backward=True)
+        leaf = torch.randn(4, 20).to(dev).requires_grad_(True)
+        with pytest.raises(ValueError, match="leaf"):
+            rc.vocab_parallel_log_probs(leaf, t, inplace_backward=True)
+        # The op itself refuses overlapping memory too (a direct caller of torch.ops).
+        state = torch.zeros(4, 3).to(dev)
+        with pytest.raises(RuntimeError, match="overlapping"):
+            ops.logprob_backward_(row.expand(4, 20), torch.ones(4).to(dev), None, None, t, state, 0, 20, 1.0, -100)
 
 
-def test_expanded_logits_out_of_place_are_right():
-    row = torch.randn(1, 20)
-    t = torch.randint(0, 20, (4,))
-    x = row.expand(4, 20)
-    torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t),
-                               rc.vocab_parallel_log_probs(x.contiguous(), t))
+@pytest.mark.parametrize("device", DEVICES)
+def test_expanded_logits_out_of_place_are_right(device):
+    with ops_on(device) as dev:
+        row = torch.randn(1, 20).to(dev)
+        t = torch.randint(0, 20, (4,)).to(dev)
+        x = row.expand(4, 20)
+        torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t),
+                                   rc.vocab_parallel_log_probs(x.contiguous(), t))
 
 
-def test_double_backward_raises_instead_of_dropping_the_second_order_term():
-    x = torch.randn(3, 10, dtype=torch.float64, requires_grad=True)
-    t = torch.randint(0, 10, (3,))
-    logp = rc.vocab_parallel_log_probs(x, t)
-    (g,) = torch.autograd.grad(logp.sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="double backward"):
-        g.pow(2).sum().backward()
-    # The silent case: another term makes the gradient differentiable, ours would contribute a dropped zero.
-    x2 = torch.randn(3, 10, dtype=torch.float64, requires_grad=True)
-    loss = rc.vocab_parallel_log_probs(x2, t).sum() + x2.pow(3).sum()
-    (g2,) = torch.autograd.grad(loss, x2, create_graph=True)
-    with pytest.raises(RuntimeError, match="double backward"):
-        torch.autograd.grad(g2.sum(), x2)
-    # A first-order gradient taken with create_graph=True is still the right one.
-    torch.testing.assert_close(g2.detach(), torch.autograd.grad(
-        rc.vocab_parallel_log_probs(x2, t).sum() + x2.pow(3).sum(), x2)[0])
+@pytest.mark.parametrize("device", DEVICES)
+def test_double_backward_raises_instead_of_dropping_the_second_order_term(device):
+    with ops_on(device) as dev:
+        x = torch.randn(3, 10, dtype=torch.float64).to(dev).requires_grad_(True)
+        t = torch.randint(0, 10, (3,)).to(dev)
+        logp = rc.vocab_parallel_log_probs(x, t)
+        (g,) = torch.autograd.grad(logp.sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match="double backward"):
+            g.pow(2).sum().backward()
+        # The silent case: another term makes the gradient differentiable, ours would contribute a dropped zero.
+        x2 = torch.randn(3, 10, dtype=torch.float64).to(dev).requires_grad_(True)
+        loss = rc.vocab_parallel_log_probs(x2, t).sum() + x2.pow(3).sum()
+        (g2,) = torch.autograd.grad(loss, x2, create_graph=True)
+        with pytest.raises(RuntimeError, match="double backward"):
+            torch.autograd.grad(g2.sum(), x2)
+        # A first-order gradient taken with create_graph=True is still the right one.
+        torch.testing.assert_close(g2.detach(), torch.autograd.grad(
+            rc.vocab_parallel_log_probs(x2, t).sum() + x2.pow(3).sum(), x2)[0])
 
 
 # --------------------------------------------------------------------------------------------- arguments
@@ -403,44 +450,54 @@ def test_double_backward_raises_instead_of_dropping_the_second_order_term():
         (dict(vocab_start=3), ValueError, "vocab_start must be 0"),
     ],
 )
-def test_arguments_are_type_and_range_checked(kw, exc, match):
-    x = torch.randn(5, 40)
-    t = torch.randint(0, 40, (5,))
-    x0 = x.clone()
-    with pytest.raises(exc, match=match):
-        rc.vocab_parallel_log_probs(x, t, **kw)
+@pytest.mark.parametrize("device", DEVICES)
+def test_arguments_are_type_and_range_checked(kw, exc, match, device):
+    with ops_on(device) as dev:
+        x = torch.randn(5, 40).to(dev)
+        t = torch.randint(0, 40, (5,)).to(dev)
+        x0 = x.clone()
+        with pytest.raises(exc, match=match):
+            rc.vocab_parallel_log_probs(x, t, **kw)
     assert torch.equal(x, x0)
 
 
-def test_numpy_and_tensor_integers_are_accepted():
+@pytest.mark.parametrize("device", DEVICES)
+def test_numpy_and_tensor_integers_are_accepted(device):
     np = pytest.importorskip("numpy")
-    x = torch.randn(5, 40)
-    t = torch.randint(0, 30, (5,))
-    want = rc.vocab_parallel_log_probs(x, t, vocab_size=30)
-    torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t, vocab_size=np.int64(30)), want)
-    torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t, vocab_size=torch.tensor(30)), want)
-    torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t, temperature=np.float32(1.0), vocab_size=30), want)
+    with ops_on(device) as dev:
+        x = torch.randn(5, 40).to(dev)
+        t = torch.randint(0, 30, (5,)).to(dev)
+        want = rc.vocab_parallel_log_probs(x, t, vocab_size=30)
+        torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t, vocab_size=np.int64(30)), want)
+        torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t, vocab_size=torch.tensor(30)), want)
+        torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t, temperature=np.float32(1.0), vocab_size=30),
+                                   want)
 
 
-def test_cross_entropy_arguments():
-    x = torch.randn(2, 5)
-    t = torch.tensor([0, 1])
-    with pytest.raises(ValueError, match="vocab_size >= 2"):
-        rc.vocab_parallel_cross_entropy(x[:, :1], torch.tensor([0, 0]), label_smoothing=0.1)
-    with pytest.raises(TypeError, match="label_smoothing must be a real number"):
-        rc.vocab_parallel_cross_entropy(x, t, label_smoothing="0.1")
-    with pytest.raises(ValueError, match="label_smoothing must be in"):
-        rc.vocab_parallel_cross_entropy(x, t, label_smoothing=math.nan)
-    # Without smoothing a one-token vocab is fine: log p = 0.
-    assert torch.equal(rc.vocab_parallel_cross_entropy(x[:, :1], torch.tensor([0, 0])), torch.zeros(2))
+@pytest.mark.parametrize("device", DEVICES)
+def test_cross_entropy_arguments(device):
+    with ops_on(device) as dev:
+        x = torch.randn(2, 5).to(dev)
+        t = torch.tensor([0, 1]).to(dev)
+        zeros = torch.tensor([0, 0]).to(dev)
+        with pytest.raises(ValueError, match="vocab_size >= 2"):
+            rc.vocab_parallel_cross_entropy(x[:, :1], zeros, label_smoothing=0.1)
+        with pytest.raises(TypeError, match="label_smoothing must be a real number"):
+            rc.vocab_parallel_cross_entropy(x, t, label_smoothing="0.1")
+        with pytest.raises(ValueError, match="label_smoothing must be in"):
+            rc.vocab_parallel_cross_entropy(x, t, label_smoothing=math.nan)
+        # Without smoothing a one-token vocab is fine: log p = 0.
+        assert torch.equal(rc.vocab_parallel_cross_entropy(x[:, :1], zeros).cpu(), torch.zeros(2))
 
 
-def test_empty_batch():
-    x = torch.randn(0, 7, 11, requires_grad=True)
-    t = torch.zeros(0, 7, dtype=torch.long)
-    logp, ent = rc.vocab_parallel_log_probs(x, t, return_entropy=True)
-    assert logp.shape == (0, 7) and ent.shape == (0, 7)
-    (logp.sum() + ent.sum()).backward()
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device):
+    with ops_on(device) as dev:
+        x = torch.randn(0, 7, 11).to(dev).requires_grad_(True)
+        t = torch.zeros(0, 7, dtype=torch.long).to(dev)
+        logp, ent = rc.vocab_parallel_log_probs(x, t, return_entropy=True)
+        assert logp.shape == (0, 7) and ent.shape == (0, 7)
+        (logp.sum() + ent.sum()).backward()
     assert x.grad.shape == x.shape
 
 

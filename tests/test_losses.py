@@ -1,6 +1,12 @@
 """Policy losses and agg_loss (DESIGN §4) against the textbook oracles in ``reference.py`` (verl 0.9.1 formulas,
 Megatron-LM RL's ``calculate_grpo_loss``): values, gradients, metrics, global normalisers, RS-rejected rows, and
-bad input."""
+bad input.
+
+Every test runs on each device variant of ``rollout_corr_testing.backends.DEVICES`` (``cpu``; ``emulated``: the
+policy-loss and rollout CUDA kernels on the CPU emulator; ``cuda``, skipped with the reason without a GPU), inputs
+made on the CPU and moved, the oracle on the same tensors. ``agg_loss`` is torch ops only (no kernel of its own): its
+tests run on cpu and cuda.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import pytest
 import torch
 
 from rollout_corr_testing import dense_oracles as R
+from rollout_corr_testing.backends import device_params, ops_on
 from rollout_corr_ext.losses import (
     LOSS_AGG_MODES,
     PolicyLossConfig,
@@ -27,6 +34,29 @@ needs_correction = pytest.mark.skipif(not HAS_CORRECTION, reason="rollout_corr_e
 
 TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
 
+DEVICES = device_params()
+#: agg_loss is plain torch ops on the loss matrix: no kernel of the emulator's to run, so cpu and cuda only.
+AGG_DEVICES = device_params("cpu", "cuda")
+
+
+def _emulated_subset(device, keep: bool, what: str) -> None:
+    """The emulated kernels run a representative subset of a large grid; every case runs on cpu and cuda."""
+    if device == "emulated" and not keep:
+        pytest.skip(f"emulated: representative subset ({what}); every case runs on cpu and cuda")
+
+
+def _dev(dev, *tensors):
+    """Move tensors (None kept) to ``dev``, keeping leaves that require grad leaves."""
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+        elif t.requires_grad:
+            out.append(t.detach().to(dev).requires_grad_(True))
+        else:
+            out.append(t.to(dev))
+    return out
+
 # Global normalisers as verl's trainer sets them: dp_size with the global token / sequence counts.
 NORMALISERS = [
     {},
@@ -35,7 +65,7 @@ NORMALISERS = [
 ]
 
 
-def make_batch(dtype=torch.float64, b=6, t=9, seed=0, reject_rows=(2,), mask_dtype=torch.bool):
+def make_batch(dtype=torch.float64, b=6, t=9, seed=0, reject_rows=(2,), mask_dtype=torch.bool, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     old = -torch.rand(b, t, generator=g, dtype=dtype) * 3
     # A spread of log-ratios, so every branch is taken: ratios far above 1+eps, below 1-eps, and past c.
@@ -50,7 +80,7 @@ def make_batch(dtype=torch.float64, b=6, t=9, seed=0, reject_rows=(2,), mask_dty
     for r in reject_rows:  # rows rejected by RS: all-zero mask
         mask[r] = False
     w = torch.rand(b, t, generator=g, dtype=dtype) * 2.5
-    return old, lp, adv, mask.to(mask_dtype), w
+    return tuple(_dev(device, old, lp, adv, mask.to(mask_dtype), w))
 
 
 def _grad(loss, x):
@@ -63,11 +93,12 @@ def _grad(loss, x):
 # ------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", AGG_DEVICES)
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("norm", NORMALISERS, ids=["local", "global", "scale"])
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64, torch.int64])
-def test_agg_loss_matches_oracle(mode, norm, mask_dtype):
-    _, lp, _, mask, _ = make_batch(mask_dtype=mask_dtype)
+def test_agg_loss_matches_oracle(mode, norm, mask_dtype, device):
+    _, lp, _, mask, _ = make_batch(mask_dtype=mask_dtype, device=device)
     loss_mat = lp * 1.7 - 0.3
     mask_before = mask.clone()
     ours = agg_loss(loss_mat, mask, mode, **norm)
@@ -77,9 +108,10 @@ def test_agg_loss_matches_oracle(mode, norm, mask_dtype):
     assert torch.equal(mask, mask_before)
 
 
-def test_agg_loss_modes_by_hand():
-    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
-    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # last row rejected
+@pytest.mark.parametrize("device", AGG_DEVICES)
+def test_agg_loss_modes_by_hand(device):
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]], device=device)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]], device=device)  # last row rejected
     assert agg_loss(loss, mask, "token-mean").item() == pytest.approx((1 + 2 + 4) / 3)
     assert agg_loss(loss, mask, "token-sum").item() == pytest.approx(7.0)
     assert agg_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((3 + 4) / 2)
@@ -90,17 +122,19 @@ def test_agg_loss_modes_by_hand():
     assert agg_loss(loss, mask, "token-sum", dp_size=3).item() == pytest.approx(21.0)
 
 
+@pytest.mark.parametrize("device", AGG_DEVICES)
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_agg_loss_all_rows_rejected_is_zero_not_nan(mode):
-    lp = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    mask = torch.zeros(3, 4, dtype=torch.bool)
+def test_agg_loss_all_rows_rejected_is_zero_not_nan(mode, device):
+    lp = torch.randn(3, 4, dtype=torch.float64, device=device, requires_grad=True)
+    mask = torch.zeros(3, 4, dtype=torch.bool, device=device)
     loss = agg_loss(lp * 2, mask, mode)
     assert loss.item() == 0.0
     assert torch.equal(_grad(loss, lp), torch.zeros_like(lp))
 
 
-def test_agg_loss_bad_input():
-    x, m = torch.randn(2, 3), torch.ones(2, 3)
+@pytest.mark.parametrize("device", AGG_DEVICES)
+def test_agg_loss_bad_input(device):
+    x, m = torch.randn(2, 3, device=device), torch.ones(2, 3, device=device)
     with pytest.raises(ValueError, match="loss_agg_mode"):
         agg_loss(x, m, "seq-mean")
     with pytest.raises(ValueError, match="batch_num_tokens"):
@@ -108,7 +142,7 @@ def test_agg_loss_bad_input():
     with pytest.raises(ValueError, match="global_batch_size"):
         agg_loss(x, m, "seq-mean-token-mean", dp_size=2)
     with pytest.raises(ValueError, match="loss_mask"):
-        agg_loss(x, torch.ones(2, 4), "token-mean")
+        agg_loss(x, torch.ones(2, 4, device=device), "token-mean")
     with pytest.raises(ValueError, match="dp_size"):
         agg_loss(x, m, "token-sum", dp_size=0)
     with pytest.raises(ValueError, match="loss_scale_factor"):
@@ -126,11 +160,17 @@ def _mode_using(kwarg):
             "loss_scale_factor": "seq-mean-token-sum-norm"}[kwarg]
 
 
+@pytest.mark.parametrize("device", AGG_DEVICES)
 @pytest.mark.parametrize("bad", _BAD_NORMALISERS, ids=repr)
 @pytest.mark.parametrize("kwarg", _NORMALISER_KWARGS)
-def test_agg_loss_normalisers_validated_naming_the_kwarg(kwarg, bad):
+def test_agg_loss_normalisers_validated_naming_the_kwarg(kwarg, bad, device):
     """A negative normaliser flipped the loss sign, 0 zeroed it (and its gradient), NaN/inf poisoned it."""
-    x, m = torch.randn(2, 3, requires_grad=True), torch.ones(2, 3)
+    if device == "cuda" and isinstance(bad, torch.Tensor) and bad.numel() == 1 and bad.dtype != torch.bool:
+        pytest.skip("cuda: a one-element CUDA tensor normaliser is checked by an asynchronous device assert, which "
+                    "poisons the CUDA context (tests/test_cuda.py runs it in a subprocess)")
+    if isinstance(bad, torch.Tensor):
+        bad = bad.to(device)
+    x, m = torch.randn(2, 3, device=device, requires_grad=True), torch.ones(2, 3, device=device)
     for mode in (_mode_using(kwarg), "token-sum"):  # checked even where the mode does not use it
         with pytest.raises(ValueError, match=rf"^{kwarg} must be a finite number > 0"):
             agg_loss(x, m, mode, **{kwarg: bad})
@@ -138,12 +178,15 @@ def test_agg_loss_normalisers_validated_naming_the_kwarg(kwarg, bad):
         PolicyLossConfig(**{kwarg: bad})
 
 
+@pytest.mark.parametrize("device", AGG_DEVICES)
 @pytest.mark.parametrize("kwarg", _NORMALISER_KWARGS)
 @pytest.mark.parametrize("good", [7, 7.0, torch.tensor(7), torch.tensor(7.0, dtype=torch.float64),
                                   torch.tensor([7.0])], ids=repr)
-def test_agg_loss_normalisers_accept_numbers_and_0d_tensors(kwarg, good):
-    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
-    m = torch.tensor([[1, 1, 0], [1, 0, 0]])
+def test_agg_loss_normalisers_accept_numbers_and_0d_tensors(kwarg, good, device):
+    if isinstance(good, torch.Tensor):
+        good = good.to(device)
+    x = torch.randn(2, 3, dtype=torch.float64, device=device, requires_grad=True)
+    m = torch.tensor([[1, 1, 0], [1, 0, 0]], device=device)
     mode = _mode_using(kwarg)
     got = agg_loss(x, m, mode, **{kwarg: good})
     want = agg_loss(x, m, mode, **{kwarg: 7})
@@ -152,8 +195,9 @@ def test_agg_loss_normalisers_accept_numbers_and_0d_tensors(kwarg, good):
     assert PolicyLossConfig(**{kwarg: good}).global_batch_info[kwarg] is good
 
 
-def test_agg_loss_dp_size_validated():
-    x, m = torch.randn(2, 3), torch.ones(2, 3)
+@pytest.mark.parametrize("device", AGG_DEVICES)
+def test_agg_loss_dp_size_validated(device):
+    x, m = torch.randn(2, 3, device=device), torch.ones(2, 3, device=device)
     for bad in (0, -1, 1.5, True, "2", None):
         with pytest.raises(ValueError, match=r"^dp_size must be an int >= 1"):
             agg_loss(x, m, "token-sum", dp_size=bad)
@@ -164,16 +208,19 @@ def test_agg_loss_dp_size_validated():
 # ------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("with_weights", [False, True])
 @pytest.mark.parametrize("norm", NORMALISERS, ids=["local", "global", "scale"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_vanilla_matches_oracle(mode, with_weights, norm, dtype):
-    old, lp, adv, mask, w = make_batch(dtype)
+def test_vanilla_matches_oracle(mode, with_weights, norm, dtype, device):
+    _emulated_subset(device, norm == {}, "local normalisers: the global ones only scale the aggregated partials")
+    old, lp, adv, mask, w = make_batch(dtype, device="cpu" if device == "emulated" else device)
     w = w if with_weights else None
     cfg = PolicyLossConfig(clip_ratio=0.2, clip_ratio_low=0.15, clip_ratio_high=0.28, clip_ratio_c=2.5, **norm)
     inputs = [x.detach().clone() for x in (old, adv, mask)] + ([w.clone()] if w is not None else [])
-    loss, metrics = compute_policy_loss_vanilla(old, lp, adv, mask, mode, cfg, w)
+    with ops_on(device):
+        loss, metrics = compute_policy_loss_vanilla(old, lp, adv, mask, mode, cfg, w)
     pg, clipfrac, clipfrac_lower, ppo_kl = R.ppo_clip_loss_dense(old, lp, adv, mask, 0.15, 0.28, 2.5, w)
     ref = R.agg_loss_dense(pg, mask, mode, **norm)
     tol = TOL[dtype]
@@ -190,34 +237,40 @@ def test_vanilla_matches_oracle(mode, with_weights, norm, dtype):
         assert torch.equal(before, after)
 
 
-def test_vanilla_weights_multiply_after_clipping():
+@pytest.mark.parametrize("device", DEVICES)
+def test_vanilla_weights_multiply_after_clipping(device):
     # r = e^1 is clipped to 1.2 for A > 0, so L = -A * 1.2 and then * w (not -A * min(r w, ...)).
-    old = torch.zeros(1, 2, dtype=torch.float64)
-    lp = torch.ones(1, 2, dtype=torch.float64, requires_grad=True)
-    adv = torch.ones(1, 2, dtype=torch.float64)
-    w = torch.tensor([[0.5, 3.0]], dtype=torch.float64)
-    loss, m = compute_policy_loss_vanilla(old, lp, adv, torch.ones(1, 2), "token-sum", None, w)
-    assert loss.item() == pytest.approx(-(1.2 * 0.5 + 1.2 * 3.0))
-    assert m["actor/pg_clipfrac"].item() == pytest.approx(1.0, rel=1e-6)
-    assert torch.equal(_grad(loss, lp), torch.zeros_like(lp))  # clipped: no gradient
+    with ops_on(device) as dev:
+        old = torch.zeros(1, 2, dtype=torch.float64, device=dev)
+        lp = torch.ones(1, 2, dtype=torch.float64, device=dev, requires_grad=True)
+        adv = torch.ones(1, 2, dtype=torch.float64, device=dev)
+        w = torch.tensor([[0.5, 3.0]], dtype=torch.float64, device=dev)
+        loss, m = compute_policy_loss_vanilla(old, lp, adv, torch.ones(1, 2, device=dev), "token-sum", None, w)
+        assert loss.item() == pytest.approx(-(1.2 * 0.5 + 1.2 * 3.0))
+        assert m["actor/pg_clipfrac"].item() == pytest.approx(1.0, rel=1e-6)
+        assert torch.equal(_grad(loss, lp), torch.zeros_like(lp))  # clipped: no gradient
 
 
-def test_dual_clip_caps_negative_advantage():
-    old = torch.zeros(1, 1, dtype=torch.float64)
-    lp = torch.full((1, 1), 3.0, dtype=torch.float64, requires_grad=True)  # r = e^3 ~ 20 > c
-    adv = torch.full((1, 1), -1.0, dtype=torch.float64)
-    loss, m = compute_policy_loss_vanilla(old, lp, adv, torch.ones(1, 1), "token-mean",
-                                          PolicyLossConfig(clip_ratio_c=3.0))
+@pytest.mark.parametrize("device", DEVICES)
+def test_dual_clip_caps_negative_advantage(device):
+    with ops_on(device) as dev:
+        old = torch.zeros(1, 1, dtype=torch.float64, device=dev)
+        lp = torch.full((1, 1), 3.0, dtype=torch.float64, device=dev, requires_grad=True)  # r = e^3 ~ 20 > c
+        adv = torch.full((1, 1), -1.0, dtype=torch.float64, device=dev)
+        loss, m = compute_policy_loss_vanilla(old, lp, adv, torch.ones(1, 1, device=dev), "token-mean",
+                                              PolicyLossConfig(clip_ratio_c=3.0))
     assert loss.item() == pytest.approx(3.0)
     assert m["actor/pg_clipfrac_lower"].item() == pytest.approx(1.0, rel=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("with_weights", [False, True])
-def test_reinforce_matches_oracle(mode, with_weights):
-    rollout, lp, adv, mask, w = make_batch()
+def test_reinforce_matches_oracle(mode, with_weights, device):
+    rollout, lp, adv, mask, w = make_batch(device="cpu" if device == "emulated" else device)
     w = w if with_weights else None
-    loss, metrics = compute_policy_loss_reinforce(rollout, lp, adv, mask, mode, None, w)
+    with ops_on(device):
+        loss, metrics = compute_policy_loss_reinforce(rollout, lp, adv, mask, mode, None, w)
     pg = -adv * lp * (1.0 if w is None else w)
     ref = R.agg_loss_dense(pg, mask, mode)
     torch.testing.assert_close(loss, ref)
@@ -228,16 +281,23 @@ def test_reinforce_matches_oracle(mode, with_weights):
     assert set(metrics) == {"actor/ppo_kl"}
 
 
-def test_weights_are_constants():
-    old, lp, adv, mask, w = make_batch()
-    w = w.requires_grad_(True)
-    loss, _ = compute_policy_loss_vanilla(old, lp, adv, mask, "token-mean", None, w)
-    loss.backward()
-    assert w.grad is None
+@pytest.mark.parametrize("device", DEVICES)
+def test_weights_are_constants(device):
+    with ops_on(device) as dev:
+        old, lp, adv, mask, w = make_batch(device=dev)
+        w = w.requires_grad_(True)
+        loss, _ = compute_policy_loss_vanilla(old, lp, adv, mask, "token-mean", None, w)
+        loss.backward()
+    assert w.grad is None and lp.grad is not None
 
 
-def test_policy_loss_bad_input():
-    old, lp, adv, mask, w = make_batch()
+@pytest.mark.parametrize("device", DEVICES)
+def test_policy_loss_bad_input(device):
+    with ops_on(device) as dev:
+        _policy_loss_bad_input(*make_batch(device=dev))
+
+
+def _policy_loss_bad_input(old, lp, adv, mask, w):
     with pytest.raises(ValueError, match="clip_ratio_c"):
         PolicyLossConfig(clip_ratio_c=1.0)
     with pytest.raises(ValueError, match="clip_ratio_low"):
@@ -285,6 +345,7 @@ def _rc(**kw):
 
 
 @needs_correction
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("loss_type,is_level,rs", [
     ("ppo_clip", "token", None),
@@ -292,10 +353,15 @@ def _rc(**kw):
     ("reinforce", "sequence", None),
     ("reinforce", "token", "seq_max_k2"),
 ])
-def test_bypass_matches_oracle(mode, loss_type, is_level, rs):
+def test_bypass_matches_oracle(mode, loss_type, is_level, rs, device):
+    with ops_on(device) as dev:
+        _bypass_matches_oracle(mode, loss_type, is_level, rs, dev)
+
+
+def _bypass_matches_oracle(mode, loss_type, is_level, rs, dev):
     from rollout_corr_ext.correction import compute_rollout_correction
 
-    rollout, lp, adv, mask, _ = make_batch(reject_rows=())
+    rollout, lp, adv, mask, _ = make_batch(reject_rows=(), device=dev)
     rc = _rc(rollout_is=is_level, rollout_rs=rs, rollout_rs_threshold=(0.02 if rs == "seq_max_k2" else "0.8_1.25") if rs else None,
              bypass_mode=True, loss_type=loss_type)
     cfg = PolicyLossConfig(rollout_correction=rc)
@@ -318,12 +384,18 @@ def test_bypass_matches_oracle(mode, loss_type, is_level, rs):
 
 
 @needs_correction
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_decoupled_matches_oracle(mode):
+def test_decoupled_matches_oracle(mode, device):
+    with ops_on(device) as dev:
+        _decoupled_matches_oracle(mode, dev)
+
+
+def _decoupled_matches_oracle(mode, dev):
     from rollout_corr_ext.correction import compute_rollout_correction
 
-    old, lp, adv, mask, _ = make_batch(reject_rows=())
-    rollout = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(5), dtype=old.dtype)
+    old, lp, adv, mask, _ = make_batch(reject_rows=(), device=dev)
+    rollout = old + 0.3 * torch.randn(old.shape, generator=torch.Generator().manual_seed(5), dtype=old.dtype).to(dev)
     rc = _rc(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.85_1.15")
     cfg = PolicyLossConfig(rollout_correction=rc)
     loss, metrics = compute_policy_loss_decoupled(old, lp, rollout, adv, mask, mode, cfg)
@@ -345,14 +417,20 @@ def test_decoupled_matches_oracle(mode):
 # ------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tis", [None, 1.5])
 @pytest.mark.parametrize("with_inference", [False, True])
-def test_grpo_matches_megatron_form(tis, with_inference):
-    old, lp, _, _, _ = make_batch(reject_rows=())
+def test_grpo_matches_megatron_form(tis, with_inference, device):
+    with ops_on(device) as dev:
+        _grpo_matches_megatron_form(tis, with_inference, dev)
+
+
+def _grpo_matches_megatron_form(tis, with_inference, dev):
+    old, lp, _, _, _ = make_batch(reject_rows=(), device=dev)
     g = torch.Generator().manual_seed(3)
-    ref_lp = old + 0.2 * torch.randn(old.shape, generator=g, dtype=old.dtype)
-    inf_lp = old + 0.3 * torch.randn(old.shape, generator=g, dtype=old.dtype) if with_inference else None
-    adv = torch.randn(old.shape[0], generator=g, dtype=old.dtype)
+    ref_lp = old + 0.2 * torch.randn(old.shape, generator=g, dtype=old.dtype).to(dev)
+    inf_lp = old + 0.3 * torch.randn(old.shape, generator=g, dtype=old.dtype).to(dev) if with_inference else None
+    adv = torch.randn(old.shape[0], generator=g, dtype=old.dtype).to(dev)
     out = calculate_grpo_loss(lp, old, ref_lp, adv, 0.2, 0.28, 0.05, 0.01, inf_lp, tis)
     w = None
     if with_inference:
@@ -367,13 +445,19 @@ def test_grpo_matches_megatron_form(tis, with_inference):
 
 
 @needs_correction
-def test_grpo_with_rollout_correction():
+@pytest.mark.parametrize("device", DEVICES)
+def test_grpo_with_rollout_correction(device):
+    with ops_on(device) as dev:
+        _grpo_with_rollout_correction(dev)
+
+
+def _grpo_with_rollout_correction(dev):
     from rollout_corr_ext.correction import compute_rollout_correction
 
-    old, lp, _, mask, _ = make_batch(reject_rows=())
+    old, lp, _, mask, _ = make_batch(reject_rows=(), device=dev)
     g = torch.Generator().manual_seed(4)
-    inf_lp = old + 0.3 * torch.randn(old.shape, generator=g, dtype=old.dtype)
-    adv = torch.randn(old.shape[0], generator=g, dtype=old.dtype)
+    inf_lp = old + 0.3 * torch.randn(old.shape, generator=g, dtype=old.dtype).to(dev)
+    adv = torch.randn(old.shape[0], generator=g, dtype=old.dtype).to(dev)
     rc = _rc(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1", rollout_rs_threshold="0.85_1.15")
     out = calculate_grpo_loss(lp, old, old, adv, 0.2, 0.2, 0.0, 0.0, inf_lp, rollout_correction=rc, response_mask=mask)
     assert len(out) == 7
@@ -385,16 +469,19 @@ def test_grpo_with_rollout_correction():
         calculate_grpo_loss(lp, old, old, adv, 0.2, 0.2, 0.0, 0.0, inf_lp, 2.0, rollout_correction=rc)
 
 
-def test_grpo_bad_input():
-    old, lp, _, _, _ = make_batch()
-    with pytest.raises(ValueError, match="advantages"):
-        calculate_grpo_loss(lp, old, old, torch.zeros(3), 0.2, 0.2, 0.0, 0.0)
-    with pytest.raises(ValueError, match="ref_logprobs"):
-        calculate_grpo_loss(lp, old, old[:, :2], torch.zeros(6), 0.2, 0.2, 0.0, 0.0)
-    with pytest.raises(ValueError, match="is_truncation_coef"):
-        calculate_grpo_loss(lp, old, old, torch.zeros(6), 0.2, 0.2, 0.0, 0.0, old, 0.0)
-    with pytest.raises(ValueError, match="clamp_eps_lower"):
-        calculate_grpo_loss(lp, old, old, torch.zeros(6), -0.2, 0.2, 0.0, 0.0)
+@pytest.mark.parametrize("device", DEVICES)
+def test_grpo_bad_input(device):
+    with ops_on(device) as dev:
+        old, lp, _, _, _ = make_batch(device=dev)
+        zeros3, zeros6 = torch.zeros(3, device=dev), torch.zeros(6, device=dev)
+        with pytest.raises(ValueError, match="advantages"):
+            calculate_grpo_loss(lp, old, old, zeros3, 0.2, 0.2, 0.0, 0.0)
+        with pytest.raises(ValueError, match="ref_logprobs"):
+            calculate_grpo_loss(lp, old, old[:, :2], zeros6, 0.2, 0.2, 0.0, 0.0)
+        with pytest.raises(ValueError, match="is_truncation_coef"):
+            calculate_grpo_loss(lp, old, old, zeros6, 0.2, 0.2, 0.0, 0.0, old, 0.0)
+        with pytest.raises(ValueError, match="clamp_eps_lower"):
+            calculate_grpo_loss(lp, old, old, zeros6, -0.2, 0.2, 0.0, 0.0)
 
 
 # ------------------------------------------------------------------ undefined losses are errors, not NaN
@@ -410,9 +497,19 @@ def _pl_inputs():
     return lp, old, adv, mask
 
 
+@pytest.mark.parametrize("device", device_params("cpu", "emulated", cuda_reason="an asynchronous device assert on "
+                                                 "CUDA (poisons the context): tests/test_cuda.py, in a subprocess"))
 @pytest.mark.parametrize("case", ["lp_nan", "old_nan", "lp_posinf", "both_neg_inf", "adv_nan", "weight_inf"])
 @pytest.mark.parametrize("fn", ["vanilla", "reinforce"])
-def test_undefined_policy_loss_raises_naming_the_token(case, fn):
+def test_undefined_policy_loss_raises_naming_the_token(case, fn, device):
+    """CPU tensors (compiled kernels, fallback, emulated CUDA kernels): a ValueError naming the token. On CUDA the
+    same condition is an asynchronous device assert: tests/test_cuda.py runs it in a subprocess, and
+    test_undefined_values_at_masked_tokens_are_not_inspected below runs the masked half on every device."""
+    with ops_on(device):
+        _undefined_policy_loss_raises_naming_the_token(case, fn)
+
+
+def _undefined_policy_loss_raises_naming_the_token(case, fn):
     lp, old, adv, mask = _pl_inputs()
     w = torch.ones(3, 5, dtype=torch.float64)
     nan, inf = float("nan"), float("inf")
@@ -436,13 +533,37 @@ def test_undefined_policy_loss_raises_naming_the_token(case, fn):
     assert torch.isfinite(loss) and torch.isfinite(lp2.grad).all()
 
 
-def test_neg_inf_log_prob_under_ppo_is_defined_by_the_clamp():
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["lp_nan", "old_nan", "lp_posinf", "both_neg_inf", "adv_nan", "weight_inf"])
+@pytest.mark.parametrize("fn", ["vanilla", "reinforce"])
+def test_undefined_values_at_masked_tokens_are_not_inspected(case, fn, device):
+    """NaN / inf at a token the mask excludes: a finite loss and gradient on every device (nothing asserts)."""
+    lp, old, adv, mask = _pl_inputs()
+    w = torch.ones(3, 5, dtype=torch.float64)
+    nan, inf = float("nan"), float("inf")
+    pos = (2, 4)  # masked out by _pl_inputs
+    {"lp_nan": lambda: lp.__setitem__(pos, nan), "old_nan": lambda: old.__setitem__(pos, nan),
+     "lp_posinf": lambda: lp.__setitem__(pos, inf),
+     "both_neg_inf": lambda: (lp.__setitem__(pos, -inf), old.__setitem__(pos, -inf)),
+     "adv_nan": lambda: adv.__setitem__(pos, nan), "weight_inf": lambda: w.__setitem__(pos, inf)}[case]()
+    call = compute_policy_loss_vanilla if fn == "vanilla" else compute_policy_loss_reinforce
+    with ops_on(device) as dev:
+        lp_d = lp.to(dev).requires_grad_(True)
+        loss, _ = call(old.to(dev), lp_d, adv.to(dev), mask.to(dev), rollout_is_weights=w.to(dev))
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(lp_d.grad).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_neg_inf_log_prob_under_ppo_is_defined_by_the_clamp(device):
     """PPO clamps the log-ratio to [-20, 20] (verl): log_prob -inf against a finite old_log_prob is a finite loss."""
     lp, old, adv, mask = _pl_inputs()
     lp[0, 1] = float("-inf")
-    lp.requires_grad_(True)
-    loss, metrics = compute_policy_loss_vanilla(old, lp, adv, mask)
-    loss.backward()
-    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all() and torch.isfinite(metrics["actor/ppo_kl"])
-    with pytest.raises(ValueError, match=r"response token \(0, 1\)"):
-        compute_policy_loss_reinforce(old, lp, adv, mask)
+    with ops_on(device) as dev:
+        lp, old, adv, mask = lp.to(dev).requires_grad_(True), old.to(dev), adv.to(dev), mask.to(dev)
+        loss, metrics = compute_policy_loss_vanilla(old, lp, adv, mask)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(lp.grad).all() and torch.isfinite(metrics["actor/ppo_kl"])
+        if dev != "cuda":  # REINFORCE's -inf log_prob at a response token: CUDA asserts (tests/test_cuda.py)
+            with pytest.raises(ValueError, match=r"response token \(0, 1\)"):
+                compute_policy_loss_reinforce(old, lp, adv, mask)

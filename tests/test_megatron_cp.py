@@ -1,4 +1,5 @@
-"""Context parallelism in :func:`rollout_corr_ext.megatron.make_policy_loss_func` (issue 8 §7), gloo on CPU.
+"""Context parallelism in :func:`rollout_corr_ext.megatron.make_policy_loss_func` (issue 8 §7), gloo on CPU and
+NCCL on 4 GPUs.
 
 Four spawned workers (one fork server preloads megatron-core) run three layouts: TP=2 CP=2 DP=1 and TP=1 CP=2
 DP=2 with megatron-core's ``parallel_state`` and **default groups**, and TP=1 CP=2 DP=1 (two independent pairs)
@@ -22,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rollout_corr_testing.dist_utils import cp_token_index, run_workers_preloaded
+from rollout_corr_testing.dist_utils import cp_token_index, dist_params, run_workers_preloaded, worker_device
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
@@ -140,7 +141,7 @@ def _check_case(case, batch, ref, coords, dp_cp, cp_group, failures, **groups):
 
 
 def _references(n_rows: int, seed: int, failures):
-    batch = _global_batch(n_rows, seed)
+    batch = tuple(t.to(worker_device()) for t in _global_batch(n_rows, seed))  # gloo: CPU; NCCL: this rank's GPU
     refs = [_single_process(batch, case) for case in CASES]
     for case, ref in zip(CASES, refs):  # the cases test what they claim: RS rejects some sequences, not all
         rejected = ref["metrics"].get("rollout_corr/rollout_rs_seq_masked_fraction")
@@ -223,5 +224,7 @@ def _worker(rank, world):
     assert not failures, "\n".join(failures)
 
 
-def test_loss_func_context_parallel_gloo():
-    run_workers_preloaded(_worker, 4)
+@pytest.mark.parametrize("device", dist_params(4))
+def test_loss_func_context_parallel(device):
+    """gloo on the CPU; NCCL with one GPU per rank (skipped with the reason where fewer than 4 are visible)."""
+    run_workers_preloaded(_worker, 4, device=device)

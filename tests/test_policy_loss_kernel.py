@@ -1,5 +1,6 @@
-"""The fused policy-loss op (DESIGN §4) against ``fallback.policy_loss_rows``: compiled CPU kernels, and the
-CUDA kernels run thread by thread on the CUDA emulator.
+"""The fused policy-loss op (DESIGN §4) against ``fallback.policy_loss_rows``: compiled CPU kernels, the CUDA
+kernels on a GPU (every compiled-op test has a ``cuda`` variant, skipped with the reason without one), and the CUDA
+kernels run thread by thread on the CUDA emulator (their own tests below, over every launch-knob set).
 
 The oracle always runs in fp64 on the very values the op sees (low-precision inputs upcast), so the only
 allowed difference is the op's fp32 arithmetic (and, for the gradient, one rounding to log_prob's dtype).
@@ -12,6 +13,7 @@ import torch
 
 from rollout_corr_ext import fallback, losses, ops
 from rollout_corr_ext.fallback import PG_KIND_PPO_CLIP, PG_KIND_REINFORCE, PG_ROW_LOSS_SUM, PG_ROW_TOKENS
+from rollout_corr_testing.backends import device_params
 from rollout_corr_testing.tolerances import GRAD_TOL, OUTPUT_TOL
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -98,11 +100,13 @@ def _upstream(inp, seed):
 # The compiled op (CPU kernels; CUDA kernels too when a GPU is present)
 # ---------------------------------------------------------------------------------------------------------
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+#: cpu and cuda (skipped with the reason without a GPU); the emulated kernels have their own tests below.
+DEVICES = device_params("cpu", "cuda", emulated_reason="the emulated kernels run in test_emulated_* below, over "
+                                                       "every launch-knob set")
 
 
 def _to(inp, device):
-    return {k: (None if v is None else v.to(device)) for k, v in inp.items()}
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in inp.items()}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -129,50 +133,59 @@ def test_forward_and_gradient_match_fp64_reference(compiled_backend, device, dty
         torch.testing.assert_close(lp.grad.cpu().double(), ref_lp.grad, **tol(dtype, "grad"), msg=name)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_gradient_through_rows_only_and_loss_mat_only(compiled_backend, kind):
+def test_gradient_through_rows_only_and_loss_mat_only(compiled_backend, kind, device):
     """Autograd hands the backward one upstream gradient and None/zeros for the other output."""
     inp = _case(5, 40, torch.float64, 11)
+    dinp = _to(inp, device)
     clip = dict(clip_low=0.2, clip_high=0.2, clip_c=3.0)
     for use_rows in (True, False):
-        lp = inp["lp"].clone().requires_grad_(True)
-        loss, rows = ops.policy_loss_rows(lp, inp["old"], inp["adv"], inp["mask"], inp["w"], **clip, loss_kind=kind)
+        lp = dinp["lp"].clone().requires_grad_(True)
+        loss, rows = ops.policy_loss_rows(lp, dinp["old"], dinp["adv"], dinp["mask"], dinp["w"], **clip,
+                                          loss_kind=kind)
         ref_lp, ref_loss, ref_rows = _reference(inp, kind, clip, requires_grad=True)
         (rows[:, PG_ROW_LOSS_SUM].sum() if use_rows else loss.sum()).backward()
         (ref_rows[:, PG_ROW_LOSS_SUM].sum() if use_rows else ref_loss.sum()).backward()
-        torch.testing.assert_close(lp.grad, ref_lp.grad, rtol=1e-12, atol=1e-12)
+        grad = lp.grad.cpu()
+        torch.testing.assert_close(grad, ref_lp.grad, rtol=1e-12, atol=1e-12)
         if use_rows:  # masked tokens get exactly zero gradient from the row sums
-            assert torch.all(lp.grad[inp["mask"] == 0] == 0)
+            assert torch.all(grad[inp["mask"] == 0] == 0)
 
 
-def test_clamped_log_ratio_and_dual_clip_have_zero_gradient(compiled_backend):
+@pytest.mark.parametrize("device", DEVICES)
+def test_clamped_log_ratio_and_dual_clip_have_zero_gradient(compiled_backend, device):
     inp = _case(3, 10, torch.float64, 12)
     inp["adv"] = -inp["adv"].abs() - 0.1  # A < 0 everywhere: the dual clip applies
-    lp = inp["lp"].clone().requires_grad_(True)
-    loss, rows = ops.policy_loss_rows(lp, inp["old"], inp["adv"], torch.ones_like(inp["mask"]), None, 0.2, 0.2, 3.0,
-                                      PG_KIND_PPO_CLIP)
+    dinp = _to(inp, device)
+    lp = dinp["lp"].clone().requires_grad_(True)
+    loss, rows = ops.policy_loss_rows(lp, dinp["old"], dinp["adv"], torch.ones_like(dinp["mask"]), None, 0.2, 0.2,
+                                      3.0, PG_KIND_PPO_CLIP)
     loss.sum().backward()
-    assert torch.all(lp.grad[:, 1] == 0) and torch.all(lp.grad[:, 2] == 0)  # |lp - old| > 20
-    assert lp.grad[0, 3] == 0 and rows[0, fallback.PG_ROW_CLIP_LOWER] >= 1  # r = 4.5 > c: dual clip, flat
+    grad, loss, rows = lp.grad.cpu(), loss.detach().cpu(), rows.cpu()
+    assert torch.all(grad[:, 1] == 0) and torch.all(grad[:, 2] == 0)  # |lp - old| > 20
+    assert grad[0, 3] == 0 and rows[0, fallback.PG_ROW_CLIP_LOWER] >= 1  # r = 4.5 > c: dual clip, flat
     torch.testing.assert_close(loss[:, 1], -inp["adv"][:, 1] * 3.0)  # exp(20) capped at -A c
 
 
-def test_all_masked_rows_and_empty_shapes(compiled_backend):
-    inp = _case(4, 9, torch.float32, 13)
-    mask = torch.zeros(4, 9, dtype=torch.bool)
+@pytest.mark.parametrize("device", DEVICES)
+def test_all_masked_rows_and_empty_shapes(compiled_backend, device):
+    inp = _to(_case(4, 9, torch.float32, 13), device)
+    mask = torch.zeros(4, 9, dtype=torch.bool, device=device)
     loss, rows = ops.policy_loss_rows(inp["lp"], inp["old"], inp["adv"], mask, inp["w"], 0.2, 0.2, 3.0,
                                       PG_KIND_PPO_CLIP)
     assert torch.all(rows == 0) and torch.isfinite(loss).all()
     for b, t in ((0, 5), (3, 0)):
-        z = torch.zeros(b, t)
+        z = torch.zeros(b, t, device=device)
         loss, rows = torch.ops.rollout_corr.policy_loss_rows(z, z, z, z.bool(), None, 0.2, 0.2, 3.0, 0)
         assert loss.shape == (b, t) and rows.shape == (b, 5) and torch.all(rows == 0)
 
 
-def test_strided_views_read_in_place(compiled_backend):
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_views_read_in_place(compiled_backend, device):
     """Non-contiguous inputs (a column-strided slice, a transposed buffer) are read through their strides."""
-    inp = _case(4, 30, torch.float32, 21)
-    wide = torch.randn(4, 60)
+    inp = _to(_case(4, 30, torch.float32, 21), device)
+    wide = torch.randn(4, 60).to(device)
     wide[:, ::2] = inp["lp"]
     lp_strided = wide[:, ::2]
     old_t = inp["old"].t().contiguous().t()
@@ -183,28 +196,34 @@ def test_strided_views_read_in_place(compiled_backend):
     want = ops.policy_loss_rows(x, inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2, 0.2, 3.0, PG_KIND_PPO_CLIP)
     for a, b in zip(got, want):
         assert torch.equal(a, b.detach())
-    g = torch.ops.rollout_corr.policy_loss_backward(None, torch.ones(4), lp_strided, old_t, inp["adv"], inp["mask"],
-                                                    inp["w"], 0.2, 0.2, 3.0, PG_KIND_PPO_CLIP)
+    g = torch.ops.rollout_corr.policy_loss_backward(None, torch.ones(4, device=device), lp_strided, old_t,
+                                                    inp["adv"], inp["mask"], inp["w"], 0.2, 0.2, 3.0,
+                                                    PG_KIND_PPO_CLIP)
     want[1][:, PG_ROW_LOSS_SUM].sum().backward()
     assert g.is_contiguous() and torch.equal(g, x.grad)
 
 
-def test_nan_in_padding_stays_out_of_the_rows(compiled_backend):
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_in_padding_stays_out_of_the_rows(compiled_backend, device):
     """Padded positions may hold junk (NaN): loss_mat keeps it, as the reference does, the row partials do not."""
     inp = _case(3, 12, torch.float32, 14)
     lp = inp["lp"].clone()
     lp[inp["mask"] == 0] = float("nan")
-    loss, rows = ops.policy_loss_rows(lp, inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2, 0.2, 3.0, 0)
+    dinp = _to(dict(inp, lp=lp), device)
+    loss, rows = ops.policy_loss_rows(dinp["lp"], dinp["old"], dinp["adv"], dinp["mask"], dinp["w"], 0.2, 0.2, 3.0,
+                                      0)
     ref_loss, ref_rows = fallback.policy_loss_rows(lp, inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2, 0.2,
                                                     3.0, 0)
+    loss, rows = loss.cpu(), rows.cpu()
     assert torch.isfinite(rows).all()
     torch.testing.assert_close(loss, ref_loss, equal_nan=True, **tol(torch.float32, "loss"))
     torch.testing.assert_close(rows, ref_rows, **tol(torch.float32, "rows"))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_gradcheck_fp64(compiled_backend, kind):
-    inp = _case(3, 17, torch.float64, 15, extremes=False, mask_kind="float")
+def test_gradcheck_fp64(compiled_backend, kind, device):
+    inp = _to(_case(3, 17, torch.float64, 15, extremes=False, mask_kind="float"), device)
     lp = inp["lp"].clone().requires_grad_(True)
 
     def fn(x):
@@ -215,29 +234,32 @@ def test_gradcheck_fp64(compiled_backend, kind):
     assert torch.autograd.gradcheck(fn, (lp,), eps=1e-7, atol=1e-8)
 
 
-def test_opcheck_both_ops(compiled_backend):
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_both_ops(compiled_backend, device):
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         for name, inp, clip in list(sample_inputs(dtype))[:3]:
+            inp = _to(inp, device)
             for kind in KINDS:
                 lp = inp["lp"].clone().requires_grad_(True)
                 args = (lp, inp["old"], inp["adv"], inp["mask"], inp["w"], clip["clip_low"], clip["clip_high"],
                         clip["clip_c"], kind)
                 torch.library.opcheck(torch.ops.rollout_corr.policy_loss_rows.default, args)
-                g_mat, g_row = _upstream(inp, 0)
+                g_mat, g_row = (g.to(device) for g in _upstream(inp, 0))
                 bargs = (g_mat.to(_acc(dtype)), g_row.to(_acc(dtype)), inp["lp"], *args[1:])
                 torch.library.opcheck(torch.ops.rollout_corr.policy_loss_backward.default, bargs)
                 torch.library.opcheck(torch.ops.rollout_corr.policy_loss_backward.default,
                                       (None, g_row.to(_acc(dtype)), inp["lp"], *args[1:]))
 
 
-def test_losses_use_the_compiled_op(compiled_backend, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_losses_use_the_compiled_op(compiled_backend, monkeypatch, device):
     """losses.py must run the fused op, not the reference (which would still give the right numbers)."""
 
     def forbidden(*args, **kwargs):
         raise AssertionError("fallback.policy_loss_rows called although the compiled op is available")
 
     monkeypatch.setattr(fallback, "policy_loss_rows", forbidden)
-    inp = _case(3, 16, torch.float32, 16)
+    inp = _to(_case(3, 16, torch.float32, 16), device)
     lp = inp["lp"].clone().requires_grad_(True)
     loss, metrics = losses.compute_policy_loss_vanilla(inp["old"], lp, inp["adv"], inp["mask"], "token-mean")
     loss.backward()
@@ -259,26 +281,29 @@ _BAD = [
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("make, match", _BAD)
-def test_bad_input_names_the_argument(compiled_backend, make, match):
-    inp = dict(_case(3, 8, torch.float32, 17), kind=0, clip_c=3.0, clip_low=0.2)
+def test_bad_input_names_the_argument(compiled_backend, make, match, device):
+    inp = _to(dict(_case(3, 8, torch.float32, 17), kind=0, clip_c=3.0, clip_low=0.2), device)
     before = {k: v.clone() for k, v in inp.items() if isinstance(v, torch.Tensor)}
     bad = make(inp)
-    # Straight to the CPU kernel: the dispatcher would route a meta tensor to the fake kernel instead.
-    cpu_kernel = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    match = match.replace("log_prob is on cpu", f"log_prob is on {device}")
+    # Straight to the device's kernel: the dispatcher would route a meta tensor to the fake kernel instead.
+    kernel = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA if device == "cuda" else torch._C.DispatchKey.CPU)
     with pytest.raises(RuntimeError, match=match):
         torch.ops.rollout_corr.policy_loss_rows.default.redispatch(
-            cpu_kernel, bad["lp"], bad["old"], bad["adv"], bad["mask"], bad["w"], bad["clip_low"], 0.2,
+            kernel, bad["lp"], bad["old"], bad["adv"], bad["mask"], bad["w"], bad["clip_low"], 0.2,
             bad["clip_c"], bad["kind"])
     for k, v in before.items():
         assert torch.equal(inp[k], v), k  # inputs untouched
 
 
-def test_backward_bad_grad_shape_is_named(compiled_backend):
-    inp = _case(3, 8, torch.float32, 18)
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_bad_grad_shape_is_named(compiled_backend, device):
+    inp = _to(_case(3, 8, torch.float32, 18), device)
     with pytest.raises(RuntimeError, match="grad_rows_loss must have shape \\[3\\]"):
-        torch.ops.rollout_corr.policy_loss_backward(None, torch.ones(4), inp["lp"], inp["old"], inp["adv"],
-                                                    inp["mask"], inp["w"], 0.2, 0.2, 3.0, 0)
+        torch.ops.rollout_corr.policy_loss_backward(None, torch.ones(4, device=device), inp["lp"], inp["old"],
+                                                    inp["adv"], inp["mask"], inp["w"], 0.2, 0.2, 3.0, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------

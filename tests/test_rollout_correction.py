@@ -1,8 +1,10 @@
 """Rollout correction (DESIGN §3) on one process: the two-pass pipeline against the fp64 dense oracle.
 
-Runs on the compiled ops when the extension is active and on the pure-PyTorch fallback otherwise
-(``ROLLOUT_CORR_FORCE_REFERENCE=1``); both must pass. The independent oracle and the emulated kernels have their
-own files (test_rollout_oracle.py, test_cuda_emulator_rollout.py).
+Every test runs on each device variant of ``rollout_corr_testing.backends.DEVICES``: ``cpu`` (the compiled ops when
+the extension is active, the pure-PyTorch fallback under ``ROLLOUT_CORR_FORCE_REFERENCE=1``; both must pass),
+``emulated`` (the CUDA kernels on the CPU thread-model emulator; a representative subset of the larger grids, since
+each emulated call costs ~0.1-0.3 s) and ``cuda`` (skipped with the reason without a GPU), with the same oracle (on
+the CPU) and tolerance table. The independent oracle has its own file (test_rollout_oracle.py).
 """
 
 from __future__ import annotations
@@ -18,10 +20,36 @@ from rollout_corr_ext import RolloutCorrectionConfig as Cfg
 from rollout_corr_ext import compute_offpolicy_metrics, compute_rollout_correction
 from rollout_corr_ext import _layout as LY
 from rollout_corr_testing import dense_oracles as R
+from rollout_corr_testing.backends import device_params, ops_on
+
+DEVICES = device_params()
+#: For the tests that exercise the compiled ops' registration (opcheck) or sizes beyond the emulator's reach.
+NOT_EMULATED = "the emulator does not register torch.ops.rollout_corr kernels (opcheck checks those)"
 
 
-def _check(cfg, lp, rlp, mask, dtype=torch.float32, skip=(), **kw):
-    res = compute_rollout_correction(lp, rlp, mask, cfg, **kw)
+def _emulated_subset(device, keep: bool, what: str) -> None:
+    """The emulated kernels run a representative subset of a large parameter grid (each call costs ~0.1-0.3 s of
+    thread-by-thread emulation); every case runs on cpu and cuda."""
+    if device == "emulated" and not keep:
+        pytest.skip(f"emulated: representative subset ({what}); every case runs on cpu and cuda")
+
+
+def _on_cpu(res):
+    """A RolloutCorrectionResult with every tensor moved to the CPU (where the oracle runs)."""
+    return type(res)(None if res.weights is None else res.weights.cpu(), res.response_mask.cpu(),
+                     {k: v.cpu() for k, v in res.metrics.items()})
+
+
+def _run(device, lp, rlp, mask, cfg, **kw):
+    """compute_rollout_correction on the device variant ``device``, inputs moved there, the result back on the CPU."""
+    with ops_on(device) as dev:
+        res = compute_rollout_correction(lp.to(dev), rlp.to(dev), mask.to(dev), cfg, **kw)
+        assert res.response_mask.device.type == torch.device(dev).type
+    return _on_cpu(res)
+
+
+def _check(cfg, lp, rlp, mask, dtype=torch.float32, skip=(), device="cpu", **kw):
+    res = _run(device, lp, rlp, mask, cfg, **kw)
     w, m, met = R.rollout_correction_dense(lp.double(), rlp.double(), mask, cfg,
                                            exclude_nonfinite=kw.get("nonfinite") == "exclude")
     errors = compare_metrics(res.metrics, met, dtype, skip=skip)
@@ -38,15 +66,17 @@ IS_SPECS = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("spec", sorted(IS_SPECS))
 @pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
-def test_is_levels_and_modes(level, spec, normalize, dtype):
+def test_is_levels_and_modes(level, spec, normalize, dtype, device):
+    _emulated_subset(device, not normalize, "without batch normalisation, a Python-side scale of the weights")
     scale = 0.3 if level == "token" else 0.05  # sequence weights = prod of ratios: keep them O(1)
     lp, rlp, mask = make_inputs(12, 48, seed=1, scale=scale, pad_rows=(3,), dtype=dtype)
     cfg = Cfg(rollout_is=level, rollout_rs=None, rollout_is_batch_normalize=normalize, **IS_SPECS[spec])
-    res = _check(cfg, lp, rlp, mask, dtype)
+    res = _check(cfg, lp, rlp, mask, dtype, device=device)
     valid = mask
     if normalize:  # the mean weight becomes 1
         w = res.weights.double()
@@ -68,11 +98,14 @@ RS_ALONE = [
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("criterion,threshold", RS_ALONE)
-def test_rs_criterion_alone(criterion, threshold, dtype):
+def test_rs_criterion_alone(criterion, threshold, dtype, device):
+    _emulated_subset(device, dtype == torch.float32, "fp32 inputs; fp64 in test_is_levels_and_modes")
     lp, rlp, mask = make_inputs(16, 40, seed=2, scale=0.2, pad_rows=(5,), dtype=dtype)
-    res = _check(Cfg(rollout_is=None, rollout_rs=criterion, rollout_rs_threshold=threshold), lp, rlp, mask, dtype)
+    res = _check(Cfg(rollout_is=None, rollout_rs=criterion, rollout_rs_threshold=threshold), lp, rlp, mask, dtype,
+                 device=device)
     dropped = float(res.metrics[PREFIX + "rollout_rs_masked_fraction"])
     assert 0.0 < dropped < 1.0, "the thresholds are meant to reject some tokens but not all"
 
@@ -86,28 +119,31 @@ RS_COMBOS = [
 ]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("veto", [None, 0.6])
 @pytest.mark.parametrize("rs,thr,level,is_thr", RS_COMBOS)
-def test_rs_combinations_and_veto(rs, thr, level, is_thr, veto):
+def test_rs_combinations_and_veto(rs, thr, level, is_thr, veto, device):
     lp, rlp, mask = make_inputs(16, 40, seed=3, scale=0.2, pad_rows=(0, 9))
     cfg = Cfg(rollout_is=level, rollout_is_threshold=is_thr, rollout_rs=rs, rollout_rs_threshold=thr,
               rollout_token_veto_threshold=veto)
-    res = _check(cfg, lp, rlp, mask)
+    res = _check(cfg, lp, rlp, mask, device=device)
     if veto is not None:
         assert float(res.metrics[PREFIX + "rollout_is_veto_fraction"]) > 0
 
 
-def test_veto_alone_rejects_whole_sequences():
+@pytest.mark.parametrize("device", DEVICES)
+def test_veto_alone_rejects_whole_sequences(device):
     lp, rlp, mask = make_inputs(10, 30, seed=4, scale=0.2)
     lp[4, 3] = rlp[4, 3] + math.log(1e-5)  # one catastrophic token
     mask[4, 3] = True
-    res = _check(Cfg(rollout_is="token", rollout_token_veto_threshold=1e-4), lp, rlp, mask)
+    res = _check(Cfg(rollout_is="token", rollout_token_veto_threshold=1e-4), lp, rlp, mask, device=device)
     assert not res.response_mask[4].any() and torch.equal(res.response_mask[:4], mask[:4])
     assert float(res.metrics[PREFIX + "rollout_is_veto_fraction"]) == pytest.approx(0.1)
     assert res.weights[4, 3] > 0, "the veto edits the mask only, as in verl 0.6.1"
 
 
-def test_auto_reciprocal_and_asymmetric_bounds():
+@pytest.mark.parametrize("device", DEVICES)
+def test_auto_reciprocal_and_asymmetric_bounds(device):
     c = Cfg(rollout_is="token", rollout_is_threshold=4.0, rollout_is_mode="mask",
             rollout_rs="token_k1,token,seq_sum_k1", rollout_rs_threshold="2.0,1.25,0.8_1.5")
     assert c.is_spec.lower == pytest.approx(0.25) and c.is_spec.upper == 4.0
@@ -116,71 +152,82 @@ def test_auto_reciprocal_and_asymmetric_bounds():
     assert (ratio.lower, ratio.upper) == (pytest.approx(0.8), 1.25)
     assert (asym.lower, asym.upper) == (pytest.approx(math.log(0.8)), pytest.approx(math.log(1.5)))
     lp, rlp, mask = make_inputs(12, 32, seed=5, scale=0.3)
-    _check(c, lp, rlp, mask)
+    _check(c, lp, rlp, mask, device=device)
     legacy_lower = Cfg(rollout_is=None, rollout_rs="geometric", rollout_rs_threshold=1.01,
                        rollout_rs_threshold_lower=0.995)
     assert legacy_lower.rs_criteria[0].lower == 0.995
-    _check(legacy_lower, *make_inputs(12, 32, seed=6, scale=0.02))
+    _check(legacy_lower, *make_inputs(12, 32, seed=6, scale=0.02), device=device)
 
 
 @pytest.mark.parametrize("preset", ["decoupled_token_is", "decoupled_seq_is", "decoupled_token_icepop",
                                     "bypass_pg_token_icepop", "decoupled_seq_is_rs", "decoupled_geo_rs",
                                     "bypass_ppo_clip", "bypass_ppo_clip_k3_rs", "decoupled_geo_rs_token_tis",
                                     "decoupled_k3_rs_seq_tis", "seq_mis", "geo_mis", "pure_is", "disabled"])
-def test_presets(preset):
+@pytest.mark.parametrize("device", DEVICES)
+def test_presets(preset, device):
     lp, rlp, mask = make_inputs(16, 40, seed=7, scale=0.01)
-    _check(getattr(Cfg, preset)(), lp, rlp, mask)
+    _check(getattr(Cfg, preset)(), lp, rlp, mask, device=device)
 
 
-def test_edge_shapes_padding_rows_b1():
+@pytest.mark.parametrize("device", DEVICES)
+def test_edge_shapes_padding_rows_b1(device):
     cfg = Cfg(rollout_is="token", rollout_rs="seq_mean_k3,token_k1", rollout_rs_threshold="0.05,0.7_1.3",
               rollout_token_veto_threshold=0.5)
     lp, rlp, mask = make_inputs(8, 24, seed=8, pad_rows=(0, 1, 7))
-    _check(cfg, lp, rlp, mask)
+    _check(cfg, lp, rlp, mask, device=device)
     lp, rlp, mask = make_inputs(1, 24, seed=9)
-    _check(cfg, lp, rlp, mask)
+    _check(cfg, lp, rlp, mask, device=device)
     _check(Cfg(rollout_is="sequence", rollout_rs="seq_sum_k2", rollout_rs_threshold=3.0),
-           *make_inputs(1, 32768, seed=10, scale=0.01))
+           *make_inputs(1, 32768, seed=10, scale=0.01), device=device)
 
 
-def test_bfloat16_inputs():
+@pytest.mark.parametrize("device", DEVICES)
+def test_bfloat16_inputs(device):
     lp, rlp, mask = make_inputs(12, 40, seed=11, dtype=torch.bfloat16)
     cfg = Cfg(rollout_is="token", rollout_rs="token_k2,seq_mean_k1", rollout_rs_threshold="0.05,0.98_1.02")
-    _check(cfg, lp, rlp, mask, dtype=torch.bfloat16)
+    _check(cfg, lp, rlp, mask, dtype=torch.bfloat16, device=device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.int32, torch.float32, torch.bfloat16])
-def test_mask_dtype_preserved_and_weights_detached(mask_dtype):
+def test_mask_dtype_preserved_and_weights_detached(mask_dtype, device):
     lp, rlp, mask = make_inputs(8, 32, seed=12)
-    lp = torch.where(mask, lp, torch.zeros_like(lp)).requires_grad_(True)
+    lp = torch.where(mask, lp, torch.zeros_like(lp))
     cfg = Cfg(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25")
-    res = compute_rollout_correction(lp, rlp, mask.to(mask_dtype), cfg)
-    ref = compute_rollout_correction(lp.detach(), rlp, mask, cfg)
+    with ops_on(device) as dev:
+        lp_d = lp.to(dev).requires_grad_(True)
+        res = compute_rollout_correction(lp_d, rlp.to(dev), mask.to(dev, mask_dtype), cfg)
+        ref = compute_rollout_correction(lp_d.detach(), rlp.to(dev), mask.to(dev), cfg)
     assert res.response_mask.dtype == mask_dtype
     assert torch.equal(res.response_mask.bool(), ref.response_mask)
     assert not res.weights.requires_grad and res.weights.dtype == torch.float32
     assert all(not v.requires_grad and v.dim() == 0 for v in res.metrics.values())
 
 
-def test_inputs_never_modified():
+@pytest.mark.parametrize("device", DEVICES)
+def test_inputs_never_modified(device):
     lp, rlp, mask = make_inputs(8, 32, seed=13)
-    copies = [t.clone() for t in (lp, rlp, mask)]
-    compute_rollout_correction(lp, rlp, mask, Cfg(rollout_is="sequence", rollout_is_batch_normalize=True,
-                                                  rollout_rs="token_k1", rollout_rs_threshold=1.2,
-                                                  rollout_token_veto_threshold=0.5))
+    with ops_on(device) as dev:
+        lp, rlp, mask = lp.to(dev), rlp.to(dev), mask.to(dev)
+        copies = [t.clone() for t in (lp, rlp, mask)]
+        compute_rollout_correction(lp, rlp, mask, Cfg(rollout_is="sequence", rollout_is_batch_normalize=True,
+                                                      rollout_rs="token_k1", rollout_rs_threshold=1.2,
+                                                      rollout_token_veto_threshold=0.5))
     for a, b in zip((lp, rlp, mask), copies):
         assert torch.equal(a, b) or torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
-def test_offpolicy_metrics_alone():
+@pytest.mark.parametrize("device", DEVICES)
+def test_offpolicy_metrics_alone(device):
     lp, rlp, mask = make_inputs(8, 32, seed=14)
-    got = compute_offpolicy_metrics(lp, rlp, mask)
+    with ops_on(device) as dev:
+        got = {k: v.cpu() for k, v in compute_offpolicy_metrics(lp.to(dev), rlp.to(dev), mask.to(dev)).items()}
+        only = compute_offpolicy_metrics(lp.to(dev), None, mask.to(dev))
     _, _, met = R.rollout_correction_dense(lp.double(), rlp.double(), mask, Cfg.disabled())
     want = {k: met[k] for k in ("training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "rollout_log_ppl",
                                 "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min",
                                 "ppl_ratio", "chi2_token", "chi2_seq")}
     assert not compare_metrics(got, want, torch.float32)
-    only = compute_offpolicy_metrics(lp, None, mask)
     assert set(only) == {PREFIX + "training_ppl", PREFIX + "training_log_ppl"}
 
 
@@ -197,13 +244,17 @@ class _CountSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_host_syncs_one_read_for_all_metrics():
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_syncs_one_read_for_all_metrics(device):
     lp, rlp, mask = make_inputs(8, 32, seed=15)
     cfg = Cfg(rollout_is="token", rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="1.3,0.05")
-    with _CountSyncs() as c:
-        res = compute_rollout_correction(lp, rlp, mask, cfg)
-    # CPU only: one scalar read for the input-value check (CUDA uses asynchronous device asserts instead).
-    assert c.count <= 1
+    with ops_on(device) as dev:
+        lp, rlp, mask = lp.to(dev), rlp.to(dev), mask.to(dev)
+        with _CountSyncs() as c:
+            res = compute_rollout_correction(lp, rlp, mask, cfg)
+    # CPU tensors: one scalar read for the input-value check; CUDA: none (asynchronous device asserts instead).
+    # (Blocking copies are not scalar reads: test_cuda_graphs_determinism.py pins those per entry point.)
+    assert c.count <= (0 if dev == "cuda" else 1)
     reads = []
     real_tolist, real_item = torch.Tensor.tolist, torch.Tensor.item
     try:
@@ -218,17 +269,24 @@ def test_host_syncs_one_read_for_all_metrics():
 # --------------------------------------------------------------------------------------------- bad input
 
 
-def test_bad_inputs_clear_errors():
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_inputs_clear_errors(device):
     lp, rlp, mask = make_inputs(4, 16, seed=16)
     cfg = Cfg.decoupled_token_is()
+    with ops_on(device) as dev:
+        _bad_inputs_clear_errors(lp.to(dev), rlp.to(dev), mask.to(dev), cfg, dev)
+
+
+def _bad_inputs_clear_errors(lp, rlp, mask, cfg, dev):
     with pytest.raises(ValueError, match="rollout_log_prob shape"):
         compute_rollout_correction(lp, rlp[:, :8], mask, cfg)
     with pytest.raises(ValueError, match="response_mask shape"):
         compute_rollout_correction(lp, rlp, mask[:2], cfg)
     with pytest.raises(ValueError, match="2-D"):
         compute_rollout_correction(lp[0], rlp[0], mask[0], cfg)
-    with pytest.raises(ValueError, match="no valid token"):
-        compute_rollout_correction(lp, rlp, torch.zeros_like(mask), cfg)
+    if dev != "cuda":  # CUDA: an asynchronous device assert (tests/test_cuda.py, in a subprocess)
+        with pytest.raises(ValueError, match="no valid token"):
+            compute_rollout_correction(lp, rlp, torch.zeros_like(mask), cfg)
     with pytest.raises(TypeError, match="log_prob must be"):
         compute_rollout_correction(lp.long(), rlp, mask, cfg)
     with pytest.raises(ValueError, match="response_mask is on meta"):
@@ -239,15 +297,18 @@ def test_bad_inputs_clear_errors():
         compute_rollout_correction(lp, rlp, mask, cfg, nonfinite="ignore")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_nonfinite_error_or_exclude(bad):
+def test_nonfinite_error_or_exclude(bad, device):
     lp, rlp, mask = make_inputs(6, 20, seed=17)
     mask[2, 5] = True
     lp[2, 5] = bad
     cfg = Cfg(rollout_is="sequence", rollout_rs="token_k2", rollout_rs_threshold=0.05)
-    with pytest.raises(ValueError, match=r"NaN or \+-inf.*log_prob\[2, 5\]"):
-        compute_rollout_correction(lp, rlp, mask, cfg)
-    res = _check(cfg, lp, rlp, mask, nonfinite="exclude")
+    if device != "cuda":  # CUDA: an asynchronous device assert (tests/test_cuda.py, in a subprocess)
+        with ops_on(device):
+            with pytest.raises(ValueError, match=r"NaN or \+-inf.*log_prob\[2, 5\]"):
+                compute_rollout_correction(lp, rlp, mask, cfg)
+    res = _check(cfg, lp, rlp, mask, nonfinite="exclude", device=device)
     assert res.response_mask[2, 5] == 0 and res.weights[2, 5] == 0
     n_valid = int(mask.sum())
     assert float(res.metrics[PREFIX + "nonfinite_token_fraction"]) == pytest.approx(1.0 / n_valid)
@@ -261,8 +322,11 @@ MIXED_DTYPES = [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)
                 (torch.bfloat16, torch.float64)]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lp_dtype,rlp_dtype", MIXED_DTYPES, ids=str)
-def test_mixed_input_dtypes_promote_to_the_wider(lp_dtype, rlp_dtype):
+def test_mixed_input_dtypes_promote_to_the_wider(lp_dtype, rlp_dtype, device):
+    _emulated_subset(device, lp_dtype in (torch.bfloat16, torch.float16),
+                     "16-bit log_prob dtypes; every pair in test_rollout_oracle.py's mixed-dtype test")
     lp, rlp, mask = make_inputs(12, 40, seed=31, scale=0.2, pad_rows=(3,))
     lp, rlp = lp.to(lp_dtype), rlp.to(rlp_dtype)
     copies = (lp.clone(), rlp.clone())
@@ -270,44 +334,50 @@ def test_mixed_input_dtypes_promote_to_the_wider(lp_dtype, rlp_dtype):
               rollout_rs_threshold="0.7_1.3,0.05", rollout_token_veto_threshold=0.3)
     weights_dtype = torch.float64 if torch.float64 in (lp_dtype, rlp_dtype) else torch.float32
     # the oracle sees the exact values of both inputs (widening is exact)
-    res = _check(cfg, lp, rlp, mask, weights_dtype)
+    res = _check(cfg, lp, rlp, mask, weights_dtype, device=device)
     assert res.weights.dtype == weights_dtype
     wide = torch.promote_types(lp_dtype, rlp_dtype)
-    same = compute_rollout_correction(lp.to(wide), rlp.to(wide), mask, cfg)
+    same = _run(device, lp.to(wide), rlp.to(wide), mask, cfg)
     assert torch.equal(res.weights, same.weights) and torch.equal(res.response_mask, same.response_mask)
     assert all(torch.equal(res.metrics[k], same.metrics[k]) for k in same.metrics)
     assert lp.dtype == lp_dtype and rlp.dtype == rlp_dtype
     assert torch.equal(lp.nan_to_num(), copies[0].nan_to_num()) and torch.equal(rlp, copies[1])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("level", ["token", "sequence", None])
-def test_passes_on_a_rank_without_rows(level):
+def test_passes_on_a_rank_without_rows(level, device):
     """A DP rank may hold no rows: its partials are the neutral elements (0 sums, -inf maxima), on every backend."""
     from rollout_corr_ext import ops
     from rollout_corr_ext.correction import op_args
 
-    lp, rlp, mask = (x[:0] for x in make_inputs(3, 16, seed=33))
     args = op_args(Cfg(rollout_is=level, rollout_rs="token_k1,seq_mean_k3,geometric,seq_max_k2",
                        rollout_rs_threshold="0.7_1.3,0.02,0.99_1.01,0.1"))
-    st = ops.rollout_seq_stats(lp, rlp, mask, args)
-    w, m, sums, maxes = ops.rollout_token_pass(lp, rlp, mask, st, args, True)
+    with ops_on(device) as dev:
+        lp, rlp, mask = (x[:0].to(dev) for x in make_inputs(3, 16, seed=33))
+        st = ops.rollout_seq_stats(lp, rlp, mask, args)
+        w, m, sums, maxes = ops.rollout_token_pass(lp, rlp, mask, st, args, True)
+        sums, maxes = sums.cpu(), maxes.cpu()
     assert st.shape == (0, LY.SEQ_COLS) and m.shape == (0, 16)
     assert (sums == 0).all() and (maxes == -math.inf).all()
     assert (sums.numel(), maxes.numel()) == LY.partial_sizes(4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,weights_dtype", [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
                                                  (torch.float32, torch.float32), (torch.float64, torch.float64)])
-def test_weights_dtype_is_fp32_or_fp64(dtype, weights_dtype):
+def test_weights_dtype_is_fp32_or_fp64(dtype, weights_dtype, device):
     lp, rlp, mask = make_inputs(4, 16, seed=32, dtype=dtype)
-    assert compute_rollout_correction(lp, rlp, mask, Cfg.decoupled_seq_is()).weights.dtype == weights_dtype
+    assert _run(device, lp, rlp, mask, Cfg.decoupled_seq_is()).weights.dtype == weights_dtype
 
 
 # --------------------------------------------------------------------------------------------- large batches
 
 
 @pytest.mark.slow
-def test_more_than_2_pow_24_tokens_percentiles():
+@pytest.mark.parametrize("device", device_params("cpu", "cuda", emulated_reason="16.8 M tokens: beyond what the "
+                                                                                "thread-by-thread emulator runs"))
+def test_more_than_2_pow_24_tokens_percentiles(device):
     """Percentiles over more than 2^24 tokens (where older torch.quantile raises): histogram vs exact order stats."""
     b, t = 4104, 4096  # 16,809,984 tokens > 2^24
     g = torch.Generator().manual_seed(18)
@@ -315,8 +385,7 @@ def test_more_than_2_pow_24_tokens_percentiles():
     lp = rlp + torch.randn(b, t, generator=g) * 0.3
     mask = torch.ones(b, t, dtype=torch.bool)
     mask[:, -7:] = False
-    res = compute_rollout_correction(lp, rlp, mask, Cfg(rollout_is="token", rollout_rs="token_k1",
-                                                        rollout_rs_threshold=2.0))
+    res = _run(device, lp, rlp, mask, Cfg(rollout_is="token", rollout_rs="token_k1", rollout_rs_threshold=2.0))
     raw = torch.exp((lp - rlp)[mask].clamp(-20, 20))
     assert raw.numel() > 2 ** 24  # torch.quantile raised past 2^24 elements before torch 2.x; the oracle sorts
     s = raw.sort().values
@@ -355,25 +424,30 @@ _HAS_OPS = _ops._has_kernel(torch.device("cpu"))
     dict(rollout_is="sequence", rollout_is_threshold="0.5_5.0", rollout_rs="seq_max_k2,geometric",
          rollout_rs_threshold="0.05,0.99_1.01"),
 ])
-def test_compiled_passes_match_fallback_and_opcheck(cfg_kw, dtype, rlp_dtype, mask_dtype):
-    """The CPU kernels (SIMD lanes, chunked loads of every dtype, padded tails) against the fallback, pass by pass,
-    on ragged rows whose lengths are not multiples of the chunk; and torch.library.opcheck of the schemas."""
-    lp, rlp, mask = make_inputs(6, 150, seed=20, pad_rows=(2,), dtype=dtype)
-    rlp, mask = rlp.to(rlp_dtype), mask.to(mask_dtype)
+@pytest.mark.parametrize("device", device_params("cpu", "cuda", emulated_reason=NOT_EMULATED))
+def test_compiled_passes_match_fallback_and_opcheck(cfg_kw, dtype, rlp_dtype, mask_dtype, device):
+    """The compiled kernels (CPU: SIMD lanes, chunked loads of every dtype, padded tails; CUDA: the launchers) against
+    the fallback on the CPU, pass by pass, on ragged rows whose lengths are not multiples of the chunk; and
+    torch.library.opcheck of the schemas on the device."""
+    lp_c, rlp_c, mask_c = make_inputs(6, 150, seed=20, pad_rows=(2,), dtype=dtype)
+    rlp_c, mask_c = rlp_c.to(rlp_dtype), mask_c.to(mask_dtype)
+    lp, rlp, mask = lp_c.to(device), rlp_c.to(device), mask_c.to(device)
     args = op_args(Cfg(**cfg_kw))
     st = torch.ops.rollout_corr.rollout_seq_stats.default(lp, rlp, mask, None, *args)
-    st_ref = _fallback.rollout_seq_stats(lp, rlp, mask, None, *args)
+    st_ref = _fallback.rollout_seq_stats(lp_c, rlp_c, mask_c, None, *args)
     tol = TOL[torch.float64 if torch.float64 in (dtype, rlp_dtype) else torch.float32]
-    torch.testing.assert_close(st, st_ref, rtol=tol["rtol"] * 10, atol=tol["atol"] * 10)
-    out = torch.ops.rollout_corr.rollout_token_pass.default(lp, rlp, mask, None, st_ref, *args, True)
-    ref = _fallback.rollout_token_pass(lp, rlp, mask, None, st_ref, *args, True)
+    torch.testing.assert_close(st.cpu(), st_ref, rtol=tol["rtol"] * 10, atol=tol["atol"] * 10)
+    out = torch.ops.rollout_corr.rollout_token_pass.default(lp, rlp, mask, None, st_ref.to(device), *args, True)
+    ref = _fallback.rollout_token_pass(lp_c, rlp_c, mask_c, None, st_ref, *args, True)
+    out = [o.cpu() for o in out]
     torch.testing.assert_close(out[0], ref[0], **tol)
     assert out[1].dtype == mask_dtype and torch.equal(out[1], ref[1])
     torch.testing.assert_close(out[2], ref[2], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out[3], ref[3], rtol=1e-6, atol=1e-7)
     torch.library.opcheck(torch.ops.rollout_corr.rollout_seq_stats.default, (lp, rlp, mask, None, *args))
     torch.library.opcheck(torch.ops.rollout_corr.rollout_token_pass.default, (lp, rlp, mask, None, st, *args, True))
-    torch.library.opcheck(torch.ops.rollout_corr.rollout_check.default, (out[2], None, lp, rlp, mask, False))
+    torch.library.opcheck(torch.ops.rollout_corr.rollout_check.default,
+                          (out[2].to(device), None, lp, rlp, mask, False))
 
 
 def test_fakes_work_on_meta_tensors_before_any_wrapper_ran():
@@ -389,9 +463,10 @@ def test_fakes_work_on_meta_tensors_before_any_wrapper_ran():
     assert (s.numel(), x.numel()) == LY.partial_sizes(2)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("rs", [None, "token"])
-def test_std_metrics_do_not_cancel_near_on_policy(level, rs):
+def test_std_metrics_do_not_cancel_near_on_policy(level, rs, device):
     """Nearly on-policy batches (weights 1 +- 0.002): E[w^2] - E[w]^2 cancels in fp32 unless the sums are centred;
     the std metrics must still match the fp64 oracle to the fp32 tolerance."""
     g = torch.Generator().manual_seed(41)
@@ -401,7 +476,7 @@ def test_std_metrics_do_not_cancel_near_on_policy(level, rs):
     mask = torch.ones(b, t, dtype=torch.bool)
     cfg = Cfg(rollout_is=level, rollout_is_threshold=2.0, rollout_rs=rs,
               rollout_rs_threshold="0.5_2.0" if rs else None)
-    res = compute_rollout_correction(lp, rlp, mask, cfg)
+    res = _run(device, lp, rlp, mask, cfg)
     _, _, met = R.rollout_correction_dense(lp.double(), rlp.double(), mask, cfg)
     for key in ["rollout_is_std", "rollout_is_eff_sample_size"] + (["rollout_rs_token_std"] if rs else []):
         assert float(res.metrics[PREFIX + key]) == pytest.approx(float(met[key]), rel=2e-5), key

@@ -1,4 +1,5 @@
-"""Rollout correction over real processes (gloo, 127.0.0.1): DP = 2 and 4, CP = 2, DP x CP = 2 x 2.
+"""Rollout correction over real processes: DP = 2 and 4, CP = 2, DP x CP = 2 x 2; gloo on the CPU (127.0.0.1) and
+NCCL on GPUs (one per rank; the ``nccl`` variants skip with the reason where fewer are visible).
 
 Every rank builds the same global batch, runs the single-process op on all of it (the reference) and the
 distributed op on its own shard (a block of rows for DP; a zig-zag pair of chunks of every row for CP, as
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rollout_corr_testing.dist_utils import dist_params, init_worker_group, worker_device
 from rollout_corr_testing.rc_testutil import PREFIX, TOL, compare_metrics, make_inputs
 from rollout_corr_ext import RolloutCorrectionConfig as Cfg
 from rollout_corr_ext import compute_offpolicy_metrics, compute_rollout_correction
@@ -56,6 +58,7 @@ def _zigzag_cols(cp_rank: int, cp: int) -> torch.Tensor:
 
 
 def _run_cases(rank: int, dp: int, cp: int) -> list:
+    dev = worker_device()
     seq_group = None
     if cp > 1:
         groups = [dist.new_group(list(range(i * cp, (i + 1) * cp))) for i in range(dp)]
@@ -68,8 +71,9 @@ def _run_cases(rank: int, dp: int, cp: int) -> list:
         cfg = Cfg(**case)
         scale = 0.2 if case["rollout_is"] in ("token", None) else 0.05
         lp, rlp, mask = make_inputs(B, T, seed=100 + i, scale=scale, pad_rows=(2, 3, 4, 5, 6))
-        ref = compute_rollout_correction(lp, rlp, mask, cfg)
         _, _, dense = R.rollout_correction_dense(lp.double(), rlp.double(), mask, cfg)
+        lp, rlp, mask = lp.to(dev), rlp.to(dev), mask.to(dev)
+        ref = compute_rollout_correction(lp, rlp, mask, cfg)
         shard = lambda x: x[rows][:, cols].contiguous()  # noqa: E731
         res = compute_rollout_correction(shard(lp), shard(rlp), shard(mask), cfg, dp_group=dp_group,
                                          seq_group=seq_group)
@@ -89,16 +93,16 @@ def _run_cases(rank: int, dp: int, cp: int) -> list:
     return failures
 
 
-def _worker(rank: int, world: int, port: int, dp: int, cp: int) -> None:
+def _worker(rank: int, world: int, port: int, dp: int, cp: int, device: str = "cpu") -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    local = init_worker_group(rank, world, device)
     try:
         try:
             failures = _run_cases(rank, dp, cp)
         except Exception:  # a crash is a failure too, but the flag must still be reduced
             failures = [f"rank {rank} raised:\n{traceback.format_exc()}"]
-        flag = torch.tensor([1.0 if failures else 0.0])
+        flag = torch.tensor([1.0 if failures else 0.0], device=local)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if flag.item() > 0:
             raise AssertionError("\n".join(failures) or f"rank {rank}: another rank failed")
@@ -106,10 +110,16 @@ def _worker(rank: int, world: int, port: int, dp: int, cp: int) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("dp,cp", [(2, 1), (4, 1), (1, 2), (2, 2)], ids=["dp2", "dp4", "cp2", "dp2xcp2"])
-def test_distributed_equals_single_process(dp, cp):
+#: (dp, cp, device) for each layout on gloo and on NCCL (skipped with the reason without dp * cp GPUs).
+LAYOUTS = [pytest.param(dp, cp, p.values[0], marks=p.marks, id=f"{name}-{p.id}")
+           for (dp, cp), name in zip([(2, 1), (4, 1), (1, 2), (2, 2)], ["dp2", "dp4", "cp2", "dp2xcp2"])
+           for p in dist_params(dp * cp)]
+
+
+@pytest.mark.parametrize("dp,cp,device", LAYOUTS)
+def test_distributed_equals_single_process(dp, cp, device):
     world = dp * cp
-    mp.spawn(_worker, args=(world, _free_port(), dp, cp), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, _free_port(), dp, cp, device), nprocs=world, join=True)
 
 
 # ------------------------------------------------------------------ settings that differ between ranks (issue 8 §7)
@@ -133,7 +143,7 @@ MISMATCH = {
 
 
 def _mismatch_worker(rank, world, case, odd_rank):
-    lp, rlp, mask = make_inputs(B, T, seed=7, scale=0.2, pad_rows=(2,))
+    lp, rlp, mask = make_inputs(B, T, seed=7, scale=0.2, pad_rows=(2,))  # gloo only: see MISMATCH_DEVICES
     rows = _row_block(rank, world)
     kwargs, nonfinite = MISMATCH[case][1 if rank == odd_rank else 0]
     shard = [x[rows] for x in (lp, rlp, mask)]
@@ -149,18 +159,26 @@ def _mismatch_worker(rank, world, case, odd_rank):
     torch.testing.assert_close(res.weights, ref.weights[rows], **TOL[torch.float32])
 
 
+#: The config check over dp_group is a ValueError on every rank for CPU tensors; on CUDA it is an asynchronous device
+#: assert (no host sync), which would poison the NCCL workers' contexts: tests/test_cuda.py asserts it in a subprocess
+#: (rollout_check with agree=False, what the reduce hands it).
+MISMATCH_CUDA = "a config mismatch over dp_group is an asynchronous device assert on CUDA (tests/test_cuda.py)"
+
+
+@pytest.mark.parametrize("device", dist_params(2, cuda_reason=MISMATCH_CUDA))
 @pytest.mark.parametrize("case", sorted(MISMATCH))
-def test_dp_ranks_with_different_configs_raise_on_every_rank(case):
-    run_workers(_mismatch_worker, 2, case, 1)
+def test_dp_ranks_with_different_configs_raise_on_every_rank(case, device):
+    run_workers(_mismatch_worker, 2, case, 1, device=device)
 
 
-def test_dp_one_rank_of_three_differs_every_rank_raises():
-    run_workers(_mismatch_worker, 3, "criteria_count", 2)
+@pytest.mark.parametrize("device", dist_params(3, cuda_reason=MISMATCH_CUDA))
+def test_dp_one_rank_of_three_differs_every_rank_raises(device):
+    run_workers(_mismatch_worker, 3, "criteria_count", 2, device=device)
 
 
 def _uneven_rows_worker(rank, world):
     """Different (and empty) row counts on DP ranks are legal: every metric is the single-process value."""
-    lp, rlp, mask = make_inputs(B, T, seed=8, scale=0.2, pad_rows=(4,))
+    lp, rlp, mask = (x.to(worker_device()) for x in make_inputs(B, T, seed=8, scale=0.2, pad_rows=(4,)))
     cuts = [0, 0, 5, B][: world + 1] if world == 3 else [0, 17, B]
     rows = slice(cuts[rank], cuts[rank + 1])
     cfg = Cfg(**MISMATCH["criteria_count"][1][0])
@@ -172,13 +190,16 @@ def _uneven_rows_worker(rank, world):
     torch.testing.assert_close(res.weights, ref.weights[rows], **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_dp_uneven_row_counts_still_equal_single_process(world):
-    run_workers(_uneven_rows_worker, world)
+@pytest.mark.parametrize("world,device", [pytest.param(w, p.values[0], marks=p.marks, id=f"{w}-{p.id}")
+                                          for w in (2, 3) for p in dist_params(w)])
+def test_dp_uneven_row_counts_still_equal_single_process(world, device):
+    run_workers(_uneven_rows_worker, world, device=device)
 
 
 def _cp_rows_worker(rank, world):
-    lp, rlp, mask = make_inputs(B, T, seed=9, scale=0.2)
+    """The row-count check of seq_group is read on the host (one 16-byte all-reduce): a ValueError on every rank on
+    gloo and NCCL alike."""
+    lp, rlp, mask = (x.to(worker_device()) for x in make_inputs(B, T, seed=9, scale=0.2))
     cols = _zigzag_cols(rank, world)
     cfg = Cfg(**_CFG_A)
     rows = slice(0, B - 1) if rank == 1 else slice(0, B)  # rank 1 lost a sequence
@@ -192,5 +213,6 @@ def _cp_rows_worker(rank, world):
     assert not errors, errors
 
 
-def test_cp_ranks_with_different_row_counts_raise_on_every_rank():
-    run_workers(_cp_rows_worker, 2)
+@pytest.mark.parametrize("device", dist_params(2))
+def test_cp_ranks_with_different_row_counts_raise_on_every_rank(device):
+    run_workers(_cp_rows_worker, 2, device=device)

@@ -4,7 +4,8 @@ The step: vocab-parallel log-probs and entropy (with backward), rollout correcti
 metric), the PPO policy loss with the IS weights, and agg_loss. Under ``aot_eager`` and ``inductor`` on CPU it must
 compile into one graph (``fullgraph=True`` raises on any graph break; ``torch._dynamo.explain`` counts them) and
 give the eager results and gradients. Value checks live behind the op boundary (the ops raise, or assert
-asynchronously on CUDA), so nothing in the step reads a tensor on the host.
+asynchronously on CUDA), so nothing in the step reads a tensor on the host. Each test runs on CPU tensors and on CUDA
+tensors (skipped with the reason without a GPU); the emulator registers no torch.ops.rollout_corr kernels to trace.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import pytest
 import torch
 
 import rollout_corr_ext as rc
+from rollout_corr_testing.backends import device_params
+
+DEVICES = device_params("cpu", "cuda")
 
 pytestmark = pytest.mark.skipif(rc.backend() == "reference",
                                 reason="the pure-PyTorch fallback checks values on the host (graph breaks by design); "
@@ -32,7 +36,7 @@ def _step(logits, target, old_lp, rollout_lp, mask, adv):
     return pg_loss - 0.01 * ent, res.metrics, pg_metrics
 
 
-def _inputs(dtype=torch.float32):
+def _inputs(dtype=torch.float32, device="cpu"):
     g = torch.Generator().manual_seed(0)
     b, t, v = 3, 12, 40
     logits = torch.randn(b, t, v, generator=g).to(dtype)
@@ -43,20 +47,23 @@ def _inputs(dtype=torch.float32):
     mask = torch.ones(b, t, dtype=torch.bool)
     mask[1, 8:] = False
     adv = torch.randn(b, t, generator=g)
-    return logits, target, old, rollout, mask, adv
+    return tuple(x.to(device) for x in (logits, target, old, rollout, mask, adv))
 
 
-def test_the_step_has_no_graph_break():
-    args = _inputs()
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_step_has_no_graph_break(device):
+    torch._dynamo.reset()
+    args = _inputs(device=device)
     explained = torch._dynamo.explain(_step)(args[0].clone().requires_grad_(True), *args[1:])
     assert explained.graph_break_count == 0, [str(r.reason)[:300] for r in explained.break_reasons]
     assert explained.graph_count == 1
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_fullgraph_compile_equals_eager(backend):
+def test_fullgraph_compile_equals_eager(backend, device):
     torch._dynamo.reset()
-    args = _inputs()
+    args = _inputs(device=device)
     x_eager = args[0].clone().requires_grad_(True)
     loss_e, met_e, pg_e = _step(x_eager, *args[1:])
     loss_e.backward()
@@ -73,7 +80,9 @@ def test_fullgraph_compile_equals_eager(backend):
         torch.testing.assert_close(pg_c[k], pg_e[k], rtol=1e-6, atol=1e-9, msg=k)
 
 
-def test_compiled_step_still_raises_clear_errors():
+@pytest.mark.parametrize("device", device_params("cpu", cuda_reason="on CUDA the check is an asynchronous device "
+                                                                    "assert (tests/test_cuda.py, in a subprocess)"))
+def test_compiled_step_still_raises_clear_errors(device):
     """The checks survive compilation: a NaN log-prob at a response token is still a named ValueError."""
     torch._dynamo.reset()
     logits, target, old, rollout, mask, adv = _inputs()
