@@ -37,6 +37,22 @@ On a machine shared with other jobs every multi-threaded op can wait a scheduler
 thread, which inflates implementations made of many small ops (verl: ~500) far more than ours (3 op calls): the
 run prints how much CPU other processes used while it was timing; ``--threads 1`` is less sensitive to that.
 
+``--device cuda`` runs every row on the GPU (inputs made on the CPU and copied once): each timed call is followed by
+``torch.cuda.synchronize()``, the caches are flushed by reading a 256 MiB buffer (several times the 50 MiB L2 of an
+H100), peak extra memory is the CUDA allocator's peak above what was allocated before the call, and
+``--peak-gbps`` (the GPU's HBM bandwidth) adds a "% of HBM peak" column::
+
+    python benchmarks/bench_rollout_corr.py --device cuda --peak-gbps 3350 [--b 256 --t 8192 --repeats 20]
+
+``--packed`` compares the two layouts of the same sequences (issue: packed sequences), in one run: B sequences
+(``--b``, default 64) with lengths uniform in [``--min-len`` 64, ``--t`` 8192], as a padded ``[B, T]`` batch + mask
+and as megatron's packed token stream + ``cu_seqlens``; rows: ours padded, ours packed, and what a packed trainer
+paid before packed input existed (unpack the stream into a zero-padded ``[B, T]`` batch, then ours padded). Columns:
+tokens stored (real + padding), input MiB, median time, peak extra memory, effective GB/s over the real tokens, and
+whether the per-token weights / masks and every metric equal the padded row's::
+
+    python benchmarks/bench_rollout_corr.py --packed [--b 64 --t 8192 --min-len 64 --repeats 5]
+
 ``--dist`` instead measures what the cross-rank checks cost on 2 gloo ranks (one thread each), per call of
 ``compute_rollout_correction`` on a ``--b`` x ``--t`` shard per rank: DP (``dp_group``: the partials travel at the
 fixed wire size with the config fingerprint, no extra collective) and CP (``seq_group``: one extra 16-byte
@@ -78,7 +94,7 @@ COPY = "plain read + write (copy lp and mask)"
 BYTES_PER_TOKEN = {OURS: 2 * (4 + 4 + 1) + 4 + 1, VERL: 2 * (4 + 4 + 1) + 4 + 1, READ: 4 + 4 + 1, COPY: 2 * (4 + 1)}
 
 
-def make_inputs(b: int, t: int):
+def make_inputs(b: int, t: int, device: str = "cpu"):
     g = torch.Generator().manual_seed(0)
     rlp = -torch.rand(b, t, generator=g) * 4.0
     sigma = 0.01 + 0.08 * torch.rand(b, 1, generator=g)  # per-row mismatch level
@@ -88,7 +104,7 @@ def make_inputs(b: int, t: int):
     lp = rlp + noise
     lengths = torch.randint(t // 4, t + 1, (b,), generator=g)
     mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)
-    return lp, rlp, mask
+    return lp.to(device), rlp.to(device), mask.to(device)
 
 
 def _import_verl():
@@ -222,6 +238,21 @@ def _rss_kib(field: str) -> int:
     return 0
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def cuda_peak_memory(fn) -> float:
+    """Peak extra CUDA memory (MiB) of one call: the allocator's peak above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def measure_peak_memory(name: str, b: int, t: int) -> float:
     """Peak extra RSS (MiB) of one call, measured in this (fresh) process after the inputs exist."""
     cfg = rc.RolloutCorrectionConfig(**CFG)
@@ -263,6 +294,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     ap.add_argument("--warm-cache", action="store_true", help="do not evict the inputs from the caches between calls")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the inputs and every row run")
+    ap.add_argument("--peak-gbps", type=float, default=None,
+                    help="the device's peak memory bandwidth (GB/s), for a %% of peak column (e.g. 3350 on an H100 SXM)")
     ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
@@ -278,21 +312,35 @@ def main() -> None:
         print(f"{banner}\n!!! verl could not be imported ({verl_info}):\n!!! the verl row is SKIPPED and there is "
               f"no speed-up column. Install verl==0.9.1 to compare.\n{banner}\n", flush=True)
 
-    lp, rlp, mask = make_inputs(args.b, args.t)
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    if device == "cuda" and rc.backend() != "cuda":
+        print(f"!!! --device cuda but the extension's backend is {rc.backend()!r}: ours runs the pure-PyTorch fallback "
+              f"(build with FORCE_CUDA=1, or run scripts/gpu_check.sh)", flush=True)
+    lp, rlp, mask = make_inputs(args.b, args.t, device)
     cfg = rc.RolloutCorrectionConfig(**CFG)
     n = lp.numel()
     fns = {name: SETUPS[name](lp, rlp, mask, cfg) for name in names}
-    flush = None if args.warm_cache else torch.ones(24 * 1024 * 1024)  # 96 MiB, several times any L3
+    if args.warm_cache:
+        flush = None
+    elif device == "cuda":
+        flush = torch.ones(64 * 1024 * 1024, device="cuda")  # 256 MiB, several times an H100's 50 MiB L2
+    else:
+        flush = torch.ones(24 * 1024 * 1024)  # 96 MiB, several times any L3
 
     probe = OtherLoad()
     results = {name: fn() for name, fn in fns.items()}  # warm-up (and the values compared below)
+    _sync(device)
     times = {name: [] for name in names}
     for _ in range(args.repeats):  # interleaved, so load from other processes hits every row alike
         for name, fn in fns.items():
             if flush is not None:
                 flush.sum()
+            _sync(device)
             t0 = time.perf_counter()
             fn()
+            _sync(device)
             times[name].append(time.perf_counter() - t0)
 
     others = probe.share()
@@ -300,7 +348,7 @@ def main() -> None:
     for name in names:
         med = statistics.median(times[name])
         syncs, shape_ops = count_syncs(fns[name])
-        peak = peak_memory_subprocess(name, args.b, args.t)
+        peak = cuda_peak_memory(fns[name]) if device == "cuda" else peak_memory_subprocess(name, args.b, args.t)
         gbs = BYTES_PER_TOKEN[name] * n / med / 1e9
         nmet = len(results[name]) if name in (OURS, VERL) else None
         rows[name] = (med, syncs, shape_ops, peak, gbs, nmet)
@@ -309,9 +357,11 @@ def main() -> None:
     verl_med = rows[VERL][0] if VERL in rows else None
     ours = results[OURS]
     cache = "warm caches" if args.warm_cache else "inputs evicted from the caches before each call"
+    where = (f"device cuda ({torch.cuda.get_device_name()}, CUDA {torch.version.cuda})" if device == "cuda"
+             else f"device cpu, {torch.get_num_threads()} threads")
     print(f"rollout correction, B x T = {args.b} x {args.t} ({n / 1e6:.2f} M tokens), fp32 log-probs, bool mask, "
           f"{CFG_TEXT}, all metrics read as floats")
-    print(f"backend={rc.backend()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    print(f"{where}, backend={rc.backend()}, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, verl {verl_info if H is not None else 'NOT AVAILABLE'}; median of {args.repeats} "
           f"after a warm-up, {cache};\n"
           f"other processes used {others:.0%} of the {os.cpu_count()} CPUs while this run was timing (1-min load "
@@ -321,17 +371,19 @@ def main() -> None:
           f"{ours['rollout_corr/seq_masked_fraction']:.1%} of sequences ("
           f"{ours['rollout_corr/masked_fraction']:.1%} of tokens) rejected in all")
     print()
+    peak_col = args.peak_gbps is not None
     print("| implementation | median time (ms) | speed-up vs verl | host syncs | peak extra memory (MiB) "
-          "| effective GB/s | of plain-read GB/s | metrics |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| effective GB/s | of plain-read GB/s |" + (" % of HBM peak |" if peak_col else "") + " metrics |")
+    print("|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if peak_col else "") + "---:|")
     for name in names:
         med, syncs, shape_ops, peak, gbs, nmet = rows[name]
         speed = _fmt(verl_med / med) + "x" if verl_med else "n/a (no verl)"
         sync = f"{syncs}" + (f" (+{shape_ops})" if shape_ops else "")
         mem = f"{peak:.0f}" if peak is not None else "?"
         label = name if name in (OURS, VERL) else f"{name}, {BYTES_PER_TOKEN[name]} B/token"
-        print(f"| {label} | {_fmt(med * 1e3)} | {speed} | {sync} | {mem} | {gbs:.2f} | {gbs / read_gbs:.1%} "
-              f"| {nmet if nmet is not None else '-'} |")
+        pct = f" {gbs / args.peak_gbps:.1%} |" if peak_col else ""
+        print(f"| {label} | {_fmt(med * 1e3)} | {speed} | {sync} | {mem} | {gbs:.2f} | {gbs / read_gbs:.1%} |{pct} "
+              f"{nmet if nmet is not None else '-'} |")
     print()
     print("spread of the timed runs (min - max, ms): " + "; ".join(
         f"{name.split(':')[0].split(' (')[0]} {_fmt(min(times[name]) * 1e3)} - {_fmt(max(times[name]) * 1e3)}"
@@ -446,6 +498,120 @@ def dist_main(args) -> None:
         print(f"| {name} | {ms:.3f} | {calls} | {gbs} | {mem} |")
 
 
+# ------------------------------------------------------------------------------------------- --packed
+
+
+def make_packed_inputs(b: int, t: int, min_len: int, device: str = "cpu"):
+    """The same B sequences (lengths uniform in [min_len, t]) padded and packed:
+    ((lp, rlp, mask) [B, t], (lp, rlp, mask of ones) [sum of lengths], cu_seqlens int32 [B + 1]). The packed
+    stream's mask is all ones here (every token a response token); in a trainer it also masks prompt / tool tokens."""
+    lp, rlp, _ = make_inputs(b, t)
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(min_len, t + 1, (b,), generator=g)
+    mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)
+    lp, rlp = lp.masked_fill(~mask, 0.0), rlp.masked_fill(~mask, 0.0)
+    cu = torch.zeros(b + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    packed = (lp[mask].contiguous(), rlp[mask].contiguous(), torch.ones(int(lengths.sum()), dtype=torch.bool))
+    to = lambda x: x.to(device)  # noqa: E731
+    return tuple(map(to, (lp, rlp, mask))), tuple(map(to, packed)), to(cu)
+
+
+def _unpack(x: torch.Tensor, cu: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """The packed stream scattered into a zero-padded [B, t] batch (what a trainer did without packed input)."""
+    lengths = cu[1:] - cu[:-1]
+    mask = torch.arange(t, device=x.device).unsqueeze(0) < lengths.unsqueeze(1)
+    out = x.new_zeros(b, t)
+    out[mask] = x
+    return out, mask
+
+
+PADDED, PACKED, UNPACK = ("ours, padded [B, T] + mask", "ours, packed [sum L] + cu_seqlens",
+                          "packed stream unpacked to [B, T], then ours padded")
+
+
+def packed_setups(b, t, min_len, device="cpu"):
+    """name -> zero-argument call (returning the result object), on inputs made here."""
+    (lp, rlp, mask), (plp, prlp, pmask), cu = make_packed_inputs(b, t, min_len, device)
+    cfg = rc.RolloutCorrectionConfig(**CFG)
+
+    def unpack_then_padded():
+        ulp, umask = _unpack(plp, cu, b, t)
+        urlp, _ = _unpack(prlp, cu, b, t)
+        return rc.compute_rollout_correction(ulp, urlp, umask, cfg)
+
+    fns = {PADDED: lambda: rc.compute_rollout_correction(lp, rlp, mask, cfg),
+           PACKED: lambda: rc.compute_rollout_correction(plp, prlp, pmask, cfg, cu_seqlens=cu),
+           UNPACK: unpack_then_padded}
+    inputs = {PADDED: (lp, rlp, mask), PACKED: (plp, prlp, pmask, cu), UNPACK: (plp, prlp, cu)}
+    return fns, inputs, mask
+
+
+def measure_packed_peak_memory(name: str, b: int, t: int, min_len: int) -> float:
+    packed_setups(4, 128, 16)[0][name]().as_floats()  # lazy imports and one-off allocations, on a tiny batch
+    fn = packed_setups(b, t, min_len)[0][name]
+    base = _rss_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    fn().as_floats()
+    return (_rss_kib("VmHWM") - base) / 1024.0
+
+
+def packed_main(args) -> None:
+    b, t, min_len, device = args.b or 64, args.t, args.min_len, args.device
+    fns, inputs, mask = packed_setups(b, t, min_len, device)
+    real = int(mask.sum())
+    flush = None if args.warm_cache else (torch.ones(64 * 1024 * 1024, device="cuda") if device == "cuda"
+                                          else torch.ones(24 * 1024 * 1024))
+    results = {name: fn() for name, fn in fns.items()}
+    _sync(device)
+    times = {name: [] for name in fns}
+    for _ in range(args.repeats):
+        for name, fn in fns.items():
+            if flush is not None:
+                flush.sum()
+            _sync(device)
+            t0 = time.perf_counter()
+            fn().as_floats()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    ref = results[PADDED]
+    ref_w, ref_m = ref.weights[mask], ref.response_mask[mask]
+    ref_metrics = ref.as_floats()
+    print(f"packed vs padded rollout correction: B = {b} sequences, lengths uniform in [{min_len}, {t}] "
+          f"({real / 1e6:.3f} M real tokens, {b * t / 1e6:.3f} M padded slots: {1 - real / (b * t):.0%} padding), "
+          f"fp32 log-probs, {CFG_TEXT}, metrics read as floats")
+    print(f"device {device}, backend={rc.backend()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"median of {args.repeats} after a warm-up; {'warm caches' if flush is None else 'caches flushed'}")
+    print()
+    print("| layout | tokens stored | input MiB | median time (ms) | peak extra memory (MiB) | GB/s (real tokens) "
+          "| same weights, mask, metrics as padded |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name in fns:
+        res = results[name]
+        med = statistics.median(times[name])
+        stored = sum(x.numel() for x in inputs[name][:2]) // 2
+        in_mib = sum(x.numel() * x.element_size() for x in inputs[name]) / 2**20
+        if device == "cuda":
+            peak = cuda_peak_memory(lambda: fns[name]().as_floats())
+        else:
+            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--packed", "--b", str(b), "--t", str(t),
+                                  "--min-len", str(min_len), "--threads", str(torch.get_num_threads()),
+                                  "--_memory", name], capture_output=True, text=True, env=env)
+            peak = float(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+        w = res.weights if name == PACKED else res.weights[mask]
+        m = res.response_mask if name == PACKED else res.response_mask[mask]
+        same = (torch.equal(w, ref_w) and torch.equal(m, ref_m) and res.as_floats() == ref_metrics)
+        gbs = BYTES_PER_TOKEN[OURS] * real / med / 1e9
+        print(f"| {name} | {stored / 1e6:.3f} M | {in_mib:.1f} | {_fmt(med * 1e3)} | "
+              f"{'?' if peak is None else f'{peak:.0f}'} | {gbs:.2f} | {'yes' if same else 'NO'} |")
+    print()
+    print(f"GB/s: {BYTES_PER_TOKEN[OURS]} B per real token (inputs read twice, weights + mask written once); input MiB: "
+          f"log-probs + mask (padded), + cu_seqlens (packed; the unpack row takes no mask); peak extra memory: resident pages the call "
+          f"touches beyond its inputs (CPU: a fresh subprocess; CUDA: the allocator's peak)")
+
+
 if __name__ == "__main__":
     if "--dist" in sys.argv:
         ap = argparse.ArgumentParser()
@@ -454,5 +620,23 @@ if __name__ == "__main__":
         ap.add_argument("--t", type=int, default=None)
         ap.add_argument("--repeats", type=int, default=None)
         dist_main(ap.parse_args())
+    elif "--packed" in sys.argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--packed", action="store_true")
+        ap.add_argument("--b", type=int, default=None)
+        ap.add_argument("--t", type=int, default=8192)
+        ap.add_argument("--min-len", type=int, default=64)
+        ap.add_argument("--repeats", type=int, default=5)
+        ap.add_argument("--threads", type=int, default=None)
+        ap.add_argument("--warm-cache", action="store_true")
+        ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+        ap.add_argument("--_memory", default=None)
+        pargs = ap.parse_args()
+        if pargs.threads:
+            torch.set_num_threads(pargs.threads)
+        if pargs._memory:
+            print(json.dumps(measure_packed_peak_memory(pargs._memory, pargs.b or 64, pargs.t, pargs.min_len)))
+        else:
+            packed_main(pargs)
     else:
         main()
