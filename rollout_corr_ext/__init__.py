@@ -97,6 +97,7 @@ if not _try_prebuilt():
         )
 
 from .logprobs import vocab_parallel_cross_entropy, vocab_parallel_log_probs  # noqa: E402
+from .linear import linear_log_probs  # noqa: E402
 from .config import RolloutCorrectionConfig  # noqa: E402
 from .correction import RolloutCorrectionResult, compute_offpolicy_metrics, compute_rollout_correction  # noqa: E402
 
@@ -106,6 +107,7 @@ __all__ = [
     "load_extension",
     "vocab_parallel_log_probs",
     "vocab_parallel_cross_entropy",
+    "linear_log_probs",
     "RolloutCorrectionConfig",
     "RolloutCorrectionResult",
     "compute_rollout_correction",

@@ -196,6 +196,37 @@ class _NoDoubleBackward(torch.autograd.Function):
                            "the gradient again, e.g. after create_graph=True) is not supported")
 
 
+def check_target(target, x: torch.Tensor, x_name: str) -> None:
+    """target: int64/int32 token ids of shape x.shape[:-1] on x's device."""
+    if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target must be an int64 (or int32) tensor of token ids, got "
+                        f"{getattr(target, 'dtype', type(target))}")
+    if tuple(target.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"target must have shape {x_name}.shape[:-1] = {tuple(x.shape[:-1])}, "
+                         f"got {tuple(target.shape)}")
+    if target.device != x.device:
+        raise ValueError(f"target is on {target.device} but {x_name} is on {x.device}; they must match")
+
+
+def vocab_layout(vocab_start, vocab_size, rank: int, world: int, local_vocab: int) -> Tuple[int, int]:
+    """(vocab_start, vocab_size) with megatron's even-shard defaults, range-checked."""
+    vocab_start = rank * local_vocab if vocab_start is None else as_int("vocab_start", vocab_start)
+    vocab_size = world * local_vocab if vocab_size is None else as_int("vocab_size", vocab_size)
+    if vocab_start < 0:
+        raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    return vocab_start, vocab_size
+
+
+def check_single_shard(world: int, vocab_start: int, vocab_size: int, local_vocab: int, what: str,
+                       local_name: str) -> None:
+    if world == 1 and (vocab_start != 0 or vocab_size > local_vocab):
+        raise ValueError(f"with a single shard (tp_group of size 1 or None) {what} must hold the whole vocab: "
+                         f"vocab_start must be 0 (got {vocab_start}) and vocab_size <= {local_vocab} = "
+                         f"{local_name} (got {vocab_size})")
+
+
 def _vocab_parallel(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -213,14 +244,7 @@ def _vocab_parallel(
                         f"{getattr(logits, 'dtype', type(logits))}")
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have a non-empty last (vocab) dimension, got shape {tuple(logits.shape)}")
-    if not isinstance(target, torch.Tensor) or target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target must be an int64 (or int32) tensor of token ids, got "
-                        f"{getattr(target, 'dtype', type(target))}")
-    if tuple(target.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"target must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
-                         f"got {tuple(target.shape)}")
-    if target.device != logits.device:
-        raise ValueError(f"target is on {target.device} but logits is on {logits.device}; they must match")
+    check_target(target, logits, "logits")
     temperature = _positive_finite("temperature", temperature)
     ignore_index = as_int("ignore_index", ignore_index)
     inplace_backward = as_bool("inplace_backward", inplace_backward)
@@ -235,19 +259,11 @@ def _vocab_parallel(
             f"these logits are probably one vocab shard. Pass tp_group (or use "
             f"rollout_corr_ext.megatron.vocab_parallel_log_probs, which defaults to megatron's group); for logits "
             f"that hold the whole vocab on this rank, pass vocab_size explicitly")
-    vocab_start = rank * local_vocab if vocab_start is None else as_int("vocab_start", vocab_start)
-    vocab_size = world * local_vocab if vocab_size is None else as_int("vocab_size", vocab_size)
-    if vocab_start < 0:
-        raise ValueError(f"vocab_start must be >= 0, got {vocab_start}")
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    vocab_start, vocab_size = vocab_layout(vocab_start, vocab_size, rank, world, local_vocab)
     if with_sum_z and vocab_size < 2:
         raise ValueError(f"label_smoothing > 0 needs vocab_size >= 2 (it spreads mass over the other tokens), got "
                          f"vocab_size={vocab_size}")
-    if world == 1 and (vocab_start != 0 or vocab_size > local_vocab):
-        raise ValueError(f"with a single shard (tp_group of size 1 or None) the logits must hold the whole vocab: "
-                         f"vocab_start must be 0 (got {vocab_start}) and vocab_size <= {local_vocab} = "
-                         f"logits.shape[-1] (got {vocab_size})")
+    check_single_shard(world, vocab_start, vocab_size, local_vocab, "the logits", "logits.shape[-1]")
     if inplace_backward and logits.requires_grad and logits.is_leaf:
         raise ValueError("inplace_backward=True would overwrite a leaf tensor's values with its gradient; it is for "
                          "logits that are an intermediate result (the output layer's output)")

@@ -186,6 +186,7 @@ def make_policy_loss_func(
     reduce_metrics: bool = True,
     packed_seq_params=None,
     cu_seqlens: Optional[torch.Tensor] = None,
+    output_layer=None,
 ) -> Callable:
     """Build the ``loss_func`` that megatron-core's ``forward_backward_func`` expects, for one micro-batch.
 
@@ -240,6 +241,17 @@ def make_policy_loss_func(
     ``[B]``, and the logits are ``[T, 1, V_local]`` (``sbv``) or ``[1, T, V_local]`` (``bsv``). Padding tokens
     between segments must be 0 in ``response_mask``. No reshaping to ``[b, s]`` anywhere: every sequence-level
     quantity reduces over its segment in the kernels.
+
+    **Hidden states instead of logits** (``output_layer``): pass the output layer (megatron's ``ColumnParallelLinear``
+    ``model.output_layer``, or anything with a ``[V_local, H]`` ``weight`` and optional ``bias``) and return the
+    final hidden states ``[s, b, H]`` (``bsv``: ``[b, s, H]``; packed: ``[T, 1, H]`` / ``[1, T, H]``) from
+    ``forward_step_func`` instead of the logits (megatron: ``GPTModel.forward(..., runtime_gather_output=...)`` is
+    not called for the output layer; e.g. ``model.decoder(...)`` then the final norm). The log-probs then come from
+    :func:`rollout_corr_ext.linear_log_probs`: the ``[N, V_local]`` logits are never materialized. The hidden states
+    enter it through megatron's "copy to tensor-parallel region" (identity forward, all-reduce of the gradient over
+    the TP group in backward), as the output layer's own input does, so the transformer below gets the full
+    gradient. Sequence parallelism (the output layer all-gathering sequence-sharded input) is not supported here:
+    an ``output_layer`` with ``sequence_parallel=True`` raises.
     """
     cfg = _as_config(config)
     _check_mode(loss_agg_mode)
@@ -292,30 +304,45 @@ def make_policy_loss_func(
         raise ValueError("decoupled rollout correction needs old_log_prob (pi_old recomputed by the trainer); "
                          "set bypass_mode=True to use pi_rollout as pi_old instead")
     metric_group = dp if dp is not None else seq  # the ranks the global batch is split over
+    if output_layer is not None:
+        out_weight = getattr(output_layer, "weight", None)
+        if not isinstance(out_weight, torch.Tensor) or out_weight.dim() != 2:
+            raise ValueError("output_layer must have a [V_local, H] weight tensor (megatron's ColumnParallelLinear "
+                             "output layer)")
+        if getattr(output_layer, "sequence_parallel", False):
+            raise ValueError("output_layer with sequence_parallel=True is not supported: its input is sharded along "
+                             "the sequence and all-gathered inside the layer; pass the logits instead")
+        out_bias = None if getattr(output_layer, "skip_bias_add", False) else getattr(output_layer, "bias", None)
+
+    def log_probs(x, tgt):
+        if output_layer is None:
+            return _lp.vocab_parallel_log_probs(x, tgt, tp, vocab_size=vocab_size, temperature=temperature,
+                                                return_entropy=True)
+        from .linear import copy_to_tensor_parallel_region, linear_log_probs
+
+        return linear_log_probs(copy_to_tensor_parallel_region(x, tp), out_weight, tgt, tp, bias=out_bias,
+                                vocab_size=vocab_size, temperature=temperature, return_entropy=True)
     if not entropy_coeff >= 0:
         raise ValueError(f"entropy_coeff must be >= 0, got {entropy_coeff}")
 
     def loss_func(output_tensor: torch.Tensor, non_loss_data: bool = False):
         logits = output_tensor[0] if isinstance(output_tensor, (tuple, list)) else output_tensor
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
-            raise ValueError(f"loss_func expects vocab-parallel logits [s, b, V_local] (or [b, s, V_local]), got "
+            raise ValueError(f"loss_func expects vocab-parallel logits [s, b, V_local] (or [b, s, V_local]; with "
+                             f"output_layer: hidden states [s, b, H] / [b, s, H]), got "
                              f"{getattr(logits, 'shape', type(logits))}")
         tgt = target.to(logits.device)
         if cu is not None:  # [T, 1, V] or [1, T, V]: the log-probs of the stream, [T]
             if logits.shape[:-1].numel() != tgt.shape[0] or 1 not in tuple(logits.shape[:-1]):
                 raise ValueError(f"packed sequences: logits must be [T, 1, V_local] or [1, T, V_local] with T = "
                                  f"{tgt.shape[0]}, got {tuple(logits.shape)}")
-            logp, entropy = _lp.vocab_parallel_log_probs(logits, tgt.reshape(logits.shape[:-1]), tp,
-                                                         vocab_size=vocab_size, temperature=temperature,
-                                                         return_entropy=True)
+            logp, entropy = log_probs(logits, tgt.reshape(logits.shape[:-1]))
             logp, entropy = logp.reshape(-1), entropy.reshape(-1)
         elif logits_layout == "sbv":
-            logp, entropy = _lp.vocab_parallel_log_probs(logits, tgt.transpose(0, 1), tp, vocab_size=vocab_size,
-                                                         temperature=temperature, return_entropy=True)
+            logp, entropy = log_probs(logits, tgt.transpose(0, 1))
             logp, entropy = logp.transpose(0, 1), entropy.transpose(0, 1)
         else:
-            logp, entropy = _lp.vocab_parallel_log_probs(logits, tgt, tp, vocab_size=vocab_size,
-                                                         temperature=temperature, return_entropy=True)
+            logp, entropy = log_probs(logits, tgt)
         if non_loss_data:
             return {"log_prob": logp.detach(), "entropy": entropy.detach()}
 

@@ -1,0 +1,164 @@
+"""Log-probs from hidden states: ``linear_log_probs`` (chunked, [N, V] never materialized) vs the materialized path.
+
+Rows, measured in the same run on the same inputs (``hidden`` [N, H], output-layer shard ``weight`` [V_local, H],
+targets, return_entropy=True; forward + backward of ``(logp * w1 + entropy * w2).sum()`` with respect to hidden and
+weight):
+
+* materialized: ``logits = hidden @ weight.T`` then ``rollout_corr_ext.vocab_parallel_log_probs`` (what a megatron
+  trainer does with its output layer today);
+* fused: ``rollout_corr_ext.linear_log_probs(hidden, weight, ...)`` with its default chunk (2048 rows x 8192 vocab
+  columns).
+
+Columns: median wall time of forward + backward (``--repeats``, after a warm-up) at ``--n-time`` rows, and the
+fused / materialized time ratio; for every N of ``--n``: peak extra resident memory of one forward + backward,
+measured in a fresh subprocess (RSS high-water mark above the RSS once the inputs exist, glibc's mmap threshold
+fixed so freed buffers go back to the system), both with and without the gradients both paths must return
+(``grad_hidden`` [N, H] and ``grad_weight`` [V_local, H]), and the fused / materialized ratio of the latter.
+
+Run (the issue's size is ``--hidden 2048``; on a 2-core CPU one fp32 forward + backward at N = 8192 then takes
+about a minute per path, so the default here is ``--hidden 512``, which leaves the memory ratio of the logits-sized
+buffers unchanged)::
+
+    python benchmarks/bench_linear_logprob.py [--hidden 512 --vocab 32000 --n 2048 4096 8192 16384 --n-time 8192]
+    python benchmarks/bench_linear_logprob.py --device cuda   # on a GPU: CUDA allocator peaks, cuda.synchronize
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import rollout_corr_ext as rc  # noqa: E402
+
+PATHS = ("materialized", "fused")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_inputs(n, h, v, dtype, device):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=g).to(dtype).to(device)
+    weight = (torch.randn(v, h, generator=g) / h ** 0.5).to(dtype).to(device)
+    target = torch.randint(0, v, (n,), generator=g).to(device)
+    w1, w2 = torch.randn(n, generator=g).to(device), torch.randn(n, generator=g).to(device)
+    return hidden.requires_grad_(True), weight.requires_grad_(True), target, w1, w2
+
+
+def step(path, hidden, weight, target, w1, w2):
+    """One forward + backward; the gradients land in hidden.grad / weight.grad."""
+    hidden.grad = weight.grad = None
+    if path == "materialized":
+        logits = hidden @ weight.t()
+        logp, ent = rc.vocab_parallel_log_probs(logits, target, return_entropy=True)
+    else:
+        logp, ent = rc.linear_log_probs(hidden, weight, target, return_entropy=True)
+    (logp * w1 + ent * w2).sum().backward()
+
+
+def _rss_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+def measure_memory(path, n, h, v, dtype, device):
+    """Peak extra memory (MiB) of one forward + backward in this fresh process."""
+    step(path, *make_inputs(64, h, 256, dtype, device))  # lazy initialisation on a tiny problem
+    inputs = make_inputs(n, h, v, dtype, device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step(path, *inputs)
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    base = _rss_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # reset the high-water mark to the current RSS
+        f.write("5")
+    step(path, *inputs)
+    return (_rss_kib("VmHWM") - base) / 1024.0
+
+
+def memory_subprocess(path, n, h, v, dtype_name, device):
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--_memory", path, "--n", str(n), "--hidden",
+                          str(h), "--vocab", str(v), "--dtypes", dtype_name, "--device", device],
+                         capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        print(f"(memory of {path} at N={n} failed: {out.stderr.strip().splitlines()[-1:]})")
+        return None
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=32000, help="V_local: rows of this rank's output-layer shard")
+    ap.add_argument("--n", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    ap.add_argument("--n-time", type=int, default=8192)
+    ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    h, v, device = args.hidden, args.vocab, args.device
+    if args._memory:
+        print(json.dumps(measure_memory(args._memory, args.n[0], h, v, DTYPES[args.dtypes[0]], device)))
+        return
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    print(f"log-probs + entropy from hidden states: H = {h}, V_local = {v}, forward + backward w.r.t. hidden and "
+          f"weight; device {device}, backend={rc.backend()}, torch {torch.__version__}, {torch.get_num_threads()} "
+          f"threads; fused chunk {rc.linear.DEFAULT_CHUNK_ROWS} x {rc.linear.DEFAULT_CHUNK_COLS}")
+    print()
+    print(f"time at N = {args.n_time} (median of {args.repeats} after a warm-up):")
+    print()
+    print("| dtype | materialized (s) | fused (s) | fused / materialized |")
+    print("|---|---:|---:|---:|")
+    for name in args.dtypes:
+        inputs = make_inputs(args.n_time, h, v, DTYPES[name], device)
+        med = {}
+        for path in PATHS:
+            step(path, *inputs)
+            sync()
+        times = {p: [] for p in PATHS}
+        for _ in range(args.repeats):
+            for path in PATHS:  # interleaved, so load from other processes hits both alike
+                t0 = time.perf_counter()
+                step(path, *inputs)
+                sync()
+                times[path].append(time.perf_counter() - t0)
+        med = {p: statistics.median(t) for p, t in times.items()}
+        print(f"| {name} | {med['materialized']:.2f} | {med['fused']:.2f} | "
+              f"{med['fused'] / med['materialized']:.2f}x |", flush=True)
+        del inputs
+    print()
+    print("peak extra memory of one forward + backward (MiB; in brackets: without the returned grad_hidden and "
+          "grad_weight):")
+    print()
+    print("| dtype | N | logits [N, V_local] | materialized | fused | fused / materialized (without grads) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name in args.dtypes:
+        elem = torch.empty((), dtype=DTYPES[name]).element_size()
+        for n in args.n:
+            grads = (n * h + v * h) * elem / 2**20
+            mem = {p: memory_subprocess(p, n, h, v, name, device) for p in PATHS}
+            if None in mem.values():
+                continue
+            wo = {p: max(m - grads, 0.0) for p, m in mem.items()}
+            print(f"| {name} | {n} | {n * v * elem / 2**20:.0f} | {mem['materialized']:.0f} "
+                  f"[{wo['materialized']:.0f}] | {mem['fused']:.0f} [{wo['fused']:.0f}] | "
+                  f"{wo['fused'] / max(wo['materialized'], 1e-9):.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""Log-probs and entropy straight from hidden states: the output layer fused in, ``[N, V]`` never materialized.
+
+``linear_log_probs(hidden, weight, target, tp_group)`` returns what
+``vocab_parallel_log_probs(hidden @ weight.T (+ bias), target, tp_group)`` returns, for megatron-core's
+``ColumnParallelLinear`` output layer (``weight`` is this rank's ``[V_local, H]`` shard), but computes the logits a
+chunk at a time (rows x vocab tiles) with the device's GEMM (``torch.matmul``: MKL / oneDNN on CPU, cuBLAS on CUDA),
+folds each chunk into its per-row shard record with the log-prob op's own kernel (``vocab_row_stats``: max, sum of
+exponentials, sum of e^z z, target logit), and discards it. The records of every chunk of every rank travel in
+**one** all-gather and are merged by the same kernel as the materialized path (``merge_row_stats``: each vocab tile
+is a shard of the merge, so the layout checks, ``-inf`` rules, extreme-value handling and errors are exactly those
+of :func:`~rollout_corr_ext.vocab_parallel_log_probs`). Backward recomputes each chunk, turns it into its logit
+gradient in place (``logprob_backward_``) and accumulates ``grad_hidden`` (``g @ W``), ``grad_weight`` (``g.T @ h``)
+and ``grad_bias``: no ``[N, V_local]`` buffer and no collective (each rank owns its shard's gradient; megatron's
+``ColumnParallelLinear`` all-reduces ``grad_hidden`` over TP itself, as for the materialized output layer).
+
+Memory model (beyond inputs and the gradients autograd must return): one logits chunk of
+``chunk_rows x chunk_cols`` in the logits dtype, the records (16-20 bytes per row per vocab tile), and for 16-bit
+inputs fp32 accumulators for ``grad_hidden`` ``[N, H]`` and one vocab tile of ``grad_weight`` (fp32 inputs
+accumulate into the returned gradients directly). See docs/logprobs.md.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple, Union
+
+import torch
+
+from rollout_corr_ext import fallback, ops
+from rollout_corr_ext.logprobs import (
+    _all_gather,
+    _assert_status,
+    _group_size_rank,
+    _positive_finite,
+    as_bool,
+    as_int,
+    check_single_shard,
+    check_target,
+    vocab_layout,
+)
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: Default chunk: 2048 rows x 8192 vocab columns (64 MiB of fp32 logits, 32 MiB of bf16).
+DEFAULT_CHUNK_ROWS = 2048
+DEFAULT_CHUNK_COLS = 8192
+
+
+def _ranges(n: int, step: int) -> List[Tuple[int, int]]:
+    """[start, end) pieces of [0, n) of length step (the last shorter); one empty piece when n == 0, so that every
+    rank still takes part in the collective with a well-formed (empty) record."""
+    return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
+    z = torch.matmul(h, w.t())
+    if b is not None:
+        z += b
+    return z
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    """(hidden [N, H], weight [V_local, H], bias [V_local] or None, target [N]) -> (logp [N], entropy [N])."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, tp_group, world, vocab_start, vocab_size, inv_temperature,
+                ignore_index, chunk_rows, chunk_cols, check_group):
+        rows = _ranges(hidden.shape[0], chunk_rows)
+        tiles = _ranges(weight.shape[0], chunk_cols)
+        records = []
+        for r0, r1 in rows:
+            h, t = hidden[r0:r1], target[r0:r1]
+            for c0, c1 in tiles:
+                z = _chunk_logits(h, weight[c0:c1], None if bias is None else bias[c0:c1])
+                # Each vocab tile is one shard of the merge; the chunk is dropped as soon as its record is taken.
+                records.append(ops.vocab_row_stats(z, t, vocab_start + c0, vocab_size, inv_temperature,
+                                                   ignore_index, False))
+                del z
+        lengths = [r.numel() for r in records]
+        flat = torch.cat(records)
+        if world > 1:
+            if check_group:
+                _check_headers(records, tp_group, world, vocab_size, len(rows), len(tiles))
+            gathered = _all_gather(flat, tp_group, world)  # the one collective: every chunk's record at once
+        else:
+            gathered = flat.unsqueeze(0)
+        logps, entropies, states = [], [], []
+        offset = 0
+        for i, (r0, r1) in enumerate(rows):
+            n_rec = lengths[i * len(tiles)]
+            span = n_rec * len(tiles)
+            shards = gathered[:, offset:offset + span].reshape(world * len(tiles), n_rec)
+            offset += span
+            logp, entropy, _, row_state, status = ops.merge_row_stats(shards, target[r0:r1], ignore_index,
+                                                                      vocab_size, inv_temperature, False)
+            if hidden.device.type == "cuda":
+                _assert_status(status)
+            logps.append(logp)
+            entropies.append(entropy)
+            states.append(row_state)
+        row_state = torch.cat(states)
+        ctx.save_for_backward(hidden, weight, bias, target, row_state)
+        ctx.args = (vocab_start, vocab_size, inv_temperature, ignore_index, chunk_rows, chunk_cols)
+        ctx.set_materialize_grads(False)
+        return torch.cat(logps), torch.cat(entropies)
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, target, row_state = ctx.saved_tensors
+        vocab_start, vocab_size, inv_temperature, ignore_index, chunk_rows, chunk_cols = ctx.args
+        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if (grad_logp is None and grad_entropy is None) or not (need_h or need_w or need_b):
+            return (None,) * 13
+        with torch.no_grad():
+            grads = _backward(hidden, weight, bias, target, row_state, grad_logp, grad_entropy, vocab_start,
+                              vocab_size, inv_temperature, ignore_index, chunk_rows, chunk_cols, need_h, need_w,
+                              need_b)
+        return grads + (None,) * 10
+
+
+def _backward(hidden, weight, bias, target, row_state, grad_logp, grad_entropy, vocab_start, vocab_size,
+              inv_temperature, ignore_index, chunk_rows, chunk_cols, need_h, need_w, need_b):
+    exact = hidden.dtype in (torch.float32, torch.float64)  # accumulate in the gradients' own dtype
+    acc = hidden.dtype if exact else torch.float32
+    grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+    grad_w = torch.empty_like(weight) if need_w else None
+    grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
+    rows = _ranges(hidden.shape[0], chunk_rows)
+    for c0, c1 in _ranges(weight.shape[0], chunk_cols):
+        w = weight[c0:c1]
+        b = None if bias is None else bias[c0:c1]
+        gw = None
+        if need_w:
+            gw = grad_w[c0:c1] if exact else torch.zeros(w.shape, dtype=acc, device=w.device)
+            if exact:
+                gw.zero_()
+        for r0, r1 in rows:
+            if r1 == r0:
+                continue
+            h = hidden[r0:r1]
+            g = _chunk_logits(h, w, b)  # recomputed, then overwritten with d(loss)/d(logits)
+            ops.logprob_backward_(g, None if grad_logp is None else grad_logp[r0:r1],
+                                  None if grad_entropy is None else grad_entropy[r0:r1], None, target[r0:r1],
+                                  row_state[r0:r1], vocab_start + c0, vocab_size, inv_temperature, ignore_index)
+            if need_h:
+                if exact:
+                    grad_h[r0:r1].addmm_(g, w)
+                else:
+                    grad_h[r0:r1] += torch.matmul(g, w)
+            if need_w:
+                if exact:
+                    gw.addmm_(g.t(), h)
+                else:
+                    gw += torch.matmul(g.t(), h)
+            if need_b:
+                grad_b[c0:c1] += g.sum(0, dtype=acc)
+            del g
+        if need_w and not exact:
+            grad_w[c0:c1] = gw
+    return (None if grad_h is None else grad_h.to(hidden.dtype), grad_w,
+            None if grad_b is None else grad_b.to(bias.dtype))
+
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the TP group (megatron-core's
+    ``copy_to_tensor_model_parallel_region``: each rank's output-layer shard contributes part of d(loss)/d(hidden))."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, tp_group) -> torch.Tensor:
+    """``x`` unchanged, with its gradient summed over ``tp_group`` in backward (a no-op without TP)."""
+    if tp_group is None or _group_size_rank(tp_group)[0] == 1:
+        return x
+    return _CopyToTensorParallelRegion.apply(x, tp_group)
+
+
+def _check_headers(records, group, world, vocab_size, n_rows, n_tiles) -> None:
+    """check_group: one tiny all-gather of every record's 64-byte header, checked on the host per row chunk, so ranks
+    with different row counts or layouts get a named error before the records' all-gather."""
+    hl = fallback.header_len(records[0].dtype)
+    headers = torch.cat([r[:hl].clone().view(torch.int64) for r in records])
+    per = headers.numel() // len(records)
+    got = _all_gather(headers, group, world).cpu().view(world, n_rows, n_tiles, per)
+    for i in range(n_rows):
+        why = fallback._layout_error([got[r, i, j].tolist() for r in range(world) for j in range(n_tiles)],
+                                     vocab_size)
+        if why is not None:
+            raise ValueError("linear_log_probs: the tensor-parallel shards do not fit together: " + why.replace(
+                "rank ", "shard "))
+
+
+def linear_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    tp_group=None,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    vocab_start: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    chunk_rows: Optional[int] = None,
+    chunk_cols: Optional[int] = None,
+    check_group: Optional[bool] = None,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """``vocab_parallel_log_probs(hidden @ weight.T + bias, target, tp_group, ...)`` without the logits tensor.
+
+    Args:
+        hidden: ``[..., H]`` hidden states (megatron's ``[s, b, H]``), bf16/fp16/fp32/fp64.
+        weight: this rank's output-layer shard ``[V_local, H]`` (``ColumnParallelLinear.weight``), hidden's dtype and
+            device.
+        target: **global** token ids ``hidden.shape[:-1]`` (int64 or int32), the same on every rank.
+        tp_group: the tensor-parallel group the vocab is split over (None: ``weight`` is the whole vocab).
+        bias: optional ``[V_local]`` bias of the output layer.
+        vocab_start, vocab_size, temperature, ignore_index, return_entropy, check_group: as in
+            :func:`~rollout_corr_ext.vocab_parallel_log_probs` (padded vocab rows of ``weight`` at or past
+            ``vocab_size`` are excluded).
+        chunk_rows, chunk_cols: the logits chunk computed at a time (default 2048 x 8192); larger chunks run the
+            GEMM more efficiently, smaller ones use less memory. Results do not depend on them beyond float rounding
+            of the gradient accumulation.
+
+    Returns:
+        fp32 log-probs ``hidden.shape[:-1]`` (fp64 for fp64 inputs), and the entropy when ``return_entropy``;
+        differentiable with respect to ``hidden``, ``weight`` and ``bias``. One all-gather per forward under TP
+        (plus the 64-byte header check when ``check_group``), none in backward.
+    """
+    if not isinstance(hidden, torch.Tensor) or hidden.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"hidden must be a float16/bfloat16/float32/float64 tensor, got "
+                        f"{getattr(hidden, 'dtype', type(hidden))}")
+    if hidden.dim() < 1 or hidden.shape[-1] == 0:
+        raise ValueError(f"hidden must have a non-empty last (hidden-size) dimension, got shape "
+                         f"{tuple(hidden.shape)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be the [V_local, H] output-layer shard, got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight)}")
+    if weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise ValueError(f"weight must have shape [V_local > 0, H = hidden.shape[-1] = {hidden.shape[-1]}], got "
+                         f"{tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"weight ({weight.dtype}, {weight.device}) must have hidden's dtype and device "
+                         f"({hidden.dtype}, {hidden.device})")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"bias must have shape [V_local] = ({weight.shape[0]},), got "
+                             f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias)}")
+        if bias.dtype != hidden.dtype or bias.device != hidden.device:
+            raise ValueError(f"bias ({bias.dtype}, {bias.device}) must have hidden's dtype and device "
+                             f"({hidden.dtype}, {hidden.device})")
+    check_target(target, hidden, "hidden")
+    temperature = _positive_finite("temperature", temperature)
+    ignore_index = as_int("ignore_index", ignore_index)
+    return_entropy = as_bool("return_entropy", return_entropy)
+    chunk_rows = DEFAULT_CHUNK_ROWS if chunk_rows is None else as_int("chunk_rows", chunk_rows)
+    chunk_cols = DEFAULT_CHUNK_COLS if chunk_cols is None else as_int("chunk_cols", chunk_cols)
+    if chunk_rows < 1 or chunk_cols < 1:
+        raise ValueError(f"chunk_rows and chunk_cols must be >= 1, got {chunk_rows} and {chunk_cols}")
+    world, rank = _group_size_rank(tp_group)
+    local_vocab = weight.shape[0]
+    vocab_start, vocab_size = vocab_layout(vocab_start, vocab_size, rank, world, local_vocab)
+    check_single_shard(world, vocab_start, vocab_size, local_vocab, "weight", "weight.shape[0]")
+    check_group = (hidden.device.type == "cpu") if check_group is None else as_bool("check_group", check_group)
+
+    lead = hidden.shape[:-1]
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    target1d = target.reshape(-1).to(torch.int64).contiguous()
+    logp, entropy = _LinearLogProbs.apply(hidden2d, weight, bias, target1d, tp_group, world, vocab_start,
+                                          vocab_size, 1.0 / temperature, ignore_index, chunk_rows, chunk_cols,
+                                          check_group)
+    logp, entropy = logp.reshape(lead), entropy.reshape(lead)
+    return (logp, entropy) if return_entropy else logp

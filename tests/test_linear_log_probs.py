@@ -1,0 +1,336 @@
+"""linear_log_probs: log-probs and entropy from hidden states with the output layer fused in (issue: [N, V] never
+materialized).
+
+Oracle: ``log_probs_dense`` (``torch.log_softmax`` in fp64) of the full product ``hidden @ weight.T + bias``, with
+its gradient for hidden, weight and bias from autograd. 16-bit inputs: the kernels see the product rounded to the
+input dtype (as the materialized path does), so values are compared with the oracle of those rounded logits, and
+gradients (accumulated chunk by chunk) are held to be no less accurate than the materialized path's
+(``hidden @ weight.T`` in that dtype + ``vocab_parallel_log_probs``) against the fp64 oracle. Every case runs on the
+compiled CPU kernels and on the emulated CUDA kernels (the fold is the log-prob op's ``vocab_row_stats`` and
+``merge_row_stats``, the backward its ``logprob_backward_``); TP = 2 and 4 run on spawned gloo workers against the
+single-process result, counting the collectives.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import rollout_corr_ext as rc
+from rollout_corr_testing.backends import device_params, ops_on
+from rollout_corr_testing.dist_utils import CollectiveCounter, run_workers
+from rollout_corr_testing.logprob_oracle import log_probs_dense
+from rollout_corr_testing.tolerances import output_tol
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+DEVICES = device_params("cpu", "emulated", "cuda")
+
+#: (N, H, V_local, vocab_size, chunk_rows, chunk_cols, temperature, bias): uneven chunks, padded vocab, one chunk.
+CASES = [
+    (37, 16, 50, 50, 8, 16, 1.0, False),
+    (29, 24, 64, 61, 7, 9, 0.7, True),  # padded vocab: weight rows 61..63 are excluded
+    (12, 8, 40, 40, 64, 64, 1.3, True),  # the whole product in one chunk
+]
+
+
+def _inputs(n, h, v, dtype, seed, bias):
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(n, h, generator=g, dtype=torch.float64)).to(dtype)
+    weight = (torch.randn(v, h, generator=g, dtype=torch.float64) / math.sqrt(h) * 3).to(dtype)
+    b = (torch.randn(v, generator=g, dtype=torch.float64)).to(dtype) if bias else None
+    return hidden, weight, b
+
+
+def _oracle(hidden, weight, bias, target, vocab_size, temperature, rounded):
+    """fp64 log_softmax of the product (rounded to the inputs' dtype first when ``rounded``), with autograd leaves."""
+    hd, wd = (x.detach().double().clone().requires_grad_(True) for x in (hidden, weight))
+    bd = None if bias is None else bias.detach().double().clone().requires_grad_(True)
+    def rounded_to_input(x):  # what the 16-bit GEMM (then the bias add) hands on; the gradient flows straight through
+        return x + (x.detach().to(hidden.dtype).double() - x.detach()) if rounded else x
+
+    z = rounded_to_input(hd @ wd.t())
+    if bd is not None:
+        z = rounded_to_input(z + bd)
+    logp, ent, _ = log_probs_dense(z, target, vocab_size=vocab_size, temperature=temperature)
+    return logp, ent, (hd, wd, bd)
+
+
+def _rel_err(a, b):
+    return ((a.double() - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_and_gradients_match_the_full_product(dtype, device):
+    with ops_on(device) as dev:
+        for i, (n, h, v, vocab_size, cr, cc, temp, with_bias) in enumerate(CASES):
+            hidden, weight, bias = _inputs(n, h, v, dtype, i, with_bias)
+            target = torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(10 + i))
+            target[::5] = -100
+            ws = torch.randn(n, dtype=torch.float64)
+            hx, wx = hidden.to(dev, copy=True).requires_grad_(True), weight.to(dev, copy=True).requires_grad_(True)
+            bx = None if bias is None else bias.to(dev, copy=True).requires_grad_(True)
+            h_before, w_before = hidden.clone(), weight.clone()
+            logp, ent = rc.linear_log_probs(hx, wx, target.to(dev), bias=bx, vocab_size=vocab_size,
+                                            temperature=temp, return_entropy=True, chunk_rows=cr, chunk_cols=cc)
+            assert logp.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+            (logp.double().cpu() * ws).sum().add((ent.double().cpu() * ws.flip(0)).sum()).backward()
+            assert torch.equal(hx.detach().cpu(), h_before) and torch.equal(wx.detach().cpu(), w_before)
+
+            sixteen = dtype in (torch.bfloat16, torch.float16)
+            ref_logp, ref_ent, leaves = _oracle(hidden, weight, bias, target, vocab_size, temp, rounded=sixteen)
+            tol = output_tol(dtype) if dtype != torch.float32 else {"rtol": 1e-5, "atol": 1e-5}
+            torch.testing.assert_close(logp.cpu().double(), ref_logp.detach(), **tol)
+            torch.testing.assert_close(ent.cpu().double(), ref_ent.detach(), **tol)
+            ignored = target == -100
+            assert torch.all(logp.cpu()[ignored] == 0) and torch.all(ent.cpu()[ignored] == 0)
+
+            (ref_logp * ws).sum().add((ref_ent * ws.flip(0)).sum()).backward()
+            ours = [hx.grad, wx.grad] + ([bx.grad] if bx is not None else [])
+            refs = [x.grad for x in leaves if x is not None]
+            if not sixteen:
+                for a, r in zip(ours, refs):
+                    assert a.dtype == dtype
+                    torch.testing.assert_close(a.cpu().double(), r, rtol=1e-4 if dtype == torch.float32 else 1e-10,
+                                               atol=1e-5 if dtype == torch.float32 else 1e-12)
+                continue
+            # 16-bit: the materialized path (product in the dtype, then the log-prob op) against the same oracle.
+            hm, wm = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+            bm = None if bias is None else bias.clone().requires_grad_(True)
+            z = hm @ wm.t() + (0 if bm is None else bm)
+            lm, em = rc.vocab_parallel_log_probs(z, target, vocab_size=vocab_size, temperature=temp,
+                                                 return_entropy=True)
+            (lm.double() * ws).sum().add((em.double() * ws.flip(0)).sum()).backward()
+            mats = [hm.grad, wm.grad] + ([bm.grad] if bm is not None else [])
+            for name, a, m, r in zip(("hidden", "weight", "bias"), ours, mats, refs):
+                assert a.dtype == dtype
+                err, err_m = _rel_err(a.cpu(), r), _rel_err(m, r)
+                assert err <= 1.5 * err_m + 2e-3, (name, err, err_m)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunking_does_not_change_values(device):
+    """fp64: every chunk shape (1 x 1 up to one chunk) gives the same log-probs and gradients to fp64 rounding."""
+    with ops_on(device) as dev:
+        hidden, weight, bias = _inputs(11, 6, 23, torch.float64, 5, True)
+        target = torch.randint(0, 23, (11,), generator=torch.Generator().manual_seed(3))
+        results = []
+        for cr, cc in [(1, 1), (3, 5), (11, 23), (100, 100)]:
+            hx, wx, bx = (x.to(dev, copy=True).requires_grad_(True) for x in (hidden, weight, bias))
+            lp, ent = rc.linear_log_probs(hx, wx, target.to(dev), bias=bx, return_entropy=True, chunk_rows=cr,
+                                          chunk_cols=cc)
+            (lp.sum() + ent.sum()).backward()
+            results.append([t.detach().cpu() for t in (lp, ent, hx.grad, wx.grad, bx.grad)])
+        for other in results[1:]:
+            for a, b in zip(results[0], other):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_leading_dims_empty_rows_and_ignored_rows(device):
+    with ops_on(device) as dev:
+        hidden, weight, _ = _inputs(12, 8, 30, torch.float32, 1, False)
+        h3 = hidden.reshape(4, 3, 8).to(dev, copy=True).requires_grad_(True)  # megatron's [s, b, H]
+        target = torch.randint(0, 30, (4, 3)).to(dev)
+        target[1] = -100
+        lp = rc.linear_log_probs(h3, weight.to(dev), target, chunk_rows=5, chunk_cols=7)
+        assert lp.shape == (4, 3) and torch.all(lp[1] == 0)
+        lp.sum().backward()
+        assert torch.all(h3.grad[1] == 0)  # ignored rows: no gradient
+        ref, _, _ = log_probs_dense((hidden.double() @ weight.double().t()).reshape(4, 3, 30), target.cpu())
+        torch.testing.assert_close(lp.detach().cpu().double(), ref, rtol=1e-5, atol=1e-5)
+        empty = torch.zeros(0, 8, device=dev, requires_grad=True)
+        out = rc.linear_log_probs(empty, weight.to(dev), torch.zeros(0, dtype=torch.int64, device=dev))
+        assert out.shape == (0,)
+        out.sum().backward()
+        assert empty.grad.shape == (0, 8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_minus_inf_bias_columns_and_extreme_values(device):
+    """A -inf bias masks vocab columns (top-k style): probability 0, zero gradient there, a target there gives -inf;
+    a bias of 1e30 keeps the max-shifted math exact; a row whose every column is -inf raises."""
+    with ops_on(device) as dev:
+        hidden, weight, bias = _inputs(9, 5, 20, torch.float32, 2, True)
+        bias[3:11] = -math.inf
+        bias[15] = 1e30
+        target = torch.randint(0, 20, (9,), generator=torch.Generator().manual_seed(1))
+        target = torch.where((target >= 3) & (target < 11), target + 8, target)
+        target[0] = 5  # a masked column: logp = -inf
+        target[1] = 15
+        hx, wx, bx = (x.to(dev, copy=True).requires_grad_(True) for x in (hidden, weight, bias))
+        lp, ent = rc.linear_log_probs(hx, wx, target.to(dev), bias=bx, return_entropy=True, chunk_rows=4,
+                                      chunk_cols=6)
+        z = hidden.double() @ weight.double().t() + bias.double()
+        ref_lp, ref_ent, _ = log_probs_dense(z, target)
+        assert lp[0].item() == -math.inf
+        torch.testing.assert_close(lp.detach().cpu()[1:].double(), ref_lp[1:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent.detach().cpu().double(), ref_ent, rtol=1e-5, atol=1e-5)
+        lp[1:].sum().backward()
+        assert torch.all(bx.grad[3:11] == 0) and torch.all(torch.isfinite(hx.grad)) and torch.all(
+            torch.isfinite(wx.grad))
+        if dev == "cpu":
+            with pytest.raises((ValueError, RuntimeError), match="-inf"):
+                rc.linear_log_probs(hidden, weight, target, bias=torch.full((20,), -math.inf))
+
+
+def test_bad_arguments_are_named():
+    h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
+    cases = [
+        (dict(hidden=h.int()), TypeError, "hidden"),
+        (dict(weight=torch.randn(10, 7)), ValueError, "weight"),
+        (dict(weight=w.double()), ValueError, "weight"),
+        (dict(target=t.float()), TypeError, "target"),
+        (dict(target=t[:3]), ValueError, "target"),
+        (dict(bias=torch.randn(9)), ValueError, "bias"),
+        (dict(chunk_rows=0), ValueError, "chunk_rows"),
+        (dict(temperature=0.0), ValueError, "temperature"),
+        (dict(vocab_size=11), ValueError, "vocab_size"),
+        (dict(target=torch.full((4,), 10)), (ValueError, RuntimeError), "target"),
+    ]
+    for kw, exc, word in cases:
+        args = dict(hidden=h, weight=w, target=t)
+        args.update(kw)
+        extra = {k: args.pop(k) for k in list(args) if k not in ("hidden", "weight", "target")}
+        with pytest.raises(exc, match=word):
+            rc.linear_log_probs(args["hidden"], args["weight"], args["target"], **extra)
+
+
+# ------------------------------------------------------------------------------------------ tensor parallel
+
+
+def _tp_worker(rank, world, dtype):
+    group = dist.group.WORLD
+    n, hsize, v_padded, vocab_size = 21, 12, 48, 45
+    hidden, weight, bias = _inputs(n, hsize, v_padded, dtype, 7, True)
+    target = torch.randint(0, vocab_size, (n,), generator=torch.Generator().manual_seed(8))
+    target[2] = -100
+    ws = torch.randn(n, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    v_local = v_padded // world
+    sl = slice(rank * v_local, (rank + 1) * v_local)
+
+    def run(h, w, b, grp, **kw):
+        lp, ent = rc.linear_log_probs(h, w, target, grp, bias=b, vocab_size=vocab_size, temperature=0.8,
+                                      return_entropy=True, chunk_rows=6, chunk_cols=5, **kw)
+        (lp.double() * ws).sum().add((ent.double() * ws).sum()).backward()
+        return lp.detach(), ent.detach()
+
+    hx, wx, bx = hidden.clone().requires_grad_(True), weight[sl].clone().requires_grad_(True), \
+        bias[sl].clone().requires_grad_(True)
+    with CollectiveCounter() as fwd:
+        lp, ent = rc.linear_log_probs(hx, wx, target, group, bias=bx, vocab_size=vocab_size, temperature=0.8,
+                                      return_entropy=True, chunk_rows=6, chunk_cols=5, check_group=False)
+    with CollectiveCounter() as bwd:
+        (lp.double() * ws).sum().add((ent.double() * ws).sum()).backward()
+    assert fwd.calls == ["all_gather_single"] or fwd.calls == ["all_gather_into_tensor"], fwd.calls
+    assert bwd.calls == [], bwd.calls
+    # the single-process result on the whole weight
+    h1, w1, b1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True), \
+        bias.clone().requires_grad_(True)
+    lp1, ent1 = run(h1, w1, b1, None)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    torch.testing.assert_close(lp, lp1, **tol)
+    torch.testing.assert_close(ent, ent1, **tol)
+    # grad_hidden: each rank holds its shard's part (ColumnParallelLinear all-reduces it); the weight/bias shards
+    gh = hx.grad.clone()
+    dist.all_reduce(gh, group=group)
+    torch.testing.assert_close(gh, h1.grad, **tol)
+    torch.testing.assert_close(wx.grad, w1.grad[sl], **tol)
+    torch.testing.assert_close(bx.grad, b1.grad[sl], **tol)
+    # check_group=True: a rank with a different row count gets a named error instead of a failed collective
+    h_bad = hidden[: n - rank]
+    with pytest.raises(ValueError, match="rows"):
+        rc.linear_log_probs(h_bad, weight[sl], target[: n - rank], group, vocab_size=vocab_size, check_group=True,
+                            chunk_rows=100)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tensor_parallel_matches_single_process(world, dtype):
+    run_workers(_tp_worker, world, dtype)
+
+
+# ------------------------------------------------------------------------------------------ megatron loss_func
+
+
+class _OutputLayer:
+    """What make_policy_loss_func reads from megatron's ColumnParallelLinear output layer."""
+
+    def __init__(self, weight, bias=None):
+        self.weight, self.bias = weight, bias
+        self.sequence_parallel = False
+        self.skip_bias_add = False
+
+
+def _policy_batch(s, b, v, seed):
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randint(0, v, (b, s), generator=g)
+    mask = torch.rand(b, s, generator=g) > 0.2
+    adv = torch.randn(b, generator=g)
+    old = -torch.rand(b, s, generator=g) * 3
+    return target, mask, adv, old
+
+
+def _loss_and_grads(loss_func, x, params):
+    loss, num_tokens, metrics = loss_func(x)
+    (loss / num_tokens).backward()
+    return loss.detach(), num_tokens, {k: v.detach() for k, v in metrics.items()}, [p.grad.clone() for p in params]
+
+
+def test_make_policy_loss_func_from_hidden_states_equals_logits_path():
+    """output_layer: loss, num_tokens, every metric and the gradients of hidden and weight equal the logits path."""
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    s, b, hsize, v = 7, 3, 10, 40
+    target, mask, adv, old = _policy_batch(s, b, v, 0)
+    hidden, weight, bias = _inputs(s * b, hsize, v, torch.float64, 4, True)
+    hidden = hidden.reshape(s, b, hsize)
+    kw = dict(old_log_prob=old.double(), entropy_coeff=0.01, temperature=0.9)
+    h1, w1, b1 = (x.clone().requires_grad_(True) for x in (hidden, weight, bias))
+    fused = _loss_and_grads(make_policy_loss_func(target, adv, mask, output_layer=_OutputLayer(w1, b1), **kw), h1,
+                            [h1, w1, b1])
+    h2, w2, b2 = (x.clone().requires_grad_(True) for x in (hidden, weight, bias))
+    logits = h2 @ w2.t() + b2
+    ref = _loss_and_grads(make_policy_loss_func(target, adv, mask, **kw), logits, [h2, w2, b2])
+    torch.testing.assert_close(fused[0], ref[0], rtol=1e-12, atol=1e-12)
+    assert torch.equal(torch.as_tensor(fused[1]), torch.as_tensor(ref[1]))
+    assert fused[2].keys() == ref[2].keys()
+    for k in ref[2]:
+        torch.testing.assert_close(fused[2][k], ref[2][k], rtol=1e-12, atol=1e-12)
+    for a, r in zip(fused[3], ref[3]):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        layer = _OutputLayer(w1)
+        layer.sequence_parallel = True
+        make_policy_loss_func(target, adv, mask, output_layer=layer)
+
+
+def _megatron_tp_worker(rank, world):
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    group = dist.group.WORLD
+    s, b, hsize, v = 6, 2, 8, 36
+    target, mask, adv, old = _policy_batch(s, b, v, 1)
+    hidden, weight, _ = _inputs(s * b, hsize, v, torch.float64, 5, False)
+    hidden = hidden.reshape(s, b, hsize)
+    sl = slice(rank * (v // world), (rank + 1) * (v // world))
+    kw = dict(old_log_prob=old.double(), entropy_coeff=0.01, tp_group=group)
+    h, w = hidden.clone().requires_grad_(True), weight[sl].clone().requires_grad_(True)
+    loss_func = make_policy_loss_func(target, adv, mask, output_layer=_OutputLayer(w), **kw)
+    with CollectiveCounter() as fwd:
+        loss, num_tokens, metrics = loss_func(h)
+    with CollectiveCounter() as bwd:
+        (loss / num_tokens).backward()
+    assert fwd.calls.count("all_gather_single") + fwd.calls.count("all_gather_into_tensor") >= 1
+    assert bwd.calls == ["all_reduce"], bwd.calls  # the copy-to-TP-region gradient sum, as megatron's output layer
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ref = _loss_and_grads(make_policy_loss_func(target, adv, mask, old_log_prob=old.double(), entropy_coeff=0.01),
+                          h1 @ w1.t(), [h1, w1])
+    torch.testing.assert_close(loss.detach(), ref[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(h.grad, ref[3][0], rtol=1e-10, atol=1e-12)  # the full gradient on every rank
+    torch.testing.assert_close(w.grad, ref[3][1][sl], rtol=1e-10, atol=1e-12)
+
+
+def test_make_policy_loss_func_from_hidden_states_tp2():
+    run_workers(_megatron_tp_worker, 2)
