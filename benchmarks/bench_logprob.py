@@ -5,6 +5,8 @@ Compares, in one run and on the same inputs:
   * ours-inplace  the same with inplace_backward=True (the gradient overwrites the logits buffer)
   * megatron      megatron.core.tensor_parallel.vocab_parallel_cross_entropy (fed a copy: it writes its input)
   * eager         -log_softmax(logits.float()).gather(target) (TP=1 only: it needs the whole vocab)
+  * plain read    logits.sum(): what this machine can read of the shard (forward rows only: the bandwidth baseline)
+  * plain copy    a preallocated [N, V_local] buffer .copy_(logits): read + write (the backward's baseline)
 
 For each: median time over --reps, throughput (bytes of logits read, and on fwd+bwd also the gradient written,
 per second; on CUDA also % of the peak HBM bandwidth given by --peak-gbps), peak extra memory during the step,
@@ -170,10 +172,16 @@ def _worker(rank, world, store, args, out_path):
                 base = (torch.randn(n, v_local, generator=g) * 2).to(dtype).to(device)
                 target = torch.randint(0, v_local * world, (n,), generator=torch.Generator().manual_seed(7)).to(device)
                 elem = base.element_size()
-                for name, fn in _impls(world, group).items():
+                copy_out = torch.empty_like(base)
+                impls = dict(_impls(world, group))
+                impls["plain read"] = lambda x, t: x.sum()
+                impls["plain copy"] = lambda x, t: copy_out.copy_(x)
+                for name, fn in impls.items():
                     for backward in (False, True):
+                        if backward and name.startswith("plain"):
+                            continue
                         t, peak, coll = _measure(fn, lambda: base.clone(), target, backward, args.reps, device, group)
-                        moved = n * v_local * elem * (2 if backward else 1) + n * v_local * elem * backward
+                        moved = n * v_local * elem * (2 if backward or name == "plain copy" else 1)
                         rows.append((world, n, v_local, dname, name, "fwd+bwd" if backward else "fwd", t,
                                      moved / t / 1e9, peak, coll))
                 del base
@@ -227,15 +235,22 @@ def main():
 
     # Speed-up summary against megatron-core for the fwd+bwd pass.
     print()
-    print("| TP | tokens | V_local | dtype | fwd+bwd speed-up vs megatron | extra mem ours / megatron |")
-    print("|---|---|---|---|---|---|")
+    print("| TP | tokens | V_local | dtype | fwd GB/s: ours / plain read | fwd+bwd speed-up vs megatron "
+          "| same, inplace_backward | fwd+bwd GB/s: ours / plain copy | extra mem ours / megatron |")
+    print("|---|---|---|---|---|---|---|---|---|")
     index = {(r[0], r[1], r[2], r[3], r[4], r[5]): r for r in all_rows}
     for (world, n, v, dname, name, pas), r in index.items():
         if name != "ours" or pas != "fwd+bwd":
             continue
         m = index[(world, n, v, dname, "megatron", pas)]
+        inp = index[(world, n, v, dname, "ours-inplace", pas)]
+        fwd = index[(world, n, v, dname, "ours", "fwd")]
+        read = index[(world, n, v, dname, "plain read", "fwd")]
+        copy = index[(world, n, v, dname, "plain copy", "fwd")]
         mem_ratio = r[8] / m[8] if m[8] > 0 else float("nan")
-        print(f"| {world} | {n} | {v} | {dname} | {m[6] / r[6]:.2f}x | {mem_ratio:.2f} |")
+        print(f"| {world} | {n} | {v} | {dname} | {fwd[7]:.2f} / {read[7]:.2f} = {fwd[7] / read[7]:.0%} "
+              f"| {m[6] / r[6]:.2f}x | {m[6] / inp[6]:.2f}x | {r[7]:.2f} / {copy[7]:.2f} = {r[7] / copy[7]:.0%} "
+              f"| {mem_ratio:.2f} |")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@
 #include "logprob_host.h"
 #include "logprob_math.h"
 #include "logprob_params.h"
+#include "memory_hints.h"
 #include "vec_math.h"
 
 namespace rollout_corr {
@@ -29,19 +30,20 @@ constexpr int64_t kBlock = 512;  // columns per block: 2 KiB of fp32, comfortabl
 
 // Summary of n raw fp32 logits (relative to their own max). The max ignores NaN; a NaN then makes d NaN (exp
 // propagates it), a +inf makes every (x - m) of the block NaN or -inf: both poison the row, as they must.
-template <bool kSumZ>
+template <bool kSumZ, typename VF>
 RC_FORCEINLINE RowSummary<float> block_summary(const float* x, int64_t n, float it) {
-  constexpr int64_t kStep = kVec * kUnroll;
+  constexpr int64_t kLanes = lanes_of<VF>();
+  constexpr int64_t kStep = kLanes * kUnroll;
   int64_t i = 0;
-  v8f vm[kUnroll];
-  for (int k = 0; k < kUnroll; ++k) vm[k] = v8f{} - INFINITY;
+  VF vm[kUnroll];
+  for (int k = 0; k < kUnroll; ++k) vm[k] = VF{} - INFINITY;
   for (; i + kStep <= n; i += kStep)
     for (int k = 0; k < kUnroll; ++k) {
-      const v8f a = load_v8(x + i + k * kVec);
+      const VF a = load_vec<VF>(x + i + k * kLanes);
       vm[k] = a > vm[k] ? a : vm[k];
     }
   float m = -INFINITY;
-  for (int k = 0; k < kUnroll; ++k) m = std::max(m, hmax(vm[k]));
+  for (int k = 0; k < kUnroll; ++k) m = std::max(m, hmax_vec(vm[k]));
   for (int64_t j = i; j < n; ++j) m = x[j] > m ? x[j] : m;
   if (m == -INFINITY) {  // only -inf (and perhaps NaN): no mass; keep a NaN visible
     bool nan = false;
@@ -49,21 +51,21 @@ RC_FORCEINLINE RowSummary<float> block_summary(const float* x, int64_t n, float 
     return {m, nan ? NAN : 0.f, 0.f, n > 0 ? -INFINITY : 0.f, n};
   }
 
-  v8f vd[kUnroll], vs[kUnroll], vz[kUnroll];
-  for (int k = 0; k < kUnroll; ++k) vd[k] = vs[k] = vz[k] = v8f{};
+  VF vd[kUnroll], vs[kUnroll], vz[kUnroll];
+  for (int k = 0; k < kUnroll; ++k) vd[k] = vs[k] = vz[k] = VF{};
   for (i = 0; i + kStep <= n; i += kStep)
     for (int k = 0; k < kUnroll; ++k) {
-      const v8f zm = (load_v8(x + i + k * kVec) - m) * it;
-      const v8f e = exp_v8(zm);
+      const VF zm = (load_vec<VF>(x + i + k * kLanes) - m) * it;
+      const VF e = exp_lanes(zm);
       vd[k] += e;
-      vs[k] += e > 0.f ? e * zm : v8f{};  // 0, not 0 * -inf, for a -inf logit
+      vs[k] += e > 0.f ? e * zm : VF{};  // 0, not 0 * -inf, for a -inf logit
       if (kSumZ) vz[k] += zm;
     }
   RowSummary<float> r{m, 0.f, 0.f, 0.f, n};
   for (int k = 0; k < kUnroll; ++k) {
-    r.d += hsum(vd[k]);
-    r.s += hsum(vs[k]);
-    r.sz += hsum(vz[k]);
+    r.d += hsum_vec(vd[k]);
+    r.s += hsum_vec(vs[k]);
+    r.sz += hsum_vec(vz[k]);
   }
   for (int64_t j = i; j < n; ++j) {
     const float zm = (x[j] - m) * it;
@@ -76,7 +78,7 @@ RC_FORCEINLINE RowSummary<float> block_summary(const float* x, int64_t n, float 
 }
 
 // fp64 (gradcheck, oracle-grade runs): the scalar online update of logprob_math.h, element by element.
-template <bool kSumZ>
+template <bool kSumZ, typename VF>
 RC_FORCEINLINE RowSummary<double> block_summary(const double* x, int64_t n, double it) {
   RowSummary<double> r = summary_empty<double>();
   for (int64_t j = 0; j < n; ++j) summary_add(r, x[j], it);
@@ -85,14 +87,16 @@ RC_FORCEINLINE RowSummary<double> block_summary(const double* x, int64_t n, doub
 
 // In place over the block buffer: x -> d/dx of (g_lp logp + g_h H + g_m mean_logp) without the target term
 // (the caller adds it at the target column). zm = (x - M)/T, p = e^{zm - log D}.
+template <typename VF>
 RC_FORCEINLINE void block_grad(float* x, int64_t n, float max_x, float log_d, float mean_z, float g_lp_plus_m,
                                float g_h, float g_m_over_v, float it) {
+  constexpr int64_t kLanes = lanes_of<VF>();
   int64_t i = 0;
-  for (; i + kVec <= n; i += kVec) {
-    const v8f zm = (load_v8(x + i) - max_x) * it;
-    const v8f p = exp_v8(zm - log_d);
-    const v8f ent = p > 0.f ? p * (zm - mean_z) : v8f{};
-    store_v8(x + i, ((g_m_over_v - g_lp_plus_m * p) - g_h * ent) * it);
+  for (; i + kLanes <= n; i += kLanes) {
+    const VF zm = (load_vec<VF>(x + i) - max_x) * it;
+    const VF p = exp_lanes(zm - log_d);
+    const VF ent = p > 0.f ? p * (zm - mean_z) : VF{};
+    store_vec(x + i, ((g_m_over_v - g_lp_plus_m * p) - g_h * ent) * it);
   }
   for (; i < n; ++i) {
     const float zm = (x[i] - max_x) * it;
@@ -101,6 +105,7 @@ RC_FORCEINLINE void block_grad(float* x, int64_t n, float max_x, float log_d, fl
   }
 }
 
+template <typename VF>
 RC_FORCEINLINE void block_grad(double* x, int64_t n, double max_x, double log_d, double mean_z, double g_lp_plus_m,
                                double g_h, double g_m_over_v, double it) {
   for (int64_t i = 0; i < n; ++i) {
@@ -110,26 +115,44 @@ RC_FORCEINLINE void block_grad(double* x, int64_t n, double max_x, double log_d,
   }
 }
 
-template <typename scalar_t, typename acc_t>
+// A block of logits into the accumulation buffer (16-bit types widened a vector at a time), and a block of
+// gradients back to the logits dtype.
+template <typename VF, typename scalar_t, typename acc_t>
 RC_FORCEINLINE void load_block(const scalar_t* x, acc_t* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<acc_t>(x[i]);
 }
+template <typename VF>
+RC_FORCEINLINE void load_block(const at::BFloat16* x, float* out, int64_t n) {
+  widen_bf16<VF>(reinterpret_cast<const uint16_t*>(x), out, n);
+}
+template <typename VF>
+RC_FORCEINLINE void load_block(const at::Half* x, float* out, int64_t n) {
+  widen_half<VF>(reinterpret_cast<const uint16_t*>(x), out, n);
+}
+template <typename VF, typename scalar_t, typename acc_t>
+RC_FORCEINLINE void store_block(const acc_t* buf, scalar_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<scalar_t>(buf[i]);
+}
+template <typename VF>
+RC_FORCEINLINE void store_block(const float* buf, at::BFloat16* out, int64_t n) {
+  narrow_bf16<VF>(buf, reinterpret_cast<uint16_t*>(out), n);
+}
 
 // One row's record. Multiversioned per dtype pair via the non-template wrappers below.
-template <typename scalar_t, typename acc_t, bool kSumZ>
+template <typename VF, typename scalar_t, typename acc_t, bool kSumZ>
 RC_FORCEINLINE void row_stats_one_row(const RowStatsParams<scalar_t, acc_t>& p, int64_t row) {
   acc_t buf[kBlock];
   const scalar_t* x = p.logits + row * p.logits_row_stride;
   RowSummary<acc_t> st = summary_empty<acc_t>();
   for (int64_t c0 = 0; c0 < p.valid_cols; c0 += kBlock) {
     const int64_t n = std::min(kBlock, p.valid_cols - c0);
-    load_block(x + c0, buf, n);
-    st = summary_merge(st, block_summary<kSumZ>(buf, n, p.inv_temperature), p.inv_temperature);
+    load_block<VF>(x + c0, buf, n);
+    st = summary_merge(st, block_summary<kSumZ, VF>(buf, n, p.inv_temperature), p.inv_temperature);
   }
   write_row_record(p, row, x, st);
 }
 
-template <typename scalar_t, typename acc_t>
+template <typename VF, typename scalar_t, typename acc_t>
 RC_FORCEINLINE void backward_one_row(const LogprobBackwardParams<scalar_t, acc_t>& p, int64_t row) {
   acc_t buf[kBlock];
   const scalar_t* x = p.logits + row * p.logits_row_stride;
@@ -149,39 +172,51 @@ RC_FORCEINLINE void backward_one_row(const LogprobBackwardParams<scalar_t, acc_t
   const int64_t local = t - p.vocab_start;
   for (int64_t c0 = 0; c0 < p.valid_cols; c0 += kBlock) {
     const int64_t n = std::min(kBlock, p.valid_cols - c0);
-    load_block(x + c0, buf, n);  // read the whole block before writing: grad may alias logits
+    load_block<VF>(x + c0, buf, n);  // read the whole block before writing: grad may alias logits
     const bool has_target = local >= c0 && local < c0 + n;
     const acc_t x_target = has_target ? buf[local - c0] : acc_t(0);
-    block_grad(buf, n, max_x, log_d, mean_z, g_lp + g_m, g_h, g_m_over_v, it);
+    block_grad<VF>(buf, n, max_x, log_d, mean_z, g_lp + g_m, g_h, g_m_over_v, it);
     if (has_target) {
       const acc_t zm = (x_target - max_x) * it;
       const acc_t prob = exp_acc(zm - log_d);
       buf[local - c0] = logprob_grad_element(zm, prob, true, g_lp, g_h, g_m_over_v, g_m, mean_z) * it;
     }
-    for (int64_t i = 0; i < n; ++i) gx[c0 + i] = static_cast<scalar_t>(buf[i]);
+    store_block<VF>(buf, gx + c0, n);
   }
   std::fill(gx + p.valid_cols, gx + p.local_vocab, scalar_t(0));  // padding columns
 }
 
-// Non-template entry points so that target_clones can multiversion them (one per dtype).
-#define RC_DEFINE_ROW_KERNELS(scalar_t, acc_t, suffix)                                                       \
-  RC_CPU_MULTIVERSION void row_stats_rows_##suffix(const RowStatsParams<scalar_t, acc_t>& p, bool sum_z,    \
-                                                   int64_t begin, int64_t end) {                            \
+// Non-template entry points so that target_clones can multiversion them (one per dtype), plus an AVX-512 copy
+// (16 lanes) run when the CPU has it (cpu::has_avx512(): ROLLOUT_CORR_CPU_ISA=avx2 forces the 8-lane clones).
+#define RC_DEFINE_ROW_KERNELS_AT(scalar_t, acc_t, suffix, ATTR, VF)                                          \
+  ATTR void row_stats_rows_##suffix(const RowStatsParams<scalar_t, acc_t>& p, bool sum_z, int64_t begin,     \
+                                    int64_t end) {                                                          \
     if (sum_z) {                                                                                             \
-      for (int64_t r = begin; r < end; ++r) row_stats_one_row<scalar_t, acc_t, true>(p, r);                  \
+      for (int64_t r = begin; r < end; ++r) row_stats_one_row<VF, scalar_t, acc_t, true>(p, r);              \
     } else {                                                                                                 \
-      for (int64_t r = begin; r < end; ++r) row_stats_one_row<scalar_t, acc_t, false>(p, r);                 \
+      for (int64_t r = begin; r < end; ++r) row_stats_one_row<VF, scalar_t, acc_t, false>(p, r);             \
     }                                                                                                        \
   }                                                                                                          \
-  RC_CPU_MULTIVERSION void backward_rows_##suffix(const LogprobBackwardParams<scalar_t, acc_t>& p,           \
-                                                  int64_t begin, int64_t end) {                              \
-    for (int64_t r = begin; r < end; ++r) backward_one_row(p, r);                                           \
-  }                                                                                                          \
+  ATTR void backward_rows_##suffix(const LogprobBackwardParams<scalar_t, acc_t>& p, int64_t begin,           \
+                                   int64_t end) {                                                            \
+    for (int64_t r = begin; r < end; ++r) backward_one_row<VF>(p, r);                                        \
+  }
+#define RC_DEFINE_ROW_KERNELS(scalar_t, acc_t, suffix)                                                       \
+  RC_DEFINE_ROW_KERNELS_AT(scalar_t, acc_t, suffix, RC_CPU_MULTIVERSION, v8f)                               \
+  RC_DEFINE_ROW_KERNELS_AT(scalar_t, acc_t, suffix##_avx512, RC_CPU_AVX512, v16f)                           \
   inline void row_stats_rows(const RowStatsParams<scalar_t, acc_t>& p, bool sum_z, int64_t b, int64_t e) {   \
-    row_stats_rows_##suffix(p, sum_z, b, e);                                                                 \
+    if (has_avx512()) {                                                                                      \
+      row_stats_rows_##suffix##_avx512(p, sum_z, b, e);                                                      \
+    } else {                                                                                                 \
+      row_stats_rows_##suffix(p, sum_z, b, e);                                                               \
+    }                                                                                                        \
   }                                                                                                          \
   inline void backward_rows(const LogprobBackwardParams<scalar_t, acc_t>& p, int64_t b, int64_t e) {         \
-    backward_rows_##suffix(p, b, e);                                                                         \
+    if (has_avx512()) {                                                                                      \
+      backward_rows_##suffix##_avx512(p, b, e);                                                              \
+    } else {                                                                                                 \
+      backward_rows_##suffix(p, b, e);                                                                       \
+    }                                                                                                        \
   }
 
 RC_DEFINE_ROW_KERNELS(float, float, f32)
@@ -189,6 +224,7 @@ RC_DEFINE_ROW_KERNELS(double, double, f64)
 RC_DEFINE_ROW_KERNELS(at::BFloat16, float, bf16)
 RC_DEFINE_ROW_KERNELS(at::Half, float, f16)
 #undef RC_DEFINE_ROW_KERNELS
+#undef RC_DEFINE_ROW_KERNELS_AT
 
 // Rows per task: enough columns per task to amortize scheduling.
 inline int64_t grain_for(int64_t local_vocab) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, local_vocab)); }
@@ -283,6 +319,8 @@ at::Tensor logprob_backward_cpu(const c10::optional<at::Tensor>& grad_logp,
                                 const at::Tensor& target, const at::Tensor& row_state, int64_t vocab_start,
                                 int64_t vocab_size, double inv_temperature, int64_t ignore_index) {
   auto grad = at::empty({logits.size(0), logits.size(1)}, logits.options());
+  // A fresh [N, V_local] buffer: its first touch would cost a page fault per 4 KiB (memory_hints.h).
+  cpu::advise_huge_pages(grad.data_ptr(), grad.nbytes());
   logprob_backward_into_cpu(grad, grad_logp, grad_entropy, grad_mean_logp, logits, target, row_state, vocab_start,
                             vocab_size, inv_temperature, ignore_index);
   return grad;
