@@ -27,6 +27,7 @@ import torch
 
 from rollout_corr_ext import fallback, ops
 from rollout_corr_ext.logprobs import (
+    _NoDoubleBackward,
     _all_gather,
     _assert_status,
     _group_size_rank,
@@ -114,6 +115,11 @@ class _LinearLogProbs(torch.autograd.Function):
             grads = _backward(hidden, weight, bias, target, row_state, grad_logp, grad_entropy, vocab_start,
                               vocab_size, inv_temperature, ignore_index, chunk_rows, chunk_cols, need_h, need_w,
                               need_b)
+        if torch.is_grad_enabled():  # create_graph=True: differentiating these gradients again must raise
+            anchors = [t for t in (hidden, weight, bias, grad_logp, grad_entropy)
+                       if t is not None and t.requires_grad]
+            if anchors:
+                grads = tuple(None if g is None else _NoDoubleBackward.apply(g, *anchors) for g in grads)
         return grads + (None,) * 10
 
 

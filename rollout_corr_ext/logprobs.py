@@ -192,8 +192,8 @@ class _NoDoubleBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *unused):
-        raise RuntimeError("vocab_parallel_log_probs / vocab_parallel_cross_entropy: double backward (differentiating "
-                           "the gradient again, e.g. after create_graph=True) is not supported")
+        raise RuntimeError("vocab_parallel_log_probs / vocab_parallel_cross_entropy / linear_log_probs: double backward "
+                           "(differentiating the gradient again, e.g. after create_graph=True) is not supported")
 
 
 def check_target(target, x: torch.Tensor, x_name: str) -> None:

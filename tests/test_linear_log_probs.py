@@ -175,6 +175,15 @@ def test_minus_inf_bias_columns_and_extreme_values(device):
                 rc.linear_log_probs(hidden, weight, target, bias=torch.full((20,), -math.inf))
 
 
+def test_double_backward_raises_instead_of_dropping_the_second_order_term():
+    hidden, weight, _ = _inputs(5, 4, 9, torch.float64, 6, False)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    logp = rc.linear_log_probs(h, w, torch.randint(0, 9, (5,)))
+    (gh,) = torch.autograd.grad(logp.sum(), h, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        gh.sum().backward()
+
+
 def test_bad_arguments_are_named():
     h, w, t = torch.randn(4, 8), torch.randn(10, 8), torch.randint(0, 10, (4,))
     cases = [
