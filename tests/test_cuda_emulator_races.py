@@ -150,6 +150,8 @@ def test_every_syncthreads_is_necessary(tmp_path):
     regular emulator tests too). racecheck must catch every one; the row-trailing barriers of the log-prob and
     policy-loss kernels must also change the values in the warp-major schedule. One build per barrier, two in
     parallel, each in its own process."""
+    if os.environ.get("ROLLOUT_CORR_EMU_ASAN") == "1":
+        pytest.skip("racecheck is left out of the AddressSanitizer build; the regular test run checks the barriers")
     barriers = _barriers()
     assert len(barriers) >= 8, barriers
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
