@@ -123,11 +123,11 @@ RC_FORCEINLINE void load_block(const scalar_t* x, acc_t* out, int64_t n) {
 }
 template <typename VF>
 RC_FORCEINLINE void load_block(const at::BFloat16* x, float* out, int64_t n) {
-  widen_bf16<VF>(reinterpret_cast<const uint16_t*>(x), out, n);
+  widen_16bit<Bf16Bits, VF>(reinterpret_cast<const uint16_t*>(x), out, n);
 }
 template <typename VF>
 RC_FORCEINLINE void load_block(const at::Half* x, float* out, int64_t n) {
-  widen_half<VF>(reinterpret_cast<const uint16_t*>(x), out, n);
+  widen_16bit<HalfBits, VF>(reinterpret_cast<const uint16_t*>(x), out, n);
 }
 template <typename VF, typename scalar_t, typename acc_t>
 RC_FORCEINLINE void store_block(const acc_t* buf, scalar_t* out, int64_t n) {

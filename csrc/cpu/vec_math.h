@@ -148,25 +148,6 @@ RC_FORCEINLINE VF exp_lanes(VF x) {
 }
 
 // 16-bit floats to fp32, a vector at a time (pure integer and float ops, so every clone vectorizes them).
-// bf16: its bits are the upper half of the fp32's, exactly.
-template <typename VF>
-RC_FORCEINLINE void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
-  typedef typename VecOf<VF>::u32 U;
-  typedef typename VecOf<VF>::u16 H;
-  constexpr int L = lanes_of<VF>();
-  int64_t i = 0;
-  for (; i + L <= n; i += L) {
-    H h;
-    std::memcpy(&h, src + i, sizeof(h));
-    const U u = __builtin_convertvector(h, U) << 16;
-    std::memcpy(dst + i, &u, sizeof(u));
-  }
-  for (; i < n; ++i) {
-    const uint32_t u = static_cast<uint32_t>(src[i]) << 16;
-    std::memcpy(dst + i, &u, sizeof(u));
-  }
-}
-
 // fp16 (IEEE binary16): exponent rebased by 112; subnormals through one float subtraction (exact: the result is
 // a multiple of 2^-24 with at most 11 significant bits); inf / NaN keep an all-ones exponent (NaN payload kept).
 // The classic branch-free conversion (F. Giesen, "half to float done quick"), written for vector lanes.
@@ -182,8 +163,21 @@ RC_FORCEINLINE VF half_bits_to_float(typename VecOf<VF>::u32 h) {
   o = (e == 0u) ? (U)sub : o;
   return (VF)(o | ((h & 0x8000u) << 16));
 }
-template <typename VF>
-RC_FORCEINLINE void widen_half(const uint16_t* src, float* dst, int64_t n) {
+// bf16: its bits are the upper half of the fp32's, exactly.
+struct Bf16Bits {
+  template <typename VF>
+  static RC_FORCEINLINE VF to_float(typename VecOf<VF>::u32 h) {
+    return (VF)(h << 16);
+  }
+};
+struct HalfBits {
+  template <typename VF>
+  static RC_FORCEINLINE VF to_float(typename VecOf<VF>::u32 h) {
+    return half_bits_to_float<VF>(h);
+  }
+};
+template <typename Format, typename VF>
+RC_FORCEINLINE void widen_16bit(const uint16_t* src, float* dst, int64_t n) {
   typedef typename VecOf<VF>::u32 U;
   typedef typename VecOf<VF>::u16 H;
   constexpr int L = lanes_of<VF>();
@@ -191,12 +185,9 @@ RC_FORCEINLINE void widen_half(const uint16_t* src, float* dst, int64_t n) {
   for (; i + L <= n; i += L) {
     H h;
     std::memcpy(&h, src + i, sizeof(h));
-    store_vec(dst + i, half_bits_to_float<VF>(__builtin_convertvector(h, U)));
+    store_vec(dst + i, Format::template to_float<VF>(__builtin_convertvector(h, U)));
   }
-  for (; i < n; ++i) {
-    const U h = U{} + static_cast<uint32_t>(src[i]);
-    dst[i] = half_bits_to_float<VF>(h)[0];
-  }
+  for (; i < n; ++i) dst[i] = Format::template to_float<VF>(U{} + static_cast<uint32_t>(src[i]))[0];
 }
 
 // fp32 to bf16, rounding to nearest even as c10::BFloat16 does (NaN stays a quiet NaN).
