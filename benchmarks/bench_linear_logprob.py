@@ -6,7 +6,7 @@ weight):
 
 * materialized: ``logits = hidden @ weight.T`` then ``rollout_corr_ext.vocab_parallel_log_probs`` (what a megatron
   trainer does with its output layer today);
-* fused: ``rollout_corr_ext.linear_log_probs(hidden, weight, ...)`` with its default chunk (2048 rows x 8192 vocab
+* fused: ``rollout_corr_ext.linear_log_probs(hidden, weight, ...)`` with its default chunk (2048 rows x 2048 vocab
   columns).
 
 Columns: median wall time of forward + backward (``--repeats``, after a warm-up) at ``--n-time`` rows, and the

@@ -41,9 +41,10 @@ from rollout_corr_ext.logprobs import (
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-#: Default chunk: 2048 rows x 8192 vocab columns (64 MiB of fp32 logits, 32 MiB of bf16).
+#: Default chunk: 2048 rows x 2048 vocab columns (16 MiB of fp32 logits, 8 MiB of bf16): every GEMM is still
+#: 2048 x 2048 x H, and narrow vocab tiles keep the 16-bit path's fp32 grad_weight tile accumulator small.
 DEFAULT_CHUNK_ROWS = 2048
-DEFAULT_CHUNK_COLS = 8192
+DEFAULT_CHUNK_COLS = 2048
 
 
 def _ranges(n: int, step: int) -> List[Tuple[int, int]]:
@@ -232,7 +233,7 @@ def linear_log_probs(
         vocab_start, vocab_size, temperature, ignore_index, return_entropy, check_group: as in
             :func:`~rollout_corr_ext.vocab_parallel_log_probs` (padded vocab rows of ``weight`` at or past
             ``vocab_size`` are excluded).
-        chunk_rows, chunk_cols: the logits chunk computed at a time (default 2048 x 8192); larger chunks run the
+        chunk_rows, chunk_cols: the logits chunk computed at a time (default 2048 x 2048); larger chunks run the
             GEMM more efficiently, smaller ones use less memory. Results do not depend on them beyond float rounding
             of the gradient accumulation.
 
