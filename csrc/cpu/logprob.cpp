@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "logprob_host.h"
 #include "logprob_math.h"
@@ -26,12 +27,75 @@ namespace rollout_corr {
 namespace {
 using namespace cpu;
 
-constexpr int64_t kBlock = 512;  // columns per block: 2 KiB of fp32, comfortably L1-resident
+constexpr int64_t kBlock = 2048;  // columns per block: 8 KiB of fp32, L1-resident between the block's two passes
+
+// The next block of the row, fetched into cache while the current block's exp pass runs: its max pass then reads
+// cache instead of waiting on memory with the FP units idle (the exp pass is compute-bound, the max pass is not).
+struct NextBlock {
+  const char* base = nullptr;  // nullptr: no next block
+  int64_t elem_bytes = 0;
+  RC_FORCEINLINE void prefetch(int64_t element) const {
+    if (base != nullptr) __builtin_prefetch(base + element * elem_bytes, 0, 3);
+  }
+};
+
+// d += 2^t and s += 2^t t, where an element without mass adds 0 to s, not 0 * -inf.
+template <typename VF>
+RC_FORCEINLINE void add_exp2_mass(VF t, VF& d, VF& s) {
+  const VF e = exp2_lanes(t);
+  d += e;
+  s += e > 0.f ? e * t : VF{};
+}
+#if RC_CPU_HAS_AVX512_PATH
+RC_CPU_AVX512_INLINE void add_exp2_mass(v16f t, v16f& d, v16f& s) {
+  __mmask16 has_mass;  // the exp's own floor mask: no separate compare (a NaN lane poisons s too, as it does d)
+  const v16f e = exp2_lanes(t, &has_mass);
+  d += e;
+  s = (v16f)_mm512_mask3_fmadd_ps((__m512)e, (__m512)t, (__m512)s, has_mass);
+}
+#endif
+
+RC_FORCEINLINE float exp2_scalar(float t) { return exp2_lanes(v8f{} + t)[0]; }
+
+// The sums of a block whose max m is finite, in log2 units: t = (x - m) c with c = log2(e) / T, so that
+// e^{(x - m)/T} = 2^t (t = 0 exactly at the max, so a one-hot row keeps d = 1, s = 0); d = sum 2^t, s = sum 2^t t,
+// z = sum t, converted to the summary's natural units once per block.
+template <bool kSumZ, typename VF>
+RC_FORCEINLINE RowSummary<float> block_sums(const float* x, int64_t n, float m, float it, const NextBlock& next) {
+  constexpr int64_t kLanes = lanes_of<VF>();
+  constexpr int64_t kStep = kLanes * kUnroll;
+  const float c = it * 1.44269504088896341f;
+  VF vd[kUnroll], vs[kUnroll], vz[kUnroll];
+  for (int k = 0; k < kUnroll; ++k) vd[k] = vs[k] = vz[k] = VF{};
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep)
+    for (int k = 0; k < kUnroll; ++k) {
+      next.prefetch(i + k * kLanes);
+      const VF t = (load_vec<VF>(x + i + k * kLanes) - m) * c;
+      add_exp2_mass(t, vd[k], vs[k]);
+      if (kSumZ) vz[k] += t;
+    }
+  float d = 0.f, s = 0.f, z = 0.f;
+  for (int k = 0; k < kUnroll; ++k) {
+    d += hsum_vec(vd[k]);
+    s += hsum_vec(vs[k]);
+    z += hsum_vec(vz[k]);
+  }
+  for (; i < n; ++i) {
+    const float t = (x[i] - m) * c;
+    const float e = exp2_scalar(t);
+    d += e;
+    s += mass_times(e, t);
+    if (kSumZ) z += t;
+  }
+  const float to_natural = static_cast<float>(static_cast<double>(it) / static_cast<double>(c));  // ~ ln 2
+  return {m, d, to_natural * s, to_natural * z, n};
+}
 
 // Summary of n raw fp32 logits (relative to their own max). The max ignores NaN; a NaN then makes d NaN (exp
 // propagates it), a +inf makes every (x - m) of the block NaN or -inf: both poison the row, as they must.
 template <bool kSumZ, typename VF>
-RC_FORCEINLINE RowSummary<float> block_summary(const float* x, int64_t n, float it) {
+RC_FORCEINLINE RowSummary<float> block_summary(const float* x, int64_t n, float it, const NextBlock& next) {
   constexpr int64_t kLanes = lanes_of<VF>();
   constexpr int64_t kStep = kLanes * kUnroll;
   int64_t i = 0;
@@ -50,58 +114,52 @@ RC_FORCEINLINE RowSummary<float> block_summary(const float* x, int64_t n, float 
     for (int64_t j = 0; j < n; ++j) nan |= x[j] != x[j];
     return {m, nan ? NAN : 0.f, 0.f, n > 0 ? -INFINITY : 0.f, n};
   }
-
-  VF vd[kUnroll], vs[kUnroll], vz[kUnroll];
-  for (int k = 0; k < kUnroll; ++k) vd[k] = vs[k] = vz[k] = VF{};
-  for (i = 0; i + kStep <= n; i += kStep)
-    for (int k = 0; k < kUnroll; ++k) {
-      const VF zm = (load_vec<VF>(x + i + k * kLanes) - m) * it;
-      const VF e = exp_lanes(zm);
-      vd[k] += e;
-      vs[k] += e > 0.f ? e * zm : VF{};  // 0, not 0 * -inf, for a -inf logit
-      if (kSumZ) vz[k] += zm;
-    }
-  RowSummary<float> r{m, 0.f, 0.f, 0.f, n};
-  for (int k = 0; k < kUnroll; ++k) {
-    r.d += hsum_vec(vd[k]);
-    r.s += hsum_vec(vs[k]);
-    r.sz += hsum_vec(vz[k]);
-  }
-  for (int64_t j = i; j < n; ++j) {
-    const float zm = (x[j] - m) * it;
-    const float e = exp_acc(zm);
-    r.d += e;
-    r.s += mass_times(e, zm);
-    if (kSumZ) r.sz += zm;
-  }
-  return r;
+  return block_sums<kSumZ, VF>(x, n, m, it, next);
 }
 
 // fp64 (gradcheck, oracle-grade runs): the scalar online update of logprob_math.h, element by element.
 template <bool kSumZ, typename VF>
-RC_FORCEINLINE RowSummary<double> block_summary(const double* x, int64_t n, double it) {
+RC_FORCEINLINE RowSummary<double> block_summary(const double* x, int64_t n, double it, const NextBlock&) {
   RowSummary<double> r = summary_empty<double>();
   for (int64_t j = 0; j < n; ++j) summary_add(r, x[j], it);
   return r;
 }
 
+// base - p w, or base where p = 2^t is 0 (an element without mass: w may be -inf there).
+template <typename VF>
+RC_FORCEINLINE VF base_minus_exp2_times(VF t, VF w, VF base) {
+  const VF p = exp2_lanes(t);
+  return p > 0.f ? base - p * w : base;
+}
+#if RC_CPU_HAS_AVX512_PATH
+RC_CPU_AVX512_INLINE v16f base_minus_exp2_times(v16f t, v16f w, v16f base) {
+  __mmask16 has_mass;
+  const v16f p = exp2_lanes(t, &has_mass);
+  return (v16f)_mm512_mask3_fnmadd_ps((__m512)p, (__m512)w, (__m512)base, has_mass);
+}
+#endif
+
 // In place over the block buffer: x -> d/dx of (g_lp logp + g_h H + g_m mean_logp) without the target term
-// (the caller adds it at the target column). zm = (x - M)/T, p = e^{zm - log D}.
+// (the caller adds it at the target column). With zm = (x - M)/T and p = e^{zm - log D} = 2^t,
+// t = (x - M) c - log2(D), c = log2(e)/T, the gradient (g_m/V - (g_lp + g_m) p - g_h p (zm - mean_z)) / T is
+// base - p w with base = g_m/(V T) and w = ((g_lp + g_m) + g_h (zm - mean_z)) / T.
 template <typename VF>
 RC_FORCEINLINE void block_grad(float* x, int64_t n, float max_x, float log_d, float mean_z, float g_lp_plus_m,
                                float g_h, float g_m_over_v, float it) {
   constexpr int64_t kLanes = lanes_of<VF>();
+  constexpr float kLog2e = 1.44269504088896341f;
+  const float c = it * kLog2e, log2_d = log_d * kLog2e;
+  const float base = g_m_over_v * it, w_const = g_lp_plus_m * it, w_slope = g_h * it;
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    const VF zm = (load_vec<VF>(x + i) - max_x) * it;
-    const VF p = exp_lanes(zm - log_d);
-    const VF ent = p > 0.f ? p * (zm - mean_z) : VF{};
-    store_vec(x + i, ((g_m_over_v - g_lp_plus_m * p) - g_h * ent) * it);
+    const VF u = load_vec<VF>(x + i) - max_x;
+    const VF w = (u * it - mean_z) * w_slope + w_const;
+    store_vec(x + i, base_minus_exp2_times(u * c - log2_d, w, VF{} + base));
   }
   for (; i < n; ++i) {
-    const float zm = (x[i] - max_x) * it;
-    const float p = exp_acc(zm - log_d);
-    x[i] = ((g_m_over_v - g_lp_plus_m * p) - g_h * mass_times(p, zm - mean_z)) * it;
+    const float u = x[i] - max_x;
+    const float p = exp2_scalar(u * c - log2_d);
+    x[i] = p > 0.f ? base - p * ((u * it - mean_z) * w_slope + w_const) : base;
   }
 }
 
@@ -146,8 +204,15 @@ RC_FORCEINLINE void row_stats_one_row(const RowStatsParams<scalar_t, acc_t>& p, 
   RowSummary<acc_t> st = summary_empty<acc_t>();
   for (int64_t c0 = 0; c0 < p.valid_cols; c0 += kBlock) {
     const int64_t n = std::min(kBlock, p.valid_cols - c0);
-    load_block<VF>(x + c0, buf, n);
-    st = summary_merge(st, block_summary<kSumZ, VF>(buf, n, p.inv_temperature), p.inv_temperature);
+    const acc_t* block = buf;
+    if constexpr (std::is_same<scalar_t, acc_t>::value) {
+      block = x + c0;  // already in the accumulation type: summarised where it lies
+    } else {
+      load_block<VF>(x + c0, buf, n);
+    }
+    NextBlock next;
+    if (c0 + kBlock < p.valid_cols) next = {reinterpret_cast<const char*>(x + c0 + kBlock), sizeof(scalar_t)};
+    st = summary_merge(st, block_summary<kSumZ, VF>(block, n, p.inv_temperature, next), p.inv_temperature);
   }
   write_row_record(p, row, x, st);
 }
