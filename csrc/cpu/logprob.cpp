@@ -1,10 +1,13 @@
 // CPU kernels of the vocab-parallel log-prob op (DESIGN §2).
 //
-// Rows run in parallel (at::parallel_for). Each row is streamed once in blocks of kBlock columns: a block is
-// converted to the accumulation type into a small buffer that stays in L1, its max is taken, then exp and the
-// sums run over the buffer in max-shifted coordinates, and the block summary is merged into the row's (online
-// softmax, logprob_math.h). So the shard is read from memory once, with one exp per element. The inner loops use
-// the SIMD exp of vec_math.h; RC_CPU_MULTIVERSION builds an AVX2 copy picked at load time.
+// Rows run in parallel (at::parallel_for). Each row is streamed once in blocks of kBlock columns (read in place
+// for fp32; 16-bit types widened into a small L1 buffer): the block's max is taken, then exp and the sums run over
+// it in max-shifted log2 coordinates, and the block summary is merged into the row's (online softmax,
+// logprob_math.h). While a block's exp pass runs, the next block is prefetched, so its max pass reads cache. So
+// the shard is read from memory once, with one exp per element: exp2_lanes of vec_math.h, at 16 lanes in the
+// AVX-512 copies and 8 in the RC_CPU_MULTIVERSION clones (AVX2 / baseline), picked at load time. (A one-pass
+// variant, summing each block against the row's running max, measured no faster here and needs a bounded
+// headroom to keep the entropy's rounding, so the two passes stay.)
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
