@@ -7,6 +7,8 @@ Compares, in one run and on the same inputs:
   * eager         -log_softmax(logits.float()).gather(target) (TP=1 only: it needs the whole vocab)
   * plain read    logits.sum(): what this machine can read of the shard (forward rows only: the bandwidth baseline)
   * plain copy    a preallocated [N, V_local] buffer .copy_(logits): read + write (the backward's baseline)
+  * plain fresh write  torch.empty_like(logits).fill_(0): allocating and first touching a fresh [N, V_local] buffer,
+                what the out-of-place backward pays on top of the in-place one
 
 For each: median time over --reps, throughput (bytes of logits read, and on fwd+bwd also the gradient written,
 per second; on CUDA also % of the peak HBM bandwidth given by --peak-gbps), peak extra memory during the step,
@@ -176,12 +178,15 @@ def _worker(rank, world, store, args, out_path):
                 impls = dict(_impls(world, group))
                 impls["plain read"] = lambda x, t: x.sum()
                 impls["plain copy"] = lambda x, t: copy_out.copy_(x)
+                # What an out-of-place backward pays before any math: a fresh [N, V_local] buffer, written once
+                # (allocation + first-touch page faults; no huge-page hint).
+                impls["plain fresh write"] = lambda x, t: torch.empty_like(x).fill_(0)
                 for name, fn in impls.items():
                     for backward in (False, True):
                         if backward and name.startswith("plain"):
                             continue
                         t, peak, coll = _measure(fn, lambda: base.clone(), target, backward, args.reps, device, group)
-                        moved = n * v_local * elem * (2 if backward or name == "plain copy" else 1)
+                        moved = n * v_local * elem * (2 if backward or name == "plain copy" else 1)  # fresh write: 1
                         rows.append((world, n, v_local, dname, name, "fwd+bwd" if backward else "fwd", t,
                                      moved / t / 1e9, peak, coll))
                 del base
@@ -236,8 +241,9 @@ def main():
     # Speed-up summary against megatron-core for the fwd+bwd pass.
     print()
     print("| TP | tokens | V_local | dtype | fwd GB/s: ours / plain read | fwd+bwd speed-up vs megatron "
-          "| same, inplace_backward | fwd+bwd GB/s: ours / plain copy | extra mem ours / megatron |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| same, inplace_backward | fwd+bwd GB/s: ours / plain copy | extra mem ours / megatron "
+          "| fwd+bwd ms: out-of-place - in-place / plain fresh write |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     index = {(r[0], r[1], r[2], r[3], r[4], r[5]): r for r in all_rows}
     for (world, n, v, dname, name, pas), r in index.items():
         if name != "ours" or pas != "fwd+bwd":
@@ -247,10 +253,11 @@ def main():
         fwd = index[(world, n, v, dname, "ours", "fwd")]
         read = index[(world, n, v, dname, "plain read", "fwd")]
         copy = index[(world, n, v, dname, "plain copy", "fwd")]
+        fresh = index[(world, n, v, dname, "plain fresh write", "fwd")]
         mem_ratio = r[8] / m[8] if m[8] > 0 else float("nan")
         print(f"| {world} | {n} | {v} | {dname} | {fwd[7]:.2f} / {read[7]:.2f} = {fwd[7] / read[7]:.0%} "
               f"| {m[6] / r[6]:.2f}x | {m[6] / inp[6]:.2f}x | {r[7]:.2f} / {copy[7]:.2f} = {r[7] / copy[7]:.0%} "
-              f"| {mem_ratio:.2f} |")
+              f"| {mem_ratio:.2f} | {(r[6] - inp[6]) * 1e3:.0f} / {fresh[6] * 1e3:.0f} |")
 
 
 if __name__ == "__main__":

@@ -265,12 +265,14 @@ def measure_peak_memory(name: str, b: int, t: int) -> float:
     return (_rss_kib("VmHWM") - base) / 1024.0
 
 
-def peak_memory_subprocess(name: str, b: int, t: int):
+def peak_memory_subprocess(name: str, b: int, t: int, extra_args=()):
+    """``measure_peak_memory`` (or, with ``extra_args=("--packed", "--min-len", ...)``, its packed twin) of ``name`` in
+    a fresh subprocess of this script; None (and a note) when it fails."""
     # A fixed mmap threshold: glibc otherwise raises it after the first large free, keeps the freed input
     # temporaries on its heap and serves the call's buffers from those already-resident pages (counted as 0).
     env = dict(os.environ, ROLLOUT_CORR_FORCE_REFERENCE=os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0"),
                MALLOC_MMAP_THRESHOLD_="65536")
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--b", str(b), "--t", str(t),
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), *extra_args, "--b", str(b), "--t", str(t),
                           "--threads", str(torch.get_num_threads()), "--_memory", name],
                          capture_output=True, text=True, env=env)
     if out.returncode != 0:
@@ -595,11 +597,7 @@ def packed_main(args) -> None:
         if device == "cuda":
             peak = cuda_peak_memory(lambda: fns[name]().as_floats())
         else:
-            env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--packed", "--b", str(b), "--t", str(t),
-                                  "--min-len", str(min_len), "--threads", str(torch.get_num_threads()),
-                                  "--_memory", name], capture_output=True, text=True, env=env)
-            peak = float(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+            peak = peak_memory_subprocess(name, b, t, ("--packed", "--min-len", str(min_len)))
         w = res.weights if name == PACKED else res.weights[mask]
         m = res.response_mask if name == PACKED else res.response_mask[mask]
         same = (torch.equal(w, ref_w) and torch.equal(m, ref_m) and res.as_floats() == ref_metrics)

@@ -114,30 +114,31 @@ def vocab_row_stats(
     return torch.cat([header.view(acc).to(logits.device), rec.reshape(-1)])
 
 
-def _layout_error(headers, vocab_size: int) -> Optional[str]:
-    """The verdict of the shard-header check (the same rules as check_shard_headers in logprob_math.h)."""
+def _layout_error(headers, vocab_size: int, unit: str = "rank") -> Optional[str]:
+    """The verdict of the shard-header check (the same rules as check_shard_headers in logprob_math.h). ``unit``
+    names what one header belongs to in the message: a tensor-parallel rank, or a vocab tile of linear_log_probs."""
     h0 = headers[0]
     for r, h in enumerate(headers):
         if h[HDR_MAGIC] != SHARD_MAGIC:
-            return f"rank {r}'s record is not a log-prob shard record (different op or library version)"
+            return f"{unit} {r}'s record is not a log-prob shard record (different op or library version)"
         if h[HDR_ROWS] != h0[HDR_ROWS]:
-            return f"rank 0 has {h0[HDR_ROWS]} rows but rank {r} has {h[HDR_ROWS]}"
+            return f"{unit} 0 has {h0[HDR_ROWS]} rows but {unit} {r} has {h[HDR_ROWS]}"
         if h[HDR_FORMAT] != h0[HDR_FORMAT]:
-            return f"ranks 0 and {r} use different record formats (return_entropy / label smoothing / logits dtype)"
+            return f"{unit}s 0 and {r} use different record formats (return_entropy / label smoothing / logits dtype)"
         if h[HDR_VOCAB_SIZE] != vocab_size:
-            return (f"rank {r} was given vocab_size={h[HDR_VOCAB_SIZE]} but this rank {vocab_size} (pass the true, "
+            return (f"{unit} {r} was given vocab_size={h[HDR_VOCAB_SIZE]} but this rank {vocab_size} (pass the true, "
                     f"global vocab_size on every rank)")
         if h[HDR_TARGET_HASH] != h0[HDR_TARGET_HASH]:
-            return f"ranks 0 and {r} were given different targets (every rank must pass the same global token ids)"
+            return f"{unit}s 0 and {r} were given different targets (every rank must pass the same global token ids)"
         for q in range(r):
             g = headers[q]
             if (h[HDR_VALID_COLS] > 0 and g[HDR_VALID_COLS] > 0 and h[HDR_VOCAB_START] < g[HDR_VOCAB_START]
                     + g[HDR_VALID_COLS] and g[HDR_VOCAB_START] < h[HDR_VOCAB_START] + h[HDR_VALID_COLS]):
-                return f"the vocab ranges of rank {q} and rank {r} overlap (check vocab_start)"
+                return f"the vocab ranges of {unit} {q} and {unit} {r} overlap (check vocab_start)"
     if sum(h[HDR_VALID_COLS] for h in headers) != vocab_size or any(h[HDR_VOCAB_START] < 0 for h in headers):
         shards = "; ".join(f"{r}: {h[HDR_VOCAB_START]}, {h[HDR_LOCAL_VOCAB]}, {h[HDR_VALID_COLS]}"
                            for r, h in enumerate(headers))
-        return (f"the shards do not cover [0, vocab_size={vocab_size}) exactly; shards (rank: vocab_start, local "
+        return (f"the shards do not cover [0, vocab_size={vocab_size}) exactly; shards ({unit}: vocab_start, local "
                 f"columns, columns below vocab_size): {shards}")
     return None
 

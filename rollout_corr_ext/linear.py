@@ -135,11 +135,8 @@ def _backward(hidden, weight, bias, target, row_state, grad_logp, grad_entropy, 
     for c0, c1 in _ranges(weight.shape[0], chunk_cols):
         w = weight[c0:c1]
         b = None if bias is None else bias[c0:c1]
-        gw = None
-        if need_w:
-            gw = grad_w[c0:c1] if exact else torch.zeros(w.shape, dtype=acc, device=w.device)
-            if exact:
-                gw.zero_()
+        gw = grad_w[c0:c1] if need_w and exact else None  # the non-exact fp32 tile comes from the first chunk
+        first = True  # the first row chunk writes the grad_weight tile, later ones accumulate (no zero fill)
         for r0, r1 in rows:
             if r1 == r0:
                 continue
@@ -155,13 +152,21 @@ def _backward(hidden, weight, bias, target, row_state, grad_logp, grad_entropy, 
                     grad_h[r0:r1] += torch.matmul(g, w)
             if need_w:
                 if exact:
-                    gw.addmm_(g.t(), h)
+                    if first:
+                        torch.mm(g.t(), h, out=gw)
+                    else:
+                        gw.addmm_(g.t(), h)
+                elif first:
+                    gw = torch.matmul(g.t(), h).to(acc)
                 else:
                     gw += torch.matmul(g.t(), h)
+            first = False
             if need_b:
                 grad_b[c0:c1] += g.sum(0, dtype=acc)
             del g
-        if need_w and not exact:
+        if need_w and first:  # no rows at all
+            grad_w[c0:c1].zero_()
+        elif need_w and not exact:
             grad_w[c0:c1] = gw
     return (None if grad_h is None else grad_h.to(hidden.dtype), grad_w,
             None if grad_b is None else grad_b.to(bias.dtype))
@@ -199,10 +204,9 @@ def _check_headers(records, group, world, vocab_size, n_rows, n_tiles) -> None:
     got = _all_gather(headers, group, world).cpu().view(world, n_rows, n_tiles, per)
     for i in range(n_rows):
         why = fallback._layout_error([got[r, i, j].tolist() for r in range(world) for j in range(n_tiles)],
-                                     vocab_size)
+                                     vocab_size, unit="shard")
         if why is not None:
-            raise ValueError("linear_log_probs: the tensor-parallel shards do not fit together: " + why.replace(
-                "rank ", "shard "))
+            raise ValueError("linear_log_probs: the tensor-parallel shards do not fit together: " + why)
 
 
 def linear_log_probs(
