@@ -21,6 +21,7 @@ from rollout_corr_ext import compute_offpolicy_metrics, compute_rollout_correcti
 from rollout_corr_ext import _layout as LY
 from rollout_corr_testing import dense_oracles as R
 from rollout_corr_testing.backends import device_params, ops_on
+from rollout_corr_testing.skips import skip_unless_ci
 
 DEVICES = device_params()
 #: For the tests that exercise the compiled ops' registration (opcheck) or sizes beyond the emulator's reach.
@@ -485,7 +486,7 @@ def test_std_metrics_do_not_cancel_near_on_policy(level, rs, device):
 def test_packed_ops_opcheck_and_fakes():
     """The packed layout through the op schemas (cu_seqlens), opcheck and meta tensors."""
     if not _HAS_OPS:
-        pytest.skip("the compiled rollout_corr CPU kernels are not loaded")
+        skip_unless_ci("the compiled rollout_corr CPU kernels are not loaded (build the extension)")
     lp, rlp, mask = make_inputs(1, 40, seed=4)
     lp, rlp, mask = lp.reshape(-1), rlp.reshape(-1), mask.reshape(-1)
     cu = torch.tensor([0, 7, 7, 30, 40])

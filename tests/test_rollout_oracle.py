@@ -18,7 +18,6 @@ junk (NaN, +-inf) that must be ignored, and whole padding rows are included.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import pytest
@@ -31,6 +30,7 @@ with warnings.catch_warnings():
 from rollout_corr_testing.backends import rollout_backend, skip_reason
 from rollout_corr_testing.rc_testutil import make_inputs
 from rollout_corr_testing.rollout_oracle import rollout_correction_oracle
+from rollout_corr_testing.skips import skip_unless_ci
 
 PREFIX = "rollout_corr/"
 PERCENTILE_KEYS = {f"{PREFIX}rollout_is_p{p}" for p in (5, 25, 50, 75, 95)}
@@ -114,15 +114,9 @@ def _verl_fn():
         import verl
         from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
     except Exception as exc:  # noqa: BLE001 - any import failure means "verl is not usable here"
-        msg = f"verl 0.9.1 (verl.trainer.ppo.rollout_corr_helper) cannot be imported: {exc!r}"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
+        skip_unless_ci(f"verl 0.9.1 (verl.trainer.ppo.rollout_corr_helper) cannot be imported: {exc!r}")
     if getattr(verl, "__version__", None) != "0.9.1":
-        msg = f"the oracle follows verl 0.9.1; installed verl is {getattr(verl, '__version__', '?')}"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
+        skip_unless_ci(f"the oracle follows verl 0.9.1; installed verl is {getattr(verl, '__version__', '?')}")
     return compute_rollout_correction_and_rejection_mask
 
 
