@@ -186,7 +186,7 @@ def _worker(rank, world, store, args, out_path):
                         if backward and name.startswith("plain"):
                             continue
                         t, peak, coll = _measure(fn, lambda: base.clone(), target, backward, args.reps, device, group)
-                        moved = n * v_local * elem * (2 if backward or name == "plain copy" else 1)  # fresh write: 1
+                        moved = n * v_local * elem * (2 if backward or name == "plain copy" else 1)  # a fresh write moves 1x
                         rows.append((world, n, v_local, dname, name, "fwd+bwd" if backward else "fwd", t,
                                      moved / t / 1e9, peak, coll))
                 del base
