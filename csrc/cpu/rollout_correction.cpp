@@ -33,7 +33,9 @@ struct SimdLaneMath {
   static constexpr int kWidth = sizeof(VF) / sizeof(float);
   static RC_FORCEINLINE VF splat(double c) { return VF{} + static_cast<float>(c); }
   static RC_FORCEINLINE VI all_false() { return VI{}; }
-  static RC_FORCEINLINE VF exp(VF x) { return cpu::exp_vec<VF, VI>(x); }
+  using Scalar = float;
+  // The token math takes exp only of clamp20'd log-ratios: no clamps needed.
+  static RC_FORCEINLINE VF exp(VF x) { return cpu::exp_vec_bounded<VF, VI>(x); }
   static RC_FORCEINLINE VF exp_exact(VF x) {
     for (int l = 0; l < kWidth; ++l) x[l] = std::exp(x[l]);
     return x;
@@ -124,7 +126,7 @@ struct Chunk {
 
 // ---- pass 1 ----------------------------------------------------------------------------------------------------
 
-template <typename V, typename acc_t>
+template <typename V, typename acc_t, int kTokenCrit>
 RC_FORCEINLINE void seq_stats_rows(const RolloutParams<acc_t>& p, int64_t begin, int64_t end) {
   using Ln = Lanes<V, acc_t>;
   const rc::Config<acc_t> cfg = p.cfg;  // a local copy: no store in the loop can alias it, so nothing is reloaded
@@ -139,7 +141,7 @@ RC_FORCEINLINE void seq_stats_rows(const RolloutParams<acc_t>& p, int64_t begin,
       const int n = static_cast<int>(std::min<int64_t>(kChunk, sp.len - t0));
       ch.load(p, sp.row, sp.col0 + t0, n);
       for (int k = 0; k < n; k += Ln::kWidth)
-        rc::seq_stats_token(cfg, Ln::load(ch.a + k), Ln::load(ch.q + k), Ln::load(ch.m + k), acc);
+        rc::seq_stats_token<kTokenCrit>(cfg, Ln::load(ch.a + k), Ln::load(ch.q + k), Ln::load(ch.m + k), acc);
       if (++chunks == kFoldChunks || t0 + kChunk >= sp.len) {
         for (int k = 0; k < rc::seq::kNumSums; ++k) {
           row_sum[k] += Ln::sum(acc.sum[k]);
@@ -193,7 +195,7 @@ struct Partials {
       : sums(ns, 0.0), maxes(nm, -std::numeric_limits<double>::infinity()), hist(rc::kHistBins, 0u) {}
 };
 
-template <typename V, typename acc_t>
+template <typename V, typename acc_t, int kTokenCrit>
 RC_FORCEINLINE void token_pass_rows(const RolloutParams<acc_t>& p, Partials& P, int64_t begin, int64_t end) {
   using Ln = Lanes<V, acc_t>;
   const rc::Config<acc_t> c = p.cfg;  // a local copy: no store in the loop can alias it, so nothing is reloaded
@@ -218,7 +220,7 @@ RC_FORCEINLINE void token_pass_rows(const RolloutParams<acc_t>& p, Partials& P, 
       const int n = static_cast<int>(std::min<int64_t>(kChunk, sp.len - t0));
       ch.load(p, sp.row, sp.col0 + t0, n);
       for (int k = 0; k < n; k += Ln::kWidth) {
-        const rc::TokenOut<V> o = rc::token_pass_token(c, r, row_dropped, Ln::load(ch.a + k), Ln::load(ch.q + k),
+        const rc::TokenOut<V> o = rc::token_pass_token<kTokenCrit>(c, r, row_dropped, Ln::load(ch.a + k), Ln::load(ch.q + k),
                                                        Ln::load(ch.m + k), acc);
         Ln::store(w_out + k, o.weight);
         Ln::store(m_out + k, o.mask);
@@ -227,39 +229,58 @@ RC_FORCEINLINE void token_pass_rows(const RolloutParams<acc_t>& p, Partials& P, 
       if (p.weights) std::memcpy(p.weights + weight_index(p, sp, t0), w_out, n * sizeof(acc_t));
       view_store_chunk<kChunk>(p.mask_out, sp.row, sp.col0 + t0, n, m_out);
       if (++chunks == kFoldChunks || t0 + kChunk >= sp.len) {
-        fold_lane_sums<V, acc_t>(acc, row_acc, c.num_token_crit);
+        fold_lane_sums<V, acc_t>(acc, row_acc, rc::token_crit_count<kTokenCrit>(c));
         chunks = 0;
       }
     }
     // Lane maxima -> the row's, then everything into the partial vectors by slot name.
     for (int k = 0; k < rc::tok_max::kCount; ++k) row_acc.max[k] = Ln::max(acc.max[k]);
-    for (int j = 0; j < c.num_token_crit; ++j)
+    for (int j = 0; j < rc::token_crit_count<kTokenCrit>(c); ++j)
       for (int k = 0; k < rc::tok_crit_max::kCount; ++k) row_acc.crit_max[j][k] = Ln::max(acc.crit_max[j][k]);
     rc::fold_token_acc(c, row_acc, S, M);
     if (p.row_partials) rc::add_row_partials(c, st, r, S, M);
   }
 }
 
+// The row loops with the token-criterion count as a constant for the common configs (none, one), read from the
+// config otherwise.
+template <typename V, typename acc_t>
+RC_FORCEINLINE void seq_stats_rows_any(const RolloutParams<acc_t>& p, int64_t begin, int64_t end) {
+  switch (p.cfg.num_token_crit) {
+    case 0: return seq_stats_rows<V, acc_t, 0>(p, begin, end);
+    case 1: return seq_stats_rows<V, acc_t, 1>(p, begin, end);
+    default: return seq_stats_rows<V, acc_t, rc::kRuntimeCount>(p, begin, end);
+  }
+}
+template <typename V, typename acc_t>
+RC_FORCEINLINE void token_pass_rows_any(const RolloutParams<acc_t>& p, Partials& P, int64_t begin, int64_t end) {
+  switch (p.cfg.num_token_crit) {
+    case 0: return token_pass_rows<V, acc_t, 0>(p, P, begin, end);
+    case 1: return token_pass_rows<V, acc_t, 1>(p, P, begin, end);
+    default: return token_pass_rows<V, acc_t, rc::kRuntimeCount>(p, P, begin, end);
+  }
+}
+
 // Non-template entry points: the fp32 path with 8 lanes under RC_CPU_MULTIVERSION (target_clones: an AVX2 copy and
-// the baseline), and with 16 lanes in an AVX-512 copy picked at run time when the CPU has it.
+// the baseline), and an AVX-512 copy picked at run time when the CPU has it (also 8 lanes: 16 measured no faster).
 RC_CPU_MULTIVERSION void seq_stats_rows_f32(const RolloutParams<float>& p, int64_t begin, int64_t end) {
-  seq_stats_rows<cpu::v8f, float>(p, begin, end);
+  seq_stats_rows_any<cpu::v8f, float>(p, begin, end);
 }
 RC_CPU_AVX512 void seq_stats_rows_f32_avx512(const RolloutParams<float>& p, int64_t begin, int64_t end) {
-  seq_stats_rows<cpu::v8f, float>(p, begin, end);
+  seq_stats_rows_any<cpu::v8f, float>(p, begin, end);
 }
 RC_CPU_AVX512 void token_pass_rows_f32_avx512(const RolloutParams<float>& p, Partials& P, int64_t begin,
                                               int64_t end) {
-  token_pass_rows<cpu::v8f, float>(p, P, begin, end);
+  token_pass_rows_any<cpu::v8f, float>(p, P, begin, end);
 }
 void seq_stats_rows_f64(const RolloutParams<double>& p, int64_t begin, int64_t end) {
-  seq_stats_rows<double, double>(p, begin, end);
+  seq_stats_rows<double, double, rc::kRuntimeCount>(p, begin, end);
 }
 RC_CPU_MULTIVERSION void token_pass_rows_f32(const RolloutParams<float>& p, Partials& P, int64_t begin, int64_t end) {
-  token_pass_rows<cpu::v8f, float>(p, P, begin, end);
+  token_pass_rows_any<cpu::v8f, float>(p, P, begin, end);
 }
 void token_pass_rows_f64(const RolloutParams<double>& p, Partials& P, int64_t begin, int64_t end) {
-  token_pass_rows<double, double>(p, P, begin, end);
+  token_pass_rows<double, double, rc::kRuntimeCount>(p, P, begin, end);
 }
 inline void seq_stats_range(const RolloutParams<float>& p, int64_t b, int64_t e) {
   if (cpu::has_avx512()) {
