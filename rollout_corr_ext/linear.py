@@ -21,6 +21,7 @@ accumulate into the returned gradients directly). See docs/logprobs.md.
 
 from __future__ import annotations
 
+import re
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -31,7 +32,7 @@ from rollout_corr_ext.logprobs import (
     _all_gather,
     _assert_status,
     _group_size_rank,
-    _positive_finite,
+    checked_inv_temperature,
     as_bool,
     as_int,
     check_single_shard,
@@ -58,6 +59,35 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -
     if b is not None:
         z += b
     return z
+
+
+# The merge's own messages (csrc/cpu/logprob.cpp) name a row of the logits it was given: for a chunk, the row
+# within the chunk, of logits the caller never saw.
+_MERGE_ROW = re.compile(r"in row (\d+) of the flattened logits|every logit of row (\d+)|target\.flatten\(\)\[(\d+)\]")
+
+
+def _chunk_error(exc: RuntimeError, r0: int, dtype: torch.dtype) -> Exception:
+    """The merge's error for rows [r0, ...) restated for linear_log_probs' caller: the row of the flattened hidden
+    states (and target), and what the logits are here. Anything else is returned unchanged."""
+    msg = str(exc).split("\nException raised from")[0]
+    m = _MERGE_ROW.search(msg)
+    if m is None:
+        return exc
+    if m.group(3) is not None:
+        row = r0 + int(m.group(3))
+        value = msg[m.end():].split("=", 1)[-1].strip().split()[0]
+        return ValueError(f"target holds an id outside [0, vocab_size) that is not ignore_index: "
+                          f"target.flatten()[{row}] = {value}")
+    if m.group(1) is not None:
+        row = r0 + int(m.group(1))
+        return ValueError(f"the logits hidden @ weight.T (+ bias) hold NaN or +inf in row {row} "
+                          f"(hidden.reshape(-1, H)[{row}], on this rank or another rank of the tensor-parallel "
+                          f"group): hidden, weight or bias holds NaN / inf there, or the product overflows {dtype}; "
+                          f"rows whose target is ignore_index are exempt")
+    row = r0 + int(m.group(2))
+    return ValueError(f"every logit of row {row} (hidden.reshape(-1, H)[{row}] @ weight.T + bias, over all "
+                      f"tensor-parallel shards) is -inf: its softmax is undefined; give such positions "
+                      f"target = ignore_index")
 
 
 class _LinearLogProbs(torch.autograd.Function):
@@ -92,8 +122,11 @@ class _LinearLogProbs(torch.autograd.Function):
             span = n_rec * len(tiles)
             shards = gathered[:, offset:offset + span].reshape(world * len(tiles), n_rec)
             offset += span
-            logp, entropy, _, row_state, status = ops.merge_row_stats(shards, target[r0:r1], ignore_index,
-                                                                      vocab_size, inv_temperature, False)
+            try:
+                logp, entropy, _, row_state, status = ops.merge_row_stats(shards, target[r0:r1], ignore_index,
+                                                                          vocab_size, inv_temperature, False)
+            except RuntimeError as exc:  # CPU: the merge names rows of this chunk of its logits
+                raise _chunk_error(exc, r0, hidden.dtype) from None
             if hidden.device.type == "cuda":
                 _assert_status(status)
             logps.append(logp)
@@ -269,7 +302,7 @@ def linear_log_probs(
             raise ValueError(f"bias ({bias.dtype}, {bias.device}) must have hidden's dtype and device "
                              f"({hidden.dtype}, {hidden.device})")
     check_target(target, hidden, "hidden")
-    temperature = _positive_finite("temperature", temperature)
+    inv_temp = checked_inv_temperature(temperature, hidden.dtype)
     ignore_index = as_int("ignore_index", ignore_index)
     return_entropy = as_bool("return_entropy", return_entropy)
     chunk_rows = DEFAULT_CHUNK_ROWS if chunk_rows is None else as_int("chunk_rows", chunk_rows)
@@ -286,7 +319,7 @@ def linear_log_probs(
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     target1d = target.reshape(-1).to(torch.int64).contiguous()
     logp, entropy = _LinearLogProbs.apply(hidden2d, weight, bias, target1d, tp_group, world, vocab_start,
-                                          vocab_size, 1.0 / temperature, ignore_index, chunk_rows, chunk_cols,
+                                          vocab_size, inv_temp, ignore_index, chunk_rows, chunk_cols,
                                           check_group)
     logp, entropy = logp.reshape(lead), entropy.reshape(lead)
     return (logp, entropy) if return_entropy else logp

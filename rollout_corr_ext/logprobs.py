@@ -68,6 +68,20 @@ def _positive_finite(name: str, value) -> float:
     return v
 
 
+def checked_inv_temperature(temperature, dtype: torch.dtype) -> float:
+    """1 / temperature, checked against the type the kernels compute in for ``dtype`` inputs (fp64 for fp64, fp32
+    otherwise): outside [tiny, max] of that type it would overflow to inf or flush to 0 there, so every row would
+    fail (or be flat) for a reason that is not in the inputs."""
+    temperature = _positive_finite("temperature", temperature)
+    acc = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32)
+    inv = 1.0 / temperature
+    if not acc.tiny <= inv <= acc.max:
+        raise ValueError(f"temperature={temperature!r} is out of range for {dtype} inputs: the kernels compute in "
+                         f"{acc.dtype}, where 1 / temperature must lie in [{acc.tiny}, {acc.max}], i.e. temperature "
+                         f"in [{1.0 / acc.max:.6g}, {1.0 / acc.tiny:.6g}]")
+    return inv
+
+
 # --------------------------------------------------------------------------------------------- groups
 
 
@@ -245,7 +259,7 @@ def _vocab_parallel(
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have a non-empty last (vocab) dimension, got shape {tuple(logits.shape)}")
     check_target(target, logits, "logits")
-    temperature = _positive_finite("temperature", temperature)
+    inv_temp = checked_inv_temperature(temperature, logits.dtype)
     ignore_index = as_int("ignore_index", ignore_index)
     inplace_backward = as_bool("inplace_backward", inplace_backward)
     if check_group is not None:
@@ -271,17 +285,38 @@ def _vocab_parallel(
         check_group = logits.device.type == "cpu"
 
     lead = logits.shape[:-1]
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
+    if logits.stride(-1) != 1:  # clone, not contiguous(): an empty view counts as contiguous whatever its strides
+        logits = logits.clone(memory_format=torch.contiguous_format)
     logits2d = logits.reshape(-1, local_vocab)  # a view whenever the leading dims are flattenable
     if inplace_backward and logits2d.shape[0] > 1 and logits2d.stride(0) < local_vocab:
         raise ValueError("inplace_backward=True needs logits whose rows do not share memory (got an expanded or "
                          "stride-0 view); pass a materialized tensor or inplace_backward=False")
     target1d = target.reshape(-1).to(torch.int64).contiguous()
     logp, entropy, mean_logp = _VocabParallelLogProbs.apply(
-        logits2d, target1d, tp_group, world, vocab_start, vocab_size, 1.0 / temperature, ignore_index, with_sum_z,
+        logits2d, target1d, tp_group, world, vocab_start, vocab_size, inv_temp, ignore_index, with_sum_z,
         inplace_backward, check_group)
     return logp.reshape(lead), entropy.reshape(lead), mean_logp.reshape(lead), vocab_size
+
+
+class _SmoothedNll(torch.autograd.Function):
+    """megatron-core's label-smoothed loss (1 - s) (-logp) - s mean_logp, linear in (logp, mean_logp).
+
+    Every logit's log-prob enters with a coefficient <= 0 (the target's is -(1 - eps), each other's -s / V), so a
+    -inf log-prob anywhere makes the loss +inf, which the formula itself cannot say when 1 - s <= 0 (0 * inf, or
+    inf - inf). The value is therefore +inf wherever mean_logp is -inf; the gradient is the formula's (its
+    coefficients), as before.
+    """
+
+    @staticmethod
+    def forward(ctx, logp, mean_logp, smoothing: float):
+        ctx.smoothing = smoothing
+        loss = (1.0 - smoothing) * -logp - smoothing * mean_logp
+        return torch.where(mean_logp == -math.inf, torch.full_like(loss, math.inf), loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        s = ctx.smoothing
+        return None if grad is None else -(1.0 - s) * grad, None if grad is None else -s * grad, None
 
 
 def vocab_parallel_log_probs(
@@ -356,8 +391,6 @@ def vocab_parallel_cross_entropy(
     with_sum_z = label_smoothing > 0
     logp, _, mean_logp, v = _vocab_parallel(vocab_parallel_logits, target, tp_group, vocab_start, vocab_size,
                                             temperature, ignore_index, with_sum_z, inplace_backward, check_group)
-    loss = -logp
-    if with_sum_z:
-        smoothing = label_smoothing * v / (v - 1)
-        loss = (1.0 - smoothing) * loss - smoothing * mean_logp
-    return loss
+    if not with_sum_z:
+        return -logp
+    return _SmoothedNll.apply(logp, mean_logp, label_smoothing * v / (v - 1))

@@ -52,6 +52,15 @@ Number = Union[int, float, torch.Tensor]
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _finite_real(name: str, value) -> float:
+    """A finite real-number argument (int, float, numpy scalar); bools, strings, tensors, NaN and inf are refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
 def _positive_or_none(name: str, value) -> None:
     """A global normaliser: None, a finite real number > 0, or a one-element real tensor (verl passes 0-d tensors).
 
@@ -389,9 +398,12 @@ def aggregate_rows(
         seq_loss = row_loss_sum / (row_tokens + MASKED_MEAN_EPS)  # verl's per-sequence token-mean
     else:
         seq_loss = row_loss_sum
-    loss = _safe_div((seq_loss * seq_valid).sum(), global_batch_size) * dp_size
-    if loss_agg_mode == "seq-mean-token-sum-norm":
-        loss = loss / (horizon if loss_scale_factor is None else loss_scale_factor)
+    # A row without tokens is left out by a select, not by a product: its 0 / (0 + eps) is NaN wherever eps rounds
+    # away (16-bit rows), and NaN * 0 would still be NaN.
+    seq_loss = torch.where(seq_valid != 0, seq_loss, torch.zeros_like(seq_loss))
+    loss = _safe_div(seq_loss.sum(), global_batch_size) * dp_size
+    if loss_agg_mode == "seq-mean-token-sum-norm":  # horizon 0: an empty response dimension, nothing to normalise
+        loss = _safe_div(loss, horizon if loss_scale_factor is None else loss_scale_factor)
     return loss
 
 
@@ -428,14 +440,19 @@ def agg_loss(
     _check_cu_seqlens(cu_seqlens, loss_mat)
     _check_mask("loss_mask", loss_mask, loss_mat, "loss_mat")
     _check_mode(loss_agg_mode)
-    m = loss_mask.to(loss_mat.dtype)
+    # 16-bit losses are aggregated in fp32 (in fp16 the eps of a masked row's token-mean rounds away, and partial
+    # sums round at every op), and the scalar comes back in the loss's dtype.
+    acc = loss_mat.dtype if loss_mat.dtype in (torch.float32, torch.float64) else torch.float32
+    x = loss_mat.to(acc)
+    m = loss_mask.to(acc)
     if cu_seqlens is None:
-        row_loss_sum, row_tokens = fallback._masked(loss_mat, m).sum(-1), m.sum(-1)
+        row_loss_sum, row_tokens = fallback._masked(x, m).sum(-1), m.sum(-1)
     else:
-        row_loss_sum, row_tokens = _segment_sum(fallback._masked(loss_mat, m), cu_seqlens), _segment_sum(m, cu_seqlens)
-    return aggregate_rows(row_loss_sum, row_tokens, loss_agg_mode, _horizon(loss_mat, cu_seqlens), dp_size=dp_size,
+        row_loss_sum, row_tokens = _segment_sum(fallback._masked(x, m), cu_seqlens), _segment_sum(m, cu_seqlens)
+    loss = aggregate_rows(row_loss_sum, row_tokens, loss_agg_mode, _horizon(loss_mat, cu_seqlens), dp_size=dp_size,
                           batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
                           loss_scale_factor=loss_scale_factor)
+    return loss.to(loss_mat.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -675,8 +692,10 @@ def calculate_grpo_loss(
 
     Returns Megatron's 6-tuple (loss, kl_term, ratios, entropy_term, truncated_from_above,
     truncated_from_below), all ``[B, T]``. The ratio goes through the same fused elementwise op as the PPO
-    family (``ops.policy_loss_rows`` without dual clip), whose log-ratio is clamped to +-20 before exp
-    (Megatron overflows to inf there; identical otherwise).
+    family (``ops.policy_loss_rows`` without dual clip), whose log-ratio is clamped to +-20 before exp (verl's
+    bound): tokens with |log pi - log pi_old| > 20 get the ratio e^{+-20} and the clipped objective's gradient there,
+    where Megatron takes e^{log-ratio} as it is (finite up to ~88, inf beyond); identical elsewhere. As in Megatron,
+    ``is_truncation_coef`` is used only with ``inference_logprobs``.
 
     With ``rollout_correction`` (a RolloutCorrectionConfig) the weights come from our rollout correction of
     pi_old vs pi_inference instead of the TIS line (``is_truncation_coef`` must then be None), tokens its RS
@@ -690,12 +709,15 @@ def calculate_grpo_loss(
     if not isinstance(advantages, torch.Tensor) or advantages.numel() != lp.shape[0]:
         raise ValueError(f"advantages must be a tensor of one value per sequence ({lp.shape[0]}), got "
                          f"{getattr(advantages, 'shape', type(advantages))}")
+    clamp_eps_lower, clamp_eps_upper, kl_beta, entropy_weight = (
+        _finite_real(name, v) for name, v in (("clamp_eps_lower", clamp_eps_lower), ("clamp_eps_upper", clamp_eps_upper),
+                                              ("kl_beta", kl_beta), ("entropy_weight", entropy_weight)))
     for name, v in (("clamp_eps_lower", clamp_eps_lower), ("clamp_eps_upper", clamp_eps_upper)):
-        if not (isinstance(v, (int, float)) and v >= 0):
+        if v < 0:
             raise ValueError(f"{name} must be a float >= 0, got {v!r}")
     if inference_logprobs is not None:
         _check_float("inference_logprobs", inference_logprobs, lp)
-    if is_truncation_coef is not None and not is_truncation_coef > 0:
+    if is_truncation_coef is not None and (isinstance(is_truncation_coef, bool) or not is_truncation_coef > 0):
         raise ValueError(f"is_truncation_coef must be > 0 or None, got {is_truncation_coef}")
     if response_mask is not None:
         _check_mask("response_mask", response_mask, lp)

@@ -136,7 +136,7 @@ def _seq_numerator(row_sum, row_tokens, valid, mode, horizon, loss_scale_factor)
         row_sum = row_sum / (row_tokens.to(row_sum.dtype) + MASKED_MEAN_EPS)
     total = torch.where(valid, row_sum, torch.zeros_like(row_sum)).sum()
     if mode == "seq-mean-token-sum-norm":
-        total = total / (horizon.to(total.dtype) if loss_scale_factor is None else loss_scale_factor)
+        total = _safe_div(total, horizon if loss_scale_factor is None else loss_scale_factor)  # horizon 0: T = 0
     return total
 
 

@@ -206,6 +206,38 @@ def test_bad_arguments_are_named():
             rc.linear_log_probs(args["hidden"], args["weight"], args["target"], **extra)
 
 
+def test_errors_name_the_row_of_the_whole_batch_when_chunked():
+    """The merge runs per row chunk; its errors must still name the row of the flattened hidden / target, not the
+    row within the chunk, and say what the logits are here (the product, which the caller never saw)."""
+    n = 10
+    for chunk_rows in (None, 4, 3, 1):
+        h, w, t = torch.randn(n, 4), torch.randn(6, 4), torch.randint(0, 6, (n,))
+        h[6, 0] = math.nan
+        with pytest.raises(ValueError, match=r"hidden @ weight.T .* NaN or \+inf in row 6 \(hidden.reshape\(-1, H\)\[6\]"):
+            rc.linear_log_probs(h, w, t, chunk_rows=chunk_rows)
+        h[6, 0] = 0.0
+        t[9] = 6
+        with pytest.raises(ValueError, match=r"target.flatten\(\)\[9\] = 6"):
+            rc.linear_log_probs(h, w, t, chunk_rows=chunk_rows)
+        t[9] = 0
+        bias = torch.zeros(6)
+        h[7] = 0.0
+        bias[:] = -math.inf
+        t[:] = -100
+        t[7] = 1  # every logit of row 7 is -inf; the other rows are ignored
+        with pytest.raises(ValueError, match=r"every logit of row 7 \(hidden.reshape\(-1, H\)\[7\]"):
+            rc.linear_log_probs(h, w, t, bias=bias, chunk_rows=chunk_rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_temperature_outside_the_compute_type_is_named(dtype):
+    acc = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32)
+    h, w, t = torch.randn(3, 4, dtype=dtype), torch.randn(6, 4, dtype=dtype), torch.tensor([0, 5, 2])
+    for temperature in (1.0 / acc.max / 4, 1.0 / acc.tiny * 2):
+        with pytest.raises(ValueError, match=r"temperature=.* is out of range"):
+            rc.linear_log_probs(h, w, t, temperature=temperature)
+
+
 # ------------------------------------------------------------------------------------------ tensor parallel
 
 

@@ -490,6 +490,63 @@ def test_cross_entropy_arguments(device):
         assert torch.equal(rc.vocab_parallel_cross_entropy(x[:, :1], zeros).cpu(), torch.zeros(2))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_temperature_outside_the_compute_type_is_named(dtype, device):
+    """1 / temperature beyond [tiny, max] of the type the kernels compute in (fp32, fp64 for fp64 logits) would
+    overflow or flush there and fail every row for a reason that is not in the logits: refused up front, naming
+    temperature; at the edge of the range the values are still right."""
+    acc = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32)
+    with ops_on(device) as dev:
+        x = torch.randn(3, 50).to(dtype).to(dev)
+        t = torch.tensor([0, 49, 7]).to(dev)
+        for temperature in (1.0 / acc.max / 4, 1.0 / acc.tiny * 2, 5e-324):
+            with pytest.raises(ValueError, match=r"temperature=.* is out of range"):
+                rc.vocab_parallel_log_probs(x, t, temperature=temperature)
+            with pytest.raises(ValueError, match=r"temperature=.* is out of range"):
+                rc.vocab_parallel_cross_entropy(x, t, temperature=temperature)
+        temperature = 2.0 / acc.max  # in range: a near-zero temperature, the distribution is argmax-sharp
+        logp = rc.vocab_parallel_log_probs(x, t, temperature=temperature)
+        xd = x.double().cpu()
+        z = (xd - xd.max(dim=-1, keepdim=True).values) / temperature  # shifted first: x / T overflows even fp64
+        want = torch.log_softmax(z, dim=-1).gather(1, t.cpu()[:, None])[:, 0]
+        want = want.to(logp.dtype).double()  # beyond the output type's range: -inf (documented)
+        logp = logp.double().cpu()
+        assert torch.equal(torch.isinf(logp), torch.isinf(want))
+        finite = torch.isfinite(want)
+        torch.testing.assert_close(logp[finite], want[finite], **output_tol(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_label_smoothing_of_one_at_a_neg_inf_target_is_inf(device):
+    """eps = (V-1)/V makes megatron's smoothing s = eps V/(V-1) exactly 1 (and larger eps s > 1): (1 - s) nll is
+    then 0 * inf or -inf + inf. Every log-prob enters the smoothed loss with a coefficient <= 0, so a -inf logit
+    makes it +inf; the gradient is the formula's (its coefficients), not 0."""
+    with ops_on(device) as dev:
+        for v, eps, target in ((2, 0.5, 1), (3, 2 / 3, 2), (3, 0.9, 2), (3, 0.9, 0)):
+            x = torch.zeros(1, v, dtype=torch.float64)
+            x[0, -1] = NEG_INF
+            x[0, 0] = 1.0 if v > 2 else 0.0
+            xd = x.to(dev).requires_grad_(True)
+            ce = rc.vocab_parallel_cross_entropy(xd * 1, torch.tensor([target]).to(dev), label_smoothing=eps)
+            assert ce.item() == math.inf, (v, eps, target)
+            (grad,) = torch.autograd.grad(ce.sum(), xd)
+            s = eps * v / (v - 1)
+            p = torch.softmax(x, -1)
+            want = (1 - s) * (p - torch.nn.functional.one_hot(torch.tensor([target]), v)) + s * (p - 1.0 / v)
+            torch.testing.assert_close(grad.cpu(), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch_of_a_strided_view(device):
+    """An empty view whose vocab stride is not 1 (torch calls any empty tensor contiguous) gives empty outputs."""
+    with ops_on(device) as dev:
+        x = torch.zeros(0, 30).to(dev)[:, ::2].requires_grad_(True)
+        logp, ent = rc.vocab_parallel_log_probs(x, torch.zeros(0, dtype=torch.long).to(dev), return_entropy=True)
+        assert logp.shape == (0,) and ent.shape == (0,)
+        assert rc.vocab_parallel_cross_entropy(x, torch.zeros(0, dtype=torch.long).to(dev)).shape == (0,)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_empty_batch(device):
     with ops_on(device) as dev:

@@ -133,6 +133,38 @@ def test_agg_loss_all_rows_rejected_is_zero_not_nan(mode, device):
 
 
 @pytest.mark.parametrize("device", AGG_DEVICES)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_agg_loss_low_precision_with_a_rejected_row_matches_fp64(mode, dtype, device):
+    """A fully masked row next to valid ones: its token-mean 0 / (0 + 1e-8) is NaN in fp16 (eps rounds away) and
+    must not reach the loss. The oracle is the fp64 formula on the same 16-bit values, rounded to the loss's dtype
+    (ours sums in fp32 and rounds once: within one unit of the last place)."""
+    g = torch.Generator().manual_seed(3)
+    loss = (torch.rand(3, 2048, generator=g, dtype=torch.float64) * 10).to(dtype).to(device).requires_grad_(True)
+    mask = torch.rand(3, 2048, generator=g) < 0.9
+    mask[1] = False
+    mask = mask.to(device)
+    ours = agg_loss(loss, mask, mode)
+    ref = R.agg_loss_dense(loss.double(), mask, mode)
+    assert ours.dtype == dtype and torch.isfinite(ours)
+    torch.testing.assert_close(ours.double(), ref.to(dtype).double(), rtol=torch.finfo(dtype).eps, atol=0)
+    g_ours, g_ref = _grad(ours, loss), _grad(ref, loss)
+    assert torch.isfinite(g_ours).all()
+    torch.testing.assert_close(g_ours.double(), g_ref.to(dtype).double(), rtol=1e-2, atol=0)
+
+
+@pytest.mark.parametrize("device", AGG_DEVICES)
+def test_seq_mean_token_sum_norm_of_an_empty_response_is_zero(device):
+    """T = 0: every token is masked (there are none) and the divisor T is 0: 0, as for any all-masked batch."""
+    lp = torch.zeros(2, 0, device=device, requires_grad=True)
+    mask = torch.zeros(2, 0, dtype=torch.bool, device=device)
+    assert agg_loss(lp * 1, mask, "seq-mean-token-sum-norm").item() == 0.0
+    loss = compute_policy_loss_vanilla(lp.detach(), lp, torch.zeros(2, 0, device=device), mask,
+                                       "seq-mean-token-sum-norm")[0]
+    assert loss.item() == 0.0
+
+
+@pytest.mark.parametrize("device", AGG_DEVICES)
 def test_agg_loss_bad_input(device):
     x, m = torch.randn(2, 3, device=device), torch.ones(2, 3, device=device)
     with pytest.raises(ValueError, match="loss_agg_mode"):
@@ -482,6 +514,15 @@ def test_grpo_bad_input(device):
             calculate_grpo_loss(lp, old, old, zeros6, 0.2, 0.2, 0.0, 0.0, old, 0.0)
         with pytest.raises(ValueError, match="clamp_eps_lower"):
             calculate_grpo_loss(lp, old, old, zeros6, -0.2, 0.2, 0.0, 0.0)
+        for bad in (float("nan"), float("inf")):  # would make every token's loss NaN / inf
+            with pytest.raises(ValueError, match="kl_beta must be finite"):
+                calculate_grpo_loss(lp, old, old, zeros6, 0.2, 0.2, bad, 0.0)
+            with pytest.raises(ValueError, match="entropy_weight must be finite"):
+                calculate_grpo_loss(lp, old, old, zeros6, 0.2, 0.2, 0.0, bad)
+        with pytest.raises(TypeError, match="clamp_eps_upper must be a real number"):
+            calculate_grpo_loss(lp, old, old, zeros6, 0.2, True, 0.0, 0.0)
+        with pytest.raises(TypeError, match="kl_beta must be a real number"):
+            calculate_grpo_loss(lp, old, old, zeros6, 0.2, 0.2, torch.tensor(0.1), 0.0)
 
 
 # ------------------------------------------------------------------ undefined losses are errors, not NaN
