@@ -217,15 +217,15 @@ class RolloutCorrectionConfig:
         object.__setattr__(self, "_rs_criteria", self._resolve_rs())
 
     def _resolve_is(self) -> Optional[ISSpec]:
+        if self.rollout_is is None:  # as verl: with IS off its threshold fields are not read, so not judged either
+            return None
         thr, lower_opt = self.rollout_is_threshold, self.rollout_is_threshold_lower
         _optional_number(lower_opt, "rollout_is_threshold_lower")
         if lower_opt is not None and not lower_opt > 0:
             raise ValueError(f"rollout_is_threshold_lower must be None or a finite number > 0, got {lower_opt!r}")
         if thr is None:
-            if self.rollout_is is not None:
-                raise ValueError(f"rollout_is_threshold is required when rollout_is={self.rollout_is!r} "
-                                 f"(a number C > 0 for TIS or a 'L_U' string for IcePop)")
-            return None
+            raise ValueError(f"rollout_is_threshold is required when rollout_is={self.rollout_is!r} "
+                             f"(a number C > 0 for TIS or a 'L_U' string for IcePop)")
         lower, upper = _split_spec(thr, "rollout_is_threshold")
         if not upper > 0:
             raise ValueError(f"rollout_is_threshold: the upper bound must be > 0, got {upper}")
@@ -248,8 +248,6 @@ class RolloutCorrectionConfig:
             if lower > upper:
                 raise ValueError(f"rollout_is_threshold: lower bound {lower} > upper bound {upper}")
         metric_lower = lower if lower is not None else (lower_opt if lower_opt is not None else 1.0 / upper)
-        if self.rollout_is is None:
-            return None
         return ISSpec(self.rollout_is, mode, lower, float(upper), float(metric_lower))
 
     def _resolve_rs(self) -> List[RSCriterion]:

@@ -184,17 +184,22 @@ def finalize_metrics(
     sv = S.valid_rows
     zero = torch.zeros((), dtype=torch.float64, device=sums.device)
 
-    def masked_std(dev, dev_sq, centre):  # verl: sqrt(clamp(E[x^2] - E[x]^2, 0)) over valid tokens when more than
-        # one, E = masked_mean (sum / (n + eps)). The kernels sum x - centre and (x - centre)^2 (no fp32
-        # cancellation); sum x and sum x^2 are rebuilt here in fp64, where the difference is harmless.
-        s = dev + centre * n
-        s2 = dev_sq + 2.0 * centre * dev + centre * centre * n
+    def std_of_sums(s, s2):  # verl: sqrt(clamp(E[x^2] - E[x]^2, 0)) over valid tokens when more than one,
+        # E = masked_mean (sum / (n + eps)), from sum x and sum x^2 (fp64)
         return torch.where(n > 1, (s2 / ne - (s / ne) ** 2).clamp(min=0).sqrt(), zero)
+
+    def masked_std(dev, dev_sq, centre):  # the kernels sum x - centre and (x - centre)^2 (no fp32 cancellation);
+        # sum x and sum x^2 are rebuilt here in fp64, where the difference is harmless.
+        return std_of_sums(dev + centre * n, dev_sq + 2.0 * centre * dev + centre * centre * n)
 
     spec = config.is_spec
     if spec is not None:
         if spec.level == "token":
-            w_sum, wc_dev, wc_dev_sq = S.is_weight, S.is_wc_dev, S.is_wc_dev_sq
+            w_sum = S.is_weight
+            # sum wc and sum wc^2 from the deviations about each row's own mean weight (exact in fp64 up to rounding;
+            # centring at one fixed value would lose sum wc^2 to cancellation when the weights are far from it)
+            wc_sum = S.is_wc_dev + S.is_wc_centre
+            wc_sq = S.is_wc_dev_sq + 2.0 * S.is_wc_centre_dev + S.is_wc_centre_sq
             met["rollout_is_mean"] = w_sum / ne
             met["rollout_is_ratio_fraction_high"] = S.is_high / ne
             met["rollout_is_ratio_fraction_low"] = S.is_low / ne
@@ -202,16 +207,14 @@ def finalize_metrics(
             met["rollout_is_min"] = -M.neg_is_weight
             oob = S.is_out_of_band
         else:
-            w_sum, wc_dev, wc_dev_sq = S.seq_is_weight, S.seq_is_wc_dev, S.seq_is_wc_dev_sq
+            w_sum, wc_sum, wc_sq = S.seq_is_weight, S.seq_is_wc, S.seq_is_wc_sq
             met["rollout_is_max"] = torch.exp(M.is_log_weight.clamp(max=LY.SAFETY_BOUND))
             met["rollout_is_min"] = torch.exp(-M.neg_is_log_weight)
             met["rollout_is_mean"] = w_sum / ne
             met["rollout_is_ratio_fraction_high"] = S.seq_is_high / rows
             met["rollout_is_ratio_fraction_low"] = S.seq_is_low / rows
             oob = S.seq_is_out_of_band
-        met["rollout_is_std"] = masked_std(wc_dev, wc_dev_sq, 1.0)
-        wc_sum = wc_dev + n  # sum wc and sum wc^2 from the centred sums (fp64)
-        wc_sq = wc_dev_sq + 2.0 * wc_dev + n
+        met["rollout_is_std"] = std_of_sums(wc_sum, wc_sq)
         met["rollout_is_eff_sample_size"] = ne * (wc_sum / ne + LY.EPS) ** 2 / wc_sq
         met["rollout_is_seq_mean"] = S.is_seq_mean / rows
         met["rollout_is_seq_std"] = _std_from_sums(S.is_seq_mean, S.is_seq_mean_sq, rows)

@@ -453,6 +453,14 @@ def _row_values(st, is_level, is_mask, is_lower, is_upper, veto_threshold, crits
     return n, lr_sum, log_w, raw, w, values, keeps, seq_rejected, veto
 
 
+def _wc_centre(st: torch.Tensor, is_upper: float) -> torch.Tensor:
+    """Token-level IS: each row's mean clamped weight from pass 1 (0 for a row without tokens), the centre of its
+    deviation sums."""
+    n = st[:, _SEQ["tokens"]]
+    mean_w = st[:, _SEQ["token_weight"]] / torch.where(n > 0, n, torch.ones_like(n))
+    return torch.where(n > 0, mean_w, torch.zeros_like(mean_w)).clamp(0.0, is_upper)
+
+
 def _hist_index(log_w: torch.Tensor) -> torch.Tensor:
     scale = LY.HIST_BINS / (LY.HIST_HI - LY.HIST_LO)
     log_w = torch.nan_to_num(log_w, nan=LY.HIST_LO)
@@ -501,8 +509,10 @@ def rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, 
         weights = w * vf
         wc = w.clamp(0.0, is_upper)
         S[_SUM["is_weight"]] += tsum(w)
-        S[_SUM["is_wc_dev"]] += tsum(wc - 1.0)  # deviations from 1: no cancellation in the std
-        S[_SUM["is_wc_dev_sq"]] += tsum((wc - 1.0) ** 2)
+        centre = _wc_centre(st, is_upper).unsqueeze(1)  # deviations from the row's mean: no cancellation in the std
+        S[_SUM["is_wc_dev"]] += tsum(wc - centre)
+        S[_SUM["is_wc_dev_sq"]] += tsum((wc - centre) ** 2)
+        S[_SUM["is_wc_centre_dev"]] += tsum(centre * (wc - centre))
         S[_SUM["is_high"]] += tsum((rho > is_upper).to(acc))
         S[_SUM["is_low"]] += tsum((rho < is_metric_lower).to(acc))
         if is_mask:
@@ -568,11 +578,14 @@ def _row_partials(S, M, st, is_level, is_mask, is_lower, is_upper, is_metric_low
         if level == LY.IS_LEVEL["token"]:
             x = st[:, _SEQ["token_weight"]] / (n + eps)  # verl: masked_mean(weights, mask, axis=-1)
             raw_mean = st[:, _SEQ["rho"]] / (n + eps)
+            centre = f(_wc_centre(st, is_upper))
+            S[_SUM["is_wc_centre"]] += (nd * centre).sum()
+            S[_SUM["is_wc_centre_sq"]] += (nd * centre * centre).sum()
         else:
             wc = w_b.clamp(0.0, is_upper)
             S[_SUM["seq_is_weight"]] += (nd * f(w_b)).sum()
-            S[_SUM["seq_is_wc_dev"]] += (nd * (f(wc) - 1.0)).sum()
-            S[_SUM["seq_is_wc_dev_sq"]] += (nd * (f(wc) - 1.0) ** 2).sum()
+            S[_SUM["seq_is_wc"]] += (nd * f(wc)).sum()
+            S[_SUM["seq_is_wc_sq"]] += (nd * f(wc) ** 2).sum()
             S[_SUM["seq_is_high"]] += f(log_w > math.log(is_upper)).sum()
             S[_SUM["seq_is_low"]] += f(log_w < math.log(is_metric_lower)).sum()
             if is_mask:

@@ -119,6 +119,17 @@ def test_validation_names_the_field(kwargs, match):
         Cfg(**kwargs)
 
 
+@pytest.mark.parametrize("fields", [dict(rollout_is_threshold=0), dict(rollout_is_threshold="1.5_1.0"),
+                                    dict(rollout_is_mode="mask", rollout_is_threshold=0.8),
+                                    dict(rollout_is_threshold=None)])
+def test_is_threshold_is_judged_only_when_is_is_on(fields):
+    """verl's helper never reads the IS threshold fields with rollout_is=None, so a config that switches IS off
+    but keeps (say) a threshold of 0 runs there; it must here too. With IS on the same fields are errors."""
+    assert Cfg(rollout_is=None, **fields).is_spec is None
+    with pytest.raises(ValueError, match="rollout_is_threshold"):
+        Cfg(rollout_is="token", **fields)
+
+
 def test_from_dict_rejects_unknown_fields():
     with pytest.raises(ValueError, match=r"unknown RolloutCorrectionConfig field\(s\) \['rollout_is_level'\]"):
         Cfg.from_dict({"rollout_is_level": "token"})

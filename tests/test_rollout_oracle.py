@@ -401,6 +401,20 @@ def test_package_equals_oracle_dtypes(name, dtype, mask_dtype, backend):
     _check_against_oracle(lp.to(dtype), rlp.to(dtype), _cast_mask(mask, mask_dtype), fields)
 
 
+@pytest.mark.parametrize("shift", [7.0, 12.0, 30.0], ids=lambda s: f"w~e^-{s:g}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_package_equals_oracle_far_off_policy(level, dtype, shift, backend):
+    """IS weights far below 1 (the batches a user diagnoses with ESS and std): the weight sums must not lose
+    sum w^2 to rounding by being centred where the weights are not (ESS and std were once wrong by 5-100x from
+    w ~ e^-7 in fp32, and ESS = inf for w below ~1e-8 in fp64). shift 30: every weight at the e^-20 clamp."""
+    lp, rlp, mask = _inputs(scale=0.3, seed=21)
+    rlp = rlp + shift
+    fields = dict(rollout_is=level, rollout_is_threshold=2.0, rollout_rs=None)
+    met = _check_against_oracle(lp.to(dtype), rlp.to(dtype), mask, fields)
+    assert met[PREFIX + "rollout_is_mean"] < 1e-2
+
+
 @pytest.mark.parametrize("lp_dtype,rlp_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16),
                                                 (torch.float16, torch.float64), (torch.float64, torch.float32)],
                          ids=["fp32+bf16", "bf16+fp16", "fp16+fp64", "fp64+fp32"])

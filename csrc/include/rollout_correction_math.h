@@ -213,6 +213,7 @@ RC_HD RC_FORCEINLINE void seq_stats_token(const Config<acc_t>& c, V a, V q, V m,
 template <typename acc_t>
 struct RowValues {
   acc_t n, lr_sum, log_w, raw_w, w;  // IS: log weight (sum or mean of lr), its e^clamp20, truncated / masked
+  acc_t wc_centre;                   // token-level IS: the row's mean clamped weight (pass 1), 0 without tokens
   bool seq_rejected, veto;           // some sequence-level criterion rejects the row; the veto fires
   acc_t crit_value[kMaxCriteria];    // each criterion's per-sequence value (token level: its mean over the row)
   bool crit_keep[kMaxCriteria];      // sequence-level criteria: the row passes
@@ -229,6 +230,11 @@ RC_HD inline void row_values(const acc_t* st, const Config<acc_t>& c, RowValues<
     r.w = (r.raw_w >= c.is_lower && r.raw_w <= c.is_upper) ? r.raw_w : acc_t(0);
   else
     r.w = r.raw_w < c.is_upper ? r.raw_w : c.is_upper;
+  r.wc_centre = acc_t(0);
+  if (c.is_level == is_level::token && r.n > acc_t(0)) {
+    const acc_t mean_w = RC_LDG(st + seq::token_weight) / r.n;
+    r.wc_centre = mean_w < acc_t(0) ? acc_t(0) : (mean_w > c.is_upper ? c.is_upper : mean_w);
+  }
   r.seq_rejected = false;
   for (int i = 0; i < c.num_rs; ++i) {
     const int level = c.crit_level[i], stat = c.crit_stat[i];
@@ -303,9 +309,11 @@ RC_HD RC_FORCEINLINE TokenOut<V> token_pass_token(const Config<acc_t>& c, const 
     const V wc = w < zero ? zero : (w > upper ? upper : w);
     out.weight = select(k.valid, w, zero);
     t.sum[tok_sum::is_weight] += out.weight;
-    const V dev = select(k.valid, wc - one, zero);  // exact in fp32 near 1 (Sterbenz)
+    const V centre = splat<V>(r.wc_centre);
+    const V dev = select(k.valid, wc - centre, zero);  // exact in fp32 when wc is near the centre (Sterbenz)
     t.sum[tok_sum::is_wc_dev] += dev;
     t.sum[tok_sum::is_wc_dev_sq] += dev * dev;
+    t.sum[tok_sum::is_wc_centre_dev] += centre * dev;
     t.sum[tok_sum::is_high] += select(k.valid & (rho > upper), one, zero);
     t.sum[tok_sum::is_low] += select(k.valid & (rho < splat<V>(c.is_metric_lower)), one, zero);
     if (c.is_mask)
@@ -417,12 +425,15 @@ RC_HD inline void add_row_partials(const Config<acc_t>& c, const acc_t* st, cons
     if (c.is_level == is_level::token) {
       x = RC_LDG(st + seq::token_weight) / (r.n + eps);
       raw_mean = RC_LDG(st + seq::rho) / (r.n + eps);
+      const double centre = r.wc_centre;
+      add_to(S[sum_slot::is_wc_centre], nd * centre);
+      add_to(S[sum_slot::is_wc_centre_sq], nd * centre * centre);
     } else {
       const acc_t wc = r.w < acc_t(0) ? acc_t(0) : (r.w > c.is_upper ? c.is_upper : r.w);
       add_to(S[sum_slot::seq_is_weight], nd * static_cast<double>(r.w));
-      const double dev = static_cast<double>(wc) - 1.0;
-      add_to(S[sum_slot::seq_is_wc_dev], nd * dev);
-      add_to(S[sum_slot::seq_is_wc_dev_sq], nd * dev * dev);
+      const double wcd = static_cast<double>(wc);
+      add_to(S[sum_slot::seq_is_wc], nd * wcd);
+      add_to(S[sum_slot::seq_is_wc_sq], nd * wcd * wcd);
       add_to(S[sum_slot::seq_is_high], r.log_w > c.log_is_upper);
       add_to(S[sum_slot::seq_is_low], r.log_w < c.log_is_metric_lower);
       if (c.is_mask) add_to(S[sum_slot::seq_is_out_of_band], nd * ((r.raw_w < c.is_lower) || (r.raw_w > c.is_upper)));
