@@ -438,6 +438,8 @@ def agg_loss(
         raise ValueError(f"loss_mat must be a floating-point [batch, response_length] tensor, got "
                          f"{getattr(loss_mat, 'shape', type(loss_mat))}")
     _check_cu_seqlens(cu_seqlens, loss_mat)
+    if cu_seqlens is not None:  # the values too (no op runs here to check them): a named error, a device assert on CUDA
+        fallback._check_cu_seqlens(loss_mat, cu_seqlens)
     _check_mask("loss_mask", loss_mask, loss_mat, "loss_mat")
     _check_mode(loss_agg_mode)
     # 16-bit losses are aggregated in fp32 (in fp16 the eps of a masked row's token-mean rounds away, and partial

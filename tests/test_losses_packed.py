@@ -121,6 +121,16 @@ def test_packed_agg_loss_equals_padded(mode):
     torch.testing.assert_close(x.grad, _unpad(y.grad, cu), rtol=1e-12, atol=1e-14)
 
 
+def test_packed_agg_loss_checks_the_cu_seqlens_values():
+    """agg_loss runs no op that would check the packed boundaries: a shifted, decreasing or short cu_seqlens must be
+    a named error, not the loss of another segmentation or a raw torch error."""
+    lp, _, _, _, mask, cu = _packed_inputs(seed=3)
+    n = len(lp)
+    for bad in ([1, 5, n], [0, 7, 5, n], [0, 5, n - 1], [0, 5, n + 3], [-2, 5, n]):
+        with pytest.raises(ValueError, match="cu_seqlens must start at 0, never decrease and end at"):
+            rc.agg_loss(lp, mask, "seq-mean-token-mean", cu_seqlens=torch.tensor(bad))
+
+
 def test_packed_policy_loss_errors_name_the_argument():
     lp, old, rlp, adv, mask, cu = _packed_inputs()
     with pytest.raises(ValueError, match="cu_seqlens"):
