@@ -3,6 +3,8 @@
 // and the error messages of the merge's checks.
 #pragma once
 
+#include <cstring>
+
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 
@@ -34,6 +36,16 @@ inline int64_t header_len_for(at::ScalarType acc) {
 
 inline int64_t record_format(int stats_cols, at::ScalarType acc) {
   return stats_cols + 16 * static_cast<int64_t>(c10::elementSize(acc));
+}
+
+// The call settings every rank must share, 1/T and ignore_index, fingerprinted (target_fingerprint's mixer over the
+// bits of 1/T and ignore_index) into the format slot's bits 16..62, above record_format's small integer: ranks that
+// disagree fail the header check on every rank, instead of merging records taken at different temperatures into a
+// wrong answer, or of one rank raising on a target that another ignores.
+inline int64_t settings_fingerprint(double inv_temperature, int64_t ignore_index) {
+  uint64_t bits;
+  std::memcpy(&bits, &inv_temperature, sizeof(bits));
+  return static_cast<int64_t>(target_fingerprint(static_cast<int64_t>(bits), ignore_index) & 0x7FFFFFFFFFFF0000ull);
 }
 
 inline void check_logits_target(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
@@ -87,7 +99,7 @@ inline at::Tensor new_shard_record(const at::Tensor& logits, bool with_sum_z) {
 
 inline ShardHeaderParams make_shard_header_params(const at::Tensor& record, const at::Tensor& target,
                                                   const at::Tensor& logits, int64_t vocab_start, int64_t vocab_size,
-                                                  bool with_sum_z) {
+                                                  double inv_temperature, int64_t ignore_index, bool with_sum_z) {
   ShardHeaderParams h;
   h.header = static_cast<int64_t*>(record.data_ptr());
   h.target = target.const_data_ptr<int64_t>();
@@ -96,7 +108,8 @@ inline ShardHeaderParams make_shard_header_params(const at::Tensor& record, cons
   h.local_vocab = logits.size(1);
   h.valid_cols = valid_cols_of(vocab_start, vocab_size, logits.size(1));
   h.vocab_size = vocab_size;
-  h.format = record_format(stats_cols_for(with_sum_z), record.scalar_type());
+  h.format = record_format(stats_cols_for(with_sum_z), record.scalar_type()) |
+             settings_fingerprint(inv_temperature, ignore_index);
   return h;
 }
 
@@ -195,8 +208,8 @@ inline std::string layout_error_message(const LayoutCheck& c, const at::Tensor& 
          << field(c.b, kHdrRows);
       break;
     case kLayoutFormat:
-      os << "ranks " << c.a << " and " << c.b << " use different record formats (return_entropy / label smoothing "
-         << "/ logits dtype must agree across the group)";
+      os << "ranks " << c.a << " and " << c.b << " use different record formats or settings (temperature, "
+         << "ignore_index, return_entropy / label smoothing and the logits dtype must agree across the group)";
       break;
     case kLayoutVocabSize:
       os << "rank " << c.b << " was given vocab_size=" << field(c.b, kHdrVocabSize) << " but this rank "

@@ -10,6 +10,7 @@ Sections: vocab-parallel log-probs (DESIGN §2); rollout correction (DESIGN §3)
 from __future__ import annotations
 
 import math
+import struct
 from typing import Optional, Tuple
 
 import torch
@@ -69,6 +70,22 @@ def target_fingerprint(target: torch.Tensor) -> int:
     return int(z.sum()) if t.numel() else 0
 
 
+def _mix64(row: int, t: int) -> int:
+    """target_fingerprint's mixer (splitmix64's finalizer over (row, id)) on Python ints, as uint64."""
+    m = (1 << 64) - 1
+    z = (t + 0x9E3779B97F4A7C15 * (row + 1)) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
+def settings_fingerprint(inv_temperature: float, ignore_index: int) -> int:
+    """The call settings every rank must share (1/T, ignore_index) in the format slot's bits 16..62
+    (settings_fingerprint in csrc/logprob_host.h, the same bits)."""
+    bits = struct.unpack("<q", struct.pack("<d", float(inv_temperature)))[0]
+    return _mix64(bits, int(ignore_index)) & 0x7FFFFFFFFFFF0000
+
+
 def vocab_row_stats(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -110,7 +127,8 @@ def vocab_row_stats(
     rec[:, ROW_STAT_TARGET_X] = torch.where(in_shard, picked, torch.full_like(picked, -math.inf))
     elem = torch.empty((), dtype=acc).element_size()
     header = torch.tensor([SHARD_MAGIC, n, vocab_start, local_vocab, cols, vocab_size,
-                           _signed64(target_fingerprint(target)), k + 16 * elem], dtype=torch.int64)
+                           _signed64(target_fingerprint(target)),
+                           (k + 16 * elem) | settings_fingerprint(inv_temperature, ignore_index)], dtype=torch.int64)
     return torch.cat([header.view(acc).to(logits.device), rec.reshape(-1)])
 
 
@@ -124,7 +142,8 @@ def _layout_error(headers, vocab_size: int, unit: str = "rank") -> Optional[str]
         if h[HDR_ROWS] != h0[HDR_ROWS]:
             return f"{unit} 0 has {h0[HDR_ROWS]} rows but {unit} {r} has {h[HDR_ROWS]}"
         if h[HDR_FORMAT] != h0[HDR_FORMAT]:
-            return f"{unit}s 0 and {r} use different record formats (return_entropy / label smoothing / logits dtype)"
+            return (f"{unit}s 0 and {r} use different record formats or settings (temperature, ignore_index, "
+                    f"return_entropy / label smoothing and the logits dtype must agree across the group)")
         if h[HDR_VOCAB_SIZE] != vocab_size:
             return (f"{unit} {r} was given vocab_size={h[HDR_VOCAB_SIZE]} but this rank {vocab_size} (pass the true, "
                     f"global vocab_size on every rank)")

@@ -190,6 +190,12 @@ def _layout_worker(rank, world):
     _raises_everywhere(lambda: lp(shard, other, group), ValueError, f"{fit}.*different targets")
     # Different record formats (entropy-only vs label smoothing) on the two ranks.
     _raises_everywhere(lambda: ce(shard, target, 0.1 if rank else 0.0, group), ValueError, f"{fit}.*record formats")
+    # Different temperatures (records taken at different scales would merge into a wrong answer on both ranks) or
+    # ignore_index values (one rank would raise on a target the other ignores, and the other hang): the same error.
+    _raises_everywhere(lambda: lp(shard, target, group, temperature=0.7 if rank else 0.8), ValueError,
+                       f"{fit}.*settings \\(temperature, ignore_index")
+    _raises_everywhere(lambda: lp(shard, target, group, ignore_index=-100 if rank else -1), ValueError,
+                       f"{fit}.*settings \\(temperature, ignore_index")
     if dev.type == "cpu":
         # Without the pre-check (check_group=False) the merge still catches the layout after the one all-gather
         # (CUDA: an asynchronous device assert instead, which would poison this worker's context).

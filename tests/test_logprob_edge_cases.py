@@ -517,6 +517,22 @@ def test_temperature_outside_the_compute_type_is_named(dtype, device):
         torch.testing.assert_close(logp[finite], want[finite], **output_tol(dtype))
 
 
+def test_record_headers_are_the_same_bits_on_every_implementation():
+    """Ranks may run different implementations (a CPU rank beside the fallback): the header, with its target and
+    settings fingerprints (1/T, ignore_index), must be bit-identical, and must change with either setting."""
+    x = torch.randn(5, 40)
+    t = torch.tensor([0, 39, 7, -100, 3])
+    n = fallback.header_len(torch.float32)
+
+    def header(fn, inv_t, ignore):
+        return fn(x, t, 0, 40, inv_t, ignore, False)[:n].view(torch.int64).tolist()
+
+    for inv_t, ignore in ((1.0, -100), (1.0 / 0.7, -100), (1.0, -1)):
+        assert header(ops.vocab_row_stats, inv_t, ignore) == header(fallback.vocab_row_stats, inv_t, ignore)
+    base = header(ops.vocab_row_stats, 1.0, -100)
+    assert header(ops.vocab_row_stats, 1.0 / 0.7, -100) != base and header(ops.vocab_row_stats, 1.0, -1) != base
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_label_smoothing_of_one_at_a_neg_inf_target_is_inf(device):
     """eps = (V-1)/V makes megatron's smoothing s = eps V/(V-1) exactly 1 (and larger eps s > 1): (1 - s) nll is

@@ -301,7 +301,8 @@ at::Tensor vocab_row_stats_cpu(const at::Tensor& logits, const at::Tensor& targe
   check_logits_target(logits, target, vocab_start, vocab_size, inv_temperature);
   const auto target_c = target.contiguous();
   auto record = new_shard_record(logits, with_sum_z);
-  const ShardHeaderParams h = make_shard_header_params(record, target_c, logits, vocab_start, vocab_size, with_sum_z);
+  const ShardHeaderParams h = make_shard_header_params(record, target_c, logits, vocab_start, vocab_size,
+                                                            inv_temperature, ignore_index, with_sum_z);
   uint64_t hash = 0;  // wrapping sum: order-independent, so the same on every backend
   for (int64_t r = 0; r < h.rows; ++r) hash += target_fingerprint(r, h.target[r]);
   write_shard_header(h, hash);

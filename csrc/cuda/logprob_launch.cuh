@@ -45,7 +45,8 @@ at::Tensor run_vocab_row_stats(const at::Tensor& logits, const at::Tensor& targe
   const auto target_c = target.contiguous();
   auto record = new_shard_record(logits, with_sum_z);
   launch(shard_header_kernel, dim3(1), dim3(kHeaderThreads),
-         make_shard_header_params(record, target_c, logits, vocab_start, vocab_size, with_sum_z));
+         make_shard_header_params(record, target_c, logits, vocab_start, vocab_size, inv_temperature,
+                                  ignore_index, with_sum_z));
   if (logits.size(0) == 0) return record;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "vocab_row_stats", [&] {
     using acc_t = at::opmath_type<scalar_t>;

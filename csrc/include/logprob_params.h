@@ -21,7 +21,7 @@ enum ShardHeaderSlot : int {
   kHdrValidCols,     // columns before the padding starts (those below vocab_size)
   kHdrVocabSize,     // the true vocab size this rank was given
   kHdrTargetHash,    // order-dependent fingerprint of the targets (target_fingerprint)
-  kHdrFormat,        // stats_cols + 16 * sizeof(acc_t)
+  kHdrFormat,        // stats_cols + 16 * sizeof(acc_t), and in bits 16..62 the settings fingerprint (1/T, ignore_index)
 };
 constexpr int kShardHeaderSlots = 8;
 constexpr int64_t kShardHeaderBytes = kShardHeaderSlots * 8;
