@@ -285,11 +285,12 @@ def _check_mask(name: str, mask, ref: torch.Tensor, ref_name: str = "log_prob") 
         raise ValueError(f"{name} is on {mask.device} but {ref_name} is on {ref.device}")
 
 
-def _check_cu_seqlens(cu_seqlens, log_prob: torch.Tensor) -> None:
-    """The packed layout at the API boundary (the op checks the values: named errors on CPU, asserts on CUDA)."""
+def _check_cu_seqlens(cu_seqlens, log_prob: torch.Tensor, name: str = "log_prob") -> None:
+    """The packed layout at the API boundary (the op checks the values: named errors on CPU, asserts on CUDA);
+    ``name``: the caller's name for the token tensor."""
     if cu_seqlens is None:
         if log_prob.dim() != 2:
-            raise ValueError(f"log_prob must be [batch, response_length], got shape {tuple(log_prob.shape)} (a packed "
+            raise ValueError(f"{name} must be [batch, response_length], got shape {tuple(log_prob.shape)} (a packed "
                              f"token stream needs cu_seqlens)")
         return
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -298,9 +299,9 @@ def _check_cu_seqlens(cu_seqlens, log_prob: torch.Tensor) -> None:
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"cu_seqlens must be 1-D [num_sequences + 1], got shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != log_prob.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but log_prob is on {log_prob.device}")
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but {name} is on {log_prob.device}")
     if log_prob.dim() != 1:
-        raise ValueError(f"with cu_seqlens, log_prob must be the 1-D packed token stream [T], got shape "
+        raise ValueError(f"with cu_seqlens, {name} must be the 1-D packed token stream [T], got shape "
                          f"{tuple(log_prob.shape)}")
 
 
@@ -437,7 +438,7 @@ def agg_loss(
     if not isinstance(loss_mat, torch.Tensor) or not loss_mat.is_floating_point():
         raise ValueError(f"loss_mat must be a floating-point [batch, response_length] tensor, got "
                          f"{getattr(loss_mat, 'shape', type(loss_mat))}")
-    _check_cu_seqlens(cu_seqlens, loss_mat)
+    _check_cu_seqlens(cu_seqlens, loss_mat, "loss_mat")
     if cu_seqlens is not None:  # the values too (no op runs here to check them): a named error, a device assert on CUDA
         fallback._check_cu_seqlens(loss_mat, cu_seqlens)
     _check_mask("loss_mask", loss_mask, loss_mat, "loss_mat")

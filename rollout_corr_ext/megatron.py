@@ -279,6 +279,14 @@ def make_policy_loss_func(
         cu = cu.to(target.device)
         num_seqs = cu.shape[0] - 1
         if isinstance(advantages, torch.Tensor) and advantages.dim() == 1 and advantages.shape[0] == num_seqs \
+                and num_seqs == target.shape[0] and not bool(((cu[1:] - cu[:-1]) == 1).all()):
+            # As many sequences as tokens, with empty segments: [N] could be either, and they differ (a host read,
+            # only in this case).
+            raise ValueError(f"advantages of shape [{num_seqs}] is ambiguous: cu_seqlens has {num_seqs} sequences "
+                             f"(some empty) and the stream {num_seqs} tokens. Pass per-token advantages as "
+                             f"[1, {num_seqs}], or expand per-sequence ones to the tokens yourself "
+                             f"(torch.repeat_interleave(advantages, cu_seqlens.diff()))")
+        if isinstance(advantages, torch.Tensor) and advantages.dim() == 1 and advantages.shape[0] == num_seqs \
                 and num_seqs != target.shape[0]:
             advantages = torch.repeat_interleave(advantages, cu[1:] - cu[:-1], output_size=target.shape[0])
         elif isinstance(advantages, torch.Tensor) and advantages.dim() == 2 and 1 in tuple(advantages.shape):

@@ -165,3 +165,20 @@ def _worker(rank, world, layout):
 @pytest.mark.parametrize("layout", ["dp", "cp"])
 def test_packed_distributed_equals_single_process_padded(layout):
     run_workers_preloaded(_worker, 2, layout)
+
+
+def test_packed_advantages_of_ambiguous_length_are_refused():
+    """As many packed sequences as tokens, some empty: advantages [N] could be per sequence or per token, and the
+    two differ, so it is an error naming the way out; [1, T] is per token; all segments of length 1 coincide."""
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    logits = torch.tensor([[[0.0, 1.0, 2.0]], [[1.0, 0.0, -1.0]]])
+    target, mask = torch.tensor([0, 2]), torch.tensor([True, True])
+    psp = types.SimpleNamespace(cu_seqlens_q=torch.tensor([0, 2, 2], dtype=torch.int32), cu_seqlens_q_padded=None)
+    with pytest.raises(ValueError, match=r"advantages of shape \[2\] is ambiguous"):
+        make_policy_loss_func(target, torch.tensor([1.0, -5.0]), mask, packed_seq_params=psp)(logits)
+    per_token, n, _ = make_policy_loss_func(target, torch.tensor([[1.0, 1.0]]), mask, packed_seq_params=psp)(logits)
+    assert per_token.item() / n.item() == pytest.approx(-1.0)  # on-policy: loss = -A per token
+    ones = types.SimpleNamespace(cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), cu_seqlens_q_padded=None)
+    loss, n, _ = make_policy_loss_func(target, torch.tensor([1.0, -5.0]), mask, packed_seq_params=ones)(logits)
+    assert loss.item() / n.item() == pytest.approx(2.0)
