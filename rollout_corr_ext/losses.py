@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
 import torch
 
 from . import fallback, ops
+from .logprobs import as_real
 from .fallback import (
     MASKED_MEAN_EPS,
     PG_KIND_PPO_CLIP,
@@ -53,12 +54,11 @@ Number = Union[int, float, torch.Tensor]
 
 
 def _finite_real(name: str, value) -> float:
-    """A finite real-number argument (int, float, numpy scalar); bools, strings, tensors, NaN and inf are refused."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value):
+    """A finite real-number argument (``as_real``'s types); NaN and inf are refused."""
+    v = as_real(name, value)
+    if not math.isfinite(v):
         raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
+    return v
 
 
 def _positive_or_none(name: str, value) -> None:

@@ -38,7 +38,7 @@ KERNEL_FILES = sorted((ROOT / "csrc" / "cuda").glob("*_kernels.cuh"))
 def emu():
     load_emulator()
     if not racecheck_available():
-        pytest.skip("racecheck needs the instrumented emulator build (this is the AddressSanitizer build)")
+        pytest.skip(reason="racecheck needs the instrumented emulator build (this is the AddressSanitizer build)")
     return torch.ops.rollout_corr_emu
 
 
@@ -151,7 +151,7 @@ def test_every_syncthreads_is_necessary(tmp_path):
     policy-loss kernels must also change the values in the warp-major schedule. One build per barrier, two in
     parallel, each in its own process."""
     if os.environ.get("ROLLOUT_CORR_EMU_ASAN") == "1":
-        pytest.skip("racecheck is left out of the AddressSanitizer build; the regular test run checks the barriers")
+        pytest.skip(reason="racecheck is left out of the AddressSanitizer build; the regular test run checks the barriers")
     barriers = _barriers()
     assert len(barriers) >= 8, barriers
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

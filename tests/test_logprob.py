@@ -208,7 +208,7 @@ def test_forward_without_grad_saves_nothing_and_allocates_small(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_input_names_the_argument(make, match, device):
     if device == "cuda" and "target holds ids" in match:
-        pytest.skip("cuda: out-of-range targets are an asynchronous device assert, which poisons the CUDA context; "
+        pytest.skip(reason="cuda: out-of-range targets are an asynchronous device assert, which poisons the CUDA context; "
                     "tests/test_cuda.py::test_device_asserts_end_the_process runs it in a subprocess")
     with ops_on(device) as dev:
         x = torch.randn(5, 40).to(dev)

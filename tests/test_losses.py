@@ -198,7 +198,7 @@ def _mode_using(kwarg):
 def test_agg_loss_normalisers_validated_naming_the_kwarg(kwarg, bad, device):
     """A negative normaliser flipped the loss sign, 0 zeroed it (and its gradient), NaN/inf poisoned it."""
     if device == "cuda" and isinstance(bad, torch.Tensor) and bad.numel() == 1 and bad.dtype != torch.bool:
-        pytest.skip("cuda: a one-element CUDA tensor normaliser is checked by an asynchronous device assert, which "
+        pytest.skip(reason="cuda: a one-element CUDA tensor normaliser is checked by an asynchronous device assert, which "
                     "poisons the CUDA context (tests/test_cuda.py runs it in a subprocess)")
     if isinstance(bad, torch.Tensor):
         bad = bad.to(device)

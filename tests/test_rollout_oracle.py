@@ -357,8 +357,8 @@ EMULATED_CASES = {c[0] for c in CONFIG_CASES[::4]}
 @pytest.mark.parametrize("case", CONFIG_CASES, ids=[c[0] for c in CONFIG_CASES])
 def test_package_equals_oracle_configs(case, backend):
     if backend == "emulated" and case[0] not in EMULATED_CASES:
-        pytest.skip("the emulated kernels run a representative subset (every IS level and mode, RS kinds, the veto) "
-                    "to keep the file under a minute; all cases run on the compiled CPU kernels and the fallback")
+        pytest.skip(reason="the emulated kernels run a representative subset (every IS level and mode, RS kinds, the "
+                    "veto) to keep the file under a minute; all cases run on the compiled CPU kernels and the fallback")
     _, fields, scale = case
     lp, rlp, mask = _inputs(scale=scale, spikes=case[0].startswith("veto_tiny"))
     met = _check_against_oracle(lp.float(), rlp.float(), mask, fields)
@@ -394,7 +394,7 @@ MASK_DTYPES = [torch.bool, torch.int64, torch.float32]
 @pytest.mark.parametrize("name", sorted(RICH))
 def test_package_equals_oracle_dtypes(name, dtype, mask_dtype, backend):
     if backend == "emulated" and mask_dtype != torch.bool:
-        pytest.skip("emulated kernels: one mask dtype here (every mask dtype: test_cuda_emulator_rollout_correction)")
+        pytest.skip(reason="emulated kernels: one mask dtype here (every mask dtype: test_cuda_emulator_rollout_correction)")
     fields, scale = RICH[name]
     lp, rlp, mask = _inputs(scale=scale, seed=11, spikes=True)
     # the oracle sees the very same rounded values (bf16 / fp16 stay on the 2^-12 grid: exact in fp32)

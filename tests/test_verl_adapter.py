@@ -431,7 +431,7 @@ def test_batch_norm_under_torch_distributed(V, monkeypatch):
     import torch.distributed as dist
 
     if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
+        pytest.skip(reason="a process group is already initialised in this process (this test installs its own)")
     seen = []
     real = rv.compute_rollout_correction
     monkeypatch.setattr(rv, "compute_rollout_correction",
