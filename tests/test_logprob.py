@@ -50,9 +50,10 @@ def test_forward_matches_fp64_reference(dtype, device):
 @pytest.mark.parametrize("temperature", [1.0, 0.3, 2.5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_block_merge_keeps_fp32_accuracy(dtype, temperature):
-    """CPU kernels, rows several blocks long whose max keeps rising (steep and slow ramps), jumps late, or sits on
-    one finite logit: logp and entropy within a few fp32 ulp of fp64 (tighter than the output table, which these
-    kernels meet with room; a merge that cancels shows up here first)."""
+    """CPU kernels, rows several blocks long whose max keeps rising (steep and slow ramps), jumps late, sits on one
+    finite logit, or towers over logits 80-95 nats below it among -inf columns (where the SIMD exp flushes to 0):
+    logp and entropy within a few fp32 ulp of fp64 (tighter than the output table, which these kernels meet with
+    room; a merge that cancels shows up here first)."""
     vocab = 9000
     ramp = torch.arange(vocab, dtype=torch.float64)
     g = torch.Generator().manual_seed(0)
@@ -60,10 +61,13 @@ def test_block_merge_keeps_fp32_accuracy(dtype, temperature):
     late_jump[-5] = 40.0
     one_hot = torch.full((vocab,), -math.inf, dtype=torch.float64)
     one_hot[100] = 1.0
+    flush_edge = torch.linspace(-95.0, -80.0, vocab, dtype=torch.float64)
+    flush_edge[::3] = -math.inf
+    flush_edge[17] = 0.0
     rows = [ramp * 0.05, ramp * 1e-3, -ramp * 0.05, late_jump, one_hot,
-            torch.randn(vocab, generator=g, dtype=torch.float64) * 3 + 1e4]
+            torch.randn(vocab, generator=g, dtype=torch.float64) * 3 + 1e4, flush_edge]
     logits = torch.stack(rows).to(dtype)
-    target = torch.tensor([vocab - 1, 7, 0, vocab - 5, 100, 4321])
+    target = torch.tensor([vocab - 1, 7, 0, vocab - 5, 100, 4321, 4000])
     logp, ent = rc.vocab_parallel_log_probs(logits, target, return_entropy=True, temperature=temperature)
     ref_logp, ref_ent, _ = log_probs_dense(logits.double(), target, temperature=temperature)
     for got, ref in ((logp, ref_logp), (ent, ref_ent)):

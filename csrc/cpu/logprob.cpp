@@ -41,12 +41,14 @@ struct NextBlock {
   RC_FORCEINLINE void prefetch(int64_t element) const { __builtin_prefetch(base + element * elem_bytes, 0, 3); }
 };
 
-// d += 2^t and s += 2^t t, where an element without mass adds 0 to s, not 0 * -inf.
+// d += 2^t and s += 2^t t, where an element without mass adds 0 to s, not 0 * -inf: t is clamped where the exp is
+// exactly 0 (clamp_exp2_arg), so s takes a plain FMA and no lane needs a mask.
 template <typename VF>
 RC_FORCEINLINE void add_exp2_mass(VF t, VF& d, VF& s) {
-  const VF e = exp2_lanes(t);
+  t = clamp_exp2_arg(t);
+  const VF e = exp2_scaled(t);
   d += e;
-  s += e > 0.f ? e * t : VF{};
+  s += e * t;
 }
 #if RC_CPU_HAS_AVX512_PATH
 RC_CPU_AVX512_INLINE void add_exp2_mass(v16f t, v16f& d, v16f& s) {
@@ -59,32 +61,66 @@ RC_CPU_AVX512_INLINE void add_exp2_mass(v16f t, v16f& d, v16f& s) {
 
 RC_FORCEINLINE float exp2_scalar(float t) { return exp2_lanes(v8f{} + t)[0]; }
 
+// How the summary loops read a block as fp32 lanes: kVecs vectors per load. fp32 is one vector per load. bf16 is
+// read where it lies: one load of 2L values as L 32-bit words holds two vectors, the even elements (word << 16) and
+// the odd ones (word & 0xffff0000), exactly widened with no shuffle and no buffer (a block's max and sums do not
+// depend on the order of its elements).
+template <typename scalar_t>
+struct LaneSource;
+template <>
+struct LaneSource<float> {
+  static constexpr int kVecs = 1;
+  template <typename VF>
+  static RC_FORCEINLINE void load(const float* x, VF* v) {
+    v[0] = load_vec<VF>(x);
+  }
+};
+template <>
+struct LaneSource<at::BFloat16> {
+  static constexpr int kVecs = 2;
+  template <typename VF>
+  static RC_FORCEINLINE void load(const at::BFloat16* x, VF* v) {
+    typename VecOf<VF>::u32 w;
+    std::memcpy(&w, x, sizeof(w));
+    v[0] = (VF)(w << 16);
+    v[1] = (VF)(w & 0xffff0000u);
+  }
+};
+
 // The sums of a block whose max m is finite, in log2 units: t = (x - m) c with c = log2(e) / T, so that
 // e^{(x - m)/T} = 2^t (t = 0 exactly at the max, so a one-hot row keeps d = 1, s = 0); d = sum 2^t, s = sum 2^t t,
 // z = sum t, converted to the summary's natural units once per block.
-template <bool kSumZ, typename VF>
-RC_FORCEINLINE RowSummary<float> block_sums(const float* x, int64_t n, float m, float it, const NextBlock& next) {
+template <bool kSumZ, typename VF, typename scalar_t>
+RC_FORCEINLINE RowSummary<float> block_sums(const scalar_t* x, int64_t n, float m, float it, const NextBlock& next) {
   constexpr int64_t kLanes = lanes_of<VF>();
+  constexpr int kVecs = LaneSource<scalar_t>::kVecs;
   constexpr int64_t kStep = kLanes * kUnroll;
   const float c = it * 1.44269504088896341f;
-  VF vd[kUnroll], vs[kUnroll], vz[kUnroll];
-  for (int k = 0; k < kUnroll; ++k) vd[k] = vs[k] = vz[k] = VF{};
+  // kUnroll vectors in flight per iteration, but only kSumAcc accumulators: a vector's exp takes longer than an add's
+  // latency, and more accumulators would not fit the 16 AVX2 registers beside the polynomial's constants.
+  constexpr int kSumAcc = 2;
+  VF vd[kSumAcc], vs[kSumAcc], vz[kSumAcc];
+  for (int k = 0; k < kSumAcc; ++k) vd[k] = vs[k] = vz[k] = VF{};
   int64_t i = 0;
   for (; i + kStep <= n; i += kStep)
-    for (int k = 0; k < kUnroll; ++k) {
+    for (int k = 0; k < kUnroll; k += kVecs) {
       next.prefetch(i + k * kLanes);
-      const VF t = (load_vec<VF>(x + i + k * kLanes) - m) * c;
-      add_exp2_mass(t, vd[k], vs[k]);
-      if (kSumZ) vz[k] += t;
+      VF v[kVecs];
+      LaneSource<scalar_t>::load(x + i + k * kLanes, v);
+      for (int j = 0; j < kVecs; ++j) {
+        const VF t = (v[j] - m) * c;
+        add_exp2_mass(t, vd[(k + j) % kSumAcc], vs[(k + j) % kSumAcc]);
+        if (kSumZ) vz[(k + j) % kSumAcc] += t;
+      }
     }
   float d = 0.f, s = 0.f, z = 0.f;
-  for (int k = 0; k < kUnroll; ++k) {
+  for (int k = 0; k < kSumAcc; ++k) {
     d += hsum_vec(vd[k]);
     s += hsum_vec(vs[k]);
     z += hsum_vec(vz[k]);
   }
   for (; i < n; ++i) {
-    const float t = (x[i] - m) * c;
+    const float t = (static_cast<float>(x[i]) - m) * c;
     const float e = exp2_scalar(t);
     d += e;
     s += mass_times(e, t);
@@ -94,26 +130,31 @@ RC_FORCEINLINE RowSummary<float> block_sums(const float* x, int64_t n, float m, 
   return {m, d, to_natural * s, to_natural * z, n};
 }
 
-// Summary of n raw fp32 logits (relative to their own max). The max ignores NaN; a NaN then makes d NaN (exp
-// propagates it), a +inf makes every (x - m) of the block NaN or -inf: both poison the row, as they must.
-template <bool kSumZ, typename VF>
-RC_FORCEINLINE RowSummary<float> block_summary(const float* x, int64_t n, float it, const NextBlock& next) {
+// Summary of n raw logits read as fp32 lanes (relative to their own max). The max ignores NaN; a NaN then makes d
+// NaN (exp propagates it), a +inf makes every (x - m) of the block NaN or -inf: both poison the row, as they must.
+template <bool kSumZ, typename VF, typename scalar_t>
+RC_FORCEINLINE RowSummary<float> block_summary(const scalar_t* x, int64_t n, float it, const NextBlock& next) {
   constexpr int64_t kLanes = lanes_of<VF>();
+  constexpr int kVecs = LaneSource<scalar_t>::kVecs;
   constexpr int64_t kStep = kLanes * kUnroll;
   int64_t i = 0;
   VF vm[kUnroll];
   for (int k = 0; k < kUnroll; ++k) vm[k] = VF{} - INFINITY;
   for (; i + kStep <= n; i += kStep)
-    for (int k = 0; k < kUnroll; ++k) {
-      const VF a = load_vec<VF>(x + i + k * kLanes);
-      vm[k] = a > vm[k] ? a : vm[k];
+    for (int k = 0; k < kUnroll; k += kVecs) {
+      VF v[kVecs];
+      LaneSource<scalar_t>::load(x + i + k * kLanes, v);
+      for (int j = 0; j < kVecs; ++j) vm[k + j] = v[j] > vm[k + j] ? v[j] : vm[k + j];
     }
   float m = -INFINITY;
   for (int k = 0; k < kUnroll; ++k) m = std::max(m, hmax_vec(vm[k]));
-  for (int64_t j = i; j < n; ++j) m = x[j] > m ? x[j] : m;
+  for (int64_t j = i; j < n; ++j) {
+    const float xj = static_cast<float>(x[j]);
+    m = xj > m ? xj : m;
+  }
   if (m == -INFINITY) {  // only -inf (and perhaps NaN): no mass; keep a NaN visible
     bool nan = false;
-    for (int64_t j = 0; j < n; ++j) nan |= x[j] != x[j];
+    for (int64_t j = 0; j < n; ++j) nan |= static_cast<float>(x[j]) != static_cast<float>(x[j]);
     return {m, nan ? NAN : 0.f, 0.f, n > 0 ? -INFINITY : 0.f, n};
   }
   return block_sums<kSumZ, VF>(x, n, m, it, next);
@@ -206,15 +247,16 @@ RC_FORCEINLINE void row_stats_one_row(const RowStatsParams<scalar_t, acc_t>& p, 
   RowSummary<acc_t> st = summary_empty<acc_t>();
   for (int64_t c0 = 0; c0 < p.valid_cols; c0 += kBlock) {
     const int64_t n = std::min(kBlock, p.valid_cols - c0);
-    const acc_t* block = buf;
-    if constexpr (std::is_same<scalar_t, acc_t>::value) {
-      block = x + c0;  // already in the accumulation type: summarised where it lies
-    } else {
-      load_block<VF>(x + c0, buf, n);
-    }
     const NextBlock next{reinterpret_cast<const char*>(x + (c0 + kBlock < p.valid_cols ? c0 + kBlock : c0)),
                          sizeof(scalar_t)};
-    st = summary_merge(st, block_summary<kSumZ, VF>(block, n, p.inv_temperature, next), p.inv_temperature);
+    RowSummary<acc_t> block;
+    if constexpr (std::is_same<scalar_t, acc_t>::value || std::is_same<scalar_t, at::BFloat16>::value) {
+      block = block_summary<kSumZ, VF>(x + c0, n, p.inv_temperature, next);  // summarised where it lies
+    } else {
+      load_block<VF>(x + c0, buf, n);
+      block = block_summary<kSumZ, VF>(static_cast<const acc_t*>(buf), n, p.inv_temperature, next);
+    }
+    st = summary_merge(st, block, p.inv_temperature);
   }
   write_row_record(p, row, x, st);
 }

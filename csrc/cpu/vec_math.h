@@ -166,19 +166,35 @@ RC_FORCEINLINE VF exp_lanes(VF x) {
 // Below this (log2 units) exp2_lanes returns 0: 2^-125 ~ 2.4e-38 is the smallest power the integer scaling of the
 // generic path reaches exactly; the AVX-512 path flushes at the same point so that both give the same bits.
 constexpr float kExp2Floor = -125.0f;
+// The lower bound of exp2_scaled's argument (clamp_exp2_arg): at n = round(t) = -127 the scale's bits are exactly 0.
+constexpr float kExp2Clamp = -127.0f;
 
-// 2^t on fp32 lanes for t <= 128: 0 below kExp2Floor (and for -inf), NaN for NaN. Generic lanes: n = round(t) with
-// the 1.5 * 2^23 shifter (adding it leaves the rounded integer in the low mantissa bits, so no float-int
-// conversion; its own bits shift out of n << 23), then p(t - n) * 2^n through the exponent bits.
+// 2^t as p(t - n) 2^n with n = round(t), for t in [kExp2Clamp, 128] (NaN propagates; subnormal between -126.5 and
+// -126). n comes from the 1.5 * 2^23 shifter: adding it leaves the rounded integer in the low mantissa bits, so there
+// is no float-int conversion, and its own bits shift out of n << 23. 2^n goes through the exponent bits; at n = -127
+// they are (-127 + 127) << 23 = 0, so the result is exactly 0.
 template <typename VF>
-RC_FORCEINLINE VF exp2_lanes(VF t) {
+RC_FORCEINLINE VF exp2_scaled(VF t) {
   typedef typename VecOf<VF>::u32 VU;
   const VF shifter = VF{} + 12582912.0f;
   const VF tm = t + shifter;
   const VF n = tm - shifter;
   const VU scale_bits = ((VU)tm << 23) + (127u << 23);
-  const VF res = exp2_poly(t - n) * (VF)scale_bits;  // a product, not a bit add: NaN stays NaN
-  return t < kExp2Floor ? VF{} : res;
+  return exp2_poly(t - n) * (VF)scale_bits;  // a product, not a bit add: NaN stays NaN
+}
+
+// 2^t on fp32 lanes for t <= 128: 0 below kExp2Floor (and for -inf), NaN for NaN.
+template <typename VF>
+RC_FORCEINLINE VF exp2_lanes(VF t) {
+  return t < kExp2Floor ? VF{} : exp2_scaled(t);
+}
+
+// max(t, kExp2Clamp), NaN kept (the comparison is false for NaN): one vmaxps. exp2_scaled of the result is exactly 0
+// below -126.5 (-inf included) with no floor test, so a caller that weights by it (s += e t) can use the clamped t in
+// a plain FMA: an element without mass adds 0 * kExp2Clamp = 0, never 0 * -inf.
+template <typename VF>
+RC_FORCEINLINE VF clamp_exp2_arg(VF t) {
+  return t < kExp2Clamp ? VF{} + kExp2Clamp : t;
 }
 
 #if RC_CPU_HAS_AVX512_PATH
