@@ -189,9 +189,9 @@ RC_FORCEINLINE VF exp2_lanes(VF t) {
   return t < kExp2Floor ? VF{} : exp2_scaled(t);
 }
 
-// max(t, kExp2Clamp), NaN kept (the comparison is false for NaN): one vmaxps. exp2_scaled of the result is exactly 0
-// below -126.5 (-inf included) with no floor test, so a caller that weights by it (s += e t) can use the clamped t in
-// a plain FMA: an element without mass adds 0 * kExp2Clamp = 0, never 0 * -inf.
+// max(t, kExp2Clamp), NaN kept (the comparison is false for NaN; GCC emits a compare and a blend). exp2_scaled of the
+// result is exactly 0 below -126.5 (-inf included) with no floor test, so a caller that weights by it (s += e t) can
+// use the clamped t in a plain FMA: an element without mass adds 0 * kExp2Clamp = 0, never 0 * -inf.
 template <typename VF>
 RC_FORCEINLINE VF clamp_exp2_arg(VF t) {
   return t < kExp2Clamp ? VF{} + kExp2Clamp : t;
