@@ -182,6 +182,54 @@ def test_edge_shapes_padding_rows_b1(device):
            *make_inputs(1, 32768, seed=10, scale=0.01), device=device)
 
 
+def _zero_run_mask(t: int) -> torch.Tensor:
+    """Masks with long runs of 0 around the CPU kernels' 64-token chunks (which skip chunks without a valid token):
+    whole zero chunks between valid ones (across the 256-token fold points of the fp32 lane sums), leading zeros,
+    a lone valid token, valid tokens only in the last, partial chunk, scattered short runs, a full row."""
+    runs = [[(0, 64), (320, t)], [(500, 530)], [(129, 130)], [(t - t % 64, t)], [(0, 10), (200, 260), (t - 10, t)],
+            [(0, t)]]
+    mask = torch.zeros(len(runs), t, dtype=torch.bool)
+    for r, spans in enumerate(runs):
+        for a, b in spans:
+            mask[r, a:b] = True
+    return mask
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_long_masked_out_runs(dtype, mask_dtype, device):
+    _emulated_subset(device, dtype == torch.float32, "fp32 inputs")
+    t = 700  # not a multiple of the chunk: the last chunk is partial
+    mask = _zero_run_mask(t)
+    lp, rlp, _ = make_inputs(mask.shape[0], t, seed=21, scale=0.2, min_len=t, dtype=dtype)
+    lp = torch.where(mask, lp, torch.full_like(lp, float("nan")))  # junk wherever the mask is 0
+    rlp = torch.where(mask, rlp, torch.full_like(rlp, float("-inf")))
+    for cfg in (Cfg(rollout_is="token", rollout_rs="token_k1,seq_max_k3", rollout_rs_threshold="0.8_1.25,0.05",
+                    rollout_token_veto_threshold=0.3),
+                Cfg(rollout_is="sequence", rollout_is_threshold="0.5_4.0", rollout_is_mode="mask",
+                    rollout_rs="token_k3,seq_mean_k2", rollout_rs_threshold="0.02,0.01")):
+        res = _check(cfg, lp, rlp, mask.to(mask_dtype), dtype=dtype, device=device)
+        assert torch.all(res.weights[~mask] == 0) and torch.all(res.response_mask[~mask] == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("value", [0.5, 2.0, float("nan")])
+def test_lone_bad_mask_value_among_zeros_raises(value, device):
+    """A value other than 0 / 1 alone in a run of zeros (a chunk the CPU kernels would otherwise skip) is found."""
+    if device == "cuda":
+        pytest.skip("CUDA raises through an asynchronous device assert (tests/test_cuda.py, in a subprocess)")
+    mask = _zero_run_mask(300).float()
+    lp, rlp, _ = make_inputs(mask.shape[0], 300, seed=22, min_len=300)
+    mask[1, 200] = value
+    with ops_on(device):
+        with pytest.raises(ValueError, match=r"response_mask must hold only 0 and 1.*response_mask\[1, 200\]"):
+            compute_rollout_correction(lp, rlp, mask, Cfg.decoupled_token_is())
+    mask[1, 200] = -0.0  # a zero: the token is padding, as with +0.0
+    res = _check(Cfg.decoupled_token_is(), lp, rlp, mask, device=device)
+    assert res.weights[1, 200] == 0 and res.response_mask[1, 200] == 0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_bfloat16_inputs(device):
     lp, rlp, mask = make_inputs(12, 40, seed=11, dtype=torch.bfloat16)

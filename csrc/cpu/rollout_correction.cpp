@@ -101,18 +101,32 @@ struct Lanes {
 
 // One chunk of a row's inputs as acc_t, padded with mask 0 past `n`: log-probs already in acc_t with unit stride
 // are read in place, anything else is converted into the chunk's buffers.
-template <typename acc_t>
+//
+// The mask is read first. A chunk whose mask is 0 everywhere (the padding of a right-padded batch, a third of the
+// tokens of a typical RL batch) holds no valid token, and the token math adds exactly 0 to every sum and -inf to
+// every max for an invalid lane, so skipping it changes no bit of any result: load() then reads no log-prob and
+// returns false, and the caller only writes the chunk's zero outputs.
+template <typename V, typename acc_t>
 struct Chunk {
   alignas(64) acc_t a_buf[kChunk];
   alignas(64) acc_t q_buf[kChunk];
   alignas(64) acc_t m[kChunk];
   const acc_t* a;
   const acc_t* q;
-  RC_FORCEINLINE void load(const RolloutParams<acc_t>& p, int64_t row, int64_t col0, int n) {
-    a = load_one(p.log_prob, row, col0, n, a_buf);
-    q = load_one(p.rollout_log_prob, row, col0, n, q_buf);
+  RC_FORCEINLINE bool load(const RolloutParams<acc_t>& p, int64_t row, int64_t col0, int n) {
     view_load_chunk<kChunk>(p.mask, row, col0, n, m);
     for (int k = n; k < kChunk; ++k) m[k] = acc_t(0);
+    if (!any_nonzero(m)) return false;
+    a = load_one(p.log_prob, row, col0, n, a_buf);
+    q = load_one(p.rollout_log_prob, row, col0, n, q_buf);
+    return true;
+  }
+  // Whether some mask value is not 0 (compared as numbers: -0.0 is 0, NaN is not), a lane vector at a time.
+  static RC_FORCEINLINE bool any_nonzero(const acc_t* mv) {
+    using Ln = Lanes<V, acc_t>;
+    auto nonzero = Ln::load(mv) != rc::splat<V>(0);
+    for (int k = Ln::kWidth; k < kChunk; k += Ln::kWidth) nonzero = nonzero | (Ln::load(mv + k) != rc::splat<V>(0));
+    return rc::LaneMath<V>::any(nonzero);
   }
   static RC_FORCEINLINE const acc_t* load_one(const TokenView& v, int64_t row, int64_t col0, int n, acc_t* buf) {
     if (n == kChunk) {
@@ -130,7 +144,7 @@ template <typename V, typename acc_t, int kTokenCrit>
 RC_FORCEINLINE void seq_stats_rows(const RolloutParams<acc_t>& p, int64_t begin, int64_t end) {
   using Ln = Lanes<V, acc_t>;
   const rc::Config<acc_t> cfg = p.cfg;  // a local copy: no store in the loop can alias it, so nothing is reloaded
-  Chunk<acc_t> ch;
+  Chunk<V, acc_t> ch;
   for (int64_t row = begin; row < end; ++row) {
     const SeqSpan sp = seq_span(p, row);
     rc::SeqAcc<V> acc;
@@ -139,9 +153,10 @@ RC_FORCEINLINE void seq_stats_rows(const RolloutParams<acc_t>& p, int64_t begin,
     int chunks = 0;
     for (int64_t t0 = 0; t0 < sp.len; t0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, sp.len - t0));
-      ch.load(p, sp.row, sp.col0 + t0, n);
-      for (int k = 0; k < n; k += Ln::kWidth)
-        rc::seq_stats_token<kTokenCrit>(cfg, Ln::load(ch.a + k), Ln::load(ch.q + k), Ln::load(ch.m + k), acc);
+      if (ch.load(p, sp.row, sp.col0 + t0, n)) {
+        for (int k = 0; k < n; k += Ln::kWidth)
+          rc::seq_stats_token<kTokenCrit>(cfg, Ln::load(ch.a + k), Ln::load(ch.q + k), Ln::load(ch.m + k), acc);
+      }
       if (++chunks == kFoldChunks || t0 + kChunk >= sp.len) {
         for (int k = 0; k < rc::seq::kNumSums; ++k) {
           row_sum[k] += Ln::sum(acc.sum[k]);
@@ -202,9 +217,10 @@ RC_FORCEINLINE void token_pass_rows(const RolloutParams<acc_t>& p, Partials& P, 
   double* S = P.sums.data();
   uint32_t* hist = P.hist.data();
   double* M = P.maxes.data();
-  Chunk<acc_t> ch;
+  Chunk<V, acc_t> ch;
   alignas(64) acc_t w_out[kChunk];
   alignas(64) acc_t m_out[kChunk];
+  alignas(64) static constexpr acc_t kZeros[kChunk] = {};
   for (int64_t row = begin; row < end; ++row) {
     const SeqSpan sp = seq_span(p, row);
     const acc_t* st = p.seq_stats + row * rc::seq::kCols;
@@ -218,16 +234,20 @@ RC_FORCEINLINE void token_pass_rows(const RolloutParams<acc_t>& p, Partials& P, 
     int chunks = 0;
     for (int64_t t0 = 0; t0 < sp.len; t0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, sp.len - t0));
-      ch.load(p, sp.row, sp.col0 + t0, n);
-      for (int k = 0; k < n; k += Ln::kWidth) {
-        const rc::TokenOut<V> o = rc::token_pass_token<kTokenCrit>(c, r, row_dropped, Ln::load(ch.a + k), Ln::load(ch.q + k),
-                                                       Ln::load(ch.m + k), acc);
-        Ln::store(w_out + k, o.weight);
-        Ln::store(m_out + k, o.mask);
-        if (c.is_level == rc::is_level::token) add_to_histogram<V, acc_t>(o, hist);
+      if (ch.load(p, sp.row, sp.col0 + t0, n)) {
+        for (int k = 0; k < n; k += Ln::kWidth) {
+          const rc::TokenOut<V> o = rc::token_pass_token<kTokenCrit>(c, r, row_dropped, Ln::load(ch.a + k),
+                                                                     Ln::load(ch.q + k), Ln::load(ch.m + k), acc);
+          Ln::store(w_out + k, o.weight);
+          Ln::store(m_out + k, o.mask);
+          if (c.is_level == rc::is_level::token) add_to_histogram<V, acc_t>(o, hist);
+        }
+        if (p.weights) std::memcpy(p.weights + weight_index(p, sp, t0), w_out, n * sizeof(acc_t));
+        view_store_chunk<kChunk>(p.mask_out, sp.row, sp.col0 + t0, n, m_out);
+      } else {  // no valid token: weights and mask 0, nothing to add (the fold points below do not move)
+        if (p.weights) std::memset(p.weights + weight_index(p, sp, t0), 0, n * sizeof(acc_t));
+        view_store_chunk<kChunk>(p.mask_out, sp.row, sp.col0 + t0, n, kZeros);
       }
-      if (p.weights) std::memcpy(p.weights + weight_index(p, sp, t0), w_out, n * sizeof(acc_t));
-      view_store_chunk<kChunk>(p.mask_out, sp.row, sp.col0 + t0, n, m_out);
       if (++chunks == kFoldChunks || t0 + kChunk >= sp.len) {
         fold_lane_sums<V, acc_t>(acc, row_acc, rc::token_crit_count<kTokenCrit>(c));
         chunks = 0;
