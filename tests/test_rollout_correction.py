@@ -512,6 +512,44 @@ def test_fakes_work_on_meta_tensors_before_any_wrapper_ran():
     assert (s.numel(), x.numel()) == LY.partial_sizes(2)
 
 
+#: Configs for the two finalize paths: every IS level and mode, token- and sequence-level criteria, veto, batch norm.
+FINALIZE_CONFIGS = [
+    dict(rollout_is="token", rollout_rs="token_k1,seq_max_k3", rollout_rs_threshold="0.5_2.0,0.05",
+         rollout_is_batch_normalize=True),
+    dict(rollout_is="sequence", rollout_is_threshold="0.5_4.0", rollout_is_mode="mask", rollout_rs="seq_mean_k2",
+         rollout_rs_threshold=0.01, rollout_token_veto_threshold=0.3),
+    dict(rollout_is="geometric", rollout_is_batch_normalize=True, rollout_rs="token,seq_sum_k1",
+         rollout_rs_threshold="0.9_1.1,0.1_0.5"),
+    dict(rollout_is="token", rollout_is_threshold="5.0_6.0", rollout_is_mode="mask"),  # every weight 0: ESS x / 0
+]
+
+
+@pytest.mark.parametrize("cfg_kw", FINALIZE_CONFIGS)
+@pytest.mark.parametrize("batch", ["regular", "one_token", "one_row"])
+def test_finalize_same_on_tensors_and_on_host(batch, cfg_kw):
+    """finalize_metrics runs the metric formulas on numpy fp64 scalars for plain CPU partials and on tensor ops
+    otherwise (CUDA, torch.compile): both give the same metrics, NaN / inf of degenerate batches included."""
+    from rollout_corr_ext import correction as C
+
+    cfg = Cfg(**cfg_kw)
+    lp, rlp, mask = make_inputs(*{"regular": (6, 40), "one_token": (2, 8), "one_row": (1, 30)}[batch], seed=23)
+    if batch == "one_token":
+        mask.zero_()
+        mask[1, 3] = True
+        lp[1, 3] = rlp[1, 3] + 0.25
+    args = op_args(cfg)
+    st = _ops.rollout_seq_stats(lp, rlp, mask, args, None)
+    _, _, sums, maxes = _ops.rollout_token_pass(lp, rlp, mask, st, args, True, None)
+    host = C.finalize_metrics(sums, maxes, cfg)
+    tensor = C._metric_formulas(sums, maxes, cfg, False, C._TensorMath)
+    assert list(host) == list(tensor)
+    for k, v in tensor.items():
+        assert v.dim() == 0 and v.dtype == torch.float64 and host[k].dim() == 0 and host[k].dtype == torch.float64
+        torch.testing.assert_close(host[k], v, rtol=1e-13, atol=0, equal_nan=True, msg=k)
+    if "5.0_6.0" in str(cfg_kw.get("rollout_is_threshold")):  # sum w^2 = 0: the degenerate value is reached
+        assert float(host[PREFIX + "rollout_is_eff_sample_size"]) == math.inf
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("rs", [None, "token"])
