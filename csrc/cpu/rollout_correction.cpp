@@ -88,9 +88,13 @@ struct Lanes {
     }
   }
   static RC_FORCEINLINE double sum(const V& v) {
-    double s = 0;
-    for (int l = 0; l < kWidth; ++l) s += static_cast<double>(lane(v, l));
-    return s;
+    if constexpr (std::is_same_v<V, cpu::v8f>) {
+      return cpu::hsum_f64(v);
+    } else {
+      double s = 0;
+      for (int l = 0; l < kWidth; ++l) s += static_cast<double>(lane(v, l));
+      return s;
+    }
   }
   static RC_FORCEINLINE acc_t max(const V& v) {
     acc_t m = lane(v, 0);

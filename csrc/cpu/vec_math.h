@@ -68,6 +68,17 @@ RC_FORCEINLINE float hmax(v8f v) {
   for (int l = 1; l < kVec; ++l) m = v[l] > m ? v[l] : m;
   return m;
 }
+// The fp64 sum of the 8 lanes: both halves widened (two vcvtps2pd), added as 4 x fp64, then a 4-lane tree, in place
+// of 8 dependent scalar conversions and adds. fp64 holds the sum of two fp32 values exactly unless their exponents
+// are more than 29 apart, so this order and a sequential one agree in practice.
+typedef double v4d __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+RC_FORCEINLINE double hsum_f64(v8f v) {
+  const v4f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3);
+  const v4f hi = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  const v4d s = __builtin_convertvector(lo, v4d) + __builtin_convertvector(hi, v4d);
+  return (s[0] + s[2]) + (s[1] + s[3]);
+}
 
 // 16 x fp32 lanes: one AVX-512 register (the rollout kernels' widest path, built with RC_CPU_AVX512).
 typedef float v16f __attribute__((vector_size(64)));
