@@ -8,7 +8,8 @@ Compares, in one run and on the same inputs:
   * plain read    logits.sum(): what this machine can read of the shard (forward rows only: the bandwidth baseline)
   * plain copy    a preallocated [N, V_local] buffer .copy_(logits): read + write (the backward's baseline)
   * plain fresh write  torch.empty_like(logits).fill_(0): allocating and first touching a fresh [N, V_local] buffer,
-                what the out-of-place backward pays on top of the in-place one
+                what an out-of-place backward pays on top of the in-place one without a cached buffer (ours keeps its
+                last gradient block for the next step on CPU, and its extra memory counts that block)
 
 For each: median time over --reps, throughput (bytes of logits read, and on fwd+bwd also the gradient written,
 per second; on CUDA also % of the peak HBM bandwidth given by --peak-gbps), peak extra memory during the step,
@@ -38,6 +39,8 @@ import torch.multiprocessing as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 warnings.filterwarnings("ignore")
+
+from rollout_corr_ext import ops  # noqa: E402  (after the path; the package picks its backend at import)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
@@ -77,7 +80,9 @@ def _rss_kib(field):
 
 class PeakMemory:
     """Peak extra memory of a step: CUDA allocator peak on GPU; on CPU the process's resident-set high-water mark
-    (reset through /proc/self/clear_refs) above the resident set before the step."""
+    (reset through /proc/self/clear_refs) above the resident set before the step, plus the gradient block that our
+    CPU backward kept from the previous step (csrc/cpu/reused_buffer.h): it is resident before the step, but it is
+    the step's memory all the same."""
 
     def __init__(self, device):
         self.device = device
@@ -90,7 +95,7 @@ class PeakMemory:
         else:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
-            self.base = _rss_kib("VmRSS") * 1024
+            self.base = _rss_kib("VmRSS") * 1024 - ops.cpu_grad_cache_bytes()
         return self
 
     def __exit__(self, *exc):
@@ -126,6 +131,7 @@ def _sync(device):
 
 def _measure(fn, make_input, target, backward, reps, device, group):
     times, peaks, colls = [], [], []
+    ops.cpu_grad_cache_bytes(release=True)  # each implementation starts without our cached block; ours refills it
     for i in range(reps + 1):  # the first run warms up
         x = make_input()
         if backward:
@@ -178,7 +184,7 @@ def _worker(rank, world, store, args, out_path):
                 impls = dict(_impls(world, group))
                 impls["plain read"] = lambda x, t: x.sum()
                 impls["plain copy"] = lambda x, t: copy_out.copy_(x)
-                # What an out-of-place backward pays before any math: a fresh [N, V_local] buffer, written once
+                # What an out-of-place backward would pay before any math: a fresh [N, V_local] buffer, written once
                 # (allocation + first-touch page faults; no huge-page hint).
                 impls["plain fresh write"] = lambda x, t: torch.empty_like(x).fill_(0)
                 for name, fn in impls.items():

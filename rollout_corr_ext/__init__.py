@@ -96,7 +96,7 @@ if not _try_prebuilt():
             stacklevel=2,
         )
 
-from .logprobs import vocab_parallel_cross_entropy, vocab_parallel_log_probs  # noqa: E402
+from .logprobs import empty_cpu_cache, vocab_parallel_cross_entropy, vocab_parallel_log_probs  # noqa: E402
 from .linear import linear_log_probs  # noqa: E402
 from .config import RolloutCorrectionConfig  # noqa: E402
 from .correction import RolloutCorrectionResult, compute_offpolicy_metrics, compute_rollout_correction  # noqa: E402
@@ -107,6 +107,7 @@ __all__ = [
     "load_extension",
     "vocab_parallel_log_probs",
     "vocab_parallel_cross_entropy",
+    "empty_cpu_cache",
     "linear_log_probs",
     "RolloutCorrectionConfig",
     "RolloutCorrectionResult",

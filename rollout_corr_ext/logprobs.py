@@ -394,3 +394,15 @@ def vocab_parallel_cross_entropy(
     if not with_sum_z:
         return -logp
     return _SmoothedNll.apply(logp, mean_logp, label_smoothing * v / (v - 1))
+
+
+def empty_cpu_cache() -> int:
+    """Give back the gradient buffer that the CPU backward of these functions keeps between steps.
+
+    On CPU the out-of-place backward (``inplace_backward=False``) takes its ``[N, V_local]`` gradient from a one-block
+    cache: when autograd frees the gradient, its memory is kept for the next backward of about the same size, which
+    then skips the page faults of a fresh buffer (csrc/cpu/reused_buffer.h). At most one block is kept. This frees
+    it, like ``torch.cuda.empty_cache()``, and returns its size in bytes (0 if none). ``ROLLOUT_CORR_CPU_GRAD_CACHE=0``
+    turns the cache off. CUDA gradients use PyTorch's caching allocator and are not affected.
+    """
+    return ops.cpu_grad_cache_bytes(release=True)

@@ -158,6 +158,15 @@ def logprob_backward_(
                                 vocab_start, vocab_size, inv_temperature, ignore_index)
 
 
+def cpu_grad_cache_bytes(release: bool = False) -> int:
+    """Bytes the compiled CPU log-prob backward keeps for its next out-of-place gradient (csrc/cpu/reused_buffer.h;
+    0 without the compiled kernels). With ``release`` they are given back to the system first, and the count of
+    bytes freed is returned."""
+    if not _compiled:
+        return 0
+    return int(torch.ops.rollout_corr.cpu_grad_cache_bytes.default(bool(release)))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # §3 rollout correction: pass 1 (per-sequence aggregates) and pass 2 (weights, mask, packed metric partials)
 # ---------------------------------------------------------------------------------------------------------

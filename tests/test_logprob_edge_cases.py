@@ -623,3 +623,90 @@ def test_property_log_probs_entropy_gradient_match_log_softmax(backend, batch):
 @given(batch=_logit_batches())
 def test_property_on_the_emulated_cuda_kernels(batch):
     _property("emulated", batch)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The CPU out-of-place backward's one-block gradient cache (csrc/cpu/reused_buffer.h)
+# ---------------------------------------------------------------------------------------------------------
+
+needs_compiled_cpu = pytest.mark.skipif(rc.backend() == "reference", reason="the cache belongs to the compiled CPU "
+                                                                            "kernels")
+
+
+def _cpu_grad(logits, target, **kw):
+    x = logits.detach().clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(rc.vocab_parallel_log_probs(x, target, **kw).sum(), x)
+    return grad
+
+
+def _dense_grad(logits, target, **kw):
+    x = logits.detach().double().requires_grad_(True)
+    (grad,) = torch.autograd.grad(log_probs_dense(x, target, **kw)[0].sum(), x)
+    return grad
+
+
+@needs_compiled_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_cpu_grad_cache_reuses_one_block_and_never_shows_old_values(dtype):
+    """A freed gradient's block serves the next backward of about the same size, which overwrites all of it: rows
+    with target = ignore_index and padding columns come out exactly 0 even though the block held large values."""
+    rc.empty_cpu_cache()
+    g = torch.Generator().manual_seed(11)
+    rows, v, vocab_size = 48, 3000, 2900
+    first = _cpu_grad((torch.randn(rows, v, generator=g) * 30).to(dtype), torch.randint(0, v, (rows,), generator=g))
+    ptr, nbytes = first.data_ptr(), first.nbytes
+    first.fill_(1e4)  # what a reused block would show if any element were left unwritten
+    del first
+    assert ops.cpu_grad_cache_bytes() == nbytes
+
+    logits = torch.randn(rows, v, generator=g).to(dtype)
+    target = torch.randint(0, vocab_size, (rows,), generator=g)
+    target[::3] = -100
+    grad = _cpu_grad(logits, target, vocab_size=vocab_size)
+    assert grad.data_ptr() == ptr, "the cached block was not reused"
+    assert ops.cpu_grad_cache_bytes() == 0, "the block is the live gradient's now"
+    assert torch.all(grad[::3] == 0) and torch.all(grad[:, vocab_size:] == 0)
+    ref = _dense_grad(logits, target, vocab_size=vocab_size)
+    torch.testing.assert_close(grad.double(), ref, **grad_tol(dtype))
+
+
+@needs_compiled_cpu
+def test_cpu_grad_cache_keeps_at_most_one_block():
+    """A request the cached block cannot serve (more than 5/4 of its size, or smaller than it) frees that block
+    before allocating, so the cache never holds more than one block beside the live gradients; empty_cpu_cache()
+    frees it and returns its size."""
+    rc.empty_cpu_cache()
+    g = torch.Generator().manual_seed(12)
+    target = torch.randint(0, 1000, (64,), generator=g)
+    big = _cpu_grad(torch.randn(64, 1000, generator=g), target)
+    big_ptr, big_bytes = big.data_ptr(), big.nbytes
+    del big
+    assert ops.cpu_grad_cache_bytes() == big_bytes
+
+    near = _cpu_grad(torch.randn(56, 1000, generator=g), target[:56])  # 7/8 of the block: reused
+    assert near.data_ptr() == big_ptr and ops.cpu_grad_cache_bytes() == 0
+    del near
+    small = _cpu_grad(torch.randn(8, 1000, generator=g), target[:8])  # 1/8: a fresh block, the cached one freed
+    assert ops.cpu_grad_cache_bytes() == 0
+    small_bytes = small.nbytes
+    small.resize_(16, 1000)  # the storage came from an allocator, so it can grow like any CPU tensor's
+    del small
+    assert ops.cpu_grad_cache_bytes() == 16 * 1000 * 4
+    assert rc.empty_cpu_cache() == 16 * 1000 * 4 and small_bytes == 8 * 1000 * 4
+    assert ops.cpu_grad_cache_bytes() == 0 and rc.empty_cpu_cache() == 0
+
+
+@needs_compiled_cpu
+def test_cpu_grad_cache_can_be_turned_off():
+    import subprocess
+    import sys
+
+    code = ("import torch, rollout_corr_ext as rc\n"
+            "from rollout_corr_ext import ops\n"
+            "x = torch.randn(32, 500, requires_grad=True)\n"
+            "rc.vocab_parallel_log_probs(x, torch.randint(0, 500, (32,))).sum().backward()\n"
+            "x.grad = None\n"
+            "print(ops.cpu_grad_cache_bytes())\n")
+    env = dict(__import__("os").environ, ROLLOUT_CORR_CPU_GRAD_CACHE="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "0"
