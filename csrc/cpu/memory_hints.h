@@ -1,4 +1,5 @@
-// CPU memory hints for the large outputs the kernels write once (weights, masks, gradients).
+// CPU memory hints for the large outputs the kernels write once (the rollout weights and masks; the log-prob
+// gradient comes from a reused block instead: reused_buffer.h).
 //
 // A fresh [B, T] output usually comes straight from the kernel (glibc serves large blocks with mmap, or returns
 // the heap to the system after a big free), so its first touch costs one page fault and one zeroed 4 KiB page per
