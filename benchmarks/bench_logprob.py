@@ -95,7 +95,7 @@ class PeakMemory:
         else:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
-            self.base = _rss_kib("VmRSS") * 1024 - ops.cpu_grad_cache_bytes()
+            self.base = _rss_kib("VmRSS") * 1024 - ops.cpu_cache_bytes()
         return self
 
     def __exit__(self, *exc):
@@ -131,7 +131,7 @@ def _sync(device):
 
 def _measure(fn, make_input, target, backward, reps, device, group):
     times, peaks, colls = [], [], []
-    ops.cpu_grad_cache_bytes(release=True)  # each implementation starts without our cached block; ours refills it
+    ops.cpu_cache_bytes(release=True)  # each implementation starts without our cached block; ours refills it
     for i in range(reps + 1):  # the first run warms up
         x = make_input()
         if backward:

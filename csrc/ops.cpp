@@ -24,13 +24,13 @@ static bool built_with_cuda() {
 #endif
 }
 
-static int64_t cpu_grad_cache_bytes(bool release) { return cpu::ReusedBlockAllocator::get().retained_bytes(release); }
+static int64_t cpu_cache_bytes(bool release) { return cpu::ReusedBlockAllocator::retained_bytes_all(release); }
 
 TORCH_LIBRARY(rollout_corr, m) {
   m.def("built_with_cuda() -> bool", &built_with_cuda);
-  // Bytes the CPU log-prob backward keeps for its next out-of-place gradient (csrc/cpu/reused_buffer.h); with
-  // release, they are given back to the system first.
-  m.def("cpu_grad_cache_bytes(bool release) -> int", &cpu_grad_cache_bytes);
+  // Bytes the CPU kernels keep for their next large outputs (the out-of-place log-prob gradient, rollout weights and
+  // mask: csrc/cpu/reused_buffer.h); with release, they are given back to the system first.
+  m.def("cpu_cache_bytes(bool release) -> int", &cpu_cache_bytes);
 
   // §2 vocab-parallel log-probs. One read of a [N, V_local] shard -> the flat shard record [header + N * (4|5)]
   // (a 64-byte header: rows, vocab range, target fingerprint; then per row max x, sum exp, sum exp*z, target x

@@ -397,12 +397,13 @@ def vocab_parallel_cross_entropy(
 
 
 def empty_cpu_cache() -> int:
-    """Give back the gradient buffer that the CPU backward of these functions keeps between steps.
+    """Give back the output blocks that the CPU kernels keep between steps; returns their size in bytes (0 if none).
 
-    On CPU the out-of-place backward (``inplace_backward=False``) takes its ``[N, V_local]`` gradient from a one-block
-    cache: when autograd frees the gradient, its memory is kept for the next backward of about the same size, which
-    then skips the page faults of a fresh buffer (csrc/cpu/reused_buffer.h). At most one block is kept. This frees
-    it, like ``torch.cuda.empty_cache()``, and returns its size in bytes (0 if none). ``ROLLOUT_CORR_CPU_GRAD_CACHE=0``
-    turns the cache off. CUDA gradients use PyTorch's caching allocator and are not affected.
+    On CPU, the large outputs a training step frees and asks for again (the ``[N, V_local]`` gradient of the
+    out-of-place log-prob backward, rollout correction's weights and mask) come from one-block caches: when such a
+    tensor is freed, its memory is kept for the next request of about the same size, which then skips the page
+    faults of fresh memory (csrc/cpu/reused_buffer.h). At most one block is kept per output. This frees them, like
+    ``torch.cuda.empty_cache()``. ``ROLLOUT_CORR_CPU_CACHE=0`` turns the caches off. CUDA tensors come from PyTorch's
+    caching allocator and are not affected.
     """
-    return ops.cpu_grad_cache_bytes(release=True)
+    return ops.cpu_cache_bytes(release=True)

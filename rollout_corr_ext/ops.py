@@ -158,13 +158,13 @@ def logprob_backward_(
                                 vocab_start, vocab_size, inv_temperature, ignore_index)
 
 
-def cpu_grad_cache_bytes(release: bool = False) -> int:
-    """Bytes the compiled CPU log-prob backward keeps for its next out-of-place gradient (csrc/cpu/reused_buffer.h;
-    0 without the compiled kernels). With ``release`` they are given back to the system first, and the count of
-    bytes freed is returned."""
+def cpu_cache_bytes(release: bool = False) -> int:
+    """Bytes the compiled CPU kernels keep for their next large outputs: the out-of-place log-prob gradient and
+    rollout correction's weights and mask, one block each (csrc/cpu/reused_buffer.h; 0 without the compiled
+    kernels). With ``release`` they are given back to the system first, and the count of bytes freed is returned."""
     if not _compiled:
         return 0
-    return int(torch.ops.rollout_corr.cpu_grad_cache_bytes.default(bool(release)))
+    return int(torch.ops.rollout_corr.cpu_cache_bytes.default(bool(release)))
 
 
 # ---------------------------------------------------------------------------------------------------------

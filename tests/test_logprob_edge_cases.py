@@ -657,14 +657,14 @@ def test_cpu_grad_cache_reuses_one_block_and_never_shows_old_values(dtype):
     ptr, nbytes = first.data_ptr(), first.nbytes
     first.fill_(1e4)  # what a reused block would show if any element were left unwritten
     del first
-    assert ops.cpu_grad_cache_bytes() == nbytes
+    assert ops.cpu_cache_bytes() == nbytes
 
     logits = torch.randn(rows, v, generator=g).to(dtype)
     target = torch.randint(0, vocab_size, (rows,), generator=g)
     target[::3] = -100
     grad = _cpu_grad(logits, target, vocab_size=vocab_size)
     assert grad.data_ptr() == ptr, "the cached block was not reused"
-    assert ops.cpu_grad_cache_bytes() == 0, "the block is the live gradient's now"
+    assert ops.cpu_cache_bytes() == 0, "the block is the live gradient's now"
     assert torch.all(grad[::3] == 0) and torch.all(grad[:, vocab_size:] == 0)
     ref = _dense_grad(logits, target, vocab_size=vocab_size)
     torch.testing.assert_close(grad.double(), ref, **grad_tol(dtype))
@@ -681,19 +681,19 @@ def test_cpu_grad_cache_keeps_at_most_one_block():
     big = _cpu_grad(torch.randn(64, 1000, generator=g), target)
     big_ptr, big_bytes = big.data_ptr(), big.nbytes
     del big
-    assert ops.cpu_grad_cache_bytes() == big_bytes
+    assert ops.cpu_cache_bytes() == big_bytes
 
     near = _cpu_grad(torch.randn(56, 1000, generator=g), target[:56])  # 7/8 of the block: reused
-    assert near.data_ptr() == big_ptr and ops.cpu_grad_cache_bytes() == 0
+    assert near.data_ptr() == big_ptr and ops.cpu_cache_bytes() == 0
     del near
     small = _cpu_grad(torch.randn(8, 1000, generator=g), target[:8])  # 1/8: a fresh block, the cached one freed
-    assert ops.cpu_grad_cache_bytes() == 0
+    assert ops.cpu_cache_bytes() == 0
     small_bytes = small.nbytes
     small.resize_(16, 1000)  # the storage came from an allocator, so it can grow like any CPU tensor's
     del small
-    assert ops.cpu_grad_cache_bytes() == 16 * 1000 * 4
+    assert ops.cpu_cache_bytes() == 16 * 1000 * 4
     assert rc.empty_cpu_cache() == 16 * 1000 * 4 and small_bytes == 8 * 1000 * 4
-    assert ops.cpu_grad_cache_bytes() == 0 and rc.empty_cpu_cache() == 0
+    assert ops.cpu_cache_bytes() == 0 and rc.empty_cpu_cache() == 0
 
 
 @needs_compiled_cpu
@@ -706,7 +706,7 @@ def test_cpu_grad_cache_can_be_turned_off():
             "x = torch.randn(32, 500, requires_grad=True)\n"
             "rc.vocab_parallel_log_probs(x, torch.randint(0, 500, (32,))).sum().backward()\n"
             "x.grad = None\n"
-            "print(ops.cpu_grad_cache_bytes())\n")
-    env = dict(__import__("os").environ, ROLLOUT_CORR_CPU_GRAD_CACHE="0")
+            "print(ops.cpu_cache_bytes())\n")
+    env = dict(__import__("os").environ, ROLLOUT_CORR_CPU_CACHE="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "0"

@@ -583,3 +583,45 @@ def test_packed_ops_opcheck_and_fakes():
     torch.library.opcheck(torch.ops.rollout_corr.rollout_token_pass.default, (lp, rlp, mask, cu, st, *args, True))
     meta = [t.to("meta") for t in (lp, rlp, mask, cu)]
     assert torch.ops.rollout_corr.rollout_seq_stats.default(*meta, *args).shape == (4, LY.SEQ_COLS)
+
+
+@pytest.mark.skipif(__import__("rollout_corr_ext").backend() == "reference",
+                    reason="the reused output blocks belong to the compiled CPU kernels")
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32, torch.int64])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_reused_output_blocks_are_rewritten_everywhere(mask_dtype, packed):
+    """The CPU weights and mask come from blocks kept from the previous call (csrc/cpu/reused_buffer.h). A call whose
+    outputs land in blocks filled with sentinels gives the same bits as a call on other memory: every element is
+    written, the skipped all-padding chunks and the rejected tokens included."""
+    import rollout_corr_ext as rc
+    from rollout_corr_ext import ops
+
+    b, t = 12, 700
+    g = torch.Generator().manual_seed(21)
+    rlp = -torch.rand(b, t, generator=g) * 3
+    lp = rlp + torch.randn(b, t, generator=g) * 0.3
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    lengths[0] = t
+    mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).to(mask_dtype)
+    cfg = Cfg(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1,seq_max_k3",
+              rollout_rs_threshold="0.7_1.5,0.05")
+    kw = {}
+    if packed:
+        lp, rlp, mask = lp.reshape(-1), rlp.reshape(-1), mask.reshape(-1)
+        kw["cu_seqlens"] = torch.arange(0, b * t + 1, t)
+
+    rc.empty_cpu_cache()
+    first = compute_rollout_correction(lp, rlp, mask, cfg, **kw)
+    weights_ptr = first.weights.data_ptr()
+    first.weights.fill_(7.0)
+    first.response_mask.fill_(1)
+    del first
+    assert ops.cpu_cache_bytes() == lp.numel() * (4 + torch.empty((), dtype=mask_dtype).element_size())
+    reused = compute_rollout_correction(lp, rlp, mask, cfg, **kw)
+    assert reused.weights.data_ptr() == weights_ptr, "the kept block was not reused"
+    assert rc.empty_cpu_cache() == 0, "both blocks are the live outputs' now"
+    other = compute_rollout_correction(lp, rlp, mask, cfg, **kw)
+    assert other.weights.data_ptr() != weights_ptr
+    assert torch.equal(reused.weights, other.weights) and torch.equal(reused.response_mask, other.response_mask)
+    assert torch.all(reused.weights[mask == 0] == 0) and torch.all(reused.response_mask[mask == 0] == 0)
+    assert reused.response_mask.dtype == mask_dtype

@@ -10,7 +10,6 @@
 // headroom to keep the entropy's rounding, so the two passes stay.)
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
-#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -452,9 +451,8 @@ at::Tensor logprob_backward_cpu(const c10::optional<at::Tensor>& grad_logp,
                                 const at::Tensor& target, const at::Tensor& row_state, int64_t vocab_start,
                                 int64_t vocab_size, double inv_temperature, int64_t ignore_index) {
   // From the one-block cache (reused_buffer.h): a fresh [N, V_local] buffer would cost a page fault per 4 KiB.
-  at::Tensor grad = at::detail::empty_generic({logits.size(0), logits.size(1)}, &cpu::ReusedBlockAllocator::get(),
-                                              c10::DispatchKeySet(c10::DispatchKey::CPU), logits.scalar_type(),
-                                              c10::nullopt);
+  at::Tensor grad = cpu::reused_empty({logits.size(0), logits.size(1)}, logits.scalar_type(),
+                                     cpu::ReusedUse::kLogprobGrad);
   logprob_backward_into_cpu(grad, grad_logp, grad_entropy, grad_mean_logp, logits, target, row_state, vocab_start,
                             vocab_size, inv_temperature, ignore_index);
   return grad;

@@ -1,36 +1,53 @@
-// A one-block cache for the out-of-place log-prob gradient on CPU: the CPU analogue, for one buffer, of PyTorch's
-// CUDA caching allocator.
+// One-block caches for the large CPU outputs that a training step frees and asks for again at the same size: the
+// log-prob gradient of the out-of-place backward, and rollout correction's weights and mask. The CPU analogue, for
+// these few buffers, of PyTorch's CUDA caching allocator.
 //
-// A fresh [N, V_local] gradient is larger than glibc's mmap threshold (32 MiB at most), so every backward gets new
-// pages from the kernel and pays one fault and one zeroed page per 4 KiB before any math: on a 2-core Zen 5 VM,
-// 46 ms for the 250 MiB gradient of 2048 x 32000 fp32, four times the whole in-place backward (12 ms). Asking for
-// huge pages (memory_hints.h) makes that cheap when the kernel has them free and far worse when it must compact
-// memory first (300 ms to 2.4 s measured there). So the gradient's storage comes from this allocator instead: when
-// the tensor is freed (autograd drops it once the step is done with it), its block is kept, and the next backward
-// of about the same size (the block holds between n and 5n/4 bytes) writes into pages that are already mapped.
+// A buffer of several MiB is new pages from the kernel each time glibc gets it (large blocks are mmapped, or the heap
+// top is trimmed after a big free), so it pays one fault and one zeroed page per 4 KiB before any math: on a 2-core
+// Zen 5 VM, 46 ms for the 250 MiB gradient of 2048 x 32000 fp32, four times the whole in-place backward (12 ms), and
+// about 1.5 ms for the 10 MiB of rollout outputs of a 256 x 8192 batch, as much as one of its passes. Asking for
+// huge pages (MADV_HUGEPAGE, what these buffers used to get) makes that cheap when the kernel has them free and far
+// worse when it must compact memory first (300 ms to 2.4 s measured there for the gradient). So these outputs come
+// from a ReusedBlockAllocator:
+// when the tensor is freed, its block is kept, and the next request of about the same size (the block holds between
+// n and 5n/4 bytes) writes into pages that are already mapped.
 //
-// Retained memory: at most one block, the most recently freed one, between steps; a request it cannot serve frees
-// it first. torch.ops.rollout_corr.cpu_grad_cache_bytes(release=True) (rollout_corr_ext.empty_cpu_cache()) gives
-// it back; ROLLOUT_CORR_CPU_GRAD_CACHE=0 turns the cache off. The kernels write every element of the gradient, so a
-// reused block never shows its previous contents.
+// Retained memory: at most one block per use (the most recently freed one); a request the block cannot serve frees
+// it first. torch.ops.rollout_corr.cpu_cache_bytes(release=True) (rollout_corr_ext.empty_cpu_cache()) gives them
+// back; ROLLOUT_CORR_CPU_CACHE=0 turns the caches off. The kernels write every element of these outputs, so a reused
+// block never shows its previous contents.
 #pragma once
 
+#include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <utility>
 
 namespace rollout_corr {
 namespace cpu {
 
+// What a cache serves: one block is kept per use.
+enum class ReusedUse : int { kLogprobGrad = 0, kRolloutWeights = 1, kRolloutMask = 2 };
+constexpr int kReusedUses = 3;
+
 class ReusedBlockAllocator final : public c10::Allocator {
  public:
-  // Never destroyed: tensors holding its blocks may outlive static destruction.
-  static ReusedBlockAllocator& get() {
-    static ReusedBlockAllocator* instance = new ReusedBlockAllocator();
-    return *instance;
+  // Never destroyed: tensors holding their blocks may outlive static destruction.
+  static ReusedBlockAllocator& get(ReusedUse use) {
+    static ReusedBlockAllocator* caches = new ReusedBlockAllocator[kReusedUses];
+    return caches[static_cast<int>(use)];
+  }
+
+  // Bytes kept by every cache (not by any tensor); with release, the blocks are freed first and the bytes they held
+  // are returned.
+  static int64_t retained_bytes_all(bool release) {
+    int64_t bytes = 0;
+    for (int u = 0; u < kReusedUses; ++u) bytes += get(static_cast<ReusedUse>(u)).retained_bytes(release);
+    return bytes;
   }
 
   c10::DataPtr allocate(size_t n) override {
@@ -42,12 +59,12 @@ class ReusedBlockAllocator final : public c10::Allocator {
       if (cached_ != nullptr && cached_->bytes >= n && cached_->bytes - n <= n / 4) {
         block = cached_;
       } else {
-        stale = cached_;  // freed below: never more than one block retained beside the live ones
+        stale = cached_;  // freed below: never more than one block kept beside the live ones
       }
       cached_ = nullptr;
     }
     free_block(stale);
-    if (block == nullptr) block = new Block{c10::alloc_cpu(n), n};
+    if (block == nullptr) block = new Block{c10::alloc_cpu(n), n, this};
     return {block->data, block, &release_block, c10::Device(c10::DeviceType::CPU)};
   }
 
@@ -55,8 +72,6 @@ class ReusedBlockAllocator final : public c10::Allocator {
     default_copy_data(dest, src, count);
   }
 
-  // Bytes held by the cache (not by any tensor); with release, the block is freed first and the bytes it held are
-  // returned.
   int64_t retained_bytes(bool release) {
     Block* block = nullptr;
     int64_t bytes = 0;
@@ -69,16 +84,17 @@ class ReusedBlockAllocator final : public c10::Allocator {
     return bytes;
   }
 
+  ReusedBlockAllocator() {
+    const char* v = std::getenv("ROLLOUT_CORR_CPU_CACHE");
+    enabled_ = v == nullptr || std::strcmp(v, "0") != 0;
+  }
+
  private:
   struct Block {
     void* data;
     size_t bytes;
+    ReusedBlockAllocator* owner;
   };
-
-  ReusedBlockAllocator() {
-    const char* v = std::getenv("ROLLOUT_CORR_CPU_GRAD_CACHE");
-    enabled_ = v == nullptr || std::strcmp(v, "0") != 0;
-  }
 
   static void free_block(Block* block) {
     if (block == nullptr) return;
@@ -86,11 +102,11 @@ class ReusedBlockAllocator final : public c10::Allocator {
     delete block;
   }
 
-  // The deleter of every DataPtr this allocator hands out: keep the block (replacing an older one) or free it.
+  // The deleter of every DataPtr handed out: keep the block in its cache (replacing an older one) or free it.
   static void release_block(void* ctx) {
     Block* block = static_cast<Block*>(ctx);
     if (block == nullptr) return;
-    ReusedBlockAllocator& self = get();
+    ReusedBlockAllocator& self = *block->owner;
     if (!self.enabled_) {
       free_block(block);
       return;
@@ -108,6 +124,12 @@ class ReusedBlockAllocator final : public c10::Allocator {
   Block* cached_ = nullptr;
   bool enabled_ = true;
 };
+
+// An uninitialised CPU tensor whose storage comes from the cache of `use` (contiguous; the caller writes all of it).
+inline at::Tensor reused_empty(at::IntArrayRef sizes, at::ScalarType dtype, ReusedUse use) {
+  return at::detail::empty_generic(sizes, &ReusedBlockAllocator::get(use), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                   dtype, c10::nullopt);
+}
 
 }  // namespace cpu
 }  // namespace rollout_corr

@@ -18,7 +18,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "memory_hints.h"
+#include "reused_buffer.h"
 #include "rollout_correction_host.h"
 #include "rollout_correction_math.h"
 #include "vec_math.h"
@@ -363,8 +363,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cp
   check_seq_stats(seq_stats, layout.rows, log_prob, acc);
   const auto st = seq_stats.contiguous();
   RolloutPassOutputs o = new_rollout_pass_outputs(log_prob, mask, acc, a);
-  cpu::advise_huge_pages(o.weights.data_ptr(), o.weights.nbytes());
-  cpu::advise_huge_pages(o.mask_out.data_ptr(), o.mask_out.nbytes());
+  // Blocks kept from the previous step's outputs rather than fresh pages (reused_buffer.h); the pass writes every
+  // element (skipped chunks included).
+  o.weights = cpu::reused_empty(o.weights.sizes(), o.weights.scalar_type(), cpu::ReusedUse::kRolloutWeights);
+  o.mask_out = cpu::reused_empty(o.mask_out.sizes(), o.mask_out.scalar_type(), cpu::ReusedUse::kRolloutMask);
   const int64_t ns = o.sums.numel(), nm = o.maxes.numel();
   std::vector<Partials> parts;
   const int nthreads = at::get_num_threads();
