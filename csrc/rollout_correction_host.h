@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/EmptyTensor.h>
 
 #include <cmath>
 #include <string>
@@ -169,19 +170,27 @@ inline void check_seq_stats(const at::Tensor& seq_stats, int64_t rows, const at:
 }
 
 // Outputs of pass 2 before any kernel runs: weights [B, T] (or [0] without an IS level) in the accumulation dtype,
-// mask_out [B, T] in the mask's dtype, the SUM vector (zeros) and the MAX vector (-inf), fp64.
+// mask_out [B, T] in the mask's dtype, the SUM vector (zeros) and the MAX vector (-inf), fp64. weights and mask_out
+// come from the given CPU allocators when there are any (the CPU kernels' reused blocks), the default one otherwise.
 struct RolloutPassOutputs {
   at::Tensor weights, mask_out, sums, maxes;
 };
+inline at::Tensor empty_from(at::IntArrayRef sizes, const at::TensorOptions& opts, c10::Allocator* cpu_allocator) {
+  if (cpu_allocator == nullptr) return at::empty(sizes, opts);
+  return at::detail::empty_generic(sizes, cpu_allocator, c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                   c10::typeMetaToScalarType(opts.dtype()), c10::nullopt);
+}
 inline RolloutPassOutputs new_rollout_pass_outputs(const at::Tensor& log_prob, const at::Tensor& mask,
-                                                   at::ScalarType acc, const RolloutConfigArgs& a) {
+                                                   at::ScalarType acc, const RolloutConfigArgs& a,
+                                                   c10::Allocator* weights_allocator = nullptr,
+                                                   c10::Allocator* mask_allocator = nullptr) {
   const int num_rs = static_cast<int>(a.rs_level.size());
   const auto f64 = log_prob.options().dtype(at::kDouble);
   RolloutPassOutputs o;
   const bool has_weights = a.is_level != rc::is_level::none;
-  o.weights = has_weights ? at::empty(log_prob.sizes(), log_prob.options().dtype(acc))
+  o.weights = has_weights ? empty_from(log_prob.sizes(), log_prob.options().dtype(acc), weights_allocator)
                           : at::empty({0}, log_prob.options().dtype(acc));
-  o.mask_out = at::empty(log_prob.sizes(), mask.options());
+  o.mask_out = empty_from(log_prob.sizes(), mask.options(), mask_allocator);
   o.sums = at::zeros({rc::sum_size(num_rs)}, f64);
   o.maxes = at::full({rc::max_size(num_rs)}, -INFINITY, f64);
   return o;

@@ -362,11 +362,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cp
   const auto acc = rollout_acc_dtype(log_prob, rollout_log_prob);
   check_seq_stats(seq_stats, layout.rows, log_prob, acc);
   const auto st = seq_stats.contiguous();
-  RolloutPassOutputs o = new_rollout_pass_outputs(log_prob, mask, acc, a);
-  // Blocks kept from the previous step's outputs rather than fresh pages (reused_buffer.h); the pass writes every
-  // element (skipped chunks included).
-  o.weights = cpu::reused_empty(o.weights.sizes(), o.weights.scalar_type(), cpu::ReusedUse::kRolloutWeights);
-  o.mask_out = cpu::reused_empty(o.mask_out.sizes(), o.mask_out.scalar_type(), cpu::ReusedUse::kRolloutMask);
+  // weights and mask_out in blocks kept from the previous step's outputs rather than fresh pages (reused_buffer.h);
+  // the pass writes every element (skipped chunks included).
+  RolloutPassOutputs o = new_rollout_pass_outputs(log_prob, mask, acc, a,
+                                                  &cpu::ReusedBlockAllocator::get(cpu::ReusedUse::kRolloutWeights),
+                                                  &cpu::ReusedBlockAllocator::get(cpu::ReusedUse::kRolloutMask));
   const int64_t ns = o.sums.numel(), nm = o.maxes.numel();
   std::vector<Partials> parts;
   const int nthreads = at::get_num_threads();
