@@ -78,6 +78,37 @@ def test_block_merge_keeps_fp32_accuracy(dtype, temperature):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_with_one_finite_logit_is_exact(dtype, device):
+    """A row with one finite logit (the rest -inf, or so far below it that their exp is 0 in the accumulation type)
+    has log p = 0 at that logit and entropy 0 exactly, wherever the logit sits (in a vector loop or a block's scalar
+    tail) and whatever its value and the temperature: maxima whose product with log2(e)/T is not exact in fp32
+    included (the AVX-512 CPU copy sums x log2(e)/T - fl(m log2(e)/T) in one FMA and takes the offset out after)."""
+    vocab = 2100  # one 2048-column block and a tail, or part of one 8192-column bf16 block
+    values = [3.7, -12.3, 0.1, 1000.1, 6.02e6, 3.1e38 if dtype != torch.float16 else 6.0e4]
+    positions = [0, 100, 2047, 2090]
+    no_mass = 750.0 if dtype == torch.float64 else 150.0  # e^-no_mass is 0 in the accumulation type
+    with ops_on(device) as dev:
+        for temperature in (1.0, 0.7, 1.3):
+            rows, targets = [], []
+            for v in values:
+                for pos in positions:
+                    for rest in (-math.inf, v - (no_mass + 50.0) * temperature):
+                        row = torch.full((vocab,), rest, dtype=torch.float64)
+                        row[pos] = v
+                        rows.append(row)
+                        targets.append(pos)
+            logits = torch.stack(rows).to(dtype)
+            top = logits.double().max(1).values
+            rest = logits.double().min(1).values
+            ok = torch.isfinite(top) & ((top - rest) / temperature > no_mass)  # not where rounding brought them close
+            logits, target = logits[ok].to(dev), torch.tensor(targets)[ok].to(dev)
+            logp, ent = rc.vocab_parallel_log_probs(logits, target, return_entropy=True, temperature=temperature)
+            assert torch.all(logp.cpu() == 0), (temperature, logp)
+            assert torch.all(ent.cpu() == 0), (temperature, ent)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 def test_cross_entropy_and_grad_match_reference(dtype, label_smoothing, device):
     with ops_on(device) as dev:

@@ -47,11 +47,17 @@ for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", tor
     lp, ent = rc.vocab_parallel_log_probs(x, target, return_entropy=True, temperature=0.8)
     (lp * w + ent).sum().backward()
     res[name] = [lp.double().tolist(), ent.double().tolist(), x.grad.double().flatten().tolist()]
-    if dt == torch.bfloat16:  # the bf16 gradient is the fp32 one rounded by torch's rule
-        x32 = base.to(dt).float().detach().clone().requires_grad_(True)
-        lp32, ent32 = rc.vocab_parallel_log_probs(x32, target, return_entropy=True, temperature=0.8)
-        (lp32 * w + ent32).sum().backward()
-        out["bf16_narrow_is_torch_rounding"] = bool(torch.equal(x.grad, x32.grad.to(torch.bfloat16)))
+    if dt == torch.bfloat16:
+        # The backward on the bf16 logits gives the gradient of the same logits widened to fp32, with the same row
+        # state, rounded by torch's rule. (The same row state: fp32 and bf16 rows are summed in different lane orders,
+        # so their forwards may differ in the last fp32 bit.)
+        xb = base.to(dt)
+        rec = ops.vocab_row_stats(xb, target, 0, 1337, 1 / 0.8, -100, False)
+        state = ops.merge_row_stats(rec.unsqueeze(0), target, -100, 1337, 1 / 0.8, False)[3]
+        gh = torch.ones(67)
+        g16 = ops.logprob_backward(w, gh, None, xb, target, state, 0, 1337, 1 / 0.8, -100)
+        g32 = ops.logprob_backward(w, gh, None, xb.float(), target, state, 0, 1337, 1 / 0.8, -100)
+        out["bf16_narrow_is_torch_rounding"] = bool(g16.dtype == dt and torch.equal(g16, g32.to(dt)))
 out["results"] = res
 print("RESULT " + json.dumps(out))
 '''

