@@ -34,8 +34,8 @@ inline int64_t header_len_for(at::ScalarType acc) {
   return kShardHeaderBytes / static_cast<int64_t>(c10::elementSize(acc));
 }
 
-inline int64_t record_format(int stats_cols, at::ScalarType acc) {
-  return stats_cols + 16 * static_cast<int64_t>(c10::elementSize(acc));
+inline int64_t record_format(int stats_cols, at::ScalarType acc, bool with_entropy) {
+  return stats_cols + 16 * static_cast<int64_t>(c10::elementSize(acc)) + (with_entropy ? 0 : kFormatNoEntropy);
 }
 
 // The call settings every rank must share, 1/T and ignore_index, fingerprinted (target_fingerprint's mixer over the
@@ -99,7 +99,8 @@ inline at::Tensor new_shard_record(const at::Tensor& logits, bool with_sum_z) {
 
 inline ShardHeaderParams make_shard_header_params(const at::Tensor& record, const at::Tensor& target,
                                                   const at::Tensor& logits, int64_t vocab_start, int64_t vocab_size,
-                                                  double inv_temperature, int64_t ignore_index, bool with_sum_z) {
+                                                  double inv_temperature, int64_t ignore_index, bool with_sum_z,
+                                                  bool with_entropy) {
   ShardHeaderParams h;
   h.header = static_cast<int64_t*>(record.data_ptr());
   h.target = target.const_data_ptr<int64_t>();
@@ -108,7 +109,7 @@ inline ShardHeaderParams make_shard_header_params(const at::Tensor& record, cons
   h.local_vocab = logits.size(1);
   h.valid_cols = valid_cols_of(vocab_start, vocab_size, logits.size(1));
   h.vocab_size = vocab_size;
-  h.format = record_format(stats_cols_for(with_sum_z), record.scalar_type()) |
+  h.format = record_format(stats_cols_for(with_sum_z), record.scalar_type(), with_entropy) |
              settings_fingerprint(inv_temperature, ignore_index);
   return h;
 }

@@ -34,10 +34,12 @@ TORCH_LIBRARY(rollout_corr, m) {
 
   // §2 vocab-parallel log-probs. One read of a [N, V_local] shard -> the flat shard record [header + N * (4|5)]
   // (a 64-byte header: rows, vocab range, target fingerprint; then per row max x, sum exp, sum exp*z, target x
-  // [, sum z], in max-shifted coordinates) that is all-gathered over the TP group, then merged.
+  // [, sum z], in max-shifted coordinates) that is all-gathered over the TP group, then merged. with_entropy=False:
+  // the entropy sums may be skipped (the CPU kernels skip them: one FMA per element less), the header says so and
+  // the merge returns NaN entropies.
   m.def(
       "vocab_row_stats(Tensor logits, Tensor target, int vocab_start, int vocab_size, float inv_temperature, "
-      "int ignore_index, bool with_sum_z) -> Tensor");
+      "int ignore_index, bool with_sum_z, bool with_entropy=True) -> Tensor");
   // [R, record_len] records of all shards -> (logp, entropy, mean_logp, row_state [N, 3] = (max x, log D, S/D),
   // status [4] int32). Checks that the shards tile the vocab and agree on rows and targets, that targets are in
   // range and rows hold no NaN / +inf and at least one finite logit: the CPU kernel raises a named error, the CUDA

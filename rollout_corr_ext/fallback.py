@@ -25,6 +25,8 @@ from . import _layout as LY
 #: (max x, sum exp, sum exp * z, target x[, sum z]) in max-shifted coordinates.
 (HDR_MAGIC, HDR_ROWS, HDR_VOCAB_START, HDR_LOCAL_VOCAB, HDR_VALID_COLS, HDR_VOCAB_SIZE, HDR_TARGET_HASH,
  HDR_FORMAT) = range(8)
+#: The format flag of records taken with with_entropy=False (kFormatNoEntropy in csrc/include/logprob_params.h).
+FORMAT_NO_ENTROPY = 256
 HEADER_SLOTS, HEADER_BYTES, SHARD_MAGIC = 8, 64, 0x52434C5052303031
 ROW_STAT_MAX, ROW_STAT_SUMEXP, ROW_STAT_SUMEXP_Z, ROW_STAT_TARGET_X, ROW_STAT_SUM_Z = range(5)
 #: Columns of the per-row state saved for backward: max x, log D, softmax mean of (z - M/T).
@@ -94,13 +96,15 @@ def vocab_row_stats(
     inv_temperature: float,
     ignore_index: int,
     with_sum_z: bool,
+    with_entropy: bool = True,
 ) -> torch.Tensor:
     """The shard record of one vocab shard ``[N, V_local]`` (``target`` ``[N]`` holds **global** ids).
 
     A flat tensor in the accumulation dtype: the 64-byte header (int64 slots ``HDR_*``), then per row, with
     m = max x and zm = (x - m) * inv_temperature over the shard's non-padding columns: m, d = sum e^zm,
     s = sum e^zm zm, y = x[target] when the target lies in this shard (else -inf)[, sz = sum zm]. -inf logits add
-    nothing to d and s; a shard of only -inf has d = 0 (the merge's identity).
+    nothing to d and s; a shard of only -inf has d = 0 (the merge's identity). ``with_entropy=False`` sets the
+    header's FORMAT_NO_ENTROPY flag (the compiled CPU kernels then skip s; this reference takes it anyway).
     """
     acc = _acc_dtype(logits.dtype)
     n, local_vocab = logits.shape
@@ -128,7 +132,8 @@ def vocab_row_stats(
     elem = torch.empty((), dtype=acc).element_size()
     header = torch.tensor([SHARD_MAGIC, n, vocab_start, local_vocab, cols, vocab_size,
                            _signed64(target_fingerprint(target)),
-                           (k + 16 * elem) | settings_fingerprint(inv_temperature, ignore_index)], dtype=torch.int64)
+                           (k + 16 * elem + (0 if with_entropy else FORMAT_NO_ENTROPY))
+                           | settings_fingerprint(inv_temperature, ignore_index)], dtype=torch.int64)
     return torch.cat([header.view(acc).to(logits.device), rec.reshape(-1)])
 
 
@@ -170,7 +175,8 @@ def merge_row_stats(
 
     M = max_r m_r; every other sum is rebased to M: D = sum_r d_r e^{(m_r - M)/T}, S = sum_r e^{(m_r - M)/T}
     (s_r + d_r (m_r - M)/T), SZ = sum_r (sz_r + n_r (m_r - M)/T); then logp = (y - M)/T - log D, H = log D - S/D,
-    mean_logp = SZ / vocab_size - log D. Ignored rows give 0. Errors (bad layout, target out of range, NaN/+inf, a
+    mean_logp = SZ / vocab_size - log D. Ignored rows give 0. Records taken with ``with_entropy=False`` (the
+    FORMAT_NO_ENTROPY flag) give a NaN entropy and a 0 mean in the row state. Errors (bad layout, target out of range, NaN/+inf, a
     row of only -inf) raise, naming the position.
     """
     acc = gathered.dtype
@@ -216,7 +222,11 @@ def merge_row_stats(
     mean_z = torch.where(ignored, one, s_tot) / torch.where(ignored, one, d_tot)
     zero = torch.zeros_like(log_d)
     logp = torch.where(ignored, zero, (y - big_m) * inv_temperature - log_d)
-    entropy = torch.where(ignored, zero, log_d - mean_z)
+    if headers[0][HDR_FORMAT] & FORMAT_NO_ENTROPY:
+        mean_z = torch.zeros_like(mean_z)
+        entropy = torch.where(ignored, zero, torch.full_like(zero, math.nan))
+    else:
+        entropy = torch.where(ignored, zero, log_d - mean_z)
     if with_sum_z:
         n_r = torch.tensor([h[HDR_VALID_COLS] for h in headers], dtype=acc, device=gathered.device).unsqueeze(1)
         sz = rec[..., ROW_STAT_SUM_Z]

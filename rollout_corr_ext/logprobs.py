@@ -143,9 +143,9 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, tp_group, world, vocab_start, vocab_size, inv_temperature, ignore_index,
-                with_sum_z, inplace_backward, check_group):
+                with_sum_z, with_entropy, inplace_backward, check_group):
         record = ops.vocab_row_stats(logits, target, vocab_start, vocab_size, inv_temperature, ignore_index,
-                                     with_sum_z)
+                                     with_sum_z, with_entropy)
         if world > 1:
             if check_group:
                 _check_group_headers(record, tp_group, world, vocab_size)
@@ -161,6 +161,8 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if not with_sum_z:
             ctx.mark_non_differentiable(mean_logp)
+        if not with_entropy:  # NaN, never returned to the caller
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy, mean_logp
 
     @staticmethod
@@ -168,7 +170,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         with torch.no_grad():
             grad = _VocabParallelLogProbs._first_order(ctx, grad_logp, grad_entropy, grad_mean_logp)
         if grad is None or not torch.is_grad_enabled():
-            return (grad,) + (None,) * 10
+            return (grad,) + (None,) * 11
         # create_graph=True: the gradient must not look differentiable-with-zero-second-order. Attach it to every
         # input that requires grad through a node whose backward raises, so that differentiating it again is a
         # clear error rather than a silently dropped term.
@@ -176,7 +178,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                    if t is not None and t.requires_grad]
         if anchors:
             grad = _NoDoubleBackward.apply(grad, *anchors)
-        return (grad,) + (None,) * 10
+        return (grad,) + (None,) * 11
 
     @staticmethod
     def _first_order(ctx, grad_logp, grad_entropy, grad_mean_logp):
@@ -252,6 +254,7 @@ def _vocab_parallel(
     with_sum_z: bool,
     inplace_backward,
     check_group,
+    with_entropy: bool = True,
 ):
     if not isinstance(logits, torch.Tensor) or logits.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"logits must be a float16/bfloat16/float32/float64 tensor, got "
@@ -294,7 +297,7 @@ def _vocab_parallel(
     target1d = target.reshape(-1).to(torch.int64).contiguous()
     logp, entropy, mean_logp = _VocabParallelLogProbs.apply(
         logits2d, target1d, tp_group, world, vocab_start, vocab_size, inv_temp, ignore_index, with_sum_z,
-        inplace_backward, check_group)
+        with_entropy, inplace_backward, check_group)
     return logp.reshape(lead), entropy.reshape(lead), mean_logp.reshape(lead), vocab_size
 
 
@@ -360,7 +363,7 @@ def vocab_parallel_log_probs(
     """
     return_entropy = as_bool("return_entropy", return_entropy)
     logp, entropy, _, _ = _vocab_parallel(logits, target, tp_group, vocab_start, vocab_size, temperature,
-                                          ignore_index, False, inplace_backward, check_group)
+                                          ignore_index, False, inplace_backward, check_group, return_entropy)
     return (logp, entropy) if return_entropy else logp
 
 
@@ -390,7 +393,8 @@ def vocab_parallel_cross_entropy(
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     with_sum_z = label_smoothing > 0
     logp, _, mean_logp, v = _vocab_parallel(vocab_parallel_logits, target, tp_group, vocab_start, vocab_size,
-                                            temperature, ignore_index, with_sum_z, inplace_backward, check_group)
+                                            temperature, ignore_index, with_sum_z, inplace_backward, check_group,
+                                            with_entropy=False)
     if not with_sum_z:
         return -logp
     return _SmoothedNll.apply(logp, mean_logp, label_smoothing * v / (v - 1))

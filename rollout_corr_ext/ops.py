@@ -42,7 +42,7 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _register_fakes() -> None:
     @torch.library.register_fake("rollout_corr::vocab_row_stats")
-    def _(logits, target, vocab_start, vocab_size, inv_temperature, ignore_index, with_sum_z):
+    def _(logits, target, vocab_start, vocab_size, inv_temperature, ignore_index, with_sum_z, with_entropy=True):
         torch._check(logits.dim() == 2, lambda: f"logits must be 2-D, got {logits.dim()}-D")
         torch._check(target.shape[0] == logits.shape[0], lambda: "target must have one id per logits row")
         acc = _stats_dtype(logits.dtype)
@@ -88,14 +88,18 @@ def vocab_row_stats(
     inv_temperature: float,
     ignore_index: int,
     with_sum_z: bool,
+    with_entropy: bool = True,
 ) -> torch.Tensor:
-    """The flat shard record (header + ``[N, 4|5]`` max-shifted row summaries) of one shard ``[N, V_local]``."""
+    """The flat shard record (header + ``[N, 4|5]`` max-shifted row summaries) of one shard ``[N, V_local]``.
+
+    ``with_entropy=False``: the entropy sums may be skipped (the CPU kernels skip them); the header says so and
+    ``merge_row_stats`` then returns NaN entropies."""
     if _has_kernel(logits.device):
         return torch.ops.rollout_corr.vocab_row_stats.default(
-            logits, target, vocab_start, vocab_size, inv_temperature, ignore_index, with_sum_z
+            logits, target, vocab_start, vocab_size, inv_temperature, ignore_index, with_sum_z, with_entropy
         )
     return fallback.vocab_row_stats(logits, target, vocab_start, vocab_size, inv_temperature, ignore_index,
-                                     with_sum_z)
+                                     with_sum_z, with_entropy)
 
 
 def merge_row_stats(

@@ -148,6 +148,59 @@ def test_joint_logp_entropy_gradient(dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_without_entropy_gives_the_same_logp_and_gradient(dtype, device):
+    """return_entropy=False and the cross-entropy take the records with with_entropy=False (the CPU kernels skip the
+    entropy sums): the log-probs and their gradient are bit for bit those of a call that returns the entropy."""
+    with ops_on(device) as dev:
+        for logits, target, kw in sample_inputs(dtype, seed=4):
+            logits, target = logits.to(dev), target.to(dev)
+            g = torch.randn(target.shape, dtype=torch.float64).to(dev)
+            grads = []
+            for return_entropy in (True, False):
+                x = logits.detach().clone().requires_grad_(True)
+                out = rc.vocab_parallel_log_probs(x, target, return_entropy=return_entropy, **kw)
+                logp = out[0] if return_entropy else out
+                (logp * g.to(logp.dtype)).sum().backward()
+                grads.append((logp.detach(), x.grad))
+            assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+            nll = rc.vocab_parallel_cross_entropy(logits, target, **kw)
+            assert torch.equal(nll, -grads[0][0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_records_without_entropy_merge_to_nan_entropy(dtype, device):
+    """Op level: records taken with with_entropy=False say so in their header; the merge returns a NaN entropy
+    (0 on ignored rows) and a 0 mean in the row state, never a value nobody computed, on every backend; shards
+    that disagree on the flag are a format mismatch."""
+    with ops_on(device) as dev:
+        x = (torch.randn(6, 40, dtype=torch.float64) * 3).to(dtype).to(dev)
+        target = torch.tensor([3, -100, 39, 0, 17, 25]).to(dev)
+        merged = []
+        for with_entropy in (True, False):
+            rec = ops.vocab_row_stats(x, target, 0, 40, 1.25, -100, False, with_entropy)
+            merged.append(ops.merge_row_stats(rec.unsqueeze(0), target, -100, 40, 1.25, False))
+        (logp, ent, _, state, _), (logp2, ent2, _, state2, _) = merged
+        ignored = (target == -100).cpu()
+        assert torch.equal(logp, logp2) and torch.equal(state[:, :2], state2[:, :2])
+        assert torch.all(ent.cpu()[~ignored].isfinite()) and torch.all(ent2.cpu()[~ignored].isnan())
+        assert torch.all(ent2.cpu()[ignored] == 0) and torch.all(state2[:, 2].cpu() == 0)
+        halves = [ops.vocab_row_stats(x[:, 20 * k:20 * (k + 1)].contiguous(), target, 20 * k, 40, 1.25, -100, False,
+                                      k == 0) for k in range(2)]
+        with pytest.raises((RuntimeError, ValueError), match="format"):
+            ops.merge_row_stats(torch.stack(halves), target, -100, 40, 1.25, False)
+    if device == "cpu":  # the pure-PyTorch reference writes the same header and merges the same way
+        from rollout_corr_ext import fallback
+
+        rec = fallback.vocab_row_stats(x, target, 0, 40, 1.25, -100, False, False)
+        hl = fallback.header_len(torch.float32 if dtype != torch.float64 else dtype)
+        assert torch.equal(rec[:hl], ops.vocab_row_stats(x, target, 0, 40, 1.25, -100, False, False)[:hl])
+        _, ent3, _, state3, _ = fallback.merge_row_stats(rec.unsqueeze(0), target, -100, 40, 1.25, False)
+        assert torch.equal(ent3.isnan(), ent2.isnan()) and torch.all(state3[:, 2] == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_gradcheck_fp64(device):
     with ops_on(device) as dev:
         torch.manual_seed(0)

@@ -78,6 +78,15 @@ RC_CPU_AVX512_INLINE void add_exp2_mass(v16f t, v16f& d, v16f& s) {
 }
 #endif
 
+// d += 2^t alone (with_entropy=False): 0 where t is -inf or below the exp's floor.
+template <typename VF>
+RC_FORCEINLINE void add_exp2(VF t, VF& d) {
+  d += exp2_scaled(clamp_exp2_arg(t));
+}
+#if RC_CPU_HAS_AVX512_PATH
+RC_CPU_AVX512_INLINE void add_exp2(v16f t, v16f& d) { d += exp2_lanes(t); }
+#endif
+
 RC_FORCEINLINE float exp2_scalar(float t) { return exp2_lanes(v8f{} + t)[0]; }
 
 // How the summary loops read a block as fp32 lanes: kVecs vectors per load. fp32 is one vector per load. bf16 is
@@ -133,8 +142,9 @@ RC_FORCEINLINE bool fused_shift_fits(float m, float c) { return std::fabs(m * c)
 
 // The sums of a block whose max m is finite, in log2 units: t = (x - m) c with c = log2(e) / T, so that
 // e^{(x - m)/T} = 2^t; d = sum 2^t, s = sum 2^t t, z = sum t, converted to the summary's natural units once per
-// block. A one-hot block (one element with mass) gives d = 1 and s = 0 exactly in both forms of Log2Shift.
-template <bool kSumZ, bool kFused, typename VF, typename scalar_t>
+// block (s only with kSumS: the entropy's). A one-hot block (one element with mass) gives d = 1 and s = 0 exactly in
+// both forms of Log2Shift.
+template <bool kSumZ, bool kSumS, bool kFused, typename VF, typename scalar_t>
 RC_FORCEINLINE RowSummary<float> block_sums(const scalar_t* x, int64_t n, float m, float it, const AheadBlock& ahead) {
   constexpr int64_t kLanes = lanes_of<VF>();
   constexpr int kVecs = LaneSource<scalar_t>::kVecs;
@@ -155,7 +165,11 @@ RC_FORCEINLINE RowSummary<float> block_sums(const scalar_t* x, int64_t n, float 
       LaneSource<scalar_t>::load(x + i + k * kLanes, v);
       for (int j = 0; j < kVecs; ++j) {
         const VF t = to_log2(v[j]);
-        add_exp2_mass(t, vd[(k + j) % kSumAcc], vs[(k + j) % kSumAcc]);
+        if constexpr (kSumS) {
+          add_exp2_mass(t, vd[(k + j) % kSumAcc], vs[(k + j) % kSumAcc]);
+        } else {
+          add_exp2(t, vd[(k + j) % kSumAcc]);
+        }
         if (kSumZ) vz[(k + j) % kSumAcc] += t;
       }
     }
@@ -174,9 +188,11 @@ RC_FORCEINLINE RowSummary<float> block_sums(const scalar_t* x, int64_t n, float 
       // same reason.
       const float delta = std::fma(m, c, minus_mc);
       const float scale = exp2_lanes(VF{} + delta)[0];
-      float delta_d = delta * d;
-      __asm__("" : "+x"(delta_d));  // rounded on its own: the compiler may not fuse it into the subtraction
-      s = (s - delta_d) / scale;
+      if constexpr (kSumS) {
+        float delta_d = delta * d;
+        __asm__("" : "+x"(delta_d));  // rounded on its own: the compiler may not fuse it into the subtraction
+        s = (s - delta_d) / scale;
+      }
       d = d / scale;
       if (kSumZ) z -= static_cast<float>(i) * delta;
     }
@@ -185,7 +201,7 @@ RC_FORCEINLINE RowSummary<float> block_sums(const scalar_t* x, int64_t n, float 
     const float t = (static_cast<float>(x[i]) - m) * c;
     const float e = exp2_scalar(t);
     d += e;
-    s += mass_times(e, t);
+    if (kSumS) s += mass_times(e, t);
     if (kSumZ) z += t;
   }
   const float to_natural = static_cast<float>(static_cast<double>(it) / static_cast<double>(c));  // ~ ln 2
@@ -194,7 +210,7 @@ RC_FORCEINLINE RowSummary<float> block_sums(const scalar_t* x, int64_t n, float 
 
 // Summary of n raw logits read as fp32 lanes (relative to their own max). The max ignores NaN; a NaN then makes d
 // NaN (exp propagates it), a +inf makes every (x - m) of the block NaN or -inf: both poison the row, as they must.
-template <bool kSumZ, typename VF, typename scalar_t>
+template <bool kSumZ, bool kSumS, typename VF, typename scalar_t>
 RC_FORCEINLINE RowSummary<float> block_summary(const scalar_t* x, int64_t n, float it, const AheadBlock& ahead) {
   constexpr int64_t kLanes = lanes_of<VF>();
   constexpr int kVecs = LaneSource<scalar_t>::kVecs;
@@ -221,14 +237,16 @@ RC_FORCEINLINE RowSummary<float> block_summary(const scalar_t* x, int64_t n, flo
   }
 #if RC_CPU_HAS_AVX512_PATH
   if constexpr (std::is_same<VF, v16f>::value) {
-    if (fused_shift_fits(m, it * 1.44269504088896341f)) return block_sums<kSumZ, true, VF>(x, n, m, it, ahead);
+    if (fused_shift_fits(m, it * 1.44269504088896341f)) {
+      return block_sums<kSumZ, kSumS, true, VF>(x, n, m, it, ahead);
+    }
   }
 #endif
-  return block_sums<kSumZ, false, VF>(x, n, m, it, ahead);
+  return block_sums<kSumZ, kSumS, false, VF>(x, n, m, it, ahead);
 }
 
 // fp64 (gradcheck, oracle-grade runs): the scalar online update of logprob_math.h, element by element.
-template <bool kSumZ, typename VF>
+template <bool kSumZ, bool kSumS, typename VF>
 RC_FORCEINLINE RowSummary<double> block_summary(const double* x, int64_t n, double it, const AheadBlock&) {
   RowSummary<double> r = summary_empty<double>();
   for (int64_t j = 0; j < n; ++j) summary_add(r, x[j], it);
@@ -310,7 +328,7 @@ RC_FORCEINLINE void store_block(const float* buf, at::BFloat16* out, int64_t n) 
 }
 
 // One row's record. Multiversioned per dtype pair via the non-template wrappers below.
-template <typename VF, typename scalar_t, typename acc_t, bool kSumZ>
+template <typename VF, typename scalar_t, typename acc_t, bool kSumZ, bool kSumS>
 RC_FORCEINLINE void row_stats_one_row(const RowStatsParams<scalar_t, acc_t>& p, int64_t row) {
   acc_t buf[kBlock];
   const scalar_t* x = p.logits + row * p.logits_row_stride;
@@ -321,10 +339,10 @@ RC_FORCEINLINE void row_stats_one_row(const RowStatsParams<scalar_t, acc_t>& p, 
     const AheadBlock ahead = AheadBlock::of(x + c0);
     RowSummary<acc_t> block;
     if constexpr (std::is_same<scalar_t, acc_t>::value || std::is_same<scalar_t, at::BFloat16>::value) {
-      block = block_summary<kSumZ, VF>(x + c0, n, p.inv_temperature, ahead);  // summarised where it lies
+      block = block_summary<kSumZ, kSumS, VF>(x + c0, n, p.inv_temperature, ahead);  // summarised where it lies
     } else {
       load_block<VF>(x + c0, buf, n);
-      block = block_summary<kSumZ, VF>(static_cast<const acc_t*>(buf), n, p.inv_temperature, ahead);
+      block = block_summary<kSumZ, kSumS, VF>(static_cast<const acc_t*>(buf), n, p.inv_temperature, ahead);
     }
     st = summary_merge(st, block, p.inv_temperature);
   }
@@ -368,12 +386,16 @@ RC_FORCEINLINE void backward_one_row(const LogprobBackwardParams<scalar_t, acc_t
 // Non-template entry points so that target_clones can multiversion them (one per dtype), plus an AVX-512 copy
 // (16 lanes) run when the CPU has it (cpu::has_avx512(): ROLLOUT_CORR_CPU_ISA=avx2 forces the 8-lane clones).
 #define RC_DEFINE_ROW_KERNELS_AT(scalar_t, acc_t, suffix, ATTR, VF)                                          \
-  ATTR void row_stats_rows_##suffix(const RowStatsParams<scalar_t, acc_t>& p, bool sum_z, int64_t begin,     \
-                                    int64_t end) {                                                          \
-    if (sum_z) {                                                                                             \
-      for (int64_t r = begin; r < end; ++r) row_stats_one_row<VF, scalar_t, acc_t, true>(p, r);              \
+  ATTR void row_stats_rows_##suffix(const RowStatsParams<scalar_t, acc_t>& p, bool sum_z, bool sum_s,       \
+                                    int64_t begin, int64_t end) {                                            \
+    if (sum_z && sum_s) {                                                                                    \
+      for (int64_t r = begin; r < end; ++r) row_stats_one_row<VF, scalar_t, acc_t, true, true>(p, r);        \
+    } else if (sum_z) {                                                                                      \
+      for (int64_t r = begin; r < end; ++r) row_stats_one_row<VF, scalar_t, acc_t, true, false>(p, r);       \
+    } else if (sum_s) {                                                                                      \
+      for (int64_t r = begin; r < end; ++r) row_stats_one_row<VF, scalar_t, acc_t, false, true>(p, r);       \
     } else {                                                                                                 \
-      for (int64_t r = begin; r < end; ++r) row_stats_one_row<VF, scalar_t, acc_t, false>(p, r);             \
+      for (int64_t r = begin; r < end; ++r) row_stats_one_row<VF, scalar_t, acc_t, false, false>(p, r);      \
     }                                                                                                        \
   }                                                                                                          \
   ATTR void backward_rows_##suffix(const LogprobBackwardParams<scalar_t, acc_t>& p, int64_t begin,           \
@@ -383,11 +405,12 @@ RC_FORCEINLINE void backward_one_row(const LogprobBackwardParams<scalar_t, acc_t
 #define RC_DEFINE_ROW_KERNELS(scalar_t, acc_t, suffix)                                                       \
   RC_DEFINE_ROW_KERNELS_AT(scalar_t, acc_t, suffix, RC_CPU_MULTIVERSION, v8f)                               \
   RC_DEFINE_ROW_KERNELS_AT(scalar_t, acc_t, suffix##_avx512, RC_CPU_AVX512, v16f)                           \
-  inline void row_stats_rows(const RowStatsParams<scalar_t, acc_t>& p, bool sum_z, int64_t b, int64_t e) {   \
+  inline void row_stats_rows(const RowStatsParams<scalar_t, acc_t>& p, bool sum_z, bool sum_s, int64_t b,    \
+                             int64_t e) {                                                                    \
     if (has_avx512()) {                                                                                      \
-      row_stats_rows_##suffix##_avx512(p, sum_z, b, e);                                                      \
+      row_stats_rows_##suffix##_avx512(p, sum_z, sum_s, b, e);                                               \
     } else {                                                                                                 \
-      row_stats_rows_##suffix(p, sum_z, b, e);                                                               \
+      row_stats_rows_##suffix(p, sum_z, sum_s, b, e);                                                        \
     }                                                                                                        \
   }                                                                                                          \
   inline void backward_rows(const LogprobBackwardParams<scalar_t, acc_t>& p, int64_t b, int64_t e) {         \
@@ -409,12 +432,13 @@ RC_DEFINE_ROW_KERNELS(at::Half, float, f16)
 inline int64_t grain_for(int64_t local_vocab) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, local_vocab)); }
 
 at::Tensor vocab_row_stats_cpu(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
-                               int64_t vocab_size, double inv_temperature, int64_t ignore_index, bool with_sum_z) {
+                               int64_t vocab_size, double inv_temperature, int64_t ignore_index, bool with_sum_z,
+                               bool with_entropy) {
   check_logits_target(logits, target, vocab_start, vocab_size, inv_temperature);
   const auto target_c = target.contiguous();
   auto record = new_shard_record(logits, with_sum_z);
   const ShardHeaderParams h = make_shard_header_params(record, target_c, logits, vocab_start, vocab_size,
-                                                            inv_temperature, ignore_index, with_sum_z);
+                                                       inv_temperature, ignore_index, with_sum_z, with_entropy);
   uint64_t hash = 0;  // wrapping sum: order-independent, so the same on every backend
   for (int64_t r = 0; r < h.rows; ++r) hash += target_fingerprint(r, h.target[r]);
   write_shard_header(h, hash);
@@ -423,7 +447,7 @@ at::Tensor vocab_row_stats_cpu(const at::Tensor& logits, const at::Tensor& targe
     const auto p = make_row_stats_params<scalar_t, acc_t>(logits, target_c, record, vocab_start, vocab_size,
                                                           inv_temperature, ignore_index, with_sum_z);
     at::parallel_for(0, p.rows, grain_for(p.local_vocab),
-                     [&](int64_t b, int64_t e) { row_stats_rows(p, with_sum_z, b, e); });
+                     [&](int64_t b, int64_t e) { row_stats_rows(p, with_sum_z, with_entropy, b, e); });
   });
   return record;
 }

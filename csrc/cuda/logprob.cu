@@ -13,10 +13,13 @@ namespace rollout_corr {
 namespace {
 
 at::Tensor vocab_row_stats_cuda(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
-                                int64_t vocab_size, double inv_temperature, int64_t ignore_index, bool with_sum_z) {
+                                int64_t vocab_size, double inv_temperature, int64_t ignore_index, bool with_sum_z,
+                                bool with_entropy) {
   const c10::cuda::CUDAGuard guard(logits.device());
+  // The CUDA kernel is bound by memory, not by the entropy's FMA: it takes the sums either way (with_entropy only
+  // sets the header flag, so the merge behaves as on every backend).
   return run_vocab_row_stats(logits, target, vocab_start, vocab_size, inv_temperature, ignore_index, with_sum_z,
-                             LaunchKnobs{}, current_stream_launch());
+                             with_entropy, LaunchKnobs{}, current_stream_launch());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_row_stats_cuda(

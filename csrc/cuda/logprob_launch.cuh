@@ -40,13 +40,13 @@ inline int logprob_threads(int64_t cols, int vec, const LaunchKnobs& k) {
 template <typename Launch>
 at::Tensor run_vocab_row_stats(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
                                int64_t vocab_size, double inv_temperature, int64_t ignore_index, bool with_sum_z,
-                               const LaunchKnobs& knobs, Launch&& launch) {
+                               bool with_entropy, const LaunchKnobs& knobs, Launch&& launch) {
   check_logits_target(logits, target, vocab_start, vocab_size, inv_temperature);
   const auto target_c = target.contiguous();
   auto record = new_shard_record(logits, with_sum_z);
   launch(shard_header_kernel, dim3(1), dim3(kHeaderThreads),
          make_shard_header_params(record, target_c, logits, vocab_start, vocab_size, inv_temperature,
-                                  ignore_index, with_sum_z));
+                                  ignore_index, with_sum_z, with_entropy));
   if (logits.size(0) == 0) return record;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "vocab_row_stats", [&] {
     using acc_t = at::opmath_type<scalar_t>;

@@ -246,10 +246,13 @@ RC_HD inline int merge_one_row(const MergeParams<acc_t>& p, int64_t row) {
     RC_STG(state + kStateMeanZ, nan);
     return code;
   }
+  // Records taken with with_entropy=False (the shards agree on the format: check_shard_headers) hold no entropy sums:
+  // the entropy is NaN, the state's mean 0 (a backward without an entropy gradient does not read it).
+  const bool no_entropy = (RC_LDG(shard_header(p.gathered, 0, shard_bytes) + kHdrFormat) & kFormatNoEntropy) != 0;
   const acc_t log_d = rc_log(st.d);
-  const acc_t mean_z = st.s / st.d;  // softmax mean of (z - M/T)
+  const acc_t mean_z = no_entropy ? acc_t(0) : st.s / st.d;  // softmax mean of (z - M/T)
   RC_STG(p.logp + row, (y - st.m) * it - log_d);  // y = -inf (a masked target): -inf
-  RC_STG(p.entropy + row, log_d - mean_z);
+  RC_STG(p.entropy + row, no_entropy ? static_cast<acc_t>(NAN) : log_d - mean_z);
   RC_STG(p.mean_logp + row, p.stats_cols > kRowSumZ ? st.sz / static_cast<acc_t>(p.vocab_size) - log_d : acc_t(0));
   RC_STG(state + kStateMax, st.m);
   RC_STG(state + kStateLogSumExp, log_d);

@@ -21,8 +21,12 @@ enum ShardHeaderSlot : int {
   kHdrValidCols,     // columns before the padding starts (those below vocab_size)
   kHdrVocabSize,     // the true vocab size this rank was given
   kHdrTargetHash,    // order-dependent fingerprint of the targets (target_fingerprint)
-  kHdrFormat,        // stats_cols + 16 * sizeof(acc_t), and in bits 16..62 the settings fingerprint (1/T, ignore_index)
+  kHdrFormat,        // stats_cols + 16 * sizeof(acc_t) [+ kFormatNoEntropy], and in bits 16..62 the settings
+                     // fingerprint (1/T, ignore_index)
 };
+// Format flag: the records' entropy sums (kRowSumExpZ) were not taken (with_entropy=False); the merge then writes NaN
+// for the entropy of every row that is not ignored, so that a value nobody computed cannot be read as one.
+constexpr int64_t kFormatNoEntropy = 256;
 constexpr int kShardHeaderSlots = 8;
 constexpr int64_t kShardHeaderBytes = kShardHeaderSlots * 8;
 constexpr int64_t kShardMagic = 0x52434c5052303031LL;  // "RCLPR001"

@@ -18,10 +18,10 @@ namespace {
 
 at::Tensor vocab_row_stats_emu(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
                                int64_t vocab_size, double inv_temperature, int64_t ignore_index, bool with_sum_z,
-                               int64_t threads, int64_t vec, int64_t schedule, int64_t max_blocks) {
+                               bool with_entropy, int64_t threads, int64_t vec, int64_t schedule, int64_t max_blocks) {
   apply_schedule(schedule);
   return run_vocab_row_stats(logits, target, vocab_start, vocab_size, inv_temperature, ignore_index, with_sum_z,
-                             LaunchKnobs{threads, vec, max_blocks}, EmuLaunch{});
+                             with_entropy, LaunchKnobs{threads, vec, max_blocks}, EmuLaunch{});
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> merge_row_stats_emu(
@@ -65,7 +65,8 @@ void logprob_backward_inplace_emu(const at::Tensor& logits, const c10::optional<
 TORCH_LIBRARY(rollout_corr_emu, m) {
   m.def(
       "vocab_row_stats(Tensor logits, Tensor target, int vocab_start, int vocab_size, float inv_temperature, "
-      "int ignore_index, bool with_sum_z, int threads=0, int vec=0, int schedule=0, int max_blocks=0) -> Tensor");
+      "int ignore_index, bool with_sum_z, bool with_entropy=True, int threads=0, int vec=0, int schedule=0, "
+      "int max_blocks=0) -> Tensor");
   m.def(
       "merge_row_stats(Tensor gathered, Tensor target, int ignore_index, int vocab_size, float inv_temperature, "
       "bool with_sum_z, int threads=0, int schedule=0, int max_blocks=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
