@@ -47,6 +47,9 @@ for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", tor
     lp, ent = rc.vocab_parallel_log_probs(x, target, return_entropy=True, temperature=0.8)
     (lp * w + ent).sum().backward()
     res[name] = [lp.double().tolist(), ent.double().tolist(), x.grad.double().flatten().tolist()]
+    # without the entropy sums (with_entropy=False): the same log-probs, bit for bit
+    lp_only = rc.vocab_parallel_log_probs(x.detach(), target, temperature=0.8)
+    out[name + "_no_entropy_same_logp"] = bool(torch.equal(lp_only, lp.detach()))
     if dt == torch.bfloat16:
         # The backward on the bf16 logits gives the gradient of the same logits widened to fp32, with the same row
         # state, rounded by torch's rule. (The same row state: fp32 and bf16 rows are summed in different lane orders,
@@ -85,6 +88,12 @@ def test_every_16_bit_pattern_widens_exactly_on_both_paths(paths):
         for key in ("fp16_widen_exact", "bf16_widen_exact", "fp16_nan_poisons", "bf16_nan_poisons",
                     "bf16_narrow_is_torch_rounding"):
             assert out[key], (path, key)
+
+
+def test_log_probs_without_entropy_sums_are_the_same_bits_on_both_paths(paths):
+    for path, out in paths.items():
+        for name in ("fp32", "bf16", "fp16", "fp64"):
+            assert out[name + "_no_entropy_same_logp"], (path, name)
 
 
 def test_both_paths_agree(paths):
