@@ -3,7 +3,10 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <string>
+
 #include "cpu/reused_buffer.h"
+#include "cpu/vec_math.h"
 
 extern "C" {
 // `import rollout_corr_ext._C` loads this shared object, which runs the static registrations below. The module
@@ -26,11 +29,21 @@ static bool built_with_cuda() {
 
 static int64_t cpu_cache_bytes(bool release) { return cpu::ReusedBlockAllocator::retained_bytes_all(release); }
 
+static std::string cpu_isa() {
+  switch (cpu::cpu_isa()) {
+    case cpu::CpuIsa::kAvx512: return "avx512";
+    case cpu::CpuIsa::kAvx2: return "avx2";
+    default: return "baseline";
+  }
+}
+
 TORCH_LIBRARY(rollout_corr, m) {
   m.def("built_with_cuda() -> bool", &built_with_cuda);
   // Bytes the CPU kernels keep for their next large outputs (the out-of-place log-prob gradient, rollout weights and
   // mask: csrc/cpu/reused_buffer.h); with release, they are given back to the system first.
   m.def("cpu_cache_bytes(bool release) -> int", &cpu_cache_bytes);
+  // The copy of the CPU log-prob kernels this process runs: "avx512", "avx2" or "baseline" (csrc/cpu/vec_math.h).
+  m.def("cpu_isa() -> str", &cpu_isa);
 
   // §2 vocab-parallel log-probs. One read of a [N, V_local] shard -> the flat shard record [header + N * (4|5)]
   // (a 64-byte header: rows, vocab range, target fingerprint; then per row max x, sum exp, sum exp*z, target x

@@ -171,6 +171,15 @@ def cpu_cache_bytes(release: bool = False) -> int:
     return int(torch.ops.rollout_corr.cpu_cache_bytes.default(bool(release)))
 
 
+def cpu_isa() -> str:
+    """The copy of the compiled CPU log-prob kernels this process runs: ``"avx512"``, ``"avx2"`` (AVX2 + FMA) or
+    ``"baseline"``, the widest the CPU runs unless ``ROLLOUT_CORR_CPU_ISA`` narrows it (read once per process);
+    ``"none"`` without the compiled kernels."""
+    if not _compiled:
+        return "none"
+    return str(torch.ops.rollout_corr.cpu_isa.default())
+
+
 # ---------------------------------------------------------------------------------------------------------
 # §3 rollout correction: pass 1 (per-sequence aggregates) and pass 2 (weights, mask, packed metric partials)
 # ---------------------------------------------------------------------------------------------------------

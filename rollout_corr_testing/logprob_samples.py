@@ -1,5 +1,7 @@
 """(logits, target, kwargs) sample cases of the log-prob op, shared by the CPU, CUDA and emulator tests."""
 
+import math
+
 import torch
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -28,3 +30,23 @@ def sample_inputs(dtype, device="cpu", seed=0):
     logits, target = make((4, 33), ignore=False)
     target[2] = 5
     yield logits, target, {"ignore_index": 5}  # ignore_index inside the vocab
+
+
+def merge_stress_rows():
+    """(logits fp64 [7, 20000], target) built to stress the CPU kernels' block merge: a max that keeps rising block
+    after block (steep and slow ramps, and a falling one), a late jump, one finite logit, large logits, and a max
+    towering over logits 80-95 nats below it among -inf columns (where the SIMD exp flushes to 0). 20000 columns:
+    several blocks at every block width (2048 fp32 / fp16 columns, 8192 bf16)."""
+    vocab = 20000
+    ramp = torch.arange(vocab, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    late_jump = torch.randn(vocab, generator=g, dtype=torch.float64) * 3
+    late_jump[-5] = 40.0
+    one_hot = torch.full((vocab,), -math.inf, dtype=torch.float64)
+    one_hot[100] = 1.0
+    flush_edge = torch.linspace(-95.0, -80.0, vocab, dtype=torch.float64)
+    flush_edge[::3] = -math.inf
+    flush_edge[17] = 0.0
+    rows = [ramp * 0.05, ramp * 1e-3, -ramp * 0.05, late_jump, one_hot,
+            torch.randn(vocab, generator=g, dtype=torch.float64) * 3 + 1e4, flush_edge]
+    return torch.stack(rows), torch.tensor([vocab - 1, 7, 0, vocab - 5, 100, 4321, 4000])

@@ -15,7 +15,7 @@ from rollout_corr_testing.logprob_oracle import log_probs_dense
 import rollout_corr_ext as rc
 from rollout_corr_ext import ops
 from rollout_corr_testing.backends import device_params, ops_on
-from rollout_corr_testing.logprob_samples import DTYPES, sample_inputs
+from rollout_corr_testing.logprob_samples import DTYPES, merge_stress_rows, sample_inputs
 from rollout_corr_testing.tolerances import ROW_ROUNDING_TOL, grad_tol, output_tol
 
 DEVICES = device_params()
@@ -50,24 +50,11 @@ def test_forward_matches_fp64_reference(dtype, device):
 @pytest.mark.parametrize("temperature", [1.0, 0.3, 2.5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_block_merge_keeps_fp32_accuracy(dtype, temperature):
-    """CPU kernels, rows several blocks long whose max keeps rising (steep and slow ramps), jumps late, sits on one
-    finite logit, or towers over logits 80-95 nats below it among -inf columns (where the SIMD exp flushes to 0):
-    logp and entropy within a few fp32 ulp of fp64 (tighter than the output table, which these kernels meet with
-    room; a merge that cancels shows up here first)."""
-    vocab = 20000  # several blocks at every block width (2048 fp32 / fp16 columns, 8192 bf16)
-    ramp = torch.arange(vocab, dtype=torch.float64)
-    g = torch.Generator().manual_seed(0)
-    late_jump = torch.randn(vocab, generator=g, dtype=torch.float64) * 3
-    late_jump[-5] = 40.0
-    one_hot = torch.full((vocab,), -math.inf, dtype=torch.float64)
-    one_hot[100] = 1.0
-    flush_edge = torch.linspace(-95.0, -80.0, vocab, dtype=torch.float64)
-    flush_edge[::3] = -math.inf
-    flush_edge[17] = 0.0
-    rows = [ramp * 0.05, ramp * 1e-3, -ramp * 0.05, late_jump, one_hot,
-            torch.randn(vocab, generator=g, dtype=torch.float64) * 3 + 1e4, flush_edge]
-    logits = torch.stack(rows).to(dtype)
-    target = torch.tensor([vocab - 1, 7, 0, vocab - 5, 100, 4321, 4000])
+    """CPU kernels (the copy this CPU runs; test_logprob_cpu_isa.py runs the others), on merge_stress_rows: logp and
+    entropy within a few fp32 ulp of fp64 (tighter than the output table, which these kernels meet with room; a merge
+    that cancels shows up here first)."""
+    rows, target = merge_stress_rows()
+    logits = rows.to(dtype)
     logp, ent = rc.vocab_parallel_log_probs(logits, target, return_entropy=True, temperature=temperature)
     ref_logp, ref_ent, _ = log_probs_dense(logits.double(), target, temperature=temperature)
     for got, ref in ((logp, ref_logp), (ent, ref_ent)):

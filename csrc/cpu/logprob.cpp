@@ -5,7 +5,7 @@
 // it in max-shifted log2 coordinates, and the block summary is merged into the row's (online softmax,
 // logprob_math.h). While a block's exp pass runs, the 16 KiB after it are prefetched, so max passes read cache. So
 // the shard is read from memory once, with one exp per element: exp2_lanes of vec_math.h, at 16 lanes in the
-// AVX-512 copies and 8 in the RC_CPU_MULTIVERSION clones (AVX2 / baseline), picked at load time. (A one-pass
+// AVX-512 copies and 8 in the AVX2 + FMA and baseline copies, picked at load time (cpu_isa()). (A one-pass
 // variant, summing each block against the row's running max, measured no faster here and needs a bounded
 // headroom to keep the entropy's rounding, so the two passes stay.)
 #include <ATen/ATen.h>
@@ -62,14 +62,23 @@ struct AheadBlock {
 
 // d += 2^t and s += 2^t t, where an element without mass adds 0 to s, not 0 * -inf: t is clamped where the exp is
 // exactly 0 (clamp_exp2_arg), so s takes a plain FMA and no lane needs a mask.
-template <typename VF>
+template <CpuIsa I, typename VF>
+RC_FORCEINLINE VF clamp_exp2_arg_on(VF t) {
+#if RC_CPU_HAS_AVX2_PATH
+  if constexpr (I == CpuIsa::kAvx2) return clamp_exp2_arg_avx2(t);
+#endif
+  return clamp_exp2_arg(t);
+}
+
+template <CpuIsa I, typename VF>
 RC_FORCEINLINE void add_exp2_mass(VF t, VF& d, VF& s) {
-  t = clamp_exp2_arg(t);
+  t = clamp_exp2_arg_on<I>(t);
   const VF e = exp2_scaled(t);
   d += e;
   s += e * t;
 }
 #if RC_CPU_HAS_AVX512_PATH
+template <CpuIsa I>
 RC_CPU_AVX512_INLINE void add_exp2_mass(v16f t, v16f& d, v16f& s) {
   __mmask16 has_mass;  // the exp's own floor mask: no separate compare (a NaN lane poisons s too, as it does d)
   const v16f e = exp2_lanes(t, &has_mass);
@@ -79,15 +88,22 @@ RC_CPU_AVX512_INLINE void add_exp2_mass(v16f t, v16f& d, v16f& s) {
 #endif
 
 // d += 2^t alone (with_entropy=False): 0 where t is -inf or below the exp's floor.
-template <typename VF>
+template <CpuIsa I, typename VF>
 RC_FORCEINLINE void add_exp2(VF t, VF& d) {
-  d += exp2_scaled(clamp_exp2_arg(t));
+  d += exp2_scaled(clamp_exp2_arg_on<I>(t));
 }
 #if RC_CPU_HAS_AVX512_PATH
-RC_CPU_AVX512_INLINE void add_exp2(v16f t, v16f& d) { d += exp2_lanes(t); }
+template <CpuIsa I>
+RC_CPU_AVX512_INLINE void add_exp2(v16f t, v16f& d) {
+  d += exp2_lanes(t);
+}
 #endif
 
-RC_FORCEINLINE float exp2_scalar(float t) { return exp2_lanes(v8f{} + t)[0]; }
+// One lane of the copy's own exp (block tails).
+template <typename VF>
+RC_FORCEINLINE float exp2_scalar(float t) {
+  return exp2_lanes(VF{} + t)[0];
+}
 
 // How the summary loops read a block as fp32 lanes: kVecs vectors per load. fp32 is one vector per load. bf16 is
 // read where it lies: one load of 2L values as L 32-bit words holds two vectors, the even elements (word << 16) and
@@ -116,12 +132,12 @@ struct LaneSource<at::BFloat16> {
 };
 
 // How the sums loop turns logits into log2 coordinates t = (x - m) c, c = log2(e) / T. Exact form: a subtraction
-// and a product, so t = 0 exactly at the max. Fused form (AVX-512 only, where the FMA is one instruction on every
-// CPU that runs that copy): t' = x c - M in one FMA, M = fl(m c), so every element carries the same offset
+// and a product, so t = 0 exactly at the max. Fused form (the AVX-512 and AVX2 copies, where the FMA is one
+// instruction on every CPU that runs them): t' = x c - M in one FMA, M = fl(m c), so every element carries the same offset
 // delta = m c - M (exactly representable: it is the rounding error of the product) that block_sums takes out of the
 // block's sums afterwards. One instruction less per 16 elements: 10.3 -> 11.4 G elements/s per core for the exp
 // pass alone on a Zen 5 core, with t as accurate as before (one rounding of x c - M, against two of (x - m) c).
-template <typename VF, bool kFused>
+template <CpuIsa I, bool kFused, typename VF = isa_vec<I>>
 struct Log2Shift {
   VF m, c;
   RC_FORCEINLINE Log2Shift(float m_, float c_, float) : m(VF{} + m_), c(VF{} + c_) {}
@@ -129,11 +145,20 @@ struct Log2Shift {
 };
 #if RC_CPU_HAS_AVX512_PATH
 template <>
-struct Log2Shift<v16f, true> {
+struct Log2Shift<CpuIsa::kAvx512, true> {
   __m512 c, minus_mc;
   RC_CPU_AVX512_INLINE Log2Shift(float, float c_, float minus_mc_)
       : c(_mm512_set1_ps(c_)), minus_mc(_mm512_set1_ps(minus_mc_)) {}
   RC_CPU_AVX512_INLINE v16f operator()(v16f x) const { return (v16f)_mm512_fmadd_ps((__m512)x, c, minus_mc); }
+};
+#endif
+#if RC_CPU_HAS_AVX2_PATH
+template <>
+struct Log2Shift<CpuIsa::kAvx2, true> {
+  __m256 c, minus_mc;
+  RC_CPU_AVX2_INLINE Log2Shift(float, float c_, float minus_mc_)
+      : c(_mm256_set1_ps(c_)), minus_mc(_mm256_set1_ps(minus_mc_)) {}
+  RC_CPU_AVX2_INLINE v8f operator()(v8f x) const { return (v8f)_mm256_fmadd_ps((__m256)x, c, minus_mc); }
 };
 #endif
 // Whether a block whose max is m may take the fused form: |m c| < 2^23, so that |delta| <= ulp(M) / 2 <= 1/2 and no
@@ -144,14 +169,15 @@ RC_FORCEINLINE bool fused_shift_fits(float m, float c) { return std::fabs(m * c)
 // e^{(x - m)/T} = 2^t; d = sum 2^t, s = sum 2^t t, z = sum t, converted to the summary's natural units once per
 // block (s only with kSumS: the entropy's). A one-hot block (one element with mass) gives d = 1 and s = 0 exactly in
 // both forms of Log2Shift.
-template <bool kSumZ, bool kSumS, bool kFused, typename VF, typename scalar_t>
+template <bool kSumZ, bool kSumS, bool kFused, CpuIsa I, typename scalar_t>
 RC_FORCEINLINE RowSummary<float> block_sums(const scalar_t* x, int64_t n, float m, float it, const AheadBlock& ahead) {
+  using VF = isa_vec<I>;
   constexpr int64_t kLanes = lanes_of<VF>();
   constexpr int kVecs = LaneSource<scalar_t>::kVecs;
   constexpr int64_t kStep = kLanes * kUnroll;
   const float c = it * 1.44269504088896341f;
   const float minus_mc = -(m * c);
-  const Log2Shift<VF, kFused> to_log2(m, c, minus_mc);
+  const Log2Shift<I, kFused> to_log2(m, c, minus_mc);
   // kUnroll vectors in flight per iteration, but only kSumAcc accumulators: a vector's exp takes longer than an add's
   // latency, and more accumulators would not fit the 16 AVX2 registers beside the polynomial's constants.
   constexpr int kSumAcc = 2;
@@ -166,9 +192,9 @@ RC_FORCEINLINE RowSummary<float> block_sums(const scalar_t* x, int64_t n, float 
       for (int j = 0; j < kVecs; ++j) {
         const VF t = to_log2(v[j]);
         if constexpr (kSumS) {
-          add_exp2_mass(t, vd[(k + j) % kSumAcc], vs[(k + j) % kSumAcc]);
+          add_exp2_mass<I>(t, vd[(k + j) % kSumAcc], vs[(k + j) % kSumAcc]);
         } else {
-          add_exp2(t, vd[(k + j) % kSumAcc]);
+          add_exp2<I>(t, vd[(k + j) % kSumAcc]);
         }
         if (kSumZ) vz[(k + j) % kSumAcc] += t;
       }
@@ -199,7 +225,7 @@ RC_FORCEINLINE RowSummary<float> block_sums(const scalar_t* x, int64_t n, float 
   }
   for (; i < n; ++i) {
     const float t = (static_cast<float>(x[i]) - m) * c;
-    const float e = exp2_scalar(t);
+    const float e = exp2_scalar<VF>(t);
     d += e;
     if (kSumS) s += mass_times(e, t);
     if (kSumZ) z += t;
@@ -210,8 +236,9 @@ RC_FORCEINLINE RowSummary<float> block_sums(const scalar_t* x, int64_t n, float 
 
 // Summary of n raw logits read as fp32 lanes (relative to their own max). The max ignores NaN; a NaN then makes d
 // NaN (exp propagates it), a +inf makes every (x - m) of the block NaN or -inf: both poison the row, as they must.
-template <bool kSumZ, bool kSumS, typename VF, typename scalar_t>
+template <bool kSumZ, bool kSumS, CpuIsa I, typename scalar_t>
 RC_FORCEINLINE RowSummary<float> block_summary(const scalar_t* x, int64_t n, float it, const AheadBlock& ahead) {
+  using VF = isa_vec<I>;
   constexpr int64_t kLanes = lanes_of<VF>();
   constexpr int kVecs = LaneSource<scalar_t>::kVecs;
   constexpr int64_t kStep = kLanes * kUnroll;
@@ -235,18 +262,16 @@ RC_FORCEINLINE RowSummary<float> block_summary(const scalar_t* x, int64_t n, flo
     for (int64_t j = 0; j < n; ++j) nan |= static_cast<float>(x[j]) != static_cast<float>(x[j]);
     return {m, nan ? NAN : 0.f, 0.f, n > 0 ? -INFINITY : 0.f, n};
   }
-#if RC_CPU_HAS_AVX512_PATH
-  if constexpr (std::is_same<VF, v16f>::value) {
+  if constexpr (I != CpuIsa::kBaseline) {
     if (fused_shift_fits(m, it * 1.44269504088896341f)) {
-      return block_sums<kSumZ, kSumS, true, VF>(x, n, m, it, ahead);
+      return block_sums<kSumZ, kSumS, true, I>(x, n, m, it, ahead);
     }
   }
-#endif
-  return block_sums<kSumZ, kSumS, false, VF>(x, n, m, it, ahead);
+  return block_sums<kSumZ, kSumS, false, I>(x, n, m, it, ahead);
 }
 
 // fp64 (gradcheck, oracle-grade runs): the scalar online update of logprob_math.h, element by element.
-template <bool kSumZ, bool kSumS, typename VF>
+template <bool kSumZ, bool kSumS, CpuIsa I>
 RC_FORCEINLINE RowSummary<double> block_summary(const double* x, int64_t n, double it, const AheadBlock&) {
   RowSummary<double> r = summary_empty<double>();
   for (int64_t j = 0; j < n; ++j) summary_add(r, x[j], it);
@@ -273,9 +298,10 @@ RC_CPU_AVX512_INLINE v16f base_minus_exp2_times(v16f t, v16f w, v16f base) {
 // base - p w with base = g_m/(V T) and w = ((g_lp + g_m) + g_h (zm - mean_z)) / T. The logits after the block are
 // prefetched as in the forward, so the next block's copy into the buffer reads cache (fp32 in-place backward on a
 // Zen 5 core: 11.5 -> 6.3 ms for 2048 x 32000, faster than a plain copy of the shard).
-template <typename VF>
+template <CpuIsa I>
 RC_FORCEINLINE void block_grad(float* x, int64_t n, float max_x, float log_d, float mean_z, float g_lp_plus_m,
                                float g_h, float g_m_over_v, float it, const AheadBlock& ahead) {
+  using VF = isa_vec<I>;
   constexpr int64_t kLanes = lanes_of<VF>();
   constexpr float kLog2e = 1.44269504088896341f;
   const float c = it * kLog2e, log2_d = log_d * kLog2e;
@@ -289,12 +315,12 @@ RC_FORCEINLINE void block_grad(float* x, int64_t n, float max_x, float log_d, fl
   }
   for (; i < n; ++i) {
     const float u = x[i] - max_x;
-    const float p = exp2_scalar(u * c - log2_d);
+    const float p = exp2_scalar<VF>(u * c - log2_d);
     x[i] = p > 0.f ? base - p * ((u * it - mean_z) * w_slope + w_const) : base;
   }
 }
 
-template <typename VF>
+template <CpuIsa I>
 RC_FORCEINLINE void block_grad(double* x, int64_t n, double max_x, double log_d, double mean_z, double g_lp_plus_m,
                                double g_h, double g_m_over_v, double it, const AheadBlock&) {
   for (int64_t i = 0; i < n; ++i) {
@@ -328,7 +354,7 @@ RC_FORCEINLINE void store_block(const float* buf, at::BFloat16* out, int64_t n) 
 }
 
 // One row's record. Multiversioned per dtype pair via the non-template wrappers below.
-template <typename VF, typename scalar_t, typename acc_t, bool kSumZ, bool kSumS>
+template <CpuIsa I, typename scalar_t, typename acc_t, bool kSumZ, bool kSumS>
 RC_FORCEINLINE void row_stats_one_row(const RowStatsParams<scalar_t, acc_t>& p, int64_t row) {
   acc_t buf[kBlock];
   const scalar_t* x = p.logits + row * p.logits_row_stride;
@@ -339,17 +365,17 @@ RC_FORCEINLINE void row_stats_one_row(const RowStatsParams<scalar_t, acc_t>& p, 
     const AheadBlock ahead = AheadBlock::of(x + c0);
     RowSummary<acc_t> block;
     if constexpr (std::is_same<scalar_t, acc_t>::value || std::is_same<scalar_t, at::BFloat16>::value) {
-      block = block_summary<kSumZ, kSumS, VF>(x + c0, n, p.inv_temperature, ahead);  // summarised where it lies
+      block = block_summary<kSumZ, kSumS, I>(x + c0, n, p.inv_temperature, ahead);  // summarised where it lies
     } else {
-      load_block<VF>(x + c0, buf, n);
-      block = block_summary<kSumZ, kSumS, VF>(static_cast<const acc_t*>(buf), n, p.inv_temperature, ahead);
+      load_block<isa_vec<I>>(x + c0, buf, n);
+      block = block_summary<kSumZ, kSumS, I>(static_cast<const acc_t*>(buf), n, p.inv_temperature, ahead);
     }
     st = summary_merge(st, block, p.inv_temperature);
   }
   write_row_record(p, row, x, st);
 }
 
-template <typename VF, typename scalar_t, typename acc_t>
+template <CpuIsa I, typename scalar_t, typename acc_t>
 RC_FORCEINLINE void backward_one_row(const LogprobBackwardParams<scalar_t, acc_t>& p, int64_t row) {
   acc_t buf[kBlock];
   const scalar_t* x = p.logits + row * p.logits_row_stride;
@@ -369,55 +395,57 @@ RC_FORCEINLINE void backward_one_row(const LogprobBackwardParams<scalar_t, acc_t
   const int64_t local = t - p.vocab_start;
   for (int64_t c0 = 0; c0 < p.valid_cols; c0 += kBlock) {
     const int64_t n = std::min(kBlock, p.valid_cols - c0);
-    load_block<VF>(x + c0, buf, n);  // read the whole block before writing: grad may alias logits
+    load_block<isa_vec<I>>(x + c0, buf, n);  // read the whole block before writing: grad may alias logits
     const bool has_target = local >= c0 && local < c0 + n;
     const acc_t x_target = has_target ? buf[local - c0] : acc_t(0);
-    block_grad<VF>(buf, n, max_x, log_d, mean_z, g_lp + g_m, g_h, g_m_over_v, it, AheadBlock::of(x + c0));
+    block_grad<I>(buf, n, max_x, log_d, mean_z, g_lp + g_m, g_h, g_m_over_v, it, AheadBlock::of(x + c0));
     if (has_target) {
       const acc_t zm = (x_target - max_x) * it;
       const acc_t prob = exp_acc(zm - log_d);
       buf[local - c0] = logprob_grad_element(zm, prob, true, g_lp, g_h, g_m_over_v, g_m, mean_z) * it;
     }
-    store_block<VF>(buf, gx + c0, n);
+    store_block<isa_vec<I>>(buf, gx + c0, n);
   }
   std::fill(gx + p.valid_cols, gx + p.local_vocab, scalar_t(0));  // padding columns
 }
 
-// Non-template entry points so that target_clones can multiversion them (one per dtype), plus an AVX-512 copy
-// (16 lanes) run when the CPU has it (cpu::has_avx512(): ROLLOUT_CORR_CPU_ISA=avx2 forces the 8-lane clones).
-#define RC_DEFINE_ROW_KERNELS_AT(scalar_t, acc_t, suffix, ATTR, VF)                                          \
+// Non-template entry points, one copy per ISA (one per dtype pair): AVX-512 (16 lanes), AVX2 + FMA and the x86-64
+// baseline (8 lanes), the widest the CPU runs picked by cpu::cpu_isa() (ROLLOUT_CORR_CPU_ISA=avx2 or baseline
+// narrows it, to compare the paths in one build).
+#define RC_DEFINE_ROW_KERNELS_AT(scalar_t, acc_t, suffix, ATTR, ISA)                                         \
   ATTR void row_stats_rows_##suffix(const RowStatsParams<scalar_t, acc_t>& p, bool sum_z, bool sum_s,       \
                                     int64_t begin, int64_t end) {                                            \
     if (sum_z && sum_s) {                                                                                    \
-      for (int64_t r = begin; r < end; ++r) row_stats_one_row<VF, scalar_t, acc_t, true, true>(p, r);        \
+      for (int64_t r = begin; r < end; ++r) row_stats_one_row<ISA, scalar_t, acc_t, true, true>(p, r);       \
     } else if (sum_z) {                                                                                      \
-      for (int64_t r = begin; r < end; ++r) row_stats_one_row<VF, scalar_t, acc_t, true, false>(p, r);       \
+      for (int64_t r = begin; r < end; ++r) row_stats_one_row<ISA, scalar_t, acc_t, true, false>(p, r);      \
     } else if (sum_s) {                                                                                      \
-      for (int64_t r = begin; r < end; ++r) row_stats_one_row<VF, scalar_t, acc_t, false, true>(p, r);       \
+      for (int64_t r = begin; r < end; ++r) row_stats_one_row<ISA, scalar_t, acc_t, false, true>(p, r);      \
     } else {                                                                                                 \
-      for (int64_t r = begin; r < end; ++r) row_stats_one_row<VF, scalar_t, acc_t, false, false>(p, r);      \
+      for (int64_t r = begin; r < end; ++r) row_stats_one_row<ISA, scalar_t, acc_t, false, false>(p, r);     \
     }                                                                                                        \
   }                                                                                                          \
   ATTR void backward_rows_##suffix(const LogprobBackwardParams<scalar_t, acc_t>& p, int64_t begin,           \
                                    int64_t end) {                                                            \
-    for (int64_t r = begin; r < end; ++r) backward_one_row<VF>(p, r);                                        \
+    for (int64_t r = begin; r < end; ++r) backward_one_row<ISA>(p, r);                                       \
   }
 #define RC_DEFINE_ROW_KERNELS(scalar_t, acc_t, suffix)                                                       \
-  RC_DEFINE_ROW_KERNELS_AT(scalar_t, acc_t, suffix, RC_CPU_MULTIVERSION, v8f)                               \
-  RC_DEFINE_ROW_KERNELS_AT(scalar_t, acc_t, suffix##_avx512, RC_CPU_AVX512, v16f)                           \
+  RC_DEFINE_ROW_KERNELS_AT(scalar_t, acc_t, suffix##_baseline, , CpuIsa::kBaseline)                         \
+  RC_DEFINE_ROW_KERNELS_AT(scalar_t, acc_t, suffix##_avx2, RC_CPU_AVX2, CpuIsa::kAvx2)                      \
+  RC_DEFINE_ROW_KERNELS_AT(scalar_t, acc_t, suffix##_avx512, RC_CPU_AVX512, CpuIsa::kAvx512)                \
   inline void row_stats_rows(const RowStatsParams<scalar_t, acc_t>& p, bool sum_z, bool sum_s, int64_t b,    \
                              int64_t e) {                                                                    \
-    if (has_avx512()) {                                                                                      \
-      row_stats_rows_##suffix##_avx512(p, sum_z, sum_s, b, e);                                               \
-    } else {                                                                                                 \
-      row_stats_rows_##suffix(p, sum_z, sum_s, b, e);                                                        \
+    switch (cpu_isa()) {                                                                                     \
+      case CpuIsa::kAvx512: return row_stats_rows_##suffix##_avx512(p, sum_z, sum_s, b, e);                  \
+      case CpuIsa::kAvx2: return row_stats_rows_##suffix##_avx2(p, sum_z, sum_s, b, e);                      \
+      default: return row_stats_rows_##suffix##_baseline(p, sum_z, sum_s, b, e);                             \
     }                                                                                                        \
   }                                                                                                          \
   inline void backward_rows(const LogprobBackwardParams<scalar_t, acc_t>& p, int64_t b, int64_t e) {         \
-    if (has_avx512()) {                                                                                      \
-      backward_rows_##suffix##_avx512(p, b, e);                                                              \
-    } else {                                                                                                 \
-      backward_rows_##suffix(p, b, e);                                                                       \
+    switch (cpu_isa()) {                                                                                     \
+      case CpuIsa::kAvx512: return backward_rows_##suffix##_avx512(p, b, e);                                 \
+      case CpuIsa::kAvx2: return backward_rows_##suffix##_avx2(p, b, e);                                     \
+      default: return backward_rows_##suffix##_baseline(p, b, e);                                            \
     }                                                                                                        \
   }
 

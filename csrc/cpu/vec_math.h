@@ -1,12 +1,15 @@
 // CPU SIMD math shared by the CPU kernels of every family: one vectorized exp for the whole project.
-// Written with GCC/Clang vector extensions; the kernels' outer loops are multiversioned with RC_CPU_MULTIVERSION
-// (target_clones), and these always-inline helpers are compiled into each clone for its ISA.
+// Written with GCC/Clang vector extensions; the kernels' outer loops are multiversioned, with RC_CPU_MULTIVERSION
+// (target_clones) or as explicit copies (RC_CPU_AVX2, RC_CPU_AVX512, picked by cpu_isa()), and these always-inline
+// helpers are compiled into each copy for its ISA.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "rc_macros.h"
 
@@ -20,30 +23,58 @@
 // force a target-specific body into the generic template that calls it; once that template is inlined into its
 // RC_CPU_AVX512 kernel, the helper is inlined there (the disassembly of the kernels shows no calls).
 #define RC_CPU_AVX512_INLINE RC_CPU_AVX512 inline
+// An explicit AVX2 + FMA copy (called only after cpu_isa() says the CPU runs it). Unlike a target_clones body, it
+// may call AVX2 / FMA intrinsics: the FMA is then one rounding by construction, not by the compiler's contraction.
+#define RC_CPU_AVX2 __attribute__((target("avx2,fma")))
+#define RC_CPU_AVX2_INLINE RC_CPU_AVX2 inline
+#define RC_CPU_HAS_AVX2_PATH 1
 #else
 #define RC_CPU_MULTIVERSION
 #define RC_CPU_AVX512
 #define RC_CPU_HAS_AVX512_PATH 0
+#define RC_CPU_AVX2
+#define RC_CPU_HAS_AVX2_PATH 0
 #endif
 
 namespace rollout_corr {
 namespace cpu {
 
-// Whether to run the RC_CPU_AVX512 copies: the CPU has AVX-512 and ROLLOUT_CORR_CPU_ISA (read once) is not
-// "avx2" (set it to compare the two paths in one build).
-inline bool has_avx512() {
+// The explicit copies a kernel may have, narrowest first.
+enum class CpuIsa { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// The copy to run, decided once per process: the widest this CPU runs, narrowed by ROLLOUT_CORR_CPU_ISA
+// ("avx512", "avx2" or "baseline"; a wider request than the CPU runs gets what it runs) so that one build can compare
+// its paths. "avx2" also sends the target_clones kernels (RC_CPU_MULTIVERSION) to their 8-lane clones; those pick
+// AVX2 or the baseline by the CPU alone.
+inline CpuIsa cpu_isa() {
+  static const CpuIsa isa = [] {
+    CpuIsa widest = CpuIsa::kBaseline;
 #if RC_CPU_HAS_AVX512_PATH
-  static const bool yes = [] {
-    const char* isa = std::getenv("ROLLOUT_CORR_CPU_ISA");
-    if (isa != nullptr && std::strcmp(isa, "avx2") == 0) return false;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-  }();
-  return yes;
-#else
-  return false;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) widest = CpuIsa::kAvx2;
+    if (widest == CpuIsa::kAvx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
+      widest = CpuIsa::kAvx512;
+    }
 #endif
+    const char* env = std::getenv("ROLLOUT_CORR_CPU_ISA");
+    CpuIsa asked = CpuIsa::kAvx512;
+    if (env != nullptr && env[0] != '\0') {
+      if (std::strcmp(env, "baseline") == 0) {
+        asked = CpuIsa::kBaseline;
+      } else if (std::strcmp(env, "avx2") == 0) {
+        asked = CpuIsa::kAvx2;
+      } else if (std::strcmp(env, "avx512") != 0) {
+        std::fprintf(stderr, "rollout_corr_ext: ROLLOUT_CORR_CPU_ISA=%s is not one of avx512, avx2, baseline; "
+                     "ignored\n", env);
+      }
+    }
+    return asked < widest ? asked : widest;
+  }();
+  return isa;
 }
+
+// Whether to run the RC_CPU_AVX512 copies.
+inline bool has_avx512() { return cpu_isa() == CpuIsa::kAvx512; }
 
 // Explicit SIMD through GCC/Clang vector extensions: 8 x fp32 lanes. Under target_clones the same code is
 // compiled once for x86-64-v3 (AVX2 + FMA) and once for the x86-64 baseline (two SSE registers per vector).
@@ -84,6 +115,12 @@ RC_FORCEINLINE double hsum_f64(v8f v) {
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
+// The lanes of each explicit copy: one register of its ISA. The baseline takes 4 (one SSE or NEON register): GCC
+// lowers an 8-lane vector there to two halves moved through memory, and its max pass ran 16x slower that way.
+template <CpuIsa I>
+using isa_vec = typename std::conditional<
+    I == CpuIsa::kAvx512, v16f, typename std::conditional<I == CpuIsa::kAvx2, v8f, v4f>::type>::type;
+
 // Width-generic helpers: the log-prob kernels are written once over VF (v8f: the AVX2 / baseline clones; v16f: the
 // AVX-512 copy), so the same loop bodies run at the widest ISA the CPU has.
 template <typename VF>
@@ -93,6 +130,12 @@ struct VecOf<v8f> {
   typedef v8i i32;
   typedef uint32_t u32 __attribute__((vector_size(32)));
   typedef uint16_t u16 __attribute__((vector_size(16)));
+};
+template <>
+struct VecOf<v4f> {
+  typedef int32_t i32 __attribute__((vector_size(16)));
+  typedef uint32_t u32 __attribute__((vector_size(16)));
+  typedef uint16_t u16 __attribute__((vector_size(8)));
 };
 template <>
 struct VecOf<v16f> {
@@ -190,22 +233,22 @@ RC_FORCEINLINE VF exp_lanes(VF x) {
 }
 
 // Below this (log2 units) exp2_lanes returns 0: 2^-125 ~ 2.4e-38 is the smallest power the integer scaling of the
-// generic path reaches exactly; the AVX-512 path flushes at the same point so that both give the same bits.
+// generic path reaches exactly; the AVX-512 path flushes at the same point.
 constexpr float kExp2Floor = -125.0f;
 // The lower bound of exp2_scaled's argument (clamp_exp2_arg): at n = round(t) = -127 the scale's bits are exactly 0.
 constexpr float kExp2Clamp = -127.0f;
 
 // 2^t as p(t - n) 2^n with n = round(t), for t in [kExp2Clamp, 128] (NaN propagates; subnormal between -126.5 and
-// -126). n comes from the 1.5 * 2^23 shifter: adding it leaves the rounded integer in the low mantissa bits, so there
-// is no float-int conversion, and its own bits shift out of n << 23. 2^n goes through the exponent bits; at n = -127
-// they are (-127 + 127) << 23 = 0, so the result is exactly 0.
+// -126). n comes from a 1.5 * 2^23 + 127 shifter: adding it leaves n + 127, the biased exponent of 2^n, in the low
+// mantissa bits (no float-int conversion, no separate bias add), and shifting those bits left by 23 drops the rest.
+// At n = -127 they are 0, so the result is exactly 0.
 template <typename VF>
 RC_FORCEINLINE VF exp2_scaled(VF t) {
   typedef typename VecOf<VF>::u32 VU;
-  const VF shifter = VF{} + 12582912.0f;
+  const VF shifter = VF{} + (12582912.0f + 127.0f);
   const VF tm = t + shifter;
   const VF n = tm - shifter;
-  const VU scale_bits = ((VU)tm << 23) + (127u << 23);
+  const VU scale_bits = (VU)tm << 23;
   return exp2_poly(t - n) * (VF)scale_bits;  // a product, not a bit add: NaN stays NaN
 }
 
@@ -222,11 +265,18 @@ template <typename VF>
 RC_FORCEINLINE VF clamp_exp2_arg(VF t) {
   return t < kExp2Clamp ? VF{} + kExp2Clamp : t;
 }
+#if RC_CPU_HAS_AVX2_PATH
+// The same on the AVX2 copy's lanes in one MAXPS, which returns its second operand (t) when either is NaN.
+RC_CPU_AVX2_INLINE v8f clamp_exp2_arg_avx2(v8f t) {
+  return (v8f)_mm256_max_ps(_mm256_set1_ps(kExp2Clamp), (__m256)t);
+}
+#endif
 
 #if RC_CPU_HAS_AVX512_PATH
 // The same function on one AVX-512 register: round and scale in one instruction each, the floor as a zeroing mask
-// (NLT_UQ keeps NaN lanes), returned too for callers that weight by the result. Bit-identical to the generic lanes:
-// same rounding, same polynomial, same exact scaling.
+// (NLT_UQ keeps NaN lanes), returned too for callers that weight by the result. The generic lanes' values: same
+// polynomial, same exact scaling; n = round(t) ties to even here and to odd there (their shifter is odd), so at an
+// exact half-integer t the two evaluate p(1/2) 2^n and p(-1/2) 2^(n+1), both within the polynomial's error.
 RC_CPU_AVX512_INLINE v16f exp2_lanes(v16f t, __mmask16* nonzero) {
   const __m512 tt = (__m512)t;
   const __m512 n = _mm512_mask_roundscale_ps(tt, 0xFFFF, tt, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
