@@ -230,7 +230,7 @@ def main():
     if rc.backend() == "reference":
         rc.load_extension()  # what the workers ran (the header reports it)
     where = (f"cuda ({torch.cuda.get_device_name()}, CUDA {torch.version.cuda}, NCCL for TP > 1)"
-             if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)")
+             if args.device == "cuda" else f"cpu ({os.cpu_count()} cores, {ops.cpu_isa()} copy of the CPU kernels)")
     print(f"device: {where}, torch {torch.__version__}, backend {rc.backend()}, median of {args.reps} runs")
     header = "| TP | tokens | V_local | dtype | impl | pass | time (ms) | GB/s |"
     header += " % peak |" if args.peak_gbps else ""
