@@ -133,10 +133,10 @@ struct LaneSource<at::BFloat16> {
 
 // How the sums loop turns logits into log2 coordinates t = (x - m) c, c = log2(e) / T. Exact form: a subtraction
 // and a product, so t = 0 exactly at the max. Fused form (the AVX-512 and AVX2 copies, where the FMA is one
-// instruction on every CPU that runs them): t' = x c - M in one FMA, M = fl(m c), so every element carries the same offset
-// delta = m c - M (exactly representable: it is the rounding error of the product) that block_sums takes out of the
-// block's sums afterwards. One instruction less per 16 elements: 10.3 -> 11.4 G elements/s per core for the exp
-// pass alone on a Zen 5 core, with t as accurate as before (one rounding of x c - M, against two of (x - m) c).
+// instruction on every CPU that runs them): t' = x c - M in one FMA, M = fl(m c), so every element carries the same
+// offset delta = m c - M (exactly representable: it is the rounding error of the product) that block_sums takes out
+// of the block's sums afterwards. One instruction less per vector: 10.3 -> 11.4 G elements/s per core for the AVX-512
+// exp pass alone on a Zen 5 core, with t as accurate as before (one rounding of x c - M, against two of (x - m) c).
 template <CpuIsa I, bool kFused, typename VF = isa_vec<I>>
 struct Log2Shift {
   VF m, c;
@@ -262,11 +262,13 @@ RC_FORCEINLINE RowSummary<float> block_summary(const scalar_t* x, int64_t n, flo
     for (int64_t j = 0; j < n; ++j) nan |= static_cast<float>(x[j]) != static_cast<float>(x[j]);
     return {m, nan ? NAN : 0.f, 0.f, n > 0 ? -INFINITY : 0.f, n};
   }
+#if RC_CPU_HAS_AVX512_PATH  // where the FMA copies exist (elsewhere cpu_isa() is always the baseline)
   if constexpr (I != CpuIsa::kBaseline) {
     if (fused_shift_fits(m, it * 1.44269504088896341f)) {
       return block_sums<kSumZ, kSumS, true, I>(x, n, m, it, ahead);
     }
   }
+#endif
   return block_sums<kSumZ, kSumS, false, I>(x, n, m, it, ahead);
 }
 
