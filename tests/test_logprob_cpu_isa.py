@@ -142,6 +142,16 @@ def test_the_isa_is_the_widest_unless_narrowed(paths):
         assert widest == "avx2"
 
 
+def test_an_unknown_isa_name_is_reported_and_ignored(paths):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               ROLLOUT_CORR_CPU_ISA="avx1024")
+    proc = subprocess.run([sys.executable, "-c", "from rollout_corr_ext import ops; print('ISA', ops.cpu_isa())"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ROLLOUT_CORR_CPU_ISA=avx1024 is not one of avx512, avx2, baseline" in proc.stderr
+    assert f"ISA {paths['default (the widest the CPU runs)']['isa']}" in proc.stdout
+
+
 def test_every_16_bit_pattern_widens_exactly_on_every_path(paths):
     for path, out in paths.items():
         for key in ("fp16_widen_exact", "bf16_widen_exact", "fp16_nan_poisons", "bf16_nan_poisons",

@@ -121,8 +121,8 @@ template <CpuIsa I>
 using isa_vec = typename std::conditional<
     I == CpuIsa::kAvx512, v16f, typename std::conditional<I == CpuIsa::kAvx2, v8f, v4f>::type>::type;
 
-// Width-generic helpers: the log-prob kernels are written once over VF (v8f: the AVX2 / baseline clones; v16f: the
-// AVX-512 copy), so the same loop bodies run at the widest ISA the CPU has.
+// Width-generic helpers: the log-prob kernels are written once over VF (isa_vec: v16f in the AVX-512 copy, v8f in
+// the AVX2 copy, v4f in the baseline; the rollout kernels use v8f), so the same loop bodies run at every ISA.
 template <typename VF>
 struct VecOf;
 template <>
@@ -249,7 +249,9 @@ RC_FORCEINLINE VF exp2_scaled(VF t) {
   // Opaque to GCC, which would otherwise turn tm - shifter into tm + (-shifter) and hold both constants: in the AVX2
   // copy that is one register too many, and GCC then keeps a sum accumulator on the stack (a store-to-load round
   // trip per add: the fp32 forward ran at 4.4 G elements/s per core that way).
+#if defined(__x86_64__) || defined(__i386__)
   __asm__("" : "+x"(shifter));
+#endif
   const VF tm = t + shifter;
   const VF n = tm - shifter;
   const VU scale_bits = (VU)tm << 23;
