@@ -197,7 +197,8 @@ def _worker(rank, world, store, args, out_path):
                         if backward and (name.startswith("plain") or name.endswith("cached logits")):
                             continue
                         t, peak, coll = _measure(fn, lambda: base.clone(), target, backward, args.reps, device, group)
-                        moved = n * v_local * elem * (2 if backward or name == "plain copy" else 1)  # a fresh write moves 1x
+                        # bytes moved: read once, plus the gradient written (fwd+bwd) or the copy's write; a fresh write 1x
+                        moved = n * v_local * elem * (2 if backward or name == "plain copy" else 1)
                         rows.append((world, n, v_local, dname, name, "fwd+bwd" if backward else "fwd", t,
                                      moved / t / 1e9, peak, coll))
                 del base
@@ -270,7 +271,8 @@ def main():
         roofline = min(read[7], cached[7])  # GB/s of the slower of memory and the kernel's own arithmetic
         mem_ratio = r[8] / m[8] if m[8] > 0 else float("nan")
         print(f"| {world} | {n} | {v} | {dname} | {fwd[7]:.2f} / {read[7]:.2f} = {fwd[7] / read[7]:.0%} "
-              f"| {cached[7]:.2f} | {fwd[7] / roofline:.0%} | {m[6] / r[6]:.2f}x | {m[6] / inp[6]:.2f}x | {r[7]:.2f} / {copy[7]:.2f} = {r[7] / copy[7]:.0%} "
+              f"| {cached[7]:.2f} | {fwd[7] / roofline:.0%} | {m[6] / r[6]:.2f}x | {m[6] / inp[6]:.2f}x "
+              f"| {r[7]:.2f} / {copy[7]:.2f} = {r[7] / copy[7]:.0%} "
               f"| {mem_ratio:.2f} | {(r[6] - inp[6]) * 1e3:.0f} / {fresh[6] * 1e3:.0f} |")
 
 

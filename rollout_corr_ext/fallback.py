@@ -27,8 +27,11 @@ from . import _layout as LY
  HDR_FORMAT) = range(8)
 #: The format flag of records taken with with_entropy=False (kFormatNoEntropy in csrc/include/logprob_params.h).
 FORMAT_NO_ENTROPY = 256
-HEADER_SLOTS, HEADER_BYTES, SHARD_MAGIC = 8, 64, 0x52434C5052303031
+HEADER_SLOTS, HEADER_BYTES, SHARD_MAGIC = 8, 64, 0x52434C5052303032
 ROW_STAT_MAX, ROW_STAT_SUMEXP, ROW_STAT_SUMEXP_Z, ROW_STAT_TARGET_X, ROW_STAT_SUM_Z = range(5)
+#: ROW_STAT_SUM_Z holds sum (x - m)/T times 2^-32 (kSumZScale of logprob_math.h): at logit spreads near fp32's maximum
+#: a term or the sum leaves the fp32 range while the mean over the vocab does not.
+SUM_Z_SCALE = 2.0**-32
 #: Columns of the per-row state saved for backward: max x, log D, softmax mean of (z - M/T).
 ROW_STATE_MAX, ROW_STATE_LOG_D, ROW_STATE_MEAN_Z = range(3)
 ROW_STATE_COLS = 3
@@ -102,8 +105,8 @@ def vocab_row_stats(
 
     A flat tensor in the accumulation dtype: the 64-byte header (int64 slots ``HDR_*``), then per row, with
     m = max x and zm = (x - m) * inv_temperature over the shard's non-padding columns: m, d = sum e^zm,
-    s = sum e^zm zm, y = x[target] when the target lies in this shard (else -inf)[, sz = sum zm]. -inf logits add
-    nothing to d and s; a shard of only -inf has d = 0 (the merge's identity). ``with_entropy=False`` sets the
+    s = sum e^zm zm, y = x[target] when the target lies in this shard (else -inf)[, sz = 2^-32 sum zm]. -inf logits
+    add nothing to d and s; a shard of only -inf has d = 0 (the merge's identity). ``with_entropy=False`` sets the
     header's FORMAT_NO_ENTROPY flag (the compiled CPU kernels then skip s; this reference takes it anyway).
     """
     acc = _acc_dtype(logits.dtype)
@@ -121,8 +124,10 @@ def vocab_row_stats(
         rec[:, ROW_STAT_SUMEXP] = torch.where(empty, torch.zeros_like(m), e.sum(1))
         rec[:, ROW_STAT_SUMEXP_Z] = torch.where(empty, torch.zeros_like(m),
                                                 torch.where(e > 0, e * zm, torch.zeros_like(zm)).sum(1))
-        if with_sum_z:
-            rec[:, ROW_STAT_SUM_Z] = torch.where(empty, torch.full_like(m, -math.inf), zm.sum(1))
+        if with_sum_z:  # scaled by 2^-32 before the subtraction: no term or sum leaves the range (SUM_Z_SCALE)
+            mz = torch.where(empty, torch.zeros_like(m), m).unsqueeze(1) * SUM_Z_SCALE
+            zs = (x * SUM_Z_SCALE - mz) * inv_temperature
+            rec[:, ROW_STAT_SUM_Z] = torch.where(empty, torch.full_like(m, -math.inf), zs.sum(1))
     else:
         rec[:, ROW_STAT_MAX] = -math.inf
     local = target - vocab_start
@@ -174,10 +179,10 @@ def merge_row_stats(
     """Merge the shard records of all ranks ``[R, record_len]`` into (logp, entropy, mean_logp, row_state, status).
 
     M = max_r m_r; every other sum is rebased to M: D = sum_r d_r e^{(m_r - M)/T}, S = sum_r e^{(m_r - M)/T}
-    (s_r + d_r (m_r - M)/T), SZ = sum_r (sz_r + n_r (m_r - M)/T); then logp = (y - M)/T - log D, H = log D - S/D,
-    mean_logp = SZ / vocab_size - log D. Ignored rows give 0. Records taken with ``with_entropy=False`` (the
-    FORMAT_NO_ENTROPY flag) give a NaN entropy and a 0 mean in the row state. Errors (bad layout, target out of range, NaN/+inf, a
-    row of only -inf) raise, naming the position.
+    (s_r + d_r (m_r - M)/T), SZ = sum_r (sz_r + n_r (m_r - M)/T) (scaled by SUM_Z_SCALE, as sz is); then
+    logp = (y - M)/T - log D, H = log D - S/D, mean_logp = SZ / vocab_size - log D. Ignored rows give 0. Records
+    taken with ``with_entropy=False`` (the FORMAT_NO_ENTROPY flag) give a NaN entropy and a 0 mean in the row state.
+    Errors (bad layout, target out of range, NaN/+inf, a row of only -inf) raise, naming the position.
     """
     acc = gathered.dtype
     r_count = gathered.shape[0]
@@ -221,7 +226,9 @@ def merge_row_stats(
     log_d = torch.log(torch.where(ignored, one, d_tot))
     mean_z = torch.where(ignored, one, s_tot) / torch.where(ignored, one, d_tot)
     zero = torch.zeros_like(log_d)
-    logp = torch.where(ignored, zero, (y - big_m) * inv_temperature - log_d)
+    # (y - M)/T with y and M scaled first: y - M alone overflows at spreads past fp32's maximum where (y - M)/T need not
+    y_shift = (y * SUM_Z_SCALE - big_m * SUM_Z_SCALE) * inv_temperature * 2.0**32
+    logp = torch.where(ignored, zero, y_shift - log_d)
     if headers[0][HDR_FORMAT] & FORMAT_NO_ENTROPY:
         mean_z = torch.zeros_like(mean_z)
         entropy = torch.where(ignored, zero, torch.full_like(zero, math.nan))
@@ -230,9 +237,10 @@ def merge_row_stats(
     if with_sum_z:
         n_r = torch.tensor([h[HDR_VALID_COLS] for h in headers], dtype=acc, device=gathered.device).unsqueeze(1)
         sz = rec[..., ROW_STAT_SUM_Z]
-        term = torch.where(mass, sz + n_r * delta, torch.where(n_r > 0, torch.full_like(sz, -math.inf),
-                                                                 torch.zeros_like(sz)))
-        mean_logp = torch.where(ignored, zero, term.sum(0) / vocab_size - log_d)
+        delta_s = torch.where(mass, (m * SUM_Z_SCALE - big_m * SUM_Z_SCALE) * inv_temperature, torch.zeros_like(m))
+        term = torch.where(mass, sz + n_r * delta_s, torch.where(n_r > 0, torch.full_like(sz, -math.inf),
+                                                                   torch.zeros_like(sz)))
+        mean_logp = torch.where(ignored, zero, term.sum(0) / vocab_size * 2.0**32 - log_d)
     else:
         mean_logp = zero.clone()
     row_state = torch.stack([torch.where(ignored, zero, big_m), torch.where(ignored, zero, log_d),

@@ -201,15 +201,62 @@ def test_extreme_magnitudes_match_log_softmax(backend, dtype, temperature):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logits_near_the_fp32_maximum(backend, dtype):
-    """Columns at 3.3e38 next to +-1e30: x / 0.5 overflows fp32 unless shifted by the row max first. (Label
-    smoothing is left out: its mean term sums (x - max) / T over the vocab in fp32 and saturates to +inf at such
-    spreads, a documented range limit.)"""
+    """Columns at 3.3e38 next to +-1e30: x / 0.5 overflows fp32 unless shifted by the row max first."""
     x, t = _extreme_case(torch.float32)
     x[4, :5] = 3.3e38
     x = x.to(dtype)
     w = (torch.linspace(0.5, 1.5, 5, dtype=torch.float64), torch.linspace(-1, 1, 5, dtype=torch.float64),
          torch.linspace(1, 2, 5, dtype=torch.float64))
     _assert_matches(x, t, w, backend, dtype, temperature=0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_log_prob_whose_logit_gap_overflows_but_its_quotient_does_not(backend, dtype):
+    """y - max = -6.6e38 is past fp32's range, (y - max) / 100 = -6.6e36 is not: logp and the cross entropy (plain
+    and smoothed) are that finite value, not -inf / +inf."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.rand(4, 3000, generator=g, dtype=torch.float64) * 2 - 1) * 1e30
+    x[:, 7] = 3.3e38
+    x[:, 100] = -3.3e38
+    x[3, 2999] = -3.3e38
+    t = torch.tensor([100, 100, 5, 2999])
+    x = x.to(dtype)
+    w = (torch.linspace(0.5, 1.5, 4, dtype=torch.float64), torch.linspace(-1, 1, 4, dtype=torch.float64),
+         torch.linspace(1, 2, 4, dtype=torch.float64))
+    for smoothing in (0.0, 0.1):
+        logp, _, ce, _ = _assert_matches(x, t, w, backend, dtype, temperature=100.0, label_smoothing=smoothing)
+        assert torch.isfinite(logp).all() and torch.isfinite(ce).all() and logp[0] < -6e36
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_label_smoothing_mean_at_spreads_near_the_fp32_maximum(backend, dtype, temperature):
+    """The smoothed loss's mean_i logp_i where one term (x_i - max)/T, or the sum over the vocab, leaves the fp32
+    range but the mean does not: the loss is the finite value, not +inf (and +inf only where the exact mean is past
+    fp32's range). 9000 columns: several CPU blocks of either dtype."""
+    g = torch.Generator().manual_seed(5)
+    cols = 9000
+    u = torch.rand(7, cols, generator=g, dtype=torch.float64)
+    x = torch.stack([
+        (2 * u[0] - 1) * 3.0e38,               # terms of -6e38: past fp32 one by one
+        -3.0e38 * u[1],                        # max near 0, the rest down to -3e38 (x log2(e) overflows)
+        -1e35 * (1 + u[2]),                    # no term overflows, the sum over 9000 does
+        torch.where(u[3] < 0.5, torch.full_like(u[3], -1.5e38), 0.1 * u[3]),  # t overflows in log2 units
+        (2 * u[4] - 1) * 3.0e38,               # the same as row 0 with a -inf column: the mean is -inf
+        u[5] * 4,                              # an ordinary row
+        u[6] * 4,                              # and with -inf in the last column (a block's scalar tail)
+    ])
+    x[4, 4321] = NEG_INF
+    x[6, cols - 1] = NEG_INF
+    x = x.to(dtype)
+    t = torch.randint(0, cols - 1, (7,), generator=g)
+    w = (torch.zeros(7, dtype=torch.float64), torch.zeros(7, dtype=torch.float64),
+         torch.linspace(1, 2, 7, dtype=torch.float64))
+    _, _, ce, _ = _assert_matches(x, t, w, backend, dtype, temperature=temperature, label_smoothing=0.1)
+    assert ce[4] == math.inf and ce[6] == math.inf
+    assert torch.isfinite(ce[[2, 3, 5]]).all()
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])

@@ -5,9 +5,9 @@
 // it in max-shifted log2 coordinates, and the block summary is merged into the row's (online softmax,
 // logprob_math.h). While a block's exp pass runs, the 16 KiB after it are prefetched, so max passes read cache. So
 // the shard is read from memory once, with one exp per element: exp2_lanes of vec_math.h, at 16 lanes in the
-// AVX-512 copies and 8 in the AVX2 + FMA and baseline copies, picked at load time (cpu_isa()). (A one-pass
-// variant, summing each block against the row's running max, measured no faster here and needs a bounded
-// headroom to keep the entropy's rounding, so the two passes stay.)
+// AVX-512 copies, 8 in the AVX2 + FMA copies and 4 in the x86-64 baseline, picked at load time (cpu_isa()).
+// (A one-pass variant, summing each block against the row's running max, measured no faster here and needs a
+// bounded headroom to keep the entropy's rounding, so the two passes stay.)
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -165,10 +165,43 @@ struct Log2Shift<CpuIsa::kAvx2, true> {
 // element's 2^t' can overflow; a larger max takes the exact form.
 RC_FORCEINLINE bool fused_shift_fits(float m, float c) { return std::fabs(m * c) < 8388608.0f; }
 
+// Whether a block holds a -inf logit, read as the summary loops read it.
+// The max of -x through max_lanes (MAXPS on AVX-512: GCC lowers a lane-wise == into a vector mask badly there),
+// looked at every 512 columns, so a top-k / top-p mask (mostly -inf) is found at once.
+template <CpuIsa I, typename scalar_t>
+RC_FORCEINLINE bool block_has_neg_inf(const scalar_t* x, int64_t n) {
+  using VF = isa_vec<I>;
+  constexpr int64_t kStep = lanes_of<VF>() * LaneSource<scalar_t>::kVecs;
+  constexpr int64_t kChunk = 512;
+  VF neg_max = VF{} - INFINITY;
+  int64_t i = 0;
+  while (i + kStep <= n) {
+    for (const int64_t end = std::min(n, i + kChunk); i + kStep <= end; i += kStep) {
+      VF v[LaneSource<scalar_t>::kVecs];
+      LaneSource<scalar_t>::load(x + i, v);
+      for (const VF& lane_values : v) neg_max = max_lanes(-lane_values, neg_max);
+    }
+    if (hmax_vec(neg_max) == INFINITY) return true;
+  }
+  for (; i < n; ++i) {
+    if (static_cast<float>(x[i]) == -INFINITY) return true;
+  }
+  return false;
+}
+
+// sum (x - m)/T over a block, times kSumZScale, in fp64 (no term or partial sum overflows there), for the rare blocks
+// whose fp32 sum left the range at logits of magnitude near fp32's maximum.
+template <typename scalar_t>
+float scaled_sum_z_exact(const scalar_t* x, int64_t n, float m, float it) {
+  double sum = 0.0;
+  for (int64_t j = 0; j < n; ++j) sum += static_cast<double>(static_cast<float>(x[j])) - static_cast<double>(m);
+  return static_cast<float>(sum * static_cast<double>(it) * kSumZScale);
+}
+
 // The sums of a block whose max m is finite, in log2 units: t = (x - m) c with c = log2(e) / T, so that
 // e^{(x - m)/T} = 2^t; d = sum 2^t, s = sum 2^t t, z = sum t, converted to the summary's natural units once per
-// block (s only with kSumS: the entropy's). A one-hot block (one element with mass) gives d = 1 and s = 0 exactly in
-// both forms of Log2Shift.
+// block (s only with kSumS: the entropy's; z only with kSumZ, then scaled as the summary's sz is). A one-hot block
+// (one element with mass) gives d = 1 and s = 0 exactly in both forms of Log2Shift.
 template <bool kSumZ, bool kSumS, bool kFused, CpuIsa I, typename scalar_t>
 RC_FORCEINLINE RowSummary<float> block_sums(const scalar_t* x, int64_t n, float m, float it, const AheadBlock& ahead) {
   using VF = isa_vec<I>;
@@ -231,7 +264,18 @@ RC_FORCEINLINE RowSummary<float> block_sums(const scalar_t* x, int64_t n, float 
     if (kSumZ) z += t;
   }
   const float to_natural = static_cast<float>(static_cast<double>(it) / static_cast<double>(c));  // ~ ln 2
-  return {m, d, to_natural * s, to_natural * z, n};
+  float sz = 0.f;
+  if (kSumZ) {
+    // z is exact up to fp32 rounding unless a term or the sum left the fp32 range (-inf, or a sum past 2^100 that
+    // the scaled record could hold but the next merge might overflow): such blocks are summed again.
+    sz = to_natural * z;
+    if (std::fabs(sz) <= 0x1p100f) {
+      sz *= static_cast<float>(kSumZScale);
+    } else {  // a -inf logit (the sum is -inf, rightly: found in one vector pass) or an overflow (summed again)
+      sz = block_has_neg_inf<I>(x, n) ? -INFINITY : scaled_sum_z_exact(x, n, m, it);
+    }
+  }
+  return {m, d, to_natural * s, sz, n};
 }
 
 // Summary of n raw logits read as fp32 lanes (relative to their own max). The max ignores NaN; a NaN then makes d
@@ -411,8 +455,8 @@ RC_FORCEINLINE void backward_one_row(const LogprobBackwardParams<scalar_t, acc_t
   std::fill(gx + p.valid_cols, gx + p.local_vocab, scalar_t(0));  // padding columns
 }
 
-// Non-template entry points, one copy per ISA (one per dtype pair): AVX-512 (16 lanes), AVX2 + FMA and the x86-64
-// baseline (8 lanes), the widest the CPU runs picked by cpu::cpu_isa() (ROLLOUT_CORR_CPU_ISA=avx2 or baseline
+// Non-template entry points, one copy per ISA (one per dtype pair): AVX-512 (16 lanes), AVX2 + FMA (8) and the
+// x86-64 baseline (4), the widest the CPU runs picked by cpu::cpu_isa() (ROLLOUT_CORR_CPU_ISA=avx2 or baseline
 // narrows it, to compare the paths in one build).
 #define RC_DEFINE_ROW_KERNELS_AT(scalar_t, acc_t, suffix, ATTR, ISA)                                         \
   ATTR void row_stats_rows_##suffix(const RowStatsParams<scalar_t, acc_t>& p, bool sum_z, bool sum_s,       \
@@ -459,7 +503,9 @@ RC_DEFINE_ROW_KERNELS(at::Half, float, f16)
 #undef RC_DEFINE_ROW_KERNELS_AT
 
 // Rows per task: enough columns per task to amortize scheduling.
-inline int64_t grain_for(int64_t local_vocab) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, local_vocab)); }
+inline int64_t grain_for(int64_t local_vocab) {
+  return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, local_vocab));
+}
 
 at::Tensor vocab_row_stats_cpu(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
                                int64_t vocab_size, double inv_temperature, int64_t ignore_index, bool with_sum_z,

@@ -8,6 +8,10 @@
 // Everything but m is relative to m, so logits of any finite magnitude (1e30, the fp16 maximum) never cancel, and
 // the results are those of fp64 torch.log_softmax to fp32 rounding:
 //   logp = (y - M)/T - log D,   H = log D - S/D,   mean_i logp_i = SZ/V - log D.
+// sz is carried scaled by 2^-32 (kSumZScale) in summaries and records: one term (x - m)/T, or the sum over a row,
+// can leave the fp32 range at logit spreads near fp32's maximum ((-3e38 - 3e38)/T) while the mean over the vocab,
+// which the label-smoothing loss needs, is representable. A power of two: the scaled terms and sums round exactly as
+// the unscaled ones would, and no term overflows below |x - m|/T = 2^160.
 // Non-finite logits:
 //   -inf (top-k / top-p masks, padding): p = 0; they add nothing to d and s (never e^{-inf - (-inf)} nor 0 * -inf),
 //        and -inf to sz (so the label-smoothing mean is -inf, as torch's); a summary of only -inf is the identity
@@ -29,9 +33,20 @@ struct RowSummary {
   acc_t m;    // max x (raw logits)
   acc_t d;    // sum e^{(x - m)/T}
   acc_t s;    // sum e^{(x - m)/T} (x - m)/T
-  acc_t sz;   // sum (x - m)/T
+  acc_t sz;   // sum (x - m)/T, times kSumZScale
   int64_t n;  // elements summarised
 };
+
+// The scale of sz (2^-32) and its inverse, applied once to the merged mean.
+constexpr double kSumZScale = 2.3283064365386962890625e-10;
+constexpr double kSumZUnscale = 4294967296.0;
+
+// (x - m)/T times kSumZScale, with no intermediate overflow: x and m are scaled first (exactly, in the normal range),
+// so this rounds as (x - m)/T does, times 2^-32. -inf for x = -inf.
+template <typename acc_t>
+RC_HD RC_FORCEINLINE acc_t scaled_shift(acc_t x, acc_t m, acc_t inv_t) {
+  return (x * acc_t(kSumZScale) - m * acc_t(kSumZScale)) * inv_t;
+}
 
 template <typename acc_t>
 RC_HD RC_FORCEINLINE RowSummary<acc_t> summary_empty() {
@@ -55,7 +70,7 @@ RC_HD RC_FORCEINLINE RowSummary<acc_t> summary_rebase(RowSummary<acc_t> a, acc_t
   r.m = to;
   r.d = a.d * scale;
   r.s = mass_times(scale, a.s + a.d * delta);
-  r.sz = a.sz + static_cast<acc_t>(a.n) * delta;
+  r.sz = a.sz + static_cast<acc_t>(a.n) * scaled_shift(a.m, to, inv_t);
   r.n = a.n;
   return r;
 }
@@ -88,7 +103,7 @@ RC_HD RC_FORCEINLINE void summary_add(RowSummary<acc_t>& st, acc_t x, acc_t inv_
       const acc_t scale = rc_exp(delta);
       st.s = mass_times(scale, st.s + st.d * delta);
       st.d = st.d * scale + acc_t(1);
-      st.sz += static_cast<acc_t>(st.n) * delta;
+      st.sz += static_cast<acc_t>(st.n) * scaled_shift(st.m, x, inv_t);
     }
     st.m = x;
   } else {  // x <= m, or NaN (which makes d NaN)
@@ -96,7 +111,7 @@ RC_HD RC_FORCEINLINE void summary_add(RowSummary<acc_t>& st, acc_t x, acc_t inv_
     const acc_t e = rc_exp(delta);
     st.d += e;
     st.s += mass_times(e, delta);
-    st.sz += delta;
+    st.sz += scaled_shift(x, st.m, inv_t);
   }
   st.n += 1;
 }
@@ -251,9 +266,12 @@ RC_HD inline int merge_one_row(const MergeParams<acc_t>& p, int64_t row) {
   const bool no_entropy = (RC_LDG(shard_header(p.gathered, 0, shard_bytes) + kHdrFormat) & kFormatNoEntropy) != 0;
   const acc_t log_d = rc_log(st.d);
   const acc_t mean_z = no_entropy ? acc_t(0) : st.s / st.d;  // softmax mean of (z - M/T)
-  RC_STG(p.logp + row, (y - st.m) * it - log_d);  // y = -inf (a masked target): -inf
+  // (y - M)/T through the scaled difference: y - M alone overflows at spreads past fp32's maximum (-3e38 - 3e38)
+  // where (y - M)/T need not (T = 100). y = -inf (a masked target): -inf.
+  RC_STG(p.logp + row, scaled_shift(y, st.m, it) * acc_t(kSumZUnscale) - log_d);
   RC_STG(p.entropy + row, no_entropy ? static_cast<acc_t>(NAN) : log_d - mean_z);
-  RC_STG(p.mean_logp + row, p.stats_cols > kRowSumZ ? st.sz / static_cast<acc_t>(p.vocab_size) - log_d : acc_t(0));
+  const acc_t mean_z_all = st.sz / static_cast<acc_t>(p.vocab_size) * acc_t(kSumZUnscale);  // SZ / V, unscaled
+  RC_STG(p.mean_logp + row, p.stats_cols > kRowSumZ ? mean_z_all - log_d : acc_t(0));
   RC_STG(state + kStateMax, st.m);
   RC_STG(state + kStateLogSumExp, log_d);
   RC_STG(state + kStateMeanZ, mean_z);

@@ -29,7 +29,7 @@ enum ShardHeaderSlot : int {
 constexpr int64_t kFormatNoEntropy = 256;
 constexpr int kShardHeaderSlots = 8;
 constexpr int64_t kShardHeaderBytes = kShardHeaderSlots * 8;
-constexpr int64_t kShardMagic = 0x52434c5052303031LL;  // "RCLPR001"
+constexpr int64_t kShardMagic = 0x52434c5052303032LL;  // "RCLPR002" (002: sz scaled by 2^-32)
 
 // Columns of a row record. The max is kept in raw logit units (before 1/T), everything else in max-shifted,
 // temperature-scaled coordinates, so no large value is ever subtracted from another (no cancellation) and a
