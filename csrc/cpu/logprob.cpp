@@ -320,7 +320,7 @@ RC_FORCEINLINE RowSummary<float> block_summary(const scalar_t* x, int64_t n, flo
 template <bool kSumZ, bool kSumS, CpuIsa I>
 RC_FORCEINLINE RowSummary<double> block_summary(const double* x, int64_t n, double it, const AheadBlock&) {
   RowSummary<double> r = summary_empty<double>();
-  for (int64_t j = 0; j < n; ++j) summary_add(r, x[j], it);
+  for (int64_t j = 0; j < n; ++j) summary_add<kSumZ>(r, x[j], it);
   return r;
 }
 

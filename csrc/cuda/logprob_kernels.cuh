@@ -54,10 +54,10 @@ __global__ void vocab_row_stats_kernel(RowStatsParams<scalar_t, acc_t> p) {
     for (int64_t v = threadIdx.x; v < num_vec; v += blockDim.x) {
       const AlignedVector<scalar_t, kVec> pack = RC_LDG(xv + v);
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) summary_add(st, static_cast<acc_t>(pack.val[e]), it);
+      for (int e = 0; e < kVec; ++e) summary_add<kSumZ>(st, static_cast<acc_t>(pack.val[e]), it);
     }
     for (int64_t c = num_vec * kVec + threadIdx.x; c < p.valid_cols; c += blockDim.x) {
-      summary_add(st, static_cast<acc_t>(RC_LDG(x + c)), it);
+      summary_add<kSumZ>(st, static_cast<acc_t>(RC_LDG(x + c)), it);
     }
 
     st = warp_merge_summary<acc_t, kSumZ>(st, it);

@@ -88,14 +88,14 @@ RC_HD RC_FORCEINLINE RowSummary<acc_t> summary_merge(RowSummary<acc_t> a, RowSum
 }
 
 // Fold one logit into a summary (the per-thread loop of the CUDA kernel). Costs one exp; rescales only when the
-// max grows.
-template <typename acc_t>
+// max grows. sz only with kSumZ (label smoothing): the record without it has no column for it.
+template <bool kSumZ, typename acc_t>
 RC_HD RC_FORCEINLINE void summary_add(RowSummary<acc_t>& st, acc_t x, acc_t inv_t) {
   if (x == acc_t(-INFINITY)) {  // no mass
-    st.sz = acc_t(-INFINITY);
+    if (kSumZ) st.sz = acc_t(-INFINITY);
   } else if (x > st.m) {  // a new max (+inf included: it poisons the row through m)
     if (st.d == acc_t(0)) {
-      st.sz = st.n > 0 ? acc_t(-INFINITY) : acc_t(0);
+      if (kSumZ) st.sz = st.n > 0 ? acc_t(-INFINITY) : acc_t(0);
       st.d = acc_t(1);
       st.s = acc_t(0);
     } else {
@@ -103,7 +103,7 @@ RC_HD RC_FORCEINLINE void summary_add(RowSummary<acc_t>& st, acc_t x, acc_t inv_
       const acc_t scale = rc_exp(delta);
       st.s = mass_times(scale, st.s + st.d * delta);
       st.d = st.d * scale + acc_t(1);
-      st.sz += static_cast<acc_t>(st.n) * scaled_shift(st.m, x, inv_t);
+      if (kSumZ) st.sz += static_cast<acc_t>(st.n) * scaled_shift(st.m, x, inv_t);
     }
     st.m = x;
   } else {  // x <= m, or NaN (which makes d NaN)
@@ -111,7 +111,7 @@ RC_HD RC_FORCEINLINE void summary_add(RowSummary<acc_t>& st, acc_t x, acc_t inv_
     const acc_t e = rc_exp(delta);
     st.d += e;
     st.s += mass_times(e, delta);
-    st.sz += scaled_shift(x, st.m, inv_t);
+    if (kSumZ) st.sz += scaled_shift(x, st.m, inv_t);
   }
   st.n += 1;
 }
