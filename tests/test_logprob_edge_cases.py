@@ -210,6 +210,26 @@ def test_logits_near_the_fp32_maximum(backend, dtype):
     _assert_matches(x, t, w, backend, dtype, temperature=0.5)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_label_smoothing_with_one_neg_inf_column_anywhere(backend, dtype):
+    """One -inf column per row, at a block's first, middle or last column, at the CPU kernel's 512-column scan
+    boundaries and in a block's scalar tail: the smoothed loss is +inf (mean_i logp_i = -inf), everything else exact."""
+    cols = 9000
+    positions = [0, 1, 511, 512, 1000, 2047, 2048, 4321, 8191, 8192, 8990, 8999]
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(len(positions), cols, generator=g, dtype=torch.float64) * 3
+    for r, c in enumerate(positions):
+        x[r, c] = NEG_INF
+    x = x.to(dtype)
+    t = torch.tensor([(c + 17) % cols for c in positions])
+    rows = len(positions)
+    w = (torch.linspace(0.5, 1.5, rows, dtype=torch.float64), torch.linspace(-1, 1, rows, dtype=torch.float64),
+         torch.linspace(1, 2, rows, dtype=torch.float64))
+    _, _, ce, _ = _assert_matches(x, t, w, backend, dtype, label_smoothing=0.1)
+    assert (ce == math.inf).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_log_prob_whose_logit_gap_overflows_but_its_quotient_does_not(backend, dtype):

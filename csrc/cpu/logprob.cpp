@@ -167,24 +167,25 @@ RC_FORCEINLINE bool fused_shift_fits(float m, float c) { return std::fabs(m * c)
 
 // Whether a block holds a -inf logit, read as the summary loops read it.
 // The max of -x through max_lanes (MAXPS on AVX-512: GCC lowers a lane-wise == into a vector mask badly there),
-// looked at every 512 columns, so a top-k / top-p mask (mostly -inf) is found at once.
+// looked at every 512 columns from the block's end, so a top-k / top-p mask (mostly -inf) or -inf padding at the
+// row's end is found at once.
 template <CpuIsa I, typename scalar_t>
 RC_FORCEINLINE bool block_has_neg_inf(const scalar_t* x, int64_t n) {
   using VF = isa_vec<I>;
   constexpr int64_t kStep = lanes_of<VF>() * LaneSource<scalar_t>::kVecs;
   constexpr int64_t kChunk = 512;
+  const int64_t vec_end = n / kStep * kStep;
+  for (int64_t i = vec_end; i < n; ++i) {
+    if (static_cast<float>(x[i]) == -INFINITY) return true;
+  }
   VF neg_max = VF{} - INFINITY;
-  int64_t i = 0;
-  while (i + kStep <= n) {
-    for (const int64_t end = std::min(n, i + kChunk); i + kStep <= end; i += kStep) {
+  for (int64_t chunk_end = vec_end; chunk_end > 0; chunk_end -= kChunk) {
+    for (int64_t i = std::max<int64_t>(0, chunk_end - kChunk); i < chunk_end; i += kStep) {
       VF v[LaneSource<scalar_t>::kVecs];
       LaneSource<scalar_t>::load(x + i, v);
       for (const VF& lane_values : v) neg_max = max_lanes(-lane_values, neg_max);
     }
     if (hmax_vec(neg_max) == INFINITY) return true;
-  }
-  for (; i < n; ++i) {
-    if (static_cast<float>(x[i]) == -INFINITY) return true;
   }
   return false;
 }
