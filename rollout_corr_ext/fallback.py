@@ -227,7 +227,7 @@ def merge_row_stats(
     mean_z = torch.where(ignored, one, s_tot) / torch.where(ignored, one, d_tot)
     zero = torch.zeros_like(log_d)
     # (y - M)/T with y and M scaled first: y - M alone overflows at spreads past fp32's maximum where (y - M)/T need not
-    y_shift = (y * SUM_Z_SCALE - big_m * SUM_Z_SCALE) * inv_temperature * 2.0**32
+    y_shift = (y * SUM_Z_SCALE - big_m * SUM_Z_SCALE) * inv_temperature / SUM_Z_SCALE
     logp = torch.where(ignored, zero, y_shift - log_d)
     if headers[0][HDR_FORMAT] & FORMAT_NO_ENTROPY:
         mean_z = torch.zeros_like(mean_z)
@@ -240,7 +240,7 @@ def merge_row_stats(
         delta_s = torch.where(mass, (m * SUM_Z_SCALE - big_m * SUM_Z_SCALE) * inv_temperature, torch.zeros_like(m))
         term = torch.where(mass, sz + n_r * delta_s, torch.where(n_r > 0, torch.full_like(sz, -math.inf),
                                                                    torch.zeros_like(sz)))
-        mean_logp = torch.where(ignored, zero, term.sum(0) / vocab_size * 2.0**32 - log_d)
+        mean_logp = torch.where(ignored, zero, term.sum(0) / vocab_size / SUM_Z_SCALE - log_d)
     else:
         mean_logp = zero.clone()
     row_state = torch.stack([torch.where(ignored, zero, big_m), torch.where(ignored, zero, log_d),
