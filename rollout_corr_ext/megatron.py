@@ -45,20 +45,36 @@ def _parallel_state():
     return parallel_state if parallel_state.model_parallel_is_initialized() else None
 
 
-def _tp_group(group, pg_collection):
-    """``group`` if given; else ``pg_collection.tp``; else megatron's parallel_state TP group; else None."""
+def _attr(obj, name: str):
+    """``obj.name``, or None when it is absent *or* None: megatron-core >= 0.19's ``ProcessGroupCollection`` answers
+    None for every declared group it was not given (0.16 raises AttributeError), and its configs and layers set
+    optional attributes to None. Every read of a megatron object goes through here, so the two mean the same."""
+    return getattr(obj, name, None) if obj is not None else None
+
+
+def _tp_group(group, pg_collection, layer=None):
+    """``group`` if given; else ``pg_collection.tp``; else the output layer's own ``tp_group``; else megatron's
+    parallel_state TP group; else None."""
     if group is not None:
         return group
     if pg_collection is not None:
-        if not hasattr(pg_collection, "tp"):
-            raise TypeError("pg_collection has no attribute 'tp' (expected a megatron ProcessGroupCollection)")
-        return pg_collection.tp
+        tp = _attr(pg_collection, "tp")
+        if tp is None:
+            raise TypeError("pg_collection has no tensor-parallel group (.tp is absent or None); expected a megatron "
+                            "ProcessGroupCollection with .tp set, or pass tp_group")
+        return tp
+    if _attr(layer, "tp_group") is not None:
+        return layer.tp_group
     ps = _parallel_state()
     return None if ps is None else ps.get_tensor_model_parallel_group()
 
 
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+def _ranks(group):
+    return [dist.get_rank()] if group is None else dist.get_process_group_ranks(group)
 
 
 def _loss_groups(dp_group, seq_group, pg_collection):
@@ -74,27 +90,33 @@ def _loss_groups(dp_group, seq_group, pg_collection):
     ps = _parallel_state() if pg_collection is None else None
     if seq_group is None:
         if pg_collection is not None:
-            seq_group = getattr(pg_collection, "cp", None)
+            seq_group = _attr(pg_collection, "cp")
         elif ps is not None and ps.get_context_parallel_world_size() > 1:
             seq_group = ps.get_context_parallel_group()
     cp = _size(seq_group)
+    # megatron-core >= 0.19: dp_cp_gtp_remat is the full data-distribution group (dp_cp x the GTP weight-remat
+    # group, which holds distinct micro-batches too), the one its loss reductions use; it equals dp_cp when GTP is off.
+    pg_dp_cp, gtp = _attr(pg_collection, "dp_cp_gtp_remat"), _size(_attr(pg_collection, "gtp_remat"))
+    if pg_dp_cp is None:
+        pg_dp_cp, gtp = _attr(pg_collection, "dp_cp"), 1
+    pg_dp = _attr(pg_collection, "dp")
     if dp_group is None:
         if pg_collection is not None:
-            if hasattr(pg_collection, "dp_cp"):
-                dp_group = pg_collection.dp_cp
+            if pg_dp_cp is not None:
+                dp_group = pg_dp_cp
             elif cp > 1:
                 raise ValueError(f"the context-parallel group has {cp} ranks but pg_collection has no .dp_cp (the "
-                                 "data-parallel group with context parallelism); add it or pass dp_group")
-            elif hasattr(pg_collection, "dp"):
-                dp_group = pg_collection.dp
+                                 "data-parallel group with context parallelism; absent or None); set it or pass "
+                                 "dp_group")
+            elif pg_dp is not None:
+                dp_group = pg_dp
             else:
-                raise TypeError("pg_collection has neither .dp_cp nor .dp (expected a megatron "
+                raise TypeError("pg_collection has neither .dp_cp nor .dp (absent or None; expected a megatron "
                                 "ProcessGroupCollection); pass dp_group")
         elif ps is not None:
             dp_group = ps.get_data_parallel_group(with_context_parallel=True)
-    if (cp == 1 and pg_collection is not None and hasattr(pg_collection, "dp") and hasattr(pg_collection, "dp_cp")
-            and _size(pg_collection.dp_cp) != _size(pg_collection.dp)):
-        raise ValueError(f"pg_collection.dp_cp has {_size(pg_collection.dp_cp)} ranks and .dp {_size(pg_collection.dp)}"
+    if cp == 1 and pg_dp is not None and pg_dp_cp is not None and _size(pg_dp_cp) != gtp * _size(pg_dp):
+        raise ValueError(f"pg_collection.dp_cp has {_size(pg_dp_cp)} ranks and .dp {_size(pg_dp)}"
                          ": context parallelism is on, but there is no sequence group; add pg_collection.cp or "
                          "pass seq_group (the context-parallel group)")
     if cp > 1 and dp_group is not None:
@@ -150,9 +172,13 @@ def _packed_boundaries(packed_seq_params, cu_seqlens, cp_size: int):
         return cu_seqlens
     if packed_seq_params is None:
         return None
-    cu = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+    local_cp = _attr(packed_seq_params, "local_cp_size")  # megatron-core >= 0.19: a per-batch (hybrid) CP size
+    if local_cp is not None and int(local_cp) != cp_size:
+        raise ValueError(f"packed_seq_params.local_cp_size = {local_cp} but the sequence (context-parallel) group "
+                         f"has {cp_size} ranks: pass that batch's CP group as seq_group")
+    cu = _attr(packed_seq_params, "cu_seqlens_q_padded")
     if cu is None:
-        cu = getattr(packed_seq_params, "cu_seqlens_q", None)
+        cu = _attr(packed_seq_params, "cu_seqlens_q")
     if cu is None:
         raise ValueError("packed_seq_params carries no cu_seqlens_q / cu_seqlens_q_padded")
     return cu // cp_size if cp_size > 1 else cu
@@ -216,16 +242,17 @@ def make_policy_loss_func(
     and every ``rollout_corr/*`` value (count 1 per micro-batch), summed over ``dp_group`` in one all-reduce
     when ``reduce_metrics`` (the ratio is unchanged if the training loop reduces again).
 
-    Groups (explicit arguments win; megatron-core 0.16 names):
+    Groups (explicit arguments win; megatron-core 0.16 - 0.19 names; an attribute that is None counts as absent):
 
-    * ``tp_group``: ``pg_collection.tp``, else ``parallel_state.get_tensor_model_parallel_group()``.
+    * ``tp_group``: ``pg_collection.tp``, else ``output_layer.tp_group``, else
+      ``parallel_state.get_tensor_model_parallel_group()``; with ``output_layer`` it must be the layer's group.
     * ``dp_group``: the ranks one global batch is split over, i.e. data parallel *with* context parallelism:
-      ``pg_collection.dp_cp`` (``.dp`` only when there is no CP), else
+      ``pg_collection.dp_cp_gtp_remat`` (0.19+), else ``.dp_cp`` (``.dp`` only when there is no CP), else
       ``parallel_state.get_data_parallel_group(with_context_parallel=True)``.
     * ``seq_group``: the context-parallel group, whose ranks hold pieces of the same sequences (any split along
-      s, e.g. megatron's load-balanced 2*cp chunks): ``pg_collection.cp``, else
-      ``parallel_state.get_context_parallel_group()`` when CP > 1. Sequence-level IS / RS statistics and the
-      ``seq-mean-*`` per-sequence token counts are summed over it (one all-reduce each), so the result equals
+      s, e.g. megatron's load-balanced 2*cp chunks): ``packed_seq_params.cp_group`` (0.19+, a batch's own CP
+      group), else ``pg_collection.cp``, else ``parallel_state.get_context_parallel_group()`` when CP > 1.
+      Sequence-level IS / RS statistics and the ``seq-mean-*`` per-sequence token counts are summed over it (one all-reduce each), so the result equals
       the single-process one. Every CP rank returns the micro-batch's ``num_tokens`` (whole sequences) and
       ``cp_size`` times its share of the numerator (as megatron-core scales CP losses), so megatron's sum over
       DP x CP ranks (``calculate_per_token_loss=True``) and its mean of per-rank ``loss_sum / num_tokens``
@@ -265,7 +292,13 @@ def make_policy_loss_func(
         raise ValueError(f"logits_layout must be 'sbv' (output layer) or 'bsv' (GPTModel output), got {logits_layout!r}")
     if not isinstance(target, torch.Tensor):
         raise ValueError(f"target must be a tensor of token ids, got {type(target).__name__}")
-    tp = _tp_group(tp_group, pg_collection)
+    tp = _tp_group(tp_group, pg_collection, output_layer)
+    if output_layer is not None and _attr(output_layer, "tp_group") is not None and _ranks(tp) != _ranks(
+            output_layer.tp_group):
+        raise ValueError(f"the tensor-parallel group (ranks {_ranks(tp)}) is not output_layer.tp_group (ranks "
+                         f"{_ranks(output_layer.tp_group)}), the group the layer's vocabulary is split over")
+    if seq_group is None and _attr(packed_seq_params, "cp_group") is not None:
+        seq_group = packed_seq_params.cp_group  # megatron-core >= 0.19: this batch's own CP group (hybrid CP)
     dp, seq = _loss_groups(dp_group, seq_group, pg_collection)
     seq_world = _size(seq)
     cu = _packed_boundaries(packed_seq_params, cu_seqlens, seq_world)
@@ -313,14 +346,14 @@ def make_policy_loss_func(
                          "set bypass_mode=True to use pi_rollout as pi_old instead")
     metric_group = dp if dp is not None else seq  # the ranks the global batch is split over
     if output_layer is not None:
-        out_weight = getattr(output_layer, "weight", None)
+        out_weight = _attr(output_layer, "weight")
         if not isinstance(out_weight, torch.Tensor) or out_weight.dim() != 2:
             raise ValueError("output_layer must have a [V_local, H] weight tensor (megatron's ColumnParallelLinear "
                              "output layer)")
-        if getattr(output_layer, "sequence_parallel", False):
+        if _attr(output_layer, "sequence_parallel"):
             raise ValueError("output_layer with sequence_parallel=True is not supported: its input is sharded along "
                              "the sequence and all-gathered inside the layer; pass the logits instead")
-        out_bias = None if getattr(output_layer, "skip_bias_add", False) else getattr(output_layer, "bias", None)
+        out_bias = None if _attr(output_layer, "skip_bias_add") else _attr(output_layer, "bias")
 
     def log_probs(x, tgt):
         if output_layer is None:

@@ -33,3 +33,12 @@ def compiled_backend():
     if rollout_corr_ext.backend() == "reference":
         pytest.skip(reason="needs the compiled extension (ROLLOUT_CORR_FORCE_REFERENCE=1 is set)")
     return rollout_corr_ext.backend()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the megatron-facing tests (``-m megatron``: the second CI job runs them on the newest megatron-core):
+    every test of a ``test_megatron_*`` file and of the demo, and every test whose id names megatron."""
+    for item in items:
+        name = os.path.basename(str(item.fspath))
+        if name.startswith("test_megatron_") or name == "test_demo_smoke.py" or "megatron" in item.nodeid.lower():
+            item.add_marker(pytest.mark.megatron)

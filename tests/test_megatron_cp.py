@@ -17,6 +17,7 @@ must raise.
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import pytest
@@ -189,6 +190,10 @@ def _pg_collection_layout(seed: int, failures):
     coords = (torch.arange(ROWS), cp_token_index(T, 2, rank % 2), slice(0, VOCAB))
     for case, ref in zip(CASES, refs):
         _check_case(case, batch, ref, coords, pair, pair, failures, pg_collection=pgc)
+    # megatron-core >= 0.19 answers None for every group a ProcessGroupCollection was not given: None is absent
+    ns = types.SimpleNamespace
+    _check_case(CASES[1], batch, refs[1], coords, pair, pair, failures,
+                pg_collection=ns(tp=single, cp=pair, dp=single, dp_cp=pair, dp_cp_gtp_remat=None, gtp_remat=None))
     # DP=1: the CP group alone, passed explicitly, is also the group the metrics are reduced over
     _check_case(CASES[1], batch, refs[1], coords, pair, pair, failures, seq_group=pair)
     bad = {
@@ -199,6 +204,9 @@ def _pg_collection_layout(seed: int, failures):
                                                                                         dp_cp=pair)),
         "pg_collection.dp_cp without the CP ranks": dict(pg_collection=ProcessGroupCollection(
             tp=single, cp=pair, dp=single, dp_cp=single)),
+        # the 0.19 form of "without .dp_cp", on every megatron-core release
+        "pg_collection.dp_cp = None under CP": dict(pg_collection=ns(tp=single, cp=pair, dp=single, dp_cp=None)),
+        "pg_collection.cp = None under CP": dict(pg_collection=ns(tp=single, cp=None, dp=single, dp_cp=pair)),
     }
     for what, groups in bad.items():
         _expect_group_error(what, batch, groups, failures)

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The megatron-facing tests (pytest -m megatron: tests/conftest.py marks them) and the demo's smoke test on the
+# newest stack: Python 3.12, torch 2.14.1 and the newest megatron-core release on PyPI (0.19.2 when written;
+# it needs Python >= 3.12). scripts/test.sh runs the whole suite on Python 3.11 with megatron-core 0.16.1, the
+# newest release for 3.11, so CI covers the oldest and the newest supported releases.
+# Its own venv (.venv-py312); the extension is built in place beside the 3.11 one (a cpython-312 .so).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY312=${PY312:-}
+if [ -z "$PY312" ]; then
+  # pyenv's shim answers only when 3.12 is the selected version: try the interpreters themselves first
+  for c in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 python3.12; do
+    if "$c" -c "import sys; assert sys.version_info[:2] == (3, 12)" >/dev/null 2>&1; then PY312=$c; break; fi
+  done
+fi
+if [ -z "$PY312" ]; then
+  echo "test_megatron_newest: no Python 3.12 found (set PY312=/path/to/python3.12)"; exit 1
+fi
+if [ ! -x .venv-py312/bin/python ]; then
+  "$PY312" -m venv .venv-py312
+fi
+# shellcheck disable=SC1091
+. .venv-py312/bin/activate
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export MAX_JOBS=${MAX_JOBS:-2}
+python -m pip install -q --upgrade pip "setuptools>=77" wheel 2>&1 | grep -v "^WARNING: Location" || true
+python -m pip install -q "torch==2.14.1" ninja numpy "megatron-core>=0.19.2" pytest hypothesis expecttest \
+  matplotlib tqdm 2>&1 | grep -v "^WARNING: Location" || true
+python -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
+python - <<'PY'
+import sys, torch, megatron.core as m, rollout_corr_ext as r
+print(f"newest stack: Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {m.__version__}, "
+      f"rollout_corr_ext backend {r.backend()}")
+PY
+python -m pytest -q -p no:cacheprovider -m megatron --durations=5 tests "$@"
