@@ -28,7 +28,7 @@ import torch
 
 from rollout_corr_ext import fallback, ops
 from rollout_corr_ext.logprobs import (
-    _NoDoubleBackward,
+    _LOGPROB_OPS,
     _all_gather,
     _assert_status,
     _group_size_rank,
@@ -153,7 +153,7 @@ class _LinearLogProbs(torch.autograd.Function):
             anchors = [t for t in (hidden, weight, bias, grad_logp, grad_entropy)
                        if t is not None and t.requires_grad]
             if anchors:
-                grads = tuple(None if g is None else _NoDoubleBackward.apply(g, *anchors) for g in grads)
+                grads = tuple(None if g is None else ops.NoDoubleBackward.apply(g, _LOGPROB_OPS, *anchors) for g in grads)
         return grads + (None,) * 10
 
 

@@ -138,6 +138,9 @@ def _assert_status(status: torch.Tensor) -> None:
 # --------------------------------------------------------------------------------------------- autograd
 
 
+_LOGPROB_OPS = "vocab_parallel_log_probs / vocab_parallel_cross_entropy / linear_log_probs"
+
+
 class _VocabParallelLogProbs(torch.autograd.Function):
     """(logits [N, V_local], target [N]) -> (logp, entropy, mean_logp), each [N]."""
 
@@ -177,7 +180,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         anchors = [t for t in (ctx.saved_tensors[0], grad_logp, grad_entropy, grad_mean_logp)
                    if t is not None and t.requires_grad]
         if anchors:
-            grad = _NoDoubleBackward.apply(grad, *anchors)
+            grad = ops.NoDoubleBackward.apply(grad, _LOGPROB_OPS, *anchors)
         return (grad,) + (None,) * 11
 
     @staticmethod
@@ -197,19 +200,6 @@ class _VocabParallelLogProbs(torch.autograd.Function):
             grad = ops.logprob_backward(grad_logp, grad_entropy, grad_mean_logp, logits, target, row_state,
                                         vocab_start, vocab_size, inv_temperature, ignore_index)
         return grad
-
-
-class _NoDoubleBackward(torch.autograd.Function):
-    """Identity on the log-prob gradient whose own backward raises: the second-order term is not implemented."""
-
-    @staticmethod
-    def forward(ctx, grad, *anchors):
-        return grad.clone()
-
-    @staticmethod
-    def backward(ctx, *unused):
-        raise RuntimeError("vocab_parallel_log_probs / vocab_parallel_cross_entropy / linear_log_probs: double backward "
-                           "(differentiating the gradient again, e.g. after create_graph=True) is not supported")
 
 
 def check_target(target, x: torch.Tensor, x_name: str) -> None:

@@ -463,8 +463,24 @@ def agg_loss(
 # ---------------------------------------------------------------------------------------------------------
 
 
+def refuse_grad(fn: str, **named) -> None:
+    """The policy objective differentiates ``log_prob`` only: pi_old (or pi_rollout), the advantages and the IS
+    weights are constants of it (verl detaches the IS weights itself; PPO's ratio is pi_theta over a fixed
+    pi_old). A caller whose constant requires grad would otherwise silently get no gradient for it, so that is a
+    ValueError naming the argument (nothing is checked when grad mode is off: no gradient is asked for)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in named.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise ValueError(f"{fn}: {name} requires grad, but it is a constant of the policy loss (only log_prob is "
+                             f"differentiated, so its gradient would be silently dropped); pass {name}.detach()")
+
+
 def _policy_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, weights,
-                 old_name: str = "old_log_prob", cu_seqlens=None):
+                 old_name: str = "old_log_prob", cu_seqlens=None, fn: str = "policy loss",
+                 weights_name: str = "rollout_is_weights"):
+    refuse_grad(fn, **{old_name: old_log_prob, "advantages": advantages, weights_name: weights})
+    log_prob = ops.first_order_only(log_prob, fn)
     # An undefined loss at a response token (NaN / +inf log-probs, ...) is an error raised by the op itself (CPU: a
     # ValueError naming the token; CUDA: an asynchronous device assert), so nothing here reads a value on the host.
     loss_mat, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights,
@@ -504,7 +520,8 @@ def compute_policy_loss_vanilla(
     _check_mode(loss_agg_mode)
     cfg = _as_config(config)
     loss, metrics, _ = _policy_loss(PG_KIND_PPO_CLIP, old_log_prob, log_prob, advantages, response_mask,
-                                    loss_agg_mode, cfg, rollout_is_weights, cu_seqlens=cu_seqlens)
+                                    loss_agg_mode, cfg, rollout_is_weights, cu_seqlens=cu_seqlens,
+                                    fn="compute_policy_loss_vanilla")
     return loss, metrics
 
 
@@ -529,12 +546,15 @@ def compute_policy_loss_reinforce(
     cfg = _as_config(config)
     loss, metrics, _ = _policy_loss(PG_KIND_REINFORCE, rollout_log_prob, log_prob, advantages, response_mask,
                                     loss_agg_mode, cfg, rollout_is_weights, old_name="rollout_log_prob",
-                                    cu_seqlens=cu_seqlens)
+                                    cu_seqlens=cu_seqlens, fn="compute_policy_loss_reinforce")
     return loss, metrics
 
 
-def _correction(log_prob, rollout_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens=None):
+def _correction(log_prob, rollout_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens=None,
+                rollout_name: str = "rollout_log_prob"):
     from .correction import compute_rollout_correction
+
+    refuse_grad("rollout correction", **{rollout_name: rollout_log_prob})  # its weights and mask are constants
 
     with torch.no_grad():
         return compute_rollout_correction(log_prob.detach(), rollout_log_prob.detach(), response_mask, rc,
@@ -577,7 +597,8 @@ def compute_policy_loss_bypass(
     _check_mode(loss_agg_mode)
     cfg = _as_config(config)
     rc = _require_correction(cfg, "compute_policy_loss_bypass")
-    result = _correction(log_prob, old_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens)
+    result = _correction(log_prob, old_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens,
+                         rollout_name="old_log_prob")
     if rc.loss_type == "reinforce":
         loss, metrics = compute_policy_loss_reinforce(old_log_prob, log_prob, advantages, result.response_mask,
                                                       loss_agg_mode, cfg, result.weights, cu_seqlens=cu_seqlens)
@@ -708,6 +729,8 @@ def calculate_grpo_loss(
     """
     lp = current_logprobs
     _check_policy_inputs(old_logprobs, lp, lp, torch.ones_like(lp, dtype=torch.bool), old_name="old_logprobs")
+    refuse_grad("calculate_grpo_loss", old_logprobs=old_logprobs, advantages=advantages,
+                inference_logprobs=inference_logprobs)
     _check_float("ref_logprobs", ref_logprobs, lp)
     if not isinstance(advantages, torch.Tensor) or advantages.numel() != lp.shape[0]:
         raise ValueError(f"advantages must be a tensor of one value per sequence ({lp.shape[0]}), got "
@@ -736,7 +759,8 @@ def calculate_grpo_loss(
             raise ValueError("pass either is_truncation_coef (Megatron's TIS) or rollout_correction, not both")
         if response_mask is None:
             response_mask = torch.ones_like(lp, dtype=torch.bool)
-        result = _correction(old_logprobs, inference_logprobs, response_mask, rollout_correction, dp_group, seq_group)
+        result = _correction(old_logprobs, inference_logprobs, response_mask, rollout_correction, dp_group, seq_group,
+                             rollout_name="inference_logprobs")
         weights = result.weights
     elif inference_logprobs is not None:
         weights = (old_logprobs.detach().to(acc) - inference_logprobs.to(acc)).exp()
@@ -746,7 +770,8 @@ def calculate_grpo_loss(
     # Megatron's per-token form has no mask: every token is a response token unless response_mask says otherwise
     # (the op raises on an undefined loss at a response token; masked tokens are not inspected).
     token_mask = response_mask if response_mask is not None else torch.ones_like(lp, dtype=torch.bool)
-    pg_loss, _ = ops.policy_loss_rows(lp, old_logprobs, adv, token_mask, weights, float(clamp_eps_lower),
+    pg_loss, _ = ops.policy_loss_rows(ops.first_order_only(lp, "calculate_grpo_loss"), old_logprobs, adv, token_mask,
+                                      weights, float(clamp_eps_lower),
                                       float(clamp_eps_upper), math.inf, PG_KIND_PPO_CLIP)
     lp_acc = lp.to(acc)
     ref_diff = ref_logprobs.to(acc) - lp_acc

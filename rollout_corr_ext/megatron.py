@@ -24,6 +24,7 @@ from .losses import (
     _check_mode,
     _policy_loss,
     _safe_div,
+    refuse_grad,
 )
 from .fallback import (
     MASKED_MEAN_EPS,
@@ -386,6 +387,8 @@ def make_policy_loss_func(
             logp, entropy = log_probs(logits, tgt)
         if non_loss_data:
             return {"log_prob": logp.detach(), "entropy": entropy.detach()}
+        refuse_grad("make_policy_loss_func", old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob,
+                    advantages=advantages)
 
         mask, weights, corr_metrics = response_mask, None, {}
         kind, old = PG_KIND_PPO_CLIP, (old_log_prob if old_log_prob is not None else logp.detach())
@@ -403,7 +406,9 @@ def make_policy_loss_func(
                     kind, weights = PG_KIND_REINFORCE, result.weights
             else:
                 weights = result.weights
-        _, _, rows = _policy_loss(kind, old, logp, advantages, mask, loss_agg_mode, cfg, weights, cu_seqlens=cu)
+        old_name = "rollout_log_prob" if bypass else ("old_log_prob" if old_log_prob is not None else "log_prob")
+        _, _, rows = _policy_loss(kind, old, logp, advantages, mask, loss_agg_mode, cfg, weights, cu_seqlens=cu,
+                                  old_name=old_name, fn="make_policy_loss_func")
         m = mask.to(logp.dtype)
         ent_masked = torch.where(mask != 0, entropy, torch.zeros_like(entropy)).mul(m)
         ent_rows = ent_masked.sum(-1) if cu is None else _segment_sum(ent_masked, cu)

@@ -321,6 +321,46 @@ def _register_policy_loss_ops() -> None:
     torch.library.register_autograd("rollout_corr::policy_loss_rows", backward, setup_context=setup_context)
 
 
+class NoDoubleBackward(torch.autograd.Function):
+    """Identity on a first-order gradient whose own backward raises: the ops' second-order terms are not
+    implemented, so differentiating their gradients again (``create_graph=True``) is an error, never a silent 0.
+    ``anchors`` are the inputs the gradient depends on (so that the identity is part of the double-backward graph)."""
+
+    @staticmethod
+    def forward(ctx, grad, what, *anchors):
+        ctx.what = what
+        return grad.clone()
+
+    @staticmethod
+    def backward(ctx, *unused):
+        raise RuntimeError(f"{ctx.what}: double backward (differentiating the gradient again, e.g. after "
+                           f"create_graph=True) is not supported")
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity in forward; in a backward run with ``create_graph=True`` the gradient passes through
+    :class:`NoDoubleBackward`, whatever the backend below computed it with."""
+
+    @staticmethod
+    def forward(ctx, x, what):
+        ctx.what = what
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is not None and torch.is_grad_enabled():  # create_graph=True
+            grad = NoDoubleBackward.apply(grad, ctx.what, ctx.saved_tensors[0])
+        return grad, None
+
+
+def first_order_only(x: torch.Tensor, what: str) -> torch.Tensor:
+    """``x`` unchanged; the gradient that reaches it cannot be differentiated again (a clear error names ``what``)."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return x
+    return _FirstOrderOnly.apply(x, what)
+
+
 def policy_loss_rows(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,

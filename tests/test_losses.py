@@ -313,14 +313,79 @@ def test_reinforce_matches_oracle(mode, with_weights, device):
     assert set(metrics) == {"actor/ppo_kl"}
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_weights_are_constants(device):
+ALL_BACKENDS = device_params("cpu", "reference", "emulated", "cuda")
+
+
+def _constant_cases(old, lp, adv, mask, w):
+    """(entry point, argument name, call taking that argument's tensor) for every input the policy objective treats
+    as a constant: pi_old / pi_rollout, the advantages, the IS weights, the inference log-probs."""
+    from rollout_corr_ext.config import RolloutCorrectionConfig
+
+    rc_cfg = PolicyLossConfig(rollout_correction=RolloutCorrectionConfig.decoupled_token_is())
+    by_cfg = PolicyLossConfig(rollout_correction=RolloutCorrectionConfig.bypass_ppo_clip())
+    ref = old - 0.1
+    a_seq = adv[:, 0].contiguous()
+    return [
+        ("vanilla", "old_log_prob", lambda x: compute_policy_loss_vanilla(x, lp, adv, mask)),
+        ("vanilla", "advantages", lambda x: compute_policy_loss_vanilla(old, lp, x, mask)),
+        ("vanilla", "rollout_is_weights", lambda x: compute_policy_loss_vanilla(old, lp, adv, mask, "token-mean",
+                                                                                None, x)),
+        ("reinforce", "rollout_log_prob", lambda x: compute_policy_loss_reinforce(x, lp, adv, mask)),
+        ("bypass", "old_log_prob", lambda x: compute_policy_loss_bypass(x, lp, adv, mask, "token-mean", by_cfg)),
+        ("decoupled", "rollout_log_prob", lambda x: compute_policy_loss_decoupled(old, lp, x, adv, mask,
+                                                                                   "token-mean", rc_cfg)),
+        ("decoupled", "old_log_prob", lambda x: compute_policy_loss_decoupled(x, lp, old, adv, mask, "token-mean",
+                                                                               rc_cfg)),
+        ("compute_policy_loss", "rollout_log_prob", lambda x: compute_policy_loss(old, lp, adv, mask, "token-mean",
+                                                                                   rc_cfg, rollout_log_prob=x)),
+        ("grpo", "old_logprobs", lambda x: calculate_grpo_loss(lp, x, ref, a_seq, 0.2, 0.2, 0.0, 0.0)),
+        ("grpo", "advantages", lambda x: calculate_grpo_loss(lp, old, ref, x, 0.2, 0.2, 0.0, 0.0)),
+        ("grpo", "inference_logprobs", lambda x: calculate_grpo_loss(lp, old, ref, a_seq, 0.2, 0.2, 0.0, 0.0,
+                                                                     inference_logprobs=x)),
+    ]
+
+
+@pytest.mark.parametrize("device", ALL_BACKENDS)
+def test_constants_that_require_grad_are_refused(device):
+    """pi_old, pi_rollout, the advantages and the IS weights are constants of the objective: one that requires grad
+    is a ValueError naming it (its gradient would otherwise be silently None), on every entry point and backend;
+    detached, or with grad mode off, the same call runs."""
     with ops_on(device) as dev:
         old, lp, adv, mask, w = make_batch(device=dev)
-        w = w.requires_grad_(True)
-        loss, _ = compute_policy_loss_vanilla(old, lp, adv, mask, "token-mean", None, w)
-        loss.backward()
-    assert w.grad is None and lp.grad is not None
+        values = {"old_log_prob": old, "old_logprobs": old, "rollout_log_prob": old - 0.05,
+                  "inference_logprobs": old - 0.05, "advantages": adv, "rollout_is_weights": w}
+        for fn, name, call in _constant_cases(old, lp, adv, mask, w):
+            x = values[name]
+            if fn == "grpo" and name == "advantages":
+                x = adv[:, 0].contiguous()
+            with pytest.raises(ValueError, match=f"{name} requires grad"):
+                call(x.detach().clone().requires_grad_(True))
+            out = call(x)  # the same call with the constant detached
+            assert torch.isfinite(out[0]).all(), (fn, name)
+            with torch.no_grad():
+                call(x.detach().clone().requires_grad_(True))  # no gradient asked for: nothing to refuse
+
+
+@pytest.mark.parametrize("device", ALL_BACKENDS)
+def test_double_backward_is_refused(device):
+    """create_graph=True through a policy loss: the first-order gradient is the usual one, and differentiating it
+    again raises (never a silent second derivative of 0), on every backend and entry point."""
+    with ops_on(device) as dev:
+        old, lp, adv, mask, w = make_batch(device=dev)
+        calls = {
+            "compute_policy_loss_vanilla": lambda: compute_policy_loss_vanilla(old, lp, adv, mask, "token-mean",
+                                                                               None, w)[0],
+            "compute_policy_loss_reinforce": lambda: compute_policy_loss_reinforce(old, lp, adv, mask)[0],
+            "calculate_grpo_loss": lambda: calculate_grpo_loss(lp, old, old - 0.1, adv[:, 0].contiguous(), 0.2,
+                                                               0.2, 0.0, 0.0)[0].sum(),
+        }
+        for what, call in calls.items():
+            g1, = torch.autograd.grad(call(), lp)
+            g2, = torch.autograd.grad(call(), lp, create_graph=True)
+            torch.testing.assert_close(g2.detach(), g1, rtol=0, atol=0)
+            assert g2.requires_grad, what
+            with pytest.raises(RuntimeError, match=f"{what}: double backward"):
+                torch.autograd.grad(g2.sum(), lp)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -608,3 +673,37 @@ def test_neg_inf_log_prob_under_ppo_is_defined_by_the_clamp(device):
         if dev != "cuda":  # REINFORCE's -inf log_prob at a response token: CUDA asserts (tests/test_cuda.py)
             with pytest.raises(ValueError, match=r"response token \(0, 1\)"):
                 compute_policy_loss_reinforce(old, lp, adv, mask)
+
+
+@pytest.mark.parametrize("device", ALL_BACKENDS)
+def test_megatron_loss_func_and_verl_adapter_refuse_constants_with_grad(device):
+    """The same rules through megatron's loss_func (logits in, old / rollout log-probs and advantages bound at
+    build time) and the verl adapter; create_graph=True through loss_func raises too."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    from rollout_corr_ext import verl as rc_verl
+    from rollout_corr_ext.config import RolloutCorrectionConfig
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    with ops_on(device) as dev:
+        old, lp, adv, mask, w = make_batch(device=dev)
+        b, s, v = old.shape[0], old.shape[1], 11
+        g = torch.Generator().manual_seed(3)
+        logits = torch.randn(s, b, v, generator=g, dtype=old.dtype).to(dev).requires_grad_(True)
+        target = torch.randint(0, v, (b, s), generator=g).to(dev)
+        for mode, kw in (("decoupled", dict(old_log_prob=old, rollout_log_prob=old - 0.05, config=PolicyLossConfig(
+                rollout_correction=RolloutCorrectionConfig.decoupled_token_is()))),
+                         ("bypass", dict(rollout_log_prob=old - 0.05, config=PolicyLossConfig(
+                             rollout_correction=RolloutCorrectionConfig.bypass_ppo_clip())))):
+            names = [k for k in ("old_log_prob", "rollout_log_prob") if k in kw] + ["advantages"]
+            for name in names:
+                args = dict(kw, advantages=adv)
+                args[name] = args[name].detach().clone().requires_grad_(True)
+                with pytest.raises(ValueError, match=f"{name} requires grad"):
+                    make_policy_loss_func(target, args.pop("advantages"), mask, **args)(logits)
+            loss_sum = make_policy_loss_func(target, adv, mask, **kw)(logits)[0]
+            grad, = torch.autograd.grad(loss_sum, logits, create_graph=True)
+            with pytest.raises(RuntimeError, match="double backward"):
+                torch.autograd.grad(grad.sum(), logits)
+        with pytest.raises(ValueError, match="old_log_prob requires grad"):
+            rc_verl.compute_policy_loss_vanilla(old.detach().clone().requires_grad_(True), lp, adv, mask,
+                                                "token-mean", None)
