@@ -19,7 +19,8 @@ Run (the issue's size is ``--hidden 2048``; on a 2-core CPU one fp32 forward + b
 about a minute per path, so the default here is ``--hidden 512``, which leaves the memory ratio of the logits-sized
 buffers unchanged)::
 
-    python benchmarks/bench_linear_logprob.py [--hidden 512 --vocab 32000 --n 2048 4096 8192 16384 --n-time 8192]
+    python benchmarks/bench_linear_logprob.py [--hidden 512 --vocab 32000 --n 2048 4096 8192 16384 --n-time 8192
+                                               --ignored 0 0.3 0.5]
     python benchmarks/bench_linear_logprob.py --device cuda   # on a GPU: CUDA allocator peaks, cuda.synchronize
 """
 
@@ -42,11 +43,14 @@ PATHS = ("materialized", "fused")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def make_inputs(n, h, v, dtype, device):
+def make_inputs(n, h, v, dtype, device, ignored=0.0):
+    """``ignored``: the fraction of rows whose target is ignore_index (an RL batch's padding), at random rows."""
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(n, h, generator=g).to(dtype).to(device)
     weight = (torch.randn(v, h, generator=g) / h ** 0.5).to(dtype).to(device)
-    target = torch.randint(0, v, (n,), generator=g).to(device)
+    target = torch.randint(0, v, (n,), generator=g)
+    target[torch.randperm(n, generator=g)[:round(ignored * n)]] = -100
+    target = target.to(device)
     w1, w2 = torch.randn(n, generator=g).to(device), torch.randn(n, generator=g).to(device)
     return hidden.requires_grad_(True), weight.requires_grad_(True), target, w1, w2
 
@@ -107,6 +111,8 @@ def main():
     ap.add_argument("--n-time", type=int, default=8192)
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ignored", type=float, nargs="+", default=[0.0, 0.3, 0.5],
+                    help="fractions of rows whose target is ignore_index, timed each (the fused path skips them)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -120,12 +126,13 @@ def main():
           f"weight; device {device}, backend={rc.backend()}, torch {torch.__version__}, {torch.get_num_threads()} "
           f"threads; fused chunk {rc.linear.DEFAULT_CHUNK_ROWS} x {rc.linear.DEFAULT_CHUNK_COLS}")
     print()
-    print(f"time at N = {args.n_time} (median of {args.repeats} after a warm-up):")
+    print(f"time at N = {args.n_time} (median of {args.repeats} after a warm-up); ignored rows: targets set to "
+          f"ignore_index, which the fused path leaves out of its GEMMs and the materialized path computes:")
     print()
-    print("| dtype | materialized (s) | fused (s) | fused / materialized |")
-    print("|---|---:|---:|---:|")
-    for name in args.dtypes:
-        inputs = make_inputs(args.n_time, h, v, DTYPES[name], device)
+    print("| dtype | ignored rows | materialized (s) | fused (s) | fused / materialized |")
+    print("|---|---:|---:|---:|---:|")
+    for name, ignored in [(d, f) for d in args.dtypes for f in args.ignored]:
+        inputs = make_inputs(args.n_time, h, v, DTYPES[name], device, ignored)
         med = {}
         for path in PATHS:
             step(path, *inputs)
@@ -138,7 +145,7 @@ def main():
                 sync()
                 times[path].append(time.perf_counter() - t0)
         med = {p: statistics.median(t) for p, t in times.items()}
-        print(f"| {name} | {med['materialized']:.2f} | {med['fused']:.2f} | "
+        print(f"| {name} | {ignored:.0%} | {med['materialized']:.2f} | {med['fused']:.2f} | "
               f"{med['fused'] / med['materialized']:.2f}x |", flush=True)
         del inputs
     print()

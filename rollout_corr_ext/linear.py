@@ -66,28 +66,61 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -
 _MERGE_ROW = re.compile(r"in row (\d+) of the flattened logits|every logit of row (\d+)|target\.flatten\(\)\[(\d+)\]")
 
 
-def _chunk_error(exc: RuntimeError, r0: int, dtype: torch.dtype) -> Exception:
-    """The merge's error for rows [r0, ...) restated for linear_log_probs' caller: the row of the flattened hidden
-    states (and target), and what the logits are here. Anything else is returned unchanged."""
+def _chunk_error(exc: RuntimeError, r0: int, index: Optional[torch.Tensor], dtype: torch.dtype) -> Exception:
+    """The merge's error for a row chunk (rows r0, r0 + 1, ... of the flattened hidden states, or the rows ``index``
+    when ignored rows were left out) restated for linear_log_probs' caller: the row of the flattened hidden states
+    (and target), and what the logits are here. Anything else is returned unchanged."""
     msg = str(exc).split("\nException raised from")[0]
     m = _MERGE_ROW.search(msg)
     if m is None:
         return exc
     if m.group(3) is not None:
-        row = r0 + int(m.group(3))
+        row = _caller_row(r0, index, int(m.group(3)))
         value = msg[m.end():].split("=", 1)[-1].strip().split()[0]
         return ValueError(f"target holds an id outside [0, vocab_size) that is not ignore_index: "
                           f"target.flatten()[{row}] = {value}")
     if m.group(1) is not None:
-        row = r0 + int(m.group(1))
+        row = _caller_row(r0, index, int(m.group(1)))
         return ValueError(f"the logits hidden @ weight.T (+ bias) hold NaN or +inf in row {row} "
                           f"(hidden.reshape(-1, H)[{row}], on this rank or another rank of the tensor-parallel "
                           f"group): hidden, weight or bias holds NaN / inf there, or the product overflows {dtype}; "
                           f"rows whose target is ignore_index are exempt")
-    row = r0 + int(m.group(2))
+    row = _caller_row(r0, index, int(m.group(2)))
     return ValueError(f"every logit of row {row} (hidden.reshape(-1, H)[{row}] @ weight.T + bias, over all "
                       f"tensor-parallel shards) is -inf: its softmax is undefined; give such positions "
                       f"target = ignore_index")
+
+
+def _caller_row(r0: int, index: Optional[torch.Tensor], k: int) -> int:
+    return r0 + k if index is None else int(index[k])
+
+
+def _valid_rows(target: torch.Tensor, ignore_index: int) -> Optional[torch.Tensor]:
+    """The rows the GEMMs compute: the indices of the rows whose target is not ``ignore_index``, or None when that is
+    every row (then chunks are plain slices, no gather). Ignored rows are never multiplied, so a NaN in their hidden
+    state cannot reach any output or gradient, and RL batches (often a third to a half padding) skip their cost.
+    One host read of the count (a sync on CUDA)."""
+    ignored = target == ignore_index
+    if not bool(ignored.any()):
+        return None
+    return torch.nonzero(~ignored).reshape(-1)
+
+
+def _row_chunks(n: int, valid: Optional[torch.Tensor], chunk_rows: int):
+    """(r0, r1, index) per row chunk of the computed rows [0, n_valid): index None means rows r0:r1 of hidden."""
+    count = n if valid is None else valid.numel()
+    return [(r0, r1, None if valid is None else valid[r0:r1]) for r0, r1 in _ranges(count, chunk_rows)]
+
+
+def _rows(x: torch.Tensor, r0: int, r1: int, index: Optional[torch.Tensor]) -> torch.Tensor:
+    return x[r0:r1] if index is None else x.index_select(0, index)
+
+
+def _vocab_tiles(local_vocab: int, real_cols: int, chunk_cols: int) -> List[Tuple[int, int]]:
+    """The vocab tiles of this shard: as many on every rank (their records are gathered together), each clipped to
+    the columns below vocab_size (``real_cols``), so padded vocabulary rows of the weight are never multiplied; a
+    tile entirely past vocab_size is empty (its record is the identity of the merge)."""
+    return [(c0, max(c0, min(c1, real_cols))) for c0, c1 in _ranges(local_vocab, chunk_cols)]
 
 
 class _LinearLogProbs(torch.autograd.Function):
@@ -96,11 +129,13 @@ class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, tp_group, world, vocab_start, vocab_size, inv_temperature,
                 ignore_index, chunk_rows, chunk_cols, check_group):
-        rows = _ranges(hidden.shape[0], chunk_rows)
-        tiles = _ranges(weight.shape[0], chunk_cols)
+        valid = _valid_rows(target, ignore_index)
+        rows = _row_chunks(hidden.shape[0], valid, chunk_rows)
+        real_cols = min(max(vocab_size - vocab_start, 0), weight.shape[0])
+        tiles = _vocab_tiles(weight.shape[0], real_cols, chunk_cols)
         records = []
-        for r0, r1 in rows:
-            h, t = hidden[r0:r1], target[r0:r1]
+        for r0, r1, index in rows:
+            h, t = _rows(hidden, r0, r1, index), _rows(target, r0, r1, index)
             for c0, c1 in tiles:
                 z = _chunk_logits(h, weight[c0:c1], None if bias is None else bias[c0:c1])
                 # Each vocab tile is one shard of the merge; the chunk is dropped as soon as its record is taken.
@@ -117,69 +152,82 @@ class _LinearLogProbs(torch.autograd.Function):
             gathered = flat.unsqueeze(0)
         logps, entropies, states = [], [], []
         offset = 0
-        for i, (r0, r1) in enumerate(rows):
+        for i, (r0, r1, index) in enumerate(rows):
             n_rec = lengths[i * len(tiles)]
             span = n_rec * len(tiles)
             shards = gathered[:, offset:offset + span].reshape(world * len(tiles), n_rec)
             offset += span
             try:
-                logp, entropy, _, row_state, status = ops.merge_row_stats(shards, target[r0:r1], ignore_index,
-                                                                          vocab_size, inv_temperature, False)
+                logp, entropy, _, row_state, status = ops.merge_row_stats(
+                    shards, _rows(target, r0, r1, index), ignore_index, vocab_size, inv_temperature, False)
             except RuntimeError as exc:  # CPU: the merge names rows of this chunk of its logits
-                raise _chunk_error(exc, r0, hidden.dtype) from None
+                raise _chunk_error(exc, r0, index, hidden.dtype) from None
             if hidden.device.type == "cuda":
                 _assert_status(status)
             logps.append(logp)
             entropies.append(entropy)
             states.append(row_state)
         row_state = torch.cat(states)
-        ctx.save_for_backward(hidden, weight, bias, target, row_state)
-        ctx.args = (vocab_start, vocab_size, inv_temperature, ignore_index, chunk_rows, chunk_cols)
+        logp, entropy = torch.cat(logps), torch.cat(entropies)
+        if valid is not None:  # ignored rows: log-prob and entropy 0, as the merge gives them
+            logp = logp.new_zeros(hidden.shape[0]).index_copy_(0, valid, logp)
+            entropy = entropy.new_zeros(hidden.shape[0]).index_copy_(0, valid, entropy)
+        ctx.save_for_backward(hidden, weight, bias, target, row_state, valid)
+        ctx.args = (vocab_start, vocab_size, inv_temperature, ignore_index, chunk_rows, chunk_cols, real_cols)
         ctx.set_materialize_grads(False)
-        return torch.cat(logps), torch.cat(entropies)
+        return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, target, row_state = ctx.saved_tensors
-        vocab_start, vocab_size, inv_temperature, ignore_index, chunk_rows, chunk_cols = ctx.args
+        hidden, weight, bias, target, row_state, valid = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if (grad_logp is None and grad_entropy is None) or not (need_h or need_w or need_b):
             return (None,) * 13
         with torch.no_grad():
-            grads = _backward(hidden, weight, bias, target, row_state, grad_logp, grad_entropy, vocab_start,
-                              vocab_size, inv_temperature, ignore_index, chunk_rows, chunk_cols, need_h, need_w,
-                              need_b)
+            grads = _backward(hidden, weight, bias, target, row_state, valid, grad_logp, grad_entropy, *ctx.args,
+                              need_h, need_w, need_b)
         if torch.is_grad_enabled():  # create_graph=True: differentiating these gradients again must raise
             anchors = [t for t in (hidden, weight, bias, grad_logp, grad_entropy)
                        if t is not None and t.requires_grad]
             if anchors:
-                grads = tuple(None if g is None else ops.NoDoubleBackward.apply(g, _LOGPROB_OPS, *anchors) for g in grads)
+                grads = tuple(None if g is None else ops.NoDoubleBackward.apply(g, _LOGPROB_OPS, *anchors)
+                              for g in grads)
         return grads + (None,) * 10
 
 
-def _backward(hidden, weight, bias, target, row_state, grad_logp, grad_entropy, vocab_start, vocab_size,
-              inv_temperature, ignore_index, chunk_rows, chunk_cols, need_h, need_w, need_b):
+def _backward(hidden, weight, bias, target, row_state, valid, grad_logp, grad_entropy, vocab_start, vocab_size,
+              inv_temperature, ignore_index, chunk_rows, chunk_cols, real_cols, need_h, need_w, need_b):
+    """Per vocab tile (clipped to the real vocabulary), per chunk of the computed rows: recompute the logits, turn
+    them into d(loss)/d(logits) in place, accumulate. Ignored rows and padded vocabulary rows are never multiplied:
+    their gradients are exactly 0 whatever they hold."""
     exact = hidden.dtype in (torch.float32, torch.float64)  # accumulate in the gradients' own dtype
     acc = hidden.dtype if exact else torch.float32
     grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
     grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
-    rows = _ranges(hidden.shape[0], chunk_rows)
-    for c0, c1 in _ranges(weight.shape[0], chunk_cols):
+    rows = _row_chunks(hidden.shape[0], valid, chunk_rows)
+    if need_w and real_cols < weight.shape[0]:
+        grad_w[real_cols:].zero_()
+    for c0, c1 in _vocab_tiles(weight.shape[0], real_cols, chunk_cols):
+        if c1 == c0:
+            continue
         w = weight[c0:c1]
         b = None if bias is None else bias[c0:c1]
         gw = grad_w[c0:c1] if need_w and exact else None  # the non-exact fp32 tile comes from the first chunk
         first = True  # the first row chunk writes the grad_weight tile, later ones accumulate (no zero fill)
-        for r0, r1 in rows:
+        for r0, r1, index in rows:
             if r1 == r0:
                 continue
-            h = hidden[r0:r1]
+            h = _rows(hidden, r0, r1, index)
             g = _chunk_logits(h, w, b)  # recomputed, then overwritten with d(loss)/d(logits)
-            ops.logprob_backward_(g, None if grad_logp is None else grad_logp[r0:r1],
-                                  None if grad_entropy is None else grad_entropy[r0:r1], None, target[r0:r1],
-                                  row_state[r0:r1], vocab_start + c0, vocab_size, inv_temperature, ignore_index)
+            ops.logprob_backward_(g, None if grad_logp is None else _rows(grad_logp, r0, r1, index),
+                                  None if grad_entropy is None else _rows(grad_entropy, r0, r1, index), None,
+                                  _rows(target, r0, r1, index), row_state[r0:r1], vocab_start + c0, vocab_size,
+                                  inv_temperature, ignore_index)
             if need_h:
-                if exact:
+                if index is not None:
+                    grad_h.index_add_(0, index, torch.matmul(g, w).to(acc))
+                elif exact:
                     grad_h[r0:r1].addmm_(g, w)
                 else:
                     grad_h[r0:r1] += torch.matmul(g, w)
