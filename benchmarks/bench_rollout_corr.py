@@ -300,6 +300,12 @@ def main() -> None:
     ap.add_argument("--peak-gbps", type=float, default=None,
                     help="the device's peak memory bandwidth (GB/s), for a %% of peak column (e.g. 3350 on an H100 SXM)")
     ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--packed", action="store_true",
+                    help="instead: the packed and padded layouts of the same sequences (own options: --b (default 64), "
+                         "--t, --min-len 64, --repeats, --threads, --warm-cache, --device)")
+    ap.add_argument("--dist", action="store_true",
+                    help="instead: the cost of the cross-rank checks on 2 gloo ranks (own options: --b (default 64), "
+                         "--t (default 2048), --repeats (default 20))")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -457,7 +463,7 @@ def _dist_worker(rank: int, world: int, store: str, b: int, t: int, repeats: int
         ("  its partials reduce: fixed wire size + fingerprint and batch checks", checked_reduce),
         ("  baseline: bare SUM + MAX of the unpadded partials", bare_reduce),
         ("CP op (seq_group)", lambda: rc.compute_rollout_correction(lp, rlp, mask, cfg, seq_group=group)),
-        ("  its row-count check alone (16-byte MAX all-reduce)", lambda: C._check_seq_rows(lp, group)),
+        ("  its row-count check alone (16-byte MAX all-reduce)", lambda: C._check_seq_rows(lp.shape[0], lp.device, group)),
         ("single-process op (no collectives)", lambda: rc.compute_rollout_correction(lp, rlp, mask, cfg)),
     ]:
         ms = _median_ms(fn, repeats)
@@ -612,23 +618,23 @@ def packed_main(args) -> None:
 
 if __name__ == "__main__":
     if "--dist" in sys.argv:
-        ap = argparse.ArgumentParser()
+        ap = argparse.ArgumentParser(description="rollout correction: the cross-rank checks' cost on 2 gloo ranks")
         ap.add_argument("--dist", action="store_true")
-        ap.add_argument("--b", type=int, default=None)
-        ap.add_argument("--t", type=int, default=None)
-        ap.add_argument("--repeats", type=int, default=None)
+        ap.add_argument("--b", type=int, default=None, help="rows per rank (default 64)")
+        ap.add_argument("--t", type=int, default=None, help="response length (default 2048)")
+        ap.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 20)")
         dist_main(ap.parse_args())
     elif "--packed" in sys.argv:
-        ap = argparse.ArgumentParser()
+        ap = argparse.ArgumentParser(description="rollout correction: packed vs padded layouts of the same sequences")
         ap.add_argument("--packed", action="store_true")
-        ap.add_argument("--b", type=int, default=None)
-        ap.add_argument("--t", type=int, default=8192)
-        ap.add_argument("--min-len", type=int, default=64)
-        ap.add_argument("--repeats", type=int, default=5)
-        ap.add_argument("--threads", type=int, default=None)
-        ap.add_argument("--warm-cache", action="store_true")
-        ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-        ap.add_argument("--_memory", default=None)
+        ap.add_argument("--b", type=int, default=None, help="sequences (default 64)")
+        ap.add_argument("--t", type=int, default=8192, help="padded length (default 8192)")
+        ap.add_argument("--min-len", type=int, default=64, help="shortest sequence (default 64)")
+        ap.add_argument("--repeats", type=int, default=5, help="timed calls per row (default 5)")
+        ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+        ap.add_argument("--warm-cache", action="store_true", help="do not evict the inputs between calls")
+        ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="default cpu")
+        ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
         pargs = ap.parse_args()
         if pargs.threads:
             torch.set_num_threads(pargs.threads)

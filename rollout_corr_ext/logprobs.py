@@ -245,6 +245,7 @@ def _vocab_parallel(
     inplace_backward,
     check_group,
     with_entropy: bool = True,
+    entry: str = "vocab_parallel_log_probs",
 ):
     if not isinstance(logits, torch.Tensor) or logits.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"logits must be a float16/bfloat16/float32/float64 tensor, got "
@@ -264,7 +265,7 @@ def _vocab_parallel(
         raise ValueError(
             f"tp_group=None, but megatron-core is initialized with tensor-parallel size {_megatron_tp_size()}: "
             f"these logits are probably one vocab shard. Pass tp_group (or use "
-            f"rollout_corr_ext.megatron.vocab_parallel_log_probs, which defaults to megatron's group); for logits "
+            f"rollout_corr_ext.megatron.{entry}, which defaults to megatron's group); for logits "
             f"that hold the whole vocab on this rank, pass vocab_size explicitly")
     vocab_start, vocab_size = vocab_layout(vocab_start, vocab_size, rank, world, local_vocab)
     if with_sum_z and vocab_size < 2:
@@ -384,7 +385,7 @@ def vocab_parallel_cross_entropy(
     with_sum_z = label_smoothing > 0
     logp, _, mean_logp, v = _vocab_parallel(vocab_parallel_logits, target, tp_group, vocab_start, vocab_size,
                                             temperature, ignore_index, with_sum_z, inplace_backward, check_group,
-                                            with_entropy=False)
+                                            with_entropy=False, entry="vocab_parallel_cross_entropy")
     if not with_sum_z:
         return -logp
     return _SmoothedNll.apply(logp, mean_logp, label_smoothing * v / (v - 1))

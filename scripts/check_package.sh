@@ -16,7 +16,8 @@ sdist=$(ls "$out"/dist/*.tar.gz)
 wheel=$(ls "$out"/dist/*.whl)
 echo "built $sdist and $wheel"
 tar -tzf "$sdist" > "$out/sdist.txt"
-for f in csrc/ops.cpp csrc/logprob_host.h csrc/cuda/logprob_kernels.cuh LICENSE CHANGELOG.md rollout_corr_ext/py.typed; do
+for f in csrc/ops.cpp csrc/logprob_host.h csrc/cuda/logprob_kernels.cuh LICENSE CHANGELOG.md rollout_corr_ext/py.typed \
+         tests/conftest.py rollout_corr_testing/dense_oracles.py rollout_corr_testing/cuda_emulator/cuda_emu.h; do
   grep -q "/$f\$" "$out/sdist.txt" || { echo "sdist lacks $f"; exit 1; }
 done
 python - "$wheel" <<'PY'

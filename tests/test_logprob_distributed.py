@@ -228,8 +228,9 @@ def _megatron_group_none_worker(rank, world):
         shard = full[..., rank * 32:(rank + 1) * 32].float().to(worker_device())
         for fn in (rc.vocab_parallel_log_probs, rc.vocab_parallel_cross_entropy):
             with pytest.raises(ValueError, match="tp_group=None, but megatron-core is initialized with "
-                                                 "tensor-parallel size 2"):
+                                                 "tensor-parallel size 2") as info:
                 fn(shard, target)
+            assert f"rollout_corr_ext.megatron.{fn.__name__}," in str(info.value), str(info.value)  # the one called
         from rollout_corr_ext import megatron as rc_megatron
         logp = rc_megatron.vocab_parallel_log_probs(shard, target)  # defaults to megatron's group: right
         ref_logp, _, _ = log_probs_dense(full, target_cpu)

@@ -10,6 +10,8 @@ tensors (skipped with the reason without a GPU); the emulator registers no torch
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -91,3 +93,59 @@ def test_compiled_step_still_raises_clear_errors(device):
     compiled = torch.compile(_step, backend="aot_eager", fullgraph=True)
     with pytest.raises(Exception, match="NaN or \\+-inf at valid response_mask positions"):
         compiled(logits.clone().requires_grad_(True), target, old, rollout, mask, adv)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_error_types_under_compile(fullgraph):
+    """What a compiled caller sees (docs/logprobs.md, "Under torch.compile"): a check of tensor *values* runs inside
+    the op at run time and keeps its type (ValueError) under compile, fullgraph or not. A check of the arguments
+    themselves (shapes, dtypes, modes, requires_grad) runs while dynamo traces: without fullgraph dynamo falls back
+    to eager there and the caller gets the documented ValueError / TypeError unchanged; with fullgraph=True dynamo
+    wraps it in torch._dynamo.exc.Unsupported (a RuntimeError) whose message carries the original one."""
+    torch._dynamo.reset()
+    logits, target, old, rollout, mask, adv = _inputs()
+
+    def run(fn, *args):
+        return torch.compile(fn, backend="aot_eager", fullgraph=fullgraph)(*args)
+
+    def eager_error(fn, *args):
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - the type is what is compared
+            return type(e), str(e).split("\n")[0][:60]
+        raise AssertionError("no error in eager mode")
+
+    bad_rollout = rollout.clone()
+    bad_rollout[0, 3] = float("nan")
+    bad_target = target.clone()
+    bad_target[1, 2] = 10_000
+    bad_logits = logits.clone()
+    bad_logits[2, 5, 7] = float("nan")
+    value_cases = [(_step, (logits.clone().requires_grad_(True), target, old, bad_rollout, mask, adv)),
+                   (lambda x, t: rc.vocab_parallel_log_probs(x, t), (logits, bad_target)),
+                   (lambda x, t: rc.vocab_parallel_log_probs(x, t), (bad_logits, target))]
+    for fn, args in value_cases:
+        exc, words = eager_error(fn, *args)
+        torch._dynamo.reset()
+        with pytest.raises(exc, match=re.escape(words)):
+            run(fn, *args)
+
+    def bad_mode(old_lp, lp, a, m):
+        return rc.compute_policy_loss_vanilla(old_lp, lp, a, m, loss_agg_mode="mean")[0]
+
+    def old_with_grad(old_lp, lp, a, m):
+        return rc.compute_policy_loss_vanilla(old_lp, lp, a, m)[0]
+
+    lp = old.clone().requires_grad_(True)
+    cases = [(bad_mode, (old, lp, adv, mask), ValueError, "loss_agg_mode"),
+             (old_with_grad, (old.clone().requires_grad_(True), lp, adv, mask), ValueError,
+              "old_log_prob requires grad")]
+    for fn, args, exc, words in cases:
+        torch._dynamo.reset()
+        if fullgraph:
+            with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+                run(fn, *args)
+            assert exc.__name__ in str(info.value) and words in str(info.value), str(info.value)[:500]
+        else:
+            with pytest.raises(exc, match=words):
+                run(fn, *args)

@@ -1,0 +1,44 @@
+"""Every benchmark command the docs show runs, at a tiny size (issue: every documented command runs in CI): each
+script and each of its modes (``--packed``, ``--dist``, ``--ignored``), and ``--help`` names every mode. Figures are
+not checked here (timings are never asserted in tests); only that each run finishes and prints its table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+RUNS = {
+    "logprob": ["bench_logprob.py", "--tokens", "64", "--vocab", "256", "--dtypes", "fp32", "--tp", "1", "2",
+                "--reps", "1"],
+    "rollout_corr": ["bench_rollout_corr.py", "--b", "4", "--t", "64", "--repeats", "1"],
+    "rollout_corr_packed": ["bench_rollout_corr.py", "--packed", "--b", "4", "--t", "64", "--min-len", "8",
+                            "--repeats", "1"],
+    "rollout_corr_dist": ["bench_rollout_corr.py", "--dist", "--b", "4", "--t", "64", "--repeats", "1"],
+    "linear_logprob": ["bench_linear_logprob.py", "--hidden", "16", "--vocab", "300", "--n", "64", "--n-time", "96",
+                       "--repeats", "1", "--ignored", "0", "0.5"],
+}
+
+
+def _run(args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", args[0]), *args[1:]], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_benchmark_runs_at_a_tiny_size(name):
+    out = _run(RUNS[name])
+    assert out.returncode == 0, f"{name} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    assert "|---" in out.stdout, f"{name} printed no table:\n{out.stdout[-2000:]}"
+
+
+def test_help_lists_every_mode():
+    out = _run(["bench_rollout_corr.py", "--help"])
+    assert out.returncode == 0 and "--packed" in out.stdout and "--dist" in out.stdout, out.stdout
+    out = _run(["bench_linear_logprob.py", "--help"])
+    assert out.returncode == 0 and "--ignored" in out.stdout, out.stdout
