@@ -12,6 +12,8 @@ import importlib
 import os
 import warnings
 
+from . import _env
+
 __version__ = "0.1.0"
 
 _BACKEND = "reference"
@@ -29,7 +31,7 @@ def _activate(module_has_cuda: bool) -> None:
 
 
 def _try_prebuilt() -> bool:
-    if os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0") == "1":
+    if _env.flag("ROLLOUT_CORR_FORCE_REFERENCE"):
         return False
     import torch  # first: _C links against libtorch/libc10, which importing torch loads
 
@@ -57,7 +59,7 @@ def load_extension(verbose: bool = False, with_cuda: bool | None = None, build_d
     use_cuda = _build.want_cuda() if with_cuda is None else with_cuda
     kwargs = _build.extension_kwargs(use_cuda)
     if build_directory is None:
-        build_directory = os.environ.get("ROLLOUT_CORR_BUILD_DIR")
+        build_directory = _env.path("ROLLOUT_CORR_BUILD_DIR")
     if build_directory:
         os.makedirs(build_directory, exist_ok=True)
     load(
@@ -82,13 +84,13 @@ def backend() -> str:
 
 
 if not _try_prebuilt():
-    if os.environ.get("ROLLOUT_CORR_JIT", "0") == "1":
+    if _env.flag("ROLLOUT_CORR_JIT"):
         try:
             load_extension()
         except Exception as exc:  # a failed JIT build must not make the package unimportable
             warnings.warn(f"rollout_corr_ext: ROLLOUT_CORR_JIT=1 but the JIT build failed ({exc!r}); using the "
                           f"pure-PyTorch reference backend", RuntimeWarning, stacklevel=2)
-    elif os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0") != "1":
+    elif not _env.flag("ROLLOUT_CORR_FORCE_REFERENCE"):
         warnings.warn(
             "rollout_corr_ext: the compiled extension is not built; using the pure-PyTorch reference backend "
             "(build with `pip install --no-build-isolation -e .` or call rollout_corr_ext.load_extension()).",

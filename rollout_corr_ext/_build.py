@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-import os
+import importlib.util
 from pathlib import Path
 from typing import Dict, List
+
+# setup.py loads this file by path, before the package is importable: load the switch table the same way.
+_env_spec = importlib.util.spec_from_file_location("_rc_env", Path(__file__).with_name("_env.py"))
+_env = importlib.util.module_from_spec(_env_spec)
+_env_spec.loader.exec_module(_env)
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 # A source checkout (or editable install) has csrc/ beside the package; a wheel carries a copy inside the package
@@ -55,7 +60,7 @@ def want_cuda() -> bool:
         return False
     if not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
         return False
-    return os.environ.get("FORCE_CUDA", "0") == "1" or torch.cuda.is_available()
+    return _env.flag("FORCE_CUDA") or torch.cuda.is_available()
 
 
 def cuda_include_dirs() -> List[str]:

@@ -275,7 +275,8 @@ sys.path.insert(0, {root!r})
 warnings.simplefilter("ignore")
 import torch
 import rollout_corr_ext as rc
-if rc.backend() == "reference" and os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0") != "1":
+from rollout_corr_ext import _env
+if rc.backend() == "reference" and not _env.flag("ROLLOUT_CORR_FORCE_REFERENCE"):
     rc.load_extension()
 assert rc.backend() == "cuda", "the subprocess has no CUDA backend: " + rc.backend()
 from rollout_corr_ext import ops

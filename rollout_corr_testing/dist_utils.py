@@ -25,8 +25,9 @@ def _ensure_backend():
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
     warnings.filterwarnings("ignore", category=RuntimeWarning, message="rollout_corr_ext.*")
     import rollout_corr_ext
+    from rollout_corr_ext import _env
 
-    if rollout_corr_ext.backend() == "reference" and os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0") != "1":
+    if rollout_corr_ext.backend() == "reference" and not _env.flag("ROLLOUT_CORR_FORCE_REFERENCE"):
         rollout_corr_ext.load_extension()
 
 

@@ -19,8 +19,9 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 with warnings.catch_warnings():
     warnings.simplefilter("ignore", RuntimeWarning)
     import rollout_corr_ext  # noqa: E402
+    from rollout_corr_ext import _env  # noqa: E402
 
-if rollout_corr_ext.backend() == "reference" and os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0") != "1":
+if rollout_corr_ext.backend() == "reference" and not _env.flag("ROLLOUT_CORR_FORCE_REFERENCE"):
     rollout_corr_ext.load_extension()
 
 

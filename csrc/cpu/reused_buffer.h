@@ -27,6 +27,8 @@
 #include <mutex>
 #include <utility>
 
+#include "switches.h"
+
 namespace rollout_corr {
 namespace cpu {
 
@@ -84,10 +86,7 @@ class ReusedBlockAllocator final : public c10::Allocator {
     return bytes;
   }
 
-  ReusedBlockAllocator() {
-    const char* v = std::getenv("ROLLOUT_CORR_CPU_CACHE");
-    enabled_ = v == nullptr || std::strcmp(v, "0") != 0;
-  }
+  ReusedBlockAllocator() : enabled_(cpu_cache_enabled()) {}
 
  private:
   struct Block {
@@ -122,7 +121,7 @@ class ReusedBlockAllocator final : public c10::Allocator {
 
   std::mutex mu_;
   Block* cached_ = nullptr;
-  bool enabled_ = true;
+  bool enabled_;
 };
 
 // An uninitialised CPU tensor whose storage comes from the cache of `use` (contiguous; the caller writes all of it).

@@ -285,40 +285,47 @@ RC_FORCEINLINE void token_pass_rows_any(const RolloutParams<acc_t>& p, Partials&
   }
 }
 
-// Non-template entry points: the fp32 path with 8 lanes under RC_CPU_MULTIVERSION (target_clones: an AVX2 copy and
-// the baseline), and an AVX-512 copy picked at run time when the CPU has it (also 8 lanes: 16 measured no faster).
-RC_CPU_MULTIVERSION void seq_stats_rows_f32(const RolloutParams<float>& p, int64_t begin, int64_t end) {
+// Non-template entry points. The fp32 path runs 8 lanes in three explicit copies, AVX-512, AVX2 + FMA and the x86-64
+// baseline, picked by cpu::cpu_isa(): the one ISA choice (ROLLOUT_CORR_CPU_ISA narrows it) that governs the log-prob
+// kernels too. (The AVX-512 copy keeps 8 lanes: 16 measured no faster here.)
+RC_CPU_AVX512 void seq_stats_rows_f32_avx512(const RolloutParams<float>& p, int64_t begin, int64_t end) {
   seq_stats_rows_any<cpu::v8f, float>(p, begin, end);
 }
-RC_CPU_AVX512 void seq_stats_rows_f32_avx512(const RolloutParams<float>& p, int64_t begin, int64_t end) {
+RC_CPU_AVX2 void seq_stats_rows_f32_avx2(const RolloutParams<float>& p, int64_t begin, int64_t end) {
+  seq_stats_rows_any<cpu::v8f, float>(p, begin, end);
+}
+void seq_stats_rows_f32(const RolloutParams<float>& p, int64_t begin, int64_t end) {
   seq_stats_rows_any<cpu::v8f, float>(p, begin, end);
 }
 RC_CPU_AVX512 void token_pass_rows_f32_avx512(const RolloutParams<float>& p, Partials& P, int64_t begin,
                                               int64_t end) {
   token_pass_rows_any<cpu::v8f, float>(p, P, begin, end);
 }
+RC_CPU_AVX2 void token_pass_rows_f32_avx2(const RolloutParams<float>& p, Partials& P, int64_t begin, int64_t end) {
+  token_pass_rows_any<cpu::v8f, float>(p, P, begin, end);
+}
+void token_pass_rows_f32(const RolloutParams<float>& p, Partials& P, int64_t begin, int64_t end) {
+  token_pass_rows_any<cpu::v8f, float>(p, P, begin, end);
+}
 void seq_stats_rows_f64(const RolloutParams<double>& p, int64_t begin, int64_t end) {
   seq_stats_rows<double, double, rc::kRuntimeCount>(p, begin, end);
-}
-RC_CPU_MULTIVERSION void token_pass_rows_f32(const RolloutParams<float>& p, Partials& P, int64_t begin, int64_t end) {
-  token_pass_rows_any<cpu::v8f, float>(p, P, begin, end);
 }
 void token_pass_rows_f64(const RolloutParams<double>& p, Partials& P, int64_t begin, int64_t end) {
   token_pass_rows<double, double, rc::kRuntimeCount>(p, P, begin, end);
 }
 inline void seq_stats_range(const RolloutParams<float>& p, int64_t b, int64_t e) {
-  if (cpu::has_avx512()) {
-    seq_stats_rows_f32_avx512(p, b, e);
-  } else {
-    seq_stats_rows_f32(p, b, e);
+  switch (cpu::cpu_isa()) {
+    case cpu::CpuIsa::kAvx512: return seq_stats_rows_f32_avx512(p, b, e);
+    case cpu::CpuIsa::kAvx2: return seq_stats_rows_f32_avx2(p, b, e);
+    default: return seq_stats_rows_f32(p, b, e);
   }
 }
 inline void seq_stats_range(const RolloutParams<double>& p, int64_t b, int64_t e) { seq_stats_rows_f64(p, b, e); }
 inline void token_pass_range(const RolloutParams<float>& p, Partials& P, int64_t b, int64_t e) {
-  if (cpu::has_avx512()) {
-    token_pass_rows_f32_avx512(p, P, b, e);
-  } else {
-    token_pass_rows_f32(p, P, b, e);
+  switch (cpu::cpu_isa()) {
+    case cpu::CpuIsa::kAvx512: return token_pass_rows_f32_avx512(p, P, b, e);
+    case cpu::CpuIsa::kAvx2: return token_pass_rows_f32_avx2(p, P, b, e);
+    default: return token_pass_rows_f32(p, P, b, e);
   }
 }
 inline void token_pass_range(const RolloutParams<double>& p, Partials& P, int64_t b, int64_t e) {

@@ -1,7 +1,7 @@
 // CPU SIMD math shared by the CPU kernels of every family: one vectorized exp for the whole project.
-// Written with GCC/Clang vector extensions; the kernels' outer loops are multiversioned, with RC_CPU_MULTIVERSION
-// (target_clones) or as explicit copies (RC_CPU_AVX2, RC_CPU_AVX512, picked by cpu_isa()), and these always-inline
-// helpers are compiled into each copy for its ISA.
+// Written with GCC/Clang vector extensions; the kernels' outer loops come as explicit copies (RC_CPU_AVX512,
+// RC_CPU_AVX2 and the baseline, picked by cpu_isa()), and these always-inline helpers are compiled into each copy for
+// its ISA.
 #pragma once
 
 #include <cmath>
@@ -12,9 +12,9 @@
 #include <type_traits>
 
 #include "rc_macros.h"
+#include "switches.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define RC_CPU_MULTIVERSION __attribute__((target_clones("arch=x86-64-v3", "default")))  // v3: AVX2 + FMA
 // An explicit AVX-512 copy of a function (called only after rc_cpu_has_avx512() says the CPU runs it).
 #define RC_CPU_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,fma")))
 #include <immintrin.h>
@@ -29,7 +29,6 @@
 #define RC_CPU_AVX2_INLINE RC_CPU_AVX2 inline
 #define RC_CPU_HAS_AVX2_PATH 1
 #else
-#define RC_CPU_MULTIVERSION
 #define RC_CPU_AVX512
 #define RC_CPU_HAS_AVX512_PATH 0
 #define RC_CPU_AVX2
@@ -44,8 +43,7 @@ enum class CpuIsa { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // The copy to run, decided once per process: the widest this CPU runs, narrowed by ROLLOUT_CORR_CPU_ISA
 // ("avx512", "avx2" or "baseline"; a wider request than the CPU runs gets what it runs) so that one build can compare
-// its paths. "avx2" also sends the target_clones kernels (RC_CPU_MULTIVERSION) to their 8-lane clones; those pick
-// AVX2 or the baseline by the CPU alone.
+// its paths. Every CPU kernel with explicit copies (log-probs, rollout correction) dispatches on it.
 inline CpuIsa cpu_isa() {
   static const CpuIsa isa = [] {
     CpuIsa widest = CpuIsa::kBaseline;
@@ -56,9 +54,9 @@ inline CpuIsa cpu_isa() {
       widest = CpuIsa::kAvx512;
     }
 #endif
-    const char* env = std::getenv("ROLLOUT_CORR_CPU_ISA");
+    const char* env = switch_value(kCpuIsaSwitch);
     CpuIsa asked = CpuIsa::kAvx512;
-    if (env != nullptr && env[0] != '\0') {
+    if (env != nullptr) {
       if (std::strcmp(env, "baseline") == 0) {
         asked = CpuIsa::kBaseline;
       } else if (std::strcmp(env, "avx2") == 0) {

@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from rollout_corr_ext import _env
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 EMU_SOURCES = sorted(str(p) for p in HERE.glob("emu_*.cpp"))
@@ -50,7 +52,7 @@ def load_emulator(kernel_override_dir: Optional[str] = None, sanitize: Optional[
     from torch.utils.cpp_extension import load
 
     if sanitize is None:
-        sanitize = os.environ.get("ROLLOUT_CORR_EMU_ASAN", "0") == "1"
+        sanitize = _env.flag("ROLLOUT_CORR_EMU_ASAN")
     flags = ["-O1", "-g1", "-fno-omit-frame-pointer", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-function"]
     if sanitize:
         flags += ["-fsanitize=address", "-fno-sanitize-recover=all"]
@@ -60,7 +62,7 @@ def load_emulator(kernel_override_dir: Optional[str] = None, sanitize: Optional[
     if STATS_SOURCE not in chosen:
         chosen = chosen + [STATS_SOURCE]
     key = hashlib.sha1(repr((kernel_override_dir, sanitize, sorted(chosen))).encode()).hexdigest()[:10]
-    build_dir = os.environ.get("ROLLOUT_CORR_EMU_BUILD_DIR")
+    build_dir = _env.path("ROLLOUT_CORR_EMU_BUILD_DIR")
     if build_dir:
         build_dir = os.path.join(build_dir, key)
         os.makedirs(build_dir, exist_ok=True)
