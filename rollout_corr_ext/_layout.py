@@ -1,5 +1,9 @@
-"""The rollout-correction layouts, read from the one declaration the C++ kernels compile:
-``csrc/include/rollout_correction_layout.def`` (X-macros). Nothing here lists a slot by hand.
+"""Every family's layout, read from the one declaration the C++ kernels compile (X-macros): rollout correction
+(``csrc/include/rollout_correction_layout.def``), the log-prob records (``logprob_layout.def``) and the policy loss
+(``policy_loss_layout.def``). Nothing here lists a slot by hand; the package, the fallback and the tests import these
+names from here.
+
+Rollout correction:
 
 ``SEQ``: column -> index of the per-sequence aggregates ``[B, SEQ_COLS]`` (``SEQ_NUM_SUMS`` sums first, then maxima).
 ``SUM`` / ``MAX``: slot -> index of the partial vectors; the SUM vector continues with ``HIST_BINS`` histogram counts
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ._build import CSRC
 
@@ -86,3 +90,83 @@ def crit_sum(i: int, name: str) -> int:
 def crit_max(i: int, name: str) -> int:
     """Index in the MAX vector of slot ``name`` of criterion ``i``."""
     return MAX_CRIT_BASE + i * len(CRIT_MAX) + CRIT_MAX[name]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The log-prob family (csrc/include/logprob_layout.def) and the policy-loss family (policy_loss_layout.def)
+# ---------------------------------------------------------------------------------------------------------------
+
+LOGPROB_LAYOUT_FILE: Path = CSRC / "include" / "logprob_layout.def"
+POLICY_LOSS_LAYOUT_FILE: Path = CSRC / "include" / "policy_loss_layout.def"
+
+
+def _snake(name: str) -> str:
+    """CamelCase (the .def spelling, C++'s k<Name>) -> UPPER_SNAKE (Python's)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).upper()
+
+
+def _number(text: str) -> float:
+    return int(text, 0) if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", text) else float(text)
+
+
+def _publish(tables, kind: str, prefix: str) -> int:
+    """Module constants ``<prefix><NAME> = index`` for the entries of ``kind`` in order; returns their count."""
+    for i, entry in enumerate(tables.get(kind, [])):
+        globals()[prefix + _snake(entry[0])] = i
+    return len(tables.get(kind, []))
+
+
+_LP = _parse(LOGPROB_LAYOUT_FILE)
+HEADER_SLOTS: int = _publish(_LP, "RC_LP_HDR", "HDR_")
+HEADER_BYTES: int = HEADER_SLOTS * 8
+ROW_STAT_COLS_WITH_SUM_Z: int = _publish(_LP, "RC_LP_ROW_STAT", "ROW_STAT_")
+ROW_STATE_COLS: int = _publish(_LP, "RC_LP_ROW_STATE", "ROW_STATE_")
+STATUS_SLOTS: int = _publish(_LP, "RC_LP_STATUS", "STATUS_")
+_LP_CONST = {_snake(name): _number(value) for name, value in _LP["RC_LP_CONST"]}
+SHARD_MAGIC: int = int(_LP_CONST["SHARD_MAGIC"])
+FORMAT_NO_ENTROPY: int = int(_LP_CONST["FORMAT_NO_ENTROPY"])
+SUM_Z_SCALE: float = float(_LP_CONST["SUM_Z_SCALE"])
+
+_PG = _parse(POLICY_LOSS_LAYOUT_FILE)
+for _name, _code in _PG["RC_PG_KIND"]:
+    globals()["PG_KIND_" + _snake(_name)] = int(_code)
+PG_ROW_COLS: int = _publish(_PG, "RC_PG_ROW", "PG_ROW_")
+MASKED_MEAN_EPS: float = float(dict((_snake(n), _number(v)) for n, v in _PG["RC_PG_CONST"])["MASKED_MEAN_EPS"])
+
+
+def header_len(acc) -> int:
+    """Length of the shard-record header in elements of the accumulation dtype ``acc`` (a torch dtype)."""
+    import torch
+
+    return HEADER_BYTES // torch.empty((), dtype=acc).element_size()
+
+
+def layout_error(headers, vocab_size: int, unit: str = "rank") -> Optional[str]:
+    """The verdict of the shard-header check on the host (the rules of check_shard_headers in logprob_math.h), or
+    None when the shards fit: ``headers`` holds one list of HEADER_SLOTS ints per shard; ``unit`` names what one
+    header belongs to in the message (a tensor-parallel rank, or a vocab tile of linear_log_probs)."""
+    h0 = headers[0]
+    for r, h in enumerate(headers):
+        if h[HDR_MAGIC] != SHARD_MAGIC:
+            return f"{unit} {r}'s record is not a log-prob shard record (different op or library version)"
+        if h[HDR_ROWS] != h0[HDR_ROWS]:
+            return f"{unit} 0 has {h0[HDR_ROWS]} rows but {unit} {r} has {h[HDR_ROWS]}"
+        if h[HDR_FORMAT] != h0[HDR_FORMAT]:
+            return (f"{unit}s 0 and {r} use different record formats or settings (temperature, ignore_index, "
+                    f"return_entropy / label smoothing and the logits dtype must agree across the group)")
+        if h[HDR_VOCAB_SIZE] != vocab_size:
+            return (f"{unit} {r} was given vocab_size={h[HDR_VOCAB_SIZE]} but this rank {vocab_size} (pass the true, "
+                    f"global vocab_size on every rank)")
+        if h[HDR_TARGET_HASH] != h0[HDR_TARGET_HASH]:
+            return f"{unit}s 0 and {r} were given different targets (every rank must pass the same global token ids)"
+        for q in range(r):
+            g = headers[q]
+            if (h[HDR_VALID_COLS] > 0 and g[HDR_VALID_COLS] > 0 and h[HDR_VOCAB_START] < g[HDR_VOCAB_START]
+                    + g[HDR_VALID_COLS] and g[HDR_VOCAB_START] < h[HDR_VOCAB_START] + h[HDR_VALID_COLS]):
+                return f"the vocab ranges of {unit} {q} and {unit} {r} overlap (check vocab_start)"
+    if sum(h[HDR_VALID_COLS] for h in headers) != vocab_size or any(h[HDR_VOCAB_START] < 0 for h in headers):
+        shards = "; ".join(f"{r}: {h[HDR_VOCAB_START]}, {h[HDR_LOCAL_VOCAB]}, {h[HDR_VALID_COLS]}"
+                           for r, h in enumerate(headers))
+        return (f"the shards do not cover [0, vocab_size={vocab_size}) exactly; shards ({unit}: vocab_start, local "
+                f"columns, columns below vocab_size): {shards}")
+    return None

@@ -5,7 +5,7 @@ threshold parsing in ``verl/trainer/ppo/rollout_corr_helper.py``, ``_parse_rollo
 ``_parse_rollout_rs_thresholds``), plus the original API's spellings (``rollout_is_mode``,
 ``rollout_is_threshold_lower``, ``rollout_rs_threshold_lower``, ``rollout_token_veto_threshold``, the ratio RS
 criteria ``token`` / ``sequence`` / ``geometric``, the ``geometric`` IS level) and its preset names.
-DESIGN §3 is the contract; ``docs/rollout_correction.md`` the user-facing table.
+docs/rollout_correction.md is the contract; ``docs/rollout_correction.md`` the user-facing table.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def config_items(data: Any, what: str) -> Tuple[Dict[str, Any], bool]:
 
 @dataclass(frozen=True)
 class RolloutCorrectionConfig:
-    """Rollout correction settings (DESIGN §3). Validated in ``__post_init__``; every error names the field.
+    """Rollout correction settings (docs/rollout_correction.md). Validated in ``__post_init__``; every error names the field.
 
     Immutable (a frozen dataclass): assigning a field raises ``dataclasses.FrozenInstanceError``; derive a changed
     config with ``dataclasses.replace(cfg, field=value)``, which validates again. Every threshold must be finite

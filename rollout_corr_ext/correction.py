@@ -1,4 +1,4 @@
-"""Rollout correction: IS weights, RS + veto mask and every diagnostic metric in two passes (DESIGN §3).
+"""Rollout correction: IS weights, RS + veto mask and every diagnostic metric in two passes (docs/rollout_correction.md).
 
 Data flow on each rank (``[B, T]`` = this rank's rows, or this rank's slice of every row under context
 parallelism)::

@@ -4,7 +4,7 @@
 Every function mirrors the contract of the ``torch.ops.rollout_corr.*`` op of the same name (same arguments, same
 outputs, same dtypes); :mod:`rollout_corr_ext.ops` picks between the two. Production code only: the test oracles
 live in the ``rollout_corr_testing`` package and share nothing with this module or the kernels.
-Sections: vocab-parallel log-probs (DESIGN §2); rollout correction (DESIGN §3); policy losses (DESIGN §4).
+Sections: vocab-parallel log-probs (docs/logprobs.md); rollout correction (docs/rollout_correction.md); policy losses (docs/megatron.md, "Loss modes").
 """
 
 from __future__ import annotations
@@ -21,27 +21,45 @@ from . import _layout as LY
 # §2 Vocab-parallel log-probs and entropy
 # ---------------------------------------------------------------------------------------------------------
 
-#: Layout of the shard record (csrc/include/logprob_params.h): a 64-byte header of int64 slots, then per row
-#: (max x, sum exp, sum exp * z, target x[, sum z]) in max-shifted coordinates.
-(HDR_MAGIC, HDR_ROWS, HDR_VOCAB_START, HDR_LOCAL_VOCAB, HDR_VALID_COLS, HDR_VOCAB_SIZE, HDR_TARGET_HASH,
- HDR_FORMAT) = range(8)
-#: The format flag of records taken with with_entropy=False (kFormatNoEntropy in csrc/include/logprob_params.h).
-FORMAT_NO_ENTROPY = 256
-HEADER_SLOTS, HEADER_BYTES, SHARD_MAGIC = 8, 64, 0x52434C5052303032
-ROW_STAT_MAX, ROW_STAT_SUMEXP, ROW_STAT_SUMEXP_Z, ROW_STAT_TARGET_X, ROW_STAT_SUM_Z = range(5)
-#: ROW_STAT_SUM_Z holds sum (x - m)/T times 2^-32 (kSumZScale of logprob_math.h): at logit spreads near fp32's maximum
-#: a term or the sum leaves the fp32 range while the mean over the vocab does not.
-SUM_Z_SCALE = 2.0**-32
-#: Columns of the per-row state saved for backward: max x, log D, softmax mean of (z - M/T).
-ROW_STATE_MAX, ROW_STATE_LOG_D, ROW_STATE_MEAN_Z = range(3)
-ROW_STATE_COLS = 3
-#: Status slots of the merge (CUDA): target out of range, NaN/+inf logits, no finite logit, shard layout.
-STATUS_TARGET, STATUS_NONFINITE, STATUS_NO_FINITE_LOGIT, STATUS_LAYOUT = range(4)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp64 stays fp64 (for gradcheck); every other dtype accumulates in fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+# The record layout (HDR_*, ROW_STAT_*, ROW_STATE_*, STATUS_*, SHARD_MAGIC, FORMAT_NO_ENTROPY, SUM_Z_SCALE) and the
+# policy-loss codes (PG_*) come from their one declaration (csrc/include/*_layout.def, read by _layout.py).
+from ._layout import (  # noqa: E402,F401  (the names this module's ops read, and the ones its callers did)
+    FORMAT_NO_ENTROPY,
+    HDR_FORMAT,
+    HDR_LOCAL_VOCAB,
+    HDR_MAGIC,
+    HDR_ROWS,
+    HDR_TARGET_HASH,
+    HDR_VALID_COLS,
+    HDR_VOCAB_SIZE,
+    HDR_VOCAB_START,
+    MASKED_MEAN_EPS,
+    PG_KIND_PPO_CLIP,
+    PG_KIND_REINFORCE,
+    PG_ROW_CLIP,
+    PG_ROW_CLIP_LOWER,
+    PG_ROW_KL_SUM,
+    PG_ROW_LOSS_SUM,
+    PG_ROW_TOKENS,
+    ROW_STAT_MAX,
+    ROW_STAT_SUM_EXP,
+    ROW_STAT_SUM_EXP_Z,
+    ROW_STAT_SUM_Z,
+    ROW_STAT_TARGET_X,
+    ROW_STATE_COLS,
+    ROW_STATE_LOG_SUM_EXP,
+    ROW_STATE_MAX,
+    ROW_STATE_MEAN_Z,
+    SHARD_MAGIC,
+    STATUS_LAYOUT,
+    STATUS_NO_FINITE_LOGIT,
+    STATUS_NON_FINITE,
+    STATUS_TARGET,
+    SUM_Z_SCALE,
+    header_len,
+)
+from ._layout import layout_error as _layout_error  # noqa: E402
+from ._checks import acc_dtype as _acc_dtype, check_cu_seqlens as _check_cu_seqlens, masked as _masked  # noqa: E402
 
 
 def _valid_cols(vocab_start: int, vocab_size: int, local_vocab: int) -> int:
@@ -49,9 +67,6 @@ def _valid_cols(vocab_start: int, vocab_size: int, local_vocab: int) -> int:
     return max(0, min(local_vocab, vocab_size - vocab_start))
 
 
-def header_len(acc: torch.dtype) -> int:
-    """Length of the shard-record header in elements of the accumulation dtype."""
-    return HEADER_BYTES // torch.empty((), dtype=acc).element_size()
 
 
 def _signed64(v: int) -> int:
@@ -121,8 +136,8 @@ def vocab_row_stats(
         zm = (x - torch.where(empty, torch.zeros_like(m), m).unsqueeze(1)) * inv_temperature
         e = torch.exp(zm)
         rec[:, ROW_STAT_MAX] = m
-        rec[:, ROW_STAT_SUMEXP] = torch.where(empty, torch.zeros_like(m), e.sum(1))
-        rec[:, ROW_STAT_SUMEXP_Z] = torch.where(empty, torch.zeros_like(m),
+        rec[:, ROW_STAT_SUM_EXP] = torch.where(empty, torch.zeros_like(m), e.sum(1))
+        rec[:, ROW_STAT_SUM_EXP_Z] = torch.where(empty, torch.zeros_like(m),
                                                 torch.where(e > 0, e * zm, torch.zeros_like(zm)).sum(1))
         if with_sum_z:  # scaled by 2^-32 before the subtraction: no term or sum leaves the range (SUM_Z_SCALE)
             mz = torch.where(empty, torch.zeros_like(m), m).unsqueeze(1) * SUM_Z_SCALE
@@ -141,35 +156,6 @@ def vocab_row_stats(
                            | settings_fingerprint(inv_temperature, ignore_index)], dtype=torch.int64)
     return torch.cat([header.view(acc).to(logits.device), rec.reshape(-1)])
 
-
-def _layout_error(headers, vocab_size: int, unit: str = "rank") -> Optional[str]:
-    """The verdict of the shard-header check (the same rules as check_shard_headers in logprob_math.h). ``unit``
-    names what one header belongs to in the message: a tensor-parallel rank, or a vocab tile of linear_log_probs."""
-    h0 = headers[0]
-    for r, h in enumerate(headers):
-        if h[HDR_MAGIC] != SHARD_MAGIC:
-            return f"{unit} {r}'s record is not a log-prob shard record (different op or library version)"
-        if h[HDR_ROWS] != h0[HDR_ROWS]:
-            return f"{unit} 0 has {h0[HDR_ROWS]} rows but {unit} {r} has {h[HDR_ROWS]}"
-        if h[HDR_FORMAT] != h0[HDR_FORMAT]:
-            return (f"{unit}s 0 and {r} use different record formats or settings (temperature, ignore_index, "
-                    f"return_entropy / label smoothing and the logits dtype must agree across the group)")
-        if h[HDR_VOCAB_SIZE] != vocab_size:
-            return (f"{unit} {r} was given vocab_size={h[HDR_VOCAB_SIZE]} but this rank {vocab_size} (pass the true, "
-                    f"global vocab_size on every rank)")
-        if h[HDR_TARGET_HASH] != h0[HDR_TARGET_HASH]:
-            return f"{unit}s 0 and {r} were given different targets (every rank must pass the same global token ids)"
-        for q in range(r):
-            g = headers[q]
-            if (h[HDR_VALID_COLS] > 0 and g[HDR_VALID_COLS] > 0 and h[HDR_VOCAB_START] < g[HDR_VOCAB_START]
-                    + g[HDR_VALID_COLS] and g[HDR_VOCAB_START] < h[HDR_VOCAB_START] + h[HDR_VALID_COLS]):
-                return f"the vocab ranges of {unit} {q} and {unit} {r} overlap (check vocab_start)"
-    if sum(h[HDR_VALID_COLS] for h in headers) != vocab_size or any(h[HDR_VOCAB_START] < 0 for h in headers):
-        shards = "; ".join(f"{r}: {h[HDR_VOCAB_START]}, {h[HDR_LOCAL_VOCAB]}, {h[HDR_VALID_COLS]}"
-                           for r, h in enumerate(headers))
-        return (f"the shards do not cover [0, vocab_size={vocab_size}) exactly; shards ({unit}: vocab_start, local "
-                f"columns, columns below vocab_size): {shards}")
-    return None
 
 
 def merge_row_stats(
@@ -197,7 +183,7 @@ def merge_row_stats(
     if why is not None:
         raise RuntimeError("vocab_parallel_log_probs: the tensor-parallel shards do not fit together: " + why)
     rec = gathered[:, hl:].reshape(r_count, n, k)
-    m, d, s = rec[..., ROW_STAT_MAX], rec[..., ROW_STAT_SUMEXP], rec[..., ROW_STAT_SUMEXP_Z]
+    m, d, s = rec[..., ROW_STAT_MAX], rec[..., ROW_STAT_SUM_EXP], rec[..., ROW_STAT_SUM_EXP_Z]
     poisoned = ((d != d) | (s != s) | (m == math.inf)).any(0)
     big_m = m.amax(0)
     mass = d > 0
@@ -273,7 +259,7 @@ def logprob_backward(
     x = logits[:, :cols].to(acc)
     state = row_state.to(acc)
     zm = (x - state[:, ROW_STATE_MAX:ROW_STATE_MAX + 1]) * inv_temperature
-    p = torch.exp(zm - state[:, ROW_STATE_LOG_D:ROW_STATE_LOG_D + 1])
+    p = torch.exp(zm - state[:, ROW_STATE_LOG_SUM_EXP:ROW_STATE_LOG_SUM_EXP + 1])
     ent = torch.where(p > 0, p * (zm - state[:, ROW_STATE_MEAN_Z:ROW_STATE_MEAN_Z + 1]), torch.zeros_like(p))
     valid = (target != ignore_index).unsqueeze(1)
 
@@ -380,26 +366,6 @@ def _token_is_weight(rho, is_mask, is_lower, is_upper):
     if is_mask:
         return torch.where((rho >= is_lower) & (rho <= is_upper), rho, torch.zeros_like(rho))
     return rho.clamp(max=is_upper)
-
-
-_CU_MSG = "cu_seqlens must start at 0, never decrease and end at the number of packed tokens"
-
-
-def _check_cu_seqlens(log_prob: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """The packed layout's checks (the kernels' rollout_layout), returning cu_seqlens as int64."""
-    if log_prob.dim() != 1:
-        raise ValueError(f"with cu_seqlens, log_prob must be the 1-D packed token stream [total_tokens], got shape "
-                         f"{tuple(log_prob.shape)}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [num_sequences + 1], got "
-                         f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-    cu = cu_seqlens.to(torch.int64)
-    ok = (cu[0] == 0) & (cu[-1] == log_prob.shape[0]) & (cu[1:] >= cu[:-1]).all()
-    if cu.device.type == "cuda":
-        torch._assert_async(ok, _CU_MSG)
-    elif not bool(ok):
-        raise ValueError(f"{_CU_MSG} ({log_prob.shape[0]}): got {cu.tolist()}")
-    return cu
 
 
 def _padded(x: torch.Tensor, cu: torch.Tensor):
@@ -747,20 +713,6 @@ def rollout_check(sums: torch.Tensor, agree: Optional[torch.Tensor], log_prob: t
 # ``compute_policy_loss_reinforce``, ``agg_loss``) and Megatron-LM RL ``calculate_grpo_loss``
 # (``megatron/rl/rl_utils.py``). ``policy_loss_rows`` is the op contract (one elementwise pass that a fused
 # kernel replaces); the ``*_dense`` functions are the textbook oracles the tests compare it against.
-
-#: Columns of the per-row partials of ``policy_loss_rows``: sum of m*loss, sum of m, sum of m*1[upper/ratio
-#: clip], sum of m*1[dual clip], sum of m*(old_logp - logp) (the ``ppo_kl`` numerator).
-PG_ROW_LOSS_SUM, PG_ROW_TOKENS, PG_ROW_CLIP, PG_ROW_CLIP_LOWER, PG_ROW_KL_SUM = range(5)
-#: ``loss_kind`` of ``policy_loss_rows``.
-PG_KIND_PPO_CLIP, PG_KIND_REINFORCE = 0, 1
-#: verl's ``masked_mean`` denominator guard (``mask.sum() + 1e-8``), kept so metrics match key for key.
-MASKED_MEAN_EPS = 1e-8
-
-
-def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl's ``masked_sum`` integrand: ``where(mask, v, 0) * mask`` (NaN outside the mask never leaks)."""
-    return torch.where(mask != 0, values, torch.zeros_like(values)) * mask
-
 
 def _policy_token_terms(lp, old, adv, w, clip_low, clip_high, clip_c, loss_kind):
     """Per-token (loss, clip, clip_lower, kl) of the policy losses (formulas in :func:`policy_loss_rows`)."""

@@ -26,7 +26,7 @@ from typing import List, Optional, Tuple, Union
 
 import torch
 
-from rollout_corr_ext import fallback, ops
+from rollout_corr_ext import _layout as LY, ops
 from rollout_corr_ext.logprobs import (
     _LOGPROB_OPS,
     _all_gather,
@@ -279,12 +279,12 @@ def copy_to_tensor_parallel_region(x: torch.Tensor, tp_group) -> torch.Tensor:
 def _check_headers(records, group, world, vocab_size, n_rows, n_tiles) -> None:
     """check_group: one tiny all-gather of every record's 64-byte header, checked on the host per row chunk, so ranks
     with different row counts or layouts get a named error before the records' all-gather."""
-    hl = fallback.header_len(records[0].dtype)
+    hl = LY.header_len(records[0].dtype)
     headers = torch.cat([r[:hl].clone().view(torch.int64) for r in records])
     per = headers.numel() // len(records)
     got = _all_gather(headers, group, world).cpu().view(world, n_rows, n_tiles, per)
     for i in range(n_rows):
-        why = fallback._layout_error([got[r, i, j].tolist() for r in range(world) for j in range(n_tiles)],
+        why = LY.layout_error([got[r, i, j].tolist() for r in range(world) for j in range(n_tiles)],
                                      vocab_size, unit="shard")
         if why is not None:
             raise ValueError("linear_log_probs: the tensor-parallel shards do not fit together: " + why)

@@ -1,6 +1,6 @@
 """Vocab-parallel log-probs, entropy and cross entropy: the autograd function and its one collective.
 
-Forward (DESIGN §2): one read of the local shard -> a shard record (a 64-byte header + 16-20 B per row) -> **one**
+Forward (docs/logprobs.md): one read of the local shard -> a shard record (a 64-byte header + 16-20 B per row) -> **one**
 all-gather over ``tp_group`` (none at TP=1) -> merge. Every rank checks the gathered headers, so shards that do not
 tile the vocab, disagree on rows or targets, or hold NaN/+inf logits give the same clear error on every rank.
 Backward: no collective, one read and one write of the shard. Saved: the logits themselves (not a copy) plus
@@ -18,18 +18,18 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import fallback, ops
+from . import _layout as LY, ops
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _STATUS_MESSAGES = (
-    (fallback.STATUS_TARGET, "vocab_parallel_log_probs: target holds ids outside [0, vocab_size) that are not "
+    (LY.STATUS_TARGET, "vocab_parallel_log_probs: target holds ids outside [0, vocab_size) that are not "
                               "ignore_index (run on CPU for the position)"),
-    (fallback.STATUS_NONFINITE, "vocab_parallel_log_probs: logits hold NaN or +inf in a row whose target is not "
+    (LY.STATUS_NON_FINITE, "vocab_parallel_log_probs: logits hold NaN or +inf in a row whose target is not "
                                  "ignore_index (run on CPU for the position)"),
-    (fallback.STATUS_NO_FINITE_LOGIT, "vocab_parallel_log_probs: a row whose target is not ignore_index has no "
+    (LY.STATUS_NO_FINITE_LOGIT, "vocab_parallel_log_probs: a row whose target is not ignore_index has no "
                                        "finite logit (all -inf): its softmax is undefined"),
-    (fallback.STATUS_LAYOUT, "vocab_parallel_log_probs: the tensor-parallel shards do not fit together (vocab "
+    (LY.STATUS_LAYOUT, "vocab_parallel_log_probs: the tensor-parallel shards do not fit together (vocab "
                               "ranges overlap or leave gaps, or the ranks disagree on vocab_size, record format or "
                               "targets); check vocab_start / vocab_size, or pass check_group=True for a named error"),
 )
@@ -121,10 +121,10 @@ def _check_group_headers(record: torch.Tensor, group, world: int, vocab_size: in
     """The optional pre-check: all-gather the 64-byte headers alone (int64, the same size on every rank) and check
     them on the host, so that ranks with different row counts or record formats get a clear error instead of a
     collective whose sizes do not match. Every rank reaches the same verdict."""
-    hl = fallback.header_len(record.dtype)
+    hl = LY.header_len(record.dtype)
     header = record[:hl].clone().view(torch.int64)  # a fresh 1-D copy: an int64 view needs an aligned offset
     headers = _all_gather(header, group, world).cpu().tolist()
-    why = fallback._layout_error(headers, vocab_size)
+    why = LY.layout_error(headers, vocab_size)
     if why is not None:
         raise ValueError("vocab_parallel_log_probs: the tensor-parallel shards do not fit together: " + why)
 

@@ -1,4 +1,4 @@
-"""Policy losses and loss aggregation (DESIGN §4), in the calling convention of verl 0.9.1.
+"""Policy losses and loss aggregation (docs/megatron.md, "Loss modes"), in the calling convention of verl 0.9.1.
 
 Every policy loss has the signature of verl's ``compute_policy_loss_vanilla``::
 
@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from . import fallback, ops
+from . import _checks, ops
 from .logprobs import as_real
-from .fallback import (
+from ._layout import (
     MASKED_MEAN_EPS,
     PG_KIND_PPO_CLIP,
     PG_KIND_REINFORCE,
@@ -440,7 +440,7 @@ def agg_loss(
                          f"{getattr(loss_mat, 'shape', type(loss_mat))}")
     _check_cu_seqlens(cu_seqlens, loss_mat, "loss_mat")
     if cu_seqlens is not None:  # the values too (no op runs here to check them): a named error, a device assert on CUDA
-        fallback._check_cu_seqlens(loss_mat, cu_seqlens)
+        _checks.check_cu_seqlens(loss_mat, cu_seqlens)
     _check_mask("loss_mask", loss_mask, loss_mat, "loss_mat")
     _check_mode(loss_agg_mode)
     # 16-bit losses are aggregated in fp32 (in fp16 the eps of a masked row's token-mean rounds away, and partial
@@ -449,9 +449,9 @@ def agg_loss(
     x = loss_mat.to(acc)
     m = loss_mask.to(acc)
     if cu_seqlens is None:
-        row_loss_sum, row_tokens = fallback._masked(x, m).sum(-1), m.sum(-1)
+        row_loss_sum, row_tokens = _checks.masked(x, m).sum(-1), m.sum(-1)
     else:
-        row_loss_sum, row_tokens = _segment_sum(fallback._masked(x, m), cu_seqlens), _segment_sum(m, cu_seqlens)
+        row_loss_sum, row_tokens = _segment_sum(_checks.masked(x, m), cu_seqlens), _segment_sum(m, cu_seqlens)
     loss = aggregate_rows(row_loss_sum, row_tokens, loss_agg_mode, _horizon(loss_mat, cu_seqlens), dp_size=dp_size,
                           batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
                           loss_scale_factor=loss_scale_factor)
@@ -748,7 +748,7 @@ def calculate_grpo_loss(
     if response_mask is not None:
         _check_mask("response_mask", response_mask, lp)
 
-    acc = fallback._acc_dtype(lp.dtype)
+    acc = _checks.acc_dtype(lp.dtype)
     adv = advantages.to(device=lp.device, dtype=acc).reshape(-1, 1).expand(lp.shape)
     result = None
     weights = None

@@ -1,4 +1,4 @@
-"""megatron-core integration (DESIGN §5): drop-ins for its vocab-parallel log-prob / cross-entropy path and a
+"""megatron-core integration (docs/megatron.md): drop-ins for its vocab-parallel log-prob / cross-entropy path and a
 ``loss_func`` factory for its ``forward_backward_func``.
 
 Process groups default to megatron-core's ``parallel_state`` (when it is initialized) and can always be given
@@ -26,7 +26,7 @@ from .losses import (
     _safe_div,
     refuse_grad,
 )
-from .fallback import (
+from ._layout import (
     MASKED_MEAN_EPS,
     PG_KIND_PPO_CLIP,
     PG_KIND_REINFORCE,

@@ -47,7 +47,7 @@ def _register_fakes() -> None:
         torch._check(target.shape[0] == logits.shape[0], lambda: "target must have one id per logits row")
         acc = _stats_dtype(logits.dtype)
         k = 5 if with_sum_z else 4
-        return logits.new_empty((fallback.header_len(acc) + logits.shape[0] * k,), dtype=acc)
+        return logits.new_empty((LY.header_len(acc) + logits.shape[0] * k,), dtype=acc)
 
     @torch.library.register_fake("rollout_corr::merge_row_stats")
     def _(gathered, target, ignore_index, vocab_size, inv_temperature, with_sum_z):
@@ -57,7 +57,7 @@ def _register_fakes() -> None:
             gathered.new_empty((n,)),
             gathered.new_empty((n,)),
             gathered.new_empty((n,)),
-            gathered.new_empty((n, fallback.ROW_STATE_COLS)),
+            gathered.new_empty((n, LY.ROW_STATE_COLS)),
             gathered.new_empty((4,), dtype=torch.int32),
         )
 
@@ -293,7 +293,7 @@ def _register_policy_loss_ops() -> None:
         acc = _stats_dtype(log_prob.dtype)
         rows = log_prob.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         return (log_prob.new_empty(tuple(log_prob.shape), dtype=acc),
-                log_prob.new_empty((rows, fallback.PG_ROW_KL_SUM + 1), dtype=acc))
+                log_prob.new_empty((rows, LY.PG_ROW_KL_SUM + 1), dtype=acc))
 
     @torch.library.register_fake("rollout_corr::policy_loss_backward")
     def _(grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
@@ -311,7 +311,7 @@ def _register_policy_loss_ops() -> None:
         grad_log_prob = None
         if ctx.needs_input_grad[0]:
             # Only the loss column of rows carries a gradient (the others are detached metric partials).
-            grad_rows_loss = None if grad_rows is None else grad_rows[:, fallback.PG_ROW_LOSS_SUM]
+            grad_rows_loss = None if grad_rows is None else grad_rows[:, LY.PG_ROW_LOSS_SUM]
             grad_log_prob = torch.ops.rollout_corr.policy_loss_backward.default(
                 grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights,
                 *ctx.scalars, cu_seqlens)
@@ -374,7 +374,7 @@ def policy_loss_rows(
     cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token policy loss (``[B, T]``, or ``[T]`` packed with ``cu_seqlens``) and per-sequence partials
-    ``[B, 5]`` (``fallback.PG_ROW_*``) in one pass.
+    ``[B, 5]`` (``LY.PG_ROW_*``) in one pass.
 
     Same contract as :func:`rollout_corr_ext.fallback.policy_loss_rows`: ``loss_mat`` and the loss column of
     ``rows`` are differentiable in ``log_prob`` only: ``advantages`` and ``weights`` (may be None) are constants.

@@ -13,6 +13,7 @@ from typing import Dict, Iterator, List
 import torch
 
 import rollout_corr_ext
+from rollout_corr_ext import _layout as LY
 from rollout_corr_ext import fallback, logprobs, ops
 
 #: The log-prob ops of rollout_corr_ext.ops and the emulator knobs each accepts.
@@ -203,7 +204,7 @@ class _EmulatedPolicyLoss(torch.autograd.Function):
         log_prob, old_log_prob, advantages, response_mask, weights = ctx.saved_tensors
         grad = None
         if ctx.needs_input_grad[1] and (grad_loss_mat is not None or grad_rows is not None):
-            grad_rows_loss = None if grad_rows is None else grad_rows[:, fallback.PG_ROW_LOSS_SUM]
+            grad_rows_loss = None if grad_rows is None else grad_rows[:, LY.PG_ROW_LOSS_SUM]
             grad = torch.ops.rollout_corr_emu.policy_loss_backward(
                 grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights,
                 *ctx.scalars, **ctx.extra)

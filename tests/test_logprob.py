@@ -1,4 +1,4 @@
-"""Single-process tests of the vocab-parallel log-prob / entropy / cross-entropy op (DESIGN §2, §7).
+"""Single-process tests of the vocab-parallel log-prob / entropy / cross-entropy op (docs/logprobs.md, §7).
 
 Every op-level test runs on each device variant of ``rollout_corr_testing.backends.DEVICES``: ``cpu``, ``emulated``
 (the CUDA kernels on the CPU thread-model emulator) and ``cuda`` (skipped with the reason without a GPU), with the
@@ -13,6 +13,7 @@ import torch
 from rollout_corr_testing.logprob_oracle import log_probs_dense
 
 import rollout_corr_ext as rc
+from rollout_corr_ext import _layout as LY
 from rollout_corr_ext import ops
 from rollout_corr_testing.backends import device_params, ops_on
 from rollout_corr_testing.logprob_samples import DTYPES, merge_stress_rows, sample_inputs
@@ -181,7 +182,7 @@ def test_records_without_entropy_merge_to_nan_entropy(dtype, device):
         from rollout_corr_ext import fallback
 
         rec = fallback.vocab_row_stats(x, target, 0, 40, 1.25, -100, False, False)
-        hl = fallback.header_len(torch.float32 if dtype != torch.float64 else dtype)
+        hl = LY.header_len(torch.float32 if dtype != torch.float64 else dtype)
         assert torch.equal(rec[:hl], ops.vocab_row_stats(x, target, 0, 40, 1.25, -100, False, False)[:hl])
         _, ent3, _, state3, _ = fallback.merge_row_stats(rec.unsqueeze(0), target, -100, 40, 1.25, False)
         assert torch.equal(ent3.isnan(), ent2.isnan()) and torch.all(state3[:, 2] == 0)

@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CHILD = r'''
 import json, sys, torch
 import rollout_corr_ext as rc
+from rollout_corr_ext import _layout as LY
 from rollout_corr_ext import ops, fallback
 
 out = {"isa": ops.cpu_isa()}
@@ -34,7 +35,7 @@ for name, dt in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
     # 32 copies per row: the vector loops (8 and 16 lanes) convert them; the row max is the value itself
     x = vals.unsqueeze(1).expand(65536, 32).contiguous()
     rec = ops.vocab_row_stats(x, torch.full((65536,), -100), 0, 32, 1.0, -100, False)
-    r = rec[fallback.header_len(torch.float32):].view(65536, -1)
+    r = rec[LY.header_len(torch.float32):].view(65536, -1)
     ref = vals.float()
     finite = ~ref.isnan()
     out[name + "_widen_exact"] = bool(torch.equal(r[finite, 0].view(torch.int32), ref[finite].view(torch.int32)))

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import rollout_corr_ext as rc
+from rollout_corr_ext import _layout as LY
 from rollout_corr_ext import fallback, ops
 from rollout_corr_testing.backends import device_params, logprob_backend, ops_on
 from rollout_corr_testing.logprob_oracle import log_probs_dense
@@ -28,7 +29,7 @@ DEVICES = device_params()
 
 
 def _status(x, target, vocab_size=None, starts=None, shards=None, temperature=1.0):
-    """The merge's status slots (``fallback.STATUS_*``) of ``x`` split into ``shards`` at ``starts``, computed by the
+    """The merge's status slots (``LY.STATUS_*``) of ``x`` split into ``shards`` at ``starts``, computed by the
     ops directly. On CUDA the public API turns a non-zero slot into an asynchronous device assert, which would poison
     this process's CUDA context; the slots show what the kernels detected without asserting (the assert itself:
     tests/test_cuda.py::test_device_asserts_end_the_process, in a subprocess)."""
@@ -289,7 +290,7 @@ def test_nan_or_posinf_logits_raise_naming_the_row(backend, bad):
     t_ignored[1, 2] = -100  # the same NaN in an ignored row is not inspected
     with logprob_backend(backend) as dev:
         if dev == "cuda":  # detected (the status slot the public API asserts on), not raised here
-            assert _status(x.to(dev), t.to(dev))[fallback.STATUS_NONFINITE] != 0
+            assert _status(x.to(dev), t.to(dev))[LY.STATUS_NON_FINITE] != 0
             assert not _status(x.to(dev), t_ignored.to(dev)).any()
         else:
             with pytest.raises(RuntimeError, match="NaN or \\+inf"):
@@ -309,7 +310,7 @@ def test_row_of_only_neg_inf_raises(backend):
     t = torch.randint(0, 40, (3,))
     with logprob_backend(backend) as dev:
         if dev == "cuda":
-            assert _status(x.to(dev), t.to(dev))[fallback.STATUS_NO_FINITE_LOGIT] != 0
+            assert _status(x.to(dev), t.to(dev))[LY.STATUS_NO_FINITE_LOGIT] != 0
             return
         with pytest.raises(RuntimeError, match="-inf"):
             rc.vocab_parallel_log_probs(x, t)
@@ -322,7 +323,7 @@ def test_out_of_range_targets_raise_and_ignore_index_is_exempt(backend):
         for bad in (30, -3, 10**12):
             t = torch.tensor([0, bad, 5, 7])
             if dev == "cuda":
-                assert _status(x.to(dev), t.to(dev))[fallback.STATUS_TARGET] != 0, bad
+                assert _status(x.to(dev), t.to(dev))[LY.STATUS_TARGET] != 0, bad
                 continue
             with pytest.raises(RuntimeError, match="target holds ids outside"):
                 rc.vocab_parallel_log_probs(x, t)
@@ -361,7 +362,7 @@ def test_merge_rejects_shards_that_do_not_tile_the_vocab(backend):
         for records, match in cases:
             if dev == "cuda":  # the CUDA merge sets the layout status slot (asserted asynchronously by the API)
                 status = ops.merge_row_stats(records, t, -100, 60, 1.0, False)[4].cpu()
-                assert status[fallback.STATUS_LAYOUT] != 0, match
+                assert status[LY.STATUS_LAYOUT] != 0, match
                 continue
             with pytest.raises(RuntimeError, match=match):
                 ops.merge_row_stats(records, t, -100, 60, 1.0, False)
@@ -589,7 +590,7 @@ def test_record_headers_are_the_same_bits_on_every_implementation():
     settings fingerprints (1/T, ignore_index), must be bit-identical, and must change with either setting."""
     x = torch.randn(5, 40)
     t = torch.tensor([0, 39, 7, -100, 3])
-    n = fallback.header_len(torch.float32)
+    n = LY.header_len(torch.float32)
 
     def header(fn, inv_t, ignore):
         return fn(x, t, 0, 40, inv_t, ignore, False)[:n].view(torch.int64).tolist()

@@ -1,4 +1,4 @@
-"""Policy losses and agg_loss (DESIGN §4) against the textbook oracles in ``reference.py`` (verl 0.9.1 formulas,
+"""Policy losses and agg_loss (docs/megatron.md, "Loss modes") against the textbook oracles in ``reference.py`` (verl 0.9.1 formulas,
 Megatron-LM RL's ``calculate_grpo_loss``): values, gradients, metrics, global normalisers, RS-rejected rows, and
 bad input.
 

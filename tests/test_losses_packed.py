@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import rollout_corr_ext as rc
+from rollout_corr_ext import _layout as LY
 from rollout_corr_ext import fallback, losses, ops
 from rollout_corr_testing.backends import skip_reason
 
@@ -73,7 +74,7 @@ class _EmulatedLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_mat, g_rows):
         lp, old, adv, mask, w, cu = ctx.saved_tensors
-        g = _EmulatedLoss.emu.policy_loss_backward(g_mat, g_rows[:, fallback.PG_ROW_LOSS_SUM], lp, old, adv, mask,
+        g = _EmulatedLoss.emu.policy_loss_backward(g_mat, g_rows[:, LY.PG_ROW_LOSS_SUM], lp, old, adv, mask,
                                                    w, *ctx.args, cu, threads=32, schedule=1, max_blocks=3)
         return (g,) + (None,) * 9
 

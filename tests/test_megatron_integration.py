@@ -1,4 +1,4 @@
-"""megatron-core integration (DESIGN §5) under TP=2 on gloo, with megatron-core's own TP layers.
+"""megatron-core integration (docs/megatron.md) under TP=2 on gloo, with megatron-core's own TP layers.
 
 Two spawned workers build the same tiny model from ``VocabParallelEmbedding``, ``ColumnParallelLinear``,
 ``RowParallelLinear`` and a vocab-parallel output ``ColumnParallelLinear``; each case runs the ``loss_func`` that

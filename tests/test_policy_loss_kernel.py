@@ -1,4 +1,4 @@
-"""The fused policy-loss op (DESIGN §4) against ``fallback.policy_loss_rows``: compiled CPU kernels, the CUDA
+"""The fused policy-loss op (docs/megatron.md, "Loss modes") against ``fallback.policy_loss_rows``: compiled CPU kernels, the CUDA
 kernels on a GPU (every compiled-op test has a ``cuda`` variant, skipped with the reason without one), and the CUDA
 kernels run thread by thread on the CUDA emulator (their own tests below, over every launch-knob set).
 
@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
+from rollout_corr_ext import _layout as LY
 from rollout_corr_ext import fallback, losses, ops
-from rollout_corr_ext.fallback import PG_KIND_PPO_CLIP, PG_KIND_REINFORCE, PG_ROW_LOSS_SUM, PG_ROW_TOKENS
+from rollout_corr_ext._layout import PG_KIND_PPO_CLIP, PG_KIND_REINFORCE, PG_ROW_LOSS_SUM, PG_ROW_TOKENS
 from rollout_corr_testing.backends import device_params
 from rollout_corr_testing.tolerances import GRAD_TOL, OUTPUT_TOL
 
@@ -164,7 +165,7 @@ def test_clamped_log_ratio_and_dual_clip_have_zero_gradient(compiled_backend, de
     loss.sum().backward()
     grad, loss, rows = lp.grad.cpu(), loss.detach().cpu(), rows.cpu()
     assert torch.all(grad[:, 1] == 0) and torch.all(grad[:, 2] == 0)  # |lp - old| > 20
-    assert grad[0, 3] == 0 and rows[0, fallback.PG_ROW_CLIP_LOWER] >= 1  # r = 4.5 > c: dual clip, flat
+    assert grad[0, 3] == 0 and rows[0, LY.PG_ROW_CLIP_LOWER] >= 1  # r = 4.5 > c: dual clip, flat
     torch.testing.assert_close(loss[:, 1], -inp["adv"][:, 1] * 3.0)  # exp(20) capped at -A c
 
 
@@ -367,6 +368,6 @@ def test_emulated_row_partials_equal_compiled_cpu_counts(emu, compiled_backend):
     args = (inp["lp"], inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2, 0.28, 3.0, PG_KIND_PPO_CLIP)
     _, cpu_rows = torch.ops.rollout_corr.policy_loss_rows(*args)
     _, emu_rows = emu.policy_loss_rows(*args, threads=64, schedule=1, max_blocks=4)
-    counts = [PG_ROW_TOKENS, fallback.PG_ROW_CLIP, fallback.PG_ROW_CLIP_LOWER]
+    counts = [PG_ROW_TOKENS, LY.PG_ROW_CLIP, LY.PG_ROW_CLIP_LOWER]
     assert torch.equal(cpu_rows[:, counts], emu_rows[:, counts])
     assert torch.equal(cpu_rows[:, PG_ROW_TOKENS], inp["mask"].sum(-1).float())

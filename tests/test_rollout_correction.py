@@ -1,4 +1,4 @@
-"""Rollout correction (DESIGN §3) on one process: the two-pass pipeline against the fp64 dense oracle.
+"""Rollout correction (docs/rollout_correction.md) on one process: the two-pass pipeline against the fp64 dense oracle.
 
 Every test runs on each device variant of ``rollout_corr_testing.backends.DEVICES``: ``cpu`` (the compiled ops when
 the extension is active, the pure-PyTorch fallback under ``ROLLOUT_CORR_FORCE_REFERENCE=1``; both must pass),

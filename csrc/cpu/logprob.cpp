@@ -1,4 +1,4 @@
-// CPU kernels of the vocab-parallel log-prob op (DESIGN §2).
+// CPU kernels of the vocab-parallel log-prob op (docs/logprobs.md).
 //
 // Rows run in parallel (at::parallel_for). Each row is streamed once in blocks of 8-16 KiB (read in place
 // for fp32 and bf16; fp16 widened into a small L1 buffer): the block's max is taken, then exp and the sums run over

@@ -1,4 +1,5 @@
-// CPU kernels of the fused policy loss (DESIGN §4): one pass over [B, T] writes the per-token loss and the
+// CPU kernels of the fused policy loss (docs/megatron.md, "Loss modes"): one pass over [B, T] writes the per-token
+// loss and the
 // per-row partials (loss sum, tokens, clip counts, kl sum) that every aggregation mode and metric needs; the
 // backward is one more elementwise pass. Rows run in parallel (at::parallel_for), each row is summed serially
 // in the accumulation type (fp32, fp64 for fp64 inputs), so results do not depend on the thread count.

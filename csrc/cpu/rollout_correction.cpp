@@ -1,4 +1,5 @@
-// CPU kernels of the rollout-correction op (DESIGN §3): two passes over [B, T], the per-token and per-sequence
+// CPU kernels of the rollout-correction op (docs/rollout_correction.md): two passes over [B, T], the per-token and
+// per-sequence
 // math of rollout_correction_math.h (the same functions the CUDA kernels call).
 //
 // Rows run in parallel (at::parallel_for). Within a row, tokens are loaded a chunk at a time from the dtype-tagged

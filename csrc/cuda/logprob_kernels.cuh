@@ -1,4 +1,4 @@
-// CUDA kernels of the vocab-parallel log-prob op (DESIGN §2). Device code only: no ATen, no CUDA runtime
+// CUDA kernels of the vocab-parallel log-prob op (docs/logprobs.md). Device code only: no ATen, no CUDA runtime
 // calls, so the CUDA emulator compiles this very file for the CPU. Launch planning: logprob_launch.cuh (shared
 // with the emulator); launchers: logprob.cu. Per-element and merge math: logprob_math.h (shared with the CPU).
 #pragma once

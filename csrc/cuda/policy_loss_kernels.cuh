@@ -1,4 +1,5 @@
-// CUDA kernels of the fused policy loss (DESIGN §4). Device code only: no ATen, no CUDA runtime calls, so the
+// CUDA kernels of the fused policy loss (docs/megatron.md, "Loss modes"). Device code only: no ATen, no CUDA runtime
+// calls, so the
 // CUDA emulator compiles this very file for the CPU. Launchers: policy_loss.cu.
 #pragma once
 

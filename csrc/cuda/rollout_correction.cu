@@ -1,4 +1,5 @@
-// CUDA launchers of the rollout-correction op (DESIGN §3): device guard, current stream, launch checks.
+// CUDA launchers of the rollout-correction op (docs/rollout_correction.md): device guard, current stream, launch
+// checks.
 // The shared host driver (checks, outputs, scratch, params, launch shapes): rollout_correction_launch.cuh;
 // device code: rollout_correction_kernels.cuh (shared with the CUDA emulator).
 #include <ATen/ATen.h>

@@ -1,4 +1,5 @@
-// CUDA kernels of the rollout-correction op (DESIGN §3). Device code only: no ATen, no CUDA runtime calls, no
+// CUDA kernels of the rollout-correction op (docs/rollout_correction.md). Device code only: no ATen, no CUDA runtime
+// calls, no
 // CUB / cooperative groups / inline PTX, so the CUDA emulator compiles this very file for the CPU.
 // Launch planning and host driver: rollout_correction_launch.cuh; per-token and per-sequence math:
 // rollout_correction_math.h (the functions the CPU kernels call, here with one token per thread).

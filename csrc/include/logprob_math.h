@@ -1,5 +1,5 @@
 // Row-softmax math shared by the CPU kernels, the CUDA kernels and the CUDA emulator of the vocab-parallel log-prob
-// op (DESIGN §2).
+// op (docs/logprobs.md).
 //
 // A run of logits x of one row is summarised by (m, d, s, sz, n) with z = x / T:
 //   m = max x,  d = sum e^{(x - m)/T},  s = sum e^{(x - m)/T} (x - m)/T,  sz = sum (x - m)/T,  n = count.
@@ -38,7 +38,6 @@ struct RowSummary {
 };
 
 // The scale of sz (2^-32) and its inverse, applied once to the merged mean.
-constexpr double kSumZScale = 2.3283064365386962890625e-10;
 constexpr double kSumZUnscale = 4294967296.0;
 
 // (x - m)/T times kSumZScale, with no intermediate overflow: x and m are scaled first (exactly, in the normal range),

@@ -12,43 +12,42 @@ namespace rollout_corr {
 // A flat buffer in the accumulation dtype: a 64-byte header (kShardHeaderSlots int64 values, bit-copied), then
 // `rows` records of kRowStatCols (or kRowStatColsWithSumZ) values. The header lets every rank check, after the
 // all-gather and without another collective, that the shards tile [0, vocab_size) and describe the same rows and
-// targets (DESIGN §2).
+// targets (docs/logprobs.md, "Layout checks"). Every slot, column and constant is declared once, in
+// logprob_layout.def (also read by rollout_corr_ext/_layout.py); the enums below are generated from it.
 enum ShardHeaderSlot : int {
-  kHdrMagic = 0,     // kShardMagic: catches a buffer that is not a shard record
-  kHdrRows,          // N
-  kHdrVocabStart,    // global id of the shard's first column
-  kHdrLocalVocab,    // columns of the shard (padding included)
-  kHdrValidCols,     // columns before the padding starts (those below vocab_size)
-  kHdrVocabSize,     // the true vocab size this rank was given
-  kHdrTargetHash,    // order-dependent fingerprint of the targets (target_fingerprint)
-  kHdrFormat,        // stats_cols + 16 * sizeof(acc_t) [+ kFormatNoEntropy], and in bits 16..62 the settings
-                     // fingerprint (1/T, ignore_index)
+#define RC_LP_HDR(name) kHdr##name,
+#include "logprob_layout.def"
+  kShardHeaderSlots
 };
-// Format flag: the records' entropy sums (kRowSumExpZ) were not taken (with_entropy=False); the merge then writes NaN
-// for the entropy of every row that is not ignored, so that a value nobody computed cannot be read as one.
-constexpr int64_t kFormatNoEntropy = 256;
-constexpr int kShardHeaderSlots = 8;
-constexpr int64_t kShardHeaderBytes = kShardHeaderSlots * 8;
-constexpr int64_t kShardMagic = 0x52434c5052303032LL;  // "RCLPR002" (002: sz scaled by 2^-32)
-
 // Columns of a row record. The max is kept in raw logit units (before 1/T), everything else in max-shifted,
 // temperature-scaled coordinates, so no large value is ever subtracted from another (no cancellation) and a
-// temperature below 1 cannot overflow the max:
-//   m = max x,  d = sum e^{(x - m)/T},  s = sum e^{(x - m)/T} (x - m)/T,  y = x[target] (or -inf),
-//   sz = sum (x - m)/T  (label smoothing only).
-enum RowStatColumn : int { kRowMax = 0, kRowSumExp = 1, kRowSumExpZ = 2, kRowTargetX = 3, kRowSumZ = 4 };
-constexpr int kRowStatCols = 4;
-constexpr int kRowStatColsWithSumZ = 5;
-
-// Columns of the per-row state saved for backward (12 B per row in fp32): M = max x over the whole vocab,
-// log D, and S/D = the softmax mean of (z - M/T).
-enum RowStateColumn : int { kStateMax = 0, kStateLogSumExp = 1, kStateMeanZ = 2 };
-constexpr int kRowStateCols = 3;
-
+// temperature below 1 cannot overflow the max. The last column (kRowSumZ) exists only with label smoothing.
+enum RowStatColumn : int {
+#define RC_LP_ROW_STAT(name) kRow##name,
+#include "logprob_layout.def"
+  kRowStatColsWithSumZ
+};
+constexpr int kRowStatCols = kRowSumZ;
+// Columns of the per-row state saved for backward (12 B per row in fp32).
+enum RowStateColumn : int {
+#define RC_LP_ROW_STATE(name) kState##name,
+#include "logprob_layout.def"
+  kRowStateCols
+};
 // Status slots of the merge (CUDA reports through them; the CPU merge raises instead). A slot is set to 1 when any
 // row (or the header check) fails for that reason.
-enum MergeStatusSlot : int { kStatusTarget = 0, kStatusNonFinite, kStatusNoFiniteLogit, kStatusLayout };
-constexpr int kMergeStatusSlots = 4;
+enum MergeStatusSlot : int {
+#define RC_LP_STATUS(name) kStatus##name,
+#include "logprob_layout.def"
+  kMergeStatusSlots
+};
+// kShardMagic, kFormatNoEntropy (the merge then writes NaN for the entropy of every row that is not ignored, so that
+// a value nobody computed cannot be read as one) and kSumZScale.
+#define RC_LP_CONST(name, value) constexpr auto k##name = value;
+#include "logprob_layout.def"
+static_assert(sizeof(kShardMagic) == 8 && sizeof(kFormatNoEntropy) == 4 && sizeof(kSumZScale) == 8,
+              "logprob_layout.def: the magic is an int64, the flag an int, the scale a double");
+constexpr int64_t kShardHeaderBytes = int64_t(kShardHeaderSlots) * 8;
 
 template <typename scalar_t, typename acc_t>
 struct RowStatsParams {

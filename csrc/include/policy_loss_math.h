@@ -1,4 +1,5 @@
-// Per-token policy-loss math shared by the CPU kernels, the CUDA kernels and the CUDA emulator (DESIGN §4).
+// Per-token policy-loss math shared by the CPU kernels, the CUDA kernels and the CUDA emulator (docs/megatron.md,
+// "Loss modes").
 //
 // Semantics: rollout_corr_ext/reference.py::policy_loss_rows, which follows verl 0.9.1
 // verl/trainer/ppo/core_algos.py (compute_policy_loss_vanilla, compute_policy_loss_reinforce):

@@ -1,4 +1,5 @@
-// Torch-free parameter blocks of the fused policy-loss kernels (DESIGN §4): raw pointers, sizes and element
+// Torch-free parameter blocks of the fused policy-loss kernels (docs/megatron.md, "Loss modes"): raw pointers, sizes
+// and element
 // strides only, so the kernels compile without ATen (and therefore also under the CUDA emulator).
 //
 // Only log_prob (the differentiable input, and the one most often in bf16) gets a compile-time element type.
@@ -11,12 +12,17 @@
 
 namespace rollout_corr {
 
-// loss_kind of policy_loss_rows (reference.PG_KIND_*).
-enum PolicyLossKind : int32_t { kPolicyLossPpoClip = 0, kPolicyLossReinforce = 1 };
-
-// Columns of the per-row partials (reference.PG_ROW_*).
-enum PolicyRowColumn : int32_t { kPgRowLossSum = 0, kPgRowTokens, kPgRowClip, kPgRowClipLower, kPgRowKlSum };
-constexpr int kPgRowCols = 5;
+// loss_kind of policy_loss_rows and the columns of the per-row partials, generated from their one declaration,
+// policy_loss_layout.def (also read by rollout_corr_ext/_layout.py: PG_KIND_*, PG_ROW_*).
+enum PolicyLossKind : int32_t {
+#define RC_PG_KIND(name, code) kPolicyLoss##name = code,
+#include "policy_loss_layout.def"
+};
+enum PolicyRowColumn : int32_t {
+#define RC_PG_ROW(name) kPgRow##name,
+#include "policy_loss_layout.def"
+  kPgRowCols
+};
 
 // The scalar configuration, held in the accumulation type: the reference compares acc-dtype tensors with
 // Python floats, which torch rounds to the tensor's dtype, so the bounds are rounded the same way.

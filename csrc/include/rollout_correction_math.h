@@ -1,4 +1,5 @@
-// Rollout correction (DESIGN §3): the per-token and per-sequence math of both passes, written once and called by
+// Rollout correction (docs/rollout_correction.md): the per-token and per-sequence math of both passes, written once
+// and called by
 // the CPU kernels, the CUDA kernels and therefore the CUDA emulator. Torch-free. Formulas follow verl 0.9.1
 // verl/trainer/ppo/rollout_corr_helper.py (compute_rollout_correction_weights, compute_is_metrics,
 // compute_rollout_rejection_mask, compute_rs_metrics, compute_offpolicy_metrics); the veto follows verl 0.6.1.

@@ -1,4 +1,5 @@
-// Torch-free parameter blocks and named layouts of the rollout-correction kernels (DESIGN §3). Every slot and
+// Torch-free parameter blocks and named layouts of the rollout-correction kernels (docs/rollout_correction.md).
+// Every slot and
 // code comes from rollout_correction_layout.def (which Python parses too), so C++ and Python cannot disagree.
 #pragma once
 

@@ -1,1 +1,1 @@
-"""CUDA thread-model emulator (test infrastructure, DESIGN §6): see cuda_emu.h."""
+"""CUDA thread-model emulator (test infrastructure, docs/cuda_kernels.md): see cuda_emu.h."""

@@ -1,4 +1,4 @@
-// A CUDA thread-model emulator for the CPU (test infrastructure, DESIGN §6).
+// A CUDA thread-model emulator for the CPU (test infrastructure, docs/cuda_kernels.md).
 //
 // Include this header *before* any csrc/cuda/*_kernels.cuh file and compile with g++: the kernels build
 // unchanged and `emu::launch(kernel, grid, block, dynamic_smem_bytes, args...)` runs them thread by thread.

@@ -1,4 +1,4 @@
-"""Planted bugs: the emulator must catch each one (DESIGN §6, issue: "it proves it can fail").
+"""Planted bugs: the emulator must catch each one (docs/cuda_kernels.md, issue: "it proves it can fail").
 
 ``python -m rollout_corr_testing.cuda_emulator.mutants NAME`` copies the kernel headers into a temp folder, applies one
 mutation, builds the emulator against the mutated copy, runs the check that the mutation should break, and

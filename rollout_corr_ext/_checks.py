@@ -1,0 +1,36 @@
+"""Tensor helpers shared by the fallback (``fallback.py``) and the layers above the op surface (``losses.py``): a leaf
+module, so that nothing but ``ops.py`` imports the fallback."""
+
+from __future__ import annotations
+
+import torch
+
+_CU_MSG = "cu_seqlens must start at 0, never decrease and end at the number of packed tokens"
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 stays fp64 (for gradcheck); every other dtype accumulates in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's ``masked_sum`` integrand: ``where(mask, v, 0) * mask`` (NaN outside the mask never leaks)."""
+    return torch.where(mask != 0, values, torch.zeros_like(values)) * mask
+
+
+def check_cu_seqlens(log_prob: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The packed layout's checks (the kernels' rollout_layout), returning cu_seqlens as int64: a named ValueError
+    on CPU, an asynchronous device assert on CUDA (no host sync)."""
+    if log_prob.dim() != 1:
+        raise ValueError(f"with cu_seqlens, log_prob must be the 1-D packed token stream [total_tokens], got shape "
+                         f"{tuple(log_prob.shape)}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"cu_seqlens must be a 1-D int32/int64 tensor [num_sequences + 1], got "
+                         f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.to(torch.int64)
+    ok = (cu[0] == 0) & (cu[-1] == log_prob.shape[0]) & (cu[1:] >= cu[:-1]).all()
+    if cu.device.type == "cuda":
+        torch._assert_async(ok, _CU_MSG)
+    elif not bool(ok):
+        raise ValueError(f"{_CU_MSG} ({log_prob.shape[0]}): got {cu.tolist()}")
+    return cu
