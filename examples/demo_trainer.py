@@ -20,8 +20,10 @@ Settings (``--settings``): ``none`` (PPO vs pi_old, mismatch ignored; correction
 ``geo_rs`` (decoupled, geometric-mean RS), ``bypass`` (PPO against pi_rollout, no recompute of pi_old).
 All settings start from the same weights and see the same prompts and sampling seeds.
 
-Outputs in ``--out-dir``: ``metrics.jsonl`` (one line per step and setting), ``curves.png`` (reward,
-``rollout_corr/kl``, ``rollout_corr/chi2_token`` and percentiles of the token IS ratio pi_train/pi_rollout).
+Outputs in ``--out-dir``: ``metrics.jsonl`` (one line per step and setting), ``curves.png`` (reward, exact match,
+``rollout_corr/kl``, ``rollout_corr/chi2_token``, percentiles of the token IS ratio pi_train/pi_rollout and the
+fraction of sequences / tokens each setting rejects) and ``run.json`` (the command, the commit, the machine, the
+backend and the wall time: ``examples/demo_table.py`` prints the docs' results table from these files).
 
 Attention is written here with plain torch ops around megatron's TP linears: megatron-core's attention
 modules and pipeline schedules need CUDA, so ``loss_func`` is called directly, in the same contract
@@ -35,7 +37,11 @@ import collections
 import json
 import math
 import os
+import platform
+import shlex
+import subprocess
 import sys
+import textwrap
 import time
 import warnings
 
@@ -296,14 +302,29 @@ def _smooth(y, window):
     return out
 
 
+# (metric keys, title, y-axis label, y scale); several keys in one panel: solid, dashed, dotted lines.
 PANELS = [
-    ("reward", "reward: fraction of digits right", "linear"),
-    ("exact_match", "exact match (whole string reversed)", "linear"),
-    ("rollout_corr/kl", "rollout_corr/kl  (pi_rollout || pi_train)", "symlog"),
-    ("rollout_corr/chi2_token", "rollout_corr/chi2_token", "symlog"),
-    ("demo/token_ratio_p95", "token IS ratio pi_train/pi_rollout: p95", "log"),
-    ("demo/token_ratio_p05", "token IS ratio pi_train/pi_rollout: p5", "log"),
+    (("reward",), "reward", "fraction of digits right (batch mean)", "linear"),
+    (("exact_match",), "exact match", "fraction of responses fully reversed", "linear"),
+    (("rollout_corr/kl",), "rollout_corr/kl: KL(pi_rollout || pi_train), k1 estimate",
+     "nats / token (symlog)", "symlog"),
+    (("rollout_corr/chi2_token",), "rollout_corr/chi2_token: token chi-squared estimate",
+     "mean(ratio^2) - 1 (symlog)", "symlog"),
+    (("demo/token_ratio_p95",), "token ratio pi_train/pi_rollout: p95", "ratio (log scale)", "log"),
+    (("demo/token_ratio_p05",), "token ratio pi_train/pi_rollout: p5", "ratio (log scale)", "log"),
+    (("rollout_corr/seq_masked_fraction", "rollout_corr/masked_fraction"),
+     "rejected by RS / veto: sequences (solid), tokens (dashed)", "fraction of the batch rejected", "linear"),
 ]
+
+CAPTION = (
+    "Every curve is a trailing moving average over {window} steps. rollout_corr/kl is the k1 estimate "
+    "mean(log pi_rollout - log pi_train) and rollout_corr/chi2_token the estimate mean(ratio^2) - 1, both over the "
+    "batch's sampled tokens: on a finite batch these sample estimates go below 0 (kl when the sampled tokens are on "
+    "average more likely under pi_train than under pi_rollout, chi2 when mean(ratio^2) < 1), although the true KL "
+    "and chi-squared are >= 0; their symlog axes are linear within +-1e-3. Rejected: "
+    "rollout_corr/seq_masked_fraction (solid) and rollout_corr/masked_fraction (dashed), the sequences and tokens "
+    "that RS and the veto remove from the loss; every response has the same length, so the two coincide here. "
+    "'none', 'token_tis' and 'bypass' have no RS and reject nothing.")
 
 
 def plot(path: str, records, settings, window: int = 9):
@@ -311,49 +332,115 @@ def plot(path: str, records, settings, window: int = 9):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
+    fig, axes = plt.subplots(2, 4, figsize=(20, 9.5))
     colors = dict(zip(settings, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-    for ax, (key, title, scale) in zip(axes.flat, PANELS):
-        for name in settings:
-            rows = [r for r in records if r["setting"] == name and key in r]
-            if rows:
-                ax.plot([r["step"] for r in rows], _smooth([r[key] for r in rows], window), label=name,
-                        color=colors[name], lw=1.4)
+    styles = ("-", "--", ":")
+    for ax, (keys, title, ylabel, scale) in zip(axes.flat, PANELS):
+        for key, ls in zip(keys, styles):
+            for name in settings:
+                rows = [r for r in records if r["setting"] == name and key in r]
+                if rows:
+                    ax.plot([r["step"] for r in rows], _smooth([r[key] for r in rows], window),
+                            label=name if ls == "-" else None, color=colors[name], lw=1.4, ls=ls)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
         if scale == "symlog":
             ax.set_yscale("symlog", linthresh=1e-3)
+            ax.axhline(0.0, color="k", lw=0.6)
         elif scale == "log":
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=8)
-    fig.suptitle(f"GRPO with a stale bf16 sampler: rollout-correction settings side by side "
-                 f"(moving average over {window} steps)", fontsize=11)
-    fig.tight_layout()
+    legend_ax = axes.flat[len(PANELS)]
+    legend_ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    legend_ax.legend(handles, labels, loc="center", title="setting", fontsize=11)
+    fig.suptitle("GRPO with a stale bf16 sampler: rollout-correction settings side by side", fontsize=12)
+    fig.text(0.01, 0.01, "\n".join(textwrap.wrap(CAPTION.format(window=window), 230)), fontsize=9, va="bottom")
+    fig.tight_layout(rect=(0, 0.07, 1, 0.97))
     fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
-def parse_args(argv=None):
+def _cpu_isa() -> str:
+    try:
+        from rollout_corr_ext import ops
+
+        return ops.cpu_isa()
+    except (ImportError, AttributeError, RuntimeError):  # a release without the query
+        return "unknown"
+
+
+def run_info(args, backend: str, seconds: float) -> dict:
+    """Where a run came from, for ``run.json``: the command, the commit, the machine (examples/demo_table.py)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", "--no-optional-locks", *cmd], cwd=root, capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    changed = git("diff", "--name-only", "HEAD", "--", "examples/demo_trainer.py", "rollout_corr_ext", "csrc")
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    nproc = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+    return {
+        "command": f"torchrun --nproc_per_node={nproc} examples/demo_trainer.py "
+                   + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "args": vars(args),
+        "commit": git("rev-parse", "--short", "HEAD") or "unknown",
+        "uncommitted": changed.split(),  # tracked files the run used that differ from the commit
+        "machine": f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}",
+        "device": (torch.cuda.get_device_name() if args.device == "cuda" else "cpu"),
+        "dist_backend": backend,
+        "rollout_corr_ext_backend": rc.backend(),
+        "rollout_corr_ext_cpu_isa": _cpu_isa(),  # which copy of the compiled CPU kernels ran (float rounding)
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "seconds": round(seconds, 1),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--tp", type=int, default=2, help="tensor-parallel size (world size must be a multiple)")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--settings", default="none,token_tis,seq_mis,geo_rs,bypass")
-    ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cpu: gloo process group; cuda: NCCL, one GPU per rank (LOCAL_RANK)")
+    ap.add_argument("--tp", type=int, default=2,
+                    help="tensor-parallel size; the world size must be a multiple, the rest is data parallel")
+    ap.add_argument("--steps", type=int, default=200,
+                    help="GRPO steps: one rollout batch and one PPO epoch over it per step and setting")
+    ap.add_argument("--settings", default="none,token_tis,seq_mis,geo_rs,bypass",
+                    help=f"comma-separated rollout-correction settings run side by side, from {', '.join(SETTINGS)}")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per step (per data-parallel rank)")
     ap.add_argument("--group", type=int, default=8, help="responses per prompt (GRPO group)")
     ap.add_argument("--minibatches", type=int, default=2, help="PPO mini-batches per step (one epoch)")
-    ap.add_argument("--digits", type=int, default=3)
+    ap.add_argument("--digits", type=int, default=3,
+                    help="length of the digit string to reverse (the response has as many tokens; at most 15)")
     ap.add_argument("--packed", action="store_true",
                     help="feed the loss packed sequences (a 1-D token stream with cu_seqlens) instead of [b, s]")
     ap.add_argument("--stale", type=int, default=2, help="sampler weights are this many optimizer steps old")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--geo-rs-threshold", default="0.9_1.1", help="geo_rs keep range of exp(mean log-ratio)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out-dir", default="demo_out")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    ap.add_argument("--geo-rs-threshold", default="0.9_1.1",
+                    help="geo_rs keep range LOWER_UPPER of exp(mean log-ratio) per sequence")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the prompts and the sampling")
+    ap.add_argument("--out-dir", default="demo_out", help="where metrics.jsonl, curves.png and run.json go")
+    ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    return ap
+
+
+def parse_args(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
     unknown = [s for s in args.settings.split(",") if s not in SETTINGS]
     if unknown:
@@ -430,7 +517,11 @@ def main(argv=None):
             print(f"{name:<10} {mean('reward'):7.3f} {mean('exact_match'):6.3f} {mean('rollout_corr/kl'):9.2e} "
                   f"{mean('rollout_corr/chi2_token'):9.2e} {mean('demo/token_ratio_p05'):9.3f} "
                   f"{mean('demo/token_ratio_p95'):9.3f}")
-        print(f"wrote {jsonl} and {png}")
+        info = os.path.join(args.out_dir, "run.json")
+        with open(info, "w") as f:
+            json.dump(run_info(args, backend, time.time() - t0), f, indent=1)
+            f.write("\n")
+        print(f"wrote {jsonl}, {png} and {info}")
     dist.barrier()
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -1,10 +1,15 @@
-"""Smoke run of the demo trainer (the README's main-job command) on both ranks: a few steps of every correction
-setting under ``torchrun --nproc_per_node=2`` (gloo, TP=2), then the JSONL and the PNG must be there and sane."""
+"""Smoke runs of the demo trainer (the README's main-job command) on both ranks: a few steps of every correction
+setting under ``torchrun --nproc_per_node=2`` (gloo, TP=2), then the JSONL, the PNG and run.json must be there and
+sane; every flag of the demo at a tiny size (``EXERCISED`` says which test covers which, and a test checks that it
+names every flag ``--help`` lists); ``--help`` gives every option a help text and its default; and
+examples/demo_table.py turns a smoke run into the docs' results table."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -26,11 +31,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_demo(tmp_path, out, *extra, settings=SETTINGS, steps=STEPS):
+# Which test exercises each flag of the demo (test_every_demo_flag_is_exercised checks this names them all).
+EXERCISED = {
+    "--steps": "all runs", "--prompts": "all runs", "--group": "all runs", "--stale": "all runs",
+    "--settings": "all runs", "--out-dir": "all runs",
+    "--packed": "test_demo_packed_gives_the_padded_curves",
+    "--device": "test_demo_other_flags (cpu), test_demo_device_cuda (cuda)",
+    "--tp": "test_demo_other_flags (TP=1: DP=2)", "--minibatches": "test_demo_other_flags",
+    "--digits": "test_demo_other_flags", "--lr": "test_demo_other_flags",
+    "--geo-rs-threshold": "test_demo_other_flags", "--seed": "test_demo_other_flags",
+    "--no-progress": "test_demo_other_flags (the other runs show the progress bar)",
+    "--help": "test_demo_help_lists_every_option",
+}
+
+
+def _load_demo():
+    spec = importlib.util.spec_from_file_location("demo_trainer", os.path.join(ROOT, "examples", "demo_trainer.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run_demo(tmp_path, out, *extra, settings=SETTINGS, steps=STEPS, base=("--prompts=4", "--group=4", "--stale=1")):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={_free_port()}", os.path.join(ROOT, "examples", "demo_trainer.py"),
-           f"--steps={steps}", "--prompts=4", "--group=4", "--stale=1", f"--settings={','.join(settings)}",
-           f"--out-dir={out}", *extra]
+           f"--steps={steps}", *base, f"--settings={','.join(settings)}", f"--out-dir={out}", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=240)
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -53,9 +78,16 @@ def test_demo_packed_gives_the_padded_curves(tmp_path):
                 assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-7), (a["setting"], a["step"], k)
 
 
-def test_demo_smoke_two_ranks(tmp_path):
-    out = tmp_path / "demo"
-    records = _run_demo(tmp_path, out)
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    """The default settings, a few steps: shared by the smoke test and the demo_table test."""
+    tmp = tmp_path_factory.mktemp("demo_smoke")
+    out = tmp / "demo"
+    return out, _run_demo(tmp, out)
+
+
+def test_demo_smoke_two_ranks(smoke_run):
+    out, records = smoke_run
     assert len(records) == STEPS * len(SETTINGS)
     assert [r["setting"] for r in records[: len(SETTINGS)]] == SETTINGS
     for r in records:
@@ -72,3 +104,117 @@ def test_demo_smoke_two_ranks(tmp_path):
 
     png = (out / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+    info = json.loads((out / "run.json").read_text())  # where the run came from, for examples/demo_table.py
+    assert info["command"].startswith("torchrun --nproc_per_node=2 examples/demo_trainer.py --steps=")
+    assert info["args"]["steps"] == STEPS and info["commit"] and "cores" in info["machine"]
+    assert info["rollout_corr_ext_backend"] in ("cpu", "cuda", "reference") and info["seconds"] > 0
+
+
+def test_demo_other_flags(tmp_path):
+    """Every flag the other runs leave at its default, in one run: TP=1 on 2 ranks (so DP=2, each rank its own
+    prompts), one mini-batch, 2 digits, another lr, seed and geo_rs band, no progress bar, --device cpu spelled out."""
+    out = tmp_path / "flags"
+    extra = ("--device=cpu", "--tp=1", "--minibatches=1", "--digits=2", "--lr=1e-3", "--geo-rs-threshold=0.01_100",
+             "--seed=3", "--no-progress")
+    records = _run_demo(tmp_path, out, *extra, settings=["geo_rs", "bypass"], steps=2,
+                        base=("--prompts=2", "--group=2", "--stale=1"))
+    assert [(r["step"], r["setting"]) for r in records] == [(0, "geo_rs"), (0, "bypass"), (1, "geo_rs"),
+                                                            (1, "bypass")]
+    args = json.loads((out / "run.json").read_text())["args"]
+    assert (args["tp"], args["minibatches"], args["digits"], args["lr"], args["seed"], args["no_progress"]) == \
+        (1, 1, 2, 1e-3, 3, True)
+    for r in records:
+        assert 0.0 <= r["reward"] <= 1.0
+        # rewards are fractions of 2 digits averaged over 2 x 2 responses on each of the 2 DP ranks
+        assert (r["reward"] * 16) == pytest.approx(round(r["reward"] * 16), abs=1e-5)
+    # the band [0.01, 100] of the geometric-mean ratio keeps every sequence of a 1-step-stale sampler
+    assert all(r["rollout_corr/rollout_rs_seq_masked_fraction"] == 0 for r in records if r["setting"] == "geo_rs")
+
+
+def test_demo_device_cuda(tmp_path):
+    """--device cuda: a tiny run on the GPU(s) where there are any, else the clear error before any set-up."""
+    import torch
+
+    if torch.cuda.is_available():
+        n = min(2, torch.cuda.device_count())
+        if n < 2:
+            pytest.skip("the demo's smoke runs use 2 ranks; --device cuda needs 2 GPUs here")
+        records = _run_demo(tmp_path, tmp_path / "cuda", "--device=cuda", "--no-progress", settings=["token_tis"],
+                            steps=2)
+        assert len(records) == 2
+        return
+    demo = _load_demo()
+    with pytest.raises(SystemExit, match="no CUDA device is visible"):
+        demo.main(["--device", "cuda", "--steps", "1"])
+
+
+def _help_blocks(text):
+    """--help's option entries: {'--flag': its help text (wrapped lines joined)}."""
+    blocks, cur = {}, None
+    for line in text.splitlines():
+        if re.match(r"^  -", line):
+            head, _, rest = line.strip().partition("  ")
+            cur = [o.split()[0] for o in head.split(", ")][-1]
+            blocks[cur] = rest.strip()
+        elif cur and line.startswith("    "):
+            blocks[cur] = (blocks[cur] + " " + line.strip()).strip()
+        else:
+            cur = None
+    return blocks
+
+
+def test_demo_help_lists_every_option(monkeypatch, capsys):
+    """--help names every option with a non-empty help text and its default (ArgumentDefaultsHelpFormatter)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    demo = _load_demo()
+    with pytest.raises(SystemExit) as exc:
+        demo.parse_args(["--help"])
+    assert exc.value.code == 0
+    blocks = _help_blocks(capsys.readouterr().out)
+    parser = demo.build_parser()
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert len(options) >= 15
+    for action in options:
+        flag = action.option_strings[-1]
+        assert action.help and action.help.strip(), f"{flag} has no help text"
+        assert flag in blocks, f"{flag} missing from --help"
+        text = blocks[flag]
+        assert text and not text.startswith("(default"), f"{flag}: empty help in --help: {text!r}"
+        assert f"(default: {action.default})" in text, f"{flag}: --help does not show its default: {text!r}"
+
+
+def test_every_demo_flag_is_exercised():
+    """EXERCISED (which smoke test runs each flag) names exactly the flags the demo has."""
+    parser = _load_demo().build_parser()
+    flags = {a.option_strings[-1] for a in parser._actions if a.option_strings}
+    assert flags == set(EXERCISED), (flags ^ set(EXERCISED))
+
+
+def test_demo_table(smoke_run):
+    """examples/demo_table.py on a smoke run: the header (command, commit, machine), one row per setting, the
+    columns docs/megatron.md shows, and the narrative's details table."""
+    out, records = smoke_run
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo_table.py"), str(out), "--details"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    first = text.splitlines()[0]
+    assert first.startswith("Command: `torchrun --nproc_per_node=2 examples/demo_trainer.py")
+    assert "commit `" in first and "cores" in first and "s wall" in first
+    columns = "| setting | reward | exact match | steps to 0.5 / 0.8 | rollout_corr/kl | chi2_token | rejected |"
+    assert columns in text
+    with open(os.path.join(ROOT, "docs", "megatron.md")) as f:
+        assert columns in f.read(), "docs/megatron.md's results table has other columns than demo_table.py prints"
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| setting")]
+    assert [r.split("|")[1].strip() for r in rows] == SETTINGS * 2  # the results table, then the details table
+    # the reward column is the mean over the last fifth of the steps (here the last step)
+    last = {r["setting"]: r["reward"] for r in records if r["step"] == STEPS - 1}
+    for row in rows[:len(SETTINGS)]:
+        cells = [c.strip().strip("*") for c in row.split("|")[1:-1]]
+        assert float(cells[1]) == pytest.approx(last[cells[0]], abs=5e-4)
+    # a metrics.jsonl path works too, and --command overrides the header's command
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "demo_table.py"),
+                           str(out / "metrics.jsonl"), "--command", "bash scripts/demo.sh"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("Command: `bash scripts/demo.sh`"), proc.stderr
