@@ -19,4 +19,14 @@ pip_quiet() {
 pip_quiet --no-deps "verl==0.9.1"
 pip_quiet packaging ray "tensordict<=0.10.0" omegaconf transformers codetiming orjson
 echo "verl 0.9.1 installed without its GPU stack (its unmet vllm / sglang / flash-attn requirements are expected)"
+# --quick: the tier a developer runs while working (about a minute of tests on 2 cores after the set-up): no emulated
+# CUDA kernels, no multi-process (gloo) tests, no benchmark / demo smoke runs, nothing marked slow. CI runs the
+# whole suite (without --quick), which includes all of these tests.
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  set -- -m "not slow" -k "not emulated and not gloo and not nccl" \
+    --ignore=tests/test_cuda_emulator.py --ignore=tests/test_cuda_emulator_races.py \
+    --ignore=tests/test_cuda_emulator_traffic.py --ignore=tests/test_cuda_emulator_rollout_correction.py \
+    --ignore=tests/test_demo_smoke.py --ignore=tests/test_benchmarks_smoke.py "$@"
+fi
 python -m pytest -q -rfEs --durations=15 tests "$@"
