@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import rollout_corr_ext as rc
-from rollout_corr_ext import _layout as LY
-from rollout_corr_ext import fallback, losses, ops
-from rollout_corr_testing.backends import skip_reason
+from rollout_corr_ext import losses
+from rollout_corr_testing.backends import policy_loss_backend
 
 MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LENGTHS = [5, 0, 1, 40, 17, 0, 33, 2]
@@ -41,42 +40,11 @@ def _unpad(x, cu):
 
 
 @pytest.fixture(params=["cpu", "emulated", "reference"])
-def policy_backend(request, monkeypatch):
-    reason = skip_reason(request.param)
-    if reason:
-        pytest.skip(reason)
-    if request.param == "reference":
-        monkeypatch.setattr(ops, "_has_kernel", lambda device: False)
-    elif request.param == "emulated":
-        from rollout_corr_testing.cuda_emulator.loader import load_emulator
-
-        load_emulator()
-        emu = torch.ops.rollout_corr_emu
-
-        def rows(*a):  # the emulated forward, differentiable through the emulated backward
-            return _EmulatedLoss.apply(*a)
-
-        monkeypatch.setattr(ops, "policy_loss_rows", rows)
-        _EmulatedLoss.emu = emu
-    return request.param
-
-
-class _EmulatedLoss(torch.autograd.Function):
-    emu = None
-
-    @staticmethod
-    def forward(ctx, lp, old, adv, mask, w, lo, hi, c, kind, cu=None):
-        ctx.save_for_backward(lp, old, adv, mask, w, cu)
-        ctx.args = (lo, hi, c, kind)
-        return _EmulatedLoss.emu.policy_loss_rows(lp, old, adv, mask, w, lo, hi, c, kind, cu, threads=32, schedule=1,
-                                                  max_blocks=3)
-
-    @staticmethod
-    def backward(ctx, g_mat, g_rows):
-        lp, old, adv, mask, w, cu = ctx.saved_tensors
-        g = _EmulatedLoss.emu.policy_loss_backward(g_mat, g_rows[:, LY.PG_ROW_LOSS_SUM], lp, old, adv, mask,
-                                                   w, *ctx.args, cu, threads=32, schedule=1, max_blocks=3)
-        return (g,) + (None,) * 9
+def policy_backend(request):
+    """The policy-loss op on each backend (rollout_corr_testing.backends: the emulated kernels with the compiled op's
+    autograd formula, the fallback's differentiable torch ops)."""
+    with policy_loss_backend(request.param, threads=32, schedule=1, max_blocks=3):
+        yield request.param
 
 
 @pytest.mark.parametrize("mode", MODES)

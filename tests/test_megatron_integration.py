@@ -10,29 +10,19 @@ gathered weights. Ranks all-reduce a failure count before anyone asserts, so no 
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import socket
 import traceback
-import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from rollout_corr_testing.dist_utils import run_workers_preloaded
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 VOCAB, HIDDEN, FFN = 16, 12, 20
 B, S = 4, 7
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _build_model(tp: int):
@@ -237,39 +227,27 @@ def _check_groups_and_dropins(failures):
         failures.append("pg_collection.tp is not used as the tensor-parallel group")
 
 
-def _worker(rank: int, world: int, port: int, outdir: str):
-    warnings.filterwarnings("ignore")
-    os.environ["ROLLOUT_CORR_FORCE_REFERENCE"] = os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    failures = []
-    try:
-        from megatron.core import parallel_state as ps
+def _worker(rank: int, world: int):
+    """run_workers joins the gloo group, reduces the failure flag (every rank agrees on the verdict, none hangs on a
+    dead peer) and tears it down."""
+    from megatron.core import parallel_state as ps
 
-        ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    failures = []
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
         _check_groups_and_dropins(failures)
         for case in CASES:
             try:
                 _run_case(*case, failures, rank)
             except Exception:
                 failures.append(f"{case[0]}: {traceback.format_exc()}")
-    except Exception:
-        failures.append(traceback.format_exc())
-    flag = torch.tensor([len(failures)])
-    dist.all_reduce(flag)
-    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
-        json.dump({"failures": failures, "total": int(flag)}, f)
-    dist.destroy_process_group()
+    finally:
+        ps.destroy_model_parallel()
+    assert not failures, "\n".join(failures)
 
 
-def test_loss_func_contract_tp2_gloo(tmp_path):
-    port = _free_port()
-    mp.start_processes(_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert results[0]["total"] == results[1]["total"]  # both ranks agree on the verdict
-    failures = results[0]["failures"] + results[1]["failures"]
-    assert results[0]["total"] == 0, "\n".join(failures)
+def test_loss_func_contract_tp2_gloo():
+    run_workers_preloaded(_worker, 2)
 
 
 def test_make_policy_loss_func_bad_input():

@@ -10,16 +10,12 @@ the matching slice of the global ones. Ranks all-reduce a failure flag before ra
 
 from __future__ import annotations
 
-import os
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from rollout_corr_testing.dist_utils import dist_params, init_worker_group, worker_device
+from rollout_corr_testing.dist_utils import dist_params, run_workers, worker_device
 from rollout_corr_testing.rc_testutil import PREFIX, TOL, compare_metrics, make_inputs
 from rollout_corr_ext import RolloutCorrectionConfig as Cfg
 from rollout_corr_ext import compute_offpolicy_metrics, compute_rollout_correction
@@ -36,12 +32,6 @@ CASES = [
          rollout_rs="geometric,seq_sum_k3,token", rollout_rs_threshold="0.99_1.01,0.5,0.8_1.25"),
     dict(rollout_is=None, rollout_rs=None),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _row_block(dp_rank: int, dp: int):
@@ -93,21 +83,10 @@ def _run_cases(rank: int, dp: int, cp: int) -> list:
     return failures
 
 
-def _worker(rank: int, world: int, port: int, dp: int, cp: int, device: str = "cpu") -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    local = init_worker_group(rank, world, device)
-    try:
-        try:
-            failures = _run_cases(rank, dp, cp)
-        except Exception:  # a crash is a failure too, but the flag must still be reduced
-            failures = [f"rank {rank} raised:\n{traceback.format_exc()}"]
-        flag = torch.tensor([1.0 if failures else 0.0], device=local)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0:
-            raise AssertionError("\n".join(failures) or f"rank {rank}: another rank failed")
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world: int, dp: int, cp: int) -> None:
+    """run_workers joins the group, reduces the failure flag (no rank hangs on a dead peer) and tears it down."""
+    failures = _run_cases(rank, dp, cp)
+    assert not failures, "\n".join(failures)
 
 
 #: (dp, cp, device) for each layout on gloo and on NCCL (skipped with the reason without dp * cp GPUs).
@@ -118,13 +97,11 @@ LAYOUTS = [pytest.param(dp, cp, p.values[0], marks=p.marks, id=f"{name}-{p.id}")
 
 @pytest.mark.parametrize("dp,cp,device", LAYOUTS)
 def test_distributed_equals_single_process(dp, cp, device):
-    world = dp * cp
-    mp.spawn(_worker, args=(world, _free_port(), dp, cp, device), nprocs=world, join=True)
+    run_workers(_worker, dp * cp, dp, cp, device=device)
 
 
 # ------------------------------------------------------------------ settings that differ between ranks (issue 8 §7)
 
-from rollout_corr_testing.dist_utils import run_workers  # noqa: E402
 
 _CFG_A = dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.7_1.3")
 #: rank r of a mismatch case uses MISMATCH[case][r % 2]: (config kwargs, nonfinite).
