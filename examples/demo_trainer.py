@@ -37,7 +37,6 @@ import collections
 import json
 import math
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -54,6 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", message=".*compiled extension is not built.*")
 warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")  # megatron's GPU-only advice
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/: the table script's moving average
+from demo_table import current_machine, smooth  # noqa: E402  (one definition each: the plot and the table agree)
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
@@ -291,17 +292,6 @@ class Run:
         return rec
 
 
-def _smooth(y, window):
-    """Trailing moving average: the per-step values of a 128-sample batch are noisy."""
-    out, acc = [], 0.0
-    for i, v in enumerate(y):
-        acc += v
-        if i >= window:
-            acc -= y[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
-
-
 # (metric keys, title, y-axis label, y scale); several keys in one panel: solid, dashed, dotted lines.
 PANELS = [
     (("reward",), "reward", "fraction of digits right (batch mean)", "linear"),
@@ -342,7 +332,7 @@ def plot(path: str, records, settings, window: int = 9):
             for name in settings:
                 rows = [r for r in records if r["setting"] == name and key in r]
                 if rows:
-                    ax.plot([r["step"] for r in rows], _smooth([r[key] for r in rows], window),
+                    ax.plot([r["step"] for r in rows], smooth([r[key] for r in rows], window),
                             label=name if ls == "-" else None, color=colors[name], lw=1.4, ls=ls)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
@@ -387,12 +377,6 @@ def run_info(args, backend: str, seconds: float) -> dict:
             return ""
 
     changed = git("diff", "--name-only", "HEAD", "--", "examples/demo_trainer.py", "rollout_corr_ext", "csrc")
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
     nproc = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
     return {
         "command": f"torchrun --nproc_per_node={nproc} examples/demo_trainer.py "
@@ -400,7 +384,7 @@ def run_info(args, backend: str, seconds: float) -> dict:
         "args": vars(args),
         "commit": git("rev-parse", "--short", "HEAD") or "unknown",
         "uncommitted": changed.split(),  # tracked files the run used that differ from the commit
-        "machine": f"{model}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}",
+        "machine": current_machine(),
         "device": (torch.cuda.get_device_name() if args.device == "cuda" else "cpu"),
         "dist_backend": backend,
         "rollout_corr_ext_backend": rc.backend(),

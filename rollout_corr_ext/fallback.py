@@ -21,44 +21,8 @@ from . import _layout as LY
 # §2 Vocab-parallel log-probs and entropy
 # ---------------------------------------------------------------------------------------------------------
 
-# The record layout (HDR_*, ROW_STAT_*, ROW_STATE_*, STATUS_*, SHARD_MAGIC, FORMAT_NO_ENTROPY, SUM_Z_SCALE) and the
-# policy-loss codes (PG_*) come from their one declaration (csrc/include/*_layout.def, read by _layout.py).
-from ._layout import (  # noqa: E402,F401  (the names this module's ops read, and the ones its callers did)
-    FORMAT_NO_ENTROPY,
-    HDR_FORMAT,
-    HDR_LOCAL_VOCAB,
-    HDR_MAGIC,
-    HDR_ROWS,
-    HDR_TARGET_HASH,
-    HDR_VALID_COLS,
-    HDR_VOCAB_SIZE,
-    HDR_VOCAB_START,
-    MASKED_MEAN_EPS,
-    PG_KIND_PPO_CLIP,
-    PG_KIND_REINFORCE,
-    PG_ROW_CLIP,
-    PG_ROW_CLIP_LOWER,
-    PG_ROW_KL_SUM,
-    PG_ROW_LOSS_SUM,
-    PG_ROW_TOKENS,
-    ROW_STAT_MAX,
-    ROW_STAT_SUM_EXP,
-    ROW_STAT_SUM_EXP_Z,
-    ROW_STAT_SUM_Z,
-    ROW_STAT_TARGET_X,
-    ROW_STATE_COLS,
-    ROW_STATE_LOG_SUM_EXP,
-    ROW_STATE_MAX,
-    ROW_STATE_MEAN_Z,
-    SHARD_MAGIC,
-    STATUS_LAYOUT,
-    STATUS_NO_FINITE_LOGIT,
-    STATUS_NON_FINITE,
-    STATUS_TARGET,
-    SUM_Z_SCALE,
-    header_len,
-)
-from ._layout import layout_error as _layout_error  # noqa: E402
+# The record layout (LY.HDR_*, ROW_STAT_*, ROW_STATE_*, STATUS_*, ...) and the policy-loss codes (LY.PG_*) come from
+# their one declaration (csrc/include/*_layout.def, read by _layout.py).
 from ._checks import acc_dtype as _acc_dtype, check_cu_seqlens as _check_cu_seqlens, masked as _masked  # noqa: E402
 
 
@@ -122,7 +86,7 @@ def vocab_row_stats(
     m = max x and zm = (x - m) * inv_temperature over the shard's non-padding columns: m, d = sum e^zm,
     s = sum e^zm zm, y = x[target] when the target lies in this shard (else -inf)[, sz = 2^-32 sum zm]. -inf logits
     add nothing to d and s; a shard of only -inf has d = 0 (the merge's identity). ``with_entropy=False`` sets the
-    header's FORMAT_NO_ENTROPY flag (the compiled CPU kernels then skip s; this reference takes it anyway).
+    header's LY.FORMAT_NO_ENTROPY flag (the compiled CPU kernels then skip s; this reference takes it anyway).
     """
     acc = _acc_dtype(logits.dtype)
     n, local_vocab = logits.shape
@@ -135,24 +99,24 @@ def vocab_row_stats(
         empty = m == -math.inf
         zm = (x - torch.where(empty, torch.zeros_like(m), m).unsqueeze(1)) * inv_temperature
         e = torch.exp(zm)
-        rec[:, ROW_STAT_MAX] = m
-        rec[:, ROW_STAT_SUM_EXP] = torch.where(empty, torch.zeros_like(m), e.sum(1))
-        rec[:, ROW_STAT_SUM_EXP_Z] = torch.where(empty, torch.zeros_like(m),
+        rec[:, LY.ROW_STAT_MAX] = m
+        rec[:, LY.ROW_STAT_SUM_EXP] = torch.where(empty, torch.zeros_like(m), e.sum(1))
+        rec[:, LY.ROW_STAT_SUM_EXP_Z] = torch.where(empty, torch.zeros_like(m),
                                                 torch.where(e > 0, e * zm, torch.zeros_like(zm)).sum(1))
-        if with_sum_z:  # scaled by 2^-32 before the subtraction: no term or sum leaves the range (SUM_Z_SCALE)
-            mz = torch.where(empty, torch.zeros_like(m), m).unsqueeze(1) * SUM_Z_SCALE
-            zs = (x * SUM_Z_SCALE - mz) * inv_temperature
-            rec[:, ROW_STAT_SUM_Z] = torch.where(empty, torch.full_like(m, -math.inf), zs.sum(1))
+        if with_sum_z:  # scaled by 2^-32 before the subtraction: no term or sum leaves the range (LY.SUM_Z_SCALE)
+            mz = torch.where(empty, torch.zeros_like(m), m).unsqueeze(1) * LY.SUM_Z_SCALE
+            zs = (x * LY.SUM_Z_SCALE - mz) * inv_temperature
+            rec[:, LY.ROW_STAT_SUM_Z] = torch.where(empty, torch.full_like(m, -math.inf), zs.sum(1))
     else:
-        rec[:, ROW_STAT_MAX] = -math.inf
+        rec[:, LY.ROW_STAT_MAX] = -math.inf
     local = target - vocab_start
     in_shard = (local >= 0) & (local < cols) & (target != ignore_index)
     picked = x.gather(1, local.clamp(0, max(cols - 1, 0)).unsqueeze(1)).squeeze(1) if cols else x.new_zeros(n)
-    rec[:, ROW_STAT_TARGET_X] = torch.where(in_shard, picked, torch.full_like(picked, -math.inf))
+    rec[:, LY.ROW_STAT_TARGET_X] = torch.where(in_shard, picked, torch.full_like(picked, -math.inf))
     elem = torch.empty((), dtype=acc).element_size()
-    header = torch.tensor([SHARD_MAGIC, n, vocab_start, local_vocab, cols, vocab_size,
+    header = torch.tensor([LY.SHARD_MAGIC, n, vocab_start, local_vocab, cols, vocab_size,
                            _signed64(target_fingerprint(target)),
-                           (k + 16 * elem + (0 if with_entropy else FORMAT_NO_ENTROPY))
+                           (k + 16 * elem + (0 if with_entropy else LY.FORMAT_NO_ENTROPY))
                            | settings_fingerprint(inv_temperature, ignore_index)], dtype=torch.int64)
     return torch.cat([header.view(acc).to(logits.device), rec.reshape(-1)])
 
@@ -165,25 +129,25 @@ def merge_row_stats(
     """Merge the shard records of all ranks ``[R, record_len]`` into (logp, entropy, mean_logp, row_state, status).
 
     M = max_r m_r; every other sum is rebased to M: D = sum_r d_r e^{(m_r - M)/T}, S = sum_r e^{(m_r - M)/T}
-    (s_r + d_r (m_r - M)/T), SZ = sum_r (sz_r + n_r (m_r - M)/T) (scaled by SUM_Z_SCALE, as sz is); then
+    (s_r + d_r (m_r - M)/T), SZ = sum_r (sz_r + n_r (m_r - M)/T) (scaled by LY.SUM_Z_SCALE, as sz is); then
     logp = (y - M)/T - log D, H = log D - S/D, mean_logp = SZ / vocab_size - log D. Ignored rows give 0. Records
-    taken with ``with_entropy=False`` (the FORMAT_NO_ENTROPY flag) give a NaN entropy and a 0 mean in the row state.
+    taken with ``with_entropy=False`` (the LY.FORMAT_NO_ENTROPY flag) give a NaN entropy and a 0 mean in the row state.
     Errors (bad layout, target out of range, NaN/+inf, a row of only -inf) raise, naming the position.
     """
     acc = gathered.dtype
     r_count = gathered.shape[0]
     k = 5 if with_sum_z else 4
-    hl = header_len(acc)
+    hl = LY.header_len(acc)
     n = target.shape[0]
     if gathered.shape[1] != hl + n * k:
         raise RuntimeError(f"gathered shard records must have length {hl + n * k}, got {gathered.shape[1]}: the "
                            f"tensor-parallel ranks disagree on the number of rows or on the record format")
     headers = gathered[:, :hl].cpu().reshape(-1).clone().view(torch.int64).view(r_count, -1).tolist()
-    why = _layout_error(headers, vocab_size)
+    why = LY.layout_error(headers, vocab_size)
     if why is not None:
         raise RuntimeError("vocab_parallel_log_probs: the tensor-parallel shards do not fit together: " + why)
     rec = gathered[:, hl:].reshape(r_count, n, k)
-    m, d, s = rec[..., ROW_STAT_MAX], rec[..., ROW_STAT_SUM_EXP], rec[..., ROW_STAT_SUM_EXP_Z]
+    m, d, s = rec[..., LY.ROW_STAT_MAX], rec[..., LY.ROW_STAT_SUM_EXP], rec[..., LY.ROW_STAT_SUM_EXP_Z]
     poisoned = ((d != d) | (s != s) | (m == math.inf)).any(0)
     big_m = m.amax(0)
     mass = d > 0
@@ -191,7 +155,7 @@ def merge_row_stats(
     scale = torch.where(mass, torch.exp(delta), torch.zeros_like(m))
     d_tot = (d * scale).sum(0)
     s_tot = torch.where(scale > 0, scale * (s + d * delta), torch.zeros_like(s)).sum(0)
-    y = rec[..., ROW_STAT_TARGET_X].amax(0)
+    y = rec[..., LY.ROW_STAT_TARGET_X].amax(0)
     ignored = target == ignore_index
     bad_target = ~ignored & ((target < 0) | (target >= vocab_size))
     if bool(bad_target.any()):
@@ -213,20 +177,20 @@ def merge_row_stats(
     mean_z = torch.where(ignored, one, s_tot) / torch.where(ignored, one, d_tot)
     zero = torch.zeros_like(log_d)
     # (y - M)/T with y and M scaled first: y - M alone overflows at spreads past fp32's maximum where (y - M)/T need not
-    y_shift = (y * SUM_Z_SCALE - big_m * SUM_Z_SCALE) * inv_temperature / SUM_Z_SCALE
+    y_shift = (y * LY.SUM_Z_SCALE - big_m * LY.SUM_Z_SCALE) * inv_temperature / LY.SUM_Z_SCALE
     logp = torch.where(ignored, zero, y_shift - log_d)
-    if headers[0][HDR_FORMAT] & FORMAT_NO_ENTROPY:
+    if headers[0][LY.HDR_FORMAT] & LY.FORMAT_NO_ENTROPY:
         mean_z = torch.zeros_like(mean_z)
         entropy = torch.where(ignored, zero, torch.full_like(zero, math.nan))
     else:
         entropy = torch.where(ignored, zero, log_d - mean_z)
     if with_sum_z:
-        n_r = torch.tensor([h[HDR_VALID_COLS] for h in headers], dtype=acc, device=gathered.device).unsqueeze(1)
-        sz = rec[..., ROW_STAT_SUM_Z]
-        delta_s = torch.where(mass, (m * SUM_Z_SCALE - big_m * SUM_Z_SCALE) * inv_temperature, torch.zeros_like(m))
+        n_r = torch.tensor([h[LY.HDR_VALID_COLS] for h in headers], dtype=acc, device=gathered.device).unsqueeze(1)
+        sz = rec[..., LY.ROW_STAT_SUM_Z]
+        delta_s = torch.where(mass, (m * LY.SUM_Z_SCALE - big_m * LY.SUM_Z_SCALE) * inv_temperature, torch.zeros_like(m))
         term = torch.where(mass, sz + n_r * delta_s, torch.where(n_r > 0, torch.full_like(sz, -math.inf),
                                                                    torch.zeros_like(sz)))
-        mean_logp = torch.where(ignored, zero, term.sum(0) / vocab_size / SUM_Z_SCALE - log_d)
+        mean_logp = torch.where(ignored, zero, term.sum(0) / vocab_size / LY.SUM_Z_SCALE - log_d)
     else:
         mean_logp = zero.clone()
     row_state = torch.stack([torch.where(ignored, zero, big_m), torch.where(ignored, zero, log_d),
@@ -258,9 +222,9 @@ def logprob_backward(
     cols = _valid_cols(vocab_start, vocab_size, local_vocab)
     x = logits[:, :cols].to(acc)
     state = row_state.to(acc)
-    zm = (x - state[:, ROW_STATE_MAX:ROW_STATE_MAX + 1]) * inv_temperature
-    p = torch.exp(zm - state[:, ROW_STATE_LOG_SUM_EXP:ROW_STATE_LOG_SUM_EXP + 1])
-    ent = torch.where(p > 0, p * (zm - state[:, ROW_STATE_MEAN_Z:ROW_STATE_MEAN_Z + 1]), torch.zeros_like(p))
+    zm = (x - state[:, LY.ROW_STATE_MAX:LY.ROW_STATE_MAX + 1]) * inv_temperature
+    p = torch.exp(zm - state[:, LY.ROW_STATE_LOG_SUM_EXP:LY.ROW_STATE_LOG_SUM_EXP + 1])
+    ent = torch.where(p > 0, p * (zm - state[:, LY.ROW_STATE_MEAN_Z:LY.ROW_STATE_MEAN_Z + 1]), torch.zeros_like(p))
     valid = (target != ignore_index).unsqueeze(1)
 
     def _g(g: Optional[torch.Tensor]) -> torch.Tensor:
@@ -718,7 +682,7 @@ def _policy_token_terms(lp, old, adv, w, clip_low, clip_high, clip_c, loss_kind)
     """Per-token (loss, clip, clip_lower, kl) of the policy losses (formulas in :func:`policy_loss_rows`)."""
     acc = lp.dtype
     neg_kl = torch.clamp(lp - old, -20.0, 20.0)
-    if loss_kind == PG_KIND_PPO_CLIP:
+    if loss_kind == LY.PG_KIND_PPO_CLIP:
         ratio = torch.exp(neg_kl)
         loss1 = -adv * ratio
         loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -746,7 +710,7 @@ def _undefined_loss_tokens(kind: int, old_log_prob, log_prob, advantages, respon
     inf = float("inf")
     lp, old = log_prob, old_log_prob
     bad = lp.isnan() | (lp == inf) | old.isnan() | (old == inf)
-    bad = bad | ((lp == -inf) & (old == -inf)) if kind == PG_KIND_PPO_CLIP else bad | (lp == -inf)
+    bad = bad | ((lp == -inf) & (old == -inf)) if kind == LY.PG_KIND_PPO_CLIP else bad | (lp == -inf)
     adv = advantages if advantages.dim() == lp.dim() else advantages.unsqueeze(-1)
     bad = bad | ~torch.isfinite(adv)
     if weights is not None:
@@ -783,17 +747,17 @@ def policy_loss_rows(
 
     All inputs ``[B, T]`` (or the packed ``[T]`` stream with ``cu_seqlens`` ``[B + 1]``: one row of partials per
     segment); ``weights`` (rollout IS weights, treated as constants) may be None.
-    ``loss_kind == PG_KIND_PPO_CLIP``: r = exp(clamp20(lp - lp_old)); L = max(-A r, -A clip(r, 1 - clip_low,
+    ``loss_kind == LY.PG_KIND_PPO_CLIP``: r = exp(clamp20(lp - lp_old)); L = max(-A r, -A clip(r, 1 - clip_low,
     1 + clip_high)), and for A < 0, L = min(L, -A clip_c) (dual clip); then L * w.
-    ``loss_kind == PG_KIND_REINFORCE``: L = -A lp w (``old_log_prob`` is the rollout policy, used for ppo_kl).
+    ``loss_kind == LY.PG_KIND_REINFORCE``: L = -A lp w (``old_log_prob`` is the rollout policy, used for ppo_kl).
 
     Returns ``loss_mat [B, T]`` (differentiable in ``log_prob``; masked positions hold the raw value, the
     mask is applied by the aggregation) and ``rows [B, 5]`` (columns ``PG_ROW_*``; only the loss column
     carries a gradient). One pass over the inputs: this is the contract of the fused loss kernel.
     """
     acc = _acc_dtype(log_prob.dtype)
-    if loss_kind not in (PG_KIND_PPO_CLIP, PG_KIND_REINFORCE):
-        raise ValueError(f"loss_kind must be PG_KIND_PPO_CLIP or PG_KIND_REINFORCE, got {loss_kind}")
+    if loss_kind not in (LY.PG_KIND_PPO_CLIP, LY.PG_KIND_REINFORCE):
+        raise ValueError(f"loss_kind must be LY.PG_KIND_PPO_CLIP or LY.PG_KIND_REINFORCE, got {loss_kind}")
     _check_defined_loss(loss_kind, old_log_prob.detach(), log_prob.detach(), advantages.detach(), response_mask,
                         None if weights is None else weights.detach())
     lp, old, adv = log_prob.to(acc), old_log_prob.to(acc), advantages.to(acc)

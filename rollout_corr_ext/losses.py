@@ -26,18 +26,8 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 
-from . import _checks, ops
+from . import _checks, _layout as LY, ops
 from .logprobs import as_real
-from ._layout import (
-    MASKED_MEAN_EPS,
-    PG_KIND_PPO_CLIP,
-    PG_KIND_REINFORCE,
-    PG_ROW_CLIP,
-    PG_ROW_CLIP_LOWER,
-    PG_ROW_KL_SUM,
-    PG_ROW_LOSS_SUM,
-    PG_ROW_TOKENS,
-)
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import RolloutCorrectionConfig
@@ -396,7 +386,7 @@ def aggregate_rows(
             raise ValueError("global_batch_size (the global count of sequences) is required when dp_size > 1")
         global_batch_size = seq_valid.sum()
     if loss_agg_mode == "seq-mean-token-mean":
-        seq_loss = row_loss_sum / (row_tokens + MASKED_MEAN_EPS)  # verl's per-sequence token-mean
+        seq_loss = row_loss_sum / (row_tokens + LY.MASKED_MEAN_EPS)  # verl's per-sequence token-mean
     else:
         seq_loss = row_loss_sum
     # A row without tokens is left out by a select, not by a product: its 0 / (0 + eps) is NaN wherever eps rounds
@@ -485,14 +475,14 @@ def _policy_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, l
     # ValueError naming the token; CUDA: an asynchronous device assert), so nothing here reads a value on the host.
     loss_mat, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights,
                                           cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c, kind, cu_seqlens)
-    loss = aggregate_rows(rows[:, PG_ROW_LOSS_SUM], rows[:, PG_ROW_TOKENS], loss_agg_mode,
+    loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM], rows[:, LY.PG_ROW_TOKENS], loss_agg_mode,
                           _horizon(log_prob, cu_seqlens),
                           **cfg.global_batch_info)
-    tokens = rows[:, PG_ROW_TOKENS].sum() + MASKED_MEAN_EPS  # verl's masked_mean denominator
-    metrics = {"actor/ppo_kl": rows[:, PG_ROW_KL_SUM].sum() / tokens}
-    if kind == PG_KIND_PPO_CLIP:
-        metrics["actor/pg_clipfrac"] = rows[:, PG_ROW_CLIP].sum() / tokens
-        metrics["actor/pg_clipfrac_lower"] = rows[:, PG_ROW_CLIP_LOWER].sum() / tokens
+    tokens = rows[:, LY.PG_ROW_TOKENS].sum() + LY.MASKED_MEAN_EPS  # verl's masked_mean denominator
+    metrics = {"actor/ppo_kl": rows[:, LY.PG_ROW_KL_SUM].sum() / tokens}
+    if kind == LY.PG_KIND_PPO_CLIP:
+        metrics["actor/pg_clipfrac"] = rows[:, LY.PG_ROW_CLIP].sum() / tokens
+        metrics["actor/pg_clipfrac_lower"] = rows[:, LY.PG_ROW_CLIP_LOWER].sum() / tokens
     return loss, {k: v.detach() for k, v in metrics.items()}, rows
 
 
@@ -519,7 +509,7 @@ def compute_policy_loss_vanilla(
                          cu_seqlens=cu_seqlens)
     _check_mode(loss_agg_mode)
     cfg = _as_config(config)
-    loss, metrics, _ = _policy_loss(PG_KIND_PPO_CLIP, old_log_prob, log_prob, advantages, response_mask,
+    loss, metrics, _ = _policy_loss(LY.PG_KIND_PPO_CLIP, old_log_prob, log_prob, advantages, response_mask,
                                     loss_agg_mode, cfg, rollout_is_weights, cu_seqlens=cu_seqlens,
                                     fn="compute_policy_loss_vanilla")
     return loss, metrics
@@ -544,7 +534,7 @@ def compute_policy_loss_reinforce(
                          old_name="rollout_log_prob", cu_seqlens=cu_seqlens)
     _check_mode(loss_agg_mode)
     cfg = _as_config(config)
-    loss, metrics, _ = _policy_loss(PG_KIND_REINFORCE, rollout_log_prob, log_prob, advantages, response_mask,
+    loss, metrics, _ = _policy_loss(LY.PG_KIND_REINFORCE, rollout_log_prob, log_prob, advantages, response_mask,
                                     loss_agg_mode, cfg, rollout_is_weights, old_name="rollout_log_prob",
                                     cu_seqlens=cu_seqlens, fn="compute_policy_loss_reinforce")
     return loss, metrics
@@ -772,7 +762,7 @@ def calculate_grpo_loss(
     token_mask = response_mask if response_mask is not None else torch.ones_like(lp, dtype=torch.bool)
     pg_loss, _ = ops.policy_loss_rows(ops.first_order_only(lp, "calculate_grpo_loss"), old_logprobs, adv, token_mask,
                                       weights, float(clamp_eps_lower),
-                                      float(clamp_eps_upper), math.inf, PG_KIND_PPO_CLIP)
+                                      float(clamp_eps_upper), math.inf, LY.PG_KIND_PPO_CLIP)
     lp_acc = lp.to(acc)
     ref_diff = ref_logprobs.to(acc) - lp_acc
     kl_term = ref_diff.exp() - ref_diff - 1

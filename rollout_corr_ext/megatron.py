@@ -15,6 +15,7 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from . import _layout as LY
 from . import logprobs as _lp
 from .losses import _horizon, _segment_sum
 from .losses import (
@@ -25,16 +26,6 @@ from .losses import (
     _policy_loss,
     _safe_div,
     refuse_grad,
-)
-from ._layout import (
-    MASKED_MEAN_EPS,
-    PG_KIND_PPO_CLIP,
-    PG_KIND_REINFORCE,
-    PG_ROW_CLIP,
-    PG_ROW_CLIP_LOWER,
-    PG_ROW_KL_SUM,
-    PG_ROW_LOSS_SUM,
-    PG_ROW_TOKENS,
 )
 
 
@@ -156,7 +147,7 @@ def _seq_numerator(row_sum, row_tokens, valid, mode, horizon, loss_scale_factor)
     this rank's part of each row's sum(m * L), ``row_tokens`` / ``horizon`` the whole sequences' token counts and
     padded length (reduced over CP), so the shares of the CP ranks add up to the single-process numerator."""
     if mode == "seq-mean-token-mean":
-        row_sum = row_sum / (row_tokens.to(row_sum.dtype) + MASKED_MEAN_EPS)
+        row_sum = row_sum / (row_tokens.to(row_sum.dtype) + LY.MASKED_MEAN_EPS)
     total = torch.where(valid, row_sum, torch.zeros_like(row_sum)).sum()
     if mode == "seq-mean-token-sum-norm":
         total = _safe_div(total, horizon if loss_scale_factor is None else loss_scale_factor)  # horizon 0: T = 0
@@ -391,7 +382,7 @@ def make_policy_loss_func(
                     advantages=advantages)
 
         mask, weights, corr_metrics = response_mask, None, {}
-        kind, old = PG_KIND_PPO_CLIP, (old_log_prob if old_log_prob is not None else logp.detach())
+        kind, old = LY.PG_KIND_PPO_CLIP, (old_log_prob if old_log_prob is not None else logp.detach())
         if rc is not None:
             from .correction import compute_rollout_correction
 
@@ -403,7 +394,7 @@ def make_policy_loss_func(
             if bypass:
                 old = rollout_log_prob
                 if rc.loss_type == "reinforce":
-                    kind, weights = PG_KIND_REINFORCE, result.weights
+                    kind, weights = LY.PG_KIND_REINFORCE, result.weights
             else:
                 weights = result.weights
         old_name = "rollout_log_prob" if bypass else ("old_log_prob" if old_log_prob is not None else "log_prob")
@@ -418,7 +409,7 @@ def make_policy_loss_func(
         # of the numerator is scaled by the CP size, as megatron-core scales CP losses: then both of megatron's
         # reductions give the single-process value (the sum over DP x CP ranks of loss_sum over that of
         # num_tokens with calculate_per_token_loss=True; otherwise the mean over the ranks of loss_sum / num_tokens).
-        row_tokens = rows[:, PG_ROW_TOKENS].detach()
+        row_tokens = rows[:, LY.PG_ROW_TOKENS].detach()
         local_horizon = (row_tokens.new_full((1,), float(logp.shape[-1]), dtype=torch.float64)  # no H2D copy
                          if cu is None else _horizon(logp, cu).double().reshape(1))
         counts = torch.cat([row_tokens.double(), local_horizon, (mask != 0).sum().double().reshape(1)])
@@ -429,12 +420,12 @@ def make_policy_loss_func(
             # value * count is sum(m * L) for 0/1 masks; for fractional masks it keeps the micro-batch value exact
             count = valid_tokens.round().to(torch.int64)
             n = count.to(rows.dtype)
-            pg_sum = _safe_div(rows[:, PG_ROW_LOSS_SUM].sum(), row_tokens.sum()) * n
+            pg_sum = _safe_div(rows[:, LY.PG_ROW_LOSS_SUM].sum(), row_tokens.sum()) * n
             ent_sum = _safe_div(ent_rows.sum(), row_tokens.sum().to(ent_rows.dtype)) * n.to(ent_rows.dtype)
         else:
             valid = row_tokens > 0  # rows RS rejected entirely (or without response tokens) do not count
             count = valid.sum()
-            pg_sum = _seq_numerator(rows[:, PG_ROW_LOSS_SUM], row_tokens, valid, loss_agg_mode, horizon,
+            pg_sum = _seq_numerator(rows[:, LY.PG_ROW_LOSS_SUM], row_tokens, valid, loss_agg_mode, horizon,
                                     cfg.loss_scale_factor)
             ent_sum = _seq_numerator(ent_rows, row_tokens, valid, loss_agg_mode, horizon, cfg.loss_scale_factor)
         if seq_world > 1:
@@ -443,14 +434,14 @@ def make_policy_loss_func(
         loss_sum = pg_sum - entropy_coeff * ent_sum if entropy_coeff > 0 else pg_sum
 
         rows = rows.detach()
-        tokens = rows[:, PG_ROW_TOKENS].sum()
+        tokens = rows[:, LY.PG_ROW_TOKENS].sum()
         one = torch.ones((), dtype=torch.float32, device=logp.device)
         names = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy"]
         pairs = [
             (pg_sum.detach(), n),
-            (rows[:, PG_ROW_CLIP].sum(), tokens),
-            (rows[:, PG_ROW_CLIP_LOWER].sum(), tokens),
-            (rows[:, PG_ROW_KL_SUM].sum(), tokens),
+            (rows[:, LY.PG_ROW_CLIP].sum(), tokens),
+            (rows[:, LY.PG_ROW_CLIP_LOWER].sum(), tokens),
+            (rows[:, LY.PG_ROW_KL_SUM].sum(), tokens),
             ((entropy.detach() * m).sum(), tokens),
         ]
         for k, v in corr_metrics.items():
