@@ -12,6 +12,9 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+
+# shellcheck disable=SC1091
+. scripts/pip_quiet.sh
 export MAX_JOBS=${MAX_JOBS:-2}
 
 build_stamp() {
@@ -28,9 +31,9 @@ if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$(build_stamp)" ] \
    && python -c "import rollout_corr_ext._C" 2>/dev/null; then
   echo "rollout_corr_ext: sources unchanged since the last build, skipping install and build"
 else
-  python -m pip install -q --upgrade pip "setuptools>=77" wheel
-  python -m pip install -q "torch==2.14.1" ninja numpy
-  python -m pip install -q --no-build-isolation -e ".[test,demo]"
+  pip_quiet --upgrade pip "setuptools>=77" wheel
+  pip_quiet "torch==2.14.1" ninja numpy
+  pip_quiet --no-build-isolation -e ".[test,demo]"
   build_stamp > "$stamp_file"
 fi
 python -c "import rollout_corr_ext as r; print('rollout_corr_ext backend:', r.backend())"

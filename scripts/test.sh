@@ -7,15 +7,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 . scripts/bootstrap.sh
 # verl 0.9.1, the parity oracle of the rollout-correction tests: its wheel without its GPU stack (vllm, sglang,
 # flash-attn), plus the light packages its helper modules import at import time.
-# pip's resolver then lists verl's GPU requirements as unmet (an "ERROR:" block that is expected and harmless): that
-# block is left out of the log; a failing install still prints everything and stops the script.
-pip_quiet() {
-  local log
-  log=$(mktemp)
-  if ! python -m pip install -q "$@" > "$log" 2>&1; then cat "$log"; rm -f "$log"; return 1; fi
-  grep -v -E "^(ERROR: pip's dependency resolver|verl [0-9.]+ requires |WARNING: Location)" "$log" || true
-  rm -f "$log"
-}
+# pip's resolver then lists verl's GPU requirements as unmet: expected and harmless, so pip_quiet (bootstrap.sh)
+# leaves that block out of the log.
 pip_quiet --no-deps "verl==0.9.1"
 pip_quiet packaging ray "tensordict<=0.10.0" omegaconf transformers codetiming orjson
 echo "verl 0.9.1 installed without its GPU stack (its unmet vllm / sglang / flash-attn requirements are expected)"

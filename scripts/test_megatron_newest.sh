@@ -23,10 +23,11 @@ fi
 . .venv-py312/bin/activate
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export MAX_JOBS=${MAX_JOBS:-2}
-python -m pip install -q --upgrade pip "setuptools>=77" wheel 2>&1 | grep -v "^WARNING: Location" || true
-python -m pip install -q "torch==2.14.1" ninja numpy "megatron-core>=0.19.2" pytest hypothesis expecttest \
-  matplotlib tqdm 2>&1 | grep -v "^WARNING: Location" || true
-python -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
+# shellcheck disable=SC1091
+. scripts/pip_quiet.sh
+pip_quiet --upgrade pip "setuptools>=77" wheel
+pip_quiet "torch==2.14.1" ninja numpy "megatron-core>=0.19.2" pytest hypothesis expecttest matplotlib tqdm
+pip_quiet --no-build-isolation --no-deps -e .
 python - <<'PY'
 import sys, torch, megatron.core as m, rollout_corr_ext as r
 print(f"newest stack: Python {sys.version.split()[0]}, torch {torch.__version__}, megatron-core {m.__version__}, "
