@@ -17,9 +17,15 @@ wheel=$(ls "$out"/dist/*.whl)
 echo "built $sdist and $wheel"
 tar -tzf "$sdist" > "$out/sdist.txt"
 for f in csrc/ops.cpp csrc/logprob_host.h csrc/cuda/logprob_kernels.cuh LICENSE CHANGELOG.md rollout_corr_ext/py.typed \
-         tests/conftest.py rollout_corr_testing/dense_oracles.py rollout_corr_testing/cuda_emulator/cuda_emu.h; do
+         tests/conftest.py rollout_corr_testing/dense_oracles.py rollout_corr_testing/cuda_emulator/cuda_emu.h \
+         docs/configuration.md examples/demo_trainer.py scripts/test.sh; do
   grep -q "/$f\$" "$out/sdist.txt" || { echo "sdist lacks $f"; exit 1; }
 done
+# The tests run from the sdist: a few of them, on the pure-PyTorch backend (no build needed), from the unpacked tree.
+mkdir -p "$out/sdist-src"
+tar -xzf "$sdist" -C "$out/sdist-src"
+(cd "$out"/sdist-src/rollout_corr_ext-* && ROLLOUT_CORR_FORCE_REFERENCE=1 python -m pytest -q -p no:cacheprovider \
+   tests/test_switches.py tests/test_config.py | tail -n 1)
 python - "$wheel" <<'PY'
 import sys, zipfile
 names = set(zipfile.ZipFile(sys.argv[1]).namelist())
