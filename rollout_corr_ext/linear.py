@@ -95,15 +95,30 @@ def _caller_row(r0: int, index: Optional[torch.Tensor], k: int) -> int:
     return r0 + k if index is None else int(index[k])
 
 
-def _valid_rows(target: torch.Tensor, ignore_index: int) -> Optional[torch.Tensor]:
-    """The rows the GEMMs compute: the indices of the rows whose target is not ``ignore_index``, or None when that is
-    every row (then chunks are plain slices, no gather). Ignored rows are never multiplied, so a NaN in their hidden
-    state cannot reach any output or gradient, and RL batches (often a third to a half padding) skip their cost.
-    One host read of the count (a sync on CUDA)."""
+def _can_compact(hidden: torch.Tensor) -> bool:
+    """Whether the ignored rows may be left out of the GEMMs: finding them reads their count on the host, which a
+    CUDA graph being captured cannot do (then they are zeroed instead: same values and gradients, full GEMMs)."""
+    return not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _valid_rows(target: torch.Tensor, ignore_index: int, hidden: torch.Tensor):
+    """(valid, keep): the rows the GEMMs see. ``valid``: the indices of the rows whose target is not ``ignore_index``
+    (None: every row, or see ``keep``); ignored rows are then never multiplied, so a NaN in their hidden state cannot
+    reach any output or gradient, and RL batches (often a third to a half padding) skip their cost. One host read of
+    the count (a sync on CUDA). Where that cannot be (:func:`_can_compact`), ``keep`` is the [N] mask of those rows
+    and the chunks zero the others' hidden states instead."""
     ignored = target == ignore_index
+    if not _can_compact(hidden):
+        return None, ~ignored
     if not bool(ignored.any()):
-        return None
-    return torch.nonzero(~ignored).reshape(-1)
+        return None, None
+    return torch.nonzero(~ignored).reshape(-1), None
+
+
+def _hidden_rows(hidden: torch.Tensor, r0: int, r1: int, index: Optional[torch.Tensor],
+                 keep: Optional[torch.Tensor]) -> torch.Tensor:
+    h = _rows(hidden, r0, r1, index)
+    return h if keep is None else torch.where(keep[r0:r1, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
 
 
 def _row_chunks(n: int, valid: Optional[torch.Tensor], chunk_rows: int):
@@ -129,13 +144,13 @@ class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, tp_group, world, vocab_start, vocab_size, inv_temperature,
                 ignore_index, chunk_rows, chunk_cols, check_group):
-        valid = _valid_rows(target, ignore_index)
+        valid, keep = _valid_rows(target, ignore_index, hidden)
         rows = _row_chunks(hidden.shape[0], valid, chunk_rows)
         real_cols = min(max(vocab_size - vocab_start, 0), weight.shape[0])
         tiles = _vocab_tiles(weight.shape[0], real_cols, chunk_cols)
         records = []
         for r0, r1, index in rows:
-            h, t = _rows(hidden, r0, r1, index), _rows(target, r0, r1, index)
+            h, t = _hidden_rows(hidden, r0, r1, index, keep), _rows(target, r0, r1, index)
             for c0, c1 in tiles:
                 z = _chunk_logits(h, weight[c0:c1], None if bias is None else bias[c0:c1])
                 # Each vocab tile is one shard of the merge; the chunk is dropped as soon as its record is taken.
@@ -172,20 +187,20 @@ class _LinearLogProbs(torch.autograd.Function):
         if valid is not None:  # ignored rows: log-prob and entropy 0, as the merge gives them
             logp = logp.new_zeros(hidden.shape[0]).index_copy_(0, valid, logp)
             entropy = entropy.new_zeros(hidden.shape[0]).index_copy_(0, valid, entropy)
-        ctx.save_for_backward(hidden, weight, bias, target, row_state, valid)
+        ctx.save_for_backward(hidden, weight, bias, target, row_state, valid, keep)
         ctx.args = (vocab_start, vocab_size, inv_temperature, ignore_index, chunk_rows, chunk_cols, real_cols)
         ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, target, row_state, valid = ctx.saved_tensors
+        hidden, weight, bias, target, row_state, valid, keep = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if (grad_logp is None and grad_entropy is None) or not (need_h or need_w or need_b):
             return (None,) * 13
         with torch.no_grad():
-            grads = _backward(hidden, weight, bias, target, row_state, valid, grad_logp, grad_entropy, *ctx.args,
-                              need_h, need_w, need_b)
+            grads = _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, grad_entropy,
+                              *ctx.args, need_h, need_w, need_b)
         if torch.is_grad_enabled():  # create_graph=True: differentiating these gradients again must raise
             anchors = [t for t in (hidden, weight, bias, grad_logp, grad_entropy)
                        if t is not None and t.requires_grad]
@@ -195,7 +210,7 @@ class _LinearLogProbs(torch.autograd.Function):
         return grads + (None,) * 10
 
 
-def _backward(hidden, weight, bias, target, row_state, valid, grad_logp, grad_entropy, vocab_start, vocab_size,
+def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, grad_entropy, vocab_start, vocab_size,
               inv_temperature, ignore_index, chunk_rows, chunk_cols, real_cols, need_h, need_w, need_b):
     """Per vocab tile (clipped to the real vocabulary), per chunk of the computed rows: recompute the logits, turn
     them into d(loss)/d(logits) in place, accumulate. Ignored rows and padded vocabulary rows are never multiplied:
@@ -218,7 +233,7 @@ def _backward(hidden, weight, bias, target, row_state, valid, grad_logp, grad_en
         for r0, r1, index in rows:
             if r1 == r0:
                 continue
-            h = _rows(hidden, r0, r1, index)
+            h = _hidden_rows(hidden, r0, r1, index, keep)
             g = _chunk_logits(h, w, b)  # recomputed, then overwritten with d(loss)/d(logits)
             ops.logprob_backward_(g, None if grad_logp is None else _rows(grad_logp, r0, r1, index),
                                   None if grad_entropy is None else _rows(grad_entropy, r0, r1, index), None,
