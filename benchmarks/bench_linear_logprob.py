@@ -104,16 +104,18 @@ def memory_subprocess(path, n, h, v, dtype_name, device):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=512)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=512, help="H: the hidden size")
     ap.add_argument("--vocab", type=int, default=32000, help="V_local: rows of this rank's output-layer shard")
-    ap.add_argument("--n", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    ap.add_argument("--n-time", type=int, default=8192)
-    ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--n", type=int, nargs="+", default=[2048, 4096, 8192, 16384],
+                    help="rows N of each memory measurement (a fresh process each)")
+    ap.add_argument("--n-time", type=int, default=8192, help="rows N of the time table")
+    ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="input dtypes")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats (median) after a warm-up")
     ap.add_argument("--ignored", type=float, nargs="+", default=[0.0, 0.3, 0.5],
                     help="fractions of rows whose target is ignore_index, timed each (the fused path skips them)")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the inputs live")
     ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     h, v, device = args.hidden, args.vocab, args.device

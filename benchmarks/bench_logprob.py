@@ -209,13 +209,16 @@ def _worker(rank, world, store, args, out_path):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_Formatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192], help="rows N (tokens) per shard")
     p.add_argument("--vocab", type=int, nargs="+", default=[32000, 64000], help="V_local (per rank)")
-    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES), help="logits dtypes")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (gloo processes)")
+    p.add_argument("--reps", type=int, default=3, help="timed repeats (median) after a warm-up")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the logits live")
     p.add_argument("--peak-gbps", type=float, default=None, help="peak memory bandwidth for the %% column (GPU)")
     args = p.parse_args()
 

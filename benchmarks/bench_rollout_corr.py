@@ -290,10 +290,11 @@ def _fmt(x: float) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--b", type=int, default=256)
-    ap.add_argument("--t", type=int, default=8192)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--b", type=int, default=256, help="sequences B")
+    ap.add_argument("--t", type=int, default=8192, help="response length T")
+    ap.add_argument("--repeats", type=int, default=5, help="timed repeats (median) after a warm-up")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     ap.add_argument("--warm-cache", action="store_true", help="do not evict the inputs from the caches between calls")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the inputs and every row run")
@@ -463,7 +464,8 @@ def _dist_worker(rank: int, world: int, store: str, b: int, t: int, repeats: int
         ("  its partials reduce: fixed wire size + fingerprint and batch checks", checked_reduce),
         ("  baseline: bare SUM + MAX of the unpadded partials", bare_reduce),
         ("CP op (seq_group)", lambda: rc.compute_rollout_correction(lp, rlp, mask, cfg, seq_group=group)),
-        ("  its row-count check alone (16-byte MAX all-reduce)", lambda: C._check_seq_rows(lp.shape[0], lp.device, group)),
+        ("  its row-count check alone (16-byte MAX all-reduce)",
+         lambda: C._check_seq_rows(lp.shape[0], lp.device, group)),
         ("single-process op (no collectives)", lambda: rc.compute_rollout_correction(lp, rlp, mask, cfg)),
     ]:
         ms = _median_ms(fn, repeats)

@@ -15,12 +15,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = {
     "logprob": ["bench_logprob.py", "--tokens", "64", "--vocab", "256", "--dtypes", "fp32", "--tp", "1", "2",
                 "--reps", "1"],
+    "logprob_options": ["bench_logprob.py", "--tokens", "32", "--vocab", "128", "--dtypes", "bf16", "--tp", "1",
+                        "--reps", "1", "--device", "cpu", "--peak-gbps", "100"],
     "rollout_corr": ["bench_rollout_corr.py", "--b", "4", "--t", "64", "--repeats", "1"],
+    "rollout_corr_options": ["bench_rollout_corr.py", "--b", "4", "--t", "64", "--repeats", "1", "--threads", "1",
+                             "--warm-cache", "--peak-gbps", "100", "--device", "cpu"],
     "rollout_corr_packed": ["bench_rollout_corr.py", "--packed", "--b", "4", "--t", "64", "--min-len", "8",
-                            "--repeats", "1"],
+                            "--repeats", "1", "--threads", "1", "--warm-cache", "--device", "cpu"],
     "rollout_corr_dist": ["bench_rollout_corr.py", "--dist", "--b", "4", "--t", "64", "--repeats", "1"],
     "linear_logprob": ["bench_linear_logprob.py", "--hidden", "16", "--vocab", "300", "--n", "64", "--n-time", "96",
-                       "--repeats", "1", "--ignored", "0", "0.5"],
+                       "--repeats", "1", "--ignored", "0", "0.5", "--dtypes", "fp32", "bf16", "--device", "cpu"],
 }
 
 
@@ -37,8 +41,20 @@ def test_benchmark_runs_at_a_tiny_size(name):
     assert "|---" in out.stdout, f"{name} printed no table:\n{out.stdout[-2000:]}"
 
 
-def test_help_lists_every_mode():
-    out = _run(["bench_rollout_corr.py", "--help"])
-    assert out.returncode == 0 and "--packed" in out.stdout and "--dist" in out.stdout, out.stdout
-    out = _run(["bench_linear_logprob.py", "--help"])
-    assert out.returncode == 0 and "--ignored" in out.stdout, out.stdout
+def test_help_lists_every_mode_and_every_default():
+    """``--help`` of every script names its modes and shows the default of every option that has one."""
+    import re
+
+    for script, modes in (("bench_rollout_corr.py", ("--packed", "--dist")), ("bench_linear_logprob.py", ("--ignored",)),
+                          ("bench_logprob.py", ("--tp",))):
+        out = _run([script, "--help"])
+        assert out.returncode == 0, out.stderr[-2000:]
+        text = " ".join(out.stdout.split())
+        for mode in modes:
+            assert mode in text, (script, mode)
+        section = out.stdout.split("options:", 1)[1]
+        entries = re.split(r"\n(?=  -)", section)  # one help entry per option, continuation lines included
+        options = [e for e in entries if e.lstrip().startswith("--") and not e.lstrip().startswith("--help")]
+        assert options, script
+        for entry in options:
+            assert "default" in entry, (script, entry)
