@@ -6,8 +6,10 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck disable=SC1091
 . .venv/bin/activate
+# shellcheck disable=SC1091
+. scripts/pip_quiet.sh
 export MAX_JOBS=${MAX_JOBS:-2}
-python -m pip install -q build
+pip_quiet build
 out=build/package-check
 rm -rf "$out"
 mkdir -p "$out"
@@ -35,8 +37,8 @@ for need in ("rollout_corr_ext/csrc/ops.cpp", "rollout_corr_ext/csrc/include/log
 assert any(n.startswith("rollout_corr_ext/_C") for n in names), "wheel lacks the compiled module"
 PY
 "${PYTHON:-python3}" -m venv "$out/venv"
-"$out/venv/bin/python" -m pip install -q "torch==2.14.1" numpy ninja
-"$out/venv/bin/python" -m pip install -q --no-deps "$wheel"
+PIP_PYTHON="$out/venv/bin/python" pip_quiet "torch==2.14.1" numpy ninja
+PIP_PYTHON="$out/venv/bin/python" pip_quiet --no-deps "$wheel"
 cd "$out"  # away from the source tree, so that the installed package is the one imported
 venv/bin/python - <<'PY'
 import torch, rollout_corr_ext as rc
