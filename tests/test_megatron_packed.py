@@ -182,3 +182,22 @@ def test_packed_advantages_of_ambiguous_length_are_refused():
     ones = types.SimpleNamespace(cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32), cu_seqlens_q_padded=None)
     loss, n, _ = make_policy_loss_func(target, torch.tensor([1.0, -5.0]), mask, packed_seq_params=ones)(logits)
     assert loss.item() / n.item() == pytest.approx(2.0)
+
+
+def test_packed_seq_params_of_megatron_0_19():
+    """megatron-core 0.19's PackedSeqParams fields: None (as it leaves unset fields) counts as absent, and a
+    local_cp_size that is not the sequence group's size (hybrid CP without its group) is a named error, never
+    per-rank values of half-sequences."""
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    logits = torch.tensor([[[0.0, 1.0, 2.0]], [[1.0, 0.0, -1.0]], [[0.5, 0.5, 0.0]]])
+    target, mask, adv = torch.tensor([0, 2, 1]), torch.tensor([True, True, True]), torch.tensor([[1.0, 1.0, 1.0]])
+    cu = torch.tensor([0, 2, 3], dtype=torch.int32)
+    plain = types.SimpleNamespace(cu_seqlens_q=cu, cu_seqlens_q_padded=None)
+    new = types.SimpleNamespace(cu_seqlens_q=cu, cu_seqlens_q_padded=None, local_cp_size=None, cp_group=None)
+    ref = make_policy_loss_func(target, adv, mask, packed_seq_params=plain)(logits)
+    got = make_policy_loss_func(target, adv, mask, packed_seq_params=new)(logits)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
+    hybrid = types.SimpleNamespace(cu_seqlens_q=cu, cu_seqlens_q_padded=None, local_cp_size=2, cp_group=None)
+    with pytest.raises(ValueError, match="local_cp_size = 2"):
+        make_policy_loss_func(target, adv, mask, packed_seq_params=hybrid)
