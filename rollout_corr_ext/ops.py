@@ -300,25 +300,40 @@ def _register_policy_loss_ops() -> None:
           clip_high, clip_c, loss_kind, cu_seqlens=None):
         return log_prob.new_empty(tuple(log_prob.shape))
 
+    register_policy_loss_autograd("rollout_corr")
+
+
+_POLICY_LOSS_AUTOGRAD = set()
+
+
+def register_policy_loss_autograd(namespace: str) -> None:
+    """The autograd formula of ``<namespace>::policy_loss_rows``: the gradient reaches ``log_prob`` only, through
+    ``<namespace>::policy_loss_backward``. Written once for the real op and the CUDA emulator's copy
+    (``rollout_corr_emu``), whose schema adds trailing launch knobs, passed on to its backward."""
+    if namespace in _POLICY_LOSS_AUTOGRAD:
+        return
+    backward_op = getattr(torch.ops, namespace).policy_loss_backward.default
+
     def setup_context(ctx, inputs, output):
         (log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind,
-         cu_seqlens) = inputs
+         cu_seqlens, *knobs) = inputs
         ctx.save_for_backward(log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens)
         ctx.scalars = (clip_low, clip_high, clip_c, loss_kind)
+        ctx.knobs = tuple(knobs)
 
     def backward(ctx, grad_loss_mat, grad_rows):
         log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens = ctx.saved_tensors
         grad_log_prob = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and (grad_loss_mat is not None or grad_rows is not None):
             # Only the loss column of rows carries a gradient (the others are detached metric partials).
             grad_rows_loss = None if grad_rows is None else grad_rows[:, LY.PG_ROW_LOSS_SUM]
-            grad_log_prob = torch.ops.rollout_corr.policy_loss_backward.default(
-                grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights,
-                *ctx.scalars, cu_seqlens)
-        # advantages and weights are constants of the loss (the reference detaches the weights).
-        return grad_log_prob, None, None, None, None, None, None, None, None, None
+            grad_log_prob = backward_op(grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages,
+                                        response_mask, weights, *ctx.scalars, cu_seqlens, *ctx.knobs)
+        # advantages and weights are constants of the loss (callers detach the weights).
+        return (grad_log_prob,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
-    torch.library.register_autograd("rollout_corr::policy_loss_rows", backward, setup_context=setup_context)
+    torch.library.register_autograd(f"{namespace}::policy_loss_rows", backward, setup_context=setup_context)
+    _POLICY_LOSS_AUTOGRAD.add(namespace)
 
 
 class NoDoubleBackward(torch.autograd.Function):

@@ -13,7 +13,6 @@ from typing import Dict, Iterator, List
 import torch
 
 import rollout_corr_ext
-from rollout_corr_ext import _layout as LY
 from rollout_corr_ext import fallback, logprobs, ops
 
 #: The log-prob ops of rollout_corr_ext.ops and the emulator knobs each accepts.
@@ -182,41 +181,15 @@ def device_params(*names: str, emulated_reason: str = None, cuda_reason: str = N
     return out
 
 
-class _EmulatedPolicyLoss(torch.autograd.Function):
-    """The emulated ``policy_loss_rows`` with the autograd formula the compiled op registers (gradient in
-    ``log_prob`` only, through the emulated ``policy_loss_backward``)."""
-
-    @staticmethod
-    def forward(ctx, knobs, log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
-                loss_kind, cu_seqlens):
-        emu = torch.ops.rollout_corr_emu
-        extra = dict(knobs) if cu_seqlens is None else dict(knobs, cu_seqlens=cu_seqlens)  # packed: keyword
-        loss_mat, rows = emu.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
-                                              clip_high, clip_c, loss_kind, **extra)
-        ctx.save_for_backward(log_prob, old_log_prob, advantages, response_mask, weights)
-        ctx.scalars = (clip_low, clip_high, clip_c, loss_kind)
-        ctx.extra = extra
-        ctx.set_materialize_grads(False)
-        return loss_mat, rows
-
-    @staticmethod
-    def backward(ctx, grad_loss_mat, grad_rows):
-        log_prob, old_log_prob, advantages, response_mask, weights = ctx.saved_tensors
-        grad = None
-        if ctx.needs_input_grad[1] and (grad_loss_mat is not None or grad_rows is not None):
-            grad_rows_loss = None if grad_rows is None else grad_rows[:, LY.PG_ROW_LOSS_SUM]
-            grad = torch.ops.rollout_corr_emu.policy_loss_backward(
-                grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights,
-                *ctx.scalars, **ctx.extra)
-        return (None, grad) + (None,) * 9  # knobs, log_prob, then 9 constants
-
-
 def _emulated_policy_loss_rows(knobs, log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
                                clip_high, clip_c, loss_kind, cu_seqlens=None):
+    """``ops.policy_loss_rows`` on the emulated kernels, with the compiled op's autograd formula (registered on the
+    emulator's op by ``ops.register_policy_loss_autograd``)."""
     if weights is not None:
         weights = weights.detach()  # a constant of the loss, as in ops.policy_loss_rows
-    return _EmulatedPolicyLoss.apply(knobs, log_prob, old_log_prob, advantages, response_mask, weights,
-                                     float(clip_low), float(clip_high), float(clip_c), int(loss_kind), cu_seqlens)
+    return torch.ops.rollout_corr_emu.policy_loss_rows(
+        log_prob, old_log_prob, advantages, response_mask, weights, float(clip_low), float(clip_high),
+        float(clip_c), int(loss_kind), cu_seqlens, **knobs)
 
 
 @contextlib.contextmanager
@@ -234,6 +207,7 @@ def policy_loss_backend(name: str, **knobs) -> Iterator[str]:
         from rollout_corr_testing.cuda_emulator.loader import load_emulator
 
         load_emulator()
+        ops.register_policy_loss_autograd("rollout_corr_emu")
         impl = {"policy_loss_rows": functools.partial(_emulated_policy_loss_rows, dict(knobs))}
     else:
         raise ValueError(f"unknown backend {name!r}")

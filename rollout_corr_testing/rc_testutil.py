@@ -8,15 +8,9 @@ from typing import Dict, Optional
 import torch
 
 
-#: One tolerance table, keyed by the dtype the pipeline runs in; the oracle always runs in fp64.
-TOL = {
-    torch.float64: dict(rtol=1e-9, atol=1e-10),
-    torch.float32: dict(rtol=2e-5, atol=2e-6),
-    torch.bfloat16: dict(rtol=2e-5, atol=2e-6),  # inputs are rounded to bf16 first, the math is fp32
-}
-#: The documented accuracy of the IS-weight percentiles (docs/rollout_correction.md: within 0.5 % of the exact
-#: order statistics at any batch size).
-PERCENTILE_RTOL = 0.005
+from rollout_corr_testing.tolerances import METRIC_TOL, PERCENTILE_RTOL
+
+TOL = METRIC_TOL  # the name the rollout tests import
 PREFIX = "rollout_corr/"
 
 
@@ -40,11 +34,12 @@ def make_inputs(b: int, t: int, seed: int = 0, scale: float = 0.3, pad_rows=(), 
 
 def compare_metrics(ours: Dict[str, torch.Tensor], oracle: Dict[str, torch.Tensor], dtype,
                     skip=()) -> list:
-    """Mismatches between our ``rollout_corr/*`` metrics and the oracle's (unprefixed) ones; [] when equal."""
-    tol = TOL[dtype]
+    """Mismatches between our ``rollout_corr/*`` metrics and the oracle's ones (keys with or without the prefix);
+    [] when equal."""
+    tol = METRIC_TOL[dtype]
     errors = []
     ours_f = {k: float(v) for k, v in ours.items()}
-    want = {PREFIX + k: float(v) for k, v in oracle.items()}
+    want = {k if k.startswith(PREFIX) else PREFIX + k: float(v) for k, v in oracle.items()}
     if set(ours_f) != set(want):
         errors.append(f"key sets differ: only ours {sorted(set(ours_f) - set(want))}, "
                       f"only oracle {sorted(set(want) - set(ours_f))}")
@@ -62,7 +57,7 @@ def compare_metrics(ours: Dict[str, torch.Tensor], oracle: Dict[str, torch.Tenso
 
 
 def assert_weights_mask(res, weights: Optional[torch.Tensor], mask: torch.Tensor, dtype) -> None:
-    tol = TOL[dtype]
+    tol = METRIC_TOL[dtype]
     if weights is None:
         assert res.weights is None
     else:

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
-__all__ = ["rollout_correction_oracle", "parse_is_threshold", "parse_rs_thresholds", "VERL_RS_CRITERIA",
+__all__ = ["rollout_correction_oracle", "oracle_for_config", "CONFIG_FIELDS", "parse_is_threshold", "parse_rs_thresholds", "VERL_RS_CRITERIA",
            "RATIO_RS_CRITERIA", "PERCENTILES"]
 
 F64 = torch.float64
@@ -448,3 +448,16 @@ def rollout_correction_oracle(
     else:
         mask_out = final.to(response_mask.dtype)
     return weights, mask_out, {f"rollout_corr/{k}": float(v) for k, v in met.items()}
+
+
+#: The public configuration fields, in docs/rollout_correction.md's order (the oracle's keyword arguments).
+CONFIG_FIELDS = ("rollout_is", "rollout_is_threshold", "rollout_is_mode", "rollout_is_threshold_lower",
+                 "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold", "rollout_rs_threshold_lower",
+                 "rollout_token_veto_threshold", "bypass_mode", "loss_type")
+
+
+def oracle_for_config(log_prob, rollout_log_prob, response_mask, config, nonfinite: str = "error"):
+    """:func:`rollout_correction_oracle` on the public fields of any object that has them (a
+    ``RolloutCorrectionConfig``); the config's resolved forms are never read."""
+    fields = {name: getattr(config, name) for name in CONFIG_FIELDS}
+    return rollout_correction_oracle(log_prob, rollout_log_prob, response_mask, nonfinite=nonfinite, **fields)

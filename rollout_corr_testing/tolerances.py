@@ -1,4 +1,5 @@
-"""The one tolerance table of the test suite, keyed by dtype (rtol, atol)."""
+"""The one tolerance table of the test suite: every comparison of ours against an oracle or a peer takes its
+tolerance from here, keyed by the dtype the comparison runs in."""
 
 import torch
 
@@ -38,3 +39,40 @@ def output_tol(dtype):
 def grad_tol(dtype):
     rtol, atol = GRAD_TOL[dtype]
     return {"rtol": rtol, "atol": atol}
+
+
+#: Rollout-correction metrics, weights and masks against the fp64 oracle, by the dtype the pipeline accumulates in
+#: (bf16/fp16 inputs are rounded first and the math is fp32).
+METRIC_TOL = {
+    torch.float64: dict(rtol=1e-9, atol=1e-10),
+    torch.float32: dict(rtol=2e-5, atol=2e-6),
+    torch.bfloat16: dict(rtol=2e-5, atol=2e-6),
+    torch.float16: dict(rtol=2e-5, atol=2e-6),
+}
+#: IS weights are O(1) and never summed before the comparison: a tighter atol than the batch metrics.
+WEIGHT_TOL = {
+    torch.float64: dict(rtol=1e-9, atol=1e-12),
+    torch.float32: dict(rtol=2e-5, atol=1e-7),
+}
+#: The documented accuracy of the IS-weight percentiles (docs/rollout_correction.md: within 0.5 % of the exact
+#: order statistics at any batch size).
+PERCENTILE_RTOL = 0.005
+
+#: Policy-loss kernel by log_prob's dtype: the row partials are sums over up to ~130 tokens of fp32 terms of size
+#: ~5, so a few fp32 ulps of the running sum.
+POLICY_LOSS_ROW_TOL = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (2e-5, 1e-4),
+    torch.bfloat16: (2e-5, 1e-4),
+    torch.float16: (2e-5, 1e-4),
+}
+#: Whole losses (package vs the dense fp64 / verl formulas) in the dtype the loss runs in.
+LOSS_TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
+#: Rollout metrics against verl's own helper (``math.isclose`` form). fp64 inputs: verl still reduces its fractions
+#: in fp32 (``.float().mean()``), rel 5e-7 covers that rounding.
+VERL_TOL = {torch.float32: dict(rel_tol=2e-5, abs_tol=2e-6), torch.float64: dict(rel_tol=5e-7, abs_tol=1e-12)}
+
+
+def accumulation_dtype(*dtypes):
+    """The dtype the package accumulates in for these input dtypes: fp64 when any is fp64, else fp32."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32

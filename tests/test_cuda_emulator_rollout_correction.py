@@ -19,7 +19,7 @@ from rollout_corr_ext.correction import finalize_metrics, op_args
 from rollout_corr_testing.backends import rollout_backend
 from rollout_corr_testing.cuda_emulator.loader import load_emulator
 from rollout_corr_testing.rc_testutil import TOL, compare_metrics, make_inputs
-from rollout_corr_testing.dense_oracles import rollout_correction_dense
+from rollout_corr_testing.rollout_oracle import oracle_for_config
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_metrics_from_emulated_partials_match_dense_oracle(emu):
         args = op_args(cfg)
         st = emu.rollout_seq_stats(lp, rlp, mask, None, *args, threads=64, schedule=1)
         w, m, s, x = emu.rollout_token_pass(lp, rlp, mask, None, st, *args, True, threads=64, schedule=1, max_blocks=3)
-        w_d, m_d, met = rollout_correction_dense(lp.double(), rlp.double(), mask, cfg)
+        w_d, m_d, met = oracle_for_config(lp.double(), rlp.double(), mask, cfg)
         errors = compare_metrics(finalize_metrics(s, x, cfg), met, torch.float32, skip=("batch_norm_factor",))
         assert not errors, "\n".join(errors)
         assert torch.equal(m, m_d)
@@ -147,7 +147,7 @@ def test_pipeline_on_emulated_kernels_with_mixed_dtypes(emu, lp_dtype, rlp_dtype
     cfg = Cfg(**CONFIGS[0])
     with rollout_backend("emulated", threads=32, schedule=1, max_blocks=2):
         res = compute_rollout_correction(lp, rlp, mask, cfg)
-    w_d, m_d, met = rollout_correction_dense(lp.double(), rlp.double(), mask, cfg)
+    w_d, m_d, met = oracle_for_config(lp.double(), rlp.double(), mask, cfg)
     acc = torch.float64 if torch.float64 in (lp_dtype, rlp_dtype) else torch.float32
     assert res.weights.dtype == acc
     errors = compare_metrics(res.metrics, met, acc)

@@ -17,6 +17,7 @@ import torch
 
 from rollout_corr_testing import dense_oracles as R
 from rollout_corr_testing.backends import device_params, ops_on
+from rollout_corr_testing.tolerances import LOSS_TOL
 from rollout_corr_ext.losses import (
     LOSS_AGG_MODES,
     PolicyLossConfig,
@@ -32,7 +33,7 @@ from rollout_corr_ext.losses import (
 HAS_CORRECTION = importlib.util.find_spec("rollout_corr_ext.correction") is not None
 needs_correction = pytest.mark.skipif(not HAS_CORRECTION, reason="rollout_corr_ext.correction is not in this tree yet")
 
-TOL = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-5, atol=1e-6)}
+TOL = LOSS_TOL
 
 DEVICES = device_params()
 #: agg_loss is plain torch ops on the loss matrix: no kernel of the emulator's to run, so cpu and cuda only.

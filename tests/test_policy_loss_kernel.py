@@ -1,4 +1,5 @@
-"""The fused policy-loss op (docs/megatron.md, "Loss modes") against ``fallback.policy_loss_rows``: compiled CPU kernels, the CUDA
+"""The fused policy-loss op (docs/megatron.md, "Loss modes") against the independent fp64 oracle
+``rollout_corr_testing.dense_oracles.policy_loss_rows_dense`` (verl's formulas): compiled CPU kernels, the CUDA
 kernels on a GPU (every compiled-op test has a ``cuda`` variant, skipped with the reason without one), and the CUDA
 kernels run thread by thread on the CUDA emulator (their own tests below, over every launch-knob set).
 
@@ -15,18 +16,15 @@ from rollout_corr_ext import _layout as LY
 from rollout_corr_ext import fallback, losses, ops
 from rollout_corr_ext._layout import PG_KIND_PPO_CLIP, PG_KIND_REINFORCE, PG_ROW_LOSS_SUM, PG_ROW_TOKENS
 from rollout_corr_testing.backends import device_params
-from rollout_corr_testing.tolerances import GRAD_TOL, OUTPUT_TOL
+from rollout_corr_testing.dense_oracles import PPO_CLIP, REINFORCE, policy_loss_rows_dense
+from rollout_corr_testing.tolerances import GRAD_TOL, OUTPUT_TOL, POLICY_LOSS_ROW_TOL
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 KINDS = [PG_KIND_PPO_CLIP, PG_KIND_REINFORCE]
 
-#: The one tolerance table of this file, by log_prob's dtype: (rtol, atol) of loss_mat, of the row partials
-#: (sums over up to ~130 tokens of fp32 terms of size ~5: a few fp32 ulps of the running sum), of the gradient.
-TOL = {
-    dtype: {"loss": OUTPUT_TOL[dtype], "rows": (1e-10, 1e-10) if dtype == torch.float64 else (2e-5, 1e-4),
-            "grad": GRAD_TOL[dtype]}
-    for dtype in DTYPES
-}
+#: The suite's tolerances (rollout_corr_testing.tolerances) by log_prob's dtype: loss_mat, row partials, gradient.
+TOL = {dtype: {"loss": OUTPUT_TOL[dtype], "rows": POLICY_LOSS_ROW_TOL[dtype], "grad": GRAD_TOL[dtype]}
+       for dtype in DTYPES}
 
 
 def tol(dtype, what):
@@ -80,10 +78,14 @@ def _fp64(x):
     return None if x is None else (x.double() if x.is_floating_point() else x)
 
 
+#: the layout's kind codes -> the oracle's kind names
+ORACLE_KIND = {PG_KIND_PPO_CLIP: PPO_CLIP, PG_KIND_REINFORCE: REINFORCE}
+
+
 def _reference(inp, kind, clip, requires_grad=False):
     lp = inp["lp"].detach().to(torch.float64, copy=True).requires_grad_(requires_grad)
-    loss, rows = fallback.policy_loss_rows(lp, _fp64(inp["old"]), _fp64(inp["adv"]), inp["mask"], _fp64(inp["w"]),
-                                            clip["clip_low"], clip["clip_high"], clip["clip_c"], kind)
+    loss, rows = policy_loss_rows_dense(lp, _fp64(inp["old"]), _fp64(inp["adv"]), inp["mask"], _fp64(inp["w"]),
+                                        clip["clip_low"], clip["clip_high"], clip["clip_c"], ORACLE_KIND[kind])
     return lp, loss, rows
 
 
@@ -213,9 +215,9 @@ def test_nan_in_padding_stays_out_of_the_rows(compiled_backend, device):
     dinp = _to(dict(inp, lp=lp), device)
     loss, rows = ops.policy_loss_rows(dinp["lp"], dinp["old"], dinp["adv"], dinp["mask"], dinp["w"], 0.2, 0.2, 3.0,
                                       0)
-    ref_loss, ref_rows = fallback.policy_loss_rows(lp, inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2, 0.2,
-                                                    3.0, 0)
-    loss, rows = loss.cpu(), rows.cpu()
+    ref_loss, ref_rows = policy_loss_rows_dense(lp, inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2, 0.2, 3.0,
+                                                PPO_CLIP)
+    loss, rows = loss.cpu().double(), rows.cpu().double()
     assert torch.isfinite(rows).all()
     torch.testing.assert_close(loss, ref_loss, equal_nan=True, **tol(torch.float32, "loss"))
     torch.testing.assert_close(rows, ref_rows, **tol(torch.float32, "rows"))

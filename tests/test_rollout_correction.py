@@ -19,7 +19,7 @@ from rollout_corr_testing.rc_testutil import PERCENTILE_RTOL, PREFIX, TOL, asser
 from rollout_corr_ext import RolloutCorrectionConfig as Cfg
 from rollout_corr_ext import compute_offpolicy_metrics, compute_rollout_correction
 from rollout_corr_ext import _layout as LY
-from rollout_corr_testing import dense_oracles as R
+from rollout_corr_testing.rollout_oracle import oracle_for_config
 from rollout_corr_testing.backends import device_params, ops_on
 from rollout_corr_testing.skips import skip_unless_ci
 
@@ -51,8 +51,7 @@ def _run(device, lp, rlp, mask, cfg, **kw):
 
 def _check(cfg, lp, rlp, mask, dtype=torch.float32, skip=(), device="cpu", **kw):
     res = _run(device, lp, rlp, mask, cfg, **kw)
-    w, m, met = R.rollout_correction_dense(lp.double(), rlp.double(), mask, cfg,
-                                           exclude_nonfinite=kw.get("nonfinite") == "exclude")
+    w, m, met = oracle_for_config(lp.double(), rlp.double(), mask, cfg, nonfinite=kw.get("nonfinite", "error"))
     errors = compare_metrics(res.metrics, met, dtype, skip=skip)
     assert not errors, "\n".join(errors)
     assert_weights_mask(res, w, m, dtype)
@@ -272,8 +271,8 @@ def test_offpolicy_metrics_alone(device):
     with ops_on(device) as dev:
         got = {k: v.cpu() for k, v in compute_offpolicy_metrics(lp.to(dev), rlp.to(dev), mask.to(dev)).items()}
         only = compute_offpolicy_metrics(lp.to(dev), None, mask.to(dev))
-    _, _, met = R.rollout_correction_dense(lp.double(), rlp.double(), mask, Cfg.disabled())
-    want = {k: met[k] for k in ("training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "rollout_log_ppl",
+    _, _, met = oracle_for_config(lp.double(), rlp.double(), mask, Cfg.disabled())
+    want = {k: met[PREFIX + k] for k in ("training_ppl", "training_log_ppl", "kl", "k3_kl", "rollout_ppl", "rollout_log_ppl",
                                 "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min",
                                 "ppl_ratio", "chi2_token", "chi2_seq")}
     assert not compare_metrics(got, want, torch.float32)
@@ -564,9 +563,9 @@ def test_std_metrics_do_not_cancel_near_on_policy(level, rs, device):
     cfg = Cfg(rollout_is=level, rollout_is_threshold=2.0, rollout_rs=rs,
               rollout_rs_threshold="0.5_2.0" if rs else None)
     res = _run(device, lp, rlp, mask, cfg)
-    _, _, met = R.rollout_correction_dense(lp.double(), rlp.double(), mask, cfg)
+    _, _, met = oracle_for_config(lp.double(), rlp.double(), mask, cfg)
     for key in ["rollout_is_std", "rollout_is_eff_sample_size"] + (["rollout_rs_token_std"] if rs else []):
-        assert float(res.metrics[PREFIX + key]) == pytest.approx(float(met[key]), rel=2e-5), key
+        assert float(res.metrics[PREFIX + key]) == pytest.approx(float(met[PREFIX + key]), rel=2e-5), key
 
 
 def test_packed_ops_opcheck_and_fakes():

@@ -19,7 +19,7 @@ from rollout_corr_testing.dist_utils import dist_params, run_workers, worker_dev
 from rollout_corr_testing.rc_testutil import PREFIX, TOL, compare_metrics, make_inputs
 from rollout_corr_ext import RolloutCorrectionConfig as Cfg
 from rollout_corr_ext import compute_offpolicy_metrics, compute_rollout_correction
-from rollout_corr_testing import dense_oracles as R
+from rollout_corr_testing.rollout_oracle import oracle_for_config
 
 B, T = 24, 48
 CASES = [
@@ -61,7 +61,7 @@ def _run_cases(rank: int, dp: int, cp: int) -> list:
         cfg = Cfg(**case)
         scale = 0.2 if case["rollout_is"] in ("token", None) else 0.05
         lp, rlp, mask = make_inputs(B, T, seed=100 + i, scale=scale, pad_rows=(2, 3, 4, 5, 6))
-        _, _, dense = R.rollout_correction_dense(lp.double(), rlp.double(), mask, cfg)
+        _, _, dense = oracle_for_config(lp.double(), rlp.double(), mask, cfg)
         lp, rlp, mask = lp.to(dev), rlp.to(dev), mask.to(dev)
         ref = compute_rollout_correction(lp, rlp, mask, cfg)
         shard = lambda x: x[rows][:, cols].contiguous()  # noqa: E731

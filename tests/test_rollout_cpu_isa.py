@@ -1,6 +1,6 @@
 """The CPU rollout-correction kernels follow the one ISA choice of every CPU kernel (``ops.cpu_isa()``: AVX-512, AVX2 +
 FMA or the x86-64 baseline, ROLLOUT_CORR_CPU_ISA narrows it): each copy runs in its own process and its weights,
-masks and every metric match the fp64 dense oracle (rollout_corr_testing.dense_oracles), for token / sequence /
+masks and every metric match the independent fp64 oracle (rollout_corr_testing.rollout_oracle), for token / sequence /
 geometric IS, token and sequence RS criteria, the veto and packed sequences."""
 
 import os
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rollout_corr_ext as rc
-from rollout_corr_testing import dense_oracles as R
+from rollout_corr_testing.rollout_oracle import oracle_for_config
 from rollout_corr_testing.rc_testutil import assert_weights_mask, compare_metrics, make_inputs
 
 pytestmark = pytest.mark.skipif(rc.backend() == "reference", reason="needs the compiled CPU kernels")
@@ -58,7 +58,7 @@ def test_every_cpu_copy_matches_the_fp64_oracle(isa, tmp_path):
     for name, kw in CONFIGS.items():
         weights, new_mask, metrics = out[name]
         cfg = rc.RolloutCorrectionConfig(**kw)
-        w, m, met = R.rollout_correction_dense(lp.double(), rlp.double(), mask, cfg)
+        w, m, met = oracle_for_config(lp.double(), rlp.double(), mask, cfg)
         errors = compare_metrics(metrics, met, torch.float32)
         assert not errors, (out["isa"], name, errors)
 

@@ -31,10 +31,10 @@ from rollout_corr_testing.backends import rollout_backend, skip_reason
 from rollout_corr_testing.rc_testutil import make_inputs
 from rollout_corr_testing.rollout_oracle import rollout_correction_oracle
 from rollout_corr_testing.skips import skip_unless_ci
+from rollout_corr_testing.tolerances import METRIC_TOL, PERCENTILE_RTOL, WEIGHT_TOL, accumulation_dtype
 
 PREFIX = "rollout_corr/"
 PERCENTILE_KEYS = {f"{PREFIX}rollout_is_p{p}" for p in (5, 25, 50, 75, 95)}
-PERCENTILE_RTOL = 0.005  # docs: the package's histogram percentiles are within 0.49 % of the exact ones
 
 
 #: The implementation the package's ops run on: "cpu" (compiled kernels), "reference" (the pure-PyTorch fallback),
@@ -236,9 +236,8 @@ def test_oracle_percentiles_are_torch_quantile():
 
 
 def _tolerances(lp_dtype, rlp_dtype):
-    if torch.float64 in (lp_dtype, rlp_dtype):
-        return dict(rtol=1e-9, atol=1e-10), dict(rtol=1e-9, atol=1e-12), torch.float64
-    return dict(rtol=2e-5, atol=2e-6), dict(rtol=2e-5, atol=1e-7), torch.float32
+    acc = accumulation_dtype(lp_dtype, rlp_dtype)
+    return METRIC_TOL[acc], WEIGHT_TOL[acc], acc
 
 
 def _check_against_oracle(lp, rlp, mask, fields, **kw):

@@ -37,12 +37,11 @@ from rollout_corr_ext import PolicyLossConfig, RolloutCorrectionConfig
 from rollout_corr_ext.config import PRESETS
 from rollout_corr_testing.rc_testutil import make_inputs
 from rollout_corr_testing.skips import skip_unless_ci
+from rollout_corr_testing.tolerances import VERL_TOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VERL_PRESETS = PRESETS[:19]
-#: fp32: the kernels against verl; fp64 inputs: verl still reduces its fractions in fp32 (``.float().mean()``),
-#: rel 5e-7 covers that rounding.
-TOL = {torch.float32: dict(rel_tol=2e-5, abs_tol=2e-6), torch.float64: dict(rel_tol=5e-7, abs_tol=1e-12)}
+TOL = VERL_TOL
 
 
 # --------------------------------------------------------------------------------------------------- verl

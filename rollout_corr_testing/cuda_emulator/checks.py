@@ -1,11 +1,12 @@
-"""The checks every emulated kernel family must pass, under every turnstile schedule (issue §5).
+"""The checks every emulated kernel family must pass, under every turnstile schedule.
 
 For a family (``logprob``, ``policy_loss``, ``rollout_correction``) and small inputs that give each block several
 rows and several warps (so a warp that runs a row ahead of the others meets shared slots that are still in use):
 
 * racecheck: the hazards the emulator reports (cuda_emu.h) over the family's launches, in each schedule;
-* values: the outputs of each schedule against an independent reference (the fp64 oracle for the log-probs, the
-  pure-PyTorch fallback for the policy loss and the rollout passes);
+* values: the outputs of each schedule against a reference (the fp64 oracles for the log-probs and the policy
+  loss; the fallback for the rollout passes, whose per-row partials no public oracle returns -- the whole rollout
+  pipeline on the emulator is held to the independent oracle in tests/test_cuda_emulator_rollout_correction.py);
 * schedule invariance: the raw outputs (shard records with their headers, loss rows, partial sums) bitwise equal
   across the four schedules -- the kernels reduce in a fixed order, so any difference is a race.
 
@@ -72,7 +73,7 @@ def _logprob_run(schedule: int):
 
 
 def _policy_loss_run(schedule: int):
-    from rollout_corr_ext import fallback
+    from rollout_corr_testing.dense_oracles import PPO_CLIP, policy_loss_rows_dense
 
     emu = torch.ops.rollout_corr_emu
     g = torch.Generator().manual_seed(0)
@@ -84,11 +85,11 @@ def _policy_loss_run(schedule: int):
     inputs = (lp.float(), old.float(), adv.float())
     knobs = dict(threads=128, max_blocks=2, schedule=schedule)
     loss, row = emu.policy_loss_rows(*inputs, mask, None, 0.2, 0.2, 3.0, 0, **knobs)
-    ref_loss, ref_row = fallback.policy_loss_rows(*(x.double() for x in inputs), mask, None, 0.2, 0.2, 3.0, 0)
+    ref_loss, ref_row = policy_loss_rows_dense(*(x.double() for x in inputs), mask, None, 0.2, 0.2, 3.0, PPO_CLIP)
     g_mat, g_rows = torch.randn(rows, cols, generator=g), torch.randn(rows, generator=g)
     grad = emu.policy_loss_backward(g_mat, g_rows, *inputs, mask, None, 0.2, 0.2, 3.0, 0, **knobs)
     x = inputs[0].double().requires_grad_(True)
-    rl, rr = fallback.policy_loss_rows(x, *(v.double() for v in inputs[1:]), mask, None, 0.2, 0.2, 3.0, 0)
+    rl, rr = policy_loss_rows_dense(x, *(v.double() for v in inputs[1:]), mask, None, 0.2, 0.2, 3.0, PPO_CLIP)
     ((rl * g_mat.double()).sum() + (rr[:, 0] * g_rows.double()).sum()).backward()
     why = ""
     for name, a, b, tol in (("loss_mat", loss, ref_loss, 1e-5), ("rows", row, ref_row, 1e-4),
