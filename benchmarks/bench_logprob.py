@@ -168,7 +168,7 @@ def _worker(rank, world, store, args, out_path):
     group = dist.group.WORLD
     import rollout_corr_ext as rc
 
-    if rc.backend() == "reference":
+    if rc.backend() == "fallback":
         rc.load_extension()
     from megatron.core import parallel_state
 
@@ -236,7 +236,7 @@ def main():
 
     import rollout_corr_ext as rc
 
-    if rc.backend() == "reference":
+    if rc.backend() == "fallback":
         rc.load_extension()  # what the workers ran (the header reports it)
     where = (f"cuda ({torch.cuda.get_device_name()}, CUDA {torch.version.cuda}, NCCL for TP > 1)"
              if args.device == "cuda" else f"cpu ({os.cpu_count()} cores, {ops.cpu_isa()} copy of the CPU kernels)")

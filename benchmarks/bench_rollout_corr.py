@@ -270,7 +270,7 @@ def peak_memory_subprocess(name: str, b: int, t: int, extra_args=()):
     a fresh subprocess of this script; None (and a note) when it fails."""
     # A fixed mmap threshold: glibc otherwise raises it after the first large free, keeps the freed input
     # temporaries on its heap and serves the call's buffers from those already-resident pages (counted as 0).
-    env = dict(os.environ, ROLLOUT_CORR_FORCE_REFERENCE=os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0"),
+    env = dict(os.environ, ROLLOUT_CORR_FORCE_FALLBACK=os.environ.get("ROLLOUT_CORR_FORCE_FALLBACK", "0"),
                MALLOC_MMAP_THRESHOLD_="65536")
     out = subprocess.run([sys.executable, os.path.abspath(__file__), *extra_args, "--b", str(b), "--t", str(t),
                           "--threads", str(torch.get_num_threads()), "--_memory", name],
@@ -439,7 +439,7 @@ def _dist_worker(rank: int, world: int, store: str, b: int, t: int, repeats: int
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    if rc.backend() == "reference" and os.environ.get("ROLLOUT_CORR_FORCE_REFERENCE", "0") != "1":
+    if rc.backend() == "fallback" and os.environ.get("ROLLOUT_CORR_FORCE_FALLBACK", "0") != "1":
         rc.load_extension()
     lp, rlp, mask = make_inputs(b, t)
     cfg = rc.RolloutCorrectionConfig(**CFG)

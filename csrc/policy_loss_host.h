@@ -69,7 +69,7 @@ inline constexpr const char* kMsgUndefinedLoss =
 template <typename acc_t>
 PolicyLossConfig<acc_t> make_policy_loss_config(double clip_low, double clip_high, double clip_c, int64_t kind) {
   PolicyLossConfig<acc_t> c;
-  // 1 - clip_low is formed in double, then rounded once, as the reference's Python float bound is.
+  // 1 - clip_low is formed in double, then rounded once, as the fallback's Python float bound is.
   c.ratio_lower = static_cast<acc_t>(1.0 - clip_low);
   c.ratio_upper = static_cast<acc_t>(1.0 + clip_high);
   c.clip_c = static_cast<acc_t>(clip_c);

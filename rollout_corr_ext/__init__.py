@@ -2,7 +2,7 @@
 
 The compiled extension (``rollout_corr_ext._C``, CPU kernels and, when built with CUDA, CUDA kernels)
 registers the ops ``torch.ops.rollout_corr.*``. Without a build the package still works on the pure-PyTorch
-oracle in :mod:`rollout_corr_ext.reference` (one warning says so); :func:`backend` tells which is active and
+oracle in :mod:`rollout_corr_ext.fallback` (one warning says so); :func:`backend` tells which is active and
 :func:`load_extension` JIT-compiles the same sources that ``setup.py`` builds.
 """
 
@@ -16,7 +16,7 @@ from . import _env
 
 __version__ = "0.1.0"
 
-_BACKEND = "reference"
+_BACKEND = "fallback"
 
 
 def _activate(module_has_cuda: bool) -> None:
@@ -31,7 +31,7 @@ def _activate(module_has_cuda: bool) -> None:
 
 
 def _try_prebuilt() -> bool:
-    if _env.flag("ROLLOUT_CORR_FORCE_REFERENCE"):
+    if _env.flag("ROLLOUT_CORR_FORCE_FALLBACK"):
         return False
     import torch  # first: _C links against libtorch/libc10, which importing torch loads
 
@@ -49,7 +49,7 @@ def load_extension(verbose: bool = False, with_cuda: bool | None = None, build_d
 
     Returns the backend name. A no-op when a compiled backend is already active.
     """
-    if _BACKEND != "reference":
+    if _BACKEND != "fallback":
         return _BACKEND
     import torch
     from torch.utils.cpp_extension import load
@@ -79,7 +79,7 @@ def load_extension(verbose: bool = False, with_cuda: bool | None = None, build_d
 
 
 def backend() -> str:
-    """The active backend: ``"cuda"`` (CPU + CUDA kernels), ``"cpu"`` (CPU kernels) or ``"reference"``."""
+    """The active backend: ``"cuda"`` (CPU + CUDA kernels), ``"cpu"`` (CPU kernels) or ``"fallback"``."""
     return _BACKEND
 
 
@@ -89,10 +89,10 @@ if not _try_prebuilt():
             load_extension()
         except Exception as exc:  # a failed JIT build must not make the package unimportable
             warnings.warn(f"rollout_corr_ext: ROLLOUT_CORR_JIT=1 but the JIT build failed ({exc!r}); using the "
-                          f"pure-PyTorch reference backend", RuntimeWarning, stacklevel=2)
-    elif not _env.flag("ROLLOUT_CORR_FORCE_REFERENCE"):
+                          f"pure-PyTorch fallback backend", RuntimeWarning, stacklevel=2)
+    elif not _env.flag("ROLLOUT_CORR_FORCE_FALLBACK"):
         warnings.warn(
-            "rollout_corr_ext: the compiled extension is not built; using the pure-PyTorch reference backend "
+            "rollout_corr_ext: the compiled extension is not built; using the pure-PyTorch fallback backend "
             "(build with `pip install --no-build-isolation -e .` or call rollout_corr_ext.load_extension()).",
             RuntimeWarning,
             stacklevel=2,

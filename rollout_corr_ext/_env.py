@@ -20,8 +20,10 @@ class Switch(NamedTuple):
 
 
 SWITCHES = (
-    Switch("ROLLOUT_CORR_FORCE_REFERENCE", "0", "python",
+    Switch("ROLLOUT_CORR_FORCE_FALLBACK", "0", "python",
            "1: never load the compiled extension; every op runs the pure-PyTorch fallback (tests run on it too)"),
+    Switch("ROLLOUT_CORR_FORCE_REFERENCE", "0", "python",
+           "the former name of ROLLOUT_CORR_FORCE_FALLBACK, still read (with a DeprecationWarning) when that is unset"),
     Switch("ROLLOUT_CORR_JIT", "0", "python",
            "1: when no prebuilt extension is importable, JIT-compile it at import (load_extension())"),
     Switch("ROLLOUT_CORR_BUILD_DIR", "", "python",
@@ -43,11 +45,20 @@ SWITCHES = (
 )
 
 _BY_NAME = {s.name: s for s in SWITCHES}
+#: new name -> former name (read when the new one is unset)
+_RENAMED = {"ROLLOUT_CORR_FORCE_FALLBACK": "ROLLOUT_CORR_FORCE_REFERENCE"}
 
 
 def get(name: str) -> str:
     """The switch's value, or its default when unset (a name not in :data:`SWITCHES` is a programming error)."""
-    return os.environ.get(name, _BY_NAME[name].default)
+    spec = _BY_NAME[name]
+    old = _RENAMED.get(name)
+    if old is not None and name not in os.environ and old in os.environ:
+        import warnings
+
+        warnings.warn(f"{old} is renamed {name}; set that instead", DeprecationWarning, stacklevel=3)
+        return os.environ[old]
+    return os.environ.get(name, spec.default)
 
 
 def flag(name: str) -> bool:

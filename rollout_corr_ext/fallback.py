@@ -1,5 +1,5 @@
 """The pure-PyTorch implementation of every op: what runs when the compiled extension is not built
-(``backend() == "reference"``) and for devices the build has no kernels for.
+(``backend() == "fallback"``) and for devices the build has no kernels for.
 
 Every function mirrors the contract of the ``torch.ops.rollout_corr.*`` op of the same name (same arguments, same
 outputs, same dtypes); :mod:`rollout_corr_ext.ops` picks between the two. Production code only: the test oracles
@@ -86,7 +86,7 @@ def vocab_row_stats(
     m = max x and zm = (x - m) * inv_temperature over the shard's non-padding columns: m, d = sum e^zm,
     s = sum e^zm zm, y = x[target] when the target lies in this shard (else -inf)[, sz = 2^-32 sum zm]. -inf logits
     add nothing to d and s; a shard of only -inf has d = 0 (the merge's identity). ``with_entropy=False`` sets the
-    header's LY.FORMAT_NO_ENTROPY flag (the compiled CPU kernels then skip s; this reference takes it anyway).
+    header's LY.FORMAT_NO_ENTROPY flag (the compiled CPU kernels then skip s; the fallback takes it anyway).
     """
     acc = _acc_dtype(logits.dtype)
     n, local_vocab = logits.shape

@@ -25,12 +25,12 @@ LOGPROB_OPS: Dict[str, tuple] = {
 
 
 def available(include_emulated: bool = True) -> List[str]:
-    """Backend names usable on this machine: ``cpu`` (compiled kernels), ``reference``, ``emulated``, ``cuda``."""
+    """Backend names usable on this machine: ``cpu`` (compiled kernels), ``fallback``, ``emulated``, ``cuda``."""
     names = []
-    if rollout_corr_ext.backend() != "reference":
+    if rollout_corr_ext.backend() != "fallback":
         names.append("cpu")
-    names.append("reference")
-    if include_emulated and rollout_corr_ext.backend() != "reference":
+    names.append("fallback")
+    if include_emulated and rollout_corr_ext.backend() != "fallback":
         names.append("emulated")
     if torch.cuda.is_available() and rollout_corr_ext.backend() == "cuda":
         names.append("cuda")
@@ -41,8 +41,8 @@ def skip_reason(name: str):
     """Why a backend cannot run here (None when it can)."""
     if name == "cuda" and not (torch.cuda.is_available() and rollout_corr_ext.backend() == "cuda"):
         return "needs a CUDA device and the extension built with its CUDA kernels"
-    if name in ("cpu", "emulated") and rollout_corr_ext.backend() == "reference":
-        return "needs the compiled extension (ROLLOUT_CORR_FORCE_REFERENCE=1 is set)"
+    if name in ("cpu", "emulated") and rollout_corr_ext.backend() == "fallback":
+        return "needs the compiled extension (ROLLOUT_CORR_FORCE_FALLBACK=1 is set)"
     return None
 
 
@@ -83,7 +83,7 @@ def logprob_backend(name: str, **knobs) -> Iterator[str]:
     if name in ("cpu", "cuda"):
         yield name
         return
-    if name == "reference":
+    if name == "fallback":
         impl = {op: getattr(fallback, op) for op in LOGPROB_OPS}
     elif name == "emulated":
         from rollout_corr_testing.cuda_emulator.loader import load_emulator
@@ -107,13 +107,13 @@ ROLLOUT_OPS = ("rollout_seq_stats", "rollout_token_pass")
 @contextlib.contextmanager
 def rollout_backend(name: str, **knobs) -> Iterator[str]:
     """Within the block, ``rollout_corr_ext.ops``' rollout-correction passes run on backend ``name`` (``cpu``,
-    ``cuda``, ``emulated``, ``reference`` = the pure-PyTorch fallback); yields the device the inputs must live on.
+    ``cuda``, ``emulated``, ``fallback`` = the pure-PyTorch ops); yields the device the inputs must live on.
     ``knobs`` (threads, schedule, max_blocks) tune the emulated launches."""
     _skip_unless_runnable(name)
     if name in ("cpu", "cuda"):
         yield name
         return
-    if name == "reference":
+    if name == "fallback":
         impl = {"rollout_seq_stats": lambda lp, rlp, m, a, cu=None: fallback.rollout_seq_stats(lp, rlp, m, cu, *a),
                 "rollout_token_pass": lambda lp, rlp, m, st, a, rows, cu=None: fallback.rollout_token_pass(
                     lp, rlp, m, cu, st, *a, rows),
@@ -137,7 +137,7 @@ def rollout_backend(name: str, **knobs) -> Iterator[str]:
 # ---------------------------------------------------------------------------------------------------------
 
 #: The device variants of an op-level test, in test-id order: ``cpu`` (CPU tensors on the active backend: the compiled
-#: CPU kernels, or the pure-PyTorch fallback under ROLLOUT_CORR_FORCE_REFERENCE=1), ``emulated`` (the CUDA kernels
+#: CPU kernels, or the pure-PyTorch fallback under ROLLOUT_CORR_FORCE_FALLBACK=1), ``emulated`` (the CUDA kernels
 #: thread by thread on the CPU emulator) and ``cuda`` (the CUDA kernels on a GPU).
 DEVICES = ("cpu", "emulated", "cuda")
 
@@ -201,7 +201,7 @@ def policy_loss_backend(name: str, **knobs) -> Iterator[str]:
     if name in ("cpu", "cuda"):
         yield name
         return
-    if name == "reference":
+    if name == "fallback":
         impl = {"policy_loss_rows": fallback.policy_loss_rows}  # differentiable torch ops
     elif name == "emulated":
         from rollout_corr_testing.cuda_emulator.loader import load_emulator
@@ -251,7 +251,7 @@ warnings.simplefilter("ignore")
 import torch
 import rollout_corr_ext as rc
 from rollout_corr_ext import _env
-if rc.backend() == "reference" and not _env.flag("ROLLOUT_CORR_FORCE_REFERENCE"):
+if rc.backend() == "fallback" and not _env.flag("ROLLOUT_CORR_FORCE_FALLBACK"):
     rc.load_extension()
 assert rc.backend() == "cuda", "the subprocess has no CUDA backend: " + rc.backend()
 from rollout_corr_ext import ops

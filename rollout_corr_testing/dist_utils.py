@@ -27,7 +27,7 @@ def _ensure_backend():
     import rollout_corr_ext
     from rollout_corr_ext import _env
 
-    if rollout_corr_ext.backend() == "reference" and not _env.flag("ROLLOUT_CORR_FORCE_REFERENCE"):
+    if rollout_corr_ext.backend() == "fallback" and not _env.flag("ROLLOUT_CORR_FORCE_FALLBACK"):
         rollout_corr_ext.load_extension()
 
 

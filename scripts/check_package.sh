@@ -26,7 +26,7 @@ done
 # The tests run from the sdist: a few of them, on the pure-PyTorch backend (no build needed), from the unpacked tree.
 mkdir -p "$out/sdist-src"
 tar -xzf "$sdist" -C "$out/sdist-src"
-(cd "$out"/sdist-src/rollout_corr_ext-* && ROLLOUT_CORR_FORCE_REFERENCE=1 python -m pytest -q -p no:cacheprovider \
+(cd "$out"/sdist-src/rollout_corr_ext-* && ROLLOUT_CORR_FORCE_FALLBACK=1 python -m pytest -q -p no:cacheprovider \
    tests/test_switches.py tests/test_config.py | tail -n 1)
 python - "$wheel" <<'PY'
 import sys, zipfile
@@ -47,10 +47,10 @@ x, t = torch.randn(3, 11), torch.randint(0, 11, (3,))
 torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t), torch.log_softmax(x, -1).gather(-1, t[:, None])[:, 0])
 print("wheel install: import ok, backend", rc.backend(), "version", rc.__version__)
 PY
-ROLLOUT_CORR_FORCE_REFERENCE=1 venv/bin/python - <<'PY'
+ROLLOUT_CORR_FORCE_FALLBACK=1 venv/bin/python - <<'PY'
 import os, torch, rollout_corr_ext as rc
-assert rc.backend() == "reference"
-os.environ["ROLLOUT_CORR_FORCE_REFERENCE"] = "0"
+assert rc.backend() == "fallback"
+os.environ["ROLLOUT_CORR_FORCE_FALLBACK"] = "0"
 print("load_extension() from the wheel install:", rc.load_extension(build_directory="jit-build"))
 x, t = torch.randn(3, 11), torch.randint(0, 11, (3,))
 torch.testing.assert_close(rc.vocab_parallel_log_probs(x, t), torch.log_softmax(x, -1).gather(-1, t[:, None])[:, 0])

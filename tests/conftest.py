@@ -1,7 +1,7 @@
 """Test session setup: make sure the compiled kernels (not the pure-PyTorch fallback) are what runs.
 
 With a prebuilt `rollout_corr_ext._C` (pip install) nothing happens. Without one, the extension is JIT-compiled
-once (ROLLOUT_CORR_BUILD_DIR caches it). ROLLOUT_CORR_FORCE_REFERENCE=1 runs the suite on the reference backend.
+once (ROLLOUT_CORR_BUILD_DIR caches it). ROLLOUT_CORR_FORCE_FALLBACK=1 runs the suite on the fallback backend.
 """
 
 import os
@@ -21,7 +21,7 @@ with warnings.catch_warnings():
     import rollout_corr_ext  # noqa: E402
     from rollout_corr_ext import _env  # noqa: E402
 
-if rollout_corr_ext.backend() == "reference" and not _env.flag("ROLLOUT_CORR_FORCE_REFERENCE"):
+if rollout_corr_ext.backend() == "fallback" and not _env.flag("ROLLOUT_CORR_FORCE_FALLBACK"):
     rollout_corr_ext.load_extension()
 
 
@@ -31,8 +31,8 @@ def pytest_report_header(config):
 
 @pytest.fixture(scope="session")
 def compiled_backend():
-    if rollout_corr_ext.backend() == "reference":
-        pytest.skip(reason="needs the compiled extension (ROLLOUT_CORR_FORCE_REFERENCE=1 is set)")
+    if rollout_corr_ext.backend() == "fallback":
+        pytest.skip(reason="needs the compiled extension (ROLLOUT_CORR_FORCE_FALLBACK=1 is set)")
     return rollout_corr_ext.backend()
 
 

@@ -377,7 +377,7 @@ def test_make_policy_loss_func_from_hidden_states_tp2():
     run_workers(_megatron_tp_worker, 2)
 
 
-@pytest.mark.parametrize("device", device_params("cpu", "reference", "emulated", "cuda"))
+@pytest.mark.parametrize("device", device_params("cpu", "fallback", "emulated", "cuda"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("chunks", [(4, 4), (64, 64)])
 @pytest.mark.parametrize("compact", [True, False], ids=["compacted", "zeroed"])
@@ -423,7 +423,7 @@ def test_what_the_loss_excludes_never_reaches_an_output_or_gradient(device, dtyp
         assert torch.all(wx.grad.cpu()[vocab_size:] == 0) and torch.all(bx.grad.cpu()[vocab_size:] == 0)
 
 
-@pytest.mark.parametrize("device", device_params("cpu", "reference", "emulated", "cuda"))
+@pytest.mark.parametrize("device", device_params("cpu", "fallback", "emulated", "cuda"))
 def test_every_row_ignored_and_the_error_names_the_callers_row(device):
     """All rows ignored: log-probs 0 and zero gradients without a GEMM; with ignored rows left out of the GEMMs, the
     NaN error still names the row of the caller's hidden states (not the row within the computed rows)."""
@@ -435,7 +435,7 @@ def test_every_row_ignored_and_the_error_names_the_callers_row(device):
         logp.sum().backward()
         assert torch.all(logp == 0) and torch.all(hx.grad == 0) and torch.all(wx.grad == 0)
         if device == "emulated":
-            return  # the emulated merge reports through status slots; the message is tested on cpu / reference
+            return  # the emulated merge reports through status slots; the message is tested on cpu / fallback
         bad = hidden.clone()
         bad[7] = math.nan
         target = torch.tensor([-100, 1, -100, -100, 2, 3, -100, 4, 5], device=dev)

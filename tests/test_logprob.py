@@ -178,7 +178,7 @@ def test_records_without_entropy_merge_to_nan_entropy(dtype, device):
                                       k == 0) for k in range(2)]
         with pytest.raises((RuntimeError, ValueError), match="format"):
             ops.merge_row_stats(torch.stack(halves), target, -100, 40, 1.25, False)
-    if device == "cpu":  # the pure-PyTorch reference writes the same header and merges the same way
+    if device == "cpu":  # the pure-PyTorch fallback writes the same header and merges the same way
         from rollout_corr_ext import fallback
 
         rec = fallback.vocab_row_stats(x, target, 0, 40, 1.25, -100, False, False)

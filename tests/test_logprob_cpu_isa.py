@@ -18,7 +18,7 @@ import rollout_corr_ext as rc
 from rollout_corr_testing.logprob_oracle import log_probs_dense
 from rollout_corr_testing.tolerances import ROW_ROUNDING_TOL, ROW_ROUNDING_TOL_NO_FMA, grad_tol, output_tol
 
-pytestmark = pytest.mark.skipif(rc.backend() == "reference", reason="needs the compiled CPU kernels")
+pytestmark = pytest.mark.skipif(rc.backend() == "fallback", reason="needs the compiled CPU kernels")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -21,7 +21,7 @@ from rollout_corr_testing.backends import device_params, logprob_backend, ops_on
 from rollout_corr_testing.logprob_oracle import log_probs_dense
 from rollout_corr_testing.tolerances import grad_tol, output_tol
 
-BACKENDS = ["cpu", "emulated", "reference", "cuda"]
+BACKENDS = ["cpu", "emulated", "fallback", "cuda"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 NEG_INF = -math.inf
 #: cpu / emulated / cuda (skipped with the reason without a GPU) for the tests that run the public API only.
@@ -137,7 +137,7 @@ def test_neg_inf_with_label_smoothing_and_temperature(backend):
     assert torch.isfinite(grad).all()
 
 
-@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference", "cuda"])
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "fallback", "cuda"])
 def test_whole_shard_of_neg_inf_merges_as_identity(backend):
     """A tensor-parallel shard whose rows are all -inf (a sampler mask, or padding filled with -inf) is the identity of
     the merge; the rows of the other shard give the whole answer."""
@@ -281,7 +281,7 @@ def test_label_smoothing_mean_at_spreads_near_the_fp32_maximum(backend, dtype, t
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
-@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference", "cuda"])
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "fallback", "cuda"])
 def test_nan_or_posinf_logits_raise_naming_the_row(backend, bad):
     x = torch.randn(2, 4, 50)
     t = torch.randint(0, 50, (2, 4))
@@ -303,7 +303,7 @@ def test_nan_or_posinf_logits_raise_naming_the_row(backend, bad):
                 rc.vocab_parallel_log_probs(x, t)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference", "cuda"])
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "fallback", "cuda"])
 def test_row_of_only_neg_inf_raises(backend):
     x = torch.randn(3, 40)
     x[1] = NEG_INF
@@ -316,7 +316,7 @@ def test_row_of_only_neg_inf_raises(backend):
             rc.vocab_parallel_log_probs(x, t)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference", "cuda"])
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "fallback", "cuda"])
 def test_out_of_range_targets_raise_and_ignore_index_is_exempt(backend):
     x = torch.randn(4, 30)
     with logprob_backend(backend) as dev:
@@ -340,7 +340,7 @@ def _records(shards, target, starts, vocab_size, with_sum_z=False):
                         for s, st in zip(shards, starts)])
 
 
-@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference", "cuda"])
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "fallback", "cuda"])
 def test_merge_rejects_shards_that_do_not_tile_the_vocab(backend):
     g = torch.Generator().manual_seed(0)
     full = torch.randn(4, 60, generator=g)
@@ -386,7 +386,7 @@ def _grad_out_of_place(x, t):
     return y.grad
 
 
-@pytest.mark.parametrize("backend", ["cpu", "emulated", "reference", "cuda"])
+@pytest.mark.parametrize("backend", ["cpu", "emulated", "fallback", "cuda"])
 def test_inplace_backward_bumps_the_version_counter(backend):
     torch.manual_seed(0)
     with logprob_backend(backend) as dev:
@@ -680,7 +680,7 @@ def _property(backend, batch):
     assert torch.isfinite(ent).all() and torch.isfinite(grad).all()
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference", "cuda"])
+@pytest.mark.parametrize("backend", ["cpu", "fallback", "cuda"])
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=_logit_batches())
 def test_property_log_probs_entropy_gradient_match_log_softmax(backend, batch):
@@ -697,7 +697,7 @@ def test_property_on_the_emulated_cuda_kernels(batch):
 # The CPU out-of-place backward's one-block gradient cache (csrc/cpu/reused_buffer.h)
 # ---------------------------------------------------------------------------------------------------------
 
-needs_compiled_cpu = pytest.mark.skipif(rc.backend() == "reference", reason="the cache belongs to the compiled CPU "
+needs_compiled_cpu = pytest.mark.skipif(rc.backend() == "fallback", reason="the cache belongs to the compiled CPU "
                                                                             "kernels")
 
 

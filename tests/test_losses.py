@@ -1,4 +1,5 @@
-"""Policy losses and agg_loss (docs/megatron.md, "Loss modes") against the textbook oracles in ``reference.py`` (verl 0.9.1 formulas,
+"""Policy losses and agg_loss (docs/megatron.md, "Loss modes") against the textbook oracles in
+``rollout_corr_testing/dense_oracles.py`` (verl 0.9.1 formulas,
 Megatron-LM RL's ``calculate_grpo_loss``): values, gradients, metrics, global normalisers, RS-rejected rows, and
 bad input.
 
@@ -314,7 +315,7 @@ def test_reinforce_matches_oracle(mode, with_weights, device):
     assert set(metrics) == {"actor/ppo_kl"}
 
 
-ALL_BACKENDS = device_params("cpu", "reference", "emulated", "cuda")
+ALL_BACKENDS = device_params("cpu", "fallback", "emulated", "cuda")
 
 
 def _constant_cases(old, lp, adv, mask, w):

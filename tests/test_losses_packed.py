@@ -39,7 +39,7 @@ def _unpad(x, cu):
     return torch.cat([x[b, :int(cu[b + 1] - cu[b])] for b in range(len(cu) - 1)])
 
 
-@pytest.fixture(params=["cpu", "emulated", "reference"])
+@pytest.fixture(params=["cpu", "emulated", "fallback"])
 def policy_backend(request):
     """The policy-loss op on each backend (rollout_corr_testing.backends: the emulated kernels with the compiled op's
     autograd formula, the fallback's differentiable torch ops)."""

@@ -208,7 +208,7 @@ def test_strided_views_read_in_place(compiled_backend, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_nan_in_padding_stays_out_of_the_rows(compiled_backend, device):
-    """Padded positions may hold junk (NaN): loss_mat keeps it, as the reference does, the row partials do not."""
+    """Padded positions may hold junk (NaN): loss_mat keeps it, as the oracle does, the row partials do not."""
     inp = _case(3, 12, torch.float32, 14)
     lp = inp["lp"].clone()
     lp[inp["mask"] == 0] = float("nan")
@@ -256,7 +256,7 @@ def test_opcheck_both_ops(compiled_backend, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_losses_use_the_compiled_op(compiled_backend, monkeypatch, device):
-    """losses.py must run the fused op, not the reference (which would still give the right numbers)."""
+    """losses.py must run the fused op, not the fallback (which would still give the right numbers)."""
 
     def forbidden(*args, **kwargs):
         raise AssertionError("fallback.policy_loss_rows called although the compiled op is available")

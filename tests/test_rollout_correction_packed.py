@@ -65,7 +65,7 @@ def _lengths(name):
     return PACKINGS[name]
 
 
-@pytest.mark.parametrize("backend", ["cpu", "reference", "emulated", "cuda"])
+@pytest.mark.parametrize("backend", ["cpu", "fallback", "emulated", "cuda"])
 @pytest.mark.parametrize("packing", sorted(PACKINGS))
 @pytest.mark.parametrize("cfg_name", sorted(CONFIGS))
 def test_packed_equals_padded(backend, packing, cfg_name):
@@ -74,7 +74,7 @@ def test_packed_equals_padded(backend, packing, cfg_name):
         pytest.skip(reason)
     if backend == "emulated" and packing == "many":
         pytest.skip(reason="emulated: thousands of segments thread by thread are too slow; the other packings "
-                           "cover the emulated kernels, and cpu / reference run this one")
+                           "cover the emulated kernels, and cpu / fallback run this one")
     cfg = rc.RolloutCorrectionConfig(**CONFIGS[cfg_name])
     lp, rlp, mask, cu = _packing(_lengths(packing), seed=len(packing))
     knobs = dict(threads=32, schedule=1, max_blocks=3) if backend == "emulated" else {}

@@ -14,7 +14,7 @@ import rollout_corr_ext as rc
 from rollout_corr_testing.rollout_oracle import oracle_for_config
 from rollout_corr_testing.rc_testutil import assert_weights_mask, compare_metrics, make_inputs
 
-pytestmark = pytest.mark.skipif(rc.backend() == "reference", reason="needs the compiled CPU kernels")
+pytestmark = pytest.mark.skipif(rc.backend() == "fallback", reason="needs the compiled CPU kernels")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -37,7 +37,7 @@ PREFIX = "rollout_corr/"
 PERCENTILE_KEYS = {f"{PREFIX}rollout_is_p{p}" for p in (5, 25, 50, 75, 95)}
 
 
-#: The implementation the package's ops run on: "cpu" (compiled kernels), "reference" (the pure-PyTorch fallback),
+#: The implementation the package's ops run on: "cpu" (compiled kernels), "fallback" (the pure-PyTorch fallback),
 #: "emulated" (the CUDA kernels thread by thread on the CPU), "cuda" (a GPU, when present).
 _BACKEND = {"name": "cpu", "knobs": {}}
 
@@ -53,7 +53,7 @@ def run_ours(lp, rlp, mask, fields, **kw):
     return weights, res.response_mask.cpu(), res.as_floats()
 
 
-@pytest.fixture(params=["cpu", "reference", "emulated", "cuda"])
+@pytest.fixture(params=["cpu", "fallback", "emulated", "cuda"])
 def backend(request):
     """Run a test's package calls on each backend (skipped with the reason where one cannot run). The emulated
     kernels run small launches (64 threads, descending schedule, 3 blocks: grid-stride and block reductions)."""

@@ -40,3 +40,14 @@ def test_only_the_switch_modules_read_the_environment():
         if os.path.basename(path) == "switches.h":
             continue
         assert "getenv(" not in open(path).read(), f"{path} calls getenv itself"
+
+
+def test_the_former_name_of_a_renamed_switch_still_works_and_warns(monkeypatch):
+    import pytest
+
+    monkeypatch.delenv("ROLLOUT_CORR_FORCE_FALLBACK", raising=False)
+    monkeypatch.setenv("ROLLOUT_CORR_FORCE_REFERENCE", "1")
+    with pytest.warns(DeprecationWarning, match="ROLLOUT_CORR_FORCE_FALLBACK"):
+        assert _env.flag("ROLLOUT_CORR_FORCE_FALLBACK")
+    monkeypatch.setenv("ROLLOUT_CORR_FORCE_FALLBACK", "0")  # the new name wins
+    assert not _env.flag("ROLLOUT_CORR_FORCE_FALLBACK")

@@ -20,7 +20,7 @@ from rollout_corr_testing.backends import device_params
 
 DEVICES = device_params("cpu", "cuda")
 
-pytestmark = pytest.mark.skipif(rc.backend() == "reference",
+pytestmark = pytest.mark.skipif(rc.backend() == "fallback",
                                 reason="the pure-PyTorch fallback checks values on the host (graph breaks by design); "
                                        "the compiled ops are what torch.compile traces")
 

@@ -1,12 +1,12 @@
 // Per-token policy-loss math shared by the CPU kernels, the CUDA kernels and the CUDA emulator (docs/megatron.md,
 // "Loss modes").
 //
-// Semantics: rollout_corr_ext/reference.py::policy_loss_rows, which follows verl 0.9.1
+// Semantics: rollout_corr_ext/fallback.py::policy_loss_rows, which follows verl 0.9.1
 // verl/trainer/ppo/core_algos.py (compute_policy_loss_vanilla, compute_policy_loss_reinforce):
 //   PPO clip:  r = exp(clamp(lp - lp_old, -20, 20)); L1 = -A r; L2 = -A clip(r, 1 - eps_lo, 1 + eps_hi);
 //              L = max(L1, L2), and for A < 0 L = min(L, -A c) (dual clip, arXiv:1912.09729); then L w.
 //   REINFORCE: L = -A lp w.
-// The gradient replays torch autograd of that reference exactly, tie rules included (torch.maximum/minimum
+// The gradient replays torch autograd of that fallback exactly, tie rules included (torch.maximum/minimum
 // split the gradient in half on ties, clamp passes it on the closed interval).
 #pragma once
 
@@ -25,7 +25,7 @@ namespace rollout_corr {
 constexpr double kPolicyLogRatioBound = 20.0;  // verl SAFETY_BOUND
 
 // NaN-propagating max/min/clamp with torch.maximum / torch.minimum / torch.clamp semantics, so a NaN in a
-// padded position stays NaN in loss_mat exactly as in the reference.
+// padded position stays NaN in loss_mat exactly as in the fallback.
 template <typename acc_t>
 RC_HD RC_FORCEINLINE acc_t nan_max(acc_t a, acc_t b) {
   return (a != a) ? a : ((b != b) ? b : (a > b ? a : b));
@@ -74,7 +74,7 @@ RC_HD RC_FORCEINLINE PolicyTokenResult<acc_t> policy_loss_token(acc_t lp, acc_t 
   return out;
 }
 
-// d loss / d lp of policy_loss_token, as torch autograd computes it through the reference:
+// d loss / d lp of policy_loss_token, as torch autograd computes it through the fallback:
 //   PPO:  w * (-A) * r * 1[-20 <= lp - lp_old <= 20] * 1[L1 >= L2] * dual,
 //         dual = 1 for A >= 0, else 1 / 0.5 / 0 for max(L1, L2) < / == / > -A c.
 //   (L1 < L2 only when r lies outside the clip range, where clip() passes no gradient; on the tie L1 == L2

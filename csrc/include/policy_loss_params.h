@@ -24,7 +24,7 @@ enum PolicyRowColumn : int32_t {
   kPgRowCols
 };
 
-// The scalar configuration, held in the accumulation type: the reference compares acc-dtype tensors with
+// The scalar configuration, held in the accumulation type: the fallback compares acc-dtype tensors with
 // Python floats, which torch rounds to the tensor's dtype, so the bounds are rounded the same way.
 template <typename acc_t>
 struct PolicyLossConfig {
