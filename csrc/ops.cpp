@@ -7,6 +7,7 @@
 
 #include "cpu/reused_buffer.h"
 #include "cpu/vec_math.h"
+#include "rollout_correction_host.h"
 
 extern "C" {
 // `import rollout_corr_ext._C` loads this shared object, which runs the static registrations below. The module
@@ -73,25 +74,16 @@ TORCH_LIBRARY(rollout_corr, m) {
 
   // §3 rollout correction, two passes over a padded [B, T] batch, or over a packed token stream [T] with
   // cu_seqlens [B + 1] (megatron's THD layout; sequences reduced segment by segment, no unpacking). log_prob,
-  // rollout_log_prob: any float dtypes; mask: bool, integer or float holding 0/1. The configuration is typed: is_level 0 none | 1 token | 2 sequence | 3 geometric;
-  // is_mask: IcePop (weights outside [is_lower, is_upper] -> 0) instead of TIS (min(w, is_upper)); is_metric_lower:
-  // the lower bound of the *_fraction_low diagnostics; veto_threshold: V or None; one entry per RS criterion in
-  // rs_level (0 token | 1 seq_sum | 2 seq_mean | 3 seq_max), rs_stat (0 k1 | 1 k2 | 2 k3 | 3 ratio), rs_lower,
-  // rs_upper, rs_apply_lower. Codes and every output slot: csrc/include/rollout_correction_layout.def.
+  // rollout_log_prob: any float dtypes; mask: bool, integer or float holding 0/1. The typed configuration
+  // arguments (RC_ROLLOUT_CONFIG_SCHEMA), their codes and every output slot: csrc/include/rollout_correction_layout.def.
   // Pass 1: per-sequence aggregates [B, K] (sums, then maxima), all-reduced over the context-parallel group
   // between the passes.
-  m.def(
-      "rollout_seq_stats(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor? cu_seqlens, int is_level, "
-      "bool is_mask, "
-      "float is_lower, float is_upper, float is_metric_lower, float? veto_threshold, bool exclude_nonfinite, "
-      "int[] rs_level, int[] rs_stat, float[] rs_lower, float[] rs_upper, bool[] rs_apply_lower) -> Tensor");
+  m.def("rollout_seq_stats(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor? cu_seqlens"
+        RC_ROLLOUT_CONFIG_SCHEMA ") -> Tensor");
   // Pass 2: (IS weights [B, T] or [0], mask in mask's dtype, fp64 SUM partials, fp64 MAX partials). row_partials:
   // add the per-sequence terms (false on all but one rank of a context-parallel group).
-  m.def(
-      "rollout_token_pass(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor? cu_seqlens, Tensor seq_stats, "
-      "int is_level, bool is_mask, float is_lower, float is_upper, float is_metric_lower, float? veto_threshold, "
-      "bool exclude_nonfinite, int[] rs_level, int[] rs_stat, float[] rs_lower, float[] rs_upper, "
-      "bool[] rs_apply_lower, bool row_partials) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("rollout_token_pass(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor? cu_seqlens, Tensor seq_stats"
+        RC_ROLLOUT_CONFIG_SCHEMA ", bool row_partials) -> (Tensor, Tensor, Tensor, Tensor)");
   // Checks the (reduced) SUM partials: a batch with no valid token, non-finite log-probs at valid positions
   // (unless excluded), mask values other than 0/1, ranks with different configs (agree false). CPU: raises a
   // ValueError naming the first offending position of this rank's inputs; CUDA: asynchronous device asserts.

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "rollout_correction_params.h"
@@ -16,21 +17,13 @@
 
 namespace rollout_corr {
 
-// The configuration arguments every rollout op takes, in schema order (see csrc/ops.cpp).
+// The configuration arguments every rollout op takes (RC_ROLLOUT_CONFIG in rollout_correction_layout.def), held
+// by value.
+#define RC_CONFIG_MEMBER(name, schema, type) std::decay_t<type> name;
 struct RolloutConfigArgs {
-  int64_t is_level;
-  bool is_mask;
-  double is_lower;
-  double is_upper;
-  double is_metric_lower;
-  c10::optional<double> veto_threshold;
-  bool exclude_nonfinite;
-  at::IntArrayRef rs_level;
-  at::IntArrayRef rs_stat;
-  at::ArrayRef<double> rs_lower;
-  at::ArrayRef<double> rs_upper;
-  c10::List<bool> rs_apply_lower;
+  RC_ROLLOUT_CONFIG(RC_CONFIG_MEMBER)
 };
+#undef RC_CONFIG_MEMBER
 
 inline bool is_rollout_float_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
@@ -92,26 +85,21 @@ inline void check_rollout_config(const RolloutConfigArgs& a) {
 }
 
 // The typed schema arguments, checked (every backend's entry point starts here).
-inline RolloutConfigArgs rollout_config_args(int64_t is_level, bool is_mask, double is_lower, double is_upper,
-                                             double is_metric_lower, c10::optional<double> veto_threshold,
-                                             bool exclude_nonfinite, at::IntArrayRef rs_level, at::IntArrayRef rs_stat,
-                                             at::ArrayRef<double> rs_lower, at::ArrayRef<double> rs_upper,
-                                             const c10::List<bool>& rs_apply_lower) {
-  RolloutConfigArgs a{is_level, is_mask, is_lower, is_upper, is_metric_lower, veto_threshold, exclude_nonfinite,
-                      rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower};
+inline RolloutConfigArgs checked_rollout_config(RolloutConfigArgs a) {
   check_rollout_config(a);
   return a;
 }
 
-// The schema's configuration arguments as a C++ parameter list / argument list (CPU, CUDA and emulator bindings).
-#define RC_ROLLOUT_CONFIG_PARAMS                                                                                  \
-  int64_t is_level, bool is_mask, double is_lower, double is_upper, double is_metric_lower,                       \
-      c10::optional<double> veto_threshold, bool exclude_nonfinite, at::IntArrayRef rs_level,                      \
-      at::IntArrayRef rs_stat, at::ArrayRef<double> rs_lower, at::ArrayRef<double> rs_upper,                       \
-      const c10::List<bool>&rs_apply_lower
-#define RC_ROLLOUT_CONFIG_ARGS                                                                                    \
-  rollout_config_args(is_level, is_mask, is_lower, is_upper, is_metric_lower, veto_threshold, exclude_nonfinite, \
-                      rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower)
+// From RC_ROLLOUT_CONFIG, for the CPU, CUDA and emulator bindings and both schemas:
+//   RC_ROLLOUT_CONFIG_PARAMS  the C++ parameters *with a leading comma*: f(const at::Tensor& x RC_ROLLOUT_CONFIG_PARAMS)
+//   RC_ROLLOUT_CONFIG_ARGS    those parameters gathered into a checked RolloutConfigArgs
+//   RC_ROLLOUT_CONFIG_SCHEMA  the schema fragment, a string literal with a leading ", "
+#define RC_CONFIG_PARAM(name, schema, type) , type name
+#define RC_CONFIG_INIT(name, schema, type) name,
+#define RC_CONFIG_SCHEMA(name, schema, type) ", " #schema " " #name
+#define RC_ROLLOUT_CONFIG_PARAMS RC_ROLLOUT_CONFIG(RC_CONFIG_PARAM)
+#define RC_ROLLOUT_CONFIG_ARGS checked_rollout_config(RolloutConfigArgs{RC_ROLLOUT_CONFIG(RC_CONFIG_INIT)})
+#define RC_ROLLOUT_CONFIG_SCHEMA RC_ROLLOUT_CONFIG(RC_CONFIG_SCHEMA)
 
 template <typename acc_t>
 rc::Config<acc_t> decode_rollout_config(const RolloutConfigArgs& a) {

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from ._build import CSRC
 
@@ -75,6 +75,20 @@ MAX_TOKEN_CRITERIA: int = int(CONST["max_token_criteria"])
 SUM_HIST: int = len(SUM)
 SUM_CRIT_BASE: int = SUM_HIST + HIST_BINS
 MAX_CRIT_BASE: int = len(MAX)
+
+
+# The configuration arguments of the rollout ops, in schema order: RC_ROLLOUT_CONFIG's X(name, schema type, C++ type)
+# rows. The C++ schema, parameter list and argument struct are made from the same rows.
+_CONFIG_ROW = re.compile(r"^\s*X\((\w+),\s*([^,]+?),\s*([^)]+?)\)")
+_PY_TYPE = {"int": int, "bool": bool, "float": float, "float?": Optional[float], "int[]": List[int],
+            "float[]": List[float], "bool[]": List[bool]}
+ROLLOUT_CONFIG: Tuple[Tuple[str, str], ...] = tuple(
+    (m.group(1), m.group(2)) for m in map(_CONFIG_ROW.match, LAYOUT_FILE.read_text().splitlines()) if m)
+#: The typed configuration arguments of the rollout ops, a tuple in schema order (built from the rows above).
+RolloutOpArgs = NamedTuple("RolloutOpArgs", [(name, _PY_TYPE[schema]) for name, schema in ROLLOUT_CONFIG])
+RolloutOpArgs.__doc__ = ("The typed configuration arguments of the rollout ops, in schema order "
+                         "(RC_ROLLOUT_CONFIG in csrc/include/rollout_correction_layout.def). Codes: IS_LEVEL / "
+                         "RS_LEVEL / RS_STAT; one entry per RS criterion in the rs_* lists.")
 
 
 def partial_sizes(num_rs: int) -> Tuple[int, int]:

@@ -103,12 +103,10 @@ def config_fingerprint(config: RolloutCorrectionConfig, exclude_nonfinite: bool 
     """An integer in [0, 2^24) identifying what the op applies: the packed parameters (IS spec, RS criteria with
     their resolved bounds, veto, nonfinite mode) and the batch normalisation. Equal configs give equal values;
     distinct ones collide with probability 2^-24."""
-    a = op_args(config, exclude_nonfinite)
-    n = len(a.rs_level)
-    values = [a.is_level, a.is_mask, a.is_lower, a.is_upper, a.is_metric_lower,
-              a.veto_threshold if a.veto_threshold is not None else -1.0, a.exclude_nonfinite, n,
-              *a.rs_level, *a.rs_stat, *a.rs_lower, *a.rs_upper, *a.rs_apply_lower,
-              bool(config.rollout_is_batch_normalize)]
+    values = [len(op_args(config, exclude_nonfinite).rs_level)]  # the criteria count first: lists of any length
+    for v in op_args(config, exclude_nonfinite):  # every configuration argument, in schema order
+        values += list(v) if isinstance(v, list) else [-1.0 if v is None else v]
+    values.append(bool(config.rollout_is_batch_normalize))
     blob = struct.pack(f"<{len(values)}d", *[float(x) for x in values])
     return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") % _FINGERPRINT_BUCKETS
 

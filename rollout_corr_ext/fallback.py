@@ -280,9 +280,10 @@ def _acc(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _criteria(rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower):
-    return list(zip([int(x) for x in rs_level], [int(x) for x in rs_stat], [float(x) for x in rs_lower],
-                    [float(x) for x in rs_upper], [bool(x) for x in rs_apply_lower]))
+def _criteria(a):
+    """The RS criteria of the configuration ``a`` as (level, stat, lower, upper, apply_lower) tuples."""
+    return list(zip([int(x) for x in a.rs_level], [int(x) for x in a.rs_stat], [float(x) for x in a.rs_lower],
+                    [float(x) for x in a.rs_upper], [bool(x) for x in a.rs_apply_lower]))
 
 
 def _keep(stat: torch.Tensor, lower: float, upper: float, apply_lower: bool) -> torch.Tensor:
@@ -344,17 +345,16 @@ def _padded(x: torch.Tensor, cu: torch.Tensor):
     return torch.where(inside, taken, torch.zeros((), dtype=x.dtype, device=x.device)), inside
 
 
-def rollout_seq_stats(log_prob, rollout_log_prob, mask, cu_seqlens, is_level, is_mask, is_lower, is_upper,
-                      is_metric_lower, veto_threshold, exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper,
-                      rs_apply_lower):
-    """Pass 1: per-sequence aggregates ``[B, SEQ_COLS]`` (columns: ``_layout.SEQ``); packed: one row per segment."""
+def rollout_seq_stats(log_prob, rollout_log_prob, mask, cu_seqlens, *config):
+    """Pass 1: per-sequence aggregates ``[B, SEQ_COLS]`` (columns: ``_layout.SEQ``); packed: one row per segment.
+    ``config``: the op's configuration arguments (``_layout.RolloutOpArgs``, schema order)."""
+    a = LY.RolloutOpArgs(*config)
     if cu_seqlens is not None:
         cu = _check_cu_seqlens(log_prob, cu_seqlens)
         return rollout_seq_stats(_padded(log_prob, cu)[0], _padded(rollout_log_prob, cu)[0], _padded(mask, cu)[0],
-                                 None, is_level, is_mask, is_lower, is_upper, is_metric_lower, veto_threshold,
-                                 exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower)
+                                 None, *a)
     valid, nonfinite, bad_mask, lp, rlp, lr, l, rho = _token_values(log_prob, rollout_log_prob, mask,
-                                                                     exclude_nonfinite)
+                                                                     a.exclude_nonfinite)
     acc = lr.dtype
     vf = valid.to(acc)
     out = torch.zeros(lr.shape[0], LY.SEQ_COLS, dtype=acc, device=lr.device)
@@ -368,10 +368,10 @@ def rollout_seq_stats(log_prob, rollout_log_prob, mask, cu_seqlens, is_level, is
     out[:, _SEQ["log_prob"]] = lp.sum(1)
     out[:, _SEQ["rollout_log_prob"]] = rlp.sum(1)
     out[:, _SEQ["rho"]] = (rho * vf).sum(1)
-    if int(is_level) == LY.IS_LEVEL["token"]:
-        out[:, _SEQ["token_weight"]] = (_token_is_weight(rho, is_mask, is_lower, is_upper) * vf).sum(1)
+    if int(a.is_level) == LY.IS_LEVEL["token"]:
+        out[:, _SEQ["token_weight"]] = (_token_is_weight(rho, a.is_mask, a.is_lower, a.is_upper) * vf).sum(1)
     rejected_any = torch.zeros_like(valid)
-    for level, stat, lower, upper, apply_lower in _criteria(rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower):
+    for level, stat, lower, upper, apply_lower in _criteria(a):
         if level != _TOKEN:
             continue
         rejected = ~_keep(_token_stat(stat, l, rho), lower, upper, apply_lower) & valid
@@ -388,13 +388,13 @@ def rollout_seq_stats(log_prob, rollout_log_prob, mask, cu_seqlens, is_level, is
     return out
 
 
-def _row_values(st, is_level, is_mask, is_lower, is_upper, veto_threshold, crits):
+def _row_values(st, a, crits):
     n = st[:, _SEQ["tokens"]]
     lr_sum = st[:, _SEQ["log_ratio"]]
     eps = LY.EPS
-    log_w = lr_sum if int(is_level) == LY.IS_LEVEL["sequence"] else lr_sum / (n + eps)
+    log_w = lr_sum if int(a.is_level) == LY.IS_LEVEL["sequence"] else lr_sum / (n + eps)
     raw = torch.exp(_clamp20(log_w))
-    w = _token_is_weight(raw, is_mask, is_lower, is_upper)
+    w = _token_is_weight(raw, a.is_mask, a.is_lower, a.is_upper)
     values, keeps = [], []
     seq_rejected = torch.zeros_like(n, dtype=torch.bool)
     for level, stat, lower, upper, apply_lower in crits:
@@ -415,8 +415,8 @@ def _row_values(st, is_level, is_mask, is_lower, is_upper, veto_threshold, crits
         values.append(v)
         keeps.append(keep)
     veto = torch.zeros_like(seq_rejected)
-    if veto_threshold is not None:  # a valid token with lr < log V  <=>  max(-lr) > -log V
-        veto = st[:, _SEQ["neg_min_log_ratio"]] > -math.log(veto_threshold)
+    if a.veto_threshold is not None:  # a valid token with lr < log V  <=>  max(-lr) > -log V
+        veto = st[:, _SEQ["neg_min_log_ratio"]] > -math.log(a.veto_threshold)
     return n, lr_sum, log_w, raw, w, values, keeps, seq_rejected, veto
 
 
@@ -434,30 +434,29 @@ def _hist_index(log_w: torch.Tensor) -> torch.Tensor:
     return ((log_w - LY.HIST_LO) * scale).floor().clamp(0, LY.HIST_BINS - 1).to(torch.int64)
 
 
-def rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, is_level, is_mask, is_lower,
-                       is_upper, is_metric_lower, veto_threshold, exclude_nonfinite, rs_level, rs_stat, rs_lower,
-                       rs_upper, rs_apply_lower, row_partials):
+def rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, *config_and_row_partials):
     """Pass 2: (weights or ``[0]``, mask_out, SUM partials, MAX partials); slots: ``_layout.SUM`` / ``MAX``.
-    Weights and mask_out in the inputs' layout (packed: ``[T]``)."""
+    Weights and mask_out in the inputs' layout (packed: ``[T]``). ``config_and_row_partials``: the configuration
+    arguments (``_layout.RolloutOpArgs``, schema order), then ``row_partials``."""
+    *config, row_partials = config_and_row_partials
+    a = LY.RolloutOpArgs(*config)
     if cu_seqlens is not None:
         cu = _check_cu_seqlens(log_prob, cu_seqlens)
         m_pad, inside = _padded(mask, cu)
         w, m_out, S, M = rollout_token_pass(_padded(log_prob, cu)[0], _padded(rollout_log_prob, cu)[0], m_pad, None,
-                                            seq_stats, is_level, is_mask, is_lower, is_upper, is_metric_lower,
-                                            veto_threshold, exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper,
-                                            rs_apply_lower, row_partials)
+                                            seq_stats, *a, row_partials)
         return (w[inside] if w.numel() or inside.numel() == 0 else w, m_out[inside], S, M)
-    valid, _, _, lp, rlp, lr, l, rho = _token_values(log_prob, rollout_log_prob, mask, exclude_nonfinite)
+    valid, _, _, lp, rlp, lr, l, rho = _token_values(log_prob, rollout_log_prob, mask, a.exclude_nonfinite)
     acc = lr.dtype
     dev = lr.device
     vf = valid.to(acc)
-    crits = _criteria(rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower)
+    crits = _criteria(a)
     n_sum, n_max = LY.partial_sizes(len(crits))
     S = torch.zeros(n_sum, dtype=torch.float64, device=dev)
     M = torch.full((n_max,), -math.inf, dtype=torch.float64, device=dev)
     ninf = torch.full((), -math.inf, dtype=acc, device=dev)
     has_tokens = lr.numel() > 0
-    level = int(is_level)
+    level = int(a.is_level)
 
     def tsum(x):  # over valid tokens: within a row in acc, across rows in fp64
         return (x * vf).sum(1).to(torch.float64).sum()
@@ -467,23 +466,23 @@ def rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, 
 
     st = seq_stats.to(acc)
     n, lr_sum, log_w, raw_b, w_b, values, keeps, seq_rejected, veto = _row_values(
-        st, is_level, is_mask, is_lower, is_upper, veto_threshold, crits)
+        st, a, crits)
 
     if level == LY.IS_LEVEL["none"]:
         weights = lr.new_zeros(0)
     elif level == LY.IS_LEVEL["token"]:
-        w = _token_is_weight(rho, is_mask, is_lower, is_upper)
+        w = _token_is_weight(rho, a.is_mask, a.is_lower, a.is_upper)
         weights = w * vf
-        wc = w.clamp(0.0, is_upper)
+        wc = w.clamp(0.0, a.is_upper)
         S[_SUM["is_weight"]] += tsum(w)
-        centre = _wc_centre(st, is_upper).unsqueeze(1)  # deviations from the row's mean: no cancellation in the std
+        centre = _wc_centre(st, a.is_upper).unsqueeze(1)  # deviations from the row's mean: no cancellation in the std
         S[_SUM["is_wc_dev"]] += tsum(wc - centre)
         S[_SUM["is_wc_dev_sq"]] += tsum((wc - centre) ** 2)
         S[_SUM["is_wc_centre_dev"]] += tsum(centre * (wc - centre))
-        S[_SUM["is_high"]] += tsum((rho > is_upper).to(acc))
-        S[_SUM["is_low"]] += tsum((rho < is_metric_lower).to(acc))
-        if is_mask:
-            S[_SUM["is_out_of_band"]] += tsum(((rho < is_lower) | (rho > is_upper)).to(acc))
+        S[_SUM["is_high"]] += tsum((rho > a.is_upper).to(acc))
+        S[_SUM["is_low"]] += tsum((rho < a.is_metric_lower).to(acc))
+        if a.is_mask:
+            S[_SUM["is_out_of_band"]] += tsum(((rho < a.is_lower) | (rho > a.is_upper)).to(acc))
         M[_MAX["is_weight"]] = tmax(w)
         M[_MAX["neg_is_weight"]] = tmax(-w)
         S[LY.SUM_HIST:LY.SUM_CRIT_BASE].index_add_(0, _hist_index(l).reshape(-1), vf.reshape(-1).to(torch.float64))
@@ -511,16 +510,14 @@ def rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, 
 
     S[_SUM["k3_raw"]] += tsum(torch.expm1(lr) - lr)  # k3_kl uses the unclamped ratio
     S[_SUM["rho_sq"]] += tsum(rho * rho)
-    if veto_threshold is not None:
-        S[_SUM["catastrophic"]] += tsum((lr < math.log(veto_threshold)).to(acc))
+    if a.veto_threshold is not None:
+        S[_SUM["catastrophic"]] += tsum((lr < math.log(a.veto_threshold)).to(acc))
     if row_partials:
-        _row_partials(S, M, st, is_level, is_mask, is_lower, is_upper, is_metric_lower, crits, n, lr_sum, log_w,
-                      raw_b, w_b, values, keeps, seq_rejected, veto)
+        _row_partials(S, M, st, a, crits, n, lr_sum, log_w, raw_b, w_b, values, keeps, seq_rejected, veto)
     return weights, mask_out, S, M
 
 
-def _row_partials(S, M, st, is_level, is_mask, is_lower, is_upper, is_metric_lower, crits, n, lr_sum, log_w, raw_b,
-                  w_b, values, keeps, seq_rejected, veto) -> None:
+def _row_partials(S, M, st, a, crits, n, lr_sum, log_w, raw_b, w_b, values, keeps, seq_rejected, veto) -> None:
     """The ROW terms of pass 2, once per sequence: per-row values in the stats dtype, sums in fp64."""
     f = lambda x: x.to(torch.float64)  # noqa: E731
     nd = f(n)
@@ -528,7 +525,7 @@ def _row_partials(S, M, st, is_level, is_mask, is_lower, is_upper, is_metric_low
     svd = f(sv)
     ninf = torch.tensor(-math.inf, dtype=torch.float64, device=n.device)
     eps = LY.EPS
-    level = int(is_level)
+    level = int(a.is_level)
 
     def rmax(x, where=None):
         x = f(x)
@@ -545,18 +542,18 @@ def _row_partials(S, M, st, is_level, is_mask, is_lower, is_upper, is_metric_low
         if level == LY.IS_LEVEL["token"]:
             x = st[:, _SEQ["token_weight"]] / (n + eps)  # verl: masked_mean(weights, mask, axis=-1)
             raw_mean = st[:, _SEQ["rho"]] / (n + eps)
-            centre = f(_wc_centre(st, is_upper))
+            centre = f(_wc_centre(st, a.is_upper))
             S[_SUM["is_wc_centre"]] += (nd * centre).sum()
             S[_SUM["is_wc_centre_sq"]] += (nd * centre * centre).sum()
         else:
-            wc = w_b.clamp(0.0, is_upper)
+            wc = w_b.clamp(0.0, a.is_upper)
             S[_SUM["seq_is_weight"]] += (nd * f(w_b)).sum()
             S[_SUM["seq_is_wc"]] += (nd * f(wc)).sum()
             S[_SUM["seq_is_wc_sq"]] += (nd * f(wc) ** 2).sum()
-            S[_SUM["seq_is_high"]] += f(log_w > math.log(is_upper)).sum()
-            S[_SUM["seq_is_low"]] += f(log_w < math.log(is_metric_lower)).sum()
-            if is_mask:
-                S[_SUM["seq_is_out_of_band"]] += (nd * f((raw_b < is_lower) | (raw_b > is_upper))).sum()
+            S[_SUM["seq_is_high"]] += f(log_w > math.log(a.is_upper)).sum()
+            S[_SUM["seq_is_low"]] += f(log_w < math.log(a.is_metric_lower)).sum()
+            if a.is_mask:
+                S[_SUM["seq_is_out_of_band"]] += (nd * f((raw_b < a.is_lower) | (raw_b > a.is_upper))).sum()
             M[_MAX["is_log_weight"]] = torch.maximum(M[_MAX["is_log_weight"]], rmax(log_w))
             M[_MAX["neg_is_log_weight"]] = torch.maximum(M[_MAX["neg_is_log_weight"]], rmax(-log_w))
             S[LY.SUM_HIST:LY.SUM_CRIT_BASE].index_add_(0, _hist_index(_clamp20(log_w)), nd)
@@ -564,8 +561,8 @@ def _row_partials(S, M, st, is_level, is_mask, is_lower, is_upper, is_metric_low
             raw_mean = raw_b * n / (n + eps)
         S[_SUM["is_seq_mean"]] += f(x).sum()
         S[_SUM["is_seq_mean_sq"]] += (f(x) ** 2).sum()
-        S[_SUM["is_seq_high"]] += f(raw_mean > is_upper).sum()
-        S[_SUM["is_seq_low"]] += f(raw_mean < is_metric_lower).sum()
+        S[_SUM["is_seq_high"]] += f(raw_mean > a.is_upper).sum()
+        S[_SUM["is_seq_low"]] += f(raw_mean < a.is_metric_lower).sum()
         M[_MAX["is_seq_mean"]] = rmax(x)
         M[_MAX["neg_is_seq_mean"]] = rmax(-x)
         M[_MAX["is_seq_deviation"]] = rmax((x - 1.0).abs())

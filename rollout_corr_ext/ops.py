@@ -8,7 +8,7 @@ and meta tensors work on ``torch.ops.rollout_corr.*`` before any wrapper has run
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -184,22 +184,10 @@ def cpu_isa() -> str:
 # §3 rollout correction: pass 1 (per-sequence aggregates) and pass 2 (weights, mask, packed metric partials)
 # ---------------------------------------------------------------------------------------------------------
 
-class RolloutOpArgs(NamedTuple):
-    """The typed configuration arguments of the rollout ops, in schema order (csrc/ops.cpp). Codes:
-    ``_layout.IS_LEVEL`` / ``RS_LEVEL`` / ``RS_STAT``; one entry per RS criterion in the ``rs_*`` lists."""
-
-    is_level: int
-    is_mask: bool
-    is_lower: float
-    is_upper: float
-    is_metric_lower: float
-    veto_threshold: Optional[float]
-    exclude_nonfinite: bool
-    rs_level: List[int]
-    rs_stat: List[int]
-    rs_lower: List[float]
-    rs_upper: List[float]
-    rs_apply_lower: List[bool]
+#: The typed configuration arguments of the rollout ops, in schema order (declared once, in
+#: csrc/include/rollout_correction_layout.def's RC_ROLLOUT_CONFIG).
+RolloutOpArgs = LY.RolloutOpArgs
+_NUM_CONFIG = len(RolloutOpArgs._fields)
 
 
 def _rollout_acc(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor) -> torch.dtype:
@@ -215,23 +203,21 @@ def _register_rollout_fakes() -> None:
         return cu_seqlens.shape[0] - 1
 
     @torch.library.register_fake("rollout_corr::rollout_seq_stats")
-    def _(log_prob, rollout_log_prob, mask, cu_seqlens, is_level, is_mask, is_lower, is_upper, is_metric_lower,
-          veto_threshold, exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower):
+    def _(log_prob, rollout_log_prob, mask, cu_seqlens, *config):
         torch._check(rollout_log_prob.shape == log_prob.shape, lambda: "rollout_log_prob must have log_prob's shape")
         torch._check(mask.shape == log_prob.shape, lambda: "mask must have log_prob's shape")
         return log_prob.new_empty((rows_of(log_prob, cu_seqlens), LY.SEQ_COLS),
                                   dtype=_rollout_acc(log_prob, rollout_log_prob))
 
     @torch.library.register_fake("rollout_corr::rollout_token_pass")
-    def _(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, is_level, is_mask, is_lower, is_upper,
-          is_metric_lower, veto_threshold, exclude_nonfinite, rs_level, rs_stat, rs_lower, rs_upper, rs_apply_lower,
-          row_partials):
+    def _(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, *config_and_row_partials):
+        a = RolloutOpArgs(*config_and_row_partials[:_NUM_CONFIG])
         torch._check(mask.shape == log_prob.shape, lambda: "mask must have log_prob's shape")
         torch._check(seq_stats.shape[0] == rows_of(log_prob, cu_seqlens),
                      lambda: "seq_stats must have one row per sequence")
-        n_sum, n_max = LY.partial_sizes(len(rs_level))
+        n_sum, n_max = LY.partial_sizes(len(a.rs_level))
         acc = _rollout_acc(log_prob, rollout_log_prob)
-        w_shape = tuple(log_prob.shape) if is_level != LY.IS_LEVEL["none"] else (0,)
+        w_shape = tuple(log_prob.shape) if a.is_level != LY.IS_LEVEL["none"] else (0,)
         return (
             log_prob.new_empty(w_shape, dtype=acc),
             mask.new_empty(tuple(mask.shape)),

@@ -344,7 +344,7 @@ int64_t tokens_per_row(const RolloutParams<acc_t>& p) {
 }
 
 at::Tensor rollout_seq_stats_cpu(const at::Tensor& log_prob, const at::Tensor& rollout_log_prob,
-                                 const at::Tensor& mask, const c10::optional<at::Tensor>& cu_seqlens,
+                                 const at::Tensor& mask, const c10::optional<at::Tensor>& cu_seqlens
                                  RC_ROLLOUT_CONFIG_PARAMS) {
   check_rollout_inputs(log_prob, rollout_log_prob, mask);
   const SeqLayout layout = seq_layout(log_prob, cu_seqlens);
@@ -362,7 +362,7 @@ at::Tensor rollout_seq_stats_cpu(const at::Tensor& log_prob, const at::Tensor& r
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cpu(
     const at::Tensor& log_prob, const at::Tensor& rollout_log_prob, const at::Tensor& mask,
-    const c10::optional<at::Tensor>& cu_seqlens, const at::Tensor& seq_stats, RC_ROLLOUT_CONFIG_PARAMS,
+    const c10::optional<at::Tensor>& cu_seqlens, const at::Tensor& seq_stats RC_ROLLOUT_CONFIG_PARAMS,
     bool row_partials) {
   check_rollout_inputs(log_prob, rollout_log_prob, mask);
   const SeqLayout layout = seq_layout(log_prob, cu_seqlens);

@@ -15,7 +15,7 @@ namespace rollout_corr {
 namespace {
 
 at::Tensor rollout_seq_stats_cuda(const at::Tensor& log_prob, const at::Tensor& rollout_log_prob,
-                                  const at::Tensor& mask, const c10::optional<at::Tensor>& cu_seqlens,
+                                  const at::Tensor& mask, const c10::optional<at::Tensor>& cu_seqlens
                                   RC_ROLLOUT_CONFIG_PARAMS) {
   const c10::cuda::CUDAGuard guard(log_prob.device());
   return run_rollout_seq_stats(log_prob, rollout_log_prob, mask, cu_seqlens, RC_ROLLOUT_CONFIG_ARGS, LaunchKnobs{},
@@ -24,7 +24,7 @@ at::Tensor rollout_seq_stats_cuda(const at::Tensor& log_prob, const at::Tensor& 
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cuda(
     const at::Tensor& log_prob, const at::Tensor& rollout_log_prob, const at::Tensor& mask,
-    const c10::optional<at::Tensor>& cu_seqlens, const at::Tensor& seq_stats, RC_ROLLOUT_CONFIG_PARAMS,
+    const c10::optional<at::Tensor>& cu_seqlens, const at::Tensor& seq_stats RC_ROLLOUT_CONFIG_PARAMS,
     bool row_partials) {
   const c10::cuda::CUDAGuard guard(log_prob.device());
   return run_rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, RC_ROLLOUT_CONFIG_ARGS,

@@ -26,7 +26,7 @@ LaunchKnobs emu_knobs(int64_t threads, int64_t schedule, int64_t max_blocks) {
 }
 
 at::Tensor rollout_seq_stats_emu(const at::Tensor& log_prob, const at::Tensor& rollout_log_prob,
-                                 const at::Tensor& mask, const c10::optional<at::Tensor>& cu_seqlens,
+                                 const at::Tensor& mask, const c10::optional<at::Tensor>& cu_seqlens
                                  RC_ROLLOUT_CONFIG_PARAMS, int64_t threads, int64_t schedule, int64_t max_blocks) {
   const LaunchKnobs knobs = emu_knobs(threads, schedule, max_blocks);
   return run_rollout_seq_stats(log_prob, rollout_log_prob, mask, cu_seqlens, RC_ROLLOUT_CONFIG_ARGS, knobs,
@@ -35,7 +35,7 @@ at::Tensor rollout_seq_stats_emu(const at::Tensor& log_prob, const at::Tensor& r
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_emu(
     const at::Tensor& log_prob, const at::Tensor& rollout_log_prob, const at::Tensor& mask,
-    const c10::optional<at::Tensor>& cu_seqlens, const at::Tensor& seq_stats, RC_ROLLOUT_CONFIG_PARAMS,
+    const c10::optional<at::Tensor>& cu_seqlens, const at::Tensor& seq_stats RC_ROLLOUT_CONFIG_PARAMS,
     bool row_partials, int64_t threads, int64_t schedule, int64_t max_blocks) {
   const LaunchKnobs knobs = emu_knobs(threads, schedule, max_blocks);
   return run_rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, RC_ROLLOUT_CONFIG_ARGS,
@@ -44,19 +44,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_em
 
 }  // namespace
 
-#define RC_EMU_ROLLOUT_CONFIG                                                                                   \
-  "int is_level, bool is_mask, float is_lower, float is_upper, float is_metric_lower, float? veto_threshold, "  \
-  "bool exclude_nonfinite, int[] rs_level, int[] rs_stat, float[] rs_lower, float[] rs_upper, "                 \
-  "bool[] rs_apply_lower"
-
+// The real ops' schemas (the configuration from RC_ROLLOUT_CONFIG_SCHEMA) plus the launch knobs.
 TORCH_LIBRARY_FRAGMENT(rollout_corr_emu, m) {
-  m.def("rollout_seq_stats(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor? cu_seqlens, "
-        RC_EMU_ROLLOUT_CONFIG
-        ", int threads=0, int schedule=0, int max_blocks=0) -> Tensor");
+  m.def("rollout_seq_stats(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor? cu_seqlens"
+        RC_ROLLOUT_CONFIG_SCHEMA ", int threads=0, int schedule=0, int max_blocks=0) -> Tensor");
   m.def("rollout_token_pass(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor? cu_seqlens, "
-        "Tensor seq_stats, "
-        RC_EMU_ROLLOUT_CONFIG ", bool row_partials, int threads=0, int schedule=0, int max_blocks=0) -> "
-        "(Tensor, Tensor, Tensor, Tensor)");
+        "Tensor seq_stats" RC_ROLLOUT_CONFIG_SCHEMA ", bool row_partials, int threads=0, int schedule=0, "
+        "int max_blocks=0) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(rollout_corr_emu, CPU, m) {
