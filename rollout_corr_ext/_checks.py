@@ -1,4 +1,4 @@
-"""Tensor helpers shared by the fallback (``fallback.py``) and the layers above the op surface (``losses.py``): a leaf
+"""Tensor helpers shared by the fallback (``fallback/``) and the layers above the op surface (``losses.py``): a leaf
 module, so that nothing but ``ops.py`` imports the fallback."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Where the formulas come from
 
 Why it is independent
     It imports nothing from ``rollout_corr_ext`` (no ``RolloutCorrectionConfig``, no resolved ``is_spec`` /
-    ``rs_criteria``, no layout, constants or helpers, no ``fallback.py``) and nothing from the package's other test
+    ``rs_criteria``, no layout, constants or helpers, no ``fallback/``) and nothing from the package's other test
     oracles. A shared misreading of a spec string, a shared wrong constant or a shared layout slot therefore cannot
     make the package and this oracle agree by construction. It is written as dense, obvious tensor code (one line per
     formula, fp64 throughout, exact order statistics for the percentiles) and is itself checked against verl's real

@@ -1,7 +1,7 @@
 // Per-token policy-loss math shared by the CPU kernels, the CUDA kernels and the CUDA emulator (docs/megatron.md,
 // "Loss modes").
 //
-// Semantics: rollout_corr_ext/fallback.py::policy_loss_rows, which follows verl 0.9.1
+// Semantics: rollout_corr_ext/fallback/policy_loss.py::policy_loss_rows, which follows verl 0.9.1
 // verl/trainer/ppo/core_algos.py (compute_policy_loss_vanilla, compute_policy_loss_reinforce):
 //   PPO clip:  r = exp(clamp(lp - lp_old, -20, 20)); L1 = -A r; L2 = -A clip(r, 1 - eps_lo, 1 + eps_hi);
 //              L = max(L1, L2), and for A < 0 L = min(L, -A c) (dual clip, arXiv:1912.09729); then L w.

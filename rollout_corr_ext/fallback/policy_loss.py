@@ -1,0 +1,125 @@
+"""The pure-PyTorch policy-loss op (docs/megatron.md, "Loss modes"): ``policy_loss_rows``. Kinds and row columns
+come from ``csrc/include/policy_loss_layout.def``.
+
+Semantics: verl 0.9.1 ``verl/trainer/ppo/core_algos.py`` (``compute_policy_loss_vanilla``,
+``compute_policy_loss_reinforce``, ``agg_loss``) and Megatron-LM RL ``calculate_grpo_loss``
+(``megatron/rl/rl_utils.py``). ``policy_loss_rows`` is the op contract (one elementwise pass that the fused kernel
+replaces); the tests hold it to the textbook oracles of ``rollout_corr_testing/dense_oracles.py``."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .. import _layout as LY
+from .._checks import acc_dtype as _acc_dtype, check_cu_seqlens as _check_cu_seqlens, masked as _masked
+
+
+def _policy_token_terms(lp, old, adv, w, clip_low, clip_high, clip_c, loss_kind):
+    """Per-token (loss, clip, clip_lower, kl) of the policy losses (formulas in :func:`policy_loss_rows`)."""
+    acc = lp.dtype
+    neg_kl = torch.clamp(lp - old, -20.0, 20.0)
+    if loss_kind == LY.PG_KIND_PPO_CLIP:
+        ratio = torch.exp(neg_kl)
+        loss1 = -adv * ratio
+        loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        clipped1 = torch.maximum(loss1, loss2)
+        loss3 = -adv * clip_c
+        negative = adv < 0
+        loss = torch.where(negative, torch.minimum(loss3, clipped1), clipped1)
+        clip = (loss2 > loss1).to(acc)
+        clip_lower = ((clipped1 > loss3) & negative).to(acc)
+        kl = -neg_kl
+    else:
+        loss = -adv * lp
+        clip = clip_lower = torch.zeros_like(lp)
+        # verl's reinforce loss logs ppo_kl = mean(rollout_lp - lp) without the +-20 clamp.
+        kl = old - lp
+    if w is not None:
+        loss = loss * w
+    return loss, clip, clip_lower, kl
+
+
+def _undefined_loss_tokens(kind: int, old_log_prob, log_prob, advantages, response_mask, weights):
+    """Response tokens whose loss is undefined: NaN or +inf log-probs, a log-ratio -inf - (-inf) (PPO), a -inf
+    log-prob under REINFORCE (an infinite loss), non-finite advantages or IS weights. Masked-out tokens are not
+    inspected. Elementwise over [b, s]: small next to the vocab-sized log-prob pass."""
+    inf = float("inf")
+    lp, old = log_prob, old_log_prob
+    bad = lp.isnan() | (lp == inf) | old.isnan() | (old == inf)
+    bad = bad | ((lp == -inf) & (old == -inf)) if kind == LY.PG_KIND_PPO_CLIP else bad | (lp == -inf)
+    adv = advantages if advantages.dim() == lp.dim() else advantages.unsqueeze(-1)
+    bad = bad | ~torch.isfinite(adv)
+    if weights is not None:
+        bad = bad | ~torch.isfinite(weights)
+    return bad & (response_mask != 0)
+
+
+def _check_defined_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, weights):
+    bad = _undefined_loss_tokens(kind, old_log_prob, log_prob, advantages, response_mask, weights)
+    what = ("log_prob / old_log_prob NaN or +inf, both -inf (PPO), log_prob -inf (REINFORCE), or non-finite "
+            "advantages / IS weights")
+    if bad.device.type == "cpu":
+        if bool(bad.any()):
+            pos = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"policy loss undefined at response token {pos}: {what} (mask the token out, or fix the "
+                             f"log-probs; a target at a -inf logit has log-prob -inf)")
+    else:  # no host sync: an asynchronous device assert
+        torch._assert_async(~bad.any(), f"policy loss undefined at a response token: {what}")
+
+
+def policy_loss_rows(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    weights: Optional[torch.Tensor],
+    clip_low: float,
+    clip_high: float,
+    clip_c: float,
+    loss_kind: int,
+    cu_seqlens: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-token policy loss and the per-row partials every aggregation mode and metric is built from.
+
+    All inputs ``[B, T]`` (or the packed ``[T]`` stream with ``cu_seqlens`` ``[B + 1]``: one row of partials per
+    segment); ``weights`` (rollout IS weights, treated as constants) may be None.
+    ``loss_kind == LY.PG_KIND_PPO_CLIP``: r = exp(clamp20(lp - lp_old)); L = max(-A r, -A clip(r, 1 - clip_low,
+    1 + clip_high)), and for A < 0, L = min(L, -A clip_c) (dual clip); then L * w.
+    ``loss_kind == LY.PG_KIND_REINFORCE``: L = -A lp w (``old_log_prob`` is the rollout policy, used for ppo_kl).
+
+    Returns ``loss_mat [B, T]`` (differentiable in ``log_prob``; masked positions hold the raw value, the
+    mask is applied by the aggregation) and ``rows [B, 5]`` (columns ``PG_ROW_*``; only the loss column
+    carries a gradient). One pass over the inputs: this is the contract of the fused loss kernel.
+    """
+    acc = _acc_dtype(log_prob.dtype)
+    if loss_kind not in (LY.PG_KIND_PPO_CLIP, LY.PG_KIND_REINFORCE):
+        raise ValueError(f"loss_kind must be LY.PG_KIND_PPO_CLIP or LY.PG_KIND_REINFORCE, got {loss_kind}")
+    _check_defined_loss(loss_kind, old_log_prob.detach(), log_prob.detach(), advantages.detach(), response_mask,
+                        None if weights is None else weights.detach())
+    lp, old, adv = log_prob.to(acc), old_log_prob.to(acc), advantages.to(acc)
+    w = None if weights is None else weights.detach().to(acc)
+    m = response_mask.to(acc)
+    loss, clip, clip_lower, kl = _policy_token_terms(lp, old, adv, w, clip_low, clip_high, clip_c, loss_kind)
+    # The row sums are built from inputs selected at the valid tokens, so that a masked-out token's NaN / -inf
+    # never meets autograd's 0 * (local derivative) and the gradient there is exactly 0 (the kernels' rule).
+    valid = m != 0
+    zero, one = torch.zeros((), dtype=acc), torch.ones((), dtype=acc)
+    loss_v = _policy_token_terms(torch.where(valid, lp, zero), torch.where(valid, old, zero),
+                                 torch.where(valid, adv, zero), None if w is None else torch.where(valid, w, one),
+                                 clip_low, clip_high, clip_c, loss_kind)[0]
+    if cu_seqlens is None:
+        def row_sum(x):
+            return x.sum(-1)
+    else:
+        cu = _check_cu_seqlens(log_prob, cu_seqlens)
+        seg = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1])
+
+        def row_sum(x):  # a sum per segment (differentiable: index_add)
+            return torch.zeros(cu.numel() - 1, dtype=x.dtype, device=x.device).index_add(0, seg, x)
+    with torch.no_grad():
+        stats = torch.stack(
+            [row_sum(m), row_sum(_masked(clip, m)), row_sum(_masked(clip_lower, m)), row_sum(_masked(kl, m))], dim=-1)
+    rows = torch.cat([row_sum(_masked(loss_v, m)).unsqueeze(-1), stats], dim=-1)
+    return loss, rows
