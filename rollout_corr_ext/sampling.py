@@ -166,74 +166,149 @@ def _all_reduce(t: torch.Tensor, op, group, world: int) -> torch.Tensor:
     return t
 
 
-class _Thresholds(NamedTuple):
+#: rows per chunk of the local passes (their fp64 temporaries are [chunk, V_local])
+CHUNK_ROWS = 256
+
+
+class KeptSet(NamedTuple):
     kept: torch.Tensor  # [N, V_local] bool
     log_kept_mass: torch.Tensor  # [N] acc dtype
+    fast_top_p: bool  # whether top-p was decided on the gathered top-k candidates alone
 
 
-def kept_set(z: torch.Tensor, params: SamplingParams, rows_active: torch.Tensor, lead, group, world: int):
-    """The kept set ``[N, V_local]`` of each row of the scaled logits ``z`` (-inf at excluded columns) and the log of
-    its mass under ``softmax(z)``. Collective over ``group`` (every rank calls it with its shard)."""
-    n, dev, acc = z.shape[0], z.device, z.dtype
-    z_max = _all_reduce(z.amax(-1) if z.shape[-1] else z.new_full((n,), -math.inf), dist.ReduceOp.MAX, group, world)
+def _masses(values: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
+    """round(exp(z - z_max) * 2^MASS_BITS) as int64 (0 at -inf): order-free exact sums."""
+    rel = values.to(torch.float64) - z_max.to(torch.float64).unsqueeze(1)
+    return torch.where(values == -math.inf, torch.zeros_like(rel),
+                       torch.exp(rel) * float(2 ** MASS_BITS)).round().to(torch.int64)
+
+
+def _mass_at_or_below(sorted_key: torch.Tensor, cum: torch.Tensor, probes: torch.Tensor) -> torch.Tensor:
+    """M(<= probe) per row from ascending keys and their cumulative masses."""
+    idx = torch.searchsorted(sorted_key, probes, right=True)
+    return torch.where(idx > 0, cum.gather(1, (idx - 1).clamp_min(0)), torch.zeros_like(idx))
+
+
+def _top_p_budget(total: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """c = floor((1 - p) M): a value v is kept iff M(<= v) > c; never the top token (c < M)."""
+    c = torch.floor((1.0 - top_p) * total.to(torch.float64)).to(torch.int64)
+    return torch.minimum(c, total - 1)
+
+
+def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, rows_active: torch.Tensor, lead,
+             group, world: int, allow_fast_top_p: bool = True) -> KeptSet:
+    """The kept set ``[N, V_local]`` of each row and the log of its mass under ``softmax(z)``; ``z_of(r0, r1)``
+    gives rows ``r0:r1`` of the scaled logits (-inf at excluded columns). Collective over ``group`` (every rank calls
+    it with its shard). The local passes run ``CHUNK_ROWS`` rows at a time; the per-row decisions (max, k-th value,
+    top-p threshold) are exchanged as small summaries. ``allow_fast_top_p=False`` forces the general top-p search
+    (the tests hold the two to the same kept sets)."""
+    chunks = [(r0, min(r0 + CHUNK_ROWS, n)) for r0 in range(0, n, CHUNK_ROWS)]
+    ninf = -math.inf
+    z_max = torch.full((n,), ninf, dtype=acc, device=device)
+    for r0, r1 in chunks:
+        z_max[r0:r1] = z_of(r0, r1).amax(-1)
+    z_max = _all_reduce(z_max, dist.ReduceOp.MAX, group, world)
     z_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))  # an all -inf row is refused later
-    rel = z.to(torch.float64) - z_max.to(torch.float64).unsqueeze(1)  # log(p_u / p_max), <= 0
 
-    # min-p: p_u >= min_p * p_max
-    min_p = _per_row("min_p", params.min_p, n, lead, torch.float64, dev)
-    on = (min_p > 0) & rows_active
-    z1 = torch.where(on.unsqueeze(1) & (rel < torch.log(min_p.clamp_min(1e-300)).unsqueeze(1)),
-                     torch.full_like(z, -math.inf), z)
+    # min-p: p_u >= min_p * p_max, i.e. z_u - z_max >= log(min_p) (fp64)
+    min_p = _per_row("min_p", params.min_p, n, lead, torch.float64, device)
+    log_min_p = torch.where((min_p > 0) & rows_active, torch.log(min_p.clamp_min(1e-300)),
+                            torch.full_like(min_p, ninf))
+
+    def survivors(r0, r1, kth=None):
+        z = z_of(r0, r1)
+        rel = z.to(torch.float64) - z_max[r0:r1].to(torch.float64).unsqueeze(1)
+        keep = (z != ninf) & (rel >= log_min_p[r0:r1].unsqueeze(1))
+        if kth is not None:
+            keep &= z >= kth[r0:r1].unsqueeze(1)
+        return z, rel, keep
 
     # top-k: every value >= the k-th largest of what min-p kept; the k-th largest of the union of the shards is the
     # k-th largest of the union of each shard's k largest.
+    kth = torch.full((n,), ninf, dtype=acc, device=device)
+    cand = None
+    k_on = torch.zeros(n, dtype=torch.bool, device=device)
     if params.top_k is not None:
-        k = _per_row("top_k", params.top_k, n, lead, torch.int64, dev)
-        on = (k > 0) & rows_active
-        k_max = int(k[on].max()) if bool(on.any()) else 0
+        k = _per_row("top_k", params.top_k, n, lead, torch.int64, device)
+        k_on = (k > 0) & rows_active
+        k_max = int(k[k_on].max()) if bool(k_on.any()) else 0
         if k_max > 0:
-            local = z1.topk(min(k_max, z1.shape[-1]), dim=-1).values if z1.shape[-1] else z1.new_empty((n, 0))
-            if local.shape[-1] < k_max:
-                local = torch.cat([local, local.new_full((n, k_max - local.shape[-1]), -math.inf)], dim=-1)
+            local = torch.full((n, k_max), ninf, dtype=acc, device=device)
+            for r0, r1 in chunks:
+                z, _, keep = survivors(r0, r1)
+                top = torch.where(keep, z, torch.full_like(z, ninf)).topk(min(k_max, v_local), dim=-1).values
+                local[r0:r1, :top.shape[1]] = top
             if world > 1:
                 local = _lp._all_gather(local.reshape(-1).contiguous(), group, world).reshape(world, n, k_max)
                 local = local.permute(1, 0, 2).reshape(n, world * k_max)
+            cand = local
             top = local.topk(k_max, dim=-1).values  # descending
-            kth = top.gather(1, (k.clamp(1, k_max) - 1).unsqueeze(1)).squeeze(1)
-            z1 = torch.where(on.unsqueeze(1) & (z1 < kth.unsqueeze(1)), torch.full_like(z1, -math.inf), z1)
+            kth_k = top.gather(1, (k.clamp(1, k_max) - 1).unsqueeze(1)).squeeze(1)
+            kth = torch.where(k_on, kth_k, kth)
+        else:
+            k_on = torch.zeros_like(k_on)
 
     # top-p on the renormalised survivors: keep a value v iff M(<= v) > (1 - p) M, in integer masses.
-    top_p = _per_row("top_p", params.top_p, n, lead, torch.float64, dev)
-    on = (top_p < 1) & rows_active
-    z2 = z1
-    if bool(on.any()):
-        q = torch.where(z1 == -math.inf, torch.zeros_like(rel),
-                        torch.exp(rel) * float(2 ** MASS_BITS)).round().to(torch.int64)
-        total = _all_reduce(q.sum(-1), dist.ReduceOp.SUM, group, world)
-        c = torch.floor((1.0 - top_p) * total.to(torch.float64)).to(torch.int64)
-        c = torch.minimum(c, total - 1)  # p > 0: the top token is always kept
-        key = _ordered_key(z1)
-        sorted_key, order = key.sort(dim=-1)
-        cum = q.gather(1, order).cumsum(-1)
-        hi = _ordered_key(z_max.to(acc))
-        lo = _ordered_key((z_max.to(torch.float64) - _MASS_FLOOR).to(acc)) - 1  # M(<= lo) = 0 <= c
-        lo = torch.where(on, lo, hi - 1)  # inactive rows start converged
-        while bool((hi > lo + 1).any()):  # not hi - lo: fp64 keys span more than int64
-            probes = _probes(lo, hi)
-            idx = torch.searchsorted(sorted_key, probes, right=True)
-            mass = torch.where(idx > 0, cum.gather(1, (idx - 1).clamp_min(0)), torch.zeros_like(idx))
-            mass = _all_reduce(mass, dist.ReduceOp.SUM, group, world)
-            above = mass > c.unsqueeze(1)
-            # the new bracket: the last probe at or under c, the first probe over it
-            lo = torch.where(above, torch.full_like(probes, torch.iinfo(torch.int64).min), probes).amax(1).maximum(lo)
-            hi = torch.where(above, probes, torch.full_like(probes, torch.iinfo(torch.int64).max)).amin(1).minimum(hi)
-        z2 = torch.where(on.unsqueeze(1) & (key < hi.unsqueeze(1)), torch.full_like(z1, -math.inf), z1)
+    top_p = _per_row("top_p", params.top_p, n, lead, torch.float64, device)
+    p_on = (top_p < 1) & rows_active
+    tau_p = torch.full((n,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=device)
+    fast = False
+    if bool(p_on.any()):
+        if allow_fast_top_p and cand is not None and bool((k_on | ~p_on).all()):
+            # Every top-p row has a top-k: its survivors are the gathered candidates >= kth, if none is missing
+            # (a shard with more than k_max values tied at kth would be): count them to be sure.
+            count = torch.zeros(n, dtype=torch.int64, device=device)
+            for r0, r1 in chunks:
+                count[r0:r1] = survivors(r0, r1, kth)[2].sum(-1)
+            count = _all_reduce(count, dist.ReduceOp.SUM, group, world)
+            cand = torch.where(cand >= kth.unsqueeze(1), cand, torch.full_like(cand, ninf))
+            fast = bool(((cand != ninf).sum(-1) == count)[p_on].all())
+        if fast:  # every rank holds the same candidates: the search needs no collective
+            q = _masses(cand, z_max)
+            c = _top_p_budget(q.sum(-1), top_p)
+            key = _ordered_key(cand)
+            sorted_key, order = key.sort(dim=-1)
+            cum = q.gather(1, order).cumsum(-1)
+            over = _mass_at_or_below(sorted_key, cum, sorted_key) > c.unsqueeze(1)
+            first = torch.where(over & (sorted_key > torch.iinfo(torch.int64).min), sorted_key,
+                                torch.full_like(sorted_key, torch.iinfo(torch.int64).max)).amin(1)
+            tau_p = torch.where(p_on, first, tau_p)
+        else:  # the general search: 16-way bisection of the key space over every shard's survivors
+            zs = torch.cat([torch.where(s[2], s[0], torch.full_like(s[0], ninf))
+                            for s in (survivors(r0, r1, kth) for r0, r1 in chunks)]) if chunks else \
+                torch.empty((0, v_local), dtype=acc, device=device)
+            q = _masses(zs, z_max)
+            total = _all_reduce(q.sum(-1), dist.ReduceOp.SUM, group, world)
+            c = _top_p_budget(total, top_p)
+            key = _ordered_key(zs)
+            sorted_key, order = key.sort(dim=-1)
+            cum = q.gather(1, order).cumsum(-1)
+            del zs, q, key, order
+            hi = _ordered_key(z_max)
+            lo = _ordered_key((z_max.to(torch.float64) - _MASS_FLOOR).to(acc)) - 1  # M(<= lo) = 0 <= c
+            lo = torch.where(p_on, lo, hi - 1)  # inactive rows start converged
+            while bool((hi > lo + 1).any()):  # not hi - lo: fp64 keys span more than int64
+                probes = _probes(lo, hi)
+                mass = _all_reduce(_mass_at_or_below(sorted_key, cum, probes), dist.ReduceOp.SUM, group, world)
+                above = mass > c.unsqueeze(1)
+                # the new bracket: the last probe at or under c, the first probe over it
+                lo = torch.where(above, torch.full_like(probes, torch.iinfo(torch.int64).min), probes).amax(1)\
+                    .maximum(lo)
+                hi = torch.where(above, probes, torch.full_like(probes, torch.iinfo(torch.int64).max)).amin(1)\
+                    .minimum(hi)
+            tau_p = torch.where(p_on, hi, tau_p)
 
-    kept = z2 != -math.inf
-    sums = torch.stack([torch.where(kept, torch.exp(rel), torch.zeros_like(rel)).sum(-1),
-                        torch.where(z == -math.inf, torch.zeros_like(rel), torch.exp(rel)).sum(-1)], dim=1)
+    kept = torch.empty((n, v_local), dtype=torch.bool, device=device)
+    sums = torch.zeros((n, 2), dtype=torch.float64, device=device)
+    for r0, r1 in chunks:
+        z, rel, keep = survivors(r0, r1, kth)
+        keep &= _ordered_key(z) >= tau_p[r0:r1].unsqueeze(1)
+        kept[r0:r1] = keep
+        e = torch.exp(rel)
+        sums[r0:r1, 0] = torch.where(keep, e, torch.zeros_like(e)).sum(-1)
+        sums[r0:r1, 1] = torch.where(z == ninf, torch.zeros_like(e), e).sum(-1)
     sums = _all_reduce(sums, dist.ReduceOp.SUM, group, world)
-    return _Thresholds(kept, (torch.log(sums[:, 0]) - torch.log(sums[:, 1])).to(acc))
+    return KeptSet(kept, (torch.log(sums[:, 0]) - torch.log(sums[:, 1])).to(acc), fast)
 
 
 class SampledLogProbs(NamedTuple):
@@ -285,21 +360,32 @@ def sampled_log_probs(
     target1d = target.reshape(n)
     active = target1d != ignore_index  # ignored rows are never inspected (they may hold junk)
     temperature = _per_row("temperature", sampling.temperature, n, lead, acc, logits.device)
+    temperature = torch.where(active, temperature, torch.ones_like(temperature))
     for name in ("top_k", "top_p", "min_p"):  # per-row sizes, before any work
         value = getattr(sampling, name)
         if isinstance(value, torch.Tensor):
             _per_row(name, value, n, lead, value.dtype, value.device)
-    with torch.no_grad():
-        z = torch.where(active.unsqueeze(1), logits2d.detach().to(acc), torch.zeros((), dtype=acc,
-                                                                                     device=logits.device))
-        z = z / temperature.unsqueeze(1)  # vLLM divides its fp32 logits by the temperature
-        if bool((torch.isnan(z) | (z == math.inf)).any()):  # the kernels would refuse them too, naming the row
-            row = int((torch.isnan(z) | (z == math.inf)).any(-1).nonzero()[0, 0])
-            raise ValueError(f"sampled_log_probs: NaN or +inf logit in row {row} of the flattened logits")
-        valid_cols = max(0, min(local_vocab, vocab_size - vocab_start))
+    valid_cols = max(0, min(local_vocab, vocab_size - vocab_start))
+    data = logits2d.detach()
+    temp_col = temperature.unsqueeze(1)
+
+    def z_of(r0, r1):
+        """Rows r0:r1 of z = logits / temperature (vLLM divides its fp32 logits); -inf at vocab padding; ignored
+        rows read as 0 (never inspected)."""
+        z = data[r0:r1].to(acc) / temp_col[r0:r1]
+        z = torch.where(active[r0:r1].unsqueeze(1), z, torch.zeros((), dtype=acc, device=z.device))
         if valid_cols < local_vocab:  # vocab padding is not part of the distribution
             z[:, valid_cols:] = -math.inf
-        th = kept_set(z, sampling, active, lead, tp_group, world)
+        return z
+
+    with torch.no_grad():
+        for r0 in range(0, n, CHUNK_ROWS):  # the kernels would refuse them too, naming the row
+            z = z_of(r0, min(r0 + CHUNK_ROWS, n))
+            bad = (torch.isnan(z) | (z == math.inf)).any(-1)
+            if bool(bad.any()):
+                raise ValueError(f"sampled_log_probs: NaN or +inf logit in row {r0 + int(bad.nonzero()[0, 0])} of "
+                                 f"the flattened logits")
+        th = kept_set(z_of, n, local_vocab, acc, logits.device, sampling, active, lead, tp_group, world)
     keep = th.kept | ~active.unsqueeze(1)
     masked = logits2d.masked_fill(~keep, -math.inf)
     scalar_t = sampling.temperature if not isinstance(sampling.temperature, torch.Tensor) else None

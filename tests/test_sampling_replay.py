@@ -77,7 +77,7 @@ def _check(res, oracle, dtype, x_grad=None, ref_grad=None):
 @pytest.mark.parametrize("name", sorted(PARAMS))
 def test_matches_the_dense_vllm_oracle(name, dtype):
     kw = PARAMS[name]
-    x, target = _inputs(9, 300, dtype, seed=hash(name) % 1000, grid=0.25 if dtype != torch.float16 else None)
+    x, target = _inputs(9, 300, dtype, seed=sum(map(ord, name)), grid=0.25 if dtype != torch.float16 else None)
     target = _targets_in_and_out(x, target, kw, seed=1)
     res = sampled_log_probs(x, target, SamplingParams(**kw))
     oracle = sampled_log_probs_dense(x.double(), target, **kw)
@@ -190,6 +190,32 @@ def test_from_verl_rollout_config():
 TP_CASES = [dict(top_k=12, top_p=0.85), dict(top_p=0.7, min_p=0.01, temperature=0.5), dict(top_k=3)]
 
 
+def _scaled(x, active, kw, vocab_size=None):
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    z = torch.where(active.unsqueeze(1), x.to(acc), torch.zeros((), dtype=acc)) / \
+        torch.as_tensor(kw.get("temperature", 1.0), dtype=acc)
+    if vocab_size is not None:
+        z[:, vocab_size:] = -math.inf
+    return z
+
+
+def _kept(z, kw, active, group, world, fast=True):
+    return kept_set(lambda r0, r1: z[r0:r1], z.shape[0], z.shape[1], z.dtype, z.device, SamplingParams(**kw), active,
+                    (z.shape[0],), group, world, allow_fast_top_p=fast).kept
+
+
+def test_top_k_candidates_and_general_search_agree_with_ties_past_k():
+    """A row whose k-th value is tied many times over (more than k on one shard): the candidates are incomplete,
+    the general search decides; both paths give the oracle's kept set."""
+    x = torch.tensor([[3.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 1.0, 0.5, -1.0]] * 2, dtype=torch.float32)
+    x[1] = torch.linspace(2, -2, 10)
+    active = torch.ones(2, dtype=torch.bool)
+    kw = dict(top_k=2, top_p=0.9)
+    want = sampled_log_probs_dense(x.double(), torch.zeros(2, dtype=torch.long), **kw)[4]
+    for fast in (True, False):
+        assert torch.equal(_kept(_scaled(x, active, kw), kw, active, None, 1, fast), want), fast
+
+
 def _tp_worker(rank, world):
     group = dist.group.WORLD
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
@@ -211,17 +237,15 @@ def _tp_worker(rank, world):
             torch.testing.assert_close(res.entropy, single.entropy, **output_tol(dtype))
             torch.testing.assert_close(res.log_kept_mass, single.log_kept_mass, **output_tol(dtype))
             # The kept sets are the same to the bit: gather this rank's kept shard and compare with one process's.
-            acc = torch.float64 if dtype == torch.float64 else torch.float32
             active = target != -100
-            z_full = torch.where(active.unsqueeze(1), x.to(acc), torch.zeros((), dtype=acc)) / \
-                torch.as_tensor(kw.get("temperature", 1.0), dtype=acc)
-            z_full[:, vocab_size:] = -math.inf
-            kept_single = kept_set(z_full, SamplingParams(**kw), active, (10,), None, 1).kept
+            z_full = _scaled(x, active, kw, vocab_size)
+            kept_single = _kept(z_full, kw, active, None, 1)
             z_shard = z_full[:, rank * v_local:(rank + 1) * v_local].contiguous()
-            kept_shard = kept_set(z_shard, SamplingParams(**kw), active, (10,), group, world).kept
-            gathered = [torch.empty_like(kept_shard, dtype=torch.uint8) for _ in range(world)]
-            dist.all_gather(gathered, kept_shard.to(torch.uint8), group=group)
-            assert torch.equal(torch.cat(gathered, dim=1).bool(), kept_single), (dtype, kw)
+            for fast in (True, False):  # the top-k candidates' search and the general one agree
+                kept_shard = _kept(z_shard, kw, active, group, world, fast)
+                gathered = [torch.empty_like(kept_shard, dtype=torch.uint8) for _ in range(world)]
+                dist.all_gather(gathered, kept_shard.to(torch.uint8), group=group)
+                assert torch.equal(torch.cat(gathered, dim=1).bool(), kept_single), (dtype, kw, fast)
             # backward: no collective, zero outside the kept set
             use = res.in_support & active
             with CollectiveCounter() as cb:
