@@ -205,6 +205,7 @@ def make_policy_loss_func(
     packed_seq_params=None,
     cu_seqlens: Optional[torch.Tensor] = None,
     output_layer=None,
+    sampling=None,
 ) -> Callable:
     """Build the ``loss_func`` that megatron-core's ``forward_backward_func`` expects, for one micro-batch.
 
@@ -271,9 +272,26 @@ def make_policy_loss_func(
     the TP group in backward), as the output layer's own input does, so the transformer below gets the full
     gradient. Sequence parallelism (the output layer all-gathering sequence-sharded input) is not supported here:
     an ``output_layer`` with ``sequence_parallel=True`` raises.
+
+    **Sampling replay** (``sampling``, a :class:`rollout_corr_ext.SamplingParams`; docs/sampling_replay.md): pi_theta's
+    log-probs are those of the truncated, renormalised distribution the engine sampled from (its temperature
+    replaces ``temperature``, which must then stay 1.0). Tokens outside the replayed kept set leave the loss (and the
+    rollout correction) and are counted in ``rollout_corr/sampling_out_of_support_fraction``;
+    ``rollout_corr/sampling_kept_mass_mean`` and ``rollout_corr/sampling_log_kept_mass_mean`` report S and log S
+    over the response tokens. Not yet with ``output_layer``.
     """
     cfg = _as_config(config)
     _check_mode(loss_agg_mode)
+    if sampling is not None:
+        from .sampling import SamplingParams
+
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a rollout_corr_ext.SamplingParams, got {type(sampling).__name__}")
+        if temperature != 1.0:
+            raise ValueError("with sampling, the temperature is sampling.temperature; leave temperature at 1.0")
+        if output_layer is not None:
+            raise ValueError("sampling replay with output_layer (log-probs from hidden states) is not supported yet; "
+                             "return the logits from forward_step_func instead")
     if loss_agg_mode == "token-sum":
         raise ValueError("loss_agg_mode='token-sum' has no normaliser to return as num_tokens in megatron's "
                          "loss_func contract; use token-mean or a seq-mean-* mode (or agg_loss directly)")
@@ -348,13 +366,22 @@ def make_policy_loss_func(
         out_bias = None if _attr(output_layer, "skip_bias_add") else _attr(output_layer, "bias")
 
     def log_probs(x, tgt):
+        """(log-probs, entropy, in_support or None, log S or None) in ``tgt``'s shape."""
+        if sampling is not None:
+            from .sampling import sampled_log_probs
+
+            r = sampled_log_probs(x, tgt, sampling, tp, vocab_size=vocab_size)
+            return r.log_prob, r.entropy, r.in_support, r.log_kept_mass
         if output_layer is None:
             return _lp.vocab_parallel_log_probs(x, tgt, tp, vocab_size=vocab_size, temperature=temperature,
-                                                return_entropy=True)
+                                                return_entropy=True) + (None, None)
         from .linear import copy_to_tensor_parallel_region, linear_log_probs
 
         return linear_log_probs(copy_to_tensor_parallel_region(x, tp), out_weight, tgt, tp, bias=out_bias,
-                                vocab_size=vocab_size, temperature=temperature, return_entropy=True)
+                                vocab_size=vocab_size, temperature=temperature, return_entropy=True) + (None, None)
+
+    def _map(fn, *xs):
+        return tuple(None if x is None else fn(x) for x in xs)
     if not entropy_coeff >= 0:
         raise ValueError(f"entropy_coeff must be >= 0, got {entropy_coeff}")
 
@@ -369,26 +396,32 @@ def make_policy_loss_func(
             if logits.shape[:-1].numel() != tgt.shape[0] or 1 not in tuple(logits.shape[:-1]):
                 raise ValueError(f"packed sequences: logits must be [T, 1, V_local] or [1, T, V_local] with T = "
                                  f"{tgt.shape[0]}, got {tuple(logits.shape)}")
-            logp, entropy = log_probs(logits, tgt.reshape(logits.shape[:-1]))
-            logp, entropy = logp.reshape(-1), entropy.reshape(-1)
+            logp, entropy, in_support, log_s = _map(lambda t: t.reshape(-1),
+                                                    *log_probs(logits, tgt.reshape(logits.shape[:-1])))
         elif logits_layout == "sbv":
-            logp, entropy = log_probs(logits, tgt.transpose(0, 1))
-            logp, entropy = logp.transpose(0, 1), entropy.transpose(0, 1)
+            logp, entropy, in_support, log_s = _map(lambda t: t.transpose(0, 1),
+                                                    *log_probs(logits, tgt.transpose(0, 1)))
         else:
-            logp, entropy = log_probs(logits, tgt)
+            logp, entropy, in_support, log_s = log_probs(logits, tgt)
         if non_loss_data:
-            return {"log_prob": logp.detach(), "entropy": entropy.detach()}
+            out = {"log_prob": logp.detach(), "entropy": entropy.detach()}
+            if in_support is not None:
+                out.update(in_support=in_support, log_kept_mass=log_s)
+            return out
         refuse_grad("make_policy_loss_func", old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob,
                     advantages=advantages)
 
-        mask, weights, corr_metrics = response_mask, None, {}
+        given = response_mask
+        if in_support is not None:  # a token outside the replayed kept set has probability 0: it leaves the loss
+            given = torch.where(in_support, response_mask, torch.zeros_like(response_mask))
+        mask, weights, corr_metrics = given, None, {}
         kind, old = LY.PG_KIND_PPO_CLIP, (old_log_prob if old_log_prob is not None else logp.detach())
         if rc is not None:
             from .correction import compute_rollout_correction
 
             with torch.no_grad():
                 train_side = logp.detach() if bypass else old_log_prob
-                result = compute_rollout_correction(train_side, rollout_log_prob, response_mask, rc,
+                result = compute_rollout_correction(train_side, rollout_log_prob, given, rc,
                                                     dp_group=dp, seq_group=seq, cu_seqlens=cu)
             mask, corr_metrics = result.response_mask, result.metrics
             if bypass:
@@ -447,6 +480,15 @@ def make_policy_loss_func(
         for k, v in corr_metrics.items():
             names.append(k)
             pairs.append((v.detach().to(torch.float32), one))
+        if in_support is not None:  # over this rank's response tokens, summed like the actor/ metrics
+            valid = response_mask != 0
+            n_valid = valid.sum().float()
+            ls = log_s.detach().double()
+            names += ["rollout_corr/sampling_out_of_support_fraction", "rollout_corr/sampling_kept_mass_mean",
+                      "rollout_corr/sampling_log_kept_mass_mean"]
+            pairs += [((valid & ~in_support).sum().float(), n_valid),
+                      (torch.where(valid, ls.exp(), torch.zeros_like(ls)).sum(), n_valid),
+                      (torch.where(valid, ls, torch.zeros_like(ls)).sum(), n_valid)]
         report = torch.stack([torch.stack([a.float(), b.float()]) for a, b in pairs])
         if reduce_metrics and _size(metric_group) > 1:
             dist.all_reduce(report, group=metric_group)

@@ -171,9 +171,13 @@ CHUNK_ROWS = 256
 
 
 class KeptSet(NamedTuple):
-    kept: torch.Tensor  # [N, V_local] bool
+    threshold: torch.Tensor  # [N] acc dtype: the kept set is {u: z_u >= threshold, z_u > -inf}
     log_kept_mass: torch.Tensor  # [N] acc dtype
     fast_top_p: bool  # whether top-p was decided on the gathered top-k candidates alone
+
+    def mask(self, z: torch.Tensor, r0: int = 0) -> torch.Tensor:
+        """The kept set of rows ``r0:r0 + len(z)`` of ``z``."""
+        return (z >= self.threshold[r0:r0 + z.shape[0]].unsqueeze(1)) & (z != -math.inf)
 
 
 def _masses(values: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
@@ -195,74 +199,87 @@ def _top_p_budget(total: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.minimum(c, total - 1)
 
 
+def _ceil_to(t64: torch.Tensor, acc) -> torch.Tensor:
+    """The smallest ``acc`` value >= each fp64 threshold (so ``z >= result`` iff ``z >= t64`` for ``acc`` z)."""
+    if acc == torch.float64:
+        return t64
+    t = t64.to(acc)
+    return torch.where(t.to(torch.float64) < t64, torch.nextafter(t, torch.full_like(t, math.inf)), t)
+
+
 def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, rows_active: torch.Tensor, lead,
              group, world: int, allow_fast_top_p: bool = True) -> KeptSet:
-    """The kept set ``[N, V_local]`` of each row and the log of its mass under ``softmax(z)``; ``z_of(r0, r1)``
-    gives rows ``r0:r1`` of the scaled logits (-inf at excluded columns). Collective over ``group`` (every rank calls
-    it with its shard). The local passes run ``CHUNK_ROWS`` rows at a time; the per-row decisions (max, k-th value,
-    top-p threshold) are exchanged as small summaries. ``allow_fast_top_p=False`` forces the general top-p search
-    (the tests hold the two to the same kept sets)."""
+    """Each row's threshold (the kept set is ``{u: z_u >= threshold}``) and the log of the kept set's mass under
+    ``softmax(z)``; ``z_of(r0, r1)`` gives rows ``r0:r1`` of the scaled logits (-inf at excluded columns).
+    Collective over ``group`` (every rank calls it with its shard). The local passes run ``CHUNK_ROWS`` rows at a
+    time; the per-row decisions (max, k-th value, top-p threshold) are exchanged as small summaries.
+    ``allow_fast_top_p=False`` forces the general top-p search (the tests hold the two to the same kept sets)."""
     chunks = [(r0, min(r0 + CHUNK_ROWS, n)) for r0 in range(0, n, CHUNK_ROWS)]
     ninf = -math.inf
-    z_max = torch.full((n,), ninf, dtype=acc, device=device)
-    for r0, r1 in chunks:
-        z_max[r0:r1] = z_of(r0, r1).amax(-1)
-    z_max = _all_reduce(z_max, dist.ReduceOp.MAX, group, world)
-    z_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))  # an all -inf row is refused later
-
-    # min-p: p_u >= min_p * p_max, i.e. z_u - z_max >= log(min_p) (fp64)
     min_p = _per_row("min_p", params.min_p, n, lead, torch.float64, device)
-    log_min_p = torch.where((min_p > 0) & rows_active, torch.log(min_p.clamp_min(1e-300)),
-                            torch.full_like(min_p, ninf))
-
-    def survivors(r0, r1, kth=None):
-        z = z_of(r0, r1)
-        rel = z.to(torch.float64) - z_max[r0:r1].to(torch.float64).unsqueeze(1)
-        keep = (z != ninf) & (rel >= log_min_p[r0:r1].unsqueeze(1))
-        if kth is not None:
-            keep &= z >= kth[r0:r1].unsqueeze(1)
-        return z, rel, keep
-
-    # top-k: every value >= the k-th largest of what min-p kept; the k-th largest of the union of the shards is the
-    # k-th largest of the union of each shard's k largest.
-    kth = torch.full((n,), ninf, dtype=acc, device=device)
-    cand = None
+    mp_on = (min_p > 0) & rows_active
     k_on = torch.zeros(n, dtype=torch.bool, device=device)
+    k_max = 0
     if params.top_k is not None:
         k = _per_row("top_k", params.top_k, n, lead, torch.int64, device)
         k_on = (k > 0) & rows_active
-        k_max = int(k[k_on].max()) if bool(k_on.any()) else 0
-        if k_max > 0:
-            local = torch.full((n, k_max), ninf, dtype=acc, device=device)
+        k_max = min(int(k[k_on].max()), 2 ** 31) if bool(k_on.any()) else 0
+        k_on &= k_max > 0
+    early_topk = k_max > 0 and not bool(mp_on.any())  # top-k needs no max without min-p: one pass for both
+
+    z_max = torch.full((n,), ninf, dtype=acc, device=device)
+    # each shard's k_max + 1 largest: the extra one tells whether the list holds every value >= the threshold
+    width = k_max + 1
+    local = torch.full((n, width), ninf, dtype=acc, device=device) if k_max else None
+    for r0, r1 in chunks:
+        z = z_of(r0, r1)
+        z_max[r0:r1] = z.amax(-1)
+        if early_topk:
+            top = z.topk(min(width, v_local), dim=-1).values
+            local[r0:r1, :top.shape[1]] = top
+    bad = torch.isnan(z_max) | (z_max == math.inf)  # amax propagates NaN
+    if bool(bad.any()):
+        raise ValueError(f"sampled_log_probs: NaN or +inf logit in row {int(bad.nonzero()[0, 0])} of the flattened "
+                         f"logits")
+    z_max = _all_reduce(z_max, dist.ReduceOp.MAX, group, world)
+    z_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))  # an all -inf row is refused later
+
+    # min-p: p_u >= min_p * p_max, i.e. z_u >= z_max + log(min_p) (in fp64; as a threshold in z's dtype)
+    tau = _ceil_to(torch.where(mp_on, z_max.to(torch.float64) + torch.log(min_p.clamp_min(1e-300)),
+                               torch.full_like(min_p, ninf)), acc)
+
+    # top-k: every value >= the k-th largest of what min-p kept; the k-th largest of the union of the shards is the
+    # k-th largest of the union of each shard's k largest.
+    cand = None
+    if k_max > 0:
+        if not early_topk:
             for r0, r1 in chunks:
-                z, _, keep = survivors(r0, r1)
-                top = torch.where(keep, z, torch.full_like(z, ninf)).topk(min(k_max, v_local), dim=-1).values
+                z = z_of(r0, r1)
+                z = torch.where(z >= tau[r0:r1].unsqueeze(1), z, torch.full_like(z, ninf))
+                top = z.topk(min(width, v_local), dim=-1).values
                 local[r0:r1, :top.shape[1]] = top
-            if world > 1:
-                local = _lp._all_gather(local.reshape(-1).contiguous(), group, world).reshape(world, n, k_max)
-                local = local.permute(1, 0, 2).reshape(n, world * k_max)
-            cand = local
-            top = local.topk(k_max, dim=-1).values  # descending
-            kth_k = top.gather(1, (k.clamp(1, k_max) - 1).unsqueeze(1)).squeeze(1)
-            kth = torch.where(k_on, kth_k, kth)
-        else:
-            k_on = torch.zeros_like(k_on)
+        if world > 1:
+            local = _lp._all_gather(local.reshape(-1).contiguous(), group, world).reshape(world, n, width)
+            local = local.permute(1, 0, 2).reshape(n, world * width)
+        cand = torch.where(local >= tau.unsqueeze(1), local, torch.full_like(local, ninf))
+        top = cand.topk(k_max, dim=-1).values  # descending
+        kth = top.gather(1, (k.clamp(1, k_max) - 1).unsqueeze(1)).squeeze(1)
+        tau = torch.where(k_on, torch.maximum(tau, kth), tau)
 
     # top-p on the renormalised survivors: keep a value v iff M(<= v) > (1 - p) M, in integer masses.
     top_p = _per_row("top_p", params.top_p, n, lead, torch.float64, device)
     p_on = (top_p < 1) & rows_active
-    tau_p = torch.full((n,), torch.iinfo(torch.int64).min, dtype=torch.int64, device=device)
     fast = False
     if bool(p_on.any()):
         if allow_fast_top_p and cand is not None and bool((k_on | ~p_on).all()):
-            # Every top-p row has a top-k: its survivors are the gathered candidates >= kth, if none is missing
-            # (a shard with more than k_max values tied at kth would be): count them to be sure.
-            count = torch.zeros(n, dtype=torch.int64, device=device)
-            for r0, r1 in chunks:
-                count[r0:r1] = survivors(r0, r1, kth)[2].sum(-1)
-            count = _all_reduce(count, dist.ReduceOp.SUM, group, world)
-            cand = torch.where(cand >= kth.unsqueeze(1), cand, torch.full_like(cand, ninf))
-            fast = bool(((cand != ninf).sum(-1) == count)[p_on].all())
+            # Every top-p row has a top-k: its survivors are the gathered candidates >= tau, unless a shard has more
+            # values >= tau than its list holds (a run of ties at the k-th value). Each shard's list is sorted and
+            # one longer than k_max; it is complete when its last entry is below tau (or -inf: the shard ran out).
+            # Every rank sees every list: no collective.
+            last = local.reshape(n, world, width)[:, :, -1]
+            complete = ((last < tau.unsqueeze(1)) | (last == ninf)).all(1)
+            cand = torch.where(cand >= tau.unsqueeze(1), cand, torch.full_like(cand, ninf))
+            fast = bool(complete[p_on].all())
         if fast:  # every rank holds the same candidates: the search needs no collective
             q = _masses(cand, z_max)
             c = _top_p_budget(q.sum(-1), top_p)
@@ -270,13 +287,10 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
             sorted_key, order = key.sort(dim=-1)
             cum = q.gather(1, order).cumsum(-1)
             over = _mass_at_or_below(sorted_key, cum, sorted_key) > c.unsqueeze(1)
-            first = torch.where(over & (sorted_key > torch.iinfo(torch.int64).min), sorted_key,
-                                torch.full_like(sorted_key, torch.iinfo(torch.int64).max)).amin(1)
-            tau_p = torch.where(p_on, first, tau_p)
+            hi = torch.where(over, sorted_key, torch.full_like(sorted_key, torch.iinfo(torch.int64).max)).amin(1)
         else:  # the general search: 16-way bisection of the key space over every shard's survivors
-            zs = torch.cat([torch.where(s[2], s[0], torch.full_like(s[0], ninf))
-                            for s in (survivors(r0, r1, kth) for r0, r1 in chunks)]) if chunks else \
-                torch.empty((0, v_local), dtype=acc, device=device)
+            zs = torch.cat([torch.where(z >= tau[r0:r1].unsqueeze(1), z, torch.full_like(z, ninf))
+                            for z, (r0, r1) in ((z_of(r0, r1), (r0, r1)) for r0, r1 in chunks)])
             q = _masses(zs, z_max)
             total = _all_reduce(q.sum(-1), dist.ReduceOp.SUM, group, world)
             c = _top_p_budget(total, top_p)
@@ -296,19 +310,34 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
                     .maximum(lo)
                 hi = torch.where(above, probes, torch.full_like(probes, torch.iinfo(torch.int64).max)).amin(1)\
                     .minimum(hi)
-            tau_p = torch.where(p_on, hi, tau_p)
+        tau = torch.where(p_on, torch.maximum(tau, _key_to_value(hi, acc)), tau)
 
-    kept = torch.empty((n, v_local), dtype=torch.bool, device=device)
+    # log S: the kept mass over the total, both relative to the row max (sums in z's dtype, then fp64: their
+    # rounding is far below a metric's). With the candidates complete, every rank already holds the kept mass.
     sums = torch.zeros((n, 2), dtype=torch.float64, device=device)
     for r0, r1 in chunks:
-        z, rel, keep = survivors(r0, r1, kth)
-        keep &= _ordered_key(z) >= tau_p[r0:r1].unsqueeze(1)
-        kept[r0:r1] = keep
-        e = torch.exp(rel)
-        sums[r0:r1, 0] = torch.where(keep, e, torch.zeros_like(e)).sum(-1)
-        sums[r0:r1, 1] = torch.where(z == ninf, torch.zeros_like(e), e).sum(-1)
-    sums = _all_reduce(sums, dist.ReduceOp.SUM, group, world)
-    return KeptSet(kept, (torch.log(sums[:, 0]) - torch.log(sums[:, 1])).to(acc), fast)
+        z = z_of(r0, r1)
+        e = torch.exp(z - z_max[r0:r1].unsqueeze(1))
+        if not fast:
+            sums[r0:r1, 0] = torch.where(z >= tau[r0:r1].unsqueeze(1), e, torch.zeros_like(e)).sum(-1).double()
+        sums[r0:r1, 1] = e.sum(-1).double()
+    if fast:
+        kept_mass = torch.exp(cand.to(torch.float64) - z_max.to(torch.float64).unsqueeze(1))
+        kept_mass = torch.where(cand >= tau.unsqueeze(1), kept_mass, torch.zeros_like(kept_mass)).sum(-1)
+        sums[:, 1] = _all_reduce(sums[:, 1].contiguous(), dist.ReduceOp.SUM, group, world)
+        # rows without top-p (no fast decision made for them) still need their kept mass from the shards
+        if bool((~p_on & rows_active).any()):
+            part = torch.zeros(n, dtype=torch.float64, device=device)
+            for r0, r1 in chunks:
+                z = z_of(r0, r1)
+                e = torch.exp(z - z_max[r0:r1].unsqueeze(1))
+                part[r0:r1] = torch.where(z >= tau[r0:r1].unsqueeze(1), e, torch.zeros_like(e)).sum(-1).double()
+            part = _all_reduce(part, dist.ReduceOp.SUM, group, world)
+            kept_mass = torch.where(p_on, kept_mass, part)
+        sums[:, 0] = kept_mass
+    else:
+        sums = _all_reduce(sums, dist.ReduceOp.SUM, group, world)
+    return KeptSet(tau, (torch.log(sums[:, 0]) - torch.log(sums[:, 1])).to(acc), fast)
 
 
 class SampledLogProbs(NamedTuple):
@@ -352,6 +381,11 @@ def sampled_log_probs(
     ignore_index = _lp.as_int("ignore_index", ignore_index)
     world, rank = _lp._group_size_rank(tp_group)
     local_vocab = logits.shape[-1]
+    if tp_group is None and vocab_size is None and _lp._megatron_tp_size() > 1:
+        raise ValueError(
+            f"tp_group=None, but megatron-core is initialized with tensor-parallel size {_lp._megatron_tp_size()}: "
+            f"these logits are probably one vocab shard. Pass tp_group; for logits that hold the whole vocab on "
+            f"this rank, pass vocab_size explicitly")
     vocab_start, vocab_size = _lp.vocab_layout(vocab_start, vocab_size, rank, world, local_vocab)
     lead = logits.shape[:-1]
     n = int(torch.Size(lead).numel())
@@ -369,25 +403,35 @@ def sampled_log_probs(
     data = logits2d.detach()
     temp_col = temperature.unsqueeze(1)
 
+    unit_t = not isinstance(sampling.temperature, torch.Tensor) and float(sampling.temperature) == 1.0
+    all_active = bool(active.all())
+
     def z_of(r0, r1):
         """Rows r0:r1 of z = logits / temperature (vLLM divides its fp32 logits); -inf at vocab padding; ignored
-        rows read as 0 (never inspected)."""
-        z = data[r0:r1].to(acc) / temp_col[r0:r1]
-        z = torch.where(active[r0:r1].unsqueeze(1), z, torch.zeros((), dtype=acc, device=z.device))
+        rows read as 0 (never inspected). A view of the logits when nothing changes them."""
+        z = data[r0:r1].to(acc)
+        if not unit_t:
+            z = z / temp_col[r0:r1]
+        if not all_active:
+            z = torch.where(active[r0:r1].unsqueeze(1), z, torch.zeros((), dtype=acc, device=z.device))
         if valid_cols < local_vocab:  # vocab padding is not part of the distribution
+            if unit_t and all_active and acc == data.dtype:  # z is a view of the caller's logits: copy first
+                z = z.clone()
             z[:, valid_cols:] = -math.inf
         return z
 
     with torch.no_grad():
-        for r0 in range(0, n, CHUNK_ROWS):  # the kernels would refuse them too, naming the row
-            z = z_of(r0, min(r0 + CHUNK_ROWS, n))
-            bad = (torch.isnan(z) | (z == math.inf)).any(-1)
-            if bool(bad.any()):
-                raise ValueError(f"sampled_log_probs: NaN or +inf logit in row {r0 + int(bad.nonzero()[0, 0])} of "
-                                 f"the flattened logits")
         th = kept_set(z_of, n, local_vocab, acc, logits.device, sampling, active, lead, tp_group, world)
-    keep = th.kept | ~active.unsqueeze(1)
-    masked = logits2d.masked_fill(~keep, -math.inf)
+        tau = torch.where(active, th.threshold, torch.full_like(th.threshold, -math.inf))  # ignored rows: untouched
+    if not isinstance(sampling.temperature, torch.Tensor) and float(sampling.temperature) == 1.0 and \
+            (logits.dtype == acc or logits.dtype in (torch.bfloat16, torch.float16)) and valid_cols == local_vocab:
+        # z = logits exactly (bf16 / fp16 widen exactly): compare in place, no [N, V] temporaries
+        below = logits2d < tau.unsqueeze(1)
+    else:
+        below = torch.cat([~th.mask(z_of(r0, r1), r0) & active[r0:r1].unsqueeze(1)
+                           for r0 in range(0, n, CHUNK_ROWS) for r1 in [min(r0 + CHUNK_ROWS, n)]]) if n else \
+            torch.zeros((0, local_vocab), dtype=torch.bool, device=logits.device)
+    masked = logits2d.masked_fill(below, -math.inf)
     scalar_t = sampling.temperature if not isinstance(sampling.temperature, torch.Tensor) else None
     if scalar_t is None:  # per-row temperatures: scale here, the kernel then runs at temperature 1
         masked = masked.to(acc) / temperature.unsqueeze(1)
@@ -398,3 +442,28 @@ def sampled_log_probs(
     in_support = (logp != -math.inf) | ~active
     log_s = torch.where(active, th.log_kept_mass, torch.zeros_like(th.log_kept_mass))
     return SampledLogProbs(logp.reshape(lead), entropy.reshape(lead), log_s.reshape(lead), in_support.reshape(lead))
+
+
+def sampling_metrics(result: SampledLogProbs, response_mask: torch.Tensor, dp_group=None) -> dict:
+    """How much the truncation mattered over the valid tokens (``response_mask`` != 0), reduced over ``dp_group``:
+    ``rollout_corr/sampling_out_of_support_fraction`` (targets outside the kept set: left out of the loss),
+    ``rollout_corr/sampling_kept_mass_mean`` / ``_min`` (S) and ``rollout_corr/sampling_log_kept_mass_mean``
+    (log S, the factor every unreplayed ratio carried). 0-dim fp64 tensors."""
+    if response_mask.shape != result.log_prob.shape:
+        raise ValueError(f"response_mask must have the log-probs' shape {tuple(result.log_prob.shape)}, got "
+                         f"{tuple(response_mask.shape)}")
+    m = response_mask != 0
+    ls = result.log_kept_mass.to(torch.float64)
+    zero = torch.zeros_like(ls)
+    sums = torch.stack([m.sum().to(torch.float64), (m & ~result.in_support).sum().to(torch.float64),
+                        torch.where(m, ls.exp(), zero).sum(), torch.where(m, ls, zero).sum()])
+    neg_min = torch.where(m, -ls.exp(), torch.full_like(ls, -math.inf)).amax() if m.numel() else \
+        torch.tensor(-math.inf, dtype=torch.float64, device=ls.device)
+    world = dist.get_world_size(dp_group) if dp_group is not None else 1
+    sums = _all_reduce(sums, dist.ReduceOp.SUM, dp_group, world)
+    neg_min = _all_reduce(neg_min.reshape(1), dist.ReduceOp.MAX, dp_group, world)[0]
+    n = sums[0].clamp_min(1.0)
+    return {"rollout_corr/sampling_out_of_support_fraction": sums[1] / n,
+            "rollout_corr/sampling_kept_mass_mean": sums[2] / n,
+            "rollout_corr/sampling_kept_mass_min": -neg_min,
+            "rollout_corr/sampling_log_kept_mass_mean": sums[3] / n}

@@ -200,8 +200,9 @@ def _scaled(x, active, kw, vocab_size=None):
 
 
 def _kept(z, kw, active, group, world, fast=True):
-    return kept_set(lambda r0, r1: z[r0:r1], z.shape[0], z.shape[1], z.dtype, z.device, SamplingParams(**kw), active,
-                    (z.shape[0],), group, world, allow_fast_top_p=fast).kept
+    ks = kept_set(lambda r0, r1: z[r0:r1], z.shape[0], z.shape[1], z.dtype, z.device, SamplingParams(**kw), active,
+                  (z.shape[0],), group, world, allow_fast_top_p=fast)
+    return ks.mask(z) & active.unsqueeze(1)
 
 
 def test_top_k_candidates_and_general_search_agree_with_ties_past_k():
@@ -258,3 +259,84 @@ def _tp_worker(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_tensor_parallel_equals_one_process(world):
     run_workers(_tp_worker, world)
+
+
+def test_sampling_metrics_over_valid_tokens():
+    from rollout_corr_ext.sampling import sampling_metrics
+
+    x, target = _inputs(3, 40, torch.float32, seed=11, ignored=())
+    res = sampled_log_probs(x.reshape(3, 1, 40).expand(3, 2, 40), target.reshape(3, 1).expand(3, 2),
+                            SamplingParams(top_k=3))
+    mask = torch.tensor([[1, 0], [1, 1], [0, 0]])
+    met = sampling_metrics(res, mask)
+    valid = mask.bool()
+    s = res.log_kept_mass.double()[valid]
+    assert met["rollout_corr/sampling_kept_mass_mean"].item() == pytest.approx(s.exp().mean().item(), rel=1e-12)
+    assert met["rollout_corr/sampling_kept_mass_min"].item() == pytest.approx(s.exp().min().item(), rel=1e-12)
+    assert met["rollout_corr/sampling_log_kept_mass_mean"].item() == pytest.approx(s.mean().item(), rel=1e-12)
+    want = (~res.in_support[valid]).double().mean().item()
+    assert met["rollout_corr/sampling_out_of_support_fraction"].item() == pytest.approx(want, abs=1e-12)
+    with pytest.raises(ValueError, match="response_mask"):
+        sampling_metrics(res, mask[:, :1])
+
+
+# --------------------------------------------------------------------------------------------- the policy loss
+
+
+def test_make_policy_loss_func_replays_and_masks_tokens_outside_the_kept_set():
+    """make_policy_loss_func(sampling=...) equals the dense composition: the oracle's truncated log-probs, the
+    tokens outside the kept set out of the loss (token-mean PPO against old_log_prob, bypass rollout correction
+    with token TIS), and the sampling metrics over the response tokens."""
+    from rollout_corr_ext.megatron import make_policy_loss_func, reported_means
+    from rollout_corr_testing.dense_oracles import agg_loss_dense, ppo_clip_loss_dense
+
+    b, s, v = 3, 6, 80
+    kw = dict(top_k=10, top_p=0.8, temperature=0.7)
+    g = torch.Generator().manual_seed(12)
+    logits_bsv = torch.randn(b, s, v, generator=g, dtype=torch.float64) * 2
+    target = torch.randint(0, v, (b, s), generator=g)
+    flat_t = _targets_in_and_out(logits_bsv.reshape(-1, v), target.reshape(-1), kw, seed=3).reshape(b, s)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[2, 4:] = False
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    lp_ref, _, ls_ref, ins_ref, _ = sampled_log_probs_dense(logits_bsv.reshape(-1, v), flat_t.reshape(-1), **kw)
+    lp_ref, ls_ref, ins_ref = lp_ref.reshape(b, s), ls_ref.reshape(b, s), ins_ref.reshape(b, s)
+    old = torch.where(ins_ref, lp_ref, torch.zeros_like(lp_ref)).detach() + 0.05 * torch.randn(b, s, generator=g,
+                                                                                           dtype=torch.float64)
+    assert bool((mask & ~ins_ref).any()) and bool((mask & ins_ref).any())
+
+    x = logits_bsv.clone().requires_grad_(True)
+    fn = make_policy_loss_func(flat_t, adv, mask, old_log_prob=old, logits_layout="bsv", vocab_size=v,
+                               sampling=SamplingParams(**kw))
+    loss_sum, count, report = fn(x)
+    (loss_sum / count).backward()
+
+    xr = logits_bsv.clone().requires_grad_(True)
+    lp, _, _, _, _ = sampled_log_probs_dense(xr.reshape(-1, v), flat_t.reshape(-1), **kw)
+    eff = mask & ins_ref
+    lp = torch.where(eff, lp.reshape(b, s), torch.zeros((), dtype=torch.float64))
+    adv_bt = adv.reshape(-1, 1).expand(b, s)
+    pg, *_ = ppo_clip_loss_dense(torch.where(eff, old, torch.zeros_like(old)), lp, adv_bt, eff, 0.2, 0.2, 3.0)
+    ref = agg_loss_dense(pg, eff, "token-mean")
+    ref.backward()
+    assert (loss_sum / count).item() == pytest.approx(ref.item(), rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-9, atol=1e-12)
+    means = reported_means(report)
+    assert means["rollout_corr/sampling_out_of_support_fraction"] == pytest.approx(
+        (mask & ~ins_ref).sum().item() / mask.sum().item())
+    assert means["rollout_corr/sampling_log_kept_mass_mean"] == pytest.approx(ls_ref[mask].mean().item(), rel=1e-6)  # fp32 report
+    with pytest.raises(ValueError, match="temperature"):
+        make_policy_loss_func(flat_t, adv, mask, temperature=0.7, sampling=SamplingParams(**kw))
+    with pytest.raises(TypeError, match="SamplingParams"):
+        make_policy_loss_func(flat_t, adv, mask, sampling=dict(top_k=3))
+
+
+def test_the_candidate_search_is_taken_unless_ties_run_past_the_list():
+    """The top-k candidates decide top-p alone unless a shard's list ends inside a run of ties at the threshold."""
+    active = torch.ones(1, dtype=torch.bool)
+    kw = dict(top_k=2, top_p=0.9)
+    distinct = torch.linspace(2, -2, 10).reshape(1, 10)
+    tied = torch.tensor([[3.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 1.0, 0.5, -1.0]])
+    for z, fast in ((distinct, True), (tied, False)):
+        ks = kept_set(lambda r0, r1: z[r0:r1], 1, 10, z.dtype, z.device, SamplingParams(**kw), active, (1,), None, 1)
+        assert ks.fast_top_p is fast
