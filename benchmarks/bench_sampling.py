@@ -5,9 +5,11 @@ Forward (log-prob + entropy, and log S for the replay) and backward of: ``plain`
 (gather the whole vocabulary at TP > 1, ``torch.sort``, ``cumsum``, mask, ``log_softmax``). Peak extra memory of one
 forward + backward in a fresh process (RSS high-water mark above the RSS once the inputs exist; CUDA: the allocator's
 peak), in the default environment. ``--tp N`` also runs the replay on N gloo workers (CPU) and counts its collectives
-and their bytes per row.
+and their bytes per row. ``--ties`` measures, on bf16 logits, how much more mass the whole-tie-group top-p rule keeps
+than vLLM's position-by-position rule (``torch.sort`` order).
 
     python benchmarks/bench_sampling.py --n 4096 --vocab 32000 --dtypes fp32 bf16
+    python benchmarks/bench_sampling.py --ties
 """
 
 from __future__ import annotations
@@ -167,6 +169,22 @@ def run_tp(world, n, v, dtype_name, sp_kw, repeats):
             return json.load(f)
 
 
+def tie_rule_difference(n, v, top_p, scale, seed=0):
+    """Per bf16 row: kept mass of the whole-group rule minus vLLM's (sort, cumsum, drop where <= 1 - p)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, v, generator=g) * scale).to(torch.bfloat16)
+    z = logits.float()
+    asc, _ = z.sort(dim=-1)  # vLLM: logits.sort(descending=False), not stable
+    probs = asc.softmax(-1)
+    cum = probs.cumsum(-1)
+    drop = cum <= 1 - top_p
+    drop[:, -1] = False
+    vllm_mass = torch.where(drop, torch.zeros_like(probs), probs).sum(-1)
+    ours = rc.sampled_log_probs(logits, torch.zeros(n, dtype=torch.long), rc.SamplingParams(top_p=top_p),
+                                vocab_size=v).log_kept_mass.exp()
+    return ours.double() - vllm_mass.double()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -180,8 +198,22 @@ def main():
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes (> 1: gloo workers)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the inputs live (TP = 1)")
     ap.add_argument("--no-memory", action="store_true", default=False, help="skip the memory table")
+    ap.add_argument("--ties", action="store_true", default=False,
+                    help="measure the top-p tie rule's extra kept mass on bf16 logits instead of timing")
     ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.ties:
+        print(f"top-p tie rule on bf16 logits (N(0, s^2)), V = {args.vocab}, {args.n} rows per case: kept mass of the "
+              f"whole-group rule minus vLLM's sort-order rule")
+        print()
+        print("| top_p | logit scale s | mean | max | rows that differ |")
+        print("|---|---|---|---|---|")
+        for top_p in (0.5, 0.9, 0.95):
+            for scale in (1.0, 3.0, 8.0):
+                d = tie_rule_difference(args.n, args.vocab, top_p, scale)
+                print(f"| {top_p} | {scale} | {d.mean().item():.2e} | {d.max().item():.2e} | "
+                      f"{(d.abs() > 1e-6).double().mean().item() * 100:.1f} % |")
+        return
     sp_kw = dict(top_k=args.top_k, top_p=args.top_p, temperature=args.temperature)
     sp = rc.SamplingParams(**sp_kw)
     if args._memory:

@@ -23,6 +23,9 @@ RUNS = {
     "rollout_corr_packed": ["bench_rollout_corr.py", "--packed", "--b", "4", "--t", "64", "--min-len", "8",
                             "--repeats", "1", "--threads", "1", "--warm-cache", "--device", "cpu"],
     "rollout_corr_dist": ["bench_rollout_corr.py", "--dist", "--b", "4", "--t", "64", "--repeats", "1"],
+    "sampling": ["bench_sampling.py", "--n", "32", "--vocab", "256", "--repeats", "1", "--tp", "1", "2",
+                 "--dtypes", "fp32", "bf16", "--top-k", "8", "--top-p", "0.8", "--temperature", "0.7", "--device", "cpu"],
+    "sampling_ties": ["bench_sampling.py", "--ties", "--n", "8", "--vocab", "256"],
     "linear_logprob": ["bench_linear_logprob.py", "--hidden", "16", "--vocab", "300", "--n", "64", "--n-time", "96",
                        "--repeats", "1", "--ignored", "0", "0.5", "--dtypes", "fp32", "bf16", "--device", "cpu"],
 }
@@ -46,7 +49,7 @@ def test_help_lists_every_mode_and_every_default():
     import re
 
     for script, modes in (("bench_rollout_corr.py", ("--packed", "--dist")), ("bench_linear_logprob.py", ("--ignored",)),
-                          ("bench_logprob.py", ("--tp",))):
+                          ("bench_logprob.py", ("--tp",)), ("bench_sampling.py", ("--tp", "--ties"))):
         out = _run([script, "--help"])
         assert out.returncode == 0, out.stderr[-2000:]
         text = " ".join(out.stdout.split())
