@@ -276,12 +276,24 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
             # values >= tau than its list holds (a run of ties at the k-th value). Each shard's list is sorted and
             # one longer than k_max; it is complete when its last entry is below tau (or -inf: the shard ran out).
             # Every rank sees every list: no collective.
+            # A shard's last entry is <= tau (tau >= the k-th largest >= any shard's (k_max + 1)-th), so what a list
+            # misses is a run of values equal to tau: counted (one pass, one all-reduce) and added as one weighted
+            # candidate, only when some list ends in such a run (bf16 logits tie often).
             last = local.reshape(n, world, width)[:, :, -1]
             complete = ((last < tau.unsqueeze(1)) | (last == ninf)).all(1)
             cand = torch.where(cand >= tau.unsqueeze(1), cand, torch.full_like(cand, ninf))
-            fast = bool(complete[p_on].all())
+            mult = torch.ones(cand.shape, dtype=torch.int64, device=device)
+            if not bool(complete[p_on].all()):
+                count = torch.zeros(n, dtype=torch.int64, device=device)
+                for r0, r1 in chunks:
+                    count[r0:r1] = torch.count_nonzero(z_of(r0, r1) >= tau[r0:r1].unsqueeze(1), dim=-1)
+                count = _all_reduce(count, dist.ReduceOp.SUM, group, world)
+                missing = (count - (cand != ninf).sum(-1)).clamp_min(0)
+                cand = torch.cat([cand, torch.where(missing > 0, tau, torch.full_like(tau, ninf)).unsqueeze(1)], 1)
+                mult = torch.cat([mult, missing.unsqueeze(1)], 1)
+            fast = True
         if fast:  # every rank holds the same candidates: the search needs no collective
-            q = _masses(cand, z_max)
+            q = _masses(cand, z_max) * mult
             c = _top_p_budget(q.sum(-1), top_p)
             key = _ordered_key(cand)
             sorted_key, order = key.sort(dim=-1)
@@ -323,7 +335,7 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
         sums[r0:r1, 1] = e.sum(-1).double()
     if fast:
         kept_mass = torch.exp(cand.to(torch.float64) - z_max.to(torch.float64).unsqueeze(1))
-        kept_mass = torch.where(cand >= tau.unsqueeze(1), kept_mass, torch.zeros_like(kept_mass)).sum(-1)
+        kept_mass = torch.where(cand >= tau.unsqueeze(1), kept_mass * mult, torch.zeros_like(kept_mass)).sum(-1)
         sums[:, 1] = _all_reduce(sums[:, 1].contiguous(), dist.ReduceOp.SUM, group, world)
         # rows without top-p (no fast decision made for them) still need their kept mass from the shards
         if bool((~p_on & rows_active).any()):
@@ -438,7 +450,8 @@ def sampled_log_probs(
         scalar_t = 1.0
     logp, entropy = _lp.vocab_parallel_log_probs(masked, target1d, tp_group, vocab_start=vocab_start,
                                                  vocab_size=vocab_size, temperature=scalar_t,
-                                                 ignore_index=ignore_index, return_entropy=True)
+                                                 ignore_index=ignore_index, return_entropy=True,
+                                                 inplace_backward=True)  # masked is ours: its buffer takes the grad
     in_support = (logp != -math.inf) | ~active
     log_s = torch.where(active, th.log_kept_mass, torch.zeros_like(th.log_kept_mass))
     return SampledLogProbs(logp.reshape(lead), entropy.reshape(lead), log_s.reshape(lead), in_support.reshape(lead))

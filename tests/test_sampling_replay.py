@@ -331,12 +331,17 @@ def test_make_policy_loss_func_replays_and_masks_tokens_outside_the_kept_set():
         make_policy_loss_func(flat_t, adv, mask, sampling=dict(top_k=3))
 
 
-def test_the_candidate_search_is_taken_unless_ties_run_past_the_list():
-    """The top-k candidates decide top-p alone unless a shard's list ends inside a run of ties at the threshold."""
+def test_the_candidate_search_counts_ties_that_run_past_the_list():
+    """With a top-k, the gathered candidates decide top-p, a run of ties at the threshold longer than a shard's list
+    included (counted and weighted): the oracle's kept set and log S."""
     active = torch.ones(1, dtype=torch.bool)
-    kw = dict(top_k=2, top_p=0.9)
     distinct = torch.linspace(2, -2, 10).reshape(1, 10)
     tied = torch.tensor([[3.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 1.0, 0.5, -1.0]])
-    for z, fast in ((distinct, True), (tied, False)):
-        ks = kept_set(lambda r0, r1: z[r0:r1], 1, 10, z.dtype, z.device, SamplingParams(**kw), active, (1,), None, 1)
-        assert ks.fast_top_p is fast
+    for kw in (dict(top_k=2, top_p=0.9), dict(top_k=2, top_p=0.5), dict(top_k=1, top_p=0.3)):
+        for z in (distinct, tied):
+            ks = kept_set(lambda r0, r1: z[r0:r1], 1, 10, z.dtype, z.device, SamplingParams(**kw), active, (1,),
+                          None, 1)
+            assert ks.fast_top_p
+            _, _, ls, _, want = sampled_log_probs_dense(z.double(), torch.zeros(1, dtype=torch.long), **kw)
+            assert torch.equal(ks.mask(z), want), (kw, z)
+            assert ks.log_kept_mass.item() == pytest.approx(ls.item(), abs=1e-6)
