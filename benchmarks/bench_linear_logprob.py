@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import rollout_corr_ext as rc  # noqa: E402
+from peak_memory import peak_extra_mib  # noqa: E402
 
 PATHS = ("materialized", "fused")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -66,30 +67,11 @@ def step(path, hidden, weight, target, w1, w2):
     (logp * w1 + ent * w2).sum().backward()
 
 
-def _rss_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    return 0
-
-
 def measure_memory(path, n, h, v, dtype, device):
     """Peak extra memory (MiB) of one forward + backward in this fresh process."""
     step(path, *make_inputs(64, h, 256, dtype, device))  # lazy initialisation on a tiny problem
     inputs = make_inputs(n, h, v, dtype, device)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step(path, *inputs)
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-    base = _rss_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:  # reset the high-water mark to the current RSS
-        f.write("5")
-    step(path, *inputs)
-    return (_rss_kib("VmHWM") - base) / 1024.0
+    return peak_extra_mib(lambda: step(path, *inputs), device)
 
 
 def memory_subprocess(path, n, h, v, dtype_name, device):

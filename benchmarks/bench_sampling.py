@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout_corr_ext as rc  # noqa: E402
+from peak_memory import peak_extra_mib  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 METHODS = ("plain", "replay", "peer")
@@ -96,29 +97,10 @@ def timed(fn, repeats, sync):
     return statistics.median(times)
 
 
-def _rss_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1])
-    return 0
-
-
 def measure_memory(method, n, v, dtype, device, sp):
     step(method, *make_inputs(32, 256, dtype, device), sp)  # lazy initialisation on a tiny problem
     logits, target = make_inputs(n, v, dtype, device)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step(method, logits, target, sp)
-        torch.cuda.synchronize()
-        return (torch.cuda.max_memory_allocated() - base) / 2**20
-    base = _rss_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:  # reset the high-water mark to the current RSS
-        f.write("5")
-    step(method, logits, target, sp)
-    return (_rss_kib("VmHWM") - base) / 1024.0
+    return peak_extra_mib(lambda: step(method, logits, target, sp), device)
 
 
 def _tp_worker(rank, world, store, n, v, dtype_name, sp_kw, repeats, out_path):
