@@ -102,7 +102,7 @@ from .logprobs import empty_cpu_cache, vocab_parallel_cross_entropy, vocab_paral
 from .linear import linear_log_probs  # noqa: E402
 from .config import RolloutCorrectionConfig  # noqa: E402
 from .correction import RolloutCorrectionResult, compute_offpolicy_metrics, compute_rollout_correction  # noqa: E402
-from .sampling import SampledLogProbs, SamplingParams, sampled_log_probs  # noqa: E402
+from .sampling import SampledLogProbs, SamplingParams, sampled_linear_log_probs, sampled_log_probs  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -115,6 +115,7 @@ __all__ = [
     "SamplingParams",
     "SampledLogProbs",
     "sampled_log_probs",
+    "sampled_linear_log_probs",
     "RolloutCorrectionConfig",
     "RolloutCorrectionResult",
     "compute_rollout_correction",

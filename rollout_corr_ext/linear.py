@@ -21,8 +21,9 @@ accumulate into the returned gradients directly). See docs/logprobs.md.
 
 from __future__ import annotations
 
+import math
 import re
-from typing import List, Optional, Tuple, Union
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -143,7 +144,7 @@ class _LinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, tp_group, world, vocab_start, vocab_size, inv_temperature,
-                ignore_index, chunk_rows, chunk_cols, check_group):
+                ignore_index, chunk_rows, chunk_cols, check_group, floor=None):
         valid, keep = _valid_rows(target, ignore_index, hidden)
         rows = _row_chunks(hidden.shape[0], valid, chunk_rows)
         real_cols = min(max(vocab_size - vocab_start, 0), weight.shape[0])
@@ -153,6 +154,8 @@ class _LinearLogProbs(torch.autograd.Function):
             h, t = _hidden_rows(hidden, r0, r1, index, keep), _rows(target, r0, r1, index)
             for c0, c1 in tiles:
                 z = _chunk_logits(h, weight[c0:c1], None if bias is None else bias[c0:c1])
+                if floor is not None:
+                    z = _below_floor_to_neg_inf(z, _rows(floor, r0, r1, index), inv_temperature)
                 # Each vocab tile is one shard of the merge; the chunk is dropped as soon as its record is taken.
                 records.append(ops.vocab_row_stats(z, t, vocab_start + c0, vocab_size, inv_temperature,
                                                    ignore_index, False))
@@ -187,31 +190,42 @@ class _LinearLogProbs(torch.autograd.Function):
         if valid is not None:  # ignored rows: log-prob and entropy 0, as the merge gives them
             logp = logp.new_zeros(hidden.shape[0]).index_copy_(0, valid, logp)
             entropy = entropy.new_zeros(hidden.shape[0]).index_copy_(0, valid, entropy)
-        ctx.save_for_backward(hidden, weight, bias, target, row_state, valid, keep)
+        # A target under the floor has log-prob -inf: no gradient flows from it (its column is -inf).
+        outside = None if floor is None else (logp == -math.inf)
+        ctx.save_for_backward(hidden, weight, bias, target, row_state, valid, keep, floor, outside)
         ctx.args = (vocab_start, vocab_size, inv_temperature, ignore_index, chunk_rows, chunk_cols, real_cols)
         ctx.set_materialize_grads(False)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, target, row_state, valid, keep = ctx.saved_tensors
+        hidden, weight, bias, target, row_state, valid, keep, floor, outside = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if (grad_logp is None and grad_entropy is None) or not (need_h or need_w or need_b):
-            return (None,) * 13
+            return (None,) * 14
+        if grad_logp is not None and outside is not None:
+            grad_logp = grad_logp.masked_fill(outside, 0.0)
         with torch.no_grad():
             grads = _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, grad_entropy,
-                              *ctx.args, need_h, need_w, need_b)
+                              *ctx.args, need_h, need_w, need_b, floor)
         if torch.is_grad_enabled():  # create_graph=True: differentiating these gradients again must raise
             anchors = [t for t in (hidden, weight, bias, grad_logp, grad_entropy)
                        if t is not None and t.requires_grad]
             if anchors:
                 grads = tuple(None if g is None else ops.NoDoubleBackward.apply(g, _LOGPROB_OPS, *anchors)
                               for g in grads)
-        return grads + (None,) * 10
+        return grads + (None,) * 11
+
+
+def _below_floor_to_neg_inf(z: torch.Tensor, floor: torch.Tensor, inv_temperature: float) -> torch.Tensor:
+    """Sampling replay: the logits whose scaled value ``z / T`` (``T = 1 / inv_temperature``, divided as vLLM does,
+    in fp32 / fp64) is below the row's floor become -inf (in place)."""
+    acc = torch.float64 if z.dtype == torch.float64 else torch.float32
+    return z.masked_fill_((z.to(acc) / (1.0 / inv_temperature)) < floor.unsqueeze(1), -math.inf)
 
 
 def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, grad_entropy, vocab_start, vocab_size,
-              inv_temperature, ignore_index, chunk_rows, chunk_cols, real_cols, need_h, need_w, need_b):
+              inv_temperature, ignore_index, chunk_rows, chunk_cols, real_cols, need_h, need_w, need_b, floor=None):
     """Per vocab tile (clipped to the real vocabulary), per chunk of the computed rows: recompute the logits, turn
     them into d(loss)/d(logits) in place, accumulate. Ignored rows and padded vocabulary rows are never multiplied:
     their gradients are exactly 0 whatever they hold."""
@@ -235,6 +249,8 @@ def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, g
                 continue
             h = _hidden_rows(hidden, r0, r1, index, keep)
             g = _chunk_logits(h, w, b)  # recomputed, then overwritten with d(loss)/d(logits)
+            if floor is not None:  # the same kept set as the forward: the gradient is 0 outside it
+                g = _below_floor_to_neg_inf(g, _rows(floor, r0, r1, index), inv_temperature)
             ops.logprob_backward_(g, None if grad_logp is None else _rows(grad_logp, r0, r1, index),
                                   None if grad_entropy is None else _rows(grad_entropy, r0, r1, index), None,
                                   _rows(target, r0, r1, index), row_state[r0:r1], vocab_start + c0, vocab_size,
@@ -342,6 +358,33 @@ def linear_log_probs(
         differentiable with respect to ``hidden``, ``weight`` and ``bias``. One all-gather per forward under TP
         (plus the 64-byte header check when ``check_group``), none in backward.
     """
+    a = _prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, temperature, ignore_index,
+                 chunk_rows, chunk_cols, check_group)
+    return_entropy = as_bool("return_entropy", return_entropy)
+    logp, entropy = _LinearLogProbs.apply(a.hidden2d, weight, bias, a.target1d, tp_group, a.world, a.vocab_start,
+                                          a.vocab_size, a.inv_temp, a.ignore_index, a.chunk_rows, a.chunk_cols,
+                                          a.check_group)
+    logp, entropy = logp.reshape(a.lead), entropy.reshape(a.lead)
+    return (logp, entropy) if return_entropy else logp
+
+
+class _Prepared(NamedTuple):
+    hidden2d: torch.Tensor
+    target1d: torch.Tensor
+    lead: torch.Size
+    world: int
+    vocab_start: int
+    vocab_size: int
+    inv_temp: float
+    ignore_index: int
+    chunk_rows: int
+    chunk_cols: int
+    check_group: bool
+
+
+def _prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, temperature, ignore_index, chunk_rows,
+             chunk_cols, check_group) -> _Prepared:
+    """The boundary checks of :func:`linear_log_probs` (and of its sampling-replay sibling), named errors."""
     if not isinstance(hidden, torch.Tensor) or hidden.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"hidden must be a float16/bfloat16/float32/float64 tensor, got "
                         f"{getattr(hidden, 'dtype', type(hidden))}")
@@ -367,7 +410,6 @@ def linear_log_probs(
     check_target(target, hidden, "hidden")
     inv_temp = checked_inv_temperature(temperature, hidden.dtype)
     ignore_index = as_int("ignore_index", ignore_index)
-    return_entropy = as_bool("return_entropy", return_entropy)
     chunk_rows = DEFAULT_CHUNK_ROWS if chunk_rows is None else as_int("chunk_rows", chunk_rows)
     chunk_cols = DEFAULT_CHUNK_COLS if chunk_cols is None else as_int("chunk_cols", chunk_cols)
     if chunk_rows < 1 or chunk_cols < 1:
@@ -378,11 +420,6 @@ def linear_log_probs(
     check_single_shard(world, vocab_start, vocab_size, local_vocab, "weight", "weight.shape[0]")
     check_group = (hidden.device.type == "cpu") if check_group is None else as_bool("check_group", check_group)
 
-    lead = hidden.shape[:-1]
-    hidden2d = hidden.reshape(-1, hidden.shape[-1])
-    target1d = target.reshape(-1).to(torch.int64).contiguous()
-    logp, entropy = _LinearLogProbs.apply(hidden2d, weight, bias, target1d, tp_group, world, vocab_start,
-                                          vocab_size, inv_temp, ignore_index, chunk_rows, chunk_cols,
-                                          check_group)
-    logp, entropy = logp.reshape(lead), entropy.reshape(lead)
-    return (logp, entropy) if return_entropy else logp
+    return _Prepared(hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).to(torch.int64).contiguous(),
+                     hidden.shape[:-1], world, vocab_start, vocab_size, inv_temp, ignore_index, chunk_rows, chunk_cols,
+                     check_group)

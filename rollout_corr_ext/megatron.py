@@ -278,7 +278,8 @@ def make_policy_loss_func(
     replaces ``temperature``, which must then stay 1.0). Tokens outside the replayed kept set leave the loss (and the
     rollout correction) and are counted in ``rollout_corr/sampling_out_of_support_fraction``;
     ``rollout_corr/sampling_kept_mass_mean`` and ``rollout_corr/sampling_log_kept_mass_mean`` report S and log S
-    over the response tokens. Not yet with ``output_layer``.
+    over the response tokens. With ``output_layer`` the kept set is found from the same logits chunks the fused
+    path computes (:func:`rollout_corr_ext.sampling.sampled_linear_log_probs`); the logits are never materialized.
     """
     cfg = _as_config(config)
     _check_mode(loss_agg_mode)
@@ -289,9 +290,7 @@ def make_policy_loss_func(
             raise TypeError(f"sampling must be a rollout_corr_ext.SamplingParams, got {type(sampling).__name__}")
         if temperature != 1.0:
             raise ValueError("with sampling, the temperature is sampling.temperature; leave temperature at 1.0")
-        if output_layer is not None:
-            raise ValueError("sampling replay with output_layer (log-probs from hidden states) is not supported yet; "
-                             "return the logits from forward_step_func instead")
+
     if loss_agg_mode == "token-sum":
         raise ValueError("loss_agg_mode='token-sum' has no normaliser to return as num_tokens in megatron's "
                          "loss_func contract; use token-mean or a seq-mean-* mode (or agg_loss directly)")
@@ -368,9 +367,15 @@ def make_policy_loss_func(
     def log_probs(x, tgt):
         """(log-probs, entropy, in_support or None, log S or None) in ``tgt``'s shape."""
         if sampling is not None:
-            from .sampling import sampled_log_probs
+            from .sampling import sampled_linear_log_probs, sampled_log_probs
 
-            r = sampled_log_probs(x, tgt, sampling, tp, vocab_size=vocab_size)
+            if output_layer is None:
+                r = sampled_log_probs(x, tgt, sampling, tp, vocab_size=vocab_size)
+            else:
+                from .linear import copy_to_tensor_parallel_region
+
+                r = sampled_linear_log_probs(copy_to_tensor_parallel_region(x, tp), out_weight, tgt, sampling, tp,
+                                             bias=out_bias, vocab_size=vocab_size)
             return r.log_prob, r.entropy, r.in_support, r.log_kept_mass
         if output_layer is None:
             return _lp.vocab_parallel_log_probs(x, tgt, tp, vocab_size=vocab_size, temperature=temperature,

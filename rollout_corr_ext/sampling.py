@@ -105,15 +105,6 @@ class SamplingParams:
         return cls(temperature=float(get("temperature", 1.0)), top_k=None if top_k in (None, 0, -1) else int(top_k),
                    top_p=float(get("top_p", 1.0)), min_p=float(get("min_p", 0.0) or 0.0))
 
-    def truncates(self) -> bool:
-        """Whether any row can lose tokens (top-k, top-p < 1 or min-p > 0 somewhere)."""
-        def active(value, off):
-            t = _field_tensor("", value) if isinstance(value, torch.Tensor) else None
-            return bool(off(t).logical_not().any()) if t is not None else not bool(off(torch.tensor(value)))
-        k = self.top_k
-        k_on = k is not None and (bool((k > 0).any()) if isinstance(k, torch.Tensor) else k > 0)
-        return k_on or active(self.top_p, lambda v: v >= 1) or active(self.min_p, lambda v: v <= 0)
-
 
 def _per_row(name: str, value, rows: int, lead, dtype, device) -> torch.Tensor:
     """A field as ``[rows]`` (a number broadcast; a tensor of ``rows`` or of the leading shape's size)."""
@@ -207,14 +198,41 @@ def _ceil_to(t64: torch.Tensor, acc) -> torch.Tensor:
     return torch.where(t.to(torch.float64) < t64, torch.nextafter(t, torch.full_like(t, math.inf)), t)
 
 
+def _row_max(pieces, rows: int, acc, device) -> torch.Tensor:
+    m = torch.full((rows,), -math.inf, dtype=acc, device=device)
+    for z in pieces:
+        m = torch.maximum(m, z.amax(-1))  # propagates NaN
+    return m
+
+
+def _row_topk(pieces, width: int) -> torch.Tensor:
+    """The ``width`` largest of each row over every piece, descending (-inf padded when a row has fewer)."""
+    tops = [z.topk(min(width, z.shape[1]), dim=-1).values for z in pieces]
+    t = torch.cat(tops, 1)
+    t = t.topk(min(width, t.shape[1]), dim=-1).values
+    if t.shape[1] < width:
+        t = torch.cat([t, t.new_full((t.shape[0], width - t.shape[1]), -math.inf)], 1)
+    return t
+
+
 def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, rows_active: torch.Tensor, lead,
-             group, world: int, allow_fast_top_p: bool = True) -> KeptSet:
+             group, world: int, allow_fast_top_p: bool = True, chunks=None, pieces=None, row_id=None) -> KeptSet:
     """Each row's threshold (the kept set is ``{u: z_u >= threshold}``) and the log of the kept set's mass under
     ``softmax(z)``; ``z_of(r0, r1)`` gives rows ``r0:r1`` of the scaled logits (-inf at excluded columns).
     Collective over ``group`` (every rank calls it with its shard). The local passes run ``CHUNK_ROWS`` rows at a
-    time; the per-row decisions (max, k-th value, top-p threshold) are exchanged as small summaries.
-    ``allow_fast_top_p=False`` forces the general top-p search (the tests hold the two to the same kept sets)."""
-    chunks = [(r0, min(r0 + CHUNK_ROWS, n)) for r0 in range(0, n, CHUNK_ROWS)]
+    time (or the given ``chunks`` of row ranges; ``pieces(r0, r1)``, when given, yields those rows' logits in column
+    pieces instead of ``z_of``); the per-row decisions (max, k-th value, top-p threshold) are exchanged as small
+    summaries. ``allow_fast_top_p=False`` forces the general top-p search (the tests hold the two to the same kept
+    sets). ``row_id(i)``: the caller's row of row ``i`` (for error messages)."""
+    if chunks is None:
+        chunks = [(r0, min(r0 + CHUNK_ROWS, n)) for r0 in range(0, n, CHUNK_ROWS)]
+    if pieces is None:
+        def pieces(r0, r1):
+            yield z_of(r0, r1)
+
+    def parts(r0, r1):  # the non-empty column pieces of rows r0:r1
+        return (z for z in pieces(r0, r1) if z.shape[1])
+
     ninf = -math.inf
     min_p = _per_row("min_p", params.min_p, n, lead, torch.float64, device)
     mp_on = (min_p > 0) & rows_active
@@ -232,15 +250,19 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
     width = k_max + 1
     local = torch.full((n, width), ninf, dtype=acc, device=device) if k_max else None
     for r0, r1 in chunks:
-        z = z_of(r0, r1)
-        z_max[r0:r1] = z.amax(-1)
         if early_topk:
-            top = z.topk(min(width, v_local), dim=-1).values
-            local[r0:r1, :top.shape[1]] = top
+            zs = list(parts(r0, r1))
+            z_max[r0:r1] = _row_max(zs, r1 - r0, acc, device)
+            if zs:
+                local[r0:r1] = _row_topk(zs, width)
+            del zs
+        else:
+            z_max[r0:r1] = _row_max(parts(r0, r1), r1 - r0, acc, device)
     bad = torch.isnan(z_max) | (z_max == math.inf)  # amax propagates NaN
     if bool(bad.any()):
-        raise ValueError(f"sampled_log_probs: NaN or +inf logit in row {int(bad.nonzero()[0, 0])} of the flattened "
-                         f"logits")
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"sampled_log_probs: NaN or +inf logit in row {i if row_id is None else row_id(i)} of the "
+                         f"flattened logits")
     z_max = _all_reduce(z_max, dist.ReduceOp.MAX, group, world)
     z_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))  # an all -inf row is refused later
 
@@ -248,16 +270,20 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
     tau = _ceil_to(torch.where(mp_on, z_max.to(torch.float64) + torch.log(min_p.clamp_min(1e-300)),
                                torch.full_like(min_p, ninf)), acc)
 
+    def above_tau(r0, r1):  # the pieces with everything under tau at -inf
+        t = tau[r0:r1].unsqueeze(1)
+        return (torch.where(z >= t, z, torch.full_like(z, ninf)) for z in parts(r0, r1))
+
     # top-k: every value >= the k-th largest of what min-p kept; the k-th largest of the union of the shards is the
     # k-th largest of the union of each shard's k largest.
     cand = None
     if k_max > 0:
         if not early_topk:
             for r0, r1 in chunks:
-                z = z_of(r0, r1)
-                z = torch.where(z >= tau[r0:r1].unsqueeze(1), z, torch.full_like(z, ninf))
-                top = z.topk(min(width, v_local), dim=-1).values
-                local[r0:r1, :top.shape[1]] = top
+                zs = list(above_tau(r0, r1))
+                if zs:
+                    local[r0:r1] = _row_topk(zs, width)
+                del zs
         if world > 1:
             local = _lp._all_gather(local.reshape(-1).contiguous(), group, world).reshape(world, n, width)
             local = local.permute(1, 0, 2).reshape(n, world * width)
@@ -270,15 +296,15 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
     top_p = _per_row("top_p", params.top_p, n, lead, torch.float64, device)
     p_on = (top_p < 1) & rows_active
     fast = False
+    mult = None
     if bool(p_on.any()):
         if allow_fast_top_p and cand is not None and bool((k_on | ~p_on).all()):
             # Every top-p row has a top-k: its survivors are the gathered candidates >= tau, unless a shard has more
-            # values >= tau than its list holds (a run of ties at the k-th value). Each shard's list is sorted and
-            # one longer than k_max; it is complete when its last entry is below tau (or -inf: the shard ran out).
-            # Every rank sees every list: no collective.
-            # A shard's last entry is <= tau (tau >= the k-th largest >= any shard's (k_max + 1)-th), so what a list
-            # misses is a run of values equal to tau: counted (one pass, one all-reduce) and added as one weighted
-            # candidate, only when some list ends in such a run (bf16 logits tie often).
+            # values >= tau than its list holds. A shard's list is sorted and one longer than k_max, and its last
+            # entry is <= tau (tau >= the k-th largest >= any shard's (k_max + 1)-th): it misses nothing when that
+            # entry is below tau (or -inf), and otherwise only a run of values equal to tau, which is counted (one
+            # pass, one all-reduce; bf16 logits tie often) and added as one weighted candidate. Every rank sees
+            # every list, so the search itself needs no collective.
             last = local.reshape(n, world, width)[:, :, -1]
             complete = ((last < tau.unsqueeze(1)) | (last == ninf)).all(1)
             cand = torch.where(cand >= tau.unsqueeze(1), cand, torch.full_like(cand, ninf))
@@ -286,13 +312,15 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
             if not bool(complete[p_on].all()):
                 count = torch.zeros(n, dtype=torch.int64, device=device)
                 for r0, r1 in chunks:
-                    count[r0:r1] = torch.count_nonzero(z_of(r0, r1) >= tau[r0:r1].unsqueeze(1), dim=-1)
+                    t = tau[r0:r1].unsqueeze(1)
+                    for z in parts(r0, r1):
+                        count[r0:r1] += torch.count_nonzero(z >= t, dim=-1)
                 count = _all_reduce(count, dist.ReduceOp.SUM, group, world)
                 missing = (count - (cand != ninf).sum(-1)).clamp_min(0)
                 cand = torch.cat([cand, torch.where(missing > 0, tau, torch.full_like(tau, ninf)).unsqueeze(1)], 1)
                 mult = torch.cat([mult, missing.unsqueeze(1)], 1)
             fast = True
-        if fast:  # every rank holds the same candidates: the search needs no collective
+        if fast:  # every rank holds the same candidates
             q = _masses(cand, z_max) * mult
             c = _top_p_budget(q.sum(-1), top_p)
             key = _ordered_key(cand)
@@ -301,22 +329,24 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
             over = _mass_at_or_below(sorted_key, cum, sorted_key) > c.unsqueeze(1)
             hi = torch.where(over, sorted_key, torch.full_like(sorted_key, torch.iinfo(torch.int64).max)).amin(1)
         else:  # the general search: 16-way bisection of the key space over every shard's survivors
-            zs = torch.cat([torch.where(z >= tau[r0:r1].unsqueeze(1), z, torch.full_like(z, ninf))
-                            for z, (r0, r1) in ((z_of(r0, r1), (r0, r1)) for r0, r1 in chunks)])
-            q = _masses(zs, z_max)
-            total = _all_reduce(q.sum(-1), dist.ReduceOp.SUM, group, world)
-            c = _top_p_budget(total, top_p)
-            key = _ordered_key(zs)
-            sorted_key, order = key.sort(dim=-1)
-            cum = q.gather(1, order).cumsum(-1)
-            del zs, q, key, order
+            total = torch.zeros(n, dtype=torch.int64, device=device)
+            for r0, r1 in chunks:
+                for z in above_tau(r0, r1):
+                    total[r0:r1] += _masses(z, z_max[r0:r1]).sum(-1)
+            c = _top_p_budget(_all_reduce(total, dist.ReduceOp.SUM, group, world), top_p)
             hi = _ordered_key(z_max)
             lo = _ordered_key((z_max.to(torch.float64) - _MASS_FLOOR).to(acc)) - 1  # M(<= lo) = 0 <= c
             lo = torch.where(p_on, lo, hi - 1)  # inactive rows start converged
             while bool((hi > lo + 1).any()):  # not hi - lo: fp64 keys span more than int64
-                probes = _probes(lo, hi)
-                mass = _all_reduce(_mass_at_or_below(sorted_key, cum, probes), dist.ReduceOp.SUM, group, world)
-                above = mass > c.unsqueeze(1)
+                probes = _probes(lo, hi)  # [n, 15], ascending
+                hist = torch.zeros((n, probes.shape[1] + 1), dtype=torch.int64, device=device)
+                for r0, r1 in chunks:  # a 16-bucket histogram of the masses: no sort, no [N, V] kept
+                    pr = probes[r0:r1].contiguous()
+                    for z in above_tau(r0, r1):
+                        bucket = torch.searchsorted(pr, _ordered_key(z))  # the first probe >= the value
+                        hist[r0:r1].scatter_add_(1, bucket, _masses(z, z_max[r0:r1]))
+                mass = _all_reduce(hist.cumsum(1)[:, :-1].contiguous(), dist.ReduceOp.SUM, group, world)
+                above = mass > c.unsqueeze(1)  # mass[:, j] = M(<= probe j)
                 # the new bracket: the last probe at or under c, the first probe over it
                 lo = torch.where(above, torch.full_like(probes, torch.iinfo(torch.int64).min), probes).amax(1)\
                     .maximum(lo)
@@ -325,30 +355,23 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
         tau = torch.where(p_on, torch.maximum(tau, _key_to_value(hi, acc)), tau)
 
     # log S: the kept mass over the total, both relative to the row max (sums in z's dtype, then fp64: their
-    # rounding is far below a metric's). With the candidates complete, every rank already holds the kept mass.
+    # rounding is far below a metric's). With the candidates complete, every rank already holds the kept mass of
+    # the top-p rows.
+    need_kept = ~(p_on & fast) & rows_active
+    any_kept = bool(need_kept.any())
     sums = torch.zeros((n, 2), dtype=torch.float64, device=device)
     for r0, r1 in chunks:
-        z = z_of(r0, r1)
-        e = torch.exp(z - z_max[r0:r1].unsqueeze(1))
-        if not fast:
-            sums[r0:r1, 0] = torch.where(z >= tau[r0:r1].unsqueeze(1), e, torch.zeros_like(e)).sum(-1).double()
-        sums[r0:r1, 1] = e.sum(-1).double()
+        t = tau[r0:r1].unsqueeze(1)
+        for z in parts(r0, r1):
+            e = torch.exp(z - z_max[r0:r1].unsqueeze(1))
+            if any_kept:
+                sums[r0:r1, 0] += torch.where(z >= t, e, torch.zeros_like(e)).sum(-1).double()
+            sums[r0:r1, 1] += e.sum(-1).double()
+    sums = _all_reduce(sums, dist.ReduceOp.SUM, group, world)
     if fast:
         kept_mass = torch.exp(cand.to(torch.float64) - z_max.to(torch.float64).unsqueeze(1))
         kept_mass = torch.where(cand >= tau.unsqueeze(1), kept_mass * mult, torch.zeros_like(kept_mass)).sum(-1)
-        sums[:, 1] = _all_reduce(sums[:, 1].contiguous(), dist.ReduceOp.SUM, group, world)
-        # rows without top-p (no fast decision made for them) still need their kept mass from the shards
-        if bool((~p_on & rows_active).any()):
-            part = torch.zeros(n, dtype=torch.float64, device=device)
-            for r0, r1 in chunks:
-                z = z_of(r0, r1)
-                e = torch.exp(z - z_max[r0:r1].unsqueeze(1))
-                part[r0:r1] = torch.where(z >= tau[r0:r1].unsqueeze(1), e, torch.zeros_like(e)).sum(-1).double()
-            part = _all_reduce(part, dist.ReduceOp.SUM, group, world)
-            kept_mass = torch.where(p_on, kept_mass, part)
-        sums[:, 0] = kept_mass
-    else:
-        sums = _all_reduce(sums, dist.ReduceOp.SUM, group, world)
+        sums[:, 0] = torch.where(p_on, kept_mass, sums[:, 0])
     return KeptSet(tau, (torch.log(sums[:, 0]) - torch.log(sums[:, 1])).to(acc), fast)
 
 
@@ -455,6 +478,94 @@ def sampled_log_probs(
     in_support = (logp != -math.inf) | ~active
     log_s = torch.where(active, th.log_kept_mass, torch.zeros_like(th.log_kept_mass))
     return SampledLogProbs(logp.reshape(lead), entropy.reshape(lead), log_s.reshape(lead), in_support.reshape(lead))
+
+
+def sampled_linear_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    sampling: SamplingParams,
+    tp_group=None,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    vocab_start: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    ignore_index: int = -100,
+    chunk_rows: Optional[int] = None,
+    chunk_cols: Optional[int] = None,
+    check_group: Optional[bool] = None,
+) -> SampledLogProbs:
+    """:func:`sampled_log_probs` of the logits ``hidden @ weight.T + bias`` without the ``[N, V_local]`` logits
+    tensor (as :func:`rollout_corr_ext.linear_log_probs`): the kept set is found from ``CHUNK_ROWS``-row chunks of the
+    logits, computed and dropped one at a time, and the log-probs come from the fused chunked path with everything
+    below each row's threshold at -inf. Differentiable in ``hidden``, ``weight`` and ``bias``; the temperature must be
+    one number here."""
+    from . import linear as _linear
+
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if isinstance(sampling.temperature, torch.Tensor):
+        raise ValueError("sampled_linear_log_probs: SamplingParams.temperature must be one number (per-row "
+                         "temperatures: compute the logits and use sampled_log_probs)")
+    a = _linear._prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, sampling.temperature,
+                         ignore_index, chunk_rows, chunk_cols, check_group)
+    if tp_group is None and vocab_size is None and _lp._megatron_tp_size() > 1:
+        raise ValueError(
+            f"tp_group=None, but megatron-core is initialized with tensor-parallel size {_lp._megatron_tp_size()}: "
+            f"this weight is probably one vocab shard. Pass tp_group; for a weight that holds the whole vocab on "
+            f"this rank, pass vocab_size explicitly")
+    n, v_local = a.hidden2d.shape[0], weight.shape[0]
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    for name in ("top_k", "top_p", "min_p"):
+        value = getattr(sampling, name)
+        if isinstance(value, torch.Tensor):
+            _per_row(name, value, n, a.lead, value.dtype, value.device)
+    temperature = 1.0 / a.inv_temp  # the floor in the fused path divides by this same number
+    # The kept set is searched over exactly the logits chunks the fused path computes (its row chunks of the rows
+    # it does not ignore, its vocab tiles, the same GEMM calls), so that every decision sees the very values the
+    # forward and the backward see.
+    valid, keep = _linear._valid_rows(a.target1d, a.ignore_index, a.hidden2d)
+    rows = _linear._row_chunks(n, valid, a.chunk_rows)
+    real_cols = min(max(a.vocab_size - a.vocab_start, 0), v_local)
+    tiles = _linear._vocab_tiles(v_local, real_cols, a.chunk_cols)
+    m = n if valid is None else valid.numel()
+    index_of = {r0: index for r0, _, index in rows}
+    h_data, w_data = a.hidden2d.detach(), weight.detach()
+    b_data = None if bias is None else bias.detach()
+    active = torch.ones(m, dtype=torch.bool, device=hidden.device) if keep is None else keep
+
+    def pieces(r0, r1):
+        h = _linear._hidden_rows(h_data, r0, r1, index_of[r0], keep)
+        for c0, c1 in tiles:
+            yield _linear._chunk_logits(h, w_data[c0:c1], None if b_data is None else b_data[c0:c1]).to(acc) / \
+                temperature
+
+    def sub(value):  # per-row parameters of the computed rows
+        if isinstance(value, torch.Tensor) and value.dim() and valid is not None:
+            return value.reshape(-1)[valid.to(value.device)]
+        return value
+
+    params = SamplingParams(temperature=1.0, top_k=sub(sampling.top_k), top_p=sub(sampling.top_p),
+                            min_p=sub(sampling.min_p))
+    with torch.no_grad():
+        th = kept_set(None, m, v_local, acc, hidden.device, params, active, (m,), tp_group, a.world,
+                      chunks=[(r0, r1) for r0, r1, _ in rows], pieces=pieces,
+                      row_id=None if valid is None else (lambda i: int(valid[i])))
+        floor = torch.full((n,), -math.inf, dtype=acc, device=hidden.device)
+        log_s = torch.zeros(n, dtype=acc, device=hidden.device)
+        th_floor = torch.where(active, th.threshold, torch.full_like(th.threshold, -math.inf))
+        th_log_s = torch.where(active, th.log_kept_mass, torch.zeros_like(th.log_kept_mass))
+        if valid is None:
+            floor, log_s = th_floor, th_log_s
+        else:
+            floor.index_copy_(0, valid, th_floor)
+            log_s.index_copy_(0, valid, th_log_s)
+    logp, entropy = _linear._LinearLogProbs.apply(a.hidden2d, weight, bias, a.target1d, tp_group, a.world,
+                                                  a.vocab_start, a.vocab_size, a.inv_temp, a.ignore_index,
+                                                  a.chunk_rows, a.chunk_cols, a.check_group, floor)
+    in_support = (logp != -math.inf) | (a.target1d == a.ignore_index)
+    return SampledLogProbs(logp.reshape(a.lead), entropy.reshape(a.lead), log_s.reshape(a.lead),
+                           in_support.reshape(a.lead))
 
 
 def sampling_metrics(result: SampledLogProbs, response_mask: torch.Tensor, dp_group=None) -> dict:

@@ -345,3 +345,111 @@ def test_the_candidate_search_counts_ties_that_run_past_the_list():
             _, _, ls, _, want = sampled_log_probs_dense(z.double(), torch.zeros(1, dtype=torch.long), **kw)
             assert torch.equal(ks.mask(z), want), (kw, z)
             assert ks.log_kept_mass.item() == pytest.approx(ls.item(), abs=1e-6)
+
+
+# --------------------------------------------------------------------------------------------- from hidden states
+
+
+def _linear_case(n, h, v, dtype, seed, vocab_size=None):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(v, h, generator=g, dtype=torch.float64) * 0.6).to(dtype)
+    bias = (torch.randn(v, generator=g, dtype=torch.float64) * 0.3).to(dtype)
+    vs = v if vocab_size is None else vocab_size
+    if vs < v:
+        weight[vs:] = float("nan")  # padded vocabulary rows are never read
+        bias[vs:] = float("nan")
+    target = torch.randint(0, vs, (n,), generator=g)
+    target[1] = -100
+    hidden[1] = float("nan")  # an ignored row's hidden state is never read
+    return hidden, weight, bias, target
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("kw", [dict(top_k=6, top_p=0.8, temperature=0.5), dict(top_p=0.7), dict(min_p=0.05, top_k=9)],
+                         ids=["k_p_t", "p_only", "min_p_k"])
+def test_linear_log_probs_with_replay_match_the_oracle(kw, dtype):
+    from rollout_corr_ext.sampling import sampled_linear_log_probs
+
+    n, h, v, vs = 11, 16, 40, 37
+    hidden, weight, bias, target = _linear_case(n, h, v, dtype, seed=31, vocab_size=vs)
+    # the logits as the fused path's chunks compute them (4 rows x 16 vocab columns, in the input dtype), so that the
+    # oracle decides on the very values the kernels see
+    from rollout_corr_ext.linear import _chunk_logits
+    logits = torch.cat([torch.cat([_chunk_logits(hidden[r0:r0 + 4], weight[c0:min(c0 + 16, vs)],
+                                                 bias[c0:min(c0 + 16, vs)]) for c0 in range(0, vs, 16)], 1)
+                        for r0 in range(0, n, 4)])
+    logits = torch.where(torch.isnan(logits), torch.zeros_like(logits), logits)
+    target = _targets_in_and_out(logits, target, kw, seed=5)
+    hs, ws, bs = (x.clone().requires_grad_(True) for x in (hidden, weight, bias))
+    res = sampled_linear_log_probs(hs, ws, target, SamplingParams(**kw), bias=bs, vocab_size=vs, chunk_rows=4,
+                                   chunk_cols=16)
+    # the oracle, on the very logits the chunks compute (rounded to the input dtype, as the GEMM returns them)
+    oracle = sampled_log_probs_dense(logits.double(), target, **kw)
+    _check(res, oracle, dtype)
+    use = res.in_support & (target != -100)
+    g = torch.randn(n, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    (torch.where(use, res.log_prob.double(), torch.zeros_like(g)) * g).sum().backward()
+    hr = torch.where(target.unsqueeze(1) == -100, torch.zeros_like(hidden), hidden).double().requires_grad_(True)
+    wr, br = weight[:vs].double().requires_grad_(True), bias[:vs].double().requires_grad_(True)
+    lp, _, _, _, _ = sampled_log_probs_dense(hr @ wr.t() + br, target, **kw)
+    (torch.where(use, lp, torch.zeros_like(lp)) * g).sum().backward()
+    tol = dict(rtol=5e-2, atol=5e-2) if dtype == torch.bfloat16 else grad_tol(dtype)
+    torch.testing.assert_close(hs.grad.double()[target != -100], hr.grad[target != -100], **tol)
+    assert bool((hs.grad[1] == 0).all())  # the ignored row
+    torch.testing.assert_close(ws.grad.double()[:vs], wr.grad, **tol)
+    assert bool((ws.grad[vs:] == 0).all()) and bool((bs.grad[vs:] == 0).all())
+    torch.testing.assert_close(bs.grad.double()[:vs], br.grad, **tol)
+
+
+def _linear_tp_worker(rank, world):
+    from rollout_corr_ext.sampling import sampled_linear_log_probs
+
+    group = dist.group.WORLD
+    for i, kw in enumerate([dict(top_k=5, top_p=0.85), dict(top_p=0.6, temperature=0.7)]):
+        hidden, weight, bias, target = _linear_case(9, 8, 48, torch.float32, seed=40 + i, vocab_size=45)
+        single = sampled_linear_log_probs(hidden, weight, target, SamplingParams(**kw), bias=bias, vocab_size=45,
+                                          chunk_rows=4, chunk_cols=8)
+        vl = 48 // world
+        res = sampled_linear_log_probs(hidden, weight[rank * vl:(rank + 1) * vl], target, SamplingParams(**kw), group,
+                                       bias=bias[rank * vl:(rank + 1) * vl], vocab_size=45, chunk_rows=4, chunk_cols=8)
+        assert torch.equal(res.in_support, single.in_support), kw
+        fin = single.log_prob != -math.inf
+        torch.testing.assert_close(res.log_prob[fin], single.log_prob[fin], **output_tol(torch.float32))
+        torch.testing.assert_close(res.log_kept_mass, single.log_kept_mass, **output_tol(torch.float32))
+
+
+@pytest.mark.parametrize("world", [2])
+def test_linear_log_probs_with_replay_under_tensor_parallelism(world):
+    run_workers(_linear_tp_worker, world)
+
+
+def test_make_policy_loss_func_replay_from_hidden_states_equals_the_logits_path():
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    b, s, h, v = 2, 5, 12, 30
+    g = torch.Generator().manual_seed(50)
+    hidden = torch.randn(s, b, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * 0.7
+    target = torch.randint(0, v, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    kw = dict(top_k=6, top_p=0.8)
+
+    class Layer:
+        pass
+    layer = Layer()
+    layer.weight, layer.bias = weight, None
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    layer.weight = w1
+    out1 = make_policy_loss_func(target, adv, mask, output_layer=layer, vocab_size=v,
+                                 sampling=SamplingParams(**kw))(h1)
+    (out1[0] / out1[1]).backward()
+    h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out2 = make_policy_loss_func(target, adv, mask, vocab_size=v, sampling=SamplingParams(**kw))(h2 @ w2.t())
+    (out2[0] / out2[1]).backward()
+    assert out1[0].item() == pytest.approx(out2[0].item(), rel=1e-10, abs=1e-12) and int(out1[1]) == int(out2[1])
+    for k in out2[2]:
+        torch.testing.assert_close(out1[2][k], out2[2][k], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-9, atol=1e-12)
