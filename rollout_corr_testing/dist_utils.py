@@ -1,7 +1,8 @@
 """Spawned multi-process tests: gloo on CPU, NCCL on GPUs.
 
 ``run_workers(fn, world_size, *args, device="cpu")`` starts ``world_size`` processes that join one process group (a
-file store in a temp folder, so parallel runs never collide on a port) and call ``fn(rank, world_size, *args)``.
+TCP store the parent serves on an OS-chosen port, so parallel runs never collide) and call
+``fn(rank, world_size, *args)``.
 ``device="cpu"``: gloo, CPU tensors; ``device="cuda"``: NCCL, rank r on GPU r (:func:`worker_device` tells a worker
 where its tensors go). :func:`dist_params` gives the two variants as pytest parameters, the NCCL one skipped with the
 reason where fewer GPUs than ranks are visible. A worker that fails raises only after every rank has all-reduced a
@@ -11,8 +12,7 @@ traceback.
 
 from __future__ import annotations
 
-import os
-import tempfile
+import datetime
 import traceback
 import warnings
 
@@ -95,9 +95,12 @@ def init_worker_group(rank: int, world_size: int, device: str, **init_kwargs) ->
     return local
 
 
-def _entry(rank, world_size, store_path, fn, args, device="cpu"):
+def _entry(rank, world_size, address, fn, args, device="cpu"):
     torch.set_num_threads(1)
-    local = init_worker_group(rank, world_size, device, init_method=f"file://{store_path}")
+    host, port = address
+    store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=300))
+    local = init_worker_group(rank, world_size, device, store=store)
+    store.set(f"joined/{rank}", "1")  # from here on a failure is the test's, never retried
     error = None
     try:
         _ensure_backend()
@@ -113,10 +116,28 @@ def _entry(rank, world_size, store_path, fn, args, device="cpu"):
         raise AssertionError(f"rank {rank}: another rank failed")
 
 
+def _launch(start, fn, world_size: int, args, device: str) -> None:
+    """Start the workers around a TCP store this process serves (an OS-chosen port: parallel runs never collide). A
+    worker killed by a signal before it joined the process group (no test code has run in it yet) starts the whole
+    set once more, with a warning: on a starved machine the process-group bring-up has aborted a worker
+    ("terminate called without an active exception") before any of our code ran."""
+    for attempt in (1, 2):
+        store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=300))
+        try:
+            start(_entry, (world_size, ("127.0.0.1", store.port), fn, args, device))
+            return
+        except mp.ProcessExitedException as exc:
+            joined = store.check([f"joined/{r}" for r in range(world_size)])
+            if attempt == 2 or joined:
+                raise
+            warnings.warn(f"a worker died before joining the process group ({exc}); starting the workers again")
+        finally:
+            del store
+
+
 def run_workers(fn, world_size: int, *args, device: str = "cpu") -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        mp.spawn(_entry, args=(world_size, store, fn, args, device), nprocs=world_size, join=True)
+    _launch(lambda entry, a: mp.spawn(entry, args=a, nprocs=world_size, join=True), fn, world_size, args, device)
 
 
 def run_workers_preloaded(fn, world_size: int, *args, preload=("megatron.core",), device: str = "cpu") -> None:
@@ -130,10 +151,8 @@ def run_workers_preloaded(fn, world_size: int, *args, preload=("megatron.core",)
     import multiprocessing
 
     multiprocessing.set_forkserver_preload(list(preload) + ["rollout_corr_ext"])  # ignored if the server runs
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        mp.start_processes(_entry, args=(world_size, store, fn, args, device), nprocs=world_size, join=True,
-                           start_method="forkserver")
+    _launch(lambda entry, a: mp.start_processes(entry, args=a, nprocs=world_size, join=True,
+                                                start_method="forkserver"), fn, world_size, args, device)
 
 
 class CollectiveCounter:
