@@ -49,7 +49,10 @@ def _field_tensor(name: str, value) -> Optional[torch.Tensor]:
                              f"{tuple(value.shape)}")
         if value.dtype == torch.bool or value.is_complex():
             raise TypeError(f"SamplingParams.{name}: expected a real tensor, got {value.dtype}")
-        return value.detach()
+        if value.requires_grad:
+            raise ValueError(f"SamplingParams.{name} requires grad, but a sampling parameter is a constant: no "
+                             f"gradient flows to it (pass it detached)")
+        return value
     return None
 
 
@@ -116,6 +119,18 @@ def _per_row(name: str, value, rows: int, lead, dtype, device) -> torch.Tensor:
                              f"{tuple(lead)} rows here), got {value.numel()}")
         return value.reshape(rows).to(device=device, dtype=dtype)
     return torch.full((rows,), float(value) if dtype.is_floating_point else int(value), dtype=dtype, device=device)
+
+
+def _check_temperature(temperature, dtype) -> None:
+    """Every temperature in range for the dtype the logits are scaled in (as ``vocab_parallel_log_probs`` checks
+    its own): outside it, z = logits / T overflows or flushes for a reason that is not in the logits."""
+    if isinstance(temperature, torch.Tensor):
+        t = temperature.detach().to(torch.float64).reshape(-1)
+        if t.numel():
+            for v in (t.min().item(), t.max().item()):
+                _lp.checked_inv_temperature(v, dtype)
+    else:
+        _lp.checked_inv_temperature(temperature, dtype)
 
 
 def _ordered_key(z: torch.Tensor) -> torch.Tensor:
@@ -216,14 +231,15 @@ def _row_topk(pieces, width: int) -> torch.Tensor:
 
 
 def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, rows_active: torch.Tensor, lead,
-             group, world: int, allow_fast_top_p: bool = True, chunks=None, pieces=None, row_id=None) -> KeptSet:
+             group, world: int, allow_fast_top_p: bool = True, chunks=None, pieces=None, row_id=None,
+             what: str = "logit in row {} of the flattened logits") -> KeptSet:
     """Each row's threshold (the kept set is ``{u: z_u >= threshold}``) and the log of the kept set's mass under
     ``softmax(z)``; ``z_of(r0, r1)`` gives rows ``r0:r1`` of the scaled logits (-inf at excluded columns).
     Collective over ``group`` (every rank calls it with its shard). The local passes run ``CHUNK_ROWS`` rows at a
     time (or the given ``chunks`` of row ranges; ``pieces(r0, r1)``, when given, yields those rows' logits in column
     pieces instead of ``z_of``); the per-row decisions (max, k-th value, top-p threshold) are exchanged as small
     summaries. ``allow_fast_top_p=False`` forces the general top-p search (the tests hold the two to the same kept
-    sets). ``row_id(i)``: the caller's row of row ``i`` (for error messages)."""
+    sets). ``row_id(i)``: the caller's row of row ``i``, ``what``: how an error names it."""
     if chunks is None:
         chunks = [(r0, min(r0 + CHUNK_ROWS, n)) for r0 in range(0, n, CHUNK_ROWS)]
     if pieces is None:
@@ -261,8 +277,7 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
     bad = torch.isnan(z_max) | (z_max == math.inf)  # amax propagates NaN
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
-        raise ValueError(f"sampled_log_probs: NaN or +inf logit in row {i if row_id is None else row_id(i)} of the "
-                         f"flattened logits")
+        raise ValueError(f"sampled_log_probs: NaN or +inf {what.format(i if row_id is None else row_id(i))}")
     z_max = _all_reduce(z_max, dist.ReduceOp.MAX, group, world)
     z_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))  # an all -inf row is refused later
 
@@ -428,6 +443,7 @@ def sampled_log_probs(
     logits2d = logits.reshape(n, local_vocab)
     target1d = target.reshape(n)
     active = target1d != ignore_index  # ignored rows are never inspected (they may hold junk)
+    _check_temperature(sampling.temperature, logits.dtype)
     temperature = _per_row("temperature", sampling.temperature, n, lead, acc, logits.device)
     temperature = torch.where(active, temperature, torch.ones_like(temperature))
     for name in ("top_k", "top_p", "min_p"):  # per-row sizes, before any work
@@ -473,8 +489,7 @@ def sampled_log_probs(
         scalar_t = 1.0
     logp, entropy = _lp.vocab_parallel_log_probs(masked, target1d, tp_group, vocab_start=vocab_start,
                                                  vocab_size=vocab_size, temperature=scalar_t,
-                                                 ignore_index=ignore_index, return_entropy=True,
-                                                 inplace_backward=True)  # masked is ours: its buffer takes the grad
+                                                 ignore_index=ignore_index, return_entropy=True)
     in_support = (logp != -math.inf) | ~active
     log_s = torch.where(active, th.log_kept_mass, torch.zeros_like(th.log_kept_mass))
     return SampledLogProbs(logp.reshape(lead), entropy.reshape(lead), log_s.reshape(lead), in_support.reshape(lead))
@@ -550,7 +565,8 @@ def sampled_linear_log_probs(
     with torch.no_grad():
         th = kept_set(None, m, v_local, acc, hidden.device, params, active, (m,), tp_group, a.world,
                       chunks=[(r0, r1) for r0, r1, _ in rows], pieces=pieces,
-                      row_id=None if valid is None else (lambda i: int(valid[i])))
+                      row_id=None if valid is None else (lambda i: int(valid[i])),
+                      what="logit from row {} of the flattened hidden states (hidden, weight or bias holds NaN / inf)")
         floor = torch.full((n,), -math.inf, dtype=acc, device=hidden.device)
         log_s = torch.zeros(n, dtype=acc, device=hidden.device)
         th_floor = torch.where(active, th.threshold, torch.full_like(th.threshold, -math.inf))

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import rollout_corr_ext as rc
 from rollout_corr_ext.sampling import SamplingParams, kept_set, sampled_log_probs
+from rollout_corr_testing.backends import device_params, ops_on
 from rollout_corr_testing.dist_utils import CollectiveCounter, run_workers
 from rollout_corr_testing.sampling_oracle import sampled_log_probs_dense
 from rollout_corr_testing.tolerances import grad_tol, output_tol
@@ -453,3 +454,74 @@ def test_make_policy_loss_func_replay_from_hidden_states_equals_the_logits_path(
         torch.testing.assert_close(out1[2][k], out2[2][k], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-9, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------- edges, backends
+
+
+def test_edge_batches_and_refusals():
+    from rollout_corr_ext.sampling import sampled_linear_log_probs
+
+    sp = SamplingParams(top_k=3, top_p=0.8)
+    empty = sampled_log_probs(torch.randn(0, 10), torch.zeros(0, dtype=torch.long), sp, vocab_size=10)
+    assert all(t.shape == (0,) for t in empty)
+    ignored = sampled_log_probs(torch.full((3, 10), float("nan")), torch.full((3,), -100), sp, vocab_size=10)
+    assert bool((ignored.log_prob == 0).all()) and bool(ignored.in_support.all())
+    assert bool((ignored.log_kept_mass == 0).all())
+    lin = sampled_linear_log_probs(torch.full((3, 4), float("nan")), torch.randn(6, 4), torch.full((3,), -100), sp,
+                                   vocab_size=6)
+    assert bool((lin.log_prob == 0).all()) and bool(lin.in_support.all())
+    x = torch.randn(3, 10)
+    x[1] = -math.inf
+    with pytest.raises(RuntimeError, match="every logit of row 1"):
+        sampled_log_probs(x, torch.zeros(3, dtype=torch.long), sp, vocab_size=10)
+    with pytest.raises(ValueError, match="temperature=1e-40 is out of range"):
+        sampled_log_probs(torch.randn(2, 5), torch.tensor([0, 1]), SamplingParams(temperature=1e-40), vocab_size=5)
+    with pytest.raises(ValueError, match="temperature"):
+        sampled_log_probs(torch.randn(2, 5), torch.tensor([0, 1]),
+                          SamplingParams(temperature=torch.tensor([1.0, 1e-40])), vocab_size=5)
+    with pytest.raises(ValueError, match="SamplingParams.temperature requires grad"):
+        SamplingParams(temperature=torch.ones(2, requires_grad=True))
+    h = torch.randn(3, 4)
+    h[2, 0] = float("nan")
+    with pytest.raises(ValueError, match="row 2 of the flattened hidden states"):
+        sampled_linear_log_probs(h, torch.randn(6, 4), torch.tensor([1, -100, 3]), sp, vocab_size=6)
+
+
+@pytest.mark.parametrize("linear", [False, True], ids=["logits", "hidden"])
+def test_double_backward_is_refused(linear):
+    from rollout_corr_ext.sampling import sampled_linear_log_probs
+
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 6, dtype=torch.float64)
+    target = torch.tensor([1, 2, 3])
+    sp = SamplingParams(top_p=0.9)
+    r = sampled_linear_log_probs(x, w, target, sp, vocab_size=8) if linear else \
+        sampled_log_probs(x, target, sp, vocab_size=6)
+    g, = torch.autograd.grad(torch.where(r.in_support, r.log_prob, torch.zeros_like(r.log_prob)).sum(), x,
+                             create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(g.sum(), x)
+
+
+@pytest.mark.parametrize("device", device_params("cpu", "fallback", "emulated", "cuda"))
+def test_every_backend_matches_the_oracle(device):
+    """The replay runs the log-prob ops of whatever backend is active: the compiled CPU kernels, the pure-PyTorch
+    fallback, the CUDA kernels on the emulator (and on a GPU)."""
+    kw = dict(top_k=9, top_p=0.8, temperature=0.5)
+    x, target = _inputs(6, 64, torch.float32, seed=60)
+    target = _targets_in_and_out(x, target, kw, seed=61)
+    with ops_on(device) as dev:
+        xs = x.to(dev).requires_grad_(True)
+        res = sampled_log_probs(xs, target.to(dev), SamplingParams(**kw))
+        use = (res.in_support & (target.to(dev) != -100))
+        torch.where(use, res.log_prob, torch.zeros_like(res.log_prob)).sum().backward()
+        res = type(res)(*(t.cpu() for t in res))
+        grad = xs.grad.cpu()
+    oracle = sampled_log_probs_dense(x.double(), target, **kw)
+    _check(res, oracle, torch.float32)
+    xr = torch.where(torch.isnan(x), torch.zeros_like(x), x).double().requires_grad_(True)
+    lp = sampled_log_probs_dense(xr, target, **kw)[0]
+    use = use.cpu()
+    ref_grad, = torch.autograd.grad(torch.where(use, lp, torch.zeros_like(lp)).sum(), xr)
+    torch.testing.assert_close(grad.double()[use], ref_grad[use], **grad_tol(torch.float32))
