@@ -121,6 +121,22 @@ def _per_row(name: str, value, rows: int, lead, dtype, device) -> torch.Tensor:
     return torch.full((rows,), float(value) if dtype.is_floating_point else int(value), dtype=dtype, device=device)
 
 
+def _check_entry(sampling, n: int, lead, tp_group, vocab_size, what: str) -> None:
+    """The checks both entry points share: the spec's type, each per-row field's size, and a whole-vocab call under
+    megatron's tensor parallelism (as ``vocab_parallel_log_probs`` refuses it)."""
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    for name in ("temperature", "top_k", "top_p", "min_p"):
+        value = getattr(sampling, name)
+        if isinstance(value, torch.Tensor):
+            _per_row(name, value, n, lead, value.dtype, value.device)
+    if tp_group is None and vocab_size is None and _lp._megatron_tp_size() > 1:
+        raise ValueError(
+            f"tp_group=None, but megatron-core is initialized with tensor-parallel size {_lp._megatron_tp_size()}: "
+            f"{what} probably one vocab shard. Pass tp_group; for a whole vocabulary on this rank, pass vocab_size "
+            f"explicitly")
+
+
 def _check_temperature(temperature, dtype) -> None:
     """Every temperature in range for the dtype the logits are scaled in (as ``vocab_parallel_log_probs`` checks
     its own): outside it, z = logits / T overflows or flushes for a reason that is not in the logits."""
@@ -421,7 +437,7 @@ def sampled_log_probs(
     ``sampling`` do). Under ``tp_group`` every rank calls it with its shard; no rank holds more than its shard.
     """
     if not isinstance(sampling, SamplingParams):
-        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")  # before reading it
     if not isinstance(logits, torch.Tensor) or logits.dtype not in _lp._FLOAT_DTYPES:
         raise TypeError(f"logits must be a float16/bfloat16/float32/float64 tensor, got "
                         f"{getattr(logits, 'dtype', type(logits))}")
@@ -431,14 +447,10 @@ def sampled_log_probs(
     ignore_index = _lp.as_int("ignore_index", ignore_index)
     world, rank = _lp._group_size_rank(tp_group)
     local_vocab = logits.shape[-1]
-    if tp_group is None and vocab_size is None and _lp._megatron_tp_size() > 1:
-        raise ValueError(
-            f"tp_group=None, but megatron-core is initialized with tensor-parallel size {_lp._megatron_tp_size()}: "
-            f"these logits are probably one vocab shard. Pass tp_group; for logits that hold the whole vocab on "
-            f"this rank, pass vocab_size explicitly")
-    vocab_start, vocab_size = _lp.vocab_layout(vocab_start, vocab_size, rank, world, local_vocab)
     lead = logits.shape[:-1]
     n = int(torch.Size(lead).numel())
+    _check_entry(sampling, n, lead, tp_group, vocab_size, "these logits are")
+    vocab_start, vocab_size = _lp.vocab_layout(vocab_start, vocab_size, rank, world, local_vocab)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits2d = logits.reshape(n, local_vocab)
     target1d = target.reshape(n)
@@ -446,10 +458,6 @@ def sampled_log_probs(
     _check_temperature(sampling.temperature, logits.dtype)
     temperature = _per_row("temperature", sampling.temperature, n, lead, acc, logits.device)
     temperature = torch.where(active, temperature, torch.ones_like(temperature))
-    for name in ("top_k", "top_p", "min_p"):  # per-row sizes, before any work
-        value = getattr(sampling, name)
-        if isinstance(value, torch.Tensor):
-            _per_row(name, value, n, lead, value.dtype, value.device)
     valid_cols = max(0, min(local_vocab, vocab_size - vocab_start))
     data = logits2d.detach()
     temp_col = temperature.unsqueeze(1)
@@ -474,8 +482,7 @@ def sampled_log_probs(
     with torch.no_grad():
         th = kept_set(z_of, n, local_vocab, acc, logits.device, sampling, active, lead, tp_group, world)
         tau = torch.where(active, th.threshold, torch.full_like(th.threshold, -math.inf))  # ignored rows: untouched
-    if not isinstance(sampling.temperature, torch.Tensor) and float(sampling.temperature) == 1.0 and \
-            (logits.dtype == acc or logits.dtype in (torch.bfloat16, torch.float16)) and valid_cols == local_vocab:
+    if unit_t and (logits.dtype == acc or logits.dtype in (torch.bfloat16, torch.float16)) and valid_cols == local_vocab:
         # z = logits exactly (bf16 / fp16 widen exactly): compare in place, no [N, V] temporaries
         below = logits2d < tau.unsqueeze(1)
     else:
@@ -524,17 +531,9 @@ def sampled_linear_log_probs(
                          "temperatures: compute the logits and use sampled_log_probs)")
     a = _linear._prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, sampling.temperature,
                          ignore_index, chunk_rows, chunk_cols, check_group)
-    if tp_group is None and vocab_size is None and _lp._megatron_tp_size() > 1:
-        raise ValueError(
-            f"tp_group=None, but megatron-core is initialized with tensor-parallel size {_lp._megatron_tp_size()}: "
-            f"this weight is probably one vocab shard. Pass tp_group; for a weight that holds the whole vocab on "
-            f"this rank, pass vocab_size explicitly")
     n, v_local = a.hidden2d.shape[0], weight.shape[0]
+    _check_entry(sampling, n, a.lead, tp_group, vocab_size, "this weight is")
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    for name in ("top_k", "top_p", "min_p"):
-        value = getattr(sampling, name)
-        if isinstance(value, torch.Tensor):
-            _per_row(name, value, n, a.lead, value.dtype, value.device)
     temperature = 1.0 / a.inv_temp  # the floor in the fused path divides by this same number
     # The kept set is searched over exactly the logits chunks the fused path computes (its row chunks of the rows
     # it does not ignore, its vocab tiles, the same GEMM calls), so that every decision sees the very values the
