@@ -7,8 +7,14 @@ What it does, per step and per correction setting:
 
 * **Rollout** with a mismatched sampler, as a real inference engine would be: a bf16 copy of the policy whose
   weights are ``--stale`` optimizer steps old (asynchronous rollout). It samples responses for a synthetic task
-  with a verifiable reward (reverse a string of digits; reward = fraction of positions right) and records its
-  own log-probs at sampling time (log-softmax of its bf16 logits, as vLLM/SGLang return them).
+  with a verifiable reward (reverse a string of digits; reward = fraction of positions right), drawing from
+  softmax(logits / T) truncated by top-k / top-p as vLLM's sampler does (``--top-p 0.9`` by default), and records
+  its own log-probs at sampling time: those of the truncated distribution of its bf16 logits (vLLM's
+  ``processed_logprobs``, verl's default).
+* **Sampling replay**: the trainer scores tokens under the same truncation of its own logits
+  (``make_policy_loss_func(sampling=...)``, docs/sampling_replay.md), so the mismatch metrics see the numerical and
+  staleness mismatch alone; a setting named ``NAME:noreplay`` scores them under softmax(logits / T) instead, and its
+  ratios then carry each row's kept mass (the default settings include ``none:noreplay`` to show the difference).
 * **Advantages**: GRPO (reward normalised within each prompt's group).
 * **Update**: the trainer (fp32 megatron-core TP layers: ``VocabParallelEmbedding``, ``ColumnParallelLinear``,
   ``RowParallelLinear``, vocab-parallel output layer) recomputes pi_old (decoupled settings) and runs PPO over
@@ -167,14 +173,34 @@ def gather_vocab(shard: torch.Tensor, tp_group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def truncate(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The engine's truncation, written from vLLM's V1 sampler (``apply_top_k_top_p``): top-k keeps every value
+    >= the k-th largest; top-p sorts ascending, takes the cumulative softmax and drops the positions where it is
+    <= 1 - top_p, never the last (the top token). Dropped logits become -inf. Dense on purpose: this is the engine's
+    side, which holds the whole vocabulary (the trainer replays it with rollout_corr_ext.sampled_log_probs)."""
+    if top_k > 0 and top_k < z.shape[-1]:
+        kth = z.topk(top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, -math.inf)
+    if top_p < 1.0:
+        srt, idx = z.sort(dim=-1)
+        drop = srt.softmax(-1).cumsum(-1) <= 1.0 - top_p
+        drop[:, -1] = False
+        z = z.scatter(1, idx, srt.masked_fill(drop, -math.inf))
+    return z
+
+
 @torch.no_grad()
-def rollout(sampler: TinyLM, prompts: torch.Tensor, length: int, gen: torch.Generator, tp_group):
-    """Sample ``length`` tokens per prompt; returns (responses [n, length], sampler log-probs [n, length])."""
+def rollout(sampler: TinyLM, prompts: torch.Tensor, length: int, gen: torch.Generator, tp_group, args):
+    """Sample ``length`` tokens per prompt from softmax(logits / T) truncated by top-k / top-p; returns (responses
+    [n, length], the sampler's log-probs [n, length]): those of the distribution it drew from (vLLM's
+    ``processed_logprobs``, verl's default ``logprobs_mode``)."""
     seq = prompts
     chosen, logps = [], []
     for _ in range(length):
         shard = sampler(seq)[-1].float()  # [b, V_local] of the bf16 logits, last position
         full = gather_vocab(shard, tp_group)  # every TP rank sees the same logits
+        if args.temperature != 1.0 or args.top_k > 0 or args.top_p < 1.0:
+            full = truncate(full / args.temperature, args.top_k, args.top_p)
         logp_all = torch.log_softmax(full, dim=-1)
         # Sampling on the CPU generator shared by all ranks: identical draws everywhere.
         tok = torch.multinomial(logp_all.exp().cpu(), 1, generator=gen).to(seq.device)
@@ -190,13 +216,17 @@ def grpo_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-6) -> tor
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).reshape(-1)
 
 
-def token_logprobs(model: TinyLM, seq: torch.Tensor, tp_group) -> torch.Tensor:
-    """Trainer-side log-probs of every next token, [b, s] (the last column scores nothing and is 0)."""
+def token_logprobs(model: TinyLM, seq: torch.Tensor, mask: torch.Tensor, tp_group, sampling, temperature: float):
+    """Trainer-side log-probs of the next token at the ``mask`` positions, [b, s] (0 elsewhere): under the replayed
+    truncated distribution when ``sampling`` is given (-inf where the token is outside its kept set), else under
+    softmax(logits / temperature)."""
     from rollout_corr_ext.megatron import vocab_parallel_log_probs
 
     logits = model(seq)  # [s, b, V_local]
-    target = torch.cat([seq[:, 1:], torch.zeros_like(seq[:, :1])], dim=1)
-    return vocab_parallel_log_probs(logits, target.t(), tp_group).t()
+    target = torch.cat([seq[:, 1:], torch.zeros_like(seq[:, :1])], dim=1).masked_fill(~mask, -100).t()
+    if sampling is not None:
+        return rc.sampled_log_probs(logits, target, sampling, tp_group).log_prob.t()
+    return vocab_parallel_log_probs(logits, target, tp_group, temperature=temperature).t()
 
 
 SETTINGS = {
@@ -208,12 +238,26 @@ SETTINGS = {
 }
 
 
+#: a setting name with this suffix scores tokens under softmax(logits / T) (the engine's truncation not replayed)
+NO_REPLAY = ":noreplay"
+
+
+def sampling_params(args):
+    """What the sampler draws with, for the trainer to replay (None when it draws from softmax(logits) itself)."""
+    if args.temperature == 1.0 and args.top_k <= 0 and args.top_p == 1.0:
+        return None
+    return rc.SamplingParams(temperature=args.temperature, top_k=args.top_k if args.top_k > 0 else None,
+                             top_p=args.top_p)
+
+
 class Run:
     """One correction setting: trainer, stale bf16 sampler, optimizer, weight history."""
 
     def __init__(self, name: str, args, device):
         self.name, self.args, self.device = name, args, device
-        self.rc = SETTINGS[name](args)
+        base = name[:-len(NO_REPLAY)] if name.endswith(NO_REPLAY) else name
+        self.sampling = None if name.endswith(NO_REPLAY) else sampling_params(args)
+        self.rc = SETTINGS[base](args)
         self.bypass = bool(self.rc.bypass_mode)
         self.cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, rollout_correction=self.rc)
         self.model = TinyLM(model_config(args.tp, torch.float32), seed=args.seed).to(device)
@@ -232,7 +276,7 @@ class Run:
         a = self.args
         self.sync_sampler()
         prompts = prompts.repeat_interleave(a.group, 0)
-        responses, rollout_lp_resp = rollout(self.sampler, prompts, a.digits, gen, tp_group)
+        responses, rollout_lp_resp = rollout(self.sampler, prompts, a.digits, gen, tp_group, a)
         rewards = reward_fn(prompts, responses, a.digits)
         adv = grpo_advantages(rewards, a.group)
 
@@ -245,7 +289,9 @@ class Run:
         rollout_lp = torch.zeros(n, s, device=seq.device)
         rollout_lp[:, p - 1:s - 1] = rollout_lp_resp
         with torch.no_grad():  # pi_old (decoupled) / pi_theta at step start (bypass: diagnostics only)
-            train_lp = token_logprobs(self.model, seq, tp_group)
+            train_lp = token_logprobs(self.model, seq, mask, tp_group, self.sampling, a.temperature)
+        # the loss scores tokens as train_lp does: replayed (sampling=) or under softmax(logits / T)
+        scoring = dict(sampling=self.sampling) if self.sampling is not None else dict(temperature=a.temperature)
         old_lp = None if self.bypass else train_lp
 
         reports = []
@@ -265,7 +311,7 @@ class Run:
                 loss_func = make_policy_loss_func(
                     stream(target), adv[idx], stream(mask), old_log_prob=stream(old_lp),
                     rollout_log_prob=stream(rollout_lp), config=self.cfg, loss_agg_mode="token-mean",
-                    tp_group=tp_group, dp_group=dp_group, cu_seqlens=cu)
+                    tp_group=tp_group, dp_group=dp_group, cu_seqlens=cu, **scoring)
                 logits = self.model(seq[idx])  # [s, b, V_local]
                 loss_sum, num_tokens, report = loss_func(logits[cut].transpose(0, 1).reshape(-1, 1,
                                                                                               logits.shape[-1]))
@@ -273,7 +319,7 @@ class Run:
                 loss_func = make_policy_loss_func(
                     target[idx], adv[idx], mask[idx],
                     old_log_prob=None if old_lp is None else old_lp[idx], rollout_log_prob=rollout_lp[idx],
-                    config=self.cfg, loss_agg_mode="token-mean", tp_group=tp_group, dp_group=dp_group)
+                    config=self.cfg, loss_agg_mode="token-mean", tp_group=tp_group, dp_group=dp_group, **scoring)
                 loss_sum, num_tokens, report = loss_func(self.model(seq[idx]))
             loss = loss_sum / num_tokens.clamp(min=1)
             self.opt.zero_grad(set_to_none=True)
@@ -282,7 +328,9 @@ class Run:
             self.opt.step()
             reports.append(report)
 
-        ratio = (train_lp - rollout_lp)[mask].exp()
+        # the token ratio over the tokens in the trainer's support (with replay, a token outside its kept set has
+        # train_lp = -inf: it left the loss and is counted in rollout_corr/sampling_out_of_support_fraction)
+        ratio = (train_lp - rollout_lp)[mask & (train_lp != -math.inf)].exp()
         q = torch.quantile(ratio.float(), torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], device=ratio.device))
         rec = {"setting": self.name, "reward": float(rewards.mean()),
                "exact_match": float((rewards == 1).float().mean())}
@@ -304,6 +352,8 @@ PANELS = [
     (("demo/token_ratio_p05",), "token ratio pi_train/pi_rollout: p5", "ratio (log scale)", "log"),
     (("rollout_corr/seq_masked_fraction", "rollout_corr/masked_fraction"),
      "rejected by RS / veto: sequences (solid), tokens (dashed)", "fraction of the batch rejected", "linear"),
+    (("rollout_corr/sampling_kept_mass_mean", "rollout_corr/sampling_out_of_support_fraction"),
+     "replay: kept mass S (solid), tokens outside the kept set (dashed)", "fraction (mean over tokens)", "linear"),
 ]
 
 CAPTION = (
@@ -314,17 +364,19 @@ CAPTION = (
     "and chi-squared are >= 0; their symlog axes are linear within +-1e-3. Rejected: "
     "rollout_corr/seq_masked_fraction (solid) and rollout_corr/masked_fraction (dashed), the sequences and tokens "
     "that RS and the veto remove from the loss; every response has the same length, so the two coincide here. "
-    "'none', 'token_tis' and 'bypass' have no RS and reject nothing.")
+    "'none', 'token_tis' and 'bypass' have no RS and reject nothing. The sampler draws with {sampling}; a setting "
+    "ending in ':noreplay' scores tokens under softmax(logits / T) instead of replaying the truncation, so its ratios "
+    "carry each row's kept mass S (the last panel, which only replaying settings report).")
 
 
-def plot(path: str, records, settings, window: int = 9):
+def plot(path: str, records, settings, window: int = 9, sampling: str = "no truncation"):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, axes = plt.subplots(2, 4, figsize=(20, 9.5))
+    fig, axes = plt.subplots(3, 3, figsize=(17, 13))
     colors = dict(zip(settings, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     styles = ("-", "--", ":")
     for ax, (keys, title, ylabel, scale) in zip(axes.flat, PANELS):
@@ -349,8 +401,10 @@ def plot(path: str, records, settings, window: int = 9):
     legend_ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     legend_ax.legend(handles, labels, loc="center", title="setting", fontsize=11)
-    fig.suptitle("GRPO with a stale bf16 sampler: rollout-correction settings side by side", fontsize=12)
-    fig.text(0.01, 0.01, "\n".join(textwrap.wrap(CAPTION.format(window=window), 230)), fontsize=9, va="bottom")
+    fig.suptitle(f"GRPO with a stale bf16 sampler ({sampling}): rollout-correction settings side by side",
+                 fontsize=12)
+    fig.text(0.01, 0.01, "\n".join(textwrap.wrap(CAPTION.format(window=window, sampling=sampling), 200)), fontsize=9,
+             va="bottom")
     fig.tight_layout(rect=(0, 0.07, 1, 0.97))
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -395,6 +449,13 @@ def run_info(args, backend: str, seconds: float) -> dict:
     }
 
 
+def describe_sampling(args) -> str:
+    parts = [f"T = {args.temperature:g}"] if args.temperature != 1.0 else []
+    parts += [f"top-k = {args.top_k}"] if args.top_k > 0 else []
+    parts += [f"top-p = {args.top_p:g}"] if args.top_p < 1.0 else []
+    return ", ".join(parts) or "no truncation"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -404,8 +465,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tensor-parallel size; the world size must be a multiple, the rest is data parallel")
     ap.add_argument("--steps", type=int, default=200,
                     help="GRPO steps: one rollout batch and one PPO epoch over it per step and setting")
-    ap.add_argument("--settings", default="none,token_tis,seq_mis,geo_rs,bypass",
-                    help=f"comma-separated rollout-correction settings run side by side, from {', '.join(SETTINGS)}")
+    ap.add_argument("--settings", default="none,token_tis,seq_mis,geo_rs,bypass,none:noreplay",
+                    help=f"comma-separated rollout-correction settings run side by side, from {', '.join(SETTINGS)}; "
+                         f"NAME{NO_REPLAY}: the same setting without sampling replay (the trainer scores tokens under "
+                         f"softmax(logits / T), not the truncated distribution the sampler drew from)")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step (per data-parallel rank)")
     ap.add_argument("--group", type=int, default=8, help="responses per prompt (GRPO group)")
     ap.add_argument("--minibatches", type=int, default=2, help="PPO mini-batches per step (one epoch)")
@@ -414,6 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--packed", action="store_true",
                     help="feed the loss packed sequences (a 1-D token stream with cu_seqlens) instead of [b, s]")
     ap.add_argument("--stale", type=int, default=2, help="sampler weights are this many optimizer steps old")
+    ap.add_argument("--top-p", type=float, default=0.9,
+                    help="the sampler draws from the smallest top set of mass >= top_p (vLLM's rule; 1: off); the "
+                         "trainer replays it (docs/sampling_replay.md) unless a setting ends in ':noreplay'")
+    ap.add_argument("--top-k", type=int, default=0, help="the sampler keeps the top_k largest logits (0: off)")
+    ap.add_argument("--temperature", type=float, default=1.0, help="the sampler draws from softmax(logits / T)")
     ap.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     ap.add_argument("--geo-rs-threshold", default="0.9_1.1",
                     help="geo_rs keep range LOWER_UPPER of exp(mean log-ratio) per sequence")
@@ -426,9 +494,17 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    unknown = [s for s in args.settings.split(",") if s not in SETTINGS]
+    names = args.settings.split(",")
+    unknown = [s for s in names if (s[:-len(NO_REPLAY)] if s.endswith(NO_REPLAY) else s) not in SETTINGS]
     if unknown:
-        ap.error(f"unknown settings {unknown}; choose from {list(SETTINGS)}")
+        ap.error(f"unknown settings {unknown}; choose from {list(SETTINGS)}, each optionally with {NO_REPLAY!r}")
+    if len(set(names)) != len(names):
+        ap.error(f"--settings names a setting twice: {args.settings}")
+    try:
+        rc.SamplingParams(temperature=args.temperature, top_k=args.top_k if args.top_k > 0 else None,
+                          top_p=args.top_p)
+    except (TypeError, ValueError) as e:
+        ap.error(str(e).replace("SamplingParams.", "--").replace("top_p", "top-p").replace("top_k", "top-k"))
     return args
 
 
@@ -485,7 +561,7 @@ def main(argv=None):
     if rank == 0:
         out.close()
         png = os.path.join(args.out_dir, "curves.png")
-        plot(png, records, settings)
+        plot(png, records, settings, sampling=describe_sampling(args))
         tail = max(1, args.steps // 5)
         print(f"\n{args.steps} steps x {len(runs)} settings in {time.time() - t0:.0f}s  (TP={args.tp}, "
               f"{backend}, rollout_corr_ext backend={rc.backend()}, seed {args.seed}); means over the last {tail} "

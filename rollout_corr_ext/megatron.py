@@ -10,6 +10,7 @@ split over the data-parallel group *with* CP, and sequence-level values are redu
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Optional
 
 import torch
@@ -276,7 +277,8 @@ def make_policy_loss_func(
     **Sampling replay** (``sampling``, a :class:`rollout_corr_ext.SamplingParams`; docs/sampling_replay.md): pi_theta's
     log-probs are those of the truncated, renormalised distribution the engine sampled from (its temperature
     replaces ``temperature``, which must then stay 1.0). Tokens outside the replayed kept set leave the loss (and the
-    rollout correction) and are counted in ``rollout_corr/sampling_out_of_support_fraction``;
+    rollout correction) and are counted in ``rollout_corr/sampling_out_of_support_fraction``; so do tokens where a
+    (replayed) ``old_log_prob`` is -inf (outside pi_old's kept set), except in bypass mode, which does not read it;
     ``rollout_corr/sampling_kept_mass_mean`` and ``rollout_corr/sampling_log_kept_mass_mean`` report S and log S
     over the response tokens. With ``output_layer`` the kept set is found from the same logits chunks the fused
     path computes (:func:`rollout_corr_ext.sampling.sampled_linear_log_probs`); the logits are never materialized.
@@ -418,6 +420,10 @@ def make_policy_loss_func(
 
         given = response_mask
         if in_support is not None:  # a token outside the replayed kept set has probability 0: it leaves the loss
+            if old_log_prob is not None and not bypass:
+                # pi_old, replayed by the caller, is -inf where the token is outside pi_old's own kept set: the PPO
+                # ratio pi_theta / pi_old is undefined there, so the token leaves the loss as well
+                in_support = in_support & (old_log_prob.to(logp.device) != -math.inf)
             given = torch.where(in_support, response_mask, torch.zeros_like(response_mask))
         mask, weights, corr_metrics = given, None, {}
         kind, old = LY.PG_KIND_PPO_CLIP, (old_log_prob if old_log_prob is not None else logp.detach())

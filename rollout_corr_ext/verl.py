@@ -49,6 +49,7 @@ from .config import RolloutCorrectionConfig
 from .correction import OFFPOLICY_KEYS, PREFIX, compute_rollout_correction
 from .losses import PolicyLossConfig
 from .losses import agg_loss as _agg_loss
+from .sampling import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from verl.protocol import DataProto
@@ -75,6 +76,8 @@ __all__ = [
     "restore_policy_losses",
     "rollout_correction_config",
     "policy_loss_config",
+    "sampling_params",
+    "logprobs_from_logits",
 ]
 
 #: The verl release whose signatures, defaults, key sets and return types this module follows.
@@ -90,7 +93,8 @@ SUPPORTED_ROLLOUT_RS_OPTIONS = frozenset({
 
 # ------------------------------------------------------------------------------------------------- settings
 
-_SETTINGS: Dict[str, Any] = {"dp_group": None, "seq_group": None, "extra_metrics": False, "nonfinite": "error"}
+_SETTINGS: Dict[str, Any] = {"dp_group": None, "seq_group": None, "extra_metrics": False, "nonfinite": "error",
+                             "sampling": None}
 
 
 
@@ -116,6 +120,13 @@ def configure(**settings: Any) -> Dict[str, Any]:
             exactly verl's key set.
         nonfinite: ``"error"`` (default: NaN / inf log-probs at response tokens raise a ``ValueError``) or
             ``"exclude"`` (such tokens are dropped from the mask and the weights).
+        sampling: a :class:`rollout_corr_ext.SamplingParams` (:func:`sampling_params` maps verl's rollout config) to
+            replay the engine's truncation (docs/sampling_replay.md): :func:`logprobs_from_logits` then returns the
+            log-probs of the truncated distribution (-inf for a token outside its kept set), and the rollout
+            correction and the policy losses here leave every response token with a -inf log-prob out of the mask
+            (a zero probability under a replayed distribution), reporting
+            ``rollout_corr/sampling_out_of_support_fraction``. ``None`` (default): no replay; a -inf log-prob is
+            treated as verl treats it.
     """
     unknown = sorted(set(settings) - set(_SETTINGS))
     if unknown:
@@ -124,6 +135,9 @@ def configure(**settings: Any) -> Dict[str, Any]:
         raise ValueError(f"extra_metrics must be a bool, got {settings['extra_metrics']!r}")
     if "nonfinite" in settings and settings["nonfinite"] not in ("error", "exclude"):
         raise ValueError(f"nonfinite must be 'error' or 'exclude', got {settings['nonfinite']!r}")
+    if settings.get("sampling") is not None and not isinstance(settings["sampling"], SamplingParams):
+        raise TypeError(f"sampling must be a rollout_corr_ext.SamplingParams (or None), got "
+                        f"{type(settings['sampling']).__name__}")
     previous = dict(_SETTINGS)
     _SETTINGS.update(settings)
     return previous
@@ -218,11 +232,41 @@ def _groups(cfg: RolloutCorrectionConfig) -> Tuple[Any, Any]:
     return dp, seq
 
 
+def _replayed_mask(response_mask, *log_probs):
+    """With sampling replay configured: ``response_mask`` without the tokens whose log-prob is -inf in any of
+    ``log_probs`` (outside a replayed kept set), and the fraction of response tokens that left (a 0-dim tensor);
+    otherwise ``(response_mask, None)``."""
+    if _SETTINGS["sampling"] is None:
+        return response_mask, None
+    out = torch.zeros_like(response_mask, dtype=torch.bool)
+    for lp in log_probs:
+        if isinstance(lp, torch.Tensor) and lp.shape == response_mask.shape:
+            out |= lp.detach() == float("-inf")
+    valid = response_mask != 0
+    dp = _SETTINGS["dp_group"]
+    counts = torch.stack([(valid & out).sum(), valid.sum()]).to(torch.float64)
+    if dp is not None and dist.get_world_size(dp) > 1:
+        dist.all_reduce(counts, group=dp)
+    frac = counts[0] / counts[1].clamp_min(1.0)
+    return torch.where(out, torch.zeros_like(response_mask), response_mask), frac
+
+
+def _with_replay_metric(metrics: Dict[str, Any], frac) -> Dict[str, Any]:
+    if frac is not None:
+        metrics = dict(metrics)
+        metrics[PREFIX + "sampling_out_of_support_fraction"] = float(frac)
+    return metrics
+
+
 def _correct(log_prob, rollout_log_prob, response_mask, cfg: RolloutCorrectionConfig):
     dp, seq = _groups(cfg)
+    response_mask, frac = _replayed_mask(response_mask, log_prob, rollout_log_prob)
     with torch.no_grad():
-        return compute_rollout_correction(log_prob, rollout_log_prob, response_mask, cfg, dp_group=dp,
-                                          seq_group=seq, nonfinite=_SETTINGS["nonfinite"])
+        res = compute_rollout_correction(log_prob, rollout_log_prob, response_mask, cfg, dp_group=dp,
+                                         seq_group=seq, nonfinite=_SETTINGS["nonfinite"])
+    if frac is not None:
+        res.metrics[PREFIX + "sampling_out_of_support_fraction"] = frac
+    return res
 
 
 def _is_keys(cfg: RolloutCorrectionConfig) -> List[str]:
@@ -272,6 +316,8 @@ def _select(metrics: Dict[str, torch.Tensor], keys: Sequence[str], *, extras: bo
     if extras:
         taken = set(chosen)
         chosen += [k for k in metrics if k not in taken]
+    elif PREFIX + "sampling_out_of_support_fraction" in metrics:  # sampling replay configured: always reported
+        chosen.append(PREFIX + "sampling_out_of_support_fraction")
     for k in chosen:
         names.append(k if prefixed else k[len(PREFIX):])
         values.append(metrics[k])
@@ -454,9 +500,10 @@ def compute_policy_loss_vanilla(
     config (or a DictConfig / dict / :class:`PolicyLossConfig`). Metrics: ``actor/pg_clipfrac``, ``actor/ppo_kl``,
     ``actor/pg_clipfrac_lower`` as floats."""
     cfg = policy_loss_config(config)
+    response_mask, frac = _replayed_mask(response_mask, old_log_prob, log_prob)
     loss, metrics = _losses.compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask,
                                                         loss_agg_mode, cfg, rollout_is_weights)
-    return loss, _loss_floats(metrics, _PPO_KEYS)
+    return loss, _with_replay_metric(_loss_floats(metrics, _PPO_KEYS), frac)
 
 
 def compute_policy_loss_reinforce(
@@ -471,9 +518,10 @@ def compute_policy_loss_reinforce(
     """verl's ``compute_policy_loss_reinforce``: -A log pi (times ``rollout_is_weights``), no clipping. Metrics:
     ``actor/ppo_kl`` (mean of rollout_log_prob - log_prob) as a float."""
     cfg = policy_loss_config(config)
+    response_mask, frac = _replayed_mask(response_mask, rollout_log_prob, log_prob)
     loss, metrics = _losses.compute_policy_loss_reinforce(rollout_log_prob, log_prob, advantages, response_mask,
                                                           loss_agg_mode, cfg, rollout_is_weights)
-    return loss, _loss_floats(metrics, _PG_KEYS)
+    return loss, _with_replay_metric(_loss_floats(metrics, _PG_KEYS), frac)
 
 
 def _bypass_rollout_correction(config: Any) -> Any:
@@ -544,9 +592,68 @@ def compute_policy_loss(
     base = cliprange if cliprange is not None else cliprange_low
     cfg = PolicyLossConfig(clip_ratio=base, clip_ratio_low=cliprange_low, clip_ratio_high=cliprange_high,
                            clip_ratio_c=clip_ratio_c)
+    response_mask, _ = _replayed_mask(response_mask, old_log_prob, log_prob)
     loss, metrics = _losses.compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask,
                                                         loss_agg_mode, cfg, None)
     return loss, metrics["actor/pg_clipfrac"], metrics["actor/ppo_kl"], metrics["actor/pg_clipfrac_lower"]
+
+
+# ------------------------------------------------------------------------------------------------- sampling replay
+
+#: verl's ``rollout.logprobs_mode`` values whose rollout log-probs are those of the distribution the engine drew from
+_PROCESSED = ("processed_logprobs",)
+
+
+def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optional[SamplingParams]:
+    """The :class:`rollout_corr_ext.SamplingParams` that replays what verl's rollout engine sampled with, from verl's
+    config: the trainer config (``actor_rollout_ref.rollout`` is read), the ``actor_rollout_ref`` config, or the
+    rollout config itself (a dataclass, ``DictConfig`` or dict). Fields read: ``temperature``, ``top_k`` (-1 / 0:
+    off), ``top_p``, ``min_p`` (when present) and ``logprobs_mode``. ``None`` when nothing truncates (top-k off,
+    top_p = 1, min_p = 0): there is nothing to replay.
+
+    ``temperature_applied`` (default True): verl's actor divides the logits by the rollout temperature before it
+    computes log-probs, so the replay runs at temperature 1 on those logits; False: the logits passed to
+    :func:`logprobs_from_logits` are the raw ones and the replay divides them.
+
+    Raises ``ValueError`` when the engine's log-probs are not those of the distribution it drew from (verl's
+    ``logprobs_mode`` other than ``processed_logprobs``, e.g. vLLM's ``raw_logprobs``): the rollout log-probs are
+    then of the untruncated distribution, and replaying the truncation on the trainer's side would compare two
+    different distributions."""
+    rollout = config
+    for key in ("actor_rollout_ref", "rollout"):
+        inner = _get(rollout, key, None)
+        if inner is not None:
+            rollout = inner
+    sp = SamplingParams.from_verl(rollout)
+    top_k, top_p = sp.top_k, sp.top_p
+    if top_k is None and top_p == 1.0 and sp.min_p == 0.0:
+        return None
+    mode = _get(rollout, "logprobs_mode", "processed_logprobs")
+    if mode is not None and mode not in _PROCESSED:
+        raise ValueError(f"rollout.logprobs_mode={mode!r}: the engine reports the log-probs of its untruncated "
+                         f"distribution, but draws from the truncated one (top_k={top_k}, top_p={top_p}), so "
+                         f"rollout_log_probs are not the sampling probabilities and replaying the truncation would "
+                         f"compare different distributions. Set rollout.logprobs_mode=processed_logprobs (verl's "
+                         f"default)")
+    return dataclasses.replace(sp, temperature=1.0) if temperature_applied else sp
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:
+    """verl's ``verl.utils.torch_functional.logprobs_from_logits`` (same parameters; ``inplace_backward`` is
+    accepted and has no effect: the backward here never writes into the logits): the log-probs of ``labels`` under
+    ``softmax(logits)`` (the whole vocabulary on this rank), or, with :func:`configure` ``(sampling=...)``, under
+    the truncated, renormalised distribution the engine drew from (-inf for a label outside the kept set; the
+    losses and the rollout correction here then leave that token out). verl's engines import it by name, so patch
+    their module: e.g. ``verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits``."""
+    from . import logprobs as _lp
+
+    sampling = _SETTINGS["sampling"]
+    vocab = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() else None
+    if sampling is None:
+        return _lp.vocab_parallel_log_probs(logits, labels, None, vocab_size=vocab)
+    from .sampling import sampled_log_probs
+
+    return sampled_log_probs(logits, labels, sampling, None, vocab_size=vocab).log_prob
 
 
 # ------------------------------------------------------------------------------------------------- registry

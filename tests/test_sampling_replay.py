@@ -332,6 +332,56 @@ def test_make_policy_loss_func_replays_and_masks_tokens_outside_the_kept_set():
         make_policy_loss_func(flat_t, adv, mask, sampling=dict(top_k=3))
 
 
+def test_replayed_old_log_prob_outside_its_kept_set_leaves_the_loss():
+    """Decoupled flow with replay: pi_old (replayed by the caller) is -inf where the token is outside pi_old's own
+    kept set although pi_theta keeps it. The token leaves the loss and the rollout correction (the PPO ratio is
+    undefined there) and is counted as out of support; the rest equals the same call with those tokens masked by
+    hand. Bypass mode does not read old_log_prob and is unaffected."""
+    from rollout_corr_ext.config import RolloutCorrectionConfig
+    from rollout_corr_ext.megatron import make_policy_loss_func, reported_means
+
+    b, s, v = 2, 5, 40
+    kw = dict(top_k=12, top_p=0.9)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(b, s, v, generator=g, dtype=torch.float64)
+    target = _targets_in_and_out(logits.reshape(-1, v), torch.randint(0, v, (b * s,), generator=g), kw,
+                                 seed=2).reshape(b, s)
+    target[:, 1::2] = logits[:, 1::2].argmax(-1)  # surely kept by pi_theta
+    lp, _, _, ins, _ = sampled_log_probs_dense(logits.reshape(-1, v), target.reshape(-1), **kw)
+    lp, ins = lp.reshape(b, s).detach(), ins.reshape(b, s)
+    old = torch.where(ins, lp, torch.zeros_like(lp)) - 0.02
+    old_out = ins.clone()
+    old_out[:, :] = False
+    old_out[0, 1] = old_out[1, 3] = True  # kept by pi_theta, outside pi_old's kept set
+    assert bool(ins[old_out].all())
+    old_inf = old.masked_fill(old_out, -math.inf)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    adv = torch.randn(b, s, generator=g, dtype=torch.float64)
+    rollout = old + 0.03 * torch.randn(b, s, generator=g, dtype=torch.float64)
+    cfg = dict(config=dict(clip_ratio=0.2, rollout_correction=RolloutCorrectionConfig.decoupled_token_is(threshold=2.0)))
+    common = dict(logits_layout="bsv", vocab_size=v, sampling=SamplingParams(**kw), rollout_log_prob=rollout, **cfg)
+
+    x1 = logits.clone().requires_grad_(True)
+    l1, n1, r1 = make_policy_loss_func(target, adv, mask, old_log_prob=old_inf, **common)(x1)
+    (l1 / n1).backward()
+    x2 = logits.clone().requires_grad_(True)
+    l2, n2, r2 = make_policy_loss_func(target, adv, mask & ~old_out, old_log_prob=old, **common)(x2)
+    (l2 / n2).backward()
+    assert torch.isfinite(l1) and int(n1) == int(n2)
+    assert (l1 / n1).item() == pytest.approx((l2 / n2).item(), rel=1e-12)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=0, atol=0)
+    m1, m2 = reported_means(r1), reported_means(r2)
+    assert m1["rollout_corr/sampling_out_of_support_fraction"] == pytest.approx(
+        ((~ins) | old_out).sum().item() / mask.sum().item())
+    assert m1["rollout_corr/rollout_is_mean"] == pytest.approx(m2["rollout_corr/rollout_is_mean"], rel=1e-6)
+    # bypass: old_log_prob unused, its -inf changes nothing
+    bcfg = dict(config=dict(clip_ratio=0.2, rollout_correction=RolloutCorrectionConfig.bypass_ppo_clip()))
+    common.update(bcfg)
+    lb1, nb1, _ = make_policy_loss_func(target, adv, mask, old_log_prob=old_inf, **common)(logits)
+    lb2, nb2, _ = make_policy_loss_func(target, adv, mask, old_log_prob=old, **common)(logits)
+    assert torch.equal(lb1, lb2) and int(nb1) == int(nb2)
+
+
 def test_the_candidate_search_counts_ties_that_run_past_the_list():
     """With a top-k, the gathered candidates decide top-p, a run of ties at the threshold longer than a shard's list
     included (counted and weighted): the oracle's kept set and log S."""

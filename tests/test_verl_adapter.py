@@ -765,3 +765,114 @@ def test_configure_returns_the_previous_settings():
     snapshot = copy.copy(rv._SETTINGS)
     rv.configure(**prev)
     assert snapshot["extra_metrics"] is True and rv._SETTINGS == prev
+
+
+# --------------------------------------------------------------------------------------------------- sampling replay
+
+
+def test_sampling_params_from_verl_configs(V):
+    """rv.sampling_params reads verl's own RolloutConfig (and the trainer / actor_rollout_ref nesting, as dicts):
+    temperature, top_k (-1: off), top_p; None when nothing truncates; logprobs_mode other than processed_logprobs
+    (the engine's log-probs would not be the sampling probabilities) is refused."""
+    from verl.workers.config.rollout import RolloutConfig
+
+    from rollout_corr_ext import SamplingParams
+
+    cfg = RolloutConfig(name="vllm", top_p=0.9, top_k=20, temperature=0.7)
+    assert cfg.logprobs_mode == "processed_logprobs"  # verl's default: the log-probs of the distribution drawn from
+    assert rv.sampling_params(cfg) == SamplingParams(temperature=1.0, top_k=20, top_p=0.9)
+    assert rv.sampling_params(cfg, temperature_applied=False) == SamplingParams(temperature=0.7, top_k=20, top_p=0.9)
+    nested = {"actor_rollout_ref": {"rollout": {"top_p": 0.8, "top_k": -1, "temperature": 1.0}}}
+    assert rv.sampling_params(nested) == SamplingParams(top_p=0.8)
+    assert rv.sampling_params(nested["actor_rollout_ref"]) == SamplingParams(top_p=0.8)
+    assert rv.sampling_params(RolloutConfig(name="vllm", temperature=0.7)) is None  # top_k=-1, top_p=1: no truncation
+    with pytest.raises(ValueError, match="logprobs_mode='raw_logprobs'.*processed_logprobs"):
+        rv.sampling_params(RolloutConfig(name="vllm", top_p=0.9, logprobs_mode="raw_logprobs"))
+    with pytest.raises(ValueError, match="SamplingParams.top_p"):
+        rv.sampling_params({"top_p": 1.5})
+    with pytest.raises(TypeError, match="SamplingParams"):
+        rv.configure(sampling={"top_p": 0.9})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprobs_from_logits_equals_verl_and_replays_when_configured(V, dtype):
+    """Without sampling: verl's logprobs_from_logits on the same logits (its torch path here), value and gradient;
+    for bf16 logits verl returns bf16 log-probs (rounded), ours are fp32: held to the exact fp64 value and at least
+    as close to it as verl's. With configure(sampling=...): the dense fp64 oracle of vLLM's rules (-inf outside the
+    kept set)."""
+    import verl.utils.torch_functional as vtf
+
+    from rollout_corr_ext import SamplingParams
+    from rollout_corr_testing.sampling_oracle import sampled_log_probs_dense
+    from rollout_corr_testing.tolerances import grad_tol, output_tol
+
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(3, 5, 64, generator=g) * 2).to(dtype)
+    labels = torch.randint(0, 64, (3, 5), generator=g)
+    assert _params(rv.logprobs_from_logits) == _params(vtf.logprobs_from_logits)
+    a = logits.clone().requires_grad_(True)
+    b = logits.clone().requires_grad_(True)
+    ours = rv.logprobs_from_logits(a, labels)
+    theirs = vtf.logprobs_from_logits(b, labels)
+    exact = torch.log_softmax(logits.double(), -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    assert ours.dtype == torch.float32 and theirs.dtype == dtype
+    torch.testing.assert_close(ours.double(), exact, **output_tol(dtype))
+    assert bool(((ours.double() - exact).abs() <= (theirs.double() - exact).abs() + 1e-6).all())
+    ours.sum().backward()
+    theirs.sum().backward()
+    x = logits.double().requires_grad_(True)
+    torch.log_softmax(x, -1).gather(-1, labels.unsqueeze(-1)).sum().backward()
+    torch.testing.assert_close(a.grad.double(), x.grad, **grad_tol(dtype))
+    if dtype == torch.float32:  # bf16: verl's gradient comes from its bf16 log_softmax and is coarser than ours
+        torch.testing.assert_close(a.grad, b.grad, **grad_tol(dtype))
+
+    sp = SamplingParams(top_k=16, top_p=0.8)
+    with rv.configured(sampling=sp):
+        got = rv.logprobs_from_logits(logits, labels)
+    lp, *_ = sampled_log_probs_dense(logits.double().reshape(-1, 64), labels.reshape(-1), top_k=16, top_p=0.8)
+    lp = lp.reshape(3, 5)
+    assert torch.equal(got == -math.inf, lp == -math.inf) and bool((lp == -math.inf).any())
+    fin = lp != -math.inf
+    torch.testing.assert_close(got.double()[fin], lp[fin], **output_tol(dtype))
+
+
+def test_losses_and_correction_leave_out_of_support_tokens_out_when_replaying(V):
+    """With configure(sampling=...), a response token whose log-prob is -inf (outside a replayed kept set) leaves
+    the loss and the rollout correction: every result equals the call with that token masked by hand, and
+    rollout_corr/sampling_out_of_support_fraction counts it. Without replay, -inf in both log-probs stays an
+    error (an undefined ratio)."""
+    from rollout_corr_ext import SamplingParams
+
+    g = torch.Generator().manual_seed(9)
+    b, s = 3, 6
+    old = -torch.rand(b, s, generator=g) * 2
+    lp = old + 0.05 * torch.randn(b, s, generator=g)
+    adv = torch.randn(b, s, generator=g)
+    mask = torch.ones(b, s)
+    mask[2, 4:] = 0
+    out = torch.zeros(b, s, dtype=torch.bool)
+    out[0, 2] = out[1, 5] = True
+    old_inf, lp_inf = old.masked_fill(out, -math.inf), lp.masked_fill(out, -math.inf)
+    hand = mask.masked_fill(out, 0)
+    frac = out.sum().item() / mask.sum().item()
+    actor = V.actor()
+    with rv.configured(sampling=SamplingParams(top_p=0.9)):
+        x1 = lp_inf.clone().requires_grad_(True)
+        l1, m1 = rv.compute_policy_loss_vanilla(old_inf, x1, adv, mask, "token-mean", actor)
+        l1.backward()
+        assert m1["rollout_corr/sampling_out_of_support_fraction"] == pytest.approx(frac)
+        r1, _ = rv.compute_policy_loss_reinforce(old_inf, lp_inf, adv, mask, "token-mean", actor)
+        _, cmask, cm = rv.compute_rollout_correction_and_rejection_mask(old_inf, old + 0.01, mask, "token", 2.0)
+        assert cm["rollout_corr/sampling_out_of_support_fraction"] == pytest.approx(frac)
+    x2 = lp.clone().requires_grad_(True)
+    l2, m2 = rv.compute_policy_loss_vanilla(old, x2, adv, hand, "token-mean", actor)
+    l2.backward()
+    assert l1.item() == pytest.approx(l2.item(), rel=1e-6) and torch.isfinite(l1)
+    torch.testing.assert_close(x1.grad, x2.grad)
+    assert "rollout_corr/sampling_out_of_support_fraction" not in m2
+    r2, _ = rv.compute_policy_loss_reinforce(old, lp, adv, hand, "token-mean", actor)
+    assert r1.item() == pytest.approx(r2.item(), rel=1e-6)
+    _, cmask2, _ = rv.compute_rollout_correction_and_rejection_mask(old, old + 0.01, hand, "token", 2.0)
+    assert torch.equal(cmask, cmask2)
+    with pytest.raises(ValueError, match="-inf"):
+        rv.compute_policy_loss_vanilla(old_inf, lp_inf, adv, mask, "token-mean", actor)
