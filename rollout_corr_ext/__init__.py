@@ -102,7 +102,14 @@ from .logprobs import empty_cpu_cache, vocab_parallel_cross_entropy, vocab_paral
 from .linear import linear_log_probs  # noqa: E402
 from .config import RolloutCorrectionConfig  # noqa: E402
 from .correction import RolloutCorrectionResult, compute_offpolicy_metrics, compute_rollout_correction  # noqa: E402
-from .sampling import SampledLogProbs, SamplingParams, sampled_linear_log_probs, sampled_log_probs  # noqa: E402
+from .sampling import (  # noqa: E402
+    KeptTokens,
+    SampledLogProbs,
+    SamplingParams,
+    kept_log_probs,
+    sampled_linear_log_probs,
+    sampled_log_probs,
+)
 
 __all__ = [
     "__version__",
@@ -113,6 +120,8 @@ __all__ = [
     "empty_cpu_cache",
     "linear_log_probs",
     "SamplingParams",
+    "KeptTokens",
+    "kept_log_probs",
     "SampledLogProbs",
     "sampled_log_probs",
     "sampled_linear_log_probs",

@@ -282,16 +282,26 @@ def make_policy_loss_func(
     ``rollout_corr/sampling_kept_mass_mean`` and ``rollout_corr/sampling_log_kept_mass_mean`` report S and log S
     over the response tokens. With ``output_layer`` the kept set is found from the same logits chunks the fused
     path computes (:func:`rollout_corr_ext.sampling.sampled_linear_log_probs`); the logits are never materialized.
+    ``sampling`` may instead be a :class:`rollout_corr_ext.KeptTokens`: the ids the engine reported it kept for each
+    target position (rows in ``target``'s row-major order, or the packed stream's), renormalised over exactly those
+    (:func:`rollout_corr_ext.kept_log_probs`; logits only, not with ``output_layer``).
     """
     cfg = _as_config(config)
     _check_mode(loss_agg_mode)
+    kept_tokens = None
     if sampling is not None:
-        from .sampling import SamplingParams
+        from .sampling import KeptTokens, SamplingParams
 
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a rollout_corr_ext.SamplingParams, got {type(sampling).__name__}")
+        if not isinstance(sampling, (SamplingParams, KeptTokens)):
+            raise TypeError(f"sampling must be a rollout_corr_ext.SamplingParams or KeptTokens, got "
+                            f"{type(sampling).__name__}")
         if temperature != 1.0:
             raise ValueError("with sampling, the temperature is sampling.temperature; leave temperature at 1.0")
+        if isinstance(sampling, KeptTokens):
+            if output_layer is not None:
+                raise ValueError("sampling=KeptTokens(...) with output_layer is not supported (the fused path "
+                                 "replays thresholds, not id lists); pass the logits, or SamplingParams")
+            kept_tokens = sampling
 
     if loss_agg_mode == "token-sum":
         raise ValueError("loss_agg_mode='token-sum' has no normaliser to return as num_tokens in megatron's "
@@ -366,8 +376,22 @@ def make_policy_loss_func(
                              "the sequence and all-gathered inside the layer; pass the logits instead")
         out_bias = None if _attr(output_layer, "skip_bias_add") else _attr(output_layer, "bias")
 
+    if kept_tokens is not None:  # its rows follow target's flattened order; the logits' rows may be transposed
+        if kept_tokens.rows != target.numel():
+            raise ValueError(f"sampling=KeptTokens has {kept_tokens.rows} rows, target {target.numel()} tokens "
+                             f"(one kept set per target position, in target's row-major order)")
+        if cu is None and logits_layout == "sbv":
+            b_, s_ = target.shape
+            kept_tokens = kept_tokens.permute_rows(
+                torch.arange(b_ * s_, device=kept_tokens.offsets.device).reshape(b_, s_).t().reshape(-1))
+
     def log_probs(x, tgt):
         """(log-probs, entropy, in_support or None, log S or None) in ``tgt``'s shape."""
+        if kept_tokens is not None:
+            from .sampling import kept_log_probs
+
+            r = kept_log_probs(x, tgt, kept_tokens, tp, vocab_size=vocab_size)
+            return r.log_prob, r.entropy, r.in_support, r.log_kept_mass
         if sampling is not None:
             from .sampling import sampled_linear_log_probs, sampled_log_probs
 

@@ -489,17 +489,189 @@ def sampled_log_probs(
         below = torch.cat([~th.mask(z_of(r0, r1), r0) & active[r0:r1].unsqueeze(1)
                            for r0 in range(0, n, CHUNK_ROWS) for r1 in [min(r0 + CHUNK_ROWS, n)]]) if n else \
             torch.zeros((0, local_vocab), dtype=torch.bool, device=logits.device)
+    log_s = torch.where(active, th.log_kept_mass, torch.zeros_like(th.log_kept_mass))
+    return _masked_log_probs(logits2d, below, target1d, sampling.temperature, temperature, active, log_s, lead,
+                             tp_group, vocab_start, vocab_size, ignore_index)
+
+
+def _masked_log_probs(logits2d, below, target1d, temperature_spec, temperature, active, log_s, lead, tp_group,
+                      vocab_start, vocab_size, ignore_index) -> SampledLogProbs:
+    """The outputs both modes share: the plain vocab-parallel log-probs (and entropy) of the logits with the
+    columns outside each row's kept set (``below``) at -inf, through the existing kernels (their gradient is the
+    renormalised softmax's over the kept set and exactly 0 outside)."""
     masked = logits2d.masked_fill(below, -math.inf)
-    scalar_t = sampling.temperature if not isinstance(sampling.temperature, torch.Tensor) else None
+    scalar_t = temperature_spec if not isinstance(temperature_spec, torch.Tensor) else None
     if scalar_t is None:  # per-row temperatures: scale here, the kernel then runs at temperature 1
-        masked = masked.to(acc) / temperature.unsqueeze(1)
+        masked = masked.to(temperature.dtype) / temperature.unsqueeze(1)
         scalar_t = 1.0
     logp, entropy = _lp.vocab_parallel_log_probs(masked, target1d, tp_group, vocab_start=vocab_start,
                                                  vocab_size=vocab_size, temperature=scalar_t,
                                                  ignore_index=ignore_index, return_entropy=True)
     in_support = (logp != -math.inf) | ~active
-    log_s = torch.where(active, th.log_kept_mass, torch.zeros_like(th.log_kept_mass))
     return SampledLogProbs(logp.reshape(lead), entropy.reshape(lead), log_s.reshape(lead), in_support.reshape(lead))
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptTokens:
+    """The token ids an engine reports it kept for each position (its sampler's support), as a ragged CSR list:
+    row ``i`` kept ``ids[offsets[i]:offsets[i + 1]]`` (global vocabulary ids, any order, no repeats). Rows are the
+    flattened positions of the log-probs' target (row-major over its shape; a packed stream: its order).
+    ``temperature``: what the engine divided its logits by (a number or one value per row), as in
+    :class:`SamplingParams`. Checked when built (offsets ``[N + 1]`` from 0, non-decreasing, ending at
+    ``ids.numel()``; ids >= 0); the ids are checked against the vocabulary, for repeats and for empty kept sets at
+    scored rows when used. :meth:`from_lists` builds one from Python lists."""
+
+    ids: torch.Tensor
+    offsets: torch.Tensor
+    temperature: Union[Number, torch.Tensor] = 1.0
+
+    def __post_init__(self):
+        for name in ("ids", "offsets"):
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype.is_floating_point or t.is_complex() \
+                    or t.dtype == torch.bool:
+                raise TypeError(f"KeptTokens.{name} must be a 1-D integer tensor, got "
+                                f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        off = self.offsets
+        if off.numel() == 0:
+            raise ValueError("KeptTokens.offsets must hold N + 1 entries (at least [0]), got an empty tensor")
+        if off.device != self.ids.device:
+            raise ValueError(f"KeptTokens.ids ({self.ids.device}) and offsets ({off.device}) must be on one device")
+        o = off.to(torch.int64)
+        if int(o[0]) != 0 or int(o[-1]) != self.ids.numel() or bool((o[1:] < o[:-1]).any()):
+            raise ValueError(f"KeptTokens.offsets must start at 0, never decrease and end at ids.numel() = "
+                             f"{self.ids.numel()}, got {o.tolist() if o.numel() <= 8 else o}")
+        if self.ids.numel() and int(self.ids.min()) < 0:
+            raise ValueError(f"KeptTokens.ids must be >= 0 (global token ids), got {int(self.ids.min())}")
+        try:  # the same check as the sampler's parameters, naming this class's field
+            SamplingParams(temperature=self.temperature)
+        except (TypeError, ValueError) as e:
+            raise type(e)(str(e).replace("SamplingParams.", "KeptTokens.")) from None
+
+    @classmethod
+    def from_lists(cls, kept, temperature: Union[Number, torch.Tensor] = 1.0, device=None) -> "KeptTokens":
+        """From one list of kept ids per row (e.g. the ids of an engine's returned top-logprobs / support)."""
+        counts = [len(r) for r in kept]
+        offsets = torch.tensor([0] + counts, dtype=torch.int64).cumsum(0)
+        ids = torch.tensor([int(i) for r in kept for i in r], dtype=torch.int64)
+        return cls(ids.to(device), offsets.to(device), temperature)
+
+    @property
+    def rows(self) -> int:
+        return self.offsets.numel() - 1
+
+    def permute_rows(self, order: torch.Tensor) -> "KeptTokens":
+        """The kept sets of rows ``order`` (new row ``j`` is old row ``order[j]``), e.g. for a transposed layout."""
+        off = self.offsets.to(torch.int64)
+        order = order.to(off.device, torch.int64)
+        counts = (off[1:] - off[:-1])[order]
+        starts = off[:-1][order]
+        new_off = torch.cat([off.new_zeros(1), counts.cumsum(0)])
+        pos = torch.arange(int(new_off[-1]), device=off.device) - torch.repeat_interleave(new_off[:-1], counts) + \
+            torch.repeat_interleave(starts, counts)
+        t = self.temperature
+        if isinstance(t, torch.Tensor) and t.dim():
+            t = t.reshape(-1)[order.to(t.device)]
+        return KeptTokens(self.ids[pos], new_off.to(self.offsets.dtype), t)
+
+
+def kept_log_probs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    kept: KeptTokens,
+    tp_group=None,
+    *,
+    vocab_start: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    ignore_index: int = -100,
+) -> SampledLogProbs:
+    """:func:`sampled_log_probs` over the kept sets an engine reported (``kept``, a :class:`KeptTokens`) instead of
+    thresholds replayed from sampling parameters: the target's log-prob under ``softmax(logits / T)`` renormalised
+    over exactly those ids (-inf and ``in_support = False`` when the target is not among them), the entropy over
+    them, and log S, their mass under the untruncated distribution. Under ``tp_group`` every rank passes the same
+    ``kept`` (global ids) and its own vocab shard; no rank holds more than its shard (log S: one all-reduce MAX and
+    one all-reduce SUM of two numbers per row, besides the log-probs' own collective). Differentiable in ``logits``
+    (the renormalised softmax's gradient over the kept ids, exactly 0 elsewhere)."""
+    if not isinstance(kept, KeptTokens):
+        raise TypeError(f"kept must be a KeptTokens, got {type(kept).__name__}")
+    if not isinstance(logits, torch.Tensor) or logits.dtype not in _lp._FLOAT_DTYPES:
+        raise TypeError(f"logits must be a float16/bfloat16/float32/float64 tensor, got "
+                        f"{getattr(logits, 'dtype', type(logits))}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have a non-empty last (vocab) dimension, got shape {tuple(logits.shape)}")
+    _lp.check_target(target, logits, "logits")
+    ignore_index = _lp.as_int("ignore_index", ignore_index)
+    world, rank = _lp._group_size_rank(tp_group)
+    local_vocab = logits.shape[-1]
+    lead = logits.shape[:-1]
+    n = int(torch.Size(lead).numel())
+    if kept.rows != n:
+        raise ValueError(f"kept has {kept.rows} rows (offsets of {kept.offsets.numel()} entries), but the logits have "
+                         f"{n} = {tuple(lead)} positions")
+    if tp_group is None and vocab_size is None and _lp._megatron_tp_size() > 1:
+        _check_entry(SamplingParams(), n, lead, tp_group, vocab_size, "these logits are")
+    vocab_start, vocab_size = _lp.vocab_layout(vocab_start, vocab_size, rank, world, local_vocab)
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    device = logits.device
+    _check_temperature(kept.temperature, logits.dtype)
+    temperature = _per_row("temperature", kept.temperature, n, lead, acc, device)
+    logits2d = logits.reshape(n, local_vocab)
+    target1d = target.reshape(n)
+    active = target1d != ignore_index
+    temperature = torch.where(active, temperature, torch.ones_like(temperature))
+    off = kept.offsets.to(device=device, dtype=torch.int64)
+    ids = kept.ids.to(device=device, dtype=torch.int64)
+    counts = off[1:] - off[:-1]
+    row = torch.repeat_interleave(torch.arange(n, device=device), counts, output_size=ids.numel())
+    # the ids of every scored row: inside the vocabulary, no repeats, at least one (host checks, as for targets)
+    if ids.numel() and int(ids.max()) >= vocab_size:
+        bad = int((ids >= vocab_size).nonzero()[0, 0])
+        raise ValueError(f"kept.ids[{bad}] = {int(ids[bad])} (row {int(row[bad])}) is outside the vocabulary of "
+                         f"{vocab_size}")
+    empty = active & (counts == 0)
+    if bool(empty.any()):
+        raise ValueError(f"kept: row {int(empty.nonzero()[0, 0])} is scored (its target is not ignore_index) but "
+                         f"has no kept ids; an engine always keeps at least its top token")
+    if ids.numel():
+        key, _ = (row * vocab_size + ids).sort()
+        rep = key[1:] == key[:-1]
+        if bool(rep.any()):
+            k = int(key[1:][rep][0])
+            raise ValueError(f"kept: row {k // vocab_size} lists id {k % vocab_size} twice (its mass would count "
+                             f"twice)")
+    valid_cols = max(0, min(local_vocab, vocab_size - vocab_start))
+    local = (ids >= vocab_start) & (ids < vocab_start + valid_cols) & active[row]
+    below = torch.ones((n, local_vocab), dtype=torch.bool, device=device)
+    below[row[local], ids[local] - vocab_start] = False
+    below &= active.unsqueeze(1)  # ignored rows: untouched (never inspected)
+
+    with torch.no_grad():  # log S = log(kept mass) - log(total mass), relative to the row max of z = logits / T
+        z_max = torch.full((n,), -math.inf, dtype=acc, device=device)
+        for r0 in range(0, n, CHUNK_ROWS):
+            r1 = min(r0 + CHUNK_ROWS, n)
+            z = logits2d[r0:r1, :valid_cols].detach().to(acc) / temperature[r0:r1].unsqueeze(1)
+            z_max[r0:r1] = torch.where(active[r0:r1], z.amax(-1) if valid_cols else z_max[r0:r1], 0.0)
+        z_max = _all_reduce(z_max, dist.ReduceOp.MAX, tp_group, world)
+        finite_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))
+        sums = torch.zeros((n, 3), dtype=torch.float64, device=device)  # total mass, kept mass, finite kept ids
+        for r0 in range(0, n, CHUNK_ROWS):
+            r1 = min(r0 + CHUNK_ROWS, n)
+            z = logits2d[r0:r1, :valid_cols].detach().to(acc) / temperature[r0:r1].unsqueeze(1)
+            e = torch.exp(z - finite_max[r0:r1].unsqueeze(1))
+            sums[r0:r1, 1] = torch.where(active[r0:r1], e.sum(-1).double(), 0.0)
+        zk = logits2d.detach()[row[local], ids[local] - vocab_start].to(acc) / temperature[row[local]]
+        sums[:, 0].index_add_(0, row[local], torch.exp(zk.double() - finite_max[row[local]].double()))
+        sums[:, 2].index_add_(0, row[local], (zk != -math.inf).double())
+        sums = _all_reduce(sums, dist.ReduceOp.SUM, tp_group, world)
+        dead = active & (sums[:, 2] == 0)
+        if bool(dead.any()):
+            raise ValueError(f"kept: every kept id of row {int(dead.nonzero()[0, 0])} has a -inf logit here, so the "
+                             f"distribution renormalised over them is undefined (the engine kept tokens this model "
+                             f"gives probability 0: a different vocabulary mask?); give such positions target = "
+                             f"ignore_index")
+        log_s = torch.where(active, (torch.log(sums[:, 0]) - torch.log(sums[:, 1])).to(acc), 0.0)
+    return _masked_log_probs(logits2d, below, target1d, kept.temperature, temperature, active, log_s, lead,
+                             tp_group, vocab_start, vocab_size, ignore_index)
 
 
 def sampled_linear_log_probs(

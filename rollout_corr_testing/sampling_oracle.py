@@ -84,3 +84,31 @@ def sampled_log_probs_dense(logits: torch.Tensor, target: torch.Tensor, temperat
         kept_rows.append(kept)
     return (torch.stack(out_lp), torch.stack(out_ent), torch.stack(out_ls), torch.tensor(out_in),
             torch.stack(kept_rows))
+
+
+def kept_log_probs_dense(logits: torch.Tensor, target: torch.Tensor, kept_rows, temperature=1.0,
+                         ignore_index: int = -100):
+    """The same outputs over explicit kept sets: ``kept_rows[i]`` lists row ``i``'s kept ids. Per row: z = logits /
+    T in fp64, every column outside the list at -inf, ``log_softmax``; log S = logsumexp(z over the list) -
+    logsumexp(z). (log_prob differentiable, entropy, log S, in_support)."""
+    n, v = logits.shape
+    out_lp, out_ent, out_ls, out_in = [], [], [], []
+    for i in range(n):
+        t = int(target[i])
+        if t == ignore_index:
+            zero = logits[i, :1].to(F64).nan_to_num().sum() * 0
+            out_lp.append(zero); out_ent.append(zero.detach()); out_ls.append(zero.detach())  # noqa: E702
+            out_in.append(True)  # noqa: E702
+            continue
+        z = logits[i].to(F64) / float(_row_value(temperature, i))
+        kept = torch.zeros(v, dtype=torch.bool)
+        kept[torch.tensor(list(kept_rows[i]), dtype=torch.int64)] = True
+        kept &= z.detach() != -math.inf  # a kept id the trainer gives probability 0 stays at 0
+        zk = torch.where(kept, z, torch.full_like(z, -math.inf))
+        lse_k = torch.logsumexp(zk, 0)
+        q = torch.exp(zk - lse_k)
+        out_lp.append(zk[t] - lse_k if bool(kept[t]) else z.nan_to_num(0.0, 0.0, 0.0).sum() * 0 - math.inf)
+        out_ent.append(-(torch.where(kept, q * (zk - lse_k), torch.zeros_like(q))).sum().detach())
+        out_ls.append((lse_k - torch.logsumexp(z, 0)).detach())
+        out_in.append(bool(kept[t]))
+    return torch.stack(out_lp), torch.stack(out_ent), torch.stack(out_ls), torch.tensor(out_in)

@@ -575,3 +575,213 @@ def test_every_backend_matches_the_oracle(device):
     use = use.cpu()
     ref_grad, = torch.autograd.grad(torch.where(use, lp, torch.zeros_like(lp)).sum(), xr)
     torch.testing.assert_close(grad.double()[use], ref_grad[use], **grad_tol(torch.float32))
+
+
+# ------------------------------------------------------------------------------------------- kept-set input mode
+
+
+def _kept_case(n, v, dtype, seed, ragged=True):
+    """Inputs, and for each row a random kept list (unsorted, 1-12 ids), its target inside it on even rows."""
+    from rollout_corr_ext import KeptTokens
+
+    x, target = _inputs(n, v, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    lists = []
+    for i in range(n):
+        size = int(torch.randint(1, 13, (1,), generator=g)) if ragged else 6
+        ids = torch.randperm(v, generator=g)[:size].tolist()
+        if i in (0, 2):  # rows with -inf logits: a kept id at -inf, and a finite one (else the row is refused)
+            ids = [3, 7] + [j for j in ids if j not in (3, 7)] if i == 0 else [1, 9] + [j for j in ids if j not in (1, 9)]
+        if i % 2 == 0 and target[i] != -100:
+            target[i] = ids[0]
+        lists.append(ids)
+    temps = (torch.rand(n, generator=g, dtype=torch.float64) + 0.5)
+    return x, target, lists, KeptTokens.from_lists(lists), temps
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_row_t", [False, True])
+def test_kept_tokens_match_the_dense_oracle(dtype, per_row_t):
+    """kept_log_probs: values, in_support and the gradient against the fp64 oracle over the same lists, with
+    ignored rows holding NaN, -inf logits (a kept id at -inf keeps probability 0), a target outside its list."""
+    from rollout_corr_ext import KeptTokens, kept_log_probs
+    from rollout_corr_testing.sampling_oracle import kept_log_probs_dense
+
+    x, target, lists, kept, temps = _kept_case(9, 50, dtype, seed=31)
+    t = temps if per_row_t else 0.7
+    kept = KeptTokens(kept.ids, kept.offsets, t)
+    xg = x.clone().requires_grad_(True)
+    res = kept_log_probs(xg, target, kept)
+    xr = x.double().clone().requires_grad_(True)
+    lp, ent, ls, ins = kept_log_probs_dense(xr, target, lists, temperature=t)
+    assert torch.equal(res.in_support, ins) and bool((~ins).any()) and bool(ins[target != -100].any())
+    assert torch.equal(res.log_prob == -math.inf, lp == -math.inf)
+    fin = lp != -math.inf
+    tol = output_tol(dtype)
+    torch.testing.assert_close(res.log_prob.double()[fin], lp.detach()[fin], **tol)
+    torch.testing.assert_close(res.entropy.double(), ent, **tol)
+    torch.testing.assert_close(res.log_kept_mass.double(), ls, **tol)
+    use = ins & (target != -100)
+    torch.where(use, res.log_prob, torch.zeros_like(res.log_prob)).sum().backward()
+    torch.where(use, lp, torch.zeros_like(lp)).sum().backward()
+    active = (target != -100).unsqueeze(1)
+    torch.testing.assert_close(xg.grad.double().where(active, 0.0), xr.grad.where(active, 0.0), **grad_tol(dtype))
+    assert bool((xg.grad[~active.squeeze(1)] == 0).all())
+    for i in range(9):  # exactly 0 outside the kept list
+        if use[i]:
+            outside = torch.ones(50, dtype=torch.bool)
+            outside[lists[i]] = False
+            assert bool((xg.grad[i][outside] == 0).all())
+
+
+def test_kept_tokens_equal_the_replayed_set_and_refusals():
+    """The kept sets a replay finds, passed back as KeptTokens, give the same outputs (two independent ways to the
+    same distribution); bad kept lists are refused with the argument named; inputs are untouched."""
+    from rollout_corr_ext import KeptTokens, kept_log_probs
+    from rollout_corr_ext.sampling import SamplingParams as SP
+
+    x, target = _inputs(8, 60, torch.float32, seed=3, ignored=())
+    kw = dict(top_k=9, top_p=0.85, temperature=0.8)
+    rep = sampled_log_probs(x, target, SP(**kw))
+    _, _, _, _, kept = sampled_log_probs_dense(x.double(), target, **kw)
+    lists = [k.nonzero().flatten().tolist() for k in kept]
+    before = x.clone()
+    res = kept_log_probs(x, target, KeptTokens.from_lists(lists, temperature=0.8))
+    assert torch.equal(x, before)
+    assert torch.equal(res.in_support, rep.in_support)
+    fin = rep.log_prob != -math.inf
+    torch.testing.assert_close(res.log_prob[fin], rep.log_prob[fin])
+    torch.testing.assert_close(res.entropy, rep.entropy)
+    torch.testing.assert_close(res.log_kept_mass, rep.log_kept_mass)
+
+    with pytest.raises(TypeError, match="KeptTokens.ids"):
+        KeptTokens(torch.tensor([1.0]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="KeptTokens.offsets"):
+        KeptTokens(torch.tensor([1, 2]), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="KeptTokens.temperature"):
+        KeptTokens(torch.tensor([1]), torch.tensor([0, 1]), temperature=0.0)
+    with pytest.raises(ValueError, match="kept has 2 rows"):
+        kept_log_probs(x, target, KeptTokens.from_lists([[1], [2]]))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        kept_log_probs(x, target, KeptTokens.from_lists([[1]] * 7 + [[60]]))
+    with pytest.raises(ValueError, match="row 2 lists id 5 twice"):
+        kept_log_probs(x, target, KeptTokens.from_lists([[1]] * 2 + [[5, 3, 5]] + [[1]] * 5))
+    with pytest.raises(ValueError, match="row 1 is scored .* no kept ids"):
+        kept_log_probs(x, target, KeptTokens.from_lists([[1], []] + [[1]] * 6))
+    t2 = target.clone()
+    t2[1] = -100  # an ignored row may have an empty list
+    kept_log_probs(x, t2, KeptTokens.from_lists([[1], [], [7]] + [[1]] * 5))
+    with pytest.raises(TypeError, match="kept must be a KeptTokens"):
+        kept_log_probs(x, target, lists)
+    x3 = x.clone()
+    x3[4, [2, 6]] = -math.inf
+    with pytest.raises(ValueError, match="every kept id of row 4 has a -inf logit"):
+        kept_log_probs(x3, target, KeptTokens.from_lists([[7]] * 4 + [[2, 6]] + [[7]] * 3))
+
+
+def _kept_tp_worker(rank, world):
+    from rollout_corr_ext import KeptTokens, kept_log_probs
+
+    group = dist.group.WORLD
+    for dtype in (torch.float32, torch.bfloat16):
+        vocab_size = 90
+        x, target, lists, kept, temps = _kept_case(10, vocab_size, dtype, seed=40)
+        x = torch.cat([x, torch.full((10, 96 - vocab_size), 7.0, dtype=dtype)], dim=1)  # padding: never counted
+        kept = KeptTokens(kept.ids, kept.offsets, temps)
+        single = kept_log_probs(x, target, kept, vocab_size=vocab_size)
+        v_local = 96 // world
+        shard = x[:, rank * v_local:(rank + 1) * v_local].clone().requires_grad_(True)
+        with CollectiveCounter() as c:
+            res = kept_log_probs(shard, target, kept, group, vocab_size=vocab_size)
+        assert len(c.calls) <= 4, c.calls  # MAX and SUM for log S, and the log-probs' own
+        assert torch.equal(res.in_support, single.in_support)
+        fin = single.log_prob != -math.inf
+        torch.testing.assert_close(res.log_prob[fin], single.log_prob[fin], **output_tol(dtype))
+        torch.testing.assert_close(res.entropy, single.entropy, **output_tol(dtype))
+        torch.testing.assert_close(res.log_kept_mass, single.log_kept_mass, **output_tol(dtype))
+        xs = x.clone().requires_grad_(True)
+        s1 = kept_log_probs(xs, target, kept, vocab_size=vocab_size)
+        use = single.in_support & (target != -100)
+        torch.where(use, s1.log_prob, torch.zeros_like(s1.log_prob)).sum().backward()
+        with CollectiveCounter() as cb:
+            torch.where(use, res.log_prob, torch.zeros_like(res.log_prob)).sum().backward()
+        assert cb.calls == []
+        torch.testing.assert_close(shard.grad, xs.grad[:, rank * v_local:(rank + 1) * v_local], **grad_tol(dtype))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_kept_tokens_under_tensor_parallelism(world):
+    run_workers(_kept_tp_worker, world)
+
+
+def test_kept_tokens_permute_rows():
+    from rollout_corr_ext import KeptTokens
+
+    k = KeptTokens.from_lists([[1, 2], [], [3], [4, 5, 6]], temperature=torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    p = k.permute_rows(torch.tensor([3, 0, 2, 1]))
+    assert p.offsets.tolist() == [0, 3, 5, 6, 6] and p.ids.tolist() == [4, 5, 6, 1, 2, 3]
+    assert p.temperature.tolist() == [4.0, 1.0, 3.0, 2.0]
+
+
+@pytest.mark.parametrize("layout", ["sbv", "bsv", "packed"])
+def test_make_policy_loss_func_takes_kept_tokens(layout):
+    """make_policy_loss_func(sampling=KeptTokens(...)) with the kept sets a replay finds equals
+    make_policy_loss_func(sampling=SamplingParams(...)): loss, gradient and metrics, in every logits layout (the
+    kept rows follow target's row-major order; sbv logits are transposed inside)."""
+    from rollout_corr_ext import KeptTokens
+    from rollout_corr_ext.megatron import make_policy_loss_func, reported_means
+
+    b, s, v = 3, 4, 50
+    kw = dict(top_k=8, top_p=0.8, temperature=0.9)
+    g = torch.Generator().manual_seed(21)
+    logits_bsv = torch.randn(b, s, v, generator=g, dtype=torch.float64)
+    target = _targets_in_and_out(logits_bsv.reshape(-1, v), torch.randint(0, v, (b * s,), generator=g), kw,
+                                 seed=4).reshape(b, s)
+    _, _, _, _, kept = sampled_log_probs_dense(logits_bsv.reshape(-1, v), target.reshape(-1), **kw)
+    kt = KeptTokens.from_lists([k.nonzero().flatten().tolist() for k in kept], temperature=0.9)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    adv = torch.randn(b, s, generator=g, dtype=torch.float64)
+    if layout == "packed":
+        x = logits_bsv.reshape(b * s, 1, v)
+        args = (target.reshape(-1), adv.reshape(-1), mask.reshape(-1))
+        extra = dict(cu_seqlens=torch.tensor([0, 4, 8, 12]))
+    else:
+        x = logits_bsv.transpose(0, 1).contiguous() if layout == "sbv" else logits_bsv
+        args, extra = (target, adv, mask), dict(logits_layout=layout)
+    out = []
+    for spec in (kt, SamplingParams(**kw)):
+        xg = x.clone().requires_grad_(True)
+        loss, n, rep = make_policy_loss_func(*args, vocab_size=v, sampling=spec, **extra)(xg)
+        (loss / n).backward()
+        out.append((loss.item(), int(n), xg.grad, reported_means(rep)))
+    assert out[0][0] == pytest.approx(out[1][0], rel=1e-12) and out[0][1] == out[1][1]
+    torch.testing.assert_close(out[0][2], out[1][2], rtol=1e-12, atol=1e-14)
+    for k in ("rollout_corr/sampling_out_of_support_fraction", "rollout_corr/sampling_log_kept_mass_mean"):
+        assert out[0][3][k] == pytest.approx(out[1][3][k], rel=1e-6)
+    with pytest.raises(ValueError, match="KeptTokens has 2 rows"):
+        make_policy_loss_func(*args, vocab_size=v, sampling=KeptTokens.from_lists([[1], [2]]), **extra)
+
+
+@pytest.mark.parametrize("device", device_params("cpu", "fallback", "emulated", "cuda"))
+def test_kept_tokens_on_every_backend(device):
+    """kept_log_probs on the compiled CPU kernels, the fallback, the CUDA kernels on the emulator (and a GPU)."""
+    from rollout_corr_ext import kept_log_probs
+    from rollout_corr_testing.sampling_oracle import kept_log_probs_dense
+
+    x, target, lists, kept, _ = _kept_case(6, 64, torch.float32, seed=62)
+    with ops_on(device) as dev:
+        xs = x.to(dev).requires_grad_(True)
+        res = kept_log_probs(xs, target.to(dev), kept)
+        use = res.in_support & (target.to(dev) != -100)
+        torch.where(use, res.log_prob, torch.zeros_like(res.log_prob)).sum().backward()
+        res = type(res)(*(t.cpu() for t in res))
+        grad, use = xs.grad.cpu(), use.cpu()
+    xr = torch.where(torch.isnan(x), torch.zeros_like(x), x).double().requires_grad_(True)
+    lp, ent, ls, ins = kept_log_probs_dense(xr, target, lists)
+    assert torch.equal(res.in_support, ins)
+    fin = lp != -math.inf
+    torch.testing.assert_close(res.log_prob.double()[fin], lp.detach()[fin], **output_tol(torch.float32))
+    torch.testing.assert_close(res.entropy.double(), ent, **output_tol(torch.float32))
+    torch.testing.assert_close(res.log_kept_mass.double(), ls, **output_tol(torch.float32))
+    ref_grad, = torch.autograd.grad(torch.where(use, lp, torch.zeros_like(lp)).sum(), xr)
+    torch.testing.assert_close(grad.double()[use], ref_grad[use], **grad_tol(torch.float32))
