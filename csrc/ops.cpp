@@ -104,6 +104,24 @@ TORCH_LIBRARY(rollout_corr, m) {
       "policy_loss_backward(Tensor? grad_loss_mat, Tensor? grad_rows_loss, Tensor log_prob, Tensor old_log_prob, "
       "Tensor advantages, Tensor response_mask, Tensor? weights, float clip_low, float clip_high, float clip_c, "
       "int loss_kind, Tensor? cu_seqlens=None) -> Tensor");
+
+  // §5 sampling replay: the k largest values of each row of [N, C] (rows may be strided, each row contiguous),
+  // descending, in fp32 (fp64 for fp64 values), -inf after a row's values when C < k; NaN is never a candidate.
+  // The per-shard candidates of the top-k / top-p threshold search. CPU kernel; other devices run torch.topk
+  // through the Python wrapper (rollout_corr_ext/ops.py).
+  m.def("row_topk(Tensor values, int k) -> Tensor");
+  // out = x with -inf where z = x / temperature (fp32; fp64 for fp64 x) is under the row's floor [N] (fp32 / fp64):
+  // the kept set of a replayed row, {z >= floor}. Rows of x and out contiguous; out may be x. CPU kernel; other
+  // devices run torch.where through the Python wrapper.
+  m.def("floor_fill(Tensor x, Tensor floor, float temperature, Tensor(a!) out) -> ()");
+  // One round of the top-p search without top-k: [N, P + 1] int64, per row the integer masses round(exp(z - z_max)
+  // * 2^40) of the values z >= floor with lo < key(z) <= hi, bucketed by how many of the row's P ascending probes
+  // lie under key(z) (key: the order-preserving integer of the value in fp32 / fp64; P + 1 a power of 2). z: any
+  // float dtype (bf16 / fp16 widened exactly); z_max, floor in fp32 (fp64 for fp64 z).
+  m.def("mass_histogram(Tensor z, Tensor z_max, Tensor floor, Tensor lo, Tensor hi, Tensor probes) -> Tensor");
+  // [N] int64: per row the number of values z >= floor (z any float dtype, compared in fp32 / fp64; floor in that
+  // dtype): the run of values tied at the end of a shard's candidate list.
+  m.def("count_at_least(Tensor z, Tensor floor) -> Tensor");
 }
 
 }  // namespace rollout_corr

@@ -23,6 +23,7 @@ CPU_SOURCES: List[str] = [
     "csrc/cpu/logprob.cpp",
     "csrc/cpu/rollout_correction.cpp",
     "csrc/cpu/policy_loss.cpp",
+    "csrc/cpu/sampling.cpp",
 ]
 
 #: CUDA launchers (device code lives in csrc/cuda/*_kernels.cuh, included by these).

@@ -74,6 +74,24 @@ def _register_fakes() -> None:
     _register_rollout_fakes()
     _register_policy_loss_ops()
 
+    @torch.library.register_fake("rollout_corr::row_topk")
+    def _(values, k):
+        torch._check(values.dim() == 2, lambda: f"values must be 2-D, got {values.dim()}-D")
+        torch._check(k >= 1, lambda: f"k must be >= 1, got {k}")
+        return values.new_empty((values.shape[0], k), dtype=_stats_dtype(values.dtype))
+
+    @torch.library.register_fake("rollout_corr::floor_fill")
+    def _(x, floor, temperature, out):
+        return None
+
+    @torch.library.register_fake("rollout_corr::count_at_least")
+    def _(z, floor):
+        return z.new_empty((z.shape[0],), dtype=torch.int64)
+
+    @torch.library.register_fake("rollout_corr::mass_histogram")
+    def _(z, z_max, floor, lo, hi, probes):
+        return z.new_empty((z.shape[0], probes.shape[1] + 1), dtype=torch.int64)
+
 
 # ---------------------------------------------------------------------------------------------------------
 # §2 vocab-parallel log-probs: local row statistics, merge of the gathered records, backward
@@ -388,3 +406,44 @@ def policy_loss_rows(
             float(clip_c), int(loss_kind), cu_seqlens)
     return fallback.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
                                       clip_high, clip_c, loss_kind, cu_seqlens)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# §5 sampling replay: the per-shard candidates of the threshold search
+# ---------------------------------------------------------------------------------------------------------
+
+
+def row_topk(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` largest values of each row of ``values`` ``[N, C]``, descending, fp32 (fp64 for fp64), -inf after a
+    row's values when ``C < k``. The compiled CPU kernel streams each row once (csrc/cpu/sampling.cpp); other devices
+    (and the fallback backend) run ``torch.topk``."""
+    if _compiled and values.device.type in ("cpu", "meta"):
+        return torch.ops.rollout_corr.row_topk.default(values, int(k))
+    return fallback.row_topk(values, k)
+
+
+def floor_fill(x: torch.Tensor, floor: torch.Tensor, temperature: float, out: torch.Tensor) -> None:
+    """``out`` = ``x`` with -inf where ``x / temperature`` (fp32; fp64 for fp64 ``x``) is under the row's ``floor``:
+    the kept set ``{z >= floor}`` of a replayed row (csrc/cpu/sampling.cpp; ``torch.where`` off the CPU kernels).
+    ``out`` may be ``x``."""
+    if _compiled and x.device.type in ("cpu", "meta"):
+        torch.ops.rollout_corr.floor_fill.default(x, floor, float(temperature), out)
+        return
+    fallback.floor_fill(x, floor, temperature, out)
+
+
+def mass_histogram(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                   probes: torch.Tensor) -> torch.Tensor:
+    """One round of the top-p search: ``[N, P + 1]`` int64, per row the integer masses of the values ``z >= floor``
+    with ``lo < key(z) <= hi``, bucketed by how many of the row's ascending ``probes`` lie under ``key(z)``
+    (csrc/cpu/sampling.cpp; torch ops off the CPU kernels)."""
+    if _compiled and z.device.type in ("cpu", "meta"):
+        return torch.ops.rollout_corr.mass_histogram.default(z, z_max, floor, lo, hi, probes)
+    return fallback.mass_histogram(z, z_max, floor, lo, hi, probes)
+
+
+def count_at_least(z: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """``[N]`` int64: per row the number of values ``z >= floor`` (compared in fp32 / fp64)."""
+    if _compiled and z.device.type in ("cpu", "meta"):
+        return torch.ops.rollout_corr.count_at_least.default(z, floor)
+    return fallback.count_at_least(z, floor)

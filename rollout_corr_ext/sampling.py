@@ -33,7 +33,9 @@ from typing import NamedTuple, Optional, Union
 import torch
 import torch.distributed as dist
 
+from . import _layout as LY
 from . import logprobs as _lp
+from . import ops
 
 Number = Union[int, float]
 #: fixed-point scale of the top-p masses (2^-40 of the top token's probability; sums stay < 2^63 for V < 2^22)
@@ -237,25 +239,23 @@ def _row_max(pieces, rows: int, acc, device) -> torch.Tensor:
 
 
 def _row_topk(pieces, width: int) -> torch.Tensor:
-    """The ``width`` largest of each row over every piece, descending (-inf padded when a row has fewer)."""
-    tops = [z.topk(min(width, z.shape[1]), dim=-1).values for z in pieces]
-    t = torch.cat(tops, 1)
-    t = t.topk(min(width, t.shape[1]), dim=-1).values
-    if t.shape[1] < width:
-        t = torch.cat([t, t.new_full((t.shape[0], width - t.shape[1]), -math.inf)], 1)
-    return t
+    """The ``width`` largest of each row over every piece, descending (-inf padded when a row has fewer): one
+    streaming pass per piece in the CPU kernel (``ops.row_topk``), ``torch.topk`` elsewhere."""
+    tops = [ops.row_topk(z, width) for z in pieces]
+    return tops[0] if len(tops) == 1 else ops.row_topk(torch.cat(tops, 1), width)
 
 
 def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, rows_active: torch.Tensor, lead,
              group, world: int, allow_fast_top_p: bool = True, chunks=None, pieces=None, row_id=None,
-             what: str = "logit in row {} of the flattened logits") -> KeptSet:
+             what: str = "logit in row {} of the flattened logits", with_log_s: bool = True) -> KeptSet:
     """Each row's threshold (the kept set is ``{u: z_u >= threshold}``) and the log of the kept set's mass under
     ``softmax(z)``; ``z_of(r0, r1)`` gives rows ``r0:r1`` of the scaled logits (-inf at excluded columns).
     Collective over ``group`` (every rank calls it with its shard). The local passes run ``CHUNK_ROWS`` rows at a
     time (or the given ``chunks`` of row ranges; ``pieces(r0, r1)``, when given, yields those rows' logits in column
     pieces instead of ``z_of``); the per-row decisions (max, k-th value, top-p threshold) are exchanged as small
     summaries. ``allow_fast_top_p=False`` forces the general top-p search (the tests hold the two to the same kept
-    sets). ``row_id(i)``: the caller's row of row ``i``, ``what``: how an error names it."""
+    sets). ``row_id(i)``: the caller's row of row ``i``, ``what``: how an error names it. ``with_log_s=False``: no
+    log S (``log_kept_mass`` None), one pass over the logits less."""
     if chunks is None:
         chunks = [(r0, min(r0 + CHUNK_ROWS, n)) for r0 in range(0, n, CHUNK_ROWS)]
     if pieces is None:
@@ -343,9 +343,9 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
             if not bool(complete[p_on].all()):
                 count = torch.zeros(n, dtype=torch.int64, device=device)
                 for r0, r1 in chunks:
-                    t = tau[r0:r1].unsqueeze(1)
+                    t = tau[r0:r1].contiguous()
                     for z in parts(r0, r1):
-                        count[r0:r1] += torch.count_nonzero(z >= t, dim=-1)
+                        count[r0:r1] += ops.count_at_least(z, t)
                 count = _all_reduce(count, dist.ReduceOp.SUM, group, world)
                 missing = (count - (cand != ninf).sum(-1)).clamp_min(0)
                 cand = torch.cat([cand, torch.where(missing > 0, tau, torch.full_like(tau, ninf)).unsqueeze(1)], 1)
@@ -359,32 +359,39 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
             cum = q.gather(1, order).cumsum(-1)
             over = _mass_at_or_below(sorted_key, cum, sorted_key) > c.unsqueeze(1)
             hi = torch.where(over, sorted_key, torch.full_like(sorted_key, torch.iinfo(torch.int64).max)).amin(1)
-        else:  # the general search: 16-way bisection of the key space over every shard's survivors
-            total = torch.zeros(n, dtype=torch.int64, device=device)
-            for r0, r1 in chunks:
-                for z in above_tau(r0, r1):
-                    total[r0:r1] += _masses(z, z_max[r0:r1]).sum(-1)
-            c = _top_p_budget(_all_reduce(total, dist.ReduceOp.SUM, group, world), top_p)
+        else:  # the general search: bisection of the key space, a histogram of every shard's survivors per round
+            # 2^levels - 1 probes per round: 255 in one process (4 rounds for fp32 keys, no collective), 15 under
+            # tensor parallelism (8 rounds, 128 bytes per row each). base = M(<= lo): each round then needs the
+            # masses inside the bracket only, and the first round's histogram also gives the total M.
+            levels = 8 if world == 1 else 4
             hi = _ordered_key(z_max)
             lo = _ordered_key((z_max.to(torch.float64) - _MASS_FLOOR).to(acc)) - 1  # M(<= lo) = 0 <= c
             lo = torch.where(p_on, lo, hi - 1)  # inactive rows start converged
-            while bool((hi > lo + 1).any()):  # not hi - lo: fp64 keys span more than int64
-                probes = _probes(lo, hi)  # [n, 15], ascending
+            base = torch.zeros(n, dtype=torch.int64, device=device)
+            c = None
+            while c is None or bool((hi > lo + 1).any()):  # not hi - lo: fp64 keys span more than int64
+                probes = _probes(lo, hi, levels)  # [n, 2^levels - 1], ascending
                 hist = torch.zeros((n, probes.shape[1] + 1), dtype=torch.int64, device=device)
-                for r0, r1 in chunks:  # a 16-bucket histogram of the masses: no sort, no [N, V] kept
-                    pr = probes[r0:r1].contiguous()
-                    for z in above_tau(r0, r1):
-                        bucket = torch.searchsorted(pr, _ordered_key(z))  # the first probe >= the value
-                        hist[r0:r1].scatter_add_(1, bucket, _masses(z, z_max[r0:r1]))
-                mass = _all_reduce(hist.cumsum(1)[:, :-1].contiguous(), dist.ReduceOp.SUM, group, world)
-                above = mass > c.unsqueeze(1)  # mass[:, j] = M(<= probe j)
-                # the new bracket: the last probe at or under c, the first probe over it
-                lo = torch.where(above, torch.full_like(probes, torch.iinfo(torch.int64).min), probes).amax(1)\
-                    .maximum(lo)
-                hi = torch.where(above, probes, torch.full_like(probes, torch.iinfo(torch.int64).max)).amin(1)\
-                    .minimum(hi)
+                for r0, r1 in chunks:
+                    args = (z_max[r0:r1].contiguous(), tau[r0:r1].contiguous(), lo[r0:r1].contiguous(),
+                            hi[r0:r1].contiguous(), probes[r0:r1].contiguous())
+                    for z in parts(r0, r1):
+                        hist[r0:r1] += ops.mass_histogram(z, *args)
+                hist = _all_reduce(hist, dist.ReduceOp.SUM, group, world)
+                if c is None:  # the first bracket holds every positive mass
+                    c = _top_p_budget(hist.sum(1), top_p)
+                mass = base.unsqueeze(1) + hist.cumsum(1)[:, :-1]  # M(<= probe j), non-decreasing in j
+                at_or_under = (mass <= c.unsqueeze(1)).sum(1)  # the probes with M <= c are a prefix
+                last = (at_or_under - 1).clamp_min(0).unsqueeze(1)
+                first_over = at_or_under.clamp_max(probes.shape[1] - 1).unsqueeze(1)
+                moved = at_or_under > 0
+                lo = torch.where(moved, probes.gather(1, last).squeeze(1), lo)
+                base = torch.where(moved, mass.gather(1, last).squeeze(1), base)
+                hi = torch.where(at_or_under < probes.shape[1], probes.gather(1, first_over).squeeze(1), hi)
         tau = torch.where(p_on, torch.maximum(tau, _key_to_value(hi, acc)), tau)
 
+    if not with_log_s:  # the caller takes log S from the log-prob kernels' row states
+        return KeptSet(tau, None, fast)
     # log S: the kept mass over the total, both relative to the row max (sums in z's dtype, then fp64: their
     # rounding is far below a metric's). With the candidates complete, every rank already holds the kept mass of
     # the top-p rows.
@@ -466,22 +473,35 @@ def sampled_log_probs(
     all_active = bool(active.all())
 
     def z_of(r0, r1):
-        """Rows r0:r1 of z = logits / temperature (vLLM divides its fp32 logits); -inf at vocab padding; ignored
-        rows read as 0 (never inspected). A view of the logits when nothing changes them."""
-        z = data[r0:r1].to(acc)
+        """Rows r0:r1 of z = logits / temperature (vLLM divides its fp32 logits; in fp32 / fp64, or the logits'
+        own bf16 / fp16 at temperature 1, which widen exactly); -inf at vocab padding; ignored rows read as 0 (never
+        inspected). A view of the logits when nothing changes them."""
+        z = data[r0:r1]  # at temperature 1, bf16 / fp16 logits stay as they are: the kernels widen them exactly
+        view = unit_t
         if not unit_t:
-            z = z / temp_col[r0:r1]
+            z = z.to(acc) / temp_col[r0:r1]
         if not all_active:
-            z = torch.where(active[r0:r1].unsqueeze(1), z, torch.zeros((), dtype=acc, device=z.device))
+            z = torch.where(active[r0:r1].unsqueeze(1), z, torch.zeros((), dtype=z.dtype, device=z.device))
+            view = False
         if valid_cols < local_vocab:  # vocab padding is not part of the distribution
-            if unit_t and all_active and acc == data.dtype:  # z is a view of the caller's logits: copy first
+            if view:  # z is a view of the caller's logits: copy first
                 z = z.clone()
             z[:, valid_cols:] = -math.inf
         return z
 
+    scalar_t = not isinstance(sampling.temperature, torch.Tensor)
     with torch.no_grad():
-        th = kept_set(z_of, n, local_vocab, acc, logits.device, sampling, active, lead, tp_group, world)
+        th = kept_set(z_of, n, local_vocab, acc, logits.device, sampling, active, lead, tp_group, world,
+                      with_log_s=not scalar_t)
         tau = torch.where(active, th.threshold, torch.full_like(th.threshold, -math.inf))  # ignored rows: untouched
+    if scalar_t:  # the kernels' own chunked path: no masked copy of the logits, log S from their row states
+        logp, entropy, log_s = _FlooredLogProbs.apply(logits2d, target1d, tau.contiguous(), tp_group, world,
+                                                      vocab_start, vocab_size, float(sampling.temperature),
+                                                      ignore_index)
+        log_s = torch.where(active, log_s, torch.zeros_like(log_s))
+        in_support = (logp != -math.inf) | ~active
+        return SampledLogProbs(logp.reshape(lead), entropy.reshape(lead), log_s.reshape(lead),
+                               in_support.reshape(lead))
     if unit_t and (logits.dtype == acc or logits.dtype in (torch.bfloat16, torch.float16)) and valid_cols == local_vocab:
         # z = logits exactly (bf16 / fp16 widen exactly): compare in place, no [N, V] temporaries
         below = logits2d < tau.unsqueeze(1)
@@ -492,6 +512,89 @@ def sampled_log_probs(
     log_s = torch.where(active, th.log_kept_mass, torch.zeros_like(th.log_kept_mass))
     return _masked_log_probs(logits2d, below, target1d, sampling.temperature, temperature, active, log_s, lead,
                              tp_group, vocab_start, vocab_size, ignore_index)
+
+
+#: rows per chunk of the floored forward and backward (a chunk-sized masked temporary, never [N, V])
+FLOOR_CHUNK_ROWS = 64
+
+
+class _FlooredLogProbs(torch.autograd.Function):
+    """(logits [N, V_local], target [N], floor [N]) -> (logp, entropy, log S), each [N]: the
+    log-probs of softmax(logits / T) renormalised over ``{u: logits_u / T >= floor}`` (T one number) through the
+    log-prob family's own ops, without a masked copy of the logits: each ``FLOOR_CHUNK_ROWS``-row chunk is masked in
+    a temporary, folded into its shard record and dropped; the unmasked logits give one more record (log S =
+    lse(kept) - lse(all) from the two merges' row states, and every error names the caller's row); one all-gather
+    carries them all. Backward re-masks chunk by chunk inside the gradient buffer (0 outside the kept set)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, floor, tp_group, world, vocab_start, vocab_size, t_value, ignore_index):
+        inv_t = _lp.checked_inv_temperature(t_value, logits.dtype)
+        n = logits.shape[0]
+        chunks = [(r0, min(r0 + FLOOR_CHUNK_ROWS, n)) for r0 in range(0, n, FLOOR_CHUNK_ROWS)]
+        records = [ops.vocab_row_stats(logits, target, vocab_start, vocab_size, inv_t, ignore_index, False, False)]
+        # one chunk buffer, reused: a fresh chunk-sized allocation per chunk would churn through the heap
+        buf = logits.new_empty((min(FLOOR_CHUNK_ROWS, n), logits.shape[1]))
+        for r0, r1 in chunks:
+            z = buf[:r1 - r0]
+            ops.floor_fill(logits[r0:r1], floor[r0:r1], t_value, z)
+            records.append(ops.vocab_row_stats(z, target[r0:r1], vocab_start, vocab_size, inv_t, ignore_index,
+                                               False, True))
+        del buf
+        lengths = [r.numel() for r in records]
+        flat = torch.cat(records)
+        gathered = _lp._all_gather(flat, tp_group, world) if world > 1 else flat.unsqueeze(0)
+        cuda = logits.device.type == "cuda"
+        _, _, _, state_all, status = ops.merge_row_stats(gathered[:, :lengths[0]].contiguous(), target,
+                                                         ignore_index, vocab_size, inv_t, False)
+        if cuda:
+            _lp._assert_status(status)
+        logps, entropies, states = [], [], []
+        offset = lengths[0]
+        for (r0, r1), length in zip(chunks, lengths[1:]):
+            logp, entropy, _, state, status = ops.merge_row_stats(
+                gathered[:, offset:offset + length].contiguous(), target[r0:r1], ignore_index, vocab_size, inv_t,
+                False)
+            if cuda:
+                _lp._assert_status(status)
+            offset += length
+            logps.append(logp)
+            entropies.append(entropy)
+            states.append(state)
+        empty = logits.new_zeros((0,), dtype=state_all.dtype)
+        logp = torch.cat(logps) if logps else empty
+        entropy = torch.cat(entropies) if entropies else empty
+        row_state = torch.cat(states) if states else state_all
+        mx, lse = LY.ROW_STATE_MAX, LY.ROW_STATE_LOG_SUM_EXP
+        log_s = (row_state[:, mx] - state_all[:, mx]) * inv_t + (row_state[:, lse] - state_all[:, lse])
+        outside = logp == -math.inf  # a target under the floor: no gradient flows from it
+        ctx.save_for_backward(logits, target, floor, row_state, outside)
+        ctx.args = (vocab_start, vocab_size, t_value, inv_t, ignore_index)
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(log_s)
+        return logp, entropy, log_s
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy, grad_log_s):
+        logits, target, floor, row_state, outside = ctx.saved_tensors
+        vocab_start, vocab_size, t_value, inv_t, ignore_index = ctx.args
+        if grad_logp is None and grad_entropy is None:
+            return (None,) * 9
+        with torch.no_grad():
+            if grad_logp is not None:
+                grad_logp = grad_logp.masked_fill(outside, 0.0)
+            grad = torch.empty_like(logits)
+            for r0 in range(0, logits.shape[0], FLOOR_CHUNK_ROWS):
+                r1 = min(r0 + FLOOR_CHUNK_ROWS, logits.shape[0])
+                g = grad[r0:r1]
+                ops.floor_fill(logits[r0:r1], floor[r0:r1], t_value, g)
+                ops.logprob_backward_(g, None if grad_logp is None else grad_logp[r0:r1],
+                                      None if grad_entropy is None else grad_entropy[r0:r1], None, target[r0:r1],
+                                      row_state[r0:r1], vocab_start, vocab_size, inv_t, ignore_index)
+        if torch.is_grad_enabled():  # create_graph=True: differentiating this gradient again must raise
+            anchors = [t for t in (logits, grad_logp, grad_entropy) if t is not None and t.requires_grad]
+            if anchors:
+                grad = ops.NoDoubleBackward.apply(grad, "sampled_log_probs", *anchors)
+        return (grad,) + (None,) * 8
 
 
 def _masked_log_probs(logits2d, below, target1d, temperature_spec, temperature, active, log_s, lead, tp_group,

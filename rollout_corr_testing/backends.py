@@ -24,6 +24,11 @@ LOGPROB_OPS: Dict[str, tuple] = {
 }
 
 
+#: The sampling-replay search ops (CPU kernels and the fallback; other devices run the fallback's torch ops): swapped
+#: with the log-prob ops for the fallback variant, left on the CPU kernels for the emulated one.
+SAMPLING_OPS = ("row_topk", "floor_fill", "mass_histogram", "count_at_least")
+
+
 def available(include_emulated: bool = True) -> List[str]:
     """Backend names usable on this machine: ``cpu`` (compiled kernels), ``fallback``, ``emulated``, ``cuda``."""
     names = []
@@ -84,7 +89,7 @@ def logprob_backend(name: str, **knobs) -> Iterator[str]:
         yield name
         return
     if name == "fallback":
-        impl = {op: getattr(fallback, op) for op in LOGPROB_OPS}
+        impl = {op: getattr(fallback, op) for op in tuple(LOGPROB_OPS) + SAMPLING_OPS}
     elif name == "emulated":
         from rollout_corr_testing.cuda_emulator.loader import load_emulator
 
