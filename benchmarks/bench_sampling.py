@@ -173,7 +173,7 @@ def main():
     ap.add_argument("--n", type=int, default=4096, help="rows (tokens)")
     ap.add_argument("--vocab", type=int, default=32000, help="V: the whole vocabulary")
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="logit dtypes")
-    ap.add_argument("--top-k", type=int, default=50, help="top_k of the replay and the peer way")
+    ap.add_argument("--top-k", type=int, default=50, help="top_k of the replay and the peer way (0: no top-k)")
     ap.add_argument("--top-p", type=float, default=0.9, help="top_p of the replay and the peer way")
     ap.add_argument("--temperature", type=float, default=1.0, help="temperature")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats (median) after a warm-up")
@@ -196,7 +196,7 @@ def main():
                 print(f"| {top_p} | {scale} | {d.mean().item():.2e} | {d.max().item():.2e} | "
                       f"{(d.abs() > 1e-6).double().mean().item() * 100:.1f} % |")
         return
-    sp_kw = dict(top_k=args.top_k, top_p=args.top_p, temperature=args.temperature)
+    sp_kw = dict(top_k=args.top_k if args.top_k > 0 else None, top_p=args.top_p, temperature=args.temperature)
     sp = rc.SamplingParams(**sp_kw)
     if args._memory:
         print(json.dumps(measure_memory(args._memory, args.n, args.vocab, DTYPES[args.dtypes[0]], args.device, sp)))
