@@ -114,6 +114,9 @@ TORCH_LIBRARY(rollout_corr, m) {
   // the kept set of a replayed row, {z >= floor}. Rows of x and out contiguous; out may be x. CPU kernel; other
   // devices run torch.where through the Python wrapper.
   m.def("floor_fill(Tensor x, Tensor floor, float temperature, Tensor(a!) out) -> ()");
+  // grad = 0 where x / temperature is under the row's floor (grad and x of one shape and dtype): the replayed
+  // log-probs' gradient, taken on the unmasked logits, with the columns outside the kept set zeroed.
+  m.def("floor_zero_(Tensor(a!) grad, Tensor x, Tensor floor, float temperature) -> ()");
   // One round of the top-p search without top-k: [N, P + 1] int64, per row the integer masses round(exp(z - z_max)
   // * 2^40) of the values z >= floor with lo < key(z) <= hi, bucketed by how many of the row's P ascending probes
   // lie under key(z) (key: the order-preserving integer of the value in fp32 / fp64; P + 1 a power of 2). z: any

@@ -84,6 +84,10 @@ def _register_fakes() -> None:
     def _(x, floor, temperature, out):
         return None
 
+    @torch.library.register_fake("rollout_corr::floor_zero_")
+    def _(grad, x, floor, temperature):
+        return None
+
     @torch.library.register_fake("rollout_corr::count_at_least")
     def _(z, floor):
         return z.new_empty((z.shape[0],), dtype=torch.int64)
@@ -447,3 +451,11 @@ def count_at_least(z: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     if _compiled and z.device.type in ("cpu", "meta"):
         return torch.ops.rollout_corr.count_at_least.default(z, floor)
     return fallback.count_at_least(z, floor)
+
+
+def floor_zero_(grad: torch.Tensor, x: torch.Tensor, floor: torch.Tensor, temperature: float) -> None:
+    """``grad`` = 0 (in place) where ``x / temperature`` is under the row's ``floor``."""
+    if _compiled and x.device.type in ("cpu", "meta"):
+        torch.ops.rollout_corr.floor_zero_.default(grad, x, floor, float(temperature))
+        return
+    fallback.floor_zero_(grad, x, floor, temperature)

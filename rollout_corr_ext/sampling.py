@@ -524,7 +524,8 @@ class _FlooredLogProbs(torch.autograd.Function):
     log-prob family's own ops, without a masked copy of the logits: each ``FLOOR_CHUNK_ROWS``-row chunk is masked in
     a temporary, folded into its shard record and dropped; the unmasked logits give one more record (log S =
     lse(kept) - lse(all) from the two merges' row states, and every error names the caller's row); one all-gather
-    carries them all. Backward re-masks chunk by chunk inside the gradient buffer (0 outside the kept set)."""
+    carries them all. Backward: the log-prob kernel's gradient with the kept set's row states, then the columns
+    outside the kept set zeroed."""
 
     @staticmethod
     def forward(ctx, logits, target, floor, tp_group, world, vocab_start, vocab_size, t_value, ignore_index):
@@ -582,14 +583,12 @@ class _FlooredLogProbs(torch.autograd.Function):
         with torch.no_grad():
             if grad_logp is not None:
                 grad_logp = grad_logp.masked_fill(outside, 0.0)
-            grad = torch.empty_like(logits)
-            for r0 in range(0, logits.shape[0], FLOOR_CHUNK_ROWS):
-                r1 = min(r0 + FLOOR_CHUNK_ROWS, logits.shape[0])
-                g = grad[r0:r1]
-                ops.floor_fill(logits[r0:r1], floor[r0:r1], t_value, g)
-                ops.logprob_backward_(g, None if grad_logp is None else grad_logp[r0:r1],
-                                      None if grad_entropy is None else grad_entropy[r0:r1], None, target[r0:r1],
-                                      row_state[r0:r1], vocab_start, vocab_size, inv_t, ignore_index)
+            # The kept set's softmax gradient on the unmasked logits (the row states are the kept set's, and every
+            # column under the floor holds a smaller logit than any kept one: finite there), then those columns
+            # zeroed. The out-of-place kernel writes into the CPU kernels' reused gradient block.
+            grad = ops.logprob_backward(grad_logp, grad_entropy, None, logits, target, row_state, vocab_start,
+                                        vocab_size, inv_t, ignore_index)
+            ops.floor_zero_(grad, logits, floor, t_value)
         if torch.is_grad_enabled():  # create_graph=True: differentiating this gradient again must raise
             anchors = [t for t in (logits, grad_logp, grad_entropy) if t is not None and t.requires_grad]
             if anchors:

@@ -26,7 +26,7 @@ LOGPROB_OPS: Dict[str, tuple] = {
 
 #: The sampling-replay search ops (CPU kernels and the fallback; other devices run the fallback's torch ops): swapped
 #: with the log-prob ops for the fallback variant, left on the CPU kernels for the emulated one.
-SAMPLING_OPS = ("row_topk", "floor_fill", "mass_histogram", "count_at_least")
+SAMPLING_OPS = ("row_topk", "floor_fill", "floor_zero_", "mass_histogram", "count_at_least")
 
 
 def available(include_emulated: bool = True) -> List[str]:

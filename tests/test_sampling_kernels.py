@@ -174,3 +174,24 @@ def test_bad_arguments_and_fakes():
     i64 = torch.empty(4, dtype=torch.int64, device="meta")
     f = torch.empty(4, device="meta")
     assert torch.ops.rollout_corr.mass_histogram(m, f, f, i64, i64, probes).shape == (4, 16)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_floor_zero_(impl, dtype, temperature):
+    fn = _impl(impl, "floor_zero_")
+    x = _rows(5, 90, dtype, seed=4)
+    acc = _acc(dtype)
+    floor = torch.tensor([0.5, -math.inf, 1.0, -1.0, 10.0], dtype=acc)
+    grad = torch.randn(5, 90, dtype=torch.float64).to(dtype)
+    want = grad.clone()
+    t = torch.tensor(temperature, dtype=acc)
+    for r in range(5):
+        for c in range(90):
+            z = x[r, c].to(acc) if temperature == 1.0 else x[r, c].to(acc) / t
+            if z < floor[r]:
+                want[r, c] = 0
+    before = x.clone()
+    fn(grad, x, floor, temperature)
+    assert torch.equal(grad, want) and torch.equal(x, before)

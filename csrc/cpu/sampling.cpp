@@ -217,6 +217,24 @@ RC_FORCEINLINE void floor_fill_rows(const scalar_t* x, int64_t ldx, const acc_t*
   }
 }
 
+// grad[r, c] = 0 where z = x / T (x the logits) is under floor[r]: the gradient of the kept set's softmax computed
+// on the unmasked logits, with the columns outside the kept set zeroed (one read of x, a read and write of grad).
+template <typename scalar_t, typename acc_t>
+RC_FORCEINLINE void floor_zero_rows(scalar_t* grad, int64_t ldg, const scalar_t* x, int64_t ldx, const acc_t* floor,
+                                    acc_t t, bool unit_t, int64_t cols, int64_t b, int64_t e) {
+  const scalar_t zero = static_cast<scalar_t>(0);
+  for (int64_t r = b; r < e; ++r) {
+    const scalar_t* xr = x + r * ldx;
+    scalar_t* g = grad + r * ldg;
+    const acc_t f = floor[r];
+    if (unit_t) {
+      for (int64_t c = 0; c < cols; ++c) g[c] = static_cast<acc_t>(xr[c]) < f ? zero : g[c];
+    } else {
+      for (int64_t c = 0; c < cols; ++c) g[c] = static_cast<acc_t>(xr[c]) / t < f ? zero : g[c];
+    }
+  }
+}
+
 #define RC_DEFINE_FLOOR(scalar_t, acc_t, suffix)                                                                 \
   void floor_rows_##suffix(const scalar_t* x, int64_t lx, const acc_t* f, acc_t t, bool u, scalar_t* o,          \
                            int64_t lo, int64_t c, int64_t b, int64_t e) {                                        \
@@ -229,6 +247,27 @@ RC_FORCEINLINE void floor_fill_rows(const scalar_t* x, int64_t ldx, const acc_t*
   RC_CPU_AVX512 void floor_rows_##suffix##_avx512(const scalar_t* x, int64_t lx, const acc_t* f, acc_t t, bool u, \
                                                   scalar_t* o, int64_t lo, int64_t c, int64_t b, int64_t e) {    \
     floor_fill_rows<scalar_t, acc_t>(x, lx, f, t, u, o, lo, c, b, e);                                            \
+  }                                                                                                              \
+  void zero_rows_##suffix(scalar_t* g, int64_t lg, const scalar_t* x, int64_t lx, const acc_t* f, acc_t t, bool u, \
+                          int64_t c, int64_t b, int64_t e) {                                                     \
+    floor_zero_rows<scalar_t, acc_t>(g, lg, x, lx, f, t, u, c, b, e);                                            \
+  }                                                                                                              \
+  RC_CPU_AVX2 void zero_rows_##suffix##_avx2(scalar_t* g, int64_t lg, const scalar_t* x, int64_t lx,             \
+                                             const acc_t* f, acc_t t, bool u, int64_t c, int64_t b, int64_t e) { \
+    floor_zero_rows<scalar_t, acc_t>(g, lg, x, lx, f, t, u, c, b, e);                                            \
+  }                                                                                                              \
+  RC_CPU_AVX512 void zero_rows_##suffix##_avx512(scalar_t* g, int64_t lg, const scalar_t* x, int64_t lx,         \
+                                                 const acc_t* f, acc_t t, bool u, int64_t c, int64_t b,          \
+                                                 int64_t e) {                                                    \
+    floor_zero_rows<scalar_t, acc_t>(g, lg, x, lx, f, t, u, c, b, e);                                            \
+  }                                                                                                              \
+  void zero_dispatch(scalar_t* g, int64_t lg, const scalar_t* x, int64_t lx, const acc_t* f, acc_t t, bool u,     \
+                     int64_t c, int64_t b, int64_t e) {                                                          \
+    switch (cpu_isa()) {                                                                                         \
+      case CpuIsa::kAvx512: return zero_rows_##suffix##_avx512(g, lg, x, lx, f, t, u, c, b, e);                  \
+      case CpuIsa::kAvx2: return zero_rows_##suffix##_avx2(g, lg, x, lx, f, t, u, c, b, e);                      \
+      default: return zero_rows_##suffix(g, lg, x, lx, f, t, u, c, b, e);                                        \
+    }                                                                                                            \
   }                                                                                                              \
   void floor_dispatch(const scalar_t* x, int64_t lx, const acc_t* f, acc_t t, bool u, scalar_t* o, int64_t lo,   \
                       int64_t c, int64_t b, int64_t e) {                                                         \
@@ -507,9 +546,37 @@ at::Tensor count_at_least_cpu(const at::Tensor& z, const at::Tensor& floor) {
   return counts;
 }
 
+void floor_zero_cpu(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& floor, double temperature) {
+  TORCH_CHECK(x.dim() == 2 && grad.dim() == 2 && x.sizes() == grad.sizes(), "floor_zero_: grad and x must be 2-D of "
+              "one shape, got ", grad.sizes(), " and ", x.sizes());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()) && grad.scalar_type() == x.scalar_type(), "floor_zero_: grad and x "
+              "must be float tensors of one dtype, got ", grad.scalar_type(), " and ", x.scalar_type());
+  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(floor.dim() == 1 && floor.size(0) == x.size(0) && floor.scalar_type() == acc, "floor_zero_: floor "
+              "must be [rows] in ", acc, ", got ", floor.sizes(), " ", floor.scalar_type());
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, "floor_zero_: temperature must be finite and > 0, got ",
+              temperature);
+  const int64_t rows = x.size(0), cols = x.size(1);
+  if (rows == 0 || cols == 0) return;
+  TORCH_CHECK((x.stride(1) == 1 && grad.stride(1) == 1) || cols == 1, "floor_zero_: each row must be contiguous");
+  const auto f = floor.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "floor_zero_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    scalar_t* g = grad.data_ptr<scalar_t>();
+    const scalar_t* src = x.data_ptr<scalar_t>();
+    const acc_t* fl = f.data_ptr<acc_t>();
+    const acc_t t = static_cast<acc_t>(temperature);
+    const bool unit = temperature == 1.0;
+    const int64_t lg = grad.stride(0), lx = x.stride(0);
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, cols));
+    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) { zero_dispatch(g, lg, src, lx, fl, t, unit, cols, b, e); });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rollout_corr, CPU, m) {
+  m.impl("floor_zero_", &floor_zero_cpu);
   m.impl("count_at_least", &count_at_least_cpu);
   m.impl("row_topk", &row_topk_cpu);
   m.impl("floor_fill", &floor_fill_cpu);

@@ -12,8 +12,9 @@ from .logprob import (logprob_backward, logprob_backward_, merge_row_stats, sett
                       target_fingerprint, vocab_row_stats)
 from .policy_loss import policy_loss_rows
 from .rollout_correction import rollout_check, rollout_seq_stats, rollout_token_pass
-from .sampling import count_at_least, floor_fill, mass_histogram, row_topk
+from .sampling import count_at_least, floor_fill, floor_zero_, mass_histogram, row_topk
 
 __all__ = ["vocab_row_stats", "merge_row_stats", "logprob_backward", "logprob_backward_", "target_fingerprint",
            "settings_fingerprint", "rollout_seq_stats", "rollout_token_pass", "rollout_check", "policy_loss_rows",
-           "row_topk", "floor_fill", "mass_histogram", "count_at_least"]
+           "row_topk", "floor_fill", "mass_histogram", "count_at_least",
+           "floor_zero_"]

@@ -27,15 +27,22 @@ def row_topk(values: torch.Tensor, k: int) -> torch.Tensor:
     return top
 
 
-def floor_fill(x: torch.Tensor, floor: torch.Tensor, temperature: float, out: torch.Tensor) -> None:
-    """``out`` = ``x`` with -inf where ``z = x / temperature`` (fp32; fp64 for fp64 ``x``; ``x`` itself at temperature
-    1) is under the row's ``floor``."""
+def _below(x: torch.Tensor, floor: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Where ``z = x / temperature`` (fp32; fp64 for fp64 ``x``; ``x`` itself at temperature 1) is under the floor."""
     if temperature == 1.0:
-        below = x < floor.unsqueeze(1)  # bf16 / fp16 widen exactly in the comparison
-    else:
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        below = (x.to(acc) / torch.tensor(temperature, dtype=acc, device=x.device)) < floor.unsqueeze(1)
-    torch.where(below, torch.full((), -math.inf, dtype=x.dtype, device=x.device), x, out=out)
+        return x < floor.unsqueeze(1)  # bf16 / fp16 widen exactly in the comparison
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (x.to(acc) / torch.tensor(temperature, dtype=acc, device=x.device)) < floor.unsqueeze(1)
+
+
+def floor_fill(x: torch.Tensor, floor: torch.Tensor, temperature: float, out: torch.Tensor) -> None:
+    """``out`` = ``x`` with -inf where ``x / temperature`` is under the row's ``floor``."""
+    torch.where(_below(x, floor, temperature), torch.full((), -math.inf, dtype=x.dtype, device=x.device), x, out=out)
+
+
+def floor_zero_(grad: torch.Tensor, x: torch.Tensor, floor: torch.Tensor, temperature: float) -> None:
+    """``grad`` = 0 where ``x / temperature`` is under the row's ``floor``."""
+    grad.masked_fill_(_below(x, floor, temperature), 0.0)
 
 
 def _ordered_key(z: torch.Tensor) -> torch.Tensor:
