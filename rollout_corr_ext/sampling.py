@@ -425,6 +425,21 @@ class SampledLogProbs(NamedTuple):
     in_support: torch.Tensor
 
 
+def _logits_entry(logits, target, ignore_index, tp_group):
+    """The checks of a logits entry point (dtype, shape, targets, ignore_index) and its sizes: (ignore_index, world,
+    rank, V_local, leading shape, rows)."""
+    if not isinstance(logits, torch.Tensor) or logits.dtype not in _lp._FLOAT_DTYPES:
+        raise TypeError(f"logits must be a float16/bfloat16/float32/float64 tensor, got "
+                        f"{getattr(logits, 'dtype', type(logits))}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have a non-empty last (vocab) dimension, got shape {tuple(logits.shape)}")
+    _lp.check_target(target, logits, "logits")
+    ignore_index = _lp.as_int("ignore_index", ignore_index)
+    world, rank = _lp._group_size_rank(tp_group)
+    lead = logits.shape[:-1]
+    return ignore_index, world, rank, logits.shape[-1], lead, int(torch.Size(lead).numel())
+
+
 def sampled_log_probs(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -445,17 +460,7 @@ def sampled_log_probs(
     """
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")  # before reading it
-    if not isinstance(logits, torch.Tensor) or logits.dtype not in _lp._FLOAT_DTYPES:
-        raise TypeError(f"logits must be a float16/bfloat16/float32/float64 tensor, got "
-                        f"{getattr(logits, 'dtype', type(logits))}")
-    if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must have a non-empty last (vocab) dimension, got shape {tuple(logits.shape)}")
-    _lp.check_target(target, logits, "logits")
-    ignore_index = _lp.as_int("ignore_index", ignore_index)
-    world, rank = _lp._group_size_rank(tp_group)
-    local_vocab = logits.shape[-1]
-    lead = logits.shape[:-1]
-    n = int(torch.Size(lead).numel())
+    ignore_index, world, rank, local_vocab, lead, n = _logits_entry(logits, target, ignore_index, tp_group)
     _check_entry(sampling, n, lead, tp_group, vocab_size, "these logits are")
     vocab_start, vocab_size = _lp.vocab_layout(vocab_start, vocab_size, rank, world, local_vocab)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -692,21 +697,11 @@ def kept_log_probs(
     over exactly those ids (-inf and ``in_support = False`` when the target is not among them), the entropy over
     them, and log S, their mass under the untruncated distribution. Under ``tp_group`` every rank passes the same
     ``kept`` (global ids) and its own vocab shard; no rank holds more than its shard (log S: one all-reduce MAX and
-    one all-reduce SUM of two numbers per row, besides the log-probs' own collective). Differentiable in ``logits``
+    one all-reduce SUM of three numbers per row, besides the log-probs' own collective). Differentiable in ``logits``
     (the renormalised softmax's gradient over the kept ids, exactly 0 elsewhere)."""
     if not isinstance(kept, KeptTokens):
         raise TypeError(f"kept must be a KeptTokens, got {type(kept).__name__}")
-    if not isinstance(logits, torch.Tensor) or logits.dtype not in _lp._FLOAT_DTYPES:
-        raise TypeError(f"logits must be a float16/bfloat16/float32/float64 tensor, got "
-                        f"{getattr(logits, 'dtype', type(logits))}")
-    if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must have a non-empty last (vocab) dimension, got shape {tuple(logits.shape)}")
-    _lp.check_target(target, logits, "logits")
-    ignore_index = _lp.as_int("ignore_index", ignore_index)
-    world, rank = _lp._group_size_rank(tp_group)
-    local_vocab = logits.shape[-1]
-    lead = logits.shape[:-1]
-    n = int(torch.Size(lead).numel())
+    ignore_index, world, rank, local_vocab, lead, n = _logits_entry(logits, target, ignore_index, tp_group)
     if kept.rows != n:
         raise ValueError(f"kept has {kept.rows} rows (offsets of {kept.offsets.numel()} entries), but the logits have "
                          f"{n} = {tuple(lead)} positions")
