@@ -507,13 +507,10 @@ def sampled_log_probs(
         in_support = (logp != -math.inf) | ~active
         return SampledLogProbs(logp.reshape(lead), entropy.reshape(lead), log_s.reshape(lead),
                                in_support.reshape(lead))
-    if unit_t and (logits.dtype == acc or logits.dtype in (torch.bfloat16, torch.float16)) and valid_cols == local_vocab:
-        # z = logits exactly (bf16 / fp16 widen exactly): compare in place, no [N, V] temporaries
-        below = logits2d < tau.unsqueeze(1)
-    else:
-        below = torch.cat([~th.mask(z_of(r0, r1), r0) & active[r0:r1].unsqueeze(1)
-                           for r0 in range(0, n, CHUNK_ROWS) for r1 in [min(r0 + CHUNK_ROWS, n)]]) if n else \
-            torch.zeros((0, local_vocab), dtype=torch.bool, device=logits.device)
+    # per-row temperatures: the kept set as a mask over z (the search's own chunks), the masked logits' log-probs
+    below = torch.cat([~th.mask(z_of(r0, r1), r0) & active[r0:r1].unsqueeze(1)
+                       for r0 in range(0, n, CHUNK_ROWS) for r1 in [min(r0 + CHUNK_ROWS, n)]]) if n else \
+        torch.zeros((0, local_vocab), dtype=torch.bool, device=logits.device)
     log_s = torch.where(active, th.log_kept_mass, torch.zeros_like(th.log_kept_mass))
     return _masked_log_probs(logits2d, below, target1d, sampling.temperature, temperature, active, log_s, lead,
                              tp_group, vocab_start, vocab_size, ignore_index)
