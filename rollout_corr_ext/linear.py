@@ -26,6 +26,7 @@ import re
 from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 
 from rollout_corr_ext import _layout as LY, ops
 from rollout_corr_ext.logprobs import (
@@ -144,7 +145,11 @@ class _LinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, tp_group, world, vocab_start, vocab_size, inv_temperature,
-                ignore_index, chunk_rows, chunk_cols, check_group, floor=None):
+                ignore_index, chunk_rows, chunk_cols, check_group, floor=None, sequence_parallel=False,
+                gathered=None):
+        local = hidden
+        if sequence_parallel:  # hidden: this rank's rows; the whole sequence is gathered (given: already gathered)
+            hidden = gathered if gathered is not None else gather_sequence(local, tp_group, world)
         valid, keep = _valid_rows(target, ignore_index, hidden)
         rows = _row_chunks(hidden.shape[0], valid, chunk_rows)
         real_cols = min(max(vocab_size - vocab_start, 0), weight.shape[0])
@@ -192,8 +197,11 @@ class _LinearLogProbs(torch.autograd.Function):
             entropy = entropy.new_zeros(hidden.shape[0]).index_copy_(0, valid, entropy)
         # A target under the floor has log-prob -inf: no gradient flows from it (its column is -inf).
         outside = None if floor is None else (logp == -math.inf)
-        ctx.save_for_backward(hidden, weight, bias, target, row_state, valid, keep, floor, outside)
+        # Sequence parallel: only this rank's rows are kept for backward (gathered again there, as megatron's
+        # output layer does), not the whole sequence.
+        ctx.save_for_backward(local, weight, bias, target, row_state, valid, keep, floor, outside)
         ctx.args = (vocab_start, vocab_size, inv_temperature, ignore_index, chunk_rows, chunk_cols, real_cols)
+        ctx.sp = (tp_group, world) if sequence_parallel and world > 1 else None
         ctx.set_materialize_grads(False)
         return logp, entropy
 
@@ -202,19 +210,21 @@ class _LinearLogProbs(torch.autograd.Function):
         hidden, weight, bias, target, row_state, valid, keep, floor, outside = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if (grad_logp is None and grad_entropy is None) or not (need_h or need_w or need_b):
-            return (None,) * 14
+            return (None,) * 16
         if grad_logp is not None and outside is not None:
             grad_logp = grad_logp.masked_fill(outside, 0.0)
         with torch.no_grad():
-            grads = _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, grad_entropy,
-                              *ctx.args, need_h, need_w, need_b, floor)
+            full = hidden if ctx.sp is None else gather_sequence(hidden, *ctx.sp)
+            grads = _backward(full, weight, bias, target, row_state, valid, keep, grad_logp, grad_entropy,
+                              *ctx.args, need_h, need_w, need_b, floor, sp=ctx.sp)
+            del full
         if torch.is_grad_enabled():  # create_graph=True: differentiating these gradients again must raise
             anchors = [t for t in (hidden, weight, bias, grad_logp, grad_entropy)
                        if t is not None and t.requires_grad]
             if anchors:
                 grads = tuple(None if g is None else ops.NoDoubleBackward.apply(g, _LOGPROB_OPS, *anchors)
                               for g in grads)
-        return grads + (None,) * 11
+        return grads + (None,) * 13
 
 
 def _below_floor_to_neg_inf(z: torch.Tensor, floor: torch.Tensor, inv_temperature: float) -> torch.Tensor:
@@ -225,10 +235,12 @@ def _below_floor_to_neg_inf(z: torch.Tensor, floor: torch.Tensor, inv_temperatur
 
 
 def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, grad_entropy, vocab_start, vocab_size,
-              inv_temperature, ignore_index, chunk_rows, chunk_cols, real_cols, need_h, need_w, need_b, floor=None):
+              inv_temperature, ignore_index, chunk_rows, chunk_cols, real_cols, need_h, need_w, need_b, floor=None,
+              sp=None):
     """Per vocab tile (clipped to the real vocabulary), per chunk of the computed rows: recompute the logits, turn
     them into d(loss)/d(logits) in place, accumulate. Ignored rows and padded vocabulary rows are never multiplied:
-    their gradients are exactly 0 whatever they hold."""
+    their gradients are exactly 0 whatever they hold. ``sp = (group, world)``: ``hidden`` is the gathered sequence
+    and grad_hidden is reduce-scattered back to this rank's rows (in the accumulator's dtype, then rounded once)."""
     exact = hidden.dtype in (torch.float32, torch.float64)  # accumulate in the gradients' own dtype
     acc = hidden.dtype if exact else torch.float32
     grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
@@ -280,8 +292,28 @@ def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, g
             grad_w[c0:c1].zero_()
         elif need_w and not exact:
             grad_w[c0:c1] = gw
+    if grad_h is not None and sp is not None:
+        grad_h = reduce_scatter_sequence(grad_h, *sp)
     return (None if grad_h is None else grad_h.to(hidden.dtype), grad_w,
             None if grad_b is None else grad_b.to(bias.dtype))
+
+
+def gather_sequence(x2d: torch.Tensor, group, world: int) -> torch.Tensor:
+    """``[n, H]`` rows of every rank of ``group`` concatenated in rank order, ``[world * n, H]`` (megatron's
+    sequence-parallel all-gather along the first dimension of ``[s / tp, b, H]``, whose rows flatten in order)."""
+    out = x2d.new_empty((world * x2d.shape[0],) + tuple(x2d.shape[1:]))
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
+    gather(out, x2d.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter_sequence(x2d: torch.Tensor, group, world: int) -> torch.Tensor:
+    """The sum over ``group`` of ``x2d`` ``[world * n, H]``, this rank's ``n`` rows of it (the reverse of
+    :func:`gather_sequence`: megatron's reduce-scatter along the first dimension)."""
+    out = x2d.new_empty((x2d.shape[0] // world,) + tuple(x2d.shape[1:]))
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, x2d.contiguous(), group=group)
+    return out
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
@@ -336,6 +368,7 @@ def linear_log_probs(
     chunk_rows: Optional[int] = None,
     chunk_cols: Optional[int] = None,
     check_group: Optional[bool] = None,
+    sequence_parallel: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """``vocab_parallel_log_probs(hidden @ weight.T + bias, target, tp_group, ...)`` without the logits tensor.
 
@@ -352,18 +385,26 @@ def linear_log_probs(
         chunk_rows, chunk_cols: the logits chunk computed at a time (default 2048 x 2048); larger chunks run the
             GEMM more efficiently, smaller ones use less memory. Results do not depend on them beyond float rounding
             of the gradient accumulation.
+        sequence_parallel: ``hidden`` is this rank's piece of the sequence, as megatron's output layer receives it
+            with sequence parallelism (``[s / tp, b, H]``, split along the first dimension over ``tp_group``), while
+            ``target`` is the whole ``[s, b]``. The rows are all-gathered over ``tp_group`` in forward (and again in
+            backward: only this rank's piece is kept for it, as megatron's layer does), and ``grad_hidden`` is
+            reduce-scattered back, summed over the group's vocab shards: it is then the whole gradient of this
+            rank's rows (no :func:`copy_to_tensor_parallel_region` around ``hidden``). The log-probs are those of
+            the whole sequence, equal to the non-sequence-parallel call's.
 
     Returns:
         fp32 log-probs ``hidden.shape[:-1]`` (fp64 for fp64 inputs), and the entropy when ``return_entropy``;
         differentiable with respect to ``hidden``, ``weight`` and ``bias``. One all-gather per forward under TP
-        (plus the 64-byte header check when ``check_group``), none in backward.
+        (plus the 64-byte header check when ``check_group``), none in backward; with ``sequence_parallel``, one
+        all-gather of the hidden rows more in forward, and an all-gather and a reduce-scatter of them in backward.
     """
     a = _prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, temperature, ignore_index,
-                 chunk_rows, chunk_cols, check_group)
+                 chunk_rows, chunk_cols, check_group, sequence_parallel)
     return_entropy = as_bool("return_entropy", return_entropy)
     logp, entropy = _LinearLogProbs.apply(a.hidden2d, weight, bias, a.target1d, tp_group, a.world, a.vocab_start,
                                           a.vocab_size, a.inv_temp, a.ignore_index, a.chunk_rows, a.chunk_cols,
-                                          a.check_group)
+                                          a.check_group, None, a.sequence_parallel)
     logp, entropy = logp.reshape(a.lead), entropy.reshape(a.lead)
     return (logp, entropy) if return_entropy else logp
 
@@ -380,10 +421,11 @@ class _Prepared(NamedTuple):
     chunk_rows: int
     chunk_cols: int
     check_group: bool
+    sequence_parallel: bool  # and world > 1: hidden2d holds this rank's rows, target1d the whole sequence's
 
 
 def _prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, temperature, ignore_index, chunk_rows,
-             chunk_cols, check_group) -> _Prepared:
+             chunk_cols, check_group, sequence_parallel=False) -> _Prepared:
     """The boundary checks of :func:`linear_log_probs` (and of its sampling-replay sibling), named errors."""
     if not isinstance(hidden, torch.Tensor) or hidden.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"hidden must be a float16/bfloat16/float32/float64 tensor, got "
@@ -407,19 +449,31 @@ def _prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, te
         if bias.dtype != hidden.dtype or bias.device != hidden.device:
             raise ValueError(f"bias ({bias.dtype}, {bias.device}) must have hidden's dtype and device "
                              f"({hidden.dtype}, {hidden.device})")
-    check_target(target, hidden, "hidden")
+    sequence_parallel = as_bool("sequence_parallel", sequence_parallel)
+    world, rank = _group_size_rank(tp_group)
+    sp = sequence_parallel and world > 1
+    if sp:
+        if hidden.dim() < 2:
+            raise ValueError(f"sequence_parallel: hidden must be this rank's [s / tp, ..., H] piece of the sequence, "
+                             f"got shape {tuple(hidden.shape)}")
+        whole = (hidden.shape[0] * world,) + tuple(hidden.shape[1:-1])
+        if isinstance(target, torch.Tensor) and tuple(target.shape) != whole:
+            raise ValueError(f"sequence_parallel: target must be the whole sequence's ids, shape (hidden.shape[0] * "
+                             f"tp, *hidden.shape[1:-1]) = {whole} (tp = {world}), got {tuple(target.shape)}")
+        check_target(target, hidden.new_empty(whole + (0,)), "the gathered hidden")
+    else:
+        check_target(target, hidden, "hidden")
     inv_temp = checked_inv_temperature(temperature, hidden.dtype)
     ignore_index = as_int("ignore_index", ignore_index)
     chunk_rows = DEFAULT_CHUNK_ROWS if chunk_rows is None else as_int("chunk_rows", chunk_rows)
     chunk_cols = DEFAULT_CHUNK_COLS if chunk_cols is None else as_int("chunk_cols", chunk_cols)
     if chunk_rows < 1 or chunk_cols < 1:
         raise ValueError(f"chunk_rows and chunk_cols must be >= 1, got {chunk_rows} and {chunk_cols}")
-    world, rank = _group_size_rank(tp_group)
     local_vocab = weight.shape[0]
     vocab_start, vocab_size = vocab_layout(vocab_start, vocab_size, rank, world, local_vocab)
     check_single_shard(world, vocab_start, vocab_size, local_vocab, "weight", "weight.shape[0]")
     check_group = (hidden.device.type == "cpu") if check_group is None else as_bool("check_group", check_group)
 
     return _Prepared(hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).to(torch.int64).contiguous(),
-                     hidden.shape[:-1], world, vocab_start, vocab_size, inv_temp, ignore_index, chunk_rows, chunk_cols,
-                     check_group)
+                     target.shape, world, vocab_start, vocab_size, inv_temp, ignore_index, chunk_rows, chunk_cols,
+                     check_group, sp)

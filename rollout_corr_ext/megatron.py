@@ -366,14 +366,19 @@ def make_policy_loss_func(
         raise ValueError("decoupled rollout correction needs old_log_prob (pi_old recomputed by the trainer); "
                          "set bypass_mode=True to use pi_rollout as pi_old instead")
     metric_group = dp if dp is not None else seq  # the ranks the global batch is split over
+    seq_parallel = False
     if output_layer is not None:
         out_weight = _attr(output_layer, "weight")
         if not isinstance(out_weight, torch.Tensor) or out_weight.dim() != 2:
             raise ValueError("output_layer must have a [V_local, H] weight tensor (megatron's ColumnParallelLinear "
                              "output layer)")
-        if _attr(output_layer, "sequence_parallel"):
-            raise ValueError("output_layer with sequence_parallel=True is not supported: its input is sharded along "
-                             "the sequence and all-gathered inside the layer; pass the logits instead")
+        # megatron's layer all-gathers its sequence-sharded input; the fused path does the same, keeps only this
+        # rank's piece for backward and reduce-scatters the gradient (which then needs no all-reduce)
+        seq_parallel = bool(_attr(output_layer, "sequence_parallel")) and _size(tp) > 1
+        if seq_parallel and logits_layout != "sbv":
+            raise ValueError("output_layer with sequence_parallel=True: the hidden states are split along their "
+                             "first (sequence) dimension, so logits_layout must be 'sbv' ([s / tp, b, H]; packed: "
+                             "[T / tp, 1, H])")
         out_bias = None if _attr(output_layer, "skip_bias_add") else _attr(output_layer, "bias")
 
     if kept_tokens is not None:  # its rows follow target's flattened order; the logits' rows may be transposed
@@ -384,6 +389,11 @@ def make_policy_loss_func(
             b_, s_ = target.shape
             kept_tokens = kept_tokens.permute_rows(
                 torch.arange(b_ * s_, device=kept_tokens.offsets.device).reshape(b_, s_).t().reshape(-1))
+
+    def hidden_in(x):  # the output layer's input: all-reduce of its gradient over TP (with SP: inside the path)
+        from .linear import copy_to_tensor_parallel_region
+
+        return x if seq_parallel else copy_to_tensor_parallel_region(x, tp)
 
     def log_probs(x, tgt):
         """(log-probs, entropy, in_support or None, log S or None) in ``tgt``'s shape."""
@@ -398,18 +408,17 @@ def make_policy_loss_func(
             if output_layer is None:
                 r = sampled_log_probs(x, tgt, sampling, tp, vocab_size=vocab_size)
             else:
-                from .linear import copy_to_tensor_parallel_region
-
-                r = sampled_linear_log_probs(copy_to_tensor_parallel_region(x, tp), out_weight, tgt, sampling, tp,
-                                             bias=out_bias, vocab_size=vocab_size)
+                r = sampled_linear_log_probs(hidden_in(x), out_weight, tgt, sampling, tp, bias=out_bias,
+                                             vocab_size=vocab_size, sequence_parallel=seq_parallel)
             return r.log_prob, r.entropy, r.in_support, r.log_kept_mass
         if output_layer is None:
             return _lp.vocab_parallel_log_probs(x, tgt, tp, vocab_size=vocab_size, temperature=temperature,
                                                 return_entropy=True) + (None, None)
-        from .linear import copy_to_tensor_parallel_region, linear_log_probs
+        from .linear import linear_log_probs
 
-        return linear_log_probs(copy_to_tensor_parallel_region(x, tp), out_weight, tgt, tp, bias=out_bias,
-                                vocab_size=vocab_size, temperature=temperature, return_entropy=True) + (None, None)
+        return linear_log_probs(hidden_in(x), out_weight, tgt, tp, bias=out_bias, vocab_size=vocab_size,
+                                temperature=temperature, return_entropy=True,
+                                sequence_parallel=seq_parallel) + (None, None)
 
     def _map(fn, *xs):
         return tuple(None if x is None else fn(x) for x in xs)
@@ -423,12 +432,16 @@ def make_policy_loss_func(
                              f"output_layer: hidden states [s, b, H] / [b, s, H]), got "
                              f"{getattr(logits, 'shape', type(logits))}")
         tgt = target.to(logits.device)
+        # with sequence parallelism the hidden states are this rank's 1 / tp of the positions (first dimension)
+        lead = (logits.shape[0] * (_size(tp) if seq_parallel else 1),) + tuple(logits.shape[1:-1])
         if cu is not None:  # [T, 1, V] or [1, T, V]: the log-probs of the stream, [T]
-            if logits.shape[:-1].numel() != tgt.shape[0] or 1 not in tuple(logits.shape[:-1]):
+            if math.prod(lead) != tgt.shape[0] or 1 not in lead:
                 raise ValueError(f"packed sequences: logits must be [T, 1, V_local] or [1, T, V_local] with T = "
-                                 f"{tgt.shape[0]}, got {tuple(logits.shape)}")
+                                 f"{tgt.shape[0]}" + (f" (sequence parallel: hidden states [T / tp, 1, H], tp = "
+                                                      f"{_size(tp)})" if seq_parallel else "") +
+                                 f", got {tuple(logits.shape)}")
             logp, entropy, in_support, log_s = _map(lambda t: t.reshape(-1),
-                                                    *log_probs(logits, tgt.reshape(logits.shape[:-1])))
+                                                    *log_probs(logits, tgt.reshape(lead)))
         elif logits_layout == "sbv":
             logp, entropy, in_support, log_s = _map(lambda t: t.transpose(0, 1),
                                                     *log_probs(logits, tgt.transpose(0, 1)))

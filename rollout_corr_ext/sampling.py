@@ -782,12 +782,14 @@ def sampled_linear_log_probs(
     chunk_rows: Optional[int] = None,
     chunk_cols: Optional[int] = None,
     check_group: Optional[bool] = None,
+    sequence_parallel: bool = False,
 ) -> SampledLogProbs:
     """:func:`sampled_log_probs` of the logits ``hidden @ weight.T + bias`` without the ``[N, V_local]`` logits
     tensor (as :func:`rollout_corr_ext.linear_log_probs`): the kept set is found from ``CHUNK_ROWS``-row chunks of the
     logits, computed and dropped one at a time, and the log-probs come from the fused chunked path with everything
     below each row's threshold at -inf. Differentiable in ``hidden``, ``weight`` and ``bias``; the temperature must be
-    one number here."""
+    one number here. ``sequence_parallel``: as in :func:`rollout_corr_ext.linear_log_probs` (``hidden`` is this
+    rank's piece of the sequence, gathered once for the search and the forward)."""
     from . import linear as _linear
 
     if not isinstance(sampling, SamplingParams):
@@ -796,21 +798,22 @@ def sampled_linear_log_probs(
         raise ValueError("sampled_linear_log_probs: SamplingParams.temperature must be one number (per-row "
                          "temperatures: compute the logits and use sampled_log_probs)")
     a = _linear._prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, sampling.temperature,
-                         ignore_index, chunk_rows, chunk_cols, check_group)
-    n, v_local = a.hidden2d.shape[0], weight.shape[0]
+                         ignore_index, chunk_rows, chunk_cols, check_group, sequence_parallel)
+    whole = _linear.gather_sequence(a.hidden2d.detach(), tp_group, a.world) if a.sequence_parallel else None
+    n, v_local = a.target1d.numel(), weight.shape[0]
     _check_entry(sampling, n, a.lead, tp_group, vocab_size, "this weight is")
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     temperature = 1.0 / a.inv_temp  # the floor in the fused path divides by this same number
     # The kept set is searched over exactly the logits chunks the fused path computes (its row chunks of the rows
     # it does not ignore, its vocab tiles, the same GEMM calls), so that every decision sees the very values the
     # forward and the backward see.
-    valid, keep = _linear._valid_rows(a.target1d, a.ignore_index, a.hidden2d)
+    valid, keep = _linear._valid_rows(a.target1d, a.ignore_index, hidden)
     rows = _linear._row_chunks(n, valid, a.chunk_rows)
     real_cols = min(max(a.vocab_size - a.vocab_start, 0), v_local)
     tiles = _linear._vocab_tiles(v_local, real_cols, a.chunk_cols)
     m = n if valid is None else valid.numel()
     index_of = {r0: index for r0, _, index in rows}
-    h_data, w_data = a.hidden2d.detach(), weight.detach()
+    h_data, w_data = (a.hidden2d.detach() if whole is None else whole), weight.detach()
     b_data = None if bias is None else bias.detach()
     active = torch.ones(m, dtype=torch.bool, device=hidden.device) if keep is None else keep
 
@@ -843,7 +846,8 @@ def sampled_linear_log_probs(
             log_s.index_copy_(0, valid, th_log_s)
     logp, entropy = _linear._LinearLogProbs.apply(a.hidden2d, weight, bias, a.target1d, tp_group, a.world,
                                                   a.vocab_start, a.vocab_size, a.inv_temp, a.ignore_index,
-                                                  a.chunk_rows, a.chunk_cols, a.check_group, floor)
+                                                  a.chunk_rows, a.chunk_cols, a.check_group, floor,
+                                                  a.sequence_parallel, whole)
     in_support = (logp != -math.inf) | (a.target1d == a.ignore_index)
     return SampledLogProbs(logp.reshape(a.lead), entropy.reshape(a.lead), log_s.reshape(a.lead),
                            in_support.reshape(a.lead))

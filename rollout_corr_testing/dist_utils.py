@@ -159,6 +159,7 @@ class CollectiveCounter:
     """Counts calls of torch.distributed collectives while active (they are looked up on the module at call time)."""
 
     NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
+             "reduce_scatter_single",
              "broadcast", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter")
 
     def __init__(self):

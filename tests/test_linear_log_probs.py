@@ -341,10 +341,11 @@ def test_make_policy_loss_func_from_hidden_states_equals_logits_path():
         torch.testing.assert_close(fused[2][k], ref[2][k], rtol=1e-12, atol=1e-12)
     for a, r in zip(fused[3], ref[3]):
         torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
-    with pytest.raises(ValueError, match="sequence_parallel"):
-        layer = _OutputLayer(w1)
-        layer.sequence_parallel = True
-        make_policy_loss_func(target, adv, mask, output_layer=layer)
+    # sequence_parallel without TP is the plain path (megatron only shards the sequence over TP ranks)
+    layer = _OutputLayer(w1.detach(), b1.detach())
+    layer.sequence_parallel = True
+    loss_sp = make_policy_loss_func(target, adv, mask, output_layer=layer, **kw)(hidden)[0]
+    torch.testing.assert_close(loss_sp, ref[0], rtol=1e-12, atol=1e-12)
 
 
 def _megatron_tp_worker(rank, world):
@@ -375,6 +376,126 @@ def _megatron_tp_worker(rank, world):
 
 def test_make_policy_loss_func_from_hidden_states_tp2():
     run_workers(_megatron_tp_worker, 2)
+
+
+# ------------------------------------------------------------------------------------------ sequence parallel
+
+_GATHERS = ("all_gather_single", "all_gather_into_tensor")
+_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
+
+
+def _sp_worker(rank, world, dtype, packed_ignored):
+    """sequence_parallel=True on this rank's [s / tp, b, H] rows: the log-probs and entropy of the whole sequence
+    and every gradient (grad_hidden now whole for its rows: reduce-scattered) equal the single-process call on the
+    whole sequence and weight; the collectives are exactly the documented ones."""
+    group = dist.group.WORLD
+    s, b, hsize, v_padded, vocab_size = 4 * world, 3, 10, 8 * world, 8 * world - 3
+    hidden, weight, bias = _inputs(s * b, hsize, v_padded, dtype, 11, True)
+    hidden = hidden.reshape(s, b, hsize)
+    target = torch.randint(0, vocab_size, (s, b), generator=torch.Generator().manual_seed(12))
+    if packed_ignored:  # ignored rows on some ranks only, and a whole rank's piece ignored
+        target[0, 1] = -100
+        target[s // world: 2 * s // world] = -100
+    ws = torch.randn(s, b, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    v_local = v_padded // world
+    sl = slice(rank * v_local, (rank + 1) * v_local)
+    rows = slice(rank * (s // world), (rank + 1) * (s // world))
+    kw = dict(vocab_size=vocab_size, temperature=0.7, return_entropy=True, chunk_rows=5, chunk_cols=3)
+
+    hx = hidden[rows].clone().requires_grad_(True)
+    wx, bx = weight[sl].clone().requires_grad_(True), bias[sl].clone().requires_grad_(True)
+    with CollectiveCounter() as fwd:
+        lp, ent = rc.linear_log_probs(hx, wx, target, group, bias=bx, sequence_parallel=True, check_group=False,
+                                      **kw)
+    with CollectiveCounter() as bwd:
+        (lp.double() * ws).sum().add((ent.double() * ws).sum()).backward()
+    # forward: the hidden rows' gather and the records' gather; backward: the rows gathered again, one
+    # reduce-scatter of grad_hidden
+    assert len(fwd.calls) == 2 and all(c in _GATHERS for c in fwd.calls), fwd.calls
+    assert len(bwd.calls) == 2 and bwd.calls[0] in _GATHERS and bwd.calls[1] in _SCATTERS, bwd.calls
+    h1, w1, b1 = (x.clone().requires_grad_(True) for x in (hidden, weight, bias))
+    lp1, ent1 = rc.linear_log_probs(h1, w1, target, bias=b1, **kw)
+    (lp1.double() * ws).sum().add((ent1.double() * ws).sum()).backward()
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    assert lp.shape == (s, b)
+    torch.testing.assert_close(lp, lp1.detach(), **tol)
+    torch.testing.assert_close(ent, ent1.detach(), **tol)
+    torch.testing.assert_close(hx.grad, h1.grad[rows], **tol)
+    torch.testing.assert_close(wx.grad, w1.grad[sl], **tol)
+    torch.testing.assert_close(bx.grad, b1.grad[sl], **tol)
+    # the same through sampling replay's fused path
+    from rollout_corr_ext.sampling import SamplingParams, sampled_linear_log_probs
+
+    sp = SamplingParams(temperature=0.7, top_k=5, top_p=0.8)
+    hx.grad = None
+    r = sampled_linear_log_probs(hx, wx.detach(), target, sp, group, bias=bx.detach(), vocab_size=vocab_size,
+                                 sequence_parallel=True, chunk_rows=5, chunk_cols=3)
+    r1 = sampled_linear_log_probs(hidden, weight, target, sp, bias=bias, vocab_size=vocab_size, chunk_rows=5,
+                                  chunk_cols=3)
+    for a, e in zip(r, r1):
+        torch.testing.assert_close(a, e, **tol)
+    r.log_prob.masked_fill(~r.in_support, 0).double().mul(ws).sum().backward()
+    h2 = hidden.clone().requires_grad_(True)
+    r2 = sampled_linear_log_probs(h2, weight, target, sp, bias=bias, vocab_size=vocab_size)
+    r2.log_prob.masked_fill(~r2.in_support, 0).double().mul(ws).sum().backward()
+    torch.testing.assert_close(hx.grad, h2.grad[rows], **tol)
+    # target must be the whole sequence
+    with pytest.raises(ValueError, match="sequence_parallel: target must be the whole sequence"):
+        rc.linear_log_probs(hx, wx, target[rows], group, sequence_parallel=True, vocab_size=vocab_size)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sequence_parallel_equals_the_whole_sequence(world, dtype):
+    run_workers(_sp_worker, world, dtype, world == 2)
+
+
+def _megatron_sp_worker(rank, world, packed):
+    from rollout_corr_ext import SamplingParams
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    group = dist.group.WORLD
+    s, b, hsize, v = 8, 2, 8, 36
+    target, mask, adv, old = _policy_batch(s, b, v, 3)
+    hidden, weight, _ = _inputs(s * b, hsize, v, torch.float64, 6, False)
+    hidden = hidden.reshape(s, b, hsize)
+    if packed:  # one stream [T] of two sequences; hidden [T, 1, H]
+        target, mask, old = (x.t().reshape(-1) for x in (target, mask, old))
+        adv = torch.randn(2, generator=torch.Generator().manual_seed(4))
+        hidden = hidden.reshape(s * b, 1, hsize)
+        extra = dict(cu_seqlens=torch.tensor([0, 5, s * b]))
+    else:
+        extra = {}
+    rows = slice(rank * (hidden.shape[0] // world), (rank + 1) * (hidden.shape[0] // world))
+    sl = slice(rank * (v // world), (rank + 1) * (v // world))
+    for sampling in (None, SamplingParams(top_k=6, top_p=0.9)):
+        kw = dict(old_log_prob=old.double(), entropy_coeff=0.01, sampling=sampling, **extra)
+        h, w = hidden[rows].clone().requires_grad_(True), weight[sl].clone().requires_grad_(True)
+        layer = _OutputLayer(w)
+        layer.sequence_parallel = True
+        loss_func = make_policy_loss_func(target, adv, mask, output_layer=layer, tp_group=group, **kw)
+        loss, num_tokens, metrics = loss_func(h)
+        with CollectiveCounter() as bwd:
+            (loss / num_tokens).backward()
+        # no all-reduce of grad_hidden: the reduce-scatter sums it
+        assert sorted(bwd.calls) == sorted([_GATHERS[0], _SCATTERS[0]]) or \
+            sorted(bwd.calls) == sorted([_GATHERS[1], _SCATTERS[1]]), bwd.calls
+        h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        ref = _loss_and_grads(make_policy_loss_func(target, adv, mask, **kw), h1 @ w1.t(), [h1, w1])
+        torch.testing.assert_close(loss.detach(), ref[0], rtol=1e-12, atol=1e-12)
+        assert int(num_tokens) == int(ref[1])
+        for k in ref[2]:
+            torch.testing.assert_close(metrics[k].detach(), ref[2][k], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(h.grad, ref[3][0][rows], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(w.grad, ref[3][1][sl], rtol=1e-10, atol=1e-12)
+    layer.sequence_parallel = True
+    with pytest.raises(ValueError, match="logits_layout must be 'sbv'"):
+        make_policy_loss_func(target, adv, mask, output_layer=layer, tp_group=group, logits_layout="bsv", **extra)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_make_policy_loss_func_with_sequence_parallel_equals_one_process(packed):
+    run_workers(_megatron_sp_worker, 2, packed)
 
 
 @pytest.mark.parametrize("device", device_params("cpu", "fallback", "emulated", "cuda"))
