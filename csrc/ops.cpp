@@ -30,6 +30,8 @@ static bool built_with_cuda() {
 
 static int64_t cpu_cache_bytes(bool release) { return cpu::ReusedBlockAllocator::retained_bytes_all(release); }
 
+bool mm_f32_uses_mkl();  // csrc/cpu/linear.cpp
+
 static std::string cpu_isa() {
   switch (cpu::cpu_isa()) {
     case cpu::CpuIsa::kAvx512: return "avx512";
@@ -125,6 +127,14 @@ TORCH_LIBRARY(rollout_corr, m) {
   // [N] int64: per row the number of values z >= floor (z any float dtype, compared in fp32 / fp64; floor in that
   // dtype): the run of values tied at the end of a shard's candidate list.
   m.def("count_at_least(Tensor z, Tensor floor) -> Tensor");
+
+  // §6 the fused linear log-probs' GEMM: out [M, N] fp32 = a [M, K] @ b [K, N] + beta * out, a and b both bf16 or
+  // both fp16 (any strides with one of them 1), products accumulated in fp32 and never rounded to 16 bits; out
+  // with unit column stride. CPU kernel (MKL's 16-bit GEMM with fp32 output: csrc/cpu/linear.cpp); CUDA runs
+  // torch's out_dtype matmul through the Python wrapper (rollout_corr_ext/ops.py).
+  m.def("mm_f32_(Tensor(a!) out, Tensor a, Tensor b, float beta) -> ()");
+  // Whether the CPU kernel of mm_f32_ calls MKL (false: it widens its inputs to fp32 first: more memory, same values).
+  m.def("mm_f32_uses_mkl() -> bool", &mm_f32_uses_mkl);
 }
 
 }  // namespace rollout_corr

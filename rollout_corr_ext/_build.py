@@ -24,6 +24,7 @@ CPU_SOURCES: List[str] = [
     "csrc/cpu/rollout_correction.cpp",
     "csrc/cpu/policy_loss.cpp",
     "csrc/cpu/sampling.cpp",
+    "csrc/cpu/linear.cpp",
 ]
 
 #: CUDA launchers (device code lives in csrc/cuda/*_kernels.cuh, included by these).

@@ -13,10 +13,16 @@ gradient in place (``logprob_backward_``) and accumulates ``grad_hidden`` (``g @
 and ``grad_bias``: no ``[N, V_local]`` buffer and no collective (each rank owns its shard's gradient; megatron's
 ``ColumnParallelLinear`` all-reduces ``grad_hidden`` over TP itself, as for the materialized output layer).
 
+Accuracy: for bf16 / fp16 inputs each chunk's logits are the GEMM's fp32 accumulators, never rounded to 16 bits
+(``ops.mm_f32_``: MKL's 16-bit GEMM with fp32 output on CPU, torch's ``out_dtype`` matmul on CUDA), so the log-probs
+are those of the exact product ``h W^T`` to fp32 accuracy -- more accurate than a materialized 16-bit output
+layer, whose logits carry a bf16 rounding of up to 0.03 at |z| ~ 8.
+
 Memory model (beyond inputs and the gradients autograd must return): one logits chunk of
-``chunk_rows x chunk_cols`` in the logits dtype, the records (16-20 bytes per row per vocab tile), and for 16-bit
-inputs fp32 accumulators for ``grad_hidden`` ``[N, H]`` and one vocab tile of ``grad_weight`` (fp32 inputs
-accumulate into the returned gradients directly). See docs/logprobs.md.
+``chunk_rows x chunk_cols`` (fp32 for 16-bit inputs; in backward also its 16-bit copy), allocated once per call and
+reused by every chunk, the records (16-20 bytes per row per vocab tile), and for 16-bit inputs fp32 accumulators
+for ``grad_hidden`` ``[N, H]`` and one vocab tile of ``grad_weight`` (fp32 inputs accumulate into the returned
+gradients directly). See docs/logprobs.md.
 """
 
 from __future__ import annotations
@@ -56,11 +62,68 @@ def _ranges(n: int, step: int) -> List[Tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
 
 
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor]) -> torch.Tensor:
-    z = torch.matmul(h, w.t())
+_WIDE = (torch.float16, torch.bfloat16)
+
+
+def logits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the fused path's chunk logits: fp32 for 16-bit inputs (the GEMM's fp32 accumulators are never
+    rounded to 16 bits, so the fused log-probs are those of the exact product to fp32 accuracy, not of its bf16
+    rounding as a materialized 16-bit output layer gives them), else the inputs' own."""
+    return torch.float32 if dtype in _WIDE else dtype
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``h @ w.T + b`` in :func:`logits_dtype` (written into ``out`` when given: the caller's reused buffer)."""
+    if out is None:
+        out = torch.empty((h.shape[0], w.shape[0]), dtype=logits_dtype(h.dtype), device=h.device)
+    if h.dtype in _WIDE:
+        ops.mm_f32_(out, h, w.t(), 0.0)
+    else:
+        torch.mm(h, w.t(), out=out)
     if b is not None:
-        z += b
-    return z
+        out += b  # a 16-bit bias is added to the fp32 logits exactly
+    return out
+
+
+class _Workspace:
+    """The chunk buffers of one forward or one backward, allocated once and reused by every chunk: the logits chunk
+    (:func:`logits_dtype`), and in backward the 16-bit copy of its gradient that the 16-bit GEMMs read and the
+    ``[rows, H]`` product of the rows left out of a compacted batch. Fresh chunk-sized tensors per chunk would churn
+    through the host allocator (glibc then keeps the freed chunks in the process, raising its resident memory by
+    hundreds of MiB at the default settings) and through the CUDA caching allocator."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, rows: int, cols: int):
+        self.rows, self.cols = max(rows, 0), max(cols, 0)
+        self.hidden, self.weight = hidden, weight
+        self._z = self._g16 = self._gh = None
+
+    def logits(self, h, w, b) -> torch.Tensor:
+        if self._z is None:
+            self._z = torch.empty(self.rows * self.cols, dtype=logits_dtype(self.hidden.dtype),
+                                  device=self.hidden.device)
+        return _chunk_logits(h, w, b, self._z[:h.shape[0] * w.shape[0]].view(h.shape[0], w.shape[0]))
+
+    def sixteen(self, g: torch.Tensor) -> torch.Tensor:
+        """The gradient chunk rounded to the inputs' 16-bit dtype (once, as a 16-bit logits gradient is)."""
+        if self._g16 is None:
+            self._g16 = torch.empty(self.rows * self.cols, dtype=self.hidden.dtype, device=g.device)
+        return self._g16[:g.numel()].view(g.shape).copy_(g)
+
+    def hidden_rows(self, r: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._gh is None:
+            self._gh = torch.empty(self.rows * self.hidden.shape[-1], dtype=dtype, device=self.hidden.device)
+        return self._gh[:r * self.hidden.shape[-1]].view(r, self.hidden.shape[-1])
+
+
+def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """``out (+)= a @ b`` with ``out`` in the accumulators' dtype (fp32 for 16-bit ``a``, ``b``)."""
+    if a.dtype in _WIDE:
+        ops.mm_f32_(out, a, b, 1.0 if accumulate else 0.0)
+    elif accumulate:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
 
 
 # The merge's own messages (csrc/cpu/logprob.cpp) name a row of the logits it was given: for a chunk, the row
@@ -155,16 +218,18 @@ class _LinearLogProbs(torch.autograd.Function):
         real_cols = min(max(vocab_size - vocab_start, 0), weight.shape[0])
         tiles = _vocab_tiles(weight.shape[0], real_cols, chunk_cols)
         records = []
+        ws = _Workspace(hidden, weight, max(r1 - r0 for r0, r1, _ in rows), max(c1 - c0 for c0, c1 in tiles))
         for r0, r1, index in rows:
             h, t = _hidden_rows(hidden, r0, r1, index, keep), _rows(target, r0, r1, index)
             for c0, c1 in tiles:
-                z = _chunk_logits(h, weight[c0:c1], None if bias is None else bias[c0:c1])
+                z = ws.logits(h, weight[c0:c1], None if bias is None else bias[c0:c1])
                 if floor is not None:
                     z = _below_floor_to_neg_inf(z, _rows(floor, r0, r1, index), inv_temperature)
                 # Each vocab tile is one shard of the merge; the chunk is dropped as soon as its record is taken.
                 records.append(ops.vocab_row_stats(z, t, vocab_start + c0, vocab_size, inv_temperature,
                                                    ignore_index, False))
                 del z
+        del ws
         lengths = [r.numel() for r in records]
         flat = torch.cat(records)
         if world > 1:
@@ -239,59 +304,63 @@ def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, g
               sp=None):
     """Per vocab tile (clipped to the real vocabulary), per chunk of the computed rows: recompute the logits, turn
     them into d(loss)/d(logits) in place, accumulate. Ignored rows and padded vocabulary rows are never multiplied:
-    their gradients are exactly 0 whatever they hold. ``sp = (group, world)``: ``hidden`` is the gathered sequence
-    and grad_hidden is reduce-scattered back to this rank's rows (in the accumulator's dtype, then rounded once)."""
-    exact = hidden.dtype in (torch.float32, torch.float64)  # accumulate in the gradients' own dtype
+    their gradients are exactly 0 whatever they hold. 16-bit inputs: the logits gradient is rounded to their dtype
+    once (as a 16-bit materialized path has it) and every GEMM accumulates into fp32 (``grad_hidden`` ``[N, H]``
+    and one ``grad_weight`` tile), rounded once at the end. ``sp = (group, world)``: ``hidden`` is the gathered
+    sequence and grad_hidden is reduce-scattered back to this rank's rows (in fp32 for 16-bit inputs)."""
+    exact = hidden.dtype not in _WIDE  # accumulate in the gradients' own dtype
     acc = hidden.dtype if exact else torch.float32
     grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
     grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
     rows = _row_chunks(hidden.shape[0], valid, chunk_rows)
+    tiles = [(c0, c1) for c0, c1 in _vocab_tiles(weight.shape[0], real_cols, chunk_cols) if c1 > c0]
+    ws = _Workspace(hidden, weight, max(r1 - r0 for r0, r1, _ in rows), max((c1 - c0 for c0, c1 in tiles), default=0))
+    gw_acc = None  # the 16-bit path's fp32 grad_weight tile, reused across tiles
     if need_w and real_cols < weight.shape[0]:
         grad_w[real_cols:].zero_()
-    for c0, c1 in _vocab_tiles(weight.shape[0], real_cols, chunk_cols):
-        if c1 == c0:
-            continue
+    for c0, c1 in tiles:
         w = weight[c0:c1]
         b = None if bias is None else bias[c0:c1]
-        gw = grad_w[c0:c1] if need_w and exact else None  # the non-exact fp32 tile comes from the first chunk
+        gw = None
+        if need_w:
+            if exact:
+                gw = grad_w[c0:c1]
+            else:
+                if gw_acc is None:
+                    gw_acc = torch.empty(ws.cols * weight.shape[1], dtype=acc, device=weight.device)
+                gw = gw_acc[:(c1 - c0) * weight.shape[1]].view(c1 - c0, weight.shape[1])
         first = True  # the first row chunk writes the grad_weight tile, later ones accumulate (no zero fill)
         for r0, r1, index in rows:
             if r1 == r0:
                 continue
             h = _hidden_rows(hidden, r0, r1, index, keep)
-            g = _chunk_logits(h, w, b)  # recomputed, then overwritten with d(loss)/d(logits)
+            g = ws.logits(h, w, b)  # recomputed, then overwritten with d(loss)/d(logits)
             if floor is not None:  # the same kept set as the forward: the gradient is 0 outside it
                 g = _below_floor_to_neg_inf(g, _rows(floor, r0, r1, index), inv_temperature)
             ops.logprob_backward_(g, None if grad_logp is None else _rows(grad_logp, r0, r1, index),
                                   None if grad_entropy is None else _rows(grad_entropy, r0, r1, index), None,
                                   _rows(target, r0, r1, index), row_state[r0:r1], vocab_start + c0, vocab_size,
                                   inv_temperature, ignore_index)
-            if need_h:
-                if index is not None:
-                    grad_h.index_add_(0, index, torch.matmul(g, w).to(acc))
-                elif exact:
-                    grad_h[r0:r1].addmm_(g, w)
-                else:
-                    grad_h[r0:r1] += torch.matmul(g, w)
-            if need_w:
-                if exact:
-                    if first:
-                        torch.mm(g.t(), h, out=gw)
-                    else:
-                        gw.addmm_(g.t(), h)
-                elif first:
-                    gw = torch.matmul(g.t(), h).to(acc)
-                else:
-                    gw += torch.matmul(g.t(), h)
-            first = False
             if need_b:
                 grad_b[c0:c1] += g.sum(0, dtype=acc)
-            del g
+            g_in = g if exact else ws.sixteen(g)  # what the GEMMs read
+            if need_h:
+                if index is not None:
+                    part = ws.hidden_rows(r1 - r0, acc)
+                    _matmul_into(part, g_in, w, False)
+                    grad_h.index_add_(0, index, part)
+                else:
+                    _matmul_into(grad_h[r0:r1], g_in, w, True)
+            if need_w:
+                _matmul_into(gw, g_in.t(), h, not first)
+            first = False
+            del g, g_in
         if need_w and first:  # no rows at all
             grad_w[c0:c1].zero_()
         elif need_w and not exact:
             grad_w[c0:c1] = gw
+    del ws, gw_acc
     if grad_h is not None and sp is not None:
         grad_h = reduce_scatter_sequence(grad_h, *sp)
     return (None if grad_h is None else grad_h.to(hidden.dtype), grad_w,

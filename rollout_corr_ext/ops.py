@@ -96,6 +96,10 @@ def _register_fakes() -> None:
     def _(z, z_max, floor, lo, hi, probes):
         return z.new_empty((z.shape[0], probes.shape[1] + 1), dtype=torch.int64)
 
+    @torch.library.register_fake("rollout_corr::mm_f32_")
+    def _(out, a, b, beta):
+        return None
+
 
 # ---------------------------------------------------------------------------------------------------------
 # §2 vocab-parallel log-probs: local row statistics, merge of the gathered records, backward
@@ -459,3 +463,13 @@ def floor_zero_(grad: torch.Tensor, x: torch.Tensor, floor: torch.Tensor, temper
         torch.ops.rollout_corr.floor_zero_.default(grad, x, floor, float(temperature))
         return
     fallback.floor_zero_(grad, x, floor, temperature)
+
+
+def mm_f32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 0.0) -> None:
+    """``out`` (fp32, in place) = ``a @ b + beta * out`` for bf16 / fp16 ``a`` and ``b``: the products accumulated in
+    fp32 and never rounded to 16 bits (torch's CPU matmul of 16-bit inputs returns a 16-bit result). The CPU kernel
+    calls MKL's 16-bit GEMM with fp32 output (csrc/cpu/linear.cpp); CUDA runs torch's ``out_dtype`` matmul."""
+    if _compiled and out.device.type in ("cpu", "meta"):
+        torch.ops.rollout_corr.mm_f32_.default(out, a, b, float(beta))
+        return
+    fallback.mm_f32_(out, a, b, beta)

@@ -31,6 +31,23 @@ GRAD_TOL = {
 }
 
 
+#: linear_log_probs (log-probs, entropy) against the fp64 log_softmax of the *exact* product h W^T (+ b), by the
+#: inputs' dtype. 16-bit inputs: the chunk logits are the GEMM's fp32 accumulators (never rounded to 16 bits), so
+#: the error is the fp32 accumulation over H of exact products plus the fp32 kernel's: the fp32 bound. (A 16-bit
+#: materialized output layer is off by up to half a bf16 ulp of each logit: 0.02 in log-prob at |z| ~ 8.)
+LINEAR_TOL = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (1e-5, 1e-5),
+    torch.float16: (1e-5, 1e-5),
+}
+
+
+def linear_tol(dtype):
+    rtol, atol = LINEAR_TOL[dtype]
+    return {"rtol": rtol, "atol": atol}
+
+
 def output_tol(dtype):
     rtol, atol = OUTPUT_TOL[dtype]
     return {"rtol": rtol, "atol": atol}

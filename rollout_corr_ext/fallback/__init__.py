@@ -4,10 +4,11 @@
 Every function mirrors the contract of the ``torch.ops.rollout_corr.*`` op of the same name (same arguments, same
 outputs, same dtypes); :mod:`rollout_corr_ext.ops` picks between the two and is the only package module that imports
 this one. One module per op family, named after the family's stem in ``csrc/`` (``logprob``, ``rollout_correction``,
-``policy_loss``, ``sampling``). Production code only: the test oracles live in ``rollout_corr_testing`` and share nothing with
+``policy_loss``, ``sampling``, ``linear``). Production code only: the test oracles live in ``rollout_corr_testing`` and share nothing with
 this package or the kernels.
 """
 
+from .linear import mm_f32_
 from .logprob import (logprob_backward, logprob_backward_, merge_row_stats, settings_fingerprint,
                       target_fingerprint, vocab_row_stats)
 from .policy_loss import policy_loss_rows
@@ -17,4 +18,4 @@ from .sampling import count_at_least, floor_fill, floor_zero_, mass_histogram, r
 __all__ = ["vocab_row_stats", "merge_row_stats", "logprob_backward", "logprob_backward_", "target_fingerprint",
            "settings_fingerprint", "rollout_seq_stats", "rollout_token_pass", "rollout_check", "policy_loss_rows",
            "row_topk", "floor_fill", "mass_histogram", "count_at_least",
-           "floor_zero_"]
+           "floor_zero_", "mm_f32_"]
