@@ -11,8 +11,8 @@ weight):
 
 Columns: median wall time of forward + backward (``--repeats``, after a warm-up) at ``--n-time`` rows, and the
 fused / materialized time ratio; for every N of ``--n``: peak extra resident memory of one forward + backward,
-measured in a fresh subprocess (RSS high-water mark above the RSS once the inputs exist, glibc's mmap threshold
-fixed so freed buffers go back to the system), both with and without the gradients both paths must return
+measured in a fresh subprocess with the allocator as the user has it (RSS high-water mark above the RSS once the
+inputs exist; no malloc variables), both with and without the gradients both paths must return
 (``grad_hidden`` [N, H] and ``grad_weight`` [V_local, H]), and the fused / materialized ratio of the latter.
 
 Run (the issue's size is ``--hidden 2048``; on a 2-core CPU one fp32 forward + backward at N = 8192 then takes
@@ -75,10 +75,9 @@ def measure_memory(path, n, h, v, dtype, device):
 
 
 def memory_subprocess(path, n, h, v, dtype_name, device):
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--_memory", path, "--n", str(n), "--hidden",
                           str(h), "--vocab", str(v), "--dtypes", dtype_name, "--device", device],
-                         capture_output=True, text=True, env=env)
+                         capture_output=True, text=True)
     if out.returncode != 0:
         print(f"(memory of {path} at N={n} failed: {out.stderr.strip().splitlines()[-1:]})")
         return None

@@ -268,10 +268,9 @@ def measure_peak_memory(name: str, b: int, t: int) -> float:
 def peak_memory_subprocess(name: str, b: int, t: int, extra_args=()):
     """``measure_peak_memory`` (or, with ``extra_args=("--packed", "--min-len", ...)``, its packed twin) of ``name`` in
     a fresh subprocess of this script; None (and a note) when it fails."""
-    # A fixed mmap threshold: glibc otherwise raises it after the first large free, keeps the freed input
-    # temporaries on its heap and serves the call's buffers from those already-resident pages (counted as 0).
-    env = dict(os.environ, ROLLOUT_CORR_FORCE_FALLBACK=os.environ.get("ROLLOUT_CORR_FORCE_FALLBACK", "0"),
-               MALLOC_MMAP_THRESHOLD_="65536")
+    # The allocator as the user has it (no malloc variables): what the call adds to the resident memory of a
+    # process that has just built its inputs.
+    env = dict(os.environ, ROLLOUT_CORR_FORCE_FALLBACK=os.environ.get("ROLLOUT_CORR_FORCE_FALLBACK", "0"))
     out = subprocess.run([sys.executable, os.path.abspath(__file__), *extra_args, "--b", str(b), "--t", str(t),
                           "--threads", str(torch.get_num_threads()), "--_memory", name],
                          capture_output=True, text=True, env=env)

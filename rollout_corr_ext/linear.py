@@ -54,6 +54,9 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: 2048 x 2048 x H, and narrow vocab tiles keep the 16-bit path's fp32 grad_weight tile accumulator small.
 DEFAULT_CHUNK_ROWS = 2048
 DEFAULT_CHUNK_COLS = 2048
+#: The default (and padded) row chunk of ``batch_invariant=True``: every GEMM multiplies exactly this many rows, so
+#: a short batch pays for them; 256 rows keep that small and the GEMM still efficient.
+BATCH_INVARIANT_CHUNK_ROWS = 256
 
 
 def _ranges(n: int, step: int) -> List[Tuple[int, int]]:
@@ -93,16 +96,28 @@ class _Workspace:
     through the host allocator (glibc then keeps the freed chunks in the process, raising its resident memory by
     hundreds of MiB at the default settings) and through the CUDA caching allocator."""
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, rows: int, cols: int):
-        self.rows, self.cols = max(rows, 0), max(cols, 0)
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, rows: int, cols: int, pad_rows: int = 0):
+        self.rows, self.cols, self.pad_rows = max(rows, pad_rows, 0), max(cols, 0), pad_rows
         self.hidden, self.weight = hidden, weight
-        self._z = self._g16 = self._gh = None
+        self._z = self._g16 = self._gh = self._h_pad = None
 
     def logits(self, h, w, b) -> torch.Tensor:
+        """The chunk's logits ``h @ w.T + b``. Batch-invariant mode (``pad_rows``): every GEMM multiplies exactly
+        ``pad_rows`` rows (the chunk's, then zero rows), so its shape, and with it the GEMM's blocking and reduction
+        order, never depends on how many rows the batch has or where this one sits; the padding's logits are
+        dropped."""
         if self._z is None:
             self._z = torch.empty(self.rows * self.cols, dtype=logits_dtype(self.hidden.dtype),
                                   device=self.hidden.device)
-        return _chunk_logits(h, w, b, self._z[:h.shape[0] * w.shape[0]].view(h.shape[0], w.shape[0]))
+        r = h.shape[0]
+        if self.pad_rows > r:
+            if self._h_pad is None:
+                self._h_pad = torch.zeros((self.pad_rows, h.shape[1]), dtype=h.dtype, device=h.device)
+            self._h_pad[:r].copy_(h)
+            self._h_pad[r:].zero_()
+            h = self._h_pad
+        m, c = h.shape[0], w.shape[0]
+        return _chunk_logits(h, w, b, self._z[:m * c].view(m, c))[:r]
 
     def sixteen(self, g: torch.Tensor) -> torch.Tensor:
         """The gradient chunk rounded to the inputs' 16-bit dtype (once, as a 16-bit logits gradient is)."""
@@ -209,7 +224,7 @@ class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, tp_group, world, vocab_start, vocab_size, inv_temperature,
                 ignore_index, chunk_rows, chunk_cols, check_group, floor=None, sequence_parallel=False,
-                gathered=None):
+                gathered=None, batch_invariant=False):
         local = hidden
         if sequence_parallel:  # hidden: this rank's rows; the whole sequence is gathered (given: already gathered)
             hidden = gathered if gathered is not None else gather_sequence(local, tp_group, world)
@@ -218,7 +233,9 @@ class _LinearLogProbs(torch.autograd.Function):
         real_cols = min(max(vocab_size - vocab_start, 0), weight.shape[0])
         tiles = _vocab_tiles(weight.shape[0], real_cols, chunk_cols)
         records = []
-        ws = _Workspace(hidden, weight, max(r1 - r0 for r0, r1, _ in rows), max(c1 - c0 for c0, c1 in tiles))
+        pad_rows = chunk_rows if batch_invariant else 0
+        ws = _Workspace(hidden, weight, max(r1 - r0 for r0, r1, _ in rows), max(c1 - c0 for c0, c1 in tiles),
+                        pad_rows)
         for r0, r1, index in rows:
             h, t = _hidden_rows(hidden, r0, r1, index, keep), _rows(target, r0, r1, index)
             for c0, c1 in tiles:
@@ -267,6 +284,7 @@ class _LinearLogProbs(torch.autograd.Function):
         ctx.save_for_backward(local, weight, bias, target, row_state, valid, keep, floor, outside)
         ctx.args = (vocab_start, vocab_size, inv_temperature, ignore_index, chunk_rows, chunk_cols, real_cols)
         ctx.sp = (tp_group, world) if sequence_parallel and world > 1 else None
+        ctx.pad_rows = pad_rows
         ctx.set_materialize_grads(False)
         return logp, entropy
 
@@ -275,13 +293,13 @@ class _LinearLogProbs(torch.autograd.Function):
         hidden, weight, bias, target, row_state, valid, keep, floor, outside = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         if (grad_logp is None and grad_entropy is None) or not (need_h or need_w or need_b):
-            return (None,) * 16
+            return (None,) * 17
         if grad_logp is not None and outside is not None:
             grad_logp = grad_logp.masked_fill(outside, 0.0)
         with torch.no_grad():
             full = hidden if ctx.sp is None else gather_sequence(hidden, *ctx.sp)
             grads = _backward(full, weight, bias, target, row_state, valid, keep, grad_logp, grad_entropy,
-                              *ctx.args, need_h, need_w, need_b, floor, sp=ctx.sp)
+                              *ctx.args, need_h, need_w, need_b, floor, sp=ctx.sp, pad_rows=ctx.pad_rows)
             del full
         if torch.is_grad_enabled():  # create_graph=True: differentiating these gradients again must raise
             anchors = [t for t in (hidden, weight, bias, grad_logp, grad_entropy)
@@ -289,7 +307,7 @@ class _LinearLogProbs(torch.autograd.Function):
             if anchors:
                 grads = tuple(None if g is None else ops.NoDoubleBackward.apply(g, _LOGPROB_OPS, *anchors)
                               for g in grads)
-        return grads + (None,) * 13
+        return grads + (None,) * 14
 
 
 def _below_floor_to_neg_inf(z: torch.Tensor, floor: torch.Tensor, inv_temperature: float) -> torch.Tensor:
@@ -301,7 +319,7 @@ def _below_floor_to_neg_inf(z: torch.Tensor, floor: torch.Tensor, inv_temperatur
 
 def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, grad_entropy, vocab_start, vocab_size,
               inv_temperature, ignore_index, chunk_rows, chunk_cols, real_cols, need_h, need_w, need_b, floor=None,
-              sp=None):
+              sp=None, pad_rows=0):
     """Per vocab tile (clipped to the real vocabulary), per chunk of the computed rows: recompute the logits, turn
     them into d(loss)/d(logits) in place, accumulate. Ignored rows and padded vocabulary rows are never multiplied:
     their gradients are exactly 0 whatever they hold. 16-bit inputs: the logits gradient is rounded to their dtype
@@ -315,7 +333,9 @@ def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, g
     grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
     rows = _row_chunks(hidden.shape[0], valid, chunk_rows)
     tiles = [(c0, c1) for c0, c1 in _vocab_tiles(weight.shape[0], real_cols, chunk_cols) if c1 > c0]
-    ws = _Workspace(hidden, weight, max(r1 - r0 for r0, r1, _ in rows), max((c1 - c0 for c0, c1 in tiles), default=0))
+    # the forward's GEMM shapes (batch-invariant mode: padded rows), so the recomputed logits are the forward's
+    ws = _Workspace(hidden, weight, max(r1 - r0 for r0, r1, _ in rows), max((c1 - c0 for c0, c1 in tiles), default=0),
+                    pad_rows)
     gw_acc = None  # the 16-bit path's fp32 grad_weight tile, reused across tiles
     if need_w and real_cols < weight.shape[0]:
         grad_w[real_cols:].zero_()
@@ -438,6 +458,7 @@ def linear_log_probs(
     chunk_cols: Optional[int] = None,
     check_group: Optional[bool] = None,
     sequence_parallel: bool = False,
+    batch_invariant: bool = False,
 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """``vocab_parallel_log_probs(hidden @ weight.T + bias, target, tp_group, ...)`` without the logits tensor.
 
@@ -461,6 +482,13 @@ def linear_log_probs(
             reduce-scattered back, summed over the group's vocab shards: it is then the whole gradient of this
             rank's rows (no :func:`copy_to_tensor_parallel_region` around ``hidden``). The log-probs are those of
             the whole sequence, equal to the non-sequence-parallel call's.
+        batch_invariant: a row's log-prob and entropy are bitwise the same whatever other rows share its batch,
+            wherever it sits in it, and however many rows the loss ignores (on one device kind, at one thread
+            count and tensor-parallel layout). Every GEMM then has the fixed shape ``[chunk_rows, H] x [H, tile]``
+            (a chunk with fewer rows is padded with zero rows; ``chunk_rows`` defaults to
+            ``BATCH_INVARIANT_CHUNK_ROWS`` = 256 here), so the GEMM's blocking and reduction order cannot depend on
+            the batch; the rest of the path is per row already. Costs the padding of the last chunk (and of every
+            chunk of a batch under ``chunk_rows``). The gradients are not batch-invariant (they sum over rows).
 
     Returns:
         fp32 log-probs ``hidden.shape[:-1]`` (fp64 for fp64 inputs), and the entropy when ``return_entropy``;
@@ -469,11 +497,11 @@ def linear_log_probs(
         all-gather of the hidden rows more in forward, and an all-gather and a reduce-scatter of them in backward.
     """
     a = _prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, temperature, ignore_index,
-                 chunk_rows, chunk_cols, check_group, sequence_parallel)
+                 chunk_rows, chunk_cols, check_group, sequence_parallel, batch_invariant)
     return_entropy = as_bool("return_entropy", return_entropy)
     logp, entropy = _LinearLogProbs.apply(a.hidden2d, weight, bias, a.target1d, tp_group, a.world, a.vocab_start,
                                           a.vocab_size, a.inv_temp, a.ignore_index, a.chunk_rows, a.chunk_cols,
-                                          a.check_group, None, a.sequence_parallel)
+                                          a.check_group, None, a.sequence_parallel, None, a.batch_invariant)
     logp, entropy = logp.reshape(a.lead), entropy.reshape(a.lead)
     return (logp, entropy) if return_entropy else logp
 
@@ -491,10 +519,11 @@ class _Prepared(NamedTuple):
     chunk_cols: int
     check_group: bool
     sequence_parallel: bool  # and world > 1: hidden2d holds this rank's rows, target1d the whole sequence's
+    batch_invariant: bool
 
 
 def _prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, temperature, ignore_index, chunk_rows,
-             chunk_cols, check_group, sequence_parallel=False) -> _Prepared:
+             chunk_cols, check_group, sequence_parallel=False, batch_invariant=False) -> _Prepared:
     """The boundary checks of :func:`linear_log_probs` (and of its sampling-replay sibling), named errors."""
     if not isinstance(hidden, torch.Tensor) or hidden.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"hidden must be a float16/bfloat16/float32/float64 tensor, got "
@@ -534,7 +563,10 @@ def _prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, te
         check_target(target, hidden, "hidden")
     inv_temp = checked_inv_temperature(temperature, hidden.dtype)
     ignore_index = as_int("ignore_index", ignore_index)
-    chunk_rows = DEFAULT_CHUNK_ROWS if chunk_rows is None else as_int("chunk_rows", chunk_rows)
+    batch_invariant = as_bool("batch_invariant", batch_invariant)
+    if chunk_rows is None:
+        chunk_rows = BATCH_INVARIANT_CHUNK_ROWS if batch_invariant else DEFAULT_CHUNK_ROWS
+    chunk_rows = as_int("chunk_rows", chunk_rows)
     chunk_cols = DEFAULT_CHUNK_COLS if chunk_cols is None else as_int("chunk_cols", chunk_cols)
     if chunk_rows < 1 or chunk_cols < 1:
         raise ValueError(f"chunk_rows and chunk_cols must be >= 1, got {chunk_rows} and {chunk_cols}")
@@ -545,4 +577,4 @@ def _prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, te
 
     return _Prepared(hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).to(torch.int64).contiguous(),
                      target.shape, world, vocab_start, vocab_size, inv_temp, ignore_index, chunk_rows, chunk_cols,
-                     check_group, sp)
+                     check_group, sp, batch_invariant)

@@ -207,6 +207,7 @@ def make_policy_loss_func(
     cu_seqlens: Optional[torch.Tensor] = None,
     output_layer=None,
     sampling=None,
+    batch_invariant: bool = False,
 ) -> Callable:
     """Build the ``loss_func`` that megatron-core's ``forward_backward_func`` expects, for one micro-batch.
 
@@ -271,8 +272,13 @@ def make_policy_loss_func(
     :func:`rollout_corr_ext.linear_log_probs`: the ``[N, V_local]`` logits are never materialized. The hidden states
     enter it through megatron's "copy to tensor-parallel region" (identity forward, all-reduce of the gradient over
     the TP group in backward), as the output layer's own input does, so the transformer below gets the full
-    gradient. Sequence parallelism (the output layer all-gathering sequence-sharded input) is not supported here:
-    an ``output_layer`` with ``sequence_parallel=True`` raises.
+    gradient. With sequence parallelism (``output_layer.sequence_parallel``, as megatron's output layer has it
+    whenever the model runs with ``sequence_parallel=True`` and TP > 1), return the hidden states as that layer
+    receives them, this rank's ``[s / tp, b, H]`` piece (packed: ``[T / tp, 1, H]``): they are all-gathered over the
+    TP group (again in backward, only this rank's piece is kept) and the gradient is reduce-scattered back, as the
+    layer does (``linear_log_probs(..., sequence_parallel=True)``); ``logits_layout`` must then be ``sbv``.
+    ``batch_invariant=True`` (with ``output_layer`` only) makes each token's log-prob independent of the rest of the
+    micro-batch (``linear_log_probs(..., batch_invariant=True)``: fixed GEMM shapes).
 
     **Sampling replay** (``sampling``, a :class:`rollout_corr_ext.SamplingParams`; docs/sampling_replay.md): pi_theta's
     log-probs are those of the truncated, renormalised distribution the engine sampled from (its temperature
@@ -309,6 +315,9 @@ def make_policy_loss_func(
     if cfg.dp_size != 1 or cfg.batch_num_tokens is not None or cfg.global_batch_size is not None:
         raise ValueError("config.dp_size / batch_num_tokens / global_batch_size must be left unset for "
                          "make_policy_loss_func: megatron's schedule normalises by the returned num_tokens")
+    if batch_invariant and output_layer is None:
+        raise ValueError("batch_invariant=True applies to the fused path (output_layer=...): with logits, the "
+                         "log-probs are per row already and the logits come from your own GEMM")
     if logits_layout not in ("sbv", "bsv"):
         raise ValueError(f"logits_layout must be 'sbv' (output layer) or 'bsv' (GPTModel output), got {logits_layout!r}")
     if not isinstance(target, torch.Tensor):
@@ -409,7 +418,8 @@ def make_policy_loss_func(
                 r = sampled_log_probs(x, tgt, sampling, tp, vocab_size=vocab_size)
             else:
                 r = sampled_linear_log_probs(hidden_in(x), out_weight, tgt, sampling, tp, bias=out_bias,
-                                             vocab_size=vocab_size, sequence_parallel=seq_parallel)
+                                             vocab_size=vocab_size, sequence_parallel=seq_parallel,
+                                             batch_invariant=batch_invariant)
             return r.log_prob, r.entropy, r.in_support, r.log_kept_mass
         if output_layer is None:
             return _lp.vocab_parallel_log_probs(x, tgt, tp, vocab_size=vocab_size, temperature=temperature,
@@ -418,7 +428,7 @@ def make_policy_loss_func(
 
         return linear_log_probs(hidden_in(x), out_weight, tgt, tp, bias=out_bias, vocab_size=vocab_size,
                                 temperature=temperature, return_entropy=True,
-                                sequence_parallel=seq_parallel) + (None, None)
+                                sequence_parallel=seq_parallel, batch_invariant=batch_invariant) + (None, None)
 
     def _map(fn, *xs):
         return tuple(None if x is None else fn(x) for x in xs)

@@ -783,13 +783,15 @@ def sampled_linear_log_probs(
     chunk_cols: Optional[int] = None,
     check_group: Optional[bool] = None,
     sequence_parallel: bool = False,
+    batch_invariant: bool = False,
 ) -> SampledLogProbs:
     """:func:`sampled_log_probs` of the logits ``hidden @ weight.T + bias`` without the ``[N, V_local]`` logits
     tensor (as :func:`rollout_corr_ext.linear_log_probs`): the kept set is found from ``CHUNK_ROWS``-row chunks of the
     logits, computed and dropped one at a time, and the log-probs come from the fused chunked path with everything
     below each row's threshold at -inf. Differentiable in ``hidden``, ``weight`` and ``bias``; the temperature must be
     one number here. ``sequence_parallel``: as in :func:`rollout_corr_ext.linear_log_probs` (``hidden`` is this
-    rank's piece of the sequence, gathered once for the search and the forward)."""
+    rank's piece of the sequence, gathered once for the search and the forward); ``batch_invariant``: as there (the
+    search multiplies the same padded chunks, so the kept set is batch-invariant too)."""
     from . import linear as _linear
 
     if not isinstance(sampling, SamplingParams):
@@ -798,7 +800,7 @@ def sampled_linear_log_probs(
         raise ValueError("sampled_linear_log_probs: SamplingParams.temperature must be one number (per-row "
                          "temperatures: compute the logits and use sampled_log_probs)")
     a = _linear._prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, sampling.temperature,
-                         ignore_index, chunk_rows, chunk_cols, check_group, sequence_parallel)
+                         ignore_index, chunk_rows, chunk_cols, check_group, sequence_parallel, batch_invariant)
     whole = _linear.gather_sequence(a.hidden2d.detach(), tp_group, a.world) if a.sequence_parallel else None
     n, v_local = a.target1d.numel(), weight.shape[0]
     _check_entry(sampling, n, a.lead, tp_group, vocab_size, "this weight is")
@@ -817,11 +819,14 @@ def sampled_linear_log_probs(
     b_data = None if bias is None else bias.detach()
     active = torch.ones(m, dtype=torch.bool, device=hidden.device) if keep is None else keep
 
+    # the fused path's own chunk GEMMs (padded rows in batch-invariant mode), into one reused buffer
+    ws = _linear._Workspace(h_data, w_data, max(r1 - r0 for r0, r1, _ in rows),
+                            max(c1 - c0 for c0, c1 in tiles), a.chunk_rows if a.batch_invariant else 0)
+
     def pieces(r0, r1):
         h = _linear._hidden_rows(h_data, r0, r1, index_of[r0], keep)
         for c0, c1 in tiles:
-            yield _linear._chunk_logits(h, w_data[c0:c1], None if b_data is None else b_data[c0:c1]).to(acc) / \
-                temperature
+            yield ws.logits(h, w_data[c0:c1], None if b_data is None else b_data[c0:c1]).to(acc) / temperature
 
     def sub(value):  # per-row parameters of the computed rows
         if isinstance(value, torch.Tensor) and value.dim() and valid is not None:
@@ -844,10 +849,11 @@ def sampled_linear_log_probs(
         else:
             floor.index_copy_(0, valid, th_floor)
             log_s.index_copy_(0, valid, th_log_s)
+    ws = None  # the search's chunk buffer goes before the forward takes its own
     logp, entropy = _linear._LinearLogProbs.apply(a.hidden2d, weight, bias, a.target1d, tp_group, a.world,
                                                   a.vocab_start, a.vocab_size, a.inv_temp, a.ignore_index,
                                                   a.chunk_rows, a.chunk_cols, a.check_group, floor,
-                                                  a.sequence_parallel, whole)
+                                                  a.sequence_parallel, whole, a.batch_invariant)
     in_support = (logp != -math.inf) | (a.target1d == a.ignore_index)
     return SampledLogProbs(logp.reshape(a.lead), entropy.reshape(a.lead), log_s.reshape(a.lead),
                            in_support.reshape(a.lead))

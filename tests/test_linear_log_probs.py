@@ -620,3 +620,75 @@ def test_every_row_ignored_and_the_error_names_the_callers_row(device):
         target = torch.tensor([-100, 1, -100, -100, 2, 3, -100, 4, 5], device=dev)
         with pytest.raises(ValueError, match=r"hidden.reshape\(-1, H\)\[7\]"):
             rc.linear_log_probs(bad.to(dev), weight.to(dev), target, chunk_rows=2, chunk_cols=4)
+
+
+# ------------------------------------------------------------------------------------------ batch invariance
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_invariant_rows_are_bitwise_independent_of_their_batch(dtype):
+    """batch_invariant=True: every row's log-prob and entropy are bitwise equal whether it is computed alone, in a
+    sub-batch at another offset, in a shuffled batch, or among ignored rows (which are left out of the GEMMs and so
+    move every later row within its chunk); with sampling replay the kept set and log S too. The values are the
+    default path's to its tolerance, and the gradients are correct (against the default path)."""
+    from rollout_corr_ext.sampling import SamplingParams, sampled_linear_log_probs
+
+    g = torch.Generator().manual_seed(31)
+    n, hsize, v = 300, 64, 200
+    hidden = torch.randn(n, hsize, generator=g, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(v, hsize, generator=g, dtype=torch.float64) / math.sqrt(hsize) * 3).to(dtype)
+    target = torch.randint(0, v, (n,), generator=g)
+    kw = dict(batch_invariant=True, chunk_rows=64, chunk_cols=48, return_entropy=True)
+    full_lp, full_ent = rc.linear_log_probs(hidden, weight, target, **kw)
+    sp = SamplingParams(top_k=20, top_p=0.8)
+    skw = dict(batch_invariant=True, chunk_rows=64, chunk_cols=48)
+    full_s = sampled_linear_log_probs(hidden, weight, target, sp, **skw)
+
+    def same(rows, lp, ent, s=None):
+        assert torch.equal(lp, full_lp[rows]) and torch.equal(ent, full_ent[rows])
+        if s is not None:
+            for a, b in zip(s, full_s):
+                assert torch.equal(a, b[rows])
+
+    for r0, r1 in [(0, 1), (7, 8), (5, 70), (63, 200), (1, 300)]:
+        rows = torch.arange(r0, r1)
+        same(rows, *rc.linear_log_probs(hidden[r0:r1], weight, target[r0:r1], **kw),
+             sampled_linear_log_probs(hidden[r0:r1], weight, target[r0:r1], sp, **skw))
+    perm = torch.randperm(n, generator=g)
+    same(perm, *rc.linear_log_probs(hidden[perm], weight, target[perm], **kw),
+         sampled_linear_log_probs(hidden[perm], weight, target[perm], sp, **skw))
+    ignored = target.clone()
+    ignored[torch.randperm(n, generator=g)[:90]] = -100
+    keep = ignored != -100
+    lp, ent = rc.linear_log_probs(hidden, weight, ignored, **kw)
+    assert torch.equal(lp[keep], full_lp[keep]) and torch.equal(ent[keep], full_ent[keep])
+    # against the default path (not bitwise: other GEMM shapes), and the gradient
+    tol = linear_tol(dtype)
+    hx, wx = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    ref_lp, ref_ent = rc.linear_log_probs(hx, wx, target, return_entropy=True)
+    (ref_lp.double().sum() + ref_ent.double().sum()).backward()
+    torch.testing.assert_close(full_lp, ref_lp.detach(), **tol)
+    torch.testing.assert_close(full_ent, ref_ent.detach(), **tol)
+    hb, wb = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp, ent = rc.linear_log_probs(hb, wb, target, **kw)
+    (lp.double().sum() + ent.double().sum()).backward()
+    gtol = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else (
+        {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-3})
+    torch.testing.assert_close(hb.grad, hx.grad, **gtol)
+    torch.testing.assert_close(wb.grad, wx.grad, **gtol)
+
+
+def test_batch_invariant_default_chunk_and_errors():
+    from rollout_corr_ext.linear import BATCH_INVARIANT_CHUNK_ROWS
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    hidden, weight, _ = _inputs(BATCH_INVARIANT_CHUNK_ROWS + 3, 8, 20, torch.float32, 3, False)
+    target = torch.randint(0, 20, (hidden.shape[0],), generator=torch.Generator().manual_seed(1))
+    a = rc.linear_log_probs(hidden, weight, target, batch_invariant=True)
+    b = rc.linear_log_probs(hidden[-3:], weight, target[-3:], batch_invariant=True)
+    assert torch.equal(a[-3:], b)
+    with pytest.raises(TypeError, match="batch_invariant must be a bool"):
+        rc.linear_log_probs(hidden, weight, target, batch_invariant="yes")
+    with pytest.raises(ValueError, match="batch_invariant=True applies to the fused path"):
+        make_policy_loss_func(target.reshape(1, -1), torch.zeros(1), torch.ones(1, hidden.shape[0]),
+                              batch_invariant=True)
