@@ -185,6 +185,29 @@ def _bs(name: str, t, shape) -> torch.Tensor:
     return t
 
 
+def _mtp_shifted(target: torch.Tensor, response_mask: torch.Tensor, k: int, cu: Optional[torch.Tensor]):
+    """MTP head ``k``'s (targets, weights): position ``t`` scores the token ``k`` positions further in its sequence,
+    ``target[.., t + k]`` with weight ``response_mask[.., t + k]`` (megatron-core's ``roll_tensor`` applied ``k`` times,
+    within each packed sequence); the last ``k`` positions of each sequence get weight 0 and ``ignore_index`` -100
+    (they are never multiplied)."""
+    if cu is None:  # [b, s]
+        s = target.shape[-1]
+        pos = torch.arange(s, device=target.device) + k
+        inside = (pos < s).expand(target.shape)
+        idx = pos.clamp(max=max(s - 1, 0)).expand(target.shape)
+    else:  # [T] in segments cu
+        n = target.shape[0]
+        cu = cu.to(target.device)
+        seg = torch.searchsorted(cu[1:], torch.arange(n, device=target.device), right=True)
+        pos = torch.arange(n, device=target.device) + k
+        inside = pos < cu[1:][seg.clamp(max=cu.shape[0] - 2)]
+        idx = pos.clamp(max=max(n - 1, 0))
+    mask = torch.where(inside, response_mask.gather(-1, idx) if cu is None else response_mask[idx],
+                       torch.zeros((), dtype=response_mask.dtype, device=response_mask.device))
+    shifted = target.gather(-1, idx) if cu is None else target[idx]
+    return torch.where(mask != 0, shifted, torch.full_like(shifted, -100)), mask
+
+
 def make_policy_loss_func(
     target: torch.Tensor,
     advantages: torch.Tensor,
@@ -208,6 +231,8 @@ def make_policy_loss_func(
     output_layer=None,
     sampling=None,
     batch_invariant: bool = False,
+    mtp_num_layers: int = 0,
+    mtp_loss_scaling_factor: float = 0.1,
 ) -> Callable:
     """Build the ``loss_func`` that megatron-core's ``forward_backward_func`` expects, for one micro-batch.
 
@@ -280,6 +305,17 @@ def make_policy_loss_func(
     ``batch_invariant=True`` (with ``output_layer`` only) makes each token's log-prob independent of the rest of the
     micro-batch (``linear_log_probs(..., batch_invariant=True)``: fixed GEMM shapes).
 
+    **Multi-token prediction** (``mtp_num_layers`` = megatron's ``config.mtp_num_layers``, with ``output_layer``):
+    return the hidden states as megatron's ``MultiTokenPredictionBlock`` hands them to the output layer, the main
+    head's and each MTP head's concatenated along the first (sequence) dimension, ``[(1 + L) * s, b, H]`` (sequence
+    parallel: ``[(1 + L) * s / tp, b, H]``; packed: ``[(1 + L) * T, 1, H]``). The main head's part gets the policy
+    loss; MTP head ``k`` (1..L) gets megatron's MTP loss, the cross-entropy of the tokens ``k`` positions further
+    (``target`` and ``response_mask`` rolled left by ``k`` within each sequence, the last ``k`` positions of a
+    sequence left out), through the fused path, so no MTP head materializes its logits either. As megatron
+    scales it: ``loss_sum / num_tokens`` gains ``mtp_loss_scaling_factor / L * sum_k mean_k`` (``mean_k``: head
+    ``k``'s cross-entropy over its rolled response mask, this micro-batch), and each head's value is reported as
+    ``actor/mtp_{k}_loss``. Not with context parallelism (rolling across CP ranks needs their boundary tokens).
+
     **Sampling replay** (``sampling``, a :class:`rollout_corr_ext.SamplingParams`; docs/sampling_replay.md): pi_theta's
     log-probs are those of the truncated, renormalised distribution the engine sampled from (its temperature
     replaces ``temperature``, which must then stay 1.0). Tokens outside the replayed kept set leave the loss (and the
@@ -320,6 +356,19 @@ def make_policy_loss_func(
                          "log-probs are per row already and the logits come from your own GEMM")
     if logits_layout not in ("sbv", "bsv"):
         raise ValueError(f"logits_layout must be 'sbv' (output layer) or 'bsv' (GPTModel output), got {logits_layout!r}")
+    if isinstance(mtp_num_layers, bool) or not isinstance(mtp_num_layers, int) or mtp_num_layers < 0:
+        raise ValueError(f"mtp_num_layers must be an int >= 0 (megatron's config.mtp_num_layers), got "
+                         f"{mtp_num_layers!r}")
+    if mtp_num_layers:
+        if output_layer is None:
+            raise ValueError("mtp_num_layers > 0 needs output_layer=...: the MTP heads' losses come from their hidden "
+                             "states through the fused path")
+        if logits_layout != "sbv":
+            raise ValueError("mtp_num_layers > 0: the heads' hidden states are concatenated along the sequence "
+                             "dimension of [s, b, H], so logits_layout must be 'sbv'")
+        if not (isinstance(mtp_loss_scaling_factor, (int, float)) and math.isfinite(mtp_loss_scaling_factor)
+                and mtp_loss_scaling_factor >= 0):
+            raise ValueError(f"mtp_loss_scaling_factor must be a finite number >= 0, got {mtp_loss_scaling_factor!r}")
     if not isinstance(target, torch.Tensor):
         raise ValueError(f"target must be a tensor of token ids, got {type(target).__name__}")
     tp = _tp_group(tp_group, pg_collection, output_layer)
@@ -399,10 +448,16 @@ def make_policy_loss_func(
             kept_tokens = kept_tokens.permute_rows(
                 torch.arange(b_ * s_, device=kept_tokens.offsets.device).reshape(b_, s_).t().reshape(-1))
 
+    if mtp_num_layers and seq_world > 1:
+        raise ValueError("mtp_num_layers > 0 with context parallelism is not supported: rolling the targets k "
+                         "positions needs the neighbouring CP rank's tokens")
+    # MTP head k's targets and weights: target / response_mask k positions further within each sequence
+    mtp_heads = [_mtp_shifted(target, response_mask, k, cu) for k in range(1, mtp_num_layers + 1)]
+
     def hidden_in(x):  # the output layer's input: all-reduce of its gradient over TP (with SP: inside the path)
         from .linear import copy_to_tensor_parallel_region
 
-        return x if seq_parallel else copy_to_tensor_parallel_region(x, tp)
+        return x if seq_parallel or mtp_num_layers else copy_to_tensor_parallel_region(x, tp)
 
     def log_probs(x, tgt):
         """(log-probs, entropy, in_support or None, log S or None) in ``tgt``'s shape."""
@@ -441,6 +496,17 @@ def make_policy_loss_func(
             raise ValueError(f"loss_func expects vocab-parallel logits [s, b, V_local] (or [b, s, V_local]; with "
                              f"output_layer: hidden states [s, b, H] / [b, s, H]), got "
                              f"{getattr(logits, 'shape', type(logits))}")
+        mtp_parts = []
+        if mtp_num_layers:  # [(1 + L) * s, b, H]: the main head's rows, then each MTP head's
+            if logits.shape[0] % (1 + mtp_num_layers):
+                raise ValueError(f"mtp_num_layers = {mtp_num_layers}: the hidden states must be the main and MTP "
+                                 f"heads' concatenated along dim 0, [(1 + {mtp_num_layers}) * s, b, H]; got "
+                                 f"{tuple(logits.shape)}")
+            if not seq_parallel:  # one all-reduce of d(loss)/d(hidden) over TP for every head
+                from .linear import copy_to_tensor_parallel_region
+
+                logits = copy_to_tensor_parallel_region(logits, tp)
+            logits, *mtp_parts = torch.chunk(logits, 1 + mtp_num_layers, dim=0)
         tgt = target.to(logits.device)
         # with sequence parallelism the hidden states are this rank's 1 / tp of the positions (first dimension)
         lead = (logits.shape[0] * (_size(tp) if seq_parallel else 1),) + tuple(logits.shape[1:-1])
@@ -523,6 +589,24 @@ def make_policy_loss_func(
             pg_sum, ent_sum = pg_sum * seq_world, ent_sum * seq_world
         n = count.to(pg_sum.dtype)
         loss_sum = pg_sum - entropy_coeff * ent_sum if entropy_coeff > 0 else pg_sum
+        mtp_pairs = []
+        if mtp_num_layers:
+            from .linear import linear_log_probs
+
+            # megatron's MTP loss: each head's cross-entropy mean over its rolled mask, scaled by factor / L,
+            # added to this micro-batch's value (so loss_sum gains it times num_tokens)
+            scale = mtp_loss_scaling_factor / mtp_num_layers
+            for x_k, (tgt_k, m_k) in zip(mtp_parts, mtp_heads):
+                tgt_k = tgt_k.to(x_k.device)
+                lp_k = linear_log_probs(x_k, out_weight, tgt_k.reshape(lead) if cu is not None else tgt_k.t(), tp,
+                                        bias=out_bias,
+                                        vocab_size=vocab_size, sequence_parallel=seq_parallel,
+                                        batch_invariant=batch_invariant)
+                lp_k = lp_k.reshape(-1) if cu is not None else lp_k.transpose(0, 1)
+                m_k = m_k.to(device=lp_k.device, dtype=lp_k.dtype)
+                ce_sum, n_k = -(lp_k * m_k).sum(), m_k.sum()
+                loss_sum = loss_sum + scale * _safe_div(ce_sum, n_k) * n
+                mtp_pairs.append((ce_sum.detach(), n_k))
 
         rows = rows.detach()
         tokens = rows[:, LY.PG_ROW_TOKENS].sum()
@@ -538,6 +622,9 @@ def make_policy_loss_func(
         for k, v in corr_metrics.items():
             names.append(k)
             pairs.append((v.detach().to(torch.float32), one))
+        for k, pair in enumerate(mtp_pairs, 1):
+            names.append(f"actor/mtp_{k}_loss")
+            pairs.append(pair)
         if in_support is not None:  # over this rank's response tokens, summed like the actor/ metrics
             valid = response_mask != 0
             n_valid = valid.sum().float()

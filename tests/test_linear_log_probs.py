@@ -692,3 +692,123 @@ def test_batch_invariant_default_chunk_and_errors():
     with pytest.raises(ValueError, match="batch_invariant=True applies to the fused path"):
         make_policy_loss_func(target.reshape(1, -1), torch.zeros(1), torch.ones(1, hidden.shape[0]),
                               batch_invariant=True)
+
+
+# ------------------------------------------------------------------------------------------ multi-token prediction
+
+
+def _mtp_oracle(hidden_all, weight, target, mask, adv, old, n_layers, scale, packed_cu):
+    """megatron-core's MTP rules in fp64: the main head's policy loss from its materialized logits (the logits path
+    of make_policy_loss_func), and for MTP head k the cross-entropy of log_softmax(h_k W^T) at the labels and loss
+    mask rolled k times by megatron's own roll_tensor (per packed sequence with packed_seq_params), masked, summed,
+    over the rolled mask's sum, times scaling_factor / L, added to the micro-batch's value."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    chunks = torch.chunk(hidden_all, 1 + n_layers, dim=0)
+    kw = dict(old_log_prob=old, entropy_coeff=0.01)
+    if packed_cu is not None:
+        kw["cu_seqlens"] = packed_cu
+    main = make_policy_loss_func(target, adv, mask, **kw)
+    loss, num_tokens, metrics = main(chunks[0] @ weight.t())
+    value = loss / num_tokens
+    psp = None if packed_cu is None else SimpleNamespace(cu_seqlens_q=packed_cu)
+    labels = (target if packed_cu is None else target.reshape(1, -1)).clone()
+    lmask = (mask if packed_cu is None else mask.reshape(1, -1)).double()
+    heads = []
+    for k in range(1, n_layers + 1):
+        labels, _ = roll_tensor(labels, shifts=-1, dims=-1, packed_seq_params=psp)
+        lmask, n_k = roll_tensor(lmask, shifts=-1, dims=-1, packed_seq_params=psp)
+        logp = torch.log_softmax(chunks[k] @ weight.t(), -1)  # [s, b, V] (packed: [T, 1, V])
+        lab = labels.t() if packed_cu is None else labels.reshape(-1, 1)
+        ce = -logp.gather(-1, lab.unsqueeze(-1)).squeeze(-1)
+        ce = ce.t() if packed_cu is None else ce.reshape(1, -1)
+        ce_sum = (ce * lmask).sum()
+        value = value + scale / n_layers * ce_sum / n_k
+        heads.append((ce_sum, n_k))
+    return value, int(num_tokens), heads
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_make_policy_loss_func_with_mtp_heads_equals_megatrons_rules(packed):
+    """mtp_num_layers = 2 through the fused path: the value loss_sum / num_tokens, every head's reported loss and
+    the gradients of the heads' hidden states and the output weight equal the fp64 oracle of megatron's MTP rules;
+    the heads' logits are never materialized (the fused path), and an MTP head's ignored positions (the rolled-off
+    tail, prompt tokens) are left out of its GEMMs."""
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    s, b, hsize, v, n_layers, scale = 9, 2, 8, 30, 2, 0.3
+    target, mask, adv, old = _policy_batch(s, b, v, 7)
+    hidden, weight, _ = _inputs((1 + n_layers) * s * b, hsize, v, torch.float64, 8, False)
+    cu = None
+    if packed:
+        target, mask, old = (x.t().reshape(-1) for x in (target, mask, old))  # any stream of s * b tokens
+        cu = torch.tensor([0, 4, 11, s * b])
+        adv = torch.randn(3, generator=torch.Generator().manual_seed(2))
+        hidden = hidden.reshape((1 + n_layers) * s * b, 1, hsize)
+    else:
+        hidden = hidden.reshape((1 + n_layers) * s, b, hsize)
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    kw = dict(old_log_prob=old.double(), entropy_coeff=0.01, mtp_num_layers=n_layers, mtp_loss_scaling_factor=scale)
+    if packed:
+        kw["cu_seqlens"] = cu
+    loss, num_tokens, metrics = make_policy_loss_func(target, adv, mask, output_layer=_OutputLayer(w), **kw)(h)
+    (loss / num_tokens).backward()
+    h1, w1 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    value, ref_tokens, heads = _mtp_oracle(h1, w1, target, mask, adv, old.double(), n_layers, scale, cu)
+    value.backward()
+    assert int(num_tokens) == ref_tokens
+    torch.testing.assert_close(loss.detach() / num_tokens, value.detach(), rtol=1e-12, atol=1e-12)
+    for k, (ce_sum, n_k) in enumerate(heads, 1):
+        torch.testing.assert_close(metrics[f"actor/mtp_{k}_loss"].double(), torch.stack([ce_sum, n_k]).detach().double(),
+                                   rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h.grad, h1.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(w.grad, w1.grad, rtol=1e-10, atol=1e-12)
+    # the argument checks
+    with pytest.raises(ValueError, match="needs output_layer"):
+        make_policy_loss_func(target, adv, mask, mtp_num_layers=1, **({"cu_seqlens": cu} if packed else {}))
+    with pytest.raises(ValueError, match="mtp_num_layers must be an int"):
+        make_policy_loss_func(target, adv, mask, output_layer=_OutputLayer(w), mtp_num_layers=-1)
+    with pytest.raises(ValueError, match=r"\[\(1 \+ 2\) \* s, b, H\]"):
+        make_policy_loss_func(target, adv, mask, output_layer=_OutputLayer(w), **kw)(h[:-1])
+
+
+def _mtp_sp_worker(rank, world):
+    """MTP heads under TP = 2 with sequence parallelism: each rank returns its [(1 + L) * s / tp, b, H] piece (each
+    head's s / tp rows, concatenated, as megatron's SP MTP block hands them on); the loss, every metric and the
+    gradients equal the single-process call on the whole hidden states."""
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    group = dist.group.WORLD
+    s, b, hsize, v, n_layers = 8, 2, 8, 36, 2
+    target, mask, adv, old = _policy_batch(s, b, v, 9)
+    hidden, weight, _ = _inputs((1 + n_layers) * s * b, hsize, v, torch.float64, 10, False)
+    heads = hidden.reshape(1 + n_layers, s, b, hsize)
+    rows = slice(rank * (s // world), (rank + 1) * (s // world))
+    local = heads[:, rows].reshape(-1, b, hsize)
+    sl = slice(rank * (v // world), (rank + 1) * (v // world))
+    kw = dict(old_log_prob=old.double(), entropy_coeff=0.01, mtp_num_layers=n_layers)
+    for sp in (True, False):
+        x = (local if sp else heads.reshape(-1, b, hsize)).clone().requires_grad_(True)
+        w = weight[sl].clone().requires_grad_(True)
+        layer = _OutputLayer(w)
+        layer.sequence_parallel = sp
+        loss, num_tokens, metrics = make_policy_loss_func(target, adv, mask, output_layer=layer, tp_group=group,
+                                                          **kw)(x)
+        (loss / num_tokens).backward()
+        h1, w1 = hidden.reshape(-1, b, hsize).clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        ref = _loss_and_grads(make_policy_loss_func(target, adv, mask, output_layer=_OutputLayer(w1), **kw), h1,
+                              [h1, w1])
+        torch.testing.assert_close(loss.detach(), ref[0], rtol=1e-12, atol=1e-12)
+        for k in ref[2]:
+            torch.testing.assert_close(metrics[k], ref[2][k], rtol=1e-10, atol=1e-12)
+        want_h = ref[3][0].reshape(1 + n_layers, s, b, hsize)[:, rows].reshape(-1, b, hsize) if sp else ref[3][0]
+        torch.testing.assert_close(x.grad, want_h, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(w.grad, ref[3][1][sl], rtol=1e-10, atol=1e-12)
+
+
+def test_mtp_heads_under_tensor_and_sequence_parallelism():
+    run_workers(_mtp_sp_worker, 2)
