@@ -16,10 +16,13 @@ What it does, per step and per correction setting:
   staleness mismatch alone; a setting named ``NAME:noreplay`` scores them under softmax(logits / T) instead, and its
   ratios then carry each row's kept mass (the default settings include ``none:noreplay`` to show the difference).
 * **Advantages**: GRPO (reward normalised within each prompt's group).
-* **Update**: the trainer (fp32 megatron-core TP layers: ``VocabParallelEmbedding``, ``ColumnParallelLinear``,
-  ``RowParallelLinear``, vocab-parallel output layer) recomputes pi_old (decoupled settings) and runs PPO over
-  mini-batches through :func:`rollout_corr_ext.megatron.make_policy_loss_func`: vocab-parallel log-probs ->
-  rollout correction -> policy loss, in megatron-core's ``loss_func`` contract.
+* **Update**: the trainer, megatron-core's own ``GPTModel`` (``--model gpt``, the default: the local layer spec,
+  RoPE, fp32, sequence parallelism on at TP > 1), recomputes pi_old (decoupled settings) and runs PPO over
+  mini-batches through :func:`rollout_corr_ext.megatron.make_policy_loss_func` with ``output_layer=`` the model's
+  vocab-parallel output layer: the loss takes the decoder's final hidden states (this rank's ``[s / tp, b, H]``
+  under SP) and never builds the logits (fused log-probs -> rollout correction -> policy loss, in megatron-core's
+  ``loss_func`` contract). ``--model tiny``: megatron's TP linears around attention written here, and the logits
+  path.
 
 Settings (``--settings``): ``none`` (PPO vs pi_old, mismatch ignored; correction metrics still logged),
 ``token_tis`` (decoupled, token TIS C=2), ``seq_mis`` (decoupled, sequence TIS + sequence RS at 2),
@@ -31,15 +34,16 @@ Outputs in ``--out-dir``: ``metrics.jsonl`` (one line per step and setting), ``c
 fraction of sequences / tokens each setting rejects) and ``run.json`` (the command, the commit, the machine, the
 backend and the wall time: ``examples/demo_table.py`` prints the docs' results table from these files).
 
-Attention is written here with plain torch ops around megatron's TP linears: megatron-core's attention
-modules and pipeline schedules need CUDA, so ``loss_func`` is called directly, in the same contract
-``forward_backward_func`` uses (``loss_sum / num_tokens``).
+On CPU a few pieces of megatron-core need CUDA; ``rollout_corr_testing/megatron_cpu.py`` names each with its shim
+(docs/megatron.md). One of them is the schedule (``forward_backward_no_pipelining`` allocates on "cuda"), so
+``loss_func`` is called directly, in the same contract ``forward_backward_func`` uses (``loss_sum / num_tokens``).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import math
 import os
@@ -74,6 +78,13 @@ import rollout_corr_ext as rc  # noqa: E402
 from rollout_corr_ext.config import RolloutCorrectionConfig  # noqa: E402
 from rollout_corr_ext.losses import PolicyLossConfig  # noqa: E402
 from rollout_corr_ext.megatron import make_policy_loss_func, reported_means  # noqa: E402
+from rollout_corr_testing.megatron_cpu import (  # noqa: E402
+    allreduce_sequence_parallel_grads,
+    causal_mask,
+    cpu_megatron,
+    final_hidden_states,
+    gpt_model,
+)
 
 # ---------------------------------------------------------------------------------------------------------
 # Task: reverse a digit string. Tokens 0-9 are digits, BOS and SEP frame the prompt.
@@ -154,6 +165,35 @@ class TinyLM(torch.nn.Module):
             h = blk(h)
         logits, _ = self.out(self.ln_f(h))
         return logits
+
+
+class GPTLM(torch.nn.Module):
+    """megatron-core's ``GPTModel`` (rollout_corr_testing/megatron_cpu.py: local spec, RoPE, dropout 0) behind the
+    demo's interface: ``forward(tokens [b, s])`` -> logits ``[s, b, V_local]``; ``hidden(tokens)`` -> the output
+    layer's input (this rank's ``[s / tp, b, H]`` with sequence parallelism); ``output_layer``."""
+
+    def __init__(self, tp: int, dtype: torch.dtype, seed: int, sequence_parallel: bool, hidden=64, heads=4, layers=2,
+                 ffn=256, max_len=32):
+        super().__init__()
+        self.gpt = gpt_model(VOCAB, tp=tp, sequence_parallel=sequence_parallel, hidden=hidden, heads=heads,
+                             layers=layers, ffn=ffn, max_len=max_len, seed=seed, dtype=dtype)
+        self.output_layer = self.gpt.output_layer
+        self.tp = tp
+
+    def _call(self, tokens: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        if self.gpt.config.sequence_parallel and s % self.tp:
+            raise ValueError(f"sequence parallelism splits the {s} positions over TP = {self.tp}: use a sequence "
+                             f"length divisible by it (--digits)")
+        pos = torch.arange(s, device=tokens.device).expand(tokens.shape)
+        return self.gpt(tokens, pos, attention_mask=causal_mask(s, tokens.device))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._call(tokens).transpose(0, 1)  # GPTModel returns [b, s, V_local]
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        with final_hidden_states(self.gpt):
+            return self._call(tokens)
 
 
 def model_config(tp: int, dtype: torch.dtype) -> ModelParallelConfig:
@@ -260,8 +300,15 @@ class Run:
         self.rc = SETTINGS[base](args)
         self.bypass = bool(self.rc.bypass_mode)
         self.cfg = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, rollout_correction=self.rc)
-        self.model = TinyLM(model_config(args.tp, torch.float32), seed=args.seed).to(device)
-        self.sampler = TinyLM(model_config(args.tp, torch.bfloat16), seed=args.seed).to(device)
+        if args.model == "gpt":  # the sampler runs without SP (an inference engine's layout; any length)
+            self.model = GPTLM(args.tp, torch.float32, args.seed, sequence_parallel=True).to(device)
+            self.sampler = GPTLM(args.tp, torch.bfloat16, args.seed, sequence_parallel=False).to(device)
+        else:
+            self.model = TinyLM(model_config(args.tp, torch.float32), seed=args.seed).to(device)
+            self.sampler = TinyLM(model_config(args.tp, torch.bfloat16), seed=args.seed).to(device)
+        # the fused path: the loss takes the output layer's input (not with --packed: a packed stream of the
+        # response positions is cut from the logits here)
+        self.fused = args.model == "gpt" and not args.packed
         self.opt = torch.optim.Adam(self.model.parameters(), lr=args.lr, betas=(0.9, 0.99))
         self.history = collections.deque(maxlen=args.stale + 1)
 
@@ -316,14 +363,19 @@ class Run:
                 loss_sum, num_tokens, report = loss_func(logits[cut].transpose(0, 1).reshape(-1, 1,
                                                                                               logits.shape[-1]))
             else:
+                fused = dict(output_layer=self.model.output_layer) if self.fused else {}
                 loss_func = make_policy_loss_func(
                     target[idx], adv[idx], mask[idx],
                     old_log_prob=None if old_lp is None else old_lp[idx], rollout_log_prob=rollout_lp[idx],
-                    config=self.cfg, loss_agg_mode="token-mean", tp_group=tp_group, dp_group=dp_group, **scoring)
-                loss_sum, num_tokens, report = loss_func(self.model(seq[idx]))
+                    config=self.cfg, loss_agg_mode="token-mean", tp_group=tp_group, dp_group=dp_group, **scoring,
+                    **fused)
+                out = self.model.hidden(seq[idx]) if self.fused else self.model(seq[idx])
+                loss_sum, num_tokens, report = loss_func(out)
             loss = loss_sum / num_tokens.clamp(min=1)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
+            if self.args.model == "gpt":  # the norms' gradients, partial per rank under SP (finalize_model_grads)
+                allreduce_sequence_parallel_grads(self.model, tp_group)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.opt.step()
             reports.append(report)
@@ -461,6 +513,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cpu: gloo process group; cuda: NCCL, one GPU per rank (LOCAL_RANK)")
+    ap.add_argument("--model", choices=["gpt", "tiny"], default="gpt",
+                    help="gpt: megatron-core's GPTModel (local spec, sequence parallelism at TP > 1), the loss on its "
+                         "hidden states through the fused output layer; tiny: megatron's TP linears around attention "
+                         "written here, the loss on the logits")
     ap.add_argument("--tp", type=int, default=2,
                     help="tensor-parallel size; the world size must be a multiple, the rest is data parallel")
     ap.add_argument("--steps", type=int, default=200,
@@ -526,6 +582,8 @@ def main(argv=None):
     dp_rank = parallel_state.get_data_parallel_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
 
+    shims = cpu_megatron() if args.device == "cpu" else contextlib.nullcontext()  # megatron's CUDA-only pieces
+    shims.__enter__()
     runs = [Run(name, args, device) for name in settings]
     os.makedirs(args.out_dir, exist_ok=True)
     jsonl = os.path.join(args.out_dir, "metrics.jsonl")
@@ -583,6 +641,7 @@ def main(argv=None):
             f.write("\n")
         print(f"wrote {jsonl}, {png} and {info}")
     dist.barrier()
+    shims.__exit__(None, None, None)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

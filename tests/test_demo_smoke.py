@@ -44,6 +44,7 @@ EXERCISED = {
     "--top-p": "all runs (0.9 by default), test_demo_other_flags, test_demo_no_truncation_is_the_unreplayed_run",
     "--top-k": "test_demo_other_flags", "--temperature": "test_demo_other_flags",
     "--help": "test_demo_help_lists_every_option",
+    "--model": "all runs (gpt, the default), test_demo_tiny_model",
 }
 
 
@@ -141,6 +142,16 @@ def test_demo_other_flags(tmp_path):
         assert (r["reward"] * 16) == pytest.approx(round(r["reward"] * 16), abs=1e-5)
     # the band [0.01, 100] of the geometric-mean ratio keeps every sequence of a 1-step-stale sampler
     assert all(r["rollout_corr/rollout_rs_seq_masked_fraction"] == 0 for r in records if r["setting"] == "geo_rs")
+
+
+def test_demo_tiny_model(tmp_path):
+    """--model tiny: megatron's TP linears around attention written in the demo, the loss on the logits; replay
+    at step 0 leaves the bf16 rounding alone, as with the default GPTModel."""
+    records = _run_demo(tmp_path, tmp_path / "tiny", "--model=tiny", "--no-progress", settings=["none", "none:noreplay"],
+                        steps=2)
+    first = {r["setting"]: r for r in records if r["step"] == 0}
+    assert abs(first["none"]["rollout_corr/kl"]) < 1e-3 < first["none:noreplay"]["rollout_corr/kl"]
+    assert json.loads((tmp_path / "tiny" / "run.json").read_text())["args"]["model"] == "tiny"
 
 
 def test_demo_no_truncation_is_the_unreplayed_run(tmp_path):
