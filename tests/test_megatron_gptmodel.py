@@ -109,3 +109,33 @@ def test_gptmodel_fused_and_logits_paths_agree_under_tp2_with_sequence_paralleli
         path = os.path.join(tmp, "tp1_")
         run_workers_preloaded(_worker, 1, path)
         run_workers_preloaded(_worker, 2, path)
+
+
+def _pipeline_worker(rank, world):
+    """PP = 2: megatron calls loss_func on the last stage only. With the default groups (parallel_state's, which
+    are per pipeline stage) the loss_func, its metrics' all-reduce included, involves no rank of another stage:
+    the last stage's call completes while the first stage takes part in nothing, and returns the single-process
+    values. (The first stage then gets no loss and no metrics, as in megatron's schedule.)"""
+    from megatron.core import parallel_state as ps
+
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+    try:
+        tokens, target, mask, adv, old, rollout = _batch()
+        logits = torch.randn(S, B, VOCAB, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        if ps.is_pipeline_last_stage():
+            loss_func = make_policy_loss_func(target, adv, mask, old_log_prob=old.double())
+            loss, n, metrics = loss_func(logits)
+            ref_loss, ref_n, ref_metrics = make_policy_loss_func(target, adv, mask, old_log_prob=old.double(),
+                                                                 tp_group=None, dp_group=None,
+                                                                 reduce_metrics=False)(logits)
+            torch.testing.assert_close(loss, ref_loss)
+            assert int(n) == int(ref_n) and metrics.keys() == ref_metrics.keys()
+        dist.barrier()  # the first stage waits here the whole time
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_loss_func_on_the_last_pipeline_stage_alone():
+    run_workers_preloaded(_pipeline_worker, 2)
