@@ -538,7 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "trainer replays it (docs/sampling_replay.md) unless a setting ends in ':noreplay'")
     ap.add_argument("--top-k", type=int, default=0, help="the sampler keeps the top_k largest logits (0: off)")
     ap.add_argument("--temperature", type=float, default=1.0, help="the sampler draws from softmax(logits / T)")
-    ap.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    ap.add_argument("--lr", type=float, default=None,
+                    help="Adam learning rate (default: 1e-3 for --model gpt, 3e-3 for --model tiny)")
     ap.add_argument("--geo-rs-threshold", default="0.9_1.1",
                     help="geo_rs keep range LOWER_UPPER of exp(mean log-ratio) per sequence")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the prompts and the sampling")
@@ -550,6 +551,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.lr is None:
+        args.lr = 1e-3 if args.model == "gpt" else 3e-3
     names = args.settings.split(",")
     unknown = [s for s in names if (s[:-len(NO_REPLAY)] if s.endswith(NO_REPLAY) else s) not in SETTINGS]
     if unknown:
