@@ -99,7 +99,7 @@ class _Workspace:
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, rows: int, cols: int, pad_rows: int = 0):
         self.rows, self.cols, self.pad_rows = max(rows, pad_rows, 0), max(cols, 0), pad_rows
         self.hidden, self.weight = hidden, weight
-        self._z = self._g16 = self._gh = self._h_pad = None
+        self._z = self._g16 = self._gh = self._h_pad = self._p16 = None
 
     def logits(self, h, w, b) -> torch.Tensor:
         """The chunk's logits ``h @ w.T + b``. Batch-invariant mode (``pad_rows``): every GEMM multiplies exactly
@@ -125,15 +125,32 @@ class _Workspace:
             self._g16 = torch.empty(self.rows * self.cols, dtype=self.hidden.dtype, device=g.device)
         return self._g16[:g.numel()].view(g.shape).copy_(g)
 
+    def product16(self, m: int, n: int) -> torch.Tensor:
+        """A 16-bit ``[m, n]`` buffer for a gradient GEMM's product (``m, n`` <= a chunk's rows / columns or H)."""
+        size = max(self.rows, self.cols) * self.hidden.shape[-1]
+        if self._p16 is None:
+            self._p16 = torch.empty(size, dtype=self.hidden.dtype, device=self.hidden.device)
+        return self._p16[:m * n].view(m, n)
+
     def hidden_rows(self, r: int, dtype: torch.dtype) -> torch.Tensor:
         if self._gh is None:
             self._gh = torch.empty(self.rows * self.hidden.shape[-1], dtype=dtype, device=self.hidden.device)
         return self._gh[:r * self.hidden.shape[-1]].view(r, self.hidden.shape[-1])
 
 
-def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
-    """``out (+)= a @ b`` with ``out`` in the accumulators' dtype (fp32 for 16-bit ``a``, ``b``)."""
-    if a.dtype in _WIDE:
+def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool, ws: "_Workspace") -> None:
+    """``out (+)= a @ b`` with ``out`` in the accumulators' dtype (fp32 for 16-bit ``a``, ``b``): the backward's
+    gradient GEMMs. 16-bit inputs on CPU: the 16-bit GEMM (oneDNN, at bf16 speed), its product rounded to 16 bits
+    once per chunk before the fp32 accumulation, as a materialized 16-bit output layer's gradient GEMMs round it:
+    no library call torch exposes there writes fp32 from 16-bit inputs at 16-bit speed (MKL's and torch's own run
+    at fp32 GEMM speed), and the log-probs do not depend on these GEMMs. Elsewhere (CUDA): fp32 output."""
+    if a.dtype in _WIDE and a.device.type == "cpu":
+        prod = torch.mm(a, b, out=ws.product16(a.shape[0], b.shape[1]))
+        if accumulate:
+            out.add_(prod)
+        else:
+            out.copy_(prod)
+    elif a.dtype in _WIDE:
         ops.mm_f32_(out, a, b, 1.0 if accumulate else 0.0)
     elif accumulate:
         out.addmm_(a, b)
@@ -323,8 +340,8 @@ def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, g
     """Per vocab tile (clipped to the real vocabulary), per chunk of the computed rows: recompute the logits, turn
     them into d(loss)/d(logits) in place, accumulate. Ignored rows and padded vocabulary rows are never multiplied:
     their gradients are exactly 0 whatever they hold. 16-bit inputs: the logits gradient is rounded to their dtype
-    once (as a 16-bit materialized path has it) and every GEMM accumulates into fp32 (``grad_hidden`` ``[N, H]``
-    and one ``grad_weight`` tile), rounded once at the end. ``sp = (group, world)``: ``hidden`` is the gathered
+    once (as a 16-bit materialized path has it) and every chunk's gradient GEMM is summed into fp32 accumulators
+    (``grad_hidden`` ``[N, H]`` and one ``grad_weight`` tile; see :func:`_matmul_into`), rounded once at the end. ``sp = (group, world)``: ``hidden`` is the gathered
     sequence and grad_hidden is reduce-scattered back to this rank's rows (in fp32 for 16-bit inputs)."""
     exact = hidden.dtype not in _WIDE  # accumulate in the gradients' own dtype
     acc = hidden.dtype if exact else torch.float32
@@ -368,12 +385,12 @@ def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, g
             if need_h:
                 if index is not None:
                     part = ws.hidden_rows(r1 - r0, acc)
-                    _matmul_into(part, g_in, w, False)
+                    _matmul_into(part, g_in, w, False, ws)
                     grad_h.index_add_(0, index, part)
                 else:
-                    _matmul_into(grad_h[r0:r1], g_in, w, True)
+                    _matmul_into(grad_h[r0:r1], g_in, w, True, ws)
             if need_w:
-                _matmul_into(gw, g_in.t(), h, not first)
+                _matmul_into(gw, g_in.t(), h, not first, ws)
             first = False
             del g, g_in
         if need_w and first:  # no rows at all

@@ -672,8 +672,11 @@ def test_batch_invariant_rows_are_bitwise_independent_of_their_batch(dtype):
     hb, wb = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
     lp, ent = rc.linear_log_probs(hb, wb, target, **kw)
     (lp.double().sum() + ent.double().sum()).backward()
-    gtol = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else (
-        {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-3})
+    if dtype in (torch.float16, torch.bfloat16):  # other chunk products rounded to 16 bits: compare the whole
+        for a, b in ((hb.grad, hx.grad), (wb.grad, wx.grad)):
+            assert _rel_err(a, b.double()) < 1e-2, _rel_err(a, b.double())
+        return
+    gtol = {"rtol": 1e-10, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
     torch.testing.assert_close(hb.grad, hx.grad, **gtol)
     torch.testing.assert_close(wb.grad, wx.grad, **gtol)
 
