@@ -75,11 +75,8 @@ def logits_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _WIDE else dtype
 
 
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``h @ w.T + b`` in :func:`logits_dtype` (written into ``out`` when given: the caller's reused buffer)."""
-    if out is None:
-        out = torch.empty((h.shape[0], w.shape[0]), dtype=logits_dtype(h.dtype), device=h.device)
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """``h @ w.T + b`` in :func:`logits_dtype`, written into ``out`` (the caller's reused buffer)."""
     if h.dtype in _WIDE:
         ops.mm_f32_(out, h, w.t(), 0.0)
     else:
@@ -407,10 +404,7 @@ def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, g
 def gather_sequence(x2d: torch.Tensor, group, world: int) -> torch.Tensor:
     """``[n, H]`` rows of every rank of ``group`` concatenated in rank order, ``[world * n, H]`` (megatron's
     sequence-parallel all-gather along the first dimension of ``[s / tp, b, H]``, whose rows flatten in order)."""
-    out = x2d.new_empty((world * x2d.shape[0],) + tuple(x2d.shape[1:]))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.12
-    gather(out, x2d.contiguous(), group=group)
-    return out
+    return _all_gather(x2d.reshape(-1), group, world).view((world * x2d.shape[0],) + tuple(x2d.shape[1:]))
 
 
 def reduce_scatter_sequence(x2d: torch.Tensor, group, world: int) -> torch.Tensor:

@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import torch
 
-_OUT_DTYPE_MM = [None]  # whether torch.mm(..., out_dtype=torch.float32) runs on this device kind (probed once)
+#: torch's matmul with an fp32 output for 16-bit inputs (``aten::mm.dtype``: CUDA kernels since torch 2.8)
+_HAS_OUT_DTYPE_MM = hasattr(torch.ops.aten.mm, "dtype")
 
 
 def _product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if a.device.type == "cuda" and _OUT_DTYPE_MM[0] is not False:
-        try:
-            prod = torch.mm(a, b, out_dtype=torch.float32)
-            _OUT_DTYPE_MM[0] = True
-            return prod
-        except (TypeError, RuntimeError, NotImplementedError):  # an older torch: no out_dtype overload
-            _OUT_DTYPE_MM[0] = False
-    return torch.mm(a.to(torch.float32), b.to(torch.float32))
+    if a.device.type == "cuda" and _HAS_OUT_DTYPE_MM:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.to(torch.float32), b.to(torch.float32))  # the exact products, accumulated in fp32
 
 
 def mm_f32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float) -> None:
