@@ -75,8 +75,12 @@ def logits_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _WIDE else dtype
 
 
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-    """``h @ w.T + b`` in :func:`logits_dtype`, written into ``out`` (the caller's reused buffer)."""
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``h @ w.T + b`` in :func:`logits_dtype` (written into ``out`` when given: the caller's reused buffer; the
+    tests build their chunked reference logits with it)."""
+    if out is None:
+        out = torch.empty((h.shape[0], w.shape[0]), dtype=logits_dtype(h.dtype), device=h.device)
     if h.dtype in _WIDE:
         ops.mm_f32_(out, h, w.t(), 0.0)
     else:
