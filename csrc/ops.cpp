@@ -96,16 +96,17 @@ TORCH_LIBRARY(rollout_corr, m) {
 
   // §4 fused policy loss, one pass over [B, T] (or a packed [T] stream with cu_seqlens [B + 1]): (loss_mat in
   // log_prob's shape, rows [B, 5] = loss sum, tokens, clip, dual clip, kl sum per sequence), in fp32 (fp64 for
-  // fp64 log_prob). loss_kind: 0 PPO clip (+ dual clip), 1 REINFORCE.
+  // fp64 log_prob). loss_kind: a PG_KIND_* of policy_loss_layout.def (0 PPO clip + dual clip, 1 REINFORCE, DPPO, GSPO,
+  // SAPO, CISPO, DRO, GMPO, unbounded PPO); param_a / param_b: SAPO's tau_pos / tau_neg, DRO's beta.
   m.def(
       "policy_loss_rows(Tensor log_prob, Tensor old_log_prob, Tensor advantages, Tensor response_mask, "
-      "Tensor? weights, float clip_low, float clip_high, float clip_c, int loss_kind, Tensor? cu_seqlens=None) -> "
-      "(Tensor, Tensor)");
+      "Tensor? weights, float clip_low, float clip_high, float clip_c, int loss_kind, Tensor? cu_seqlens=None, "
+      "float param_a=0., float param_b=0.) -> (Tensor, Tensor)");
   // d/d log_prob of sum(grad_loss_mat * loss_mat) + sum_b grad_rows_loss[b] * rows[b, 0], in log_prob's dtype.
   m.def(
       "policy_loss_backward(Tensor? grad_loss_mat, Tensor? grad_rows_loss, Tensor log_prob, Tensor old_log_prob, "
       "Tensor advantages, Tensor response_mask, Tensor? weights, float clip_low, float clip_high, float clip_c, "
-      "int loss_kind, Tensor? cu_seqlens=None) -> Tensor");
+      "int loss_kind, Tensor? cu_seqlens=None, float param_a=0., float param_b=0.) -> Tensor");
 
   // §5 sampling replay: the k largest values of each row of [N, C] (rows may be strided, each row contiguous),
   // descending, in fp32 (fp64 for fp64 values), -inf after a row's values when C < k; NaN is never a candidate.

@@ -40,7 +40,7 @@ inline void check_token_input(const at::Tensor& t, const at::Tensor& log_prob, c
 inline void check_policy_loss_inputs(const at::Tensor& log_prob, const at::Tensor& old_log_prob,
                                      const at::Tensor& advantages, const at::Tensor& response_mask,
                                      const c10::optional<at::Tensor>& weights, double clip_low, double clip_high,
-                                     double clip_c, int64_t loss_kind) {
+                                     double clip_c, int64_t loss_kind, double param_a, double param_b) {
   TORCH_CHECK(log_prob.dim() == 2 || log_prob.dim() == 1,
               "log_prob must be 2-D [batch, response_length] (or the 1-D packed token stream with cu_seqlens), got "
               "shape ", log_prob.sizes());
@@ -50,8 +50,15 @@ inline void check_policy_loss_inputs(const at::Tensor& log_prob, const at::Tenso
   check_token_input(advantages, log_prob, "advantages", false);
   check_token_input(response_mask, log_prob, "response_mask", true);
   if (weights.has_value() && weights->defined()) check_token_input(*weights, log_prob, "weights", false);
-  TORCH_CHECK(loss_kind == kPolicyLossPpoClip || loss_kind == kPolicyLossReinforce,
-              "loss_kind must be 0 (PG_KIND_PPO_CLIP) or 1 (PG_KIND_REINFORCE), got ", loss_kind);
+  TORCH_CHECK(loss_kind >= 0 && loss_kind < static_cast<int64_t>(kKindCount),
+              "loss_kind must be a PG_KIND_* code, 0 .. ", static_cast<int64_t>(kKindCount) - 1, " (policy_loss_layout.def), got ",
+              loss_kind);
+  if (loss_kind == kPolicyLossSapo)
+    TORCH_CHECK(param_a > 0 && param_b > 0 && std::isfinite(param_a) && std::isfinite(param_b),
+                "SAPO's temperatures (param_a = tau_pos, param_b = tau_neg) must be finite and > 0, got ", param_a, ", ",
+                param_b);
+  if (loss_kind == kPolicyLossDro)
+    TORCH_CHECK(param_a > 0 && std::isfinite(param_a), "DRO's beta (param_a) must be finite and > 0, got ", param_a);
   TORCH_CHECK(clip_low >= 0 && clip_high >= 0, "clip_low and clip_high must be >= 0, got clip_low=", clip_low,
               ", clip_high=", clip_high);
   TORCH_CHECK(clip_c > 1.0, "clip_c (the dual-clip bound c) must be > 1 (inf disables the dual clip), got ", clip_c);
@@ -59,20 +66,26 @@ inline void check_policy_loss_inputs(const at::Tensor& log_prob, const at::Tenso
 
 // What makes a policy loss undefined (the CPU error names the token; CUDA asserts asynchronously).
 inline constexpr const char* kMsgUndefinedLossWhat =
-    "log_prob / old_log_prob NaN or +inf, both -inf (PPO), log_prob -inf (REINFORCE), or non-finite advantages / IS "
-    "weights (mask the token out, or fix the log-probs; a target at a -inf logit has log-prob -inf)";
+    "log_prob / old_log_prob NaN or +inf, both -inf (PPO), log_prob -inf (REINFORCE), non-finite advantages / IS "
+    "weights, or (the other kinds) a non-finite input or token loss (mask the token out, or fix the log-probs; a "
+    "target at a -inf logit has log-prob -inf)";
 inline constexpr const char* kMsgUndefinedLoss =
     "policy loss undefined at a response token: log_prob / old_log_prob NaN or +inf, both -inf (PPO), log_prob -inf "
-    "(REINFORCE), or non-finite advantages / IS weights (mask the token out, or fix the log-probs; a target at a -inf "
-    "logit has log-prob -inf)";
+    "(REINFORCE), non-finite advantages / IS weights, or (the other kinds) a non-finite input or token loss (mask the "
+    "token out, or fix the log-probs; a target at a -inf logit has log-prob -inf)";
 
 template <typename acc_t>
-PolicyLossConfig<acc_t> make_policy_loss_config(double clip_low, double clip_high, double clip_c, int64_t kind) {
+PolicyLossConfig<acc_t> make_policy_loss_config(double clip_low, double clip_high, double clip_c, int64_t kind,
+                                                double param_a, double param_b) {
   PolicyLossConfig<acc_t> c;
   // 1 - clip_low is formed in double, then rounded once, as the fallback's Python float bound is.
   c.ratio_lower = static_cast<acc_t>(1.0 - clip_low);
   c.ratio_upper = static_cast<acc_t>(1.0 + clip_high);
+  c.eps_low = static_cast<acc_t>(clip_low);
+  c.eps_high = static_cast<acc_t>(clip_high);
   c.clip_c = static_cast<acc_t>(clip_c);
+  c.param_a = static_cast<acc_t>(param_a);
+  c.param_b = static_cast<acc_t>(param_b);
   c.kind = static_cast<int32_t>(kind);
   return c;
 }
@@ -94,7 +107,7 @@ PolicyLossParams<scalar_t, acc_t> make_policy_loss_params(const at::Tensor& log_
                                                           const at::Tensor& weights, const at::Tensor& loss_mat,
                                                           const at::Tensor& rows, const at::Tensor& undefined,
                                                           const SeqLayout& layout, double clip_low, double clip_high,
-                                                          double clip_c, int64_t loss_kind) {
+                                                          double clip_c, int64_t loss_kind, double param_a, double param_b) {
   PolicyLossParams<scalar_t, acc_t> p;
   p.log_prob = log_prob.const_data_ptr<scalar_t>();
   p.old_log_prob = token_view(old_log_prob);
@@ -109,7 +122,7 @@ PolicyLossParams<scalar_t, acc_t> make_policy_loss_params(const at::Tensor& log_
   p.cols = layout.cols;
   p.lp_row_stride = log_prob.dim() == 2 ? log_prob.stride(0) : 0;
   p.lp_col_stride = log_prob.stride(log_prob.dim() - 1);
-  p.cfg = make_policy_loss_config<acc_t>(clip_low, clip_high, clip_c, loss_kind);
+  p.cfg = make_policy_loss_config<acc_t>(clip_low, clip_high, clip_c, loss_kind, param_a, param_b);
   return p;
 }
 
@@ -127,9 +140,10 @@ void raise_undefined_policy_loss(const PolicyLossParams<scalar_t, acc_t>& p) {
     for (int64_t c = sp.col0; c < sp.col0 + sp.len; ++c) {
       const int64_t r = sp.row;
       const acc_t lp = static_cast<acc_t>(p.log_prob[r * p.lp_row_stride + c * p.lp_col_stride]);
-      if (policy_loss_undefined(lp, view_load<acc_t>(p.old_log_prob, r, c), view_load<acc_t>(p.advantages, r, c),
-                                view_load_or<acc_t>(p.weights, r, c, acc_t(1)), view_load<acc_t>(p.mask, r, c),
-                                p.cfg.kind)) {
+      const acc_t old_lp = view_load<acc_t>(p.old_log_prob, r, c), adv = view_load<acc_t>(p.advantages, r, c);
+      const acc_t w = view_load_or<acc_t>(p.weights, r, c, acc_t(1));
+      if (policy_loss_undefined(lp, old_lp, adv, w, view_load<acc_t>(p.mask, r, c), p.cfg.kind,
+                                policy_loss_token(lp, old_lp, adv, w, p.cfg).loss)) {
         if (p.row_offsets != nullptr)  // packed: the token's index in the stream
           TORCH_CHECK_VALUE(false, "policy loss undefined at response token (", c, ") of sequence ", b, ": ",
                             kMsgUndefinedLossWhat);
@@ -162,7 +176,7 @@ PolicyLossBackwardParams<scalar_t, acc_t> make_policy_loss_backward_params(
     const at::Tensor& grad_loss_mat, const at::Tensor& grad_rows_loss, const at::Tensor& log_prob,
     const at::Tensor& old_log_prob, const at::Tensor& advantages, const at::Tensor& response_mask,
     const at::Tensor& weights, const at::Tensor& grad_log_prob, const SeqLayout& layout, double clip_low,
-    double clip_high, double clip_c, int64_t loss_kind) {
+    double clip_high, double clip_c, int64_t loss_kind, double param_a, double param_b) {
   PolicyLossBackwardParams<scalar_t, acc_t> p;
   p.log_prob = log_prob.const_data_ptr<scalar_t>();
   p.old_log_prob = token_view(old_log_prob);
@@ -177,7 +191,7 @@ PolicyLossBackwardParams<scalar_t, acc_t> make_policy_loss_backward_params(
   p.cols = layout.cols;
   p.lp_row_stride = log_prob.dim() == 2 ? log_prob.stride(0) : 0;
   p.lp_col_stride = log_prob.stride(log_prob.dim() - 1);
-  p.cfg = make_policy_loss_config<acc_t>(clip_low, clip_high, clip_c, loss_kind);
+  p.cfg = make_policy_loss_config<acc_t>(clip_low, clip_high, clip_c, loss_kind, param_a, param_b);
   return p;
 }
 

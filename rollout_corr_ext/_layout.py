@@ -145,7 +145,13 @@ _PG = _parse(POLICY_LOSS_LAYOUT_FILE)
 for _name, _code in _PG["RC_PG_KIND"]:
     globals()["PG_KIND_" + _snake(_name)] = int(_code)
 PG_ROW_COLS: int = _publish(_PG, "RC_PG_ROW", "PG_ROW_")
-MASKED_MEAN_EPS: float = float(dict((_snake(n), _number(v)) for n, v in _PG["RC_PG_CONST"])["MASKED_MEAN_EPS"])
+_PG_CONST = dict((_snake(n), _number(v)) for n, v in _PG["RC_PG_CONST"])
+MASKED_MEAN_EPS: float = float(_PG_CONST["MASKED_MEAN_EPS"])
+GSPO_LOG_RATIO_MAX: float = float(_PG_CONST["GSPO_LOG_RATIO_MAX"])
+BERNOULLI_KL_EPS: float = float(_PG_CONST["BERNOULLI_KL_EPS"])
+KIND_COUNT: int = int(_PG_CONST["KIND_COUNT"])
+if sorted(int(c) for _, c in _PG["RC_PG_KIND"]) != list(range(KIND_COUNT)):
+    raise RuntimeError(f"{POLICY_LOSS_LAYOUT_FILE}: the RC_PG_KIND codes must be 0 .. KindCount - 1")
 
 
 def header_len(acc) -> int:

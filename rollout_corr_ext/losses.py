@@ -32,6 +32,10 @@ from .logprobs import as_real
 if TYPE_CHECKING:  # pragma: no cover
     from .config import RolloutCorrectionConfig
 
+#: The policy losses (verl 0.9.1's registry names; docs/policy_losses.md).
+POLICY_LOSS_MODES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro",
+                     "cispo", "bypass_mode")
+
 #: The aggregation modes of verl 0.9.1 ``agg_loss``.
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -114,6 +118,12 @@ class PolicyLossConfig:
             global count). Set them per step with :meth:`with_global_batch` (the config is immutable).
         rollout_correction: a :class:`~rollout_corr_ext.config.RolloutCorrectionConfig` for the bypass and
             decoupled flows (None: no rollout correction).
+        loss_mode: the policy loss (verl's ``actor.policy_loss.loss_mode``): one of :data:`POLICY_LOSS_MODES`
+            (docs/policy_losses.md). Read by :func:`compute_policy_loss` and the megatron / verl adapters.
+        tau_pos, tau_neg: SAPO's gate temperatures (verl's ``actor.tau_pos`` / ``tau_neg``).
+        dro_beta: DRO's quadratic log-ratio penalty (required for ``loss_mode="dro"``).
+        clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov's fraction of tokens and covariance bounds.
+        kl_cov_ratio, ppo_kl_coef: KL-Cov's fraction of tokens and the coefficient of their |log-ratio| penalty.
     """
 
     clip_ratio: float = 0.2
@@ -125,6 +135,15 @@ class PolicyLossConfig:
     global_batch_size: Optional[Number] = None
     loss_scale_factor: Optional[Number] = None
     rollout_correction: Optional["RolloutCorrectionConfig"] = None
+    loss_mode: str = "vanilla"
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
+    dro_beta: Optional[float] = None
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 0.1
 
     def __post_init__(self):
         for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
@@ -141,6 +160,21 @@ class PolicyLossConfig:
         _positive_or_none("batch_num_tokens", self.batch_num_tokens)
         _positive_or_none("global_batch_size", self.global_batch_size)
         _positive_or_none("loss_scale_factor", self.loss_scale_factor)
+        if self.loss_mode not in POLICY_LOSS_MODES:
+            raise ValueError(f"loss_mode must be one of {POLICY_LOSS_MODES}, got {self.loss_mode!r}")
+        for name in ("tau_pos", "tau_neg", "clip_cov_ratio", "kl_cov_ratio"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be a finite float > 0, got {v!r}")
+        for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite float, got {v!r}")
+        b = self.dro_beta
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not (b > 0 and math.isfinite(b))):
+            raise ValueError(f"dro_beta must be a finite float > 0 (or None), got {b!r}")
+        if self.loss_mode == "dro" and b is None:
+            raise ValueError("loss_mode='dro' needs dro_beta (a finite float > 0)")
         rc = self.rollout_correction
         if rc is not None:
             from .config import RolloutCorrectionConfig
@@ -204,10 +238,17 @@ class PolicyLossConfig:
                 raise ValueError(f"global_batch_info: unknown key(s) {unknown}; allowed: {list(_NORMALISERS)}")
             out.update({k: v for k, v in info.items() if v is not None})
             policy_loss = d.get("policy_loss")
-            if "rollout_correction" not in out and policy_loss is not None:
+            if policy_loss is not None:
                 pl = config_items(policy_loss, "policy_loss")[0]
-                if pl.get("loss_mode", "vanilla") == "bypass_mode":
+                if "rollout_correction" not in out and pl.get("loss_mode", "vanilla") == "bypass_mode":
                     out["rollout_correction"] = pl.get("rollout_correction")
+                for k in ("loss_mode", "dro_beta", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
+                          "ppo_kl_coef"):
+                    if pl.get(k) is not None:
+                        out[k] = pl[k]
+            for k in ("tau_pos", "tau_neg"):
+                if out.get(k) is None:
+                    out.pop(k, None)
             if out.get("clip_ratio_c") is None:
                 out.pop("clip_ratio_c", None)
         if not (verl_shaped or typed):  # a typed config (a dataclass) has its own schema: extra fields are its own
@@ -468,22 +509,36 @@ def refuse_grad(fn: str, **named) -> None:
 
 def _policy_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, weights,
                  old_name: str = "old_log_prob", cu_seqlens=None, fn: str = "policy loss",
-                 weights_name: str = "rollout_is_weights"):
+                 weights_name: str = "rollout_is_weights", params=(0.0, 0.0), metric_keys=None, clip=None):
     refuse_grad(fn, **{old_name: old_log_prob, "advantages": advantages, weights_name: weights})
     log_prob = ops.first_order_only(log_prob, fn)
+    clip_low, clip_high = (cfg.clip_low, cfg.clip_high) if clip is None else clip
     # An undefined loss at a response token (NaN / +inf log-probs, ...) is an error raised by the op itself (CPU: a
     # ValueError naming the token; CUDA: an asynchronous device assert), so nothing here reads a value on the host.
     loss_mat, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights,
-                                          cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c, kind, cu_seqlens)
+                                          clip_low, clip_high, cfg.clip_ratio_c, kind, cu_seqlens, *params)
     loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM], rows[:, LY.PG_ROW_TOKENS], loss_agg_mode,
                           _horizon(log_prob, cu_seqlens),
                           **cfg.global_batch_info)
+    if metric_keys is None:
+        metric_keys = _PPO_METRICS if kind == LY.PG_KIND_PPO_CLIP else ("actor/ppo_kl",)
+    return loss, _row_metrics(rows, metric_keys), rows
+
+
+#: Which row column each verl metric is the masked mean of (None: verl logs a constant 0).
+_METRIC_COLUMNS = {"actor/ppo_kl": LY.PG_ROW_KL_SUM, "actor/pg_clipfrac": LY.PG_ROW_CLIP,
+                   "actor/pg_clipfrac_lower": LY.PG_ROW_CLIP_LOWER}
+_PPO_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
+
+
+def _row_metrics(rows, keys, zero=()) -> Dict[str, torch.Tensor]:
+    """verl's ``masked_mean`` of each metric's token values, from the row partials (``zero``: keys verl logs as 0)."""
     tokens = rows[:, LY.PG_ROW_TOKENS].sum() + LY.MASKED_MEAN_EPS  # verl's masked_mean denominator
-    metrics = {"actor/ppo_kl": rows[:, LY.PG_ROW_KL_SUM].sum() / tokens}
-    if kind == LY.PG_KIND_PPO_CLIP:
-        metrics["actor/pg_clipfrac"] = rows[:, LY.PG_ROW_CLIP].sum() / tokens
-        metrics["actor/pg_clipfrac_lower"] = rows[:, LY.PG_ROW_CLIP_LOWER].sum() / tokens
-    return loss, {k: v.detach() for k, v in metrics.items()}, rows
+    out = {}
+    for k in keys:
+        out[k] = torch.zeros((), dtype=rows.dtype, device=rows.device) if k in zero else (
+            rows[:, _METRIC_COLUMNS[k]].sum() / tokens)
+    return {k: v.detach() for k, v in out.items()}
 
 
 def compute_policy_loss_vanilla(
@@ -538,6 +593,232 @@ def compute_policy_loss_reinforce(
                                     loss_agg_mode, cfg, rollout_is_weights, old_name="rollout_log_prob",
                                     cu_seqlens=cu_seqlens, fn="compute_policy_loss_reinforce")
     return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The rest of verl 0.9.1's registry (docs/policy_losses.md): one fused kind each where the loss is per token, and the
+# sequence-level quantities (GSPO's mean log-ratio, GMPO's geometric mean) from exact row sums, over seq_group too.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _row_sums(x: torch.Tensor, cu_seqlens) -> torch.Tensor:
+    return x.sum(-1) if cu_seqlens is None else _segment_sum(x, cu_seqlens)
+
+
+def _per_token(row_values: torch.Tensor, like: torch.Tensor, cu_seqlens) -> torch.Tensor:
+    """A per-row value at every token of its row (a broadcast view when padded)."""
+    if cu_seqlens is None:
+        return row_values.unsqueeze(-1).expand(like.shape)
+    cu = cu_seqlens.to(torch.int64)
+    return torch.repeat_interleave(row_values, cu[1:] - cu[:-1], output_size=like.shape[0])
+
+
+def _seq_all_reduce(x: torch.Tensor, seq_group) -> torch.Tensor:
+    """Row sums over a sequence split across ranks (context parallelism): summed over ``seq_group``."""
+    if seq_group is not None and torch.distributed.get_world_size(seq_group) > 1:
+        x = x.contiguous()
+        torch.distributed.all_reduce(x, group=seq_group)
+    return x
+
+
+def _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+              cu_seqlens):
+    _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights, cu_seqlens=cu_seqlens)
+    _check_mode(loss_agg_mode)
+    return _as_config(config)
+
+
+def _per_token_loss(kind, name, metric_keys, zero=(), params=lambda cfg: (0.0, 0.0), forced_mode=None):
+    """A verl loss that is one fused kind per token, aggregated by ``loss_agg_mode`` (or the mode verl forces)."""
+
+    def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                rollout_is_weights=None, *, cu_seqlens=None):
+        cfg = _prologue(name, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
+                        rollout_is_weights, cu_seqlens)
+        loss, _, rows = _policy_loss(kind, old_log_prob, log_prob, advantages, response_mask,
+                                     forced_mode or loss_agg_mode, cfg, rollout_is_weights, cu_seqlens=cu_seqlens,
+                                     fn=name, params=params(cfg), metric_keys=())
+        return loss, _row_metrics(rows, metric_keys, zero)
+
+    loss_fn.__name__ = loss_fn.__qualname__ = name
+    return loss_fn
+
+
+compute_policy_loss_dppo_tv = _per_token_loss(LY.PG_KIND_DPPO_TV, "compute_policy_loss_dppo_tv", _PPO_METRICS)
+compute_policy_loss_dppo_tv.__doc__ = """DPPO-Binary-TV (arXiv:2602.04879, verl ``dppo_tv``): a token whose probability moved
+    by more than eps (``clip_ratio_high`` up for A > 0, ``clip_ratio_low`` down for A <= 0) is masked; the rest get
+    L = -A sg(min(r, clip_ratio_c)) log pi. Metrics: ``actor/pg_clipfrac`` (masked), ``actor/pg_clipfrac_lower``
+    (kept with r > c), ``actor/ppo_kl``."""
+compute_policy_loss_dppo_kl = _per_token_loss(LY.PG_KIND_DPPO_KL, "compute_policy_loss_dppo_kl", _PPO_METRICS)
+compute_policy_loss_dppo_kl.__doc__ = """DPPO-Binary-KL (verl ``dppo_kl``): as ``dppo_tv`` with the Bernoulli KL
+    p_old log(p_old / p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8)) <= eps as the trust region (a token
+    moving against the advantage's push is always kept)."""
+compute_policy_loss_sapo = _per_token_loss(
+    LY.PG_KIND_SAPO, "compute_policy_loss_sapo", _PPO_METRICS, zero=("actor/pg_clipfrac", "actor/pg_clipfrac_lower"),
+    params=lambda cfg: (float(cfg.tau_pos), float(cfg.tau_neg)), forced_mode="seq-mean-token-mean")
+compute_policy_loss_sapo.__doc__ = """SAPO (arXiv:2511.20347, verl ``sapo``): L = -A (4 / tau) sigmoid(tau (r - 1)),
+    tau = ``tau_pos`` for A > 0 else ``tau_neg``; always aggregated seq-mean-token-mean (as verl does, whatever
+    ``loss_agg_mode`` says). Clip metrics are 0, as in verl."""
+compute_policy_loss_cispo = _per_token_loss(LY.PG_KIND_CISPO, "compute_policy_loss_cispo", _PPO_METRICS,
+                                            zero=("actor/pg_clipfrac_lower",))
+compute_policy_loss_cispo.__doc__ = """CISPO (arXiv:2506.13585, verl ``cispo``): L = -sg(clip(r, 1 - eps_low,
+    1 + eps_high)) A log pi: every token keeps a gradient, its IS weight clipped. ``actor/pg_clipfrac``: r clipped."""
+compute_policy_loss_dro = _per_token_loss(LY.PG_KIND_DRO, "compute_policy_loss_dro", ("actor/ppo_kl",),
+                                          params=lambda cfg: (_require_dro_beta(cfg), 0.0))
+compute_policy_loss_dro.__doc__ = """DRO (verl ``dro``): L = -(A log pi - beta / 2 (log pi - log pi_old)^2),
+    beta = ``dro_beta`` (required). Metric: ``actor/ppo_kl`` (unclamped)."""
+
+
+def _require_dro_beta(cfg) -> float:
+    if cfg.dro_beta is None:
+        raise ValueError("policy_loss.dro_beta must be a positive value when using DRO (got None)")
+    return float(cfg.dro_beta)
+
+
+def compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                            config=None, rollout_is_weights=None, *, cu_seqlens=None):
+    """GPG (verl ``gpg``): L = -A log pi (times the IS weights); no metrics, as in verl."""
+    cfg = _prologue("compute_policy_loss_gpg", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                    config, rollout_is_weights, cu_seqlens)
+    loss, _, _ = _policy_loss(LY.PG_KIND_REINFORCE, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                              cfg, rollout_is_weights, cu_seqlens=cu_seqlens, fn="compute_policy_loss_gpg",
+                              metric_keys=())
+    return loss, {}
+
+
+def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="seq-mean-token-mean",
+                             config=None, rollout_is_weights=None, *, cu_seqlens=None, seq_group=None):
+    """GSPO (arXiv:2507.18071, verl ``gspo``): the sequence ratio s = exp(mean_t (log pi - log pi_old)) (capped at
+    e^10) in PPO's clip, with each token's gradient s d log pi. The mean is over the whole sequence: exact for
+    packed rows and, with ``seq_group``, for sequences split across context-parallel ranks. Metrics:
+    ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` (0, as in verl)."""
+    fn = "compute_policy_loss_gspo"
+    cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+                    cu_seqlens)
+    acc = _checks.acc_dtype(log_prob.dtype)
+    with torch.no_grad():
+        m = response_mask.to(acc)
+        x = _checks.masked(log_prob.detach().to(acc) - old_log_prob.to(acc), m)
+        sums = _seq_all_reduce(torch.stack([_row_sums(x, cu_seqlens), _row_sums(m, cu_seqlens)]), seq_group)
+        seq_log_ratio = sums[0] / sums[1].clamp(min=1)  # verl: sum / clamp(len, 1)
+    loss, _, rows = _policy_loss(LY.PG_KIND_GSPO, _per_token(seq_log_ratio, log_prob, cu_seqlens), log_prob,
+                                 advantages, response_mask, loss_agg_mode, cfg, rollout_is_weights,
+                                 cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
+    tokens = rows[:, LY.PG_ROW_TOKENS].sum() + LY.MASKED_MEAN_EPS
+    metrics = _row_metrics(rows, _PPO_METRICS, zero=("actor/ppo_kl", "actor/pg_clipfrac_lower"))
+    metrics["actor/ppo_kl"] = (-x.sum() / tokens).detach()  # this rank's tokens, as the other metrics
+    return loss, metrics
+
+
+def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                                 config=None, rollout_is_weights=None, *, cu_seqlens=None):
+    """GMPO (arXiv:2507.20673, verl ``geo_mean``): per sequence L = -mean_t(A) exp(mean_t(clip_sgn(x))) times the
+    geometric mean of the IS weights, x = log pi - log pi_old clipped on the side the advantage's sign picks;
+    the batch loss is the mean over sequences (``loss_agg_mode`` is ignored, as in verl), or with
+    ``global_batch_size`` their sum / global_batch_size * dp_size (the same mean, exact across data-parallel
+    ranks). Metrics: ``actor/pg_clipfrac`` (x clipped, A > 0), ``actor/pg_clipfrac_lower`` (A < 0), ``actor/ppo_kl``."""
+    fn = "compute_policy_loss_geo_mean"
+    cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+                    cu_seqlens)
+    refuse_grad(fn, rollout_is_weights=rollout_is_weights)
+    _, _, rows = _policy_loss(LY.PG_KIND_GEO_MEAN, old_log_prob, log_prob, advantages, response_mask, "token-sum",
+                              cfg, None, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
+    acc = rows.dtype
+    m = response_mask.to(acc)
+    tokens = rows[:, LY.PG_ROW_TOKENS] + LY.MASKED_MEAN_EPS
+    with torch.no_grad():
+        adv = _row_sums(_checks.masked(advantages.to(acc), m), cu_seqlens) / tokens
+    seq_loss = -adv * torch.exp(rows[:, LY.PG_ROW_LOSS_SUM] / tokens)
+    if rollout_is_weights is not None:
+        with torch.no_grad():
+            logw = _checks.masked(torch.log(rollout_is_weights.detach().to(acc) + 1e-10), m)
+            seq_w = torch.exp(_row_sums(logw, cu_seqlens) / tokens.detach())
+        seq_loss = seq_loss * seq_w
+    if cfg.global_batch_size is None:
+        if cfg.dp_size > 1:
+            raise ValueError("geo_mean with dp_size > 1 needs global_batch_size (the global count of sequences)")
+        loss = seq_loss.mean() if seq_loss.numel() else seq_loss.sum()
+    else:
+        gbs = cfg.global_batch_size
+        loss = _safe_div(seq_loss.sum(), gbs.reshape(()) if isinstance(gbs, torch.Tensor) else gbs) * cfg.dp_size
+    return loss, _row_metrics(rows, _PPO_METRICS)
+
+
+def _masked_mean(x, m):
+    return _checks.masked(x, m).sum() / (m.sum() + LY.MASKED_MEAN_EPS)  # verl_F.masked_mean
+
+
+def _select_top(score: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """The ``count`` eligible positions with the largest score (ties: the earlier position), as a bool mask; no
+    host sync (``count`` is a 0-dim tensor)."""
+    flat = torch.where(eligible, score, torch.full_like(score, -math.inf)).reshape(-1)
+    order = torch.sort(flat, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel(), device=order.device)
+    return ((rank < count) & eligible.reshape(-1)).reshape(score.shape)
+
+
+def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                                 config=None, rollout_is_weights=None, *, cu_seqlens=None):
+    """Clip-Cov (arXiv:2505.22617, verl ``clip_cov``): PPO clip (log-ratio unbounded, no dual clip) whose tokens
+    with covariance cov = (A - mean A)(log pi - mean log pi) in (``clip_cov_lb``, ``clip_cov_ub``), not already
+    clipped, lose their gradient, at most max(1, int(``clip_cov_ratio`` * tokens)) of them. verl draws those at
+    random when more qualify; here the ones with the largest covariance are taken (ties: the earlier token), so a
+    run is reproducible. Equal to verl whenever no more tokens qualify than the cap. Metrics:
+    ``actor/pg_clipfrac`` (tokens cut), ``actor/ppo_kl``."""
+    fn = "compute_policy_loss_clip_cov"
+    cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+                    cu_seqlens)
+    acc = _checks.acc_dtype(log_prob.dtype)
+    with torch.no_grad():
+        m = response_mask.to(acc)
+        valid = m > 0
+        lp, adv = log_prob.detach().to(acc), advantages.to(acc)
+        ratio = torch.exp(lp - old_log_prob.to(acc))
+        loss1 = -adv * ratio
+        loss2 = -adv * torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
+        cov = (adv - _masked_mean(adv, m)) * (lp - _masked_mean(lp, m))
+        eligible = (cov < cfg.clip_cov_ub) & (cov > cfg.clip_cov_lb) & valid & ~((loss2 > loss1) & valid)
+        count = (cfg.clip_cov_ratio * m.sum()).floor().clamp(min=1)
+        corr = (~_select_top(cov, eligible, count)).to(acc)
+        w = corr if rollout_is_weights is None else corr * rollout_is_weights.detach().to(acc)
+    loss, _, rows = _policy_loss(LY.PG_KIND_PPO_UNBOUNDED, old_log_prob, log_prob, advantages, response_mask,
+                                 loss_agg_mode, cfg, w, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
+    metrics = _row_metrics(rows, ("actor/ppo_kl",))
+    metrics["actor/pg_clipfrac"] = _masked_mean((corr == 0).to(acc), m).detach()
+    return loss, {"actor/pg_clipfrac": metrics["actor/pg_clipfrac"], "actor/ppo_kl": metrics["actor/ppo_kl"]}
+
+
+def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                               config=None, rollout_is_weights=None, *, cu_seqlens=None):
+    """KL-Cov (arXiv:2505.22617, verl ``kl_cov``): L = -A r (log-ratio unbounded, no clip), plus
+    ``ppo_kl_coef`` |log pi - log pi_old| on the max(1, int(``kl_cov_ratio`` * tokens)) valid tokens with the
+    largest covariance (A - mean A)(log pi - mean log pi) (means over the valid tokens; ties: the earlier token;
+    verl's torch.topk leaves their order unspecified). Metric: ``actor/ppo_kl`` = mean |log pi - log pi_old|, as verl logs it."""
+    fn = "compute_policy_loss_kl_cov"
+    cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
+                    cu_seqlens)
+    acc = _checks.acc_dtype(log_prob.dtype)
+    m = response_mask.to(acc)
+    valid = m > 0
+    with torch.no_grad():
+        lp, adv = log_prob.detach().to(acc), advantages.to(acc)
+        n = valid.sum()
+        mean_a = torch.where(valid, adv, 0).sum() / n.clamp(min=1)
+        mean_lp = torch.where(valid, lp, 0).sum() / n.clamp(min=1)
+        cov = (adv - mean_a) * (lp - mean_lp)
+        count = (n * cfg.kl_cov_ratio).floor().clamp(min=1)
+        selected = _select_top(cov, valid, count).to(acc)
+    loss_mat, rows = ops.policy_loss_rows(ops.first_order_only(log_prob, fn), old_log_prob, advantages,
+                                          response_mask, rollout_is_weights, math.inf, math.inf, math.inf,
+                                          LY.PG_KIND_PPO_UNBOUNDED, cu_seqlens)
+    refuse_grad(fn, old_log_prob=old_log_prob, advantages=advantages, rollout_is_weights=rollout_is_weights)
+    abs_kl = (log_prob.to(acc) - old_log_prob.to(acc)).abs()
+    penalty = cfg.ppo_kl_coef * abs_kl * selected
+    if rollout_is_weights is not None:
+        penalty = penalty * rollout_is_weights.detach().to(acc)
+    loss = agg_loss(loss_mat + penalty, response_mask, loss_agg_mode, **cfg.global_batch_info, cu_seqlens=cu_seqlens)
+    return loss, {"actor/ppo_kl": _masked_mean(abs_kl.detach(), m)}
 
 
 def _correction(log_prob, rollout_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens=None,

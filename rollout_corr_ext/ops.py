@@ -301,7 +301,7 @@ def _register_policy_loss_ops() -> None:
 
     @torch.library.register_fake("rollout_corr::policy_loss_rows")
     def _(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind,
-          cu_seqlens=None):
+          cu_seqlens=None, param_a=0.0, param_b=0.0):
         acc = _stats_dtype(log_prob.dtype)
         rows = log_prob.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         return (log_prob.new_empty(tuple(log_prob.shape), dtype=acc),
@@ -309,7 +309,7 @@ def _register_policy_loss_ops() -> None:
 
     @torch.library.register_fake("rollout_corr::policy_loss_backward")
     def _(grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
-          clip_high, clip_c, loss_kind, cu_seqlens=None):
+          clip_high, clip_c, loss_kind, cu_seqlens=None, param_a=0.0, param_b=0.0):
         return log_prob.new_empty(tuple(log_prob.shape))
 
     register_policy_loss_autograd("rollout_corr")
@@ -328,9 +328,10 @@ def register_policy_loss_autograd(namespace: str) -> None:
 
     def setup_context(ctx, inputs, output):
         (log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind,
-         cu_seqlens, *knobs) = inputs
+         cu_seqlens, param_a, param_b, *knobs) = inputs
         ctx.save_for_backward(log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens)
         ctx.scalars = (clip_low, clip_high, clip_c, loss_kind)
+        ctx.params = (param_a, param_b)
         ctx.knobs = tuple(knobs)
 
     def backward(ctx, grad_loss_mat, grad_rows):
@@ -340,7 +341,7 @@ def register_policy_loss_autograd(namespace: str) -> None:
             # Only the loss column of rows carries a gradient (the others are detached metric partials).
             grad_rows_loss = None if grad_rows is None else grad_rows[:, LY.PG_ROW_LOSS_SUM]
             grad_log_prob = backward_op(grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages,
-                                        response_mask, weights, *ctx.scalars, cu_seqlens, *ctx.knobs)
+                                        response_mask, weights, *ctx.scalars, cu_seqlens, *ctx.params, *ctx.knobs)
         # advantages and weights are constants of the loss (callers detach the weights).
         return (grad_log_prob,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
@@ -399,9 +400,12 @@ def policy_loss_rows(
     clip_c: float,
     loss_kind: int,
     cu_seqlens: Optional[torch.Tensor] = None,
+    param_a: float = 0.0,
+    param_b: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token policy loss (``[B, T]``, or ``[T]`` packed with ``cu_seqlens``) and per-sequence partials
-    ``[B, 5]`` (``LY.PG_ROW_*``) in one pass.
+    ``[B, 5]`` (``LY.PG_ROW_*``) in one pass; ``loss_kind`` a ``LY.PG_KIND_*`` (``param_a`` / ``param_b``: SAPO's
+    tau_pos / tau_neg, DRO's beta).
 
     Same contract as :func:`rollout_corr_ext.fallback.policy_loss_rows`: ``loss_mat`` and the loss column of
     ``rows`` are differentiable in ``log_prob`` only: ``advantages`` and ``weights`` (may be None) are constants.
@@ -411,9 +415,9 @@ def policy_loss_rows(
             weights = weights.detach()
         return torch.ops.rollout_corr.policy_loss_rows.default(
             log_prob, old_log_prob, advantages, response_mask, weights, float(clip_low), float(clip_high),
-            float(clip_c), int(loss_kind), cu_seqlens)
+            float(clip_c), int(loss_kind), cu_seqlens, float(param_a), float(param_b))
     return fallback.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
-                                      clip_high, clip_c, loss_kind, cu_seqlens)
+                                      clip_high, clip_c, loss_kind, cu_seqlens, param_a, param_b)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -658,9 +658,50 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
 
 # ------------------------------------------------------------------------------------------------- registry
 
+def _verl_loss(name: str) -> Callable:
+    """verl's ``compute_policy_loss_<name>`` (registry name ``name``) over :mod:`rollout_corr_ext.losses`'s fused
+    loss: same signature, loss tensor and metrics as floats (docs/policy_losses.md)."""
+    ours = getattr(_losses, "compute_policy_loss_" + name)
+
+    def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                rollout_is_weights=None):
+        cfg = policy_loss_config(config)
+        response_mask, frac = _replayed_mask(response_mask, old_log_prob, log_prob)
+        loss, metrics = ours(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg,
+                             rollout_is_weights)
+        return loss, _with_replay_metric(_loss_floats(metrics, tuple(metrics)) if metrics else {}, frac)
+
+    loss_fn.__name__ = loss_fn.__qualname__ = "compute_policy_loss_" + name
+    loss_fn.__doc__ = f"verl's ``compute_policy_loss_{name}`` on the fused kernels: see " \
+                      f":func:`rollout_corr_ext.losses.compute_policy_loss_{name}`."
+    return loss_fn
+
+
+compute_policy_loss_dppo_tv = _verl_loss("dppo_tv")
+compute_policy_loss_dppo_kl = _verl_loss("dppo_kl")
+compute_policy_loss_gspo = _verl_loss("gspo")
+compute_policy_loss_sapo = _verl_loss("sapo")
+compute_policy_loss_gpg = _verl_loss("gpg")
+compute_policy_loss_clip_cov = _verl_loss("clip_cov")
+compute_policy_loss_kl_cov = _verl_loss("kl_cov")
+compute_policy_loss_geo_mean = _verl_loss("geo_mean")
+compute_policy_loss_dro = _verl_loss("dro")
+compute_policy_loss_cispo = _verl_loss("cispo")
+
+
 #: verl registry name -> this module's loss.
 POLICY_LOSSES: Dict[str, Callable] = {
     "vanilla": compute_policy_loss_vanilla,
+    "dppo_tv": compute_policy_loss_dppo_tv,
+    "dppo_kl": compute_policy_loss_dppo_kl,
+    "gspo": compute_policy_loss_gspo,
+    "sapo": compute_policy_loss_sapo,
+    "gpg": compute_policy_loss_gpg,
+    "clip_cov": compute_policy_loss_clip_cov,
+    "kl_cov": compute_policy_loss_kl_cov,
+    "geo_mean": compute_policy_loss_geo_mean,
+    "dro": compute_policy_loss_dro,
+    "cispo": compute_policy_loss_cispo,
     "bypass_mode": compute_policy_loss_bypass_mode,
 }
 
@@ -668,9 +709,10 @@ POLICY_LOSSES: Dict[str, Callable] = {
 def register_policy_losses(replace: bool = True, prefix: str = "rollout_corr_") -> Dict[str, Optional[Callable]]:
     """Register this package's policy losses in verl's ``POLICY_LOSS_REGISTRY`` (``verl.trainer.ppo.core_algos``).
 
-    ``replace=True`` (default): under verl's own names ``"vanilla"`` and ``"bypass_mode"``, so verl's actors (and
-    ``apply_bypass_mode``) use them with no config change. ``replace=False``: under ``prefix + name``
-    (``"rollout_corr_vanilla"``, ``"rollout_corr_bypass_mode"``) next to verl's, selected with
+    All twelve of verl 0.9.1's losses (:data:`POLICY_LOSSES`). ``replace=True`` (default): under verl's own names
+    (``"vanilla"``, ``"gspo"``, ..., ``"bypass_mode"``), so verl's actors (and ``apply_bypass_mode``) use them with
+    no config change. ``replace=False``: under ``prefix + name`` (``"rollout_corr_vanilla"``, ...) next to verl's,
+    selected with
     ``actor.policy_loss.loss_mode``. Returns the entries replaced (None where a name was free), for
     :func:`restore_policy_losses`. Raises ImportError when verl cannot be imported.
     """

@@ -278,7 +278,8 @@ _BAD = [
     (lambda a: dict(a, w=a["w"].int()), "weights must be float16, bfloat16, float32 or float64"),
     (lambda a: dict(a, lp=a["lp"][0]), "log_prob must be 2-D"),
     (lambda a: dict(a, lp=a["lp"].long()), "log_prob must be float16"),
-    (lambda a: dict(a, kind=2), "loss_kind must be 0"),
+    (lambda a: dict(a, kind=LY.KIND_COUNT), "loss_kind must be a PG_KIND_"),
+    (lambda a: dict(a, kind=-1), "loss_kind must be a PG_KIND_"),
     (lambda a: dict(a, clip_c=1.0), "clip_c .the dual-clip bound c. must be > 1"),
     (lambda a: dict(a, clip_low=-0.1), "clip_low and clip_high must be >= 0"),
 ]

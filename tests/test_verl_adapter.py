@@ -645,7 +645,8 @@ def test_register_policy_losses(V):
     try:
         assert V.core.get_policy_loss_fn("vanilla") is rv.compute_policy_loss_vanilla
         assert V.core.get_policy_loss_fn("bypass_mode") is rv.compute_policy_loss_bypass_mode
-        assert previous == {"vanilla": before["vanilla"], "bypass_mode": before["bypass_mode"]}
+        assert set(previous) == set(before) == set(rv.POLICY_LOSSES)  # all twelve of verl's names
+        assert previous == {name: before[name] for name in rv.POLICY_LOSSES}
         # called the way verl's ppo_loss calls it: keywords, bool mask, the actor config
         old, lp, adv, mask = loss_inputs(mask_dtype=torch.bool)
         actor = V.actor()
@@ -660,7 +661,7 @@ def test_register_policy_losses(V):
     assert registry == before
     previous = rv.register_policy_losses(replace=False)
     try:
-        assert previous == {"rollout_corr_vanilla": None, "rollout_corr_bypass_mode": None}
+        assert previous == {"rollout_corr_" + name: None for name in rv.POLICY_LOSSES}
         assert registry["vanilla"] is before["vanilla"]
         assert V.core.get_policy_loss_fn("rollout_corr_bypass_mode") is rv.compute_policy_loss_bypass_mode
     finally:

@@ -24,10 +24,10 @@ std::tuple<at::Tensor, at::Tensor> policy_loss_rows_cpu(const at::Tensor& log_pr
                                                         const at::Tensor& advantages, const at::Tensor& response_mask,
                                                         const c10::optional<at::Tensor>& weights, double clip_low,
                                                         double clip_high, double clip_c, int64_t loss_kind,
-                                                        const c10::optional<at::Tensor>& cu_seqlens) {
+                                                        const c10::optional<at::Tensor>& cu_seqlens, double param_a, double param_b) {
   const SeqLayout layout = seq_layout(log_prob, cu_seqlens);  // first: names a layout mistake as such
   check_policy_loss_inputs(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
-                           loss_kind);
+                           loss_kind, param_a, param_b);
   auto [loss_mat, rows] = new_policy_loss_outputs(log_prob, layout.rows);
   const at::Tensor w = defined_or_empty(weights);
   const at::Tensor undefined = new_undefined_flag(log_prob);
@@ -35,7 +35,7 @@ std::tuple<at::Tensor, at::Tensor> policy_loss_rows_cpu(const at::Tensor& log_pr
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = make_policy_loss_params<scalar_t, acc_t>(log_prob, old_log_prob, advantages, response_mask, w,
                                                             loss_mat, rows, undefined, layout, clip_low, clip_high,
-                                                            clip_c, loss_kind);
+                                                            clip_c, loss_kind, param_a, param_b);
     at::parallel_for(0, p.rows, policy_grain(p.cols / std::max<int64_t>(1, p.row_offsets ? p.rows : 1)), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         PolicyRowPartials<acc_t> partials = policy_row_partials_zero<acc_t>();
@@ -54,10 +54,10 @@ at::Tensor policy_loss_backward_cpu(const c10::optional<at::Tensor>& grad_loss_m
                                     const at::Tensor& old_log_prob, const at::Tensor& advantages,
                                     const at::Tensor& response_mask, const c10::optional<at::Tensor>& weights,
                                     double clip_low, double clip_high, double clip_c, int64_t loss_kind,
-                                    const c10::optional<at::Tensor>& cu_seqlens) {
+                                    const c10::optional<at::Tensor>& cu_seqlens, double param_a, double param_b) {
   const SeqLayout layout = seq_layout(log_prob, cu_seqlens);  // first: names a layout mistake as such
   check_policy_loss_inputs(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
-                           loss_kind);
+                           loss_kind, param_a, param_b);
   const at::Tensor g_mat = defined_or_empty(grad_loss_mat);
   const at::Tensor g_rows = defined_or_empty(grad_rows_loss);
   check_policy_loss_grads(g_mat, g_rows, log_prob, layout.rows);
@@ -67,7 +67,7 @@ at::Tensor policy_loss_backward_cpu(const c10::optional<at::Tensor>& grad_loss_m
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = make_policy_loss_backward_params<scalar_t, acc_t>(g_mat, g_rows, log_prob, old_log_prob,
                                                                      advantages, response_mask, w, grad, layout,
-                                                                     clip_low, clip_high, clip_c, loss_kind);
+                                                                     clip_low, clip_high, clip_c, loss_kind, param_a, param_b);
     at::parallel_for(0, p.rows, policy_grain(p.cols / std::max<int64_t>(1, p.row_offsets ? p.rows : 1)),
                      [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {

@@ -18,10 +18,10 @@ std::tuple<at::Tensor, at::Tensor> policy_loss_rows_cuda(const at::Tensor& log_p
                                                          const at::Tensor& response_mask,
                                                          const c10::optional<at::Tensor>& weights, double clip_low,
                                                          double clip_high, double clip_c, int64_t loss_kind,
-                                                         const c10::optional<at::Tensor>& cu_seqlens) {
+                                                         const c10::optional<at::Tensor>& cu_seqlens, double param_a, double param_b) {
   const c10::cuda::CUDAGuard guard(log_prob.device());
   return run_policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
-                              loss_kind, cu_seqlens, LaunchKnobs{}, OutputInit::kEmpty, current_stream_launch());
+                              loss_kind, cu_seqlens, param_a, param_b, LaunchKnobs{}, OutputInit::kEmpty, current_stream_launch());
 }
 
 at::Tensor policy_loss_backward_cuda(const c10::optional<at::Tensor>& grad_loss_mat,
@@ -29,10 +29,10 @@ at::Tensor policy_loss_backward_cuda(const c10::optional<at::Tensor>& grad_loss_
                                      const at::Tensor& old_log_prob, const at::Tensor& advantages,
                                      const at::Tensor& response_mask, const c10::optional<at::Tensor>& weights,
                                      double clip_low, double clip_high, double clip_c, int64_t loss_kind,
-                                     const c10::optional<at::Tensor>& cu_seqlens) {
+                                     const c10::optional<at::Tensor>& cu_seqlens, double param_a, double param_b) {
   const c10::cuda::CUDAGuard guard(log_prob.device());
   return run_policy_loss_backward(grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask,
-                                  weights, clip_low, clip_high, clip_c, loss_kind, cu_seqlens, LaunchKnobs{}, OutputInit::kEmpty,
+                                  weights, clip_low, clip_high, clip_c, loss_kind, cu_seqlens, param_a, param_b, LaunchKnobs{}, OutputInit::kEmpty,
                                   current_stream_launch());
 }
 

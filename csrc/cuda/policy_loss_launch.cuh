@@ -56,11 +56,11 @@ std::tuple<at::Tensor, at::Tensor> run_policy_loss_rows(const at::Tensor& log_pr
                                                         const at::Tensor& advantages, const at::Tensor& response_mask,
                                                         const c10::optional<at::Tensor>& weights, double clip_low,
                                                         double clip_high, double clip_c, int64_t loss_kind,
-                                                        const c10::optional<at::Tensor>& cu_seqlens,
+                                                        const c10::optional<at::Tensor>& cu_seqlens, double param_a, double param_b,
                                                         const LaunchKnobs& knobs, OutputInit init, Launch&& launch) {
   const SeqLayout layout = seq_layout(log_prob, cu_seqlens);  // first: names a layout mistake as such
   check_policy_loss_inputs(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
-                           loss_kind);
+                           loss_kind, param_a, param_b);
   const auto opts = log_prob.options().dtype(policy_acc_dtype(log_prob.scalar_type()));
   auto loss_mat = new_output(log_prob.sizes(), opts, init);
   auto rows = new_output({layout.rows, kPgRowCols}, opts, init);
@@ -72,7 +72,7 @@ std::tuple<at::Tensor, at::Tensor> run_policy_loss_rows(const at::Tensor& log_pr
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = make_policy_loss_params<scalar_t, acc_t>(log_prob, old_log_prob, advantages, response_mask, w,
                                                             loss_mat, rows, undefined, layout, clip_low, clip_high,
-                                                            clip_c, loss_kind);
+                                                            clip_c, loss_kind, param_a, param_b);
     launch(policy_loss_rows_kernel<scalar_t, acc_t>, plan.grid, plan.block, p);
     check_undefined_flag(undefined, p);
   });
@@ -85,11 +85,11 @@ at::Tensor run_policy_loss_backward(const c10::optional<at::Tensor>& grad_loss_m
                                     const at::Tensor& old_log_prob, const at::Tensor& advantages,
                                     const at::Tensor& response_mask, const c10::optional<at::Tensor>& weights,
                                     double clip_low, double clip_high, double clip_c, int64_t loss_kind,
-                                    const c10::optional<at::Tensor>& cu_seqlens, const LaunchKnobs& knobs,
+                                    const c10::optional<at::Tensor>& cu_seqlens, double param_a, double param_b, const LaunchKnobs& knobs,
                                     OutputInit init, Launch&& launch) {
   const SeqLayout layout = seq_layout(log_prob, cu_seqlens);  // first: names a layout mistake as such
   check_policy_loss_inputs(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
-                           loss_kind);
+                           loss_kind, param_a, param_b);
   const at::Tensor g_mat = defined_or_empty(grad_loss_mat);
   const at::Tensor g_rows = defined_or_empty(grad_rows_loss);
   check_policy_loss_grads(g_mat, g_rows, log_prob, layout.rows);
@@ -101,7 +101,7 @@ at::Tensor run_policy_loss_backward(const c10::optional<at::Tensor>& grad_loss_m
     using acc_t = at::opmath_type<scalar_t>;
     const auto p = make_policy_loss_backward_params<scalar_t, acc_t>(g_mat, g_rows, log_prob, old_log_prob,
                                                                      advantages, response_mask, w, grad, layout,
-                                                                     clip_low, clip_high, clip_c, loss_kind);
+                                                                     clip_low, clip_high, clip_c, loss_kind, param_a, param_b);
     launch(policy_loss_backward_kernel<scalar_t, acc_t>, plan.grid, plan.block, p);
   });
   return grad;

@@ -49,56 +49,183 @@ struct PolicyTokenResult {
 };
 
 template <typename acc_t>
+RC_HD RC_FORCEINLINE acc_t rc_sigmoid(acc_t z) {
+  return acc_t(1) / (acc_t(1) + rc_exp(-z));
+}
+
+// The PPO-shaped core shared by PpoClip, Gspo and PpoUnbounded: L1 = -A q, L2 = -A clip(q), max(L1, L2).
+template <typename acc_t>
+struct ClippedPair {
+  acc_t loss1, loss2, clipped1;
+};
+template <typename acc_t>
+RC_HD RC_FORCEINLINE ClippedPair<acc_t> clipped_pair(acc_t q, acc_t adv, const PolicyLossConfig<acc_t>& cfg) {
+  ClippedPair<acc_t> c;
+  c.loss1 = -adv * q;
+  c.loss2 = -adv * clamp_keep_nan(q, cfg.ratio_lower, cfg.ratio_upper);
+  c.clipped1 = nan_max(c.loss1, c.loss2);
+  return c;
+}
+
+// DPPO's trust-region mask (verl compute_policy_loss_dppo_tv / _kl): a token moves the policy only while the
+// divergence of its Bernoulli (p vs p_old) stays within eps on the side the advantage pushes.
+template <typename acc_t>
+RC_HD RC_FORCEINLINE bool dppo_valid(acc_t lp, acc_t old_lp, acc_t adv, const PolicyLossConfig<acc_t>& cfg) {
+  const acc_t p = rc_exp(lp), p_old = rc_exp(old_lp);
+  if (cfg.kind == kPolicyLossDppoTv) {
+    const acc_t d = p - p_old;
+    return adv > acc_t(0) ? d <= cfg.eps_high : d >= -cfg.eps_low;
+  }
+  const acc_t e = static_cast<acc_t>(kBernoulliKlEps);
+  const acc_t kl = p_old * (old_lp - lp) + (acc_t(1) - p_old) * rc_log((acc_t(1) - p_old + e) / (acc_t(1) - p + e));
+  return adv > acc_t(0) ? (kl <= cfg.eps_high || p <= p_old) : (kl <= cfg.eps_low || p >= p_old);
+}
+
+template <typename acc_t>
 RC_HD RC_FORCEINLINE PolicyTokenResult<acc_t> policy_loss_token(acc_t lp, acc_t old_lp, acc_t adv, acc_t w,
                                                                 const PolicyLossConfig<acc_t>& cfg) {
   PolicyTokenResult<acc_t> out;
-  if (cfg.kind == kPolicyLossPpoClip) {
-    const acc_t bound = static_cast<acc_t>(kPolicyLogRatioBound);
-    const acc_t neg_kl = clamp_keep_nan(lp - old_lp, -bound, bound);
-    const acc_t ratio = rc_exp(neg_kl);
-    const acc_t loss1 = -adv * ratio;
-    const acc_t loss2 = -adv * clamp_keep_nan(ratio, cfg.ratio_lower, cfg.ratio_upper);
-    const acc_t clipped1 = nan_max(loss1, loss2);
-    const acc_t loss3 = -adv * cfg.clip_c;
-    const bool negative = adv < acc_t(0);
-    out.loss = negative ? nan_min(loss3, clipped1) : clipped1;
-    out.clip = loss2 > loss1 ? acc_t(1) : acc_t(0);
-    out.clip_lower = (negative && clipped1 > loss3) ? acc_t(1) : acc_t(0);
-    out.kl = -neg_kl;
-  } else {
-    out.loss = -adv * lp;
-    out.clip = out.clip_lower = acc_t(0);
-    out.kl = old_lp - lp;  // verl's reinforce loss logs ppo_kl without the +-20 clamp
+  out.clip = out.clip_lower = acc_t(0);
+  const acc_t bound = static_cast<acc_t>(kPolicyLogRatioBound);
+  const acc_t x = lp - old_lp;
+  const acc_t neg_kl = clamp_keep_nan(x, -bound, bound);
+  switch (cfg.kind) {
+    case kPolicyLossPpoClip: {
+      const ClippedPair<acc_t> c = clipped_pair(rc_exp(neg_kl), adv, cfg);
+      const acc_t loss3 = -adv * cfg.clip_c;
+      const bool negative = adv < acc_t(0);
+      out.loss = negative ? nan_min(loss3, c.clipped1) : c.clipped1;
+      out.clip = c.loss2 > c.loss1 ? acc_t(1) : acc_t(0);
+      out.clip_lower = (negative && c.clipped1 > loss3) ? acc_t(1) : acc_t(0);
+      out.kl = -neg_kl;
+      break;
+    }
+    case kPolicyLossDppoTv:
+    case kPolicyLossDppoKl: {
+      const acc_t ratio = rc_exp(neg_kl);
+      const acc_t valid = dppo_valid(lp, old_lp, adv, cfg) ? acc_t(1) : acc_t(0);
+      const acc_t truncated = ratio > cfg.clip_c ? cfg.clip_c : ratio;
+      out.loss = -adv * truncated * lp * valid;
+      out.clip = acc_t(1) - valid;
+      out.clip_lower = ratio > cfg.clip_c ? valid : acc_t(0);
+      out.kl = -neg_kl;
+      break;
+    }
+    case kPolicyLossGspo: {  // old_lp is the row's mean log-ratio s
+      const acc_t cap = static_cast<acc_t>(kGspoLogRatioMax);
+      const ClippedPair<acc_t> c = clipped_pair(rc_exp(old_lp > cap ? cap : old_lp), adv, cfg);
+      out.loss = c.clipped1;
+      out.clip = c.loss2 > c.loss1 ? acc_t(1) : acc_t(0);
+      out.kl = acc_t(0);  // the caller's: it holds the real lp_old
+      break;
+    }
+    case kPolicyLossSapo: {
+      const acc_t tau = adv > acc_t(0) ? cfg.param_a : cfg.param_b;
+      const acc_t gate = rc_sigmoid(tau * (rc_exp(neg_kl) - acc_t(1))) * (acc_t(4) / tau);
+      out.loss = -gate * adv;
+      out.kl = -neg_kl;
+      break;
+    }
+    case kPolicyLossCispo: {
+      const acc_t ratio = rc_exp(neg_kl);
+      const acc_t clipped = clamp_keep_nan(ratio, cfg.ratio_lower, cfg.ratio_upper);
+      out.loss = -clipped * adv * lp;
+      out.clip = ratio != clipped ? acc_t(1) : acc_t(0);
+      out.kl = -neg_kl;
+      break;
+    }
+    case kPolicyLossDro:
+      out.loss = -(lp * adv - acc_t(0.5) * cfg.param_a * (x * x));
+      out.kl = -x;
+      break;
+    case kPolicyLossGeoMean: {
+      const acc_t s = adv > acc_t(0) ? acc_t(1) : (adv < acc_t(0) ? acc_t(-1) : acc_t(0));
+      const acc_t clamped = clamp_keep_nan(x, -cfg.eps_low, cfg.eps_high);
+      out.loss = s * nan_min(s * x, s * clamped);
+      const acc_t moved = x != clamped ? acc_t(1) : acc_t(0);
+      out.clip = adv > acc_t(0) ? moved : acc_t(0);
+      out.clip_lower = adv < acc_t(0) ? moved : acc_t(0);
+      out.kl = -x;
+      return out;  // the IS weight is applied per sequence by the caller (a geometric mean)
+    }
+    case kPolicyLossPpoUnbounded: {
+      const ClippedPair<acc_t> c = clipped_pair(rc_exp(x), adv, cfg);
+      out.loss = c.clipped1;
+      out.clip = c.loss2 > c.loss1 ? acc_t(1) : acc_t(0);
+      out.kl = -x;
+      break;
+    }
+    default:  // kPolicyLossReinforce
+      out.loss = -adv * lp;
+      out.kl = old_lp - lp;  // verl's reinforce loss logs ppo_kl without the +-20 clamp
   }
   out.loss = out.loss * w;
   return out;
 }
 
-// d loss / d lp of policy_loss_token, as torch autograd computes it through the fallback:
+// d loss / d lp of policy_loss_token, as torch autograd computes it through verl's function (and our fallback):
 //   PPO:  w * (-A) * r * 1[-20 <= lp - lp_old <= 20] * 1[L1 >= L2] * dual,
 //         dual = 1 for A >= 0, else 1 / 0.5 / 0 for max(L1, L2) < / == / > -A c.
 //   (L1 < L2 only when r lies outside the clip range, where clip() passes no gradient; on the tie L1 == L2
 //   with A != 0, r is inside the range and torch's two half-gradients add up to the whole.)
-//   REINFORCE: -A w.
+//   REINFORCE: -A w.  DPPO: -A sg(min(r, c)) v w.  CISPO: -sg(clip(r)) A w.  DRO: -(A - beta x) w.
+//   GSPO: w (-A) q 1[s <= 10] 1[L1 >= L2] (the PPO rule on q).  PpoUnbounded: the PPO rule without bound and dual.
+//   SAPO: -A 4 sigma (1 - sigma) r 1[|x| <= 20] w.  GMPO: 1[A != 0] 1[sgn(A) x <= sgn(A) clamp(x)] (the token value's).
 template <typename acc_t>
 RC_HD RC_FORCEINLINE acc_t policy_loss_token_grad(acc_t lp, acc_t old_lp, acc_t adv, acc_t w,
                                                   const PolicyLossConfig<acc_t>& cfg) {
-  if (cfg.kind != kPolicyLossPpoClip) return -adv * w;
   const acc_t bound = static_cast<acc_t>(kPolicyLogRatioBound);
-  const acc_t log_ratio = lp - old_lp;
-  const acc_t neg_kl = clamp_keep_nan(log_ratio, -bound, bound);
-  const acc_t ratio = rc_exp(neg_kl);
-  const acc_t loss1 = -adv * ratio;
-  const acc_t loss2 = -adv * clamp_keep_nan(ratio, cfg.ratio_lower, cfg.ratio_upper);
+  const acc_t x = lp - old_lp;
+  const acc_t neg_kl = clamp_keep_nan(x, -bound, bound);
   // Outside the clamp (and for a NaN log-ratio) torch's clamp backward passes no gradient.
-  const bool ratio_live = log_ratio >= -bound && log_ratio <= bound;
-  acc_t g = (ratio_live && loss1 >= loss2) ? -adv * ratio : acc_t(0);
-  if (adv < acc_t(0)) {
-    const acc_t clipped1 = nan_max(loss1, loss2);
-    const acc_t loss3 = -adv * cfg.clip_c;
-    g = clipped1 < loss3 ? g : (clipped1 == loss3 ? acc_t(0.5) * g : acc_t(0));
+  const bool ratio_live = x >= -bound && x <= bound;
+  switch (cfg.kind) {
+    case kPolicyLossPpoClip: {
+      const acc_t ratio = rc_exp(neg_kl);
+      const ClippedPair<acc_t> c = clipped_pair(ratio, adv, cfg);
+      acc_t g = (ratio_live && c.loss1 >= c.loss2) ? -adv * ratio : acc_t(0);
+      if (adv < acc_t(0)) {
+        const acc_t loss3 = -adv * cfg.clip_c;
+        g = c.clipped1 < loss3 ? g : (c.clipped1 == loss3 ? acc_t(0.5) * g : acc_t(0));
+      }
+      return g * w;
+    }
+    case kPolicyLossDppoTv:
+    case kPolicyLossDppoKl: {
+      const acc_t ratio = rc_exp(neg_kl);
+      const acc_t truncated = ratio > cfg.clip_c ? cfg.clip_c : ratio;
+      return dppo_valid(lp, old_lp, adv, cfg) ? -adv * truncated * w : acc_t(0);
+    }
+    case kPolicyLossGspo: {
+      const acc_t cap = static_cast<acc_t>(kGspoLogRatioMax);
+      const acc_t q = rc_exp(old_lp > cap ? cap : old_lp);
+      const ClippedPair<acc_t> c = clipped_pair(q, adv, cfg);
+      return (old_lp <= cap && c.loss1 >= c.loss2) ? -adv * q * w : acc_t(0);
+    }
+    case kPolicyLossSapo: {
+      if (!ratio_live) return acc_t(0);
+      const acc_t tau = adv > acc_t(0) ? cfg.param_a : cfg.param_b;
+      const acc_t ratio = rc_exp(neg_kl);
+      const acc_t sig = rc_sigmoid(tau * (ratio - acc_t(1)));
+      return -adv * (acc_t(4) / tau) * (sig * (acc_t(1) - sig)) * tau * ratio * w;
+    }
+    case kPolicyLossCispo:
+      return -clamp_keep_nan(rc_exp(neg_kl), cfg.ratio_lower, cfg.ratio_upper) * adv * w;
+    case kPolicyLossDro:
+      return -(adv - cfg.param_a * x) * w;
+    case kPolicyLossGeoMean: {
+      if (adv == acc_t(0)) return acc_t(0);
+      const acc_t s = adv > acc_t(0) ? acc_t(1) : acc_t(-1);
+      return s * x <= s * clamp_keep_nan(x, -cfg.eps_low, cfg.eps_high) ? acc_t(1) : acc_t(0);
+    }
+    case kPolicyLossPpoUnbounded: {
+      const acc_t ratio = rc_exp(x);
+      const ClippedPair<acc_t> c = clipped_pair(ratio, adv, cfg);
+      return c.loss1 >= c.loss2 ? -adv * ratio * w : acc_t(0);
+    }
+    default:  // kPolicyLossReinforce
+      return -adv * w;
   }
-  return g * w;
 }
 
 // Running per-row partials. The mask multiplies (float masks weight tokens), and a token whose mask is 0
@@ -128,15 +255,20 @@ RC_HD RC_FORCEINLINE void policy_row_partials_add(PolicyRowPartials<acc_t>& p, c
 }
 
 // A response token (mask != 0) whose loss is undefined: NaN or +inf log-probs, a log-ratio -inf - (-inf) (PPO), a
-// -inf log-prob under REINFORCE (an infinite loss), non-finite advantages or IS weights. Masked tokens are never
-// inspected (padding holds junk).
+// -inf log-prob under REINFORCE (an infinite loss), non-finite advantages or IS weights. The kinds after
+// REINFORCE (policy_loss_layout.def) take stricter terms: every input finite and the token's value finite.
+// Masked tokens are never inspected (padding holds junk).
 template <typename acc_t>
-RC_HD RC_FORCEINLINE bool policy_loss_undefined(acc_t lp, acc_t old_lp, acc_t adv, acc_t w, acc_t m, int32_t kind) {
+RC_HD RC_FORCEINLINE bool policy_loss_undefined(acc_t lp, acc_t old_lp, acc_t adv, acc_t w, acc_t m, int32_t kind,
+                                                acc_t loss) {
+  if (m == acc_t(0)) return false;
   const acc_t inf = static_cast<acc_t>(INFINITY);
-  bool bad = (lp != lp) || lp == inf || (old_lp != old_lp) || old_lp == inf;
-  bad = bad || (kind == kPolicyLossPpoClip ? (lp == -inf && old_lp == -inf) : lp == -inf);
-  bad = bad || !(adv - adv == acc_t(0)) || !(w - w == acc_t(0));
-  return bad && m != acc_t(0);
+  bool bad = !(adv - adv == acc_t(0)) || !(w - w == acc_t(0));
+  if (kind == kPolicyLossPpoClip || kind == kPolicyLossReinforce) {
+    bad = bad || (lp != lp) || lp == inf || (old_lp != old_lp) || old_lp == inf;
+    return bad || (kind == kPolicyLossPpoClip ? (lp == -inf && old_lp == -inf) : lp == -inf);
+  }
+  return bad || !(lp - lp == acc_t(0)) || !(old_lp - old_lp == acc_t(0)) || !(loss - loss == acc_t(0));
 }
 
 // The forward of one token: reads the inputs, writes loss_mat, folds the token into the row partials.
@@ -151,7 +283,7 @@ RC_HD RC_FORCEINLINE void policy_loss_forward_token(const PolicyLossParams<scala
   const PolicyTokenResult<acc_t> t = policy_loss_token(lp, old_lp, adv, w, p.cfg);
   RC_STG(p.loss_mat + row * p.cols + col, t.loss);
   policy_row_partials_add(partials, t, m);
-  if (policy_loss_undefined(lp, old_lp, adv, w, m, p.cfg.kind)) RC_STG(p.undefined, 1);  // any writer: same value
+  if (policy_loss_undefined(lp, old_lp, adv, w, m, p.cfg.kind, t.loss)) RC_STG(p.undefined, 1);  // any writer: same value
 }
 
 // The backward of one token: upstream gradient of loss_mat plus the row-loss gradient through the mask.

@@ -23,6 +23,8 @@ enum PolicyRowColumn : int32_t {
 #include "policy_loss_layout.def"
   kPgRowCols
 };
+#define RC_PG_CONST(name, value) constexpr double k##name = value;
+#include "policy_loss_layout.def"
 
 // The scalar configuration, held in the accumulation type: the fallback compares acc-dtype tensors with
 // Python floats, which torch rounds to the tensor's dtype, so the bounds are rounded the same way.
@@ -30,7 +32,11 @@ template <typename acc_t>
 struct PolicyLossConfig {
   acc_t ratio_lower;  // 1 - clip_low
   acc_t ratio_upper;  // 1 + clip_high
-  acc_t clip_c;       // dual-clip bound (may be +inf: no dual clip)
+  acc_t eps_low;      // clip_low itself (DPPO's divergence bounds, GMPO's log-ratio clamp)
+  acc_t eps_high;     // clip_high itself
+  acc_t clip_c;       // dual-clip bound (may be +inf: no dual clip); DPPO's truncation cap
+  acc_t param_a;      // SAPO tau_pos, DRO beta (policy_loss_layout.def); 0 for the other kinds
+  acc_t param_b;      // SAPO tau_neg
   int32_t kind;       // PolicyLossKind
 };
 

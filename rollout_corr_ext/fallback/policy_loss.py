@@ -16,24 +16,69 @@ from .. import _layout as LY
 from .._checks import acc_dtype as _acc_dtype, check_cu_seqlens as _check_cu_seqlens, masked as _masked
 
 
-def _policy_token_terms(lp, old, adv, w, clip_low, clip_high, clip_c, loss_kind):
-    """Per-token (loss, clip, clip_lower, kl) of the policy losses (formulas in :func:`policy_loss_rows`)."""
+def _policy_token_terms(lp, old, adv, w, clip_low, clip_high, clip_c, loss_kind, param_a=0.0, param_b=0.0):
+    """Per-token (loss, clip, clip_lower, kl) of the policy losses (formulas in ``policy_loss_layout.def``; each
+    follows its verl 0.9.1 function in ``verl/trainer/ppo/core_algos.py``)."""
     acc = lp.dtype
-    neg_kl = torch.clamp(lp - old, -20.0, 20.0)
-    if loss_kind == LY.PG_KIND_PPO_CLIP:
-        ratio = torch.exp(neg_kl)
+    zeros = torch.zeros_like(lp)
+    x = lp - old
+    neg_kl = torch.clamp(x, -20.0, 20.0)
+    clip = clip_lower = zeros
+    kl = -neg_kl
+    if loss_kind in (LY.PG_KIND_PPO_CLIP, LY.PG_KIND_GSPO, LY.PG_KIND_PPO_UNBOUNDED):
+        if loss_kind == LY.PG_KIND_PPO_CLIP:
+            ratio = torch.exp(neg_kl)
+        elif loss_kind == LY.PG_KIND_GSPO:  # old is the row's mean log-ratio s: q = exp(min(s, 10)), dq/dlp = q
+            ratio = torch.exp(torch.clamp(lp - lp.detach() + old, max=LY.GSPO_LOG_RATIO_MAX))
+            kl = zeros
+        else:
+            ratio = torch.exp(x)
+            kl = -x
         loss1 = -adv * ratio
         loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
         clipped1 = torch.maximum(loss1, loss2)
-        loss3 = -adv * clip_c
-        negative = adv < 0
-        loss = torch.where(negative, torch.minimum(loss3, clipped1), clipped1)
         clip = (loss2 > loss1).to(acc)
-        clip_lower = ((clipped1 > loss3) & negative).to(acc)
-        kl = -neg_kl
-    else:
+        loss = clipped1
+        if loss_kind == LY.PG_KIND_PPO_CLIP:
+            loss3 = -adv * clip_c
+            negative = adv < 0
+            loss = torch.where(negative, torch.minimum(loss3, clipped1), clipped1)
+            clip_lower = ((clipped1 > loss3) & negative).to(acc)
+    elif loss_kind in (LY.PG_KIND_DPPO_TV, LY.PG_KIND_DPPO_KL):
+        ratio = torch.exp(neg_kl)
+        truncated = torch.clamp(ratio, max=clip_c).detach()
+        with torch.no_grad():
+            p, p_old = torch.exp(lp), torch.exp(old)
+            if loss_kind == LY.PG_KIND_DPPO_TV:
+                pos, neg = (p - p_old) <= clip_high, (p - p_old) >= -clip_low
+            else:
+                e = LY.BERNOULLI_KL_EPS
+                bkl = p_old * (old - lp) + (1 - p_old) * torch.log((1.0 - p_old + e) / (1.0 - p + e))
+                pos, neg = (bkl <= clip_high) | (p <= p_old), (bkl <= clip_low) | (p >= p_old)
+            valid = torch.where(adv > 0, pos, neg).to(acc)
+        loss = -adv * truncated * lp * valid
+        clip = 1.0 - valid
+        clip_lower = (ratio > clip_c).to(acc) * valid
+    elif loss_kind == LY.PG_KIND_SAPO:
+        tau = torch.where(adv > 0, torch.full_like(adv, param_a), torch.full_like(adv, param_b))
+        loss = -(torch.sigmoid(tau * (torch.exp(neg_kl) - 1.0)) * (4.0 / tau)) * adv
+    elif loss_kind == LY.PG_KIND_CISPO:
+        ratio = torch.exp(neg_kl)
+        clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+        loss = -clipped.detach() * adv * lp
+        clip = (ratio != clipped).to(acc)
+    elif loss_kind == LY.PG_KIND_DRO:
+        loss = -(lp * adv - 0.5 * param_a * x.square())
+        kl = -x
+    elif loss_kind == LY.PG_KIND_GEO_MEAN:
+        sgn = torch.sign(adv)
+        clamped = torch.clamp(x, -clip_low, clip_high)
+        loss = sgn * torch.minimum(sgn * x, sgn * clamped)
+        moved = (x != clamped).to(acc)
+        clip, clip_lower, kl = moved * (adv > 0).to(acc), moved * (adv < 0).to(acc), -x
+        return loss, clip, clip_lower, kl  # the IS weight is applied per sequence by the caller
+    else:  # REINFORCE
         loss = -adv * lp
-        clip = clip_lower = torch.zeros_like(lp)
         # verl's reinforce loss logs ppo_kl = mean(rollout_lp - lp) without the +-20 clamp.
         kl = old - lp
     if w is not None:
@@ -41,25 +86,29 @@ def _policy_token_terms(lp, old, adv, w, clip_low, clip_high, clip_c, loss_kind)
     return loss, clip, clip_lower, kl
 
 
-def _undefined_loss_tokens(kind: int, old_log_prob, log_prob, advantages, response_mask, weights):
+def _undefined_loss_tokens(kind: int, old_log_prob, log_prob, advantages, response_mask, weights, loss=None):
     """Response tokens whose loss is undefined: NaN or +inf log-probs, a log-ratio -inf - (-inf) (PPO), a -inf
-    log-prob under REINFORCE (an infinite loss), non-finite advantages or IS weights. Masked-out tokens are not
-    inspected. Elementwise over [b, s]: small next to the vocab-sized log-prob pass."""
+    log-prob under REINFORCE (an infinite loss), non-finite advantages or IS weights; for the other kinds any
+    non-finite input or token loss. Masked-out tokens are not inspected. Elementwise over [b, s]: small next to the
+    vocab-sized log-prob pass."""
     inf = float("inf")
     lp, old = log_prob, old_log_prob
-    bad = lp.isnan() | (lp == inf) | old.isnan() | (old == inf)
-    bad = bad | ((lp == -inf) & (old == -inf)) if kind == LY.PG_KIND_PPO_CLIP else bad | (lp == -inf)
     adv = advantages if advantages.dim() == lp.dim() else advantages.unsqueeze(-1)
-    bad = bad | ~torch.isfinite(adv)
+    bad = ~torch.isfinite(adv)
     if weights is not None:
         bad = bad | ~torch.isfinite(weights)
+    if kind in (LY.PG_KIND_PPO_CLIP, LY.PG_KIND_REINFORCE):
+        bad = bad | lp.isnan() | (lp == inf) | old.isnan() | (old == inf)
+        bad = bad | ((lp == -inf) & (old == -inf)) if kind == LY.PG_KIND_PPO_CLIP else bad | (lp == -inf)
+    else:
+        bad = bad | ~torch.isfinite(lp) | ~torch.isfinite(old) | ~torch.isfinite(loss)
     return bad & (response_mask != 0)
 
 
-def _check_defined_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, weights):
-    bad = _undefined_loss_tokens(kind, old_log_prob, log_prob, advantages, response_mask, weights)
-    what = ("log_prob / old_log_prob NaN or +inf, both -inf (PPO), log_prob -inf (REINFORCE), or non-finite "
-            "advantages / IS weights")
+def _check_defined_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, weights, loss=None):
+    bad = _undefined_loss_tokens(kind, old_log_prob, log_prob, advantages, response_mask, weights, loss)
+    what = ("log_prob / old_log_prob NaN or +inf, both -inf (PPO), log_prob -inf (REINFORCE), non-finite "
+            "advantages / IS weights, or (the other kinds) a non-finite input or token loss")
     if bad.device.type == "cpu":
         if bool(bad.any()):
             pos = tuple(int(i) for i in bad.nonzero()[0])
@@ -80,6 +129,8 @@ def policy_loss_rows(
     clip_c: float,
     loss_kind: int,
     cu_seqlens: Optional[torch.Tensor] = None,
+    param_a: float = 0.0,
+    param_b: float = 0.0,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token policy loss and the per-row partials every aggregation mode and metric is built from.
 
@@ -88,27 +139,35 @@ def policy_loss_rows(
     ``loss_kind == LY.PG_KIND_PPO_CLIP``: r = exp(clamp20(lp - lp_old)); L = max(-A r, -A clip(r, 1 - clip_low,
     1 + clip_high)), and for A < 0, L = min(L, -A clip_c) (dual clip); then L * w.
     ``loss_kind == LY.PG_KIND_REINFORCE``: L = -A lp w (``old_log_prob`` is the rollout policy, used for ppo_kl).
+    The other kinds (DPPO, GSPO, SAPO, CISPO, DRO, GMPO, unbounded PPO) as ``csrc/include/policy_loss_layout.def``
+    states them; ``param_a`` / ``param_b`` are SAPO's tau_pos / tau_neg and DRO's beta.
 
     Returns ``loss_mat [B, T]`` (differentiable in ``log_prob``; masked positions hold the raw value, the
     mask is applied by the aggregation) and ``rows [B, 5]`` (columns ``PG_ROW_*``; only the loss column
     carries a gradient). One pass over the inputs: this is the contract of the fused loss kernel.
     """
     acc = _acc_dtype(log_prob.dtype)
-    if loss_kind not in (LY.PG_KIND_PPO_CLIP, LY.PG_KIND_REINFORCE):
-        raise ValueError(f"loss_kind must be LY.PG_KIND_PPO_CLIP or LY.PG_KIND_REINFORCE, got {loss_kind}")
-    _check_defined_loss(loss_kind, old_log_prob.detach(), log_prob.detach(), advantages.detach(), response_mask,
-                        None if weights is None else weights.detach())
+    if not (isinstance(loss_kind, int) and 0 <= loss_kind < LY.KIND_COUNT):
+        raise ValueError(f"loss_kind must be a LY.PG_KIND_* code (0 .. {LY.KIND_COUNT - 1}), got {loss_kind}")
+    if loss_kind == LY.PG_KIND_SAPO and not (0 < param_a < float("inf") and 0 < param_b < float("inf")):
+        raise ValueError(f"SAPO's temperatures (param_a = tau_pos, param_b = tau_neg) must be finite and > 0, got "
+                         f"{param_a}, {param_b}")
+    if loss_kind == LY.PG_KIND_DRO and not 0 < param_a < float("inf"):
+        raise ValueError(f"DRO's beta (param_a) must be finite and > 0, got {param_a}")
     lp, old, adv = log_prob.to(acc), old_log_prob.to(acc), advantages.to(acc)
     w = None if weights is None else weights.detach().to(acc)
     m = response_mask.to(acc)
-    loss, clip, clip_lower, kl = _policy_token_terms(lp, old, adv, w, clip_low, clip_high, clip_c, loss_kind)
+    terms = (clip_low, clip_high, clip_c, loss_kind, param_a, param_b)
+    loss, clip, clip_lower, kl = _policy_token_terms(lp, old, adv, w, *terms)
+    _check_defined_loss(loss_kind, old_log_prob.detach(), log_prob.detach(), advantages.detach(), response_mask,
+                        None if weights is None else weights.detach(), loss.detach())
     # The row sums are built from inputs selected at the valid tokens, so that a masked-out token's NaN / -inf
     # never meets autograd's 0 * (local derivative) and the gradient there is exactly 0 (the kernels' rule).
     valid = m != 0
     zero, one = torch.zeros((), dtype=acc), torch.ones((), dtype=acc)
     loss_v = _policy_token_terms(torch.where(valid, lp, zero), torch.where(valid, old, zero),
                                  torch.where(valid, adv, zero), None if w is None else torch.where(valid, w, one),
-                                 clip_low, clip_high, clip_c, loss_kind)[0]
+                                 *terms)[0]
     if cu_seqlens is None:
         def row_sum(x):
             return x.sum(-1)

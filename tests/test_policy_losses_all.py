@@ -1,0 +1,301 @@
+"""Every policy loss of verl 0.9.1's registry on the fused policy-loss family (docs/policy_losses.md).
+
+* Each loss against verl's own function on the same inputs and config, every aggregation mode, with and without IS
+  weights: loss, gradient and metrics (the 2^-12 input grid of the adapter tests, so no mask decision flips), on
+  the compiled CPU kernels, the emulated CUDA kernels and the fallback.
+* Each loss against an fp64 oracle written here from the paper's formula (per sequence, in the paper's own form:
+  GSPO's and GMPO's ratios as products of per-token ratios to the power 1/|y|), gradient included.
+* Packed rows equal padded ones; GSPO's sequence ratio is exact when a sequence is split across two
+  context-parallel ranks (gloo); GMPO with ``global_batch_size`` is the same mean when the rows are split over two
+  data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from rollout_corr_ext import losses
+from rollout_corr_ext import verl as rv
+from rollout_corr_testing.backends import policy_loss_backend
+from rollout_corr_testing.dist_utils import dist_params, run_workers
+from rollout_corr_testing.skips import skip_unless_ci
+
+MODES = losses.LOSS_AGG_MODES
+#: verl's registry without bypass_mode (which needs a rollout-correction config; tests/test_verl_adapter.py has it).
+NAMES = [n for n in losses.POLICY_LOSS_MODES if n != "bypass_mode"]
+#: The knobs every loss reads; clip_cov's range and ratio admit fewer tokens than its cap, where verl is deterministic.
+KNOBS = dict(dro_beta=0.5, clip_cov_ratio=0.5, clip_cov_lb=0.02, clip_cov_ub=40.0, kl_cov_ratio=0.1)
+
+
+def _verl():
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import verl.trainer.ppo.core_algos as core
+            from verl.workers.config.actor import ActorConfig, PolicyLossConfig
+    except Exception as exc:  # noqa: BLE001 - any import failure means verl is not usable here
+        skip_unless_ci(f"verl cannot be imported: {exc!r}")
+    return core, ActorConfig, PolicyLossConfig
+
+
+def _actor(name, **kw):
+    _, ActorConfig, PLConfig = _verl()
+    fields = dict(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=4,
+                  clip_ratio=0.2, clip_ratio_high=0.28, tau_pos=1.0, tau_neg=1.05)
+    fields.update(kw)
+    return ActorConfig(policy_loss=PLConfig(loss_mode=name, **KNOBS), **fields)
+
+
+def _inputs(b=8, t=24, seed=0, dtype=torch.float32):
+    """On a 2^-12 grid: exact log-ratios, so threshold decisions agree with verl's eager fp32 math."""
+    g = torch.Generator().manual_seed(seed)
+    q = 2.0 ** -12
+    old = torch.round(-(torch.rand(b, t, generator=g) * 2.5 + 0.05) / q) * q
+    lp = (old + torch.round(torch.randn(b, t, generator=g) * 0.3 / q) * q).clamp(max=-q)
+    adv = torch.randn(b, 1, generator=g).expand(b, t).contiguous()
+    adv[0, :5] = torch.randn(5, generator=g)  # token-level advantages too
+    adv[3] = 0.0
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    mask[2] = 0.0  # a padding-only row
+    w = torch.round((torch.rand(b, t, generator=g) * 1.5 + 0.25) / q) * q
+    return [x.to(dtype) for x in (old, lp, adv)] + [mask, w]
+
+
+def _run(fn, old, lp, adv, mask, mode, cfg, w, **kw):
+    x = lp.detach().clone().requires_grad_(True)
+    loss, metrics = fn(old, x, adv, mask, mode, cfg, w, **kw)
+    loss.backward()
+    return loss.detach(), metrics, x.grad
+
+
+@pytest.fixture(params=["cpu", "emulated", "fallback"])
+def backend(request):
+    with policy_loss_backend(request.param, threads=32, schedule=1, max_blocks=3):
+        yield request.param
+
+
+@pytest.mark.parametrize("weights", [False, True], ids=["no_w", "w"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", NAMES)
+def test_equals_verl(backend, name, mode, weights):
+    core, _, _ = _verl()
+    if backend == "emulated" and mode not in ("token-mean", "seq-mean-token-mean"):
+        pytest.skip("the emulator runs two modes (the per-token kernel is the same for all)")
+    old, lp, adv, mask, w = _inputs(seed=len(name) + len(mode))
+    actor = _actor(name)
+    w = w if weights else None
+    want = _run(core.get_policy_loss_fn(name), old, lp, adv, mask, mode, actor, w)
+    got = _run(rv.POLICY_LOSSES[name], old, lp, adv, mask, mode, actor, w)
+    assert torch.allclose(got[0].double(), want[0].double(), rtol=2e-5, atol=2e-6), (got[0], want[0])
+    assert torch.allclose(got[2], want[2], rtol=2e-5, atol=1e-7), (got[2] - want[2]).abs().max()
+    assert list(got[1]) == list(want[1]), (list(got[1]), list(want[1]))
+    for k, v in want[1].items():
+        assert type(got[1][k]) is float and math.isclose(got[1][k], v, rel_tol=2e-5, abs_tol=2e-6), (k, got[1][k], v)
+
+
+def test_clip_cov_cuts_tokens_and_matches_verl_exactly_there():
+    """The comparison above is only meaningful if clip_cov removed some tokens: it did (metric > 0)."""
+    old, lp, adv, mask, _ = _inputs(seed=5)
+    loss, metrics, _ = _run(losses.compute_policy_loss_clip_cov, old, lp, adv, mask, "token-mean",
+                            losses.PolicyLossConfig.from_dict(_actor("clip_cov")), None)
+    assert metrics["actor/pg_clipfrac"] > 0
+
+
+# ----------------------------------------------------------------------------------------- fp64 paper oracles
+
+
+def _ratio(lp, old):
+    return torch.exp(lp - old)
+
+
+def _oracle(name, old, lp, adv, mask, cfg):
+    """Token-mean (or the loss's own aggregation) of the paper's objective, in fp64, one sequence at a time."""
+    lo, hi = cfg.clip_low, cfg.clip_high
+    per_seq, tok_sum, n_tok = [], 0.0, 0.0
+    for b in range(lp.shape[0]):
+        m = mask[b] > 0
+        if not m.any():
+            per_seq.append(None)
+            continue
+        x, o, a = lp[b][m], old[b][m], adv[b][m]
+        if name == "gspo":  # s = (prod_t pi / pi_old)^(1/|y|), the gradient through each token's pi only
+            s_val = torch.prod(_ratio(x.detach(), o)) ** (1.0 / x.numel())
+            s = s_val * torch.exp(x - x.detach())
+            tok = -torch.minimum(s * a, torch.clamp(s, 1 - lo, 1 + hi) * a)
+        elif name == "geo_mean":  # -A (prod_t clip_sgn(r_t))^(1/|y|)
+            r = _ratio(x, o)
+            sg = torch.sign(a)
+            r_clip = torch.where(sg > 0, torch.minimum(r, torch.full_like(r, math.exp(hi))),
+                                 torch.where(sg < 0, torch.maximum(r, torch.full_like(r, math.exp(-lo))), r))
+            r_clip = torch.where(sg == 0, torch.ones_like(r), r_clip)
+            per_seq.append(-a.mean() * torch.prod(r_clip) ** (1.0 / x.numel()))
+            continue
+        elif name == "sapo":  # soft gate f(r) = sigmoid(tau (r - 1)) 4 / tau, the sequence mean of f A
+            tau = torch.where(a > 0, torch.full_like(a, cfg.tau_pos), torch.full_like(a, cfg.tau_neg))
+            tok = -torch.sigmoid(tau * (_ratio(x, o) - 1)) * 4 / tau * a
+            per_seq.append(tok.mean())
+            continue
+        elif name == "cispo":  # REINFORCE with the clipped, stopped IS weight
+            tok = -torch.clamp(_ratio(x.detach(), o), 1 - lo, 1 + hi) * a * x
+        elif name == "dppo_tv":  # binary TV trust region |p - p_old| on the advantage's side
+            d = torch.exp(x.detach()) - torch.exp(o)
+            keep = torch.where(a > 0, d <= hi, d >= -lo).double()
+            tok = -a * torch.clamp(_ratio(x.detach(), o), max=cfg.clip_ratio_c) * x * keep
+        elif name == "dro":
+            tok = -(x * a) + cfg.dro_beta / 2 * (x - o) ** 2
+        elif name in ("gpg",):
+            tok = -a * x
+        else:
+            raise AssertionError(name)
+        tok_sum = tok_sum + tok.sum()
+        n_tok += x.numel()
+    if name in ("geo_mean",):
+        return torch.stack([p if p is not None else torch.zeros((), dtype=lp.dtype) for p in per_seq]).mean()
+    if name == "sapo":
+        vals = [p for p in per_seq if p is not None]
+        return torch.stack(vals).mean()
+    return tok_sum / n_tok
+
+
+@pytest.mark.parametrize("name", ["gspo", "geo_mean", "sapo", "cispo", "dppo_tv", "dro", "gpg"])
+def test_equals_paper_oracle_fp64(backend, name):
+    old, lp, adv, mask, _ = (x.double() for x in _inputs(seed=11))
+    cfg = losses.PolicyLossConfig(clip_ratio=0.2, clip_ratio_high=0.28, loss_mode=name, **KNOBS)
+    x = lp.clone().requires_grad_(True)
+    want = _oracle(name, old, x, adv, mask, cfg)
+    (g_want,) = torch.autograd.grad(want, x)
+    fn = getattr(losses, "compute_policy_loss_" + name)
+    got, _, g_got = _run(fn, old, lp, adv, mask, "token-mean", cfg, None)
+    # GMPO's and SAPO's per-sequence means divide by |y| + 1e-8 (verl's, and ours, to stay equal to it); the
+    # paper's by |y|.
+    tol = 1e-7 if name in ("geo_mean", "sapo") else 1e-10
+    assert torch.allclose(got, want.detach(), rtol=tol, atol=1e-12), (got, want)
+    assert torch.allclose(g_got, g_want, rtol=tol, atol=1e-12), (g_got - g_want).abs().max()
+
+
+# ----------------------------------------------------------------------------------------- layouts
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_packed_equals_padded(name):
+    old, lp, adv, mask, w = (x.double() for x in _inputs(seed=3))
+    cfg = losses.PolicyLossConfig(clip_ratio=0.2, loss_mode=name, **KNOBS)
+    fn = getattr(losses, "compute_policy_loss_" + name)
+    mode = "seq-mean-token-mean"
+    want = _run(fn, old, lp, adv, mask, mode, cfg, w)
+    lengths = mask.sum(-1).long()
+    lengths[2] = 3  # a row with tokens, all masked out
+    keep = torch.arange(lp.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    cu = torch.zeros(lp.shape[0] + 1, dtype=torch.int64)
+    cu[1:] = lengths.cumsum(0)
+    got = _run(fn, old[keep], lp[keep], adv[keep], mask[keep], mode, cfg, w[keep], cu_seqlens=cu)
+    assert torch.allclose(got[0], want[0], rtol=1e-12, atol=1e-14), (got[0], want[0])
+    assert torch.allclose(got[2], want[2][keep], rtol=1e-12, atol=1e-14)
+    assert list(got[1]) == list(want[1])
+    for k in want[1]:
+        assert torch.allclose(got[1][k], want[1][k], rtol=1e-12, atol=1e-14), k
+
+
+def test_geo_mean_global_batch_size_is_exact_over_dp():
+    """Two data-parallel halves with the global sequence count: their mean loss and summed gradients are one
+    process's (verl's torch.mean over the micro-batch is not, when the halves differ in length)."""
+    old, lp, adv, mask, _ = (x.double() for x in _inputs(b=7, seed=4))
+    one = _run(losses.compute_policy_loss_geo_mean, old, lp, adv, mask, "token-mean",
+               losses.PolicyLossConfig(loss_mode="geo_mean"), None)
+    cfg = losses.PolicyLossConfig(loss_mode="geo_mean", dp_size=2, global_batch_size=7)
+    halves = [_run(losses.compute_policy_loss_geo_mean, old[s], lp[s], adv[s], mask[s], "token-mean", cfg, None)
+              for s in (slice(0, 3), slice(3, 7))]
+    assert torch.allclose((halves[0][0] + halves[1][0]) / 2, one[0], rtol=1e-12)
+    # the gradient data-parallel training applies: the mean over ranks of each rank's gradient
+    assert torch.allclose(torch.cat([h[2] for h in halves]) / 2, one[2], rtol=1e-12, atol=1e-15)
+
+
+def _gspo_cp_worker(rank, world, old, lp, adv, mask):
+    """Each sequence split over two ranks (first half / second half of its tokens); token-sum: the ranks' losses add
+    up to one process's, and each rank's token gradients are its share of one process's."""
+    import torch.distributed as dist
+
+    t = lp.shape[1]
+    cols = slice(0, t // 2) if rank == 0 else slice(t // 2, t)
+    cfg = losses.PolicyLossConfig(clip_ratio=0.2, loss_mode="gspo")
+    want = _run(losses.compute_policy_loss_gspo, old, lp, adv, mask, "token-sum", cfg, None)
+    got = _run(losses.compute_policy_loss_gspo, old[:, cols].contiguous(), lp[:, cols].contiguous(),
+               adv[:, cols].contiguous(), mask[:, cols].contiguous(), "token-sum", cfg, None,
+               seq_group=dist.group.WORLD)
+    total = got[0].clone()
+    dist.all_reduce(total)
+    assert torch.allclose(total, want[0], rtol=1e-12), (total, want[0])
+    assert torch.allclose(got[2], want[2][:, cols], rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("device", dist_params(2))
+def test_gspo_context_parallel_equals_one_process(device):
+    old, lp, adv, mask, _ = (x.double() for x in _inputs(seed=8))
+    run_workers(_gspo_cp_worker, 2, old, lp, adv, mask, device=device)
+
+
+# ----------------------------------------------------------------------------------------- front door and checks
+
+
+def test_config_reads_verl_actor_config():
+    cfg = losses.PolicyLossConfig.from_dict(_actor("sapo", tau_pos=1.5, tau_neg=2.5))
+    assert (cfg.loss_mode, cfg.tau_pos, cfg.tau_neg, cfg.dro_beta) == ("sapo", 1.5, 2.5, 0.5)
+    assert (cfg.clip_cov_ratio, cfg.clip_cov_lb, cfg.clip_cov_ub, cfg.kl_cov_ratio) == (0.5, 0.02, 40.0, 0.1)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(loss_mode="ppo"), "loss_mode must be one of"),
+    (dict(loss_mode="dro"), "dro_beta"),
+    (dict(tau_pos=0.0), "tau_pos"),
+    (dict(dro_beta=-1.0), "dro_beta"),
+    (dict(kl_cov_ratio=float("nan")), "kl_cov_ratio"),
+])
+def test_config_refuses_bad_values(bad, match):
+    with pytest.raises(ValueError, match=match):
+        losses.PolicyLossConfig(**bad)
+
+
+@pytest.mark.parametrize("name", ["dppo_tv", "cispo", "dro", "gspo", "geo_mean", "sapo"])
+def test_undefined_token_is_a_named_error(name):
+    old, lp, adv, mask, _ = _inputs(seed=2)
+    lp = lp.clone()
+    lp[1, 0] = float("-inf")
+    mask[1, 0] = 1.0
+    cfg = losses.PolicyLossConfig(loss_mode=name, **KNOBS)
+    with pytest.raises(ValueError, match="undefined at response token"):
+        getattr(losses, "compute_policy_loss_" + name)(old, lp, adv, mask, "token-mean", cfg)
+    mask[1, 0] = 0.0  # masked out: never inspected, and no NaN reaches the gradient
+    got = _run(getattr(losses, "compute_policy_loss_" + name), old, lp, adv, mask, "token-mean", cfg, None)
+    assert torch.isfinite(got[0]) and torch.isfinite(got[2]).all() and got[2][1, 0] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("name", NAMES)
+def test_every_dtype_matches_fp64(name, dtype):
+    old, lp, adv, mask, w = (x.to(dtype) for x in _inputs(seed=6))
+    cfg = losses.PolicyLossConfig(clip_ratio=0.2, loss_mode=name, **KNOBS)
+    fn = getattr(losses, "compute_policy_loss_" + name)
+    want = _run(fn, old.double(), lp.double(), adv.double(), mask, "token-mean", cfg, w.double())
+    got = _run(fn, old, lp, adv, mask, "token-mean", cfg, w)
+    assert got[2].dtype == dtype
+    tol = 1e-12 if dtype == torch.float64 else 2e-2
+    assert torch.allclose(got[0].double(), want[0], rtol=tol, atol=tol), (got[0], want[0])
+    assert torch.allclose(got[2].double(), want[2], rtol=tol, atol=tol * 0.1)
+
+
+@pytest.mark.parametrize("kind, params, match", [
+    ("SAPO", (0.0, 1.0), "SAPO's temperatures"),
+    ("SAPO", (1.0, float("inf")), "SAPO's temperatures"),
+    ("DRO", (0.0, 0.0), "DRO's beta"),
+])
+def test_op_refuses_bad_kind_parameters(backend, kind, params, match):
+    from rollout_corr_ext import _layout as LY, ops
+
+    old, lp, adv, mask, _ = _inputs(seed=1)
+    with pytest.raises((RuntimeError, ValueError), match=match):
+        ops.policy_loss_rows(lp, old, adv, mask, None, 0.2, 0.2, 3.0, getattr(LY, "PG_KIND_" + kind), None, *params)
