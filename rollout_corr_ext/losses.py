@@ -882,6 +882,18 @@ def compute_policy_loss_bypass(
     return loss, metrics
 
 
+def _mode_loss(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, weights, cu_seqlens,
+               seq_group):
+    """The loss ``cfg.loss_mode`` names (docs/policy_losses.md), with the IS weights of the decoupled flow."""
+    if cfg.loss_mode == "bypass_mode":
+        raise ValueError("loss_mode='bypass_mode' needs config.rollout_correction with bypass_mode=True (the bypass "
+                         "flow: pi_old = pi_rollout)")
+    fn = globals()["compute_policy_loss_" + cfg.loss_mode]
+    kw = {"seq_group": seq_group} if cfg.loss_mode == "gspo" else {}
+    return fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, weights, cu_seqlens=cu_seqlens,
+              **kw)
+
+
 def compute_policy_loss_decoupled(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -901,6 +913,8 @@ def compute_policy_loss_decoupled(
     verl computes the correction once per training batch in the driver and hands the weights to
     :func:`compute_policy_loss_vanilla`; this is that flow in one call (pass ``dp_group`` so the weights'
     batch normalisation and the metrics are global). Without ``config.rollout_correction`` it is plain PPO.
+    ``config.loss_mode`` other than ``"vanilla"`` puts that loss (GSPO, CISPO, ...) in PPO's place, with the same
+    weights and mask.
     """
     _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, cu_seqlens=cu_seqlens)
     _check_float("rollout_log_prob", rollout_log_prob, log_prob)
@@ -908,14 +922,14 @@ def compute_policy_loss_decoupled(
     cfg = _as_config(config)
     rc = cfg.rollout_correction
     if rc is None:
-        return compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg,
-                                           cu_seqlens=cu_seqlens)
+        return _mode_loss(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, None, cu_seqlens,
+                          seq_group)
     if getattr(rc, "bypass_mode", False):
         raise ValueError("config.rollout_correction.bypass_mode is True: use compute_policy_loss_bypass "
                          "(pi_old = pi_rollout), not the decoupled flow")
     result = _correction(old_log_prob, rollout_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens)
-    loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, result.response_mask,
-                                                loss_agg_mode, cfg, result.weights, cu_seqlens=cu_seqlens)
+    loss, metrics = _mode_loss(cfg, old_log_prob, log_prob, advantages, result.response_mask, loss_agg_mode,
+                               result.weights, cu_seqlens, seq_group)
     metrics.update(result.metrics)
     return loss, metrics
 
@@ -936,16 +950,17 @@ def compute_policy_loss(
     """The one entry point a trainer needs: picks the flow from ``config.rollout_correction``. Padded ``[B, T]``
     inputs, or packed ``[T]`` token streams with ``cu_seqlens`` ``[B + 1]`` (megatron's THD layout).
 
-    * no correction config: PPO of pi_theta vs ``old_log_prob`` (``rollout_log_prob`` unused);
+    * no correction config: the loss ``config.loss_mode`` names (default ``"vanilla"``: PPO) of pi_theta vs
+      ``old_log_prob`` (``rollout_log_prob`` unused);
     * ``bypass_mode``: :func:`compute_policy_loss_bypass` with pi_old = ``rollout_log_prob``
       (``old_log_prob`` may be None and is ignored);
-    * otherwise: :func:`compute_policy_loss_decoupled`.
+    * otherwise: :func:`compute_policy_loss_decoupled` (the ``loss_mode`` loss times the correction's IS weights).
     """
     cfg = _as_config(config)
     rc = cfg.rollout_correction
     if rc is None:
-        return compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg,
-                                           cu_seqlens=cu_seqlens)
+        return _mode_loss(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, None, cu_seqlens,
+                          seq_group)
     if rollout_log_prob is None:
         raise ValueError("rollout_log_prob is required when config.rollout_correction is set")
     if getattr(rc, "bypass_mode", False):

@@ -299,3 +299,30 @@ def test_op_refuses_bad_kind_parameters(backend, kind, params, match):
     old, lp, adv, mask, _ = _inputs(seed=1)
     with pytest.raises((RuntimeError, ValueError), match=match):
         ops.policy_loss_rows(lp, old, adv, mask, None, 0.2, 0.2, 3.0, getattr(LY, "PG_KIND_" + kind), None, *params)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_front_door_picks_loss_mode(name):
+    """compute_policy_loss with config.loss_mode is that loss; in the decoupled flow, with the correction's weights
+    and mask."""
+    import rollout_corr_ext as rc
+
+    old, lp, adv, mask, _ = (x.double() for x in _inputs(seed=9))
+    rlp = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0), dtype=old.dtype)
+    cfg = losses.PolicyLossConfig(clip_ratio=0.2, loss_mode=name, **KNOBS)
+    fn = getattr(losses, "compute_policy_loss_" + name)
+    got = _run(lambda o, x, a, m, mode, c, w: losses.compute_policy_loss(o, x, a, m, mode, c), old, lp, adv, mask,
+               "token-mean", cfg, None)
+    want = _run(fn, old, lp, adv, mask, "token-mean", cfg, None)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    corr = rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.02, rollout_rs="token_k2",
+                                      rollout_rs_threshold=0.0012)
+    cfg = losses.PolicyLossConfig(clip_ratio=0.2, loss_mode=name, rollout_correction=corr, **KNOBS)
+    got = _run(lambda o, x, a, m, mode, c, w: losses.compute_policy_loss(o, x, a, m, mode, c, rollout_log_prob=rlp),
+               old, lp, adv, mask, "token-mean", cfg, None)
+    result = rc.compute_rollout_correction(old, rlp, mask, corr)
+    kept = result.response_mask.sum() / mask.sum()
+    assert 0.2 < kept < 0.95 and (result.weights[mask > 0] != 1).any()  # the correction is in play
+    want = _run(fn, old, lp, adv, result.response_mask, "token-mean", cfg, result.weights)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    assert got[1]["rollout_corr/rollout_is_mean"] == result.metrics["rollout_corr/rollout_is_mean"]
