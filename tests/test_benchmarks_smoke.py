@@ -25,6 +25,7 @@ RUNS = {
     "rollout_corr_dist": ["bench_rollout_corr.py", "--dist", "--b", "4", "--t", "64", "--repeats", "1"],
     "sampling": ["bench_sampling.py", "--n", "32", "--vocab", "256", "--repeats", "1", "--tp", "1", "2",
                  "--dtypes", "fp32", "bf16", "--top-k", "8", "--top-p", "0.8", "--temperature", "0.7", "--device", "cpu"],
+    "policy_losses": ["bench_policy_losses.py", "--b", "4", "--t", "64", "--repeats", "1"],
     "sampling_ties": ["bench_sampling.py", "--ties", "--n", "8", "--vocab", "256"],
     "linear_logprob": ["bench_linear_logprob.py", "--hidden", "16", "--vocab", "300", "--n", "64", "--n-time", "96",
                        "--repeats", "1", "--ignored", "0", "0.5", "--dtypes", "fp32", "bf16", "--device", "cpu"],

@@ -1,0 +1,108 @@
+"""Every policy loss: forward + backward of ours vs verl 0.9.1's own function, in one run (docs/policy_losses.md).
+
+Problem (default): B x T = 256 x 8192 (2.1 M tokens), fp32 log-probs, a float mask (random lengths in [T/4, T]),
+sequence-level advantages, rollout IS weights, ``loss_agg_mode="token-mean"``; verl's ``ActorConfig`` with
+``clip_ratio=0.2``, ``clip_ratio_high=0.28``, ``dro_beta=0.5`` and verl's defaults otherwise. Each timed call is
+``loss, metrics = fn(...)``, ``loss.backward()``, then every metric read back as a Python float (verl returns floats;
+ours through the same verl-signature adapter, ``rollout_corr_ext.verl.POLICY_LOSSES``).
+
+Rows: one per loss of verl's registry except ``bypass_mode`` (which needs a rollout-correction config and is the
+vanilla / reinforce kernel plus the rollout-correction op, measured in bench_rollout_corr.py). Columns: median wall
+time of ``--repeats`` runs after one warm-up, ours and verl's interleaved repeat by repeat on the same inputs;
+speed-up; host reads of one call, metrics included (``.item()`` / ``float()`` of a tensor and ``tolist()``; ours:
+the adapter's one ``tolist`` of all metrics at the end; verl: one ``.item()`` per metric, and clip_cov / kl_cov read
+sizes mid-call), with, in parentheses, ops whose output shape depends on the data (each a sync on a GPU). Run::
+
+    python benchmarks/bench_policy_losses.py [--b 256 --t 8192 --repeats 3 --losses gspo cispo ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from rollout_corr_ext import losses  # noqa: E402
+from rollout_corr_ext import verl as rv  # noqa: E402
+
+NAMES = [n for n in losses.POLICY_LOSS_MODES if n != "bypass_mode"]
+
+
+def _inputs(b, t, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, t, generator=g) * 3 - 0.01
+    lp = (old + 0.1 * torch.randn(b, t, generator=g)).clamp(max=-1e-4)
+    adv = torch.randn(b, 1, generator=g).expand(b, t).contiguous()
+    lengths = torch.randint(max(1, t // 4), t + 1, (b,), generator=g)
+    mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).float()
+    w = (torch.rand(b, t, generator=g) * 1.5 + 0.25)
+    return old, lp, adv, mask, w
+
+
+def _call(fn, old, lp, adv, mask, cfg, w):
+    x = lp.detach().requires_grad_(True)
+    loss, metrics = fn(old, x, adv, mask, "token-mean", cfg, w)
+    loss.backward()
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def _syncs(fn, *args):
+    """Host reads of one call (bench_rollout_corr.count_syncs: ``_local_scalar_dense`` dispatches plus ``tolist``),
+    and data-dependent-shape ops (syncs on a GPU)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_rollout_corr import count_syncs
+
+    return count_syncs(lambda: _call(fn, *args))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--b", type=int, default=256, help="sequences (default: %(default)s)")
+    ap.add_argument("--t", type=int, default=8192, help="response length (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (default: %(default)s)")
+    ap.add_argument("--losses", nargs="+", default=NAMES, choices=NAMES, help="losses to run (default: all)")
+    args = ap.parse_args(argv)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import verl.trainer.ppo.core_algos as core
+        from verl.workers.config.actor import ActorConfig, PolicyLossConfig
+    old, lp, adv, mask, w = _inputs(args.b, args.t)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    print(f"# policy losses fwd+bwd, B x T = {args.b} x {args.t}, fp32, token-mean, IS weights; torch "
+          f"{torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
+          f"commit {commit}")
+    print("| loss | ours ms | verl 0.9.1 ms | speed-up | host reads (shape ops) ours / verl |")
+    print("|---|---:|---:|---:|---:|")
+    for name in args.losses:
+        actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=4,
+                            clip_ratio=0.2, clip_ratio_high=0.28,
+                            policy_loss=PolicyLossConfig(loss_mode=name, dro_beta=0.5))
+        fns = {"ours": rv.POLICY_LOSSES[name], "verl": core.get_policy_loss_fn(name)}
+        cfgs = {"ours": losses.PolicyLossConfig.from_dict(actor), "verl": actor}
+        times = {k: [] for k in fns}
+        for k in fns:
+            _call(fns[k], old, lp, adv, mask, cfgs[k], w)  # warm-up
+        for _ in range(args.repeats):
+            for k in fns:
+                t0 = time.perf_counter()
+                _call(fns[k], old, lp, adv, mask, cfgs[k], w)
+                times[k].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        syncs = {k: _syncs(fns[k], old, lp, adv, mask, cfgs[k], w) for k in fns}
+        print(f"| {name} | {med['ours']:.1f} | {med['verl']:.1f} | {med['verl'] / med['ours']:.2f}x | "
+              f"{syncs['ours'][0]} ({syncs['ours'][1]}) / {syncs['verl'][0]} ({syncs['verl'][1]}) |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
