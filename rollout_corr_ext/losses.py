@@ -992,6 +992,7 @@ def calculate_grpo_loss(
     response_mask: Optional[torch.Tensor] = None,
     dp_group=None,
     seq_group=None,
+    kl_is_correction: bool = False,
 ):
     """Per-token GRPO loss in the form of Megatron-LM RL ``calculate_grpo_loss`` (unpacked ``[B, T]`` inputs,
     ``advantages`` ``[B]``), a drop-in for it:
@@ -1012,8 +1013,14 @@ def calculate_grpo_loss(
     rejects get loss 0, and a 7th item is returned: the :class:`RolloutCorrectionResult` (its
     ``response_mask`` is the mask to normalise the loss by, its ``metrics`` the ``rollout_corr/*`` values).
     ``response_mask`` ([B, T], default all valid) is then the mask the correction starts from.
+
+    ``kl_is_correction=True``: the IS-corrected KL of DeepSeek-V3.2, kl_term = (pi / pi_old) k3, an unbiased
+    estimate of KL(pi || pi_ref) on tokens sampled from pi_old (plain k3 is unbiased only on-policy); the ratio is
+    part of the gradient.
     """
     lp = current_logprobs
+    if not isinstance(kl_is_correction, bool):
+        raise TypeError(f"kl_is_correction must be a bool, got {type(kl_is_correction).__name__}")
     _check_policy_inputs(old_logprobs, lp, lp, torch.ones_like(lp, dtype=torch.bool), old_name="old_logprobs")
     refuse_grad("calculate_grpo_loss", old_logprobs=old_logprobs, advantages=advantages,
                 inference_logprobs=inference_logprobs)
@@ -1062,6 +1069,11 @@ def calculate_grpo_loss(
     lp_acc = lp.to(acc)
     ref_diff = ref_logprobs.to(acc) - lp_acc
     kl_term = ref_diff.exp() - ref_diff - 1
+    if kl_is_correction:
+        # DeepSeek-V3.2 technical report ("unbiased KL estimate"): the k3 estimate weighted by pi_theta / pi_old, the tokens
+        # being drawn from pi_old; the ratio is differentiated too, so the gradient is that of KL(pi_theta || pi_ref)
+        # itself (E_old[grad(r k3)] = grad E_theta[k3]).
+        kl_term = torch.exp(torch.clamp(lp_acc - old_logprobs.to(acc), -20.0, 20.0)) * kl_term
     entropy_term = lp_acc.exp() * lp_acc
     loss = pg_loss + kl_beta * kl_term + entropy_weight * entropy_term
     if result is not None:

@@ -326,3 +326,31 @@ def test_front_door_picks_loss_mode(name):
     want = _run(fn, old, lp, adv, result.response_mask, "token-mean", cfg, result.weights)
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     assert got[1]["rollout_corr/rollout_is_mean"] == result.metrics["rollout_corr/rollout_is_mean"]
+
+
+def test_is_corrected_kl_is_unbiased_off_policy():
+    """calculate_grpo_loss(kl_is_correction=True): on tokens drawn from pi_old, the mean of (pi / pi_old) k3 is
+    KL(pi || pi_ref) (computed exactly over a small vocabulary), and its gradient is that of the exact KL; plain k3
+    is biased there."""
+    g = torch.Generator().manual_seed(0)
+    v = 6
+    logits, old_logits, ref_logits = (torch.randn(v, generator=g, dtype=torch.float64) for _ in range(3))
+    n = 400000
+    old_p = old_logits.softmax(-1)
+    tokens = torch.multinomial(old_p, n, replacement=True, generator=g)
+    z = logits.clone().requires_grad_(True)
+    lp = z.log_softmax(-1)[tokens].reshape(1, n)
+    old = old_logits.log_softmax(-1)[tokens].reshape(1, n)
+    ref = ref_logits.log_softmax(-1)[tokens].reshape(1, n)
+    adv = torch.zeros(1, dtype=torch.float64)
+    out = losses.calculate_grpo_loss(lp, old, ref, adv, 0.2, 0.2, 1.0, 0.0, kl_is_correction=True)
+    est = out[1].mean()
+    (g_est,) = torch.autograd.grad(est, z)
+    zz = logits.clone().requires_grad_(True)
+    p, q = zz.softmax(-1), ref_logits.softmax(-1)
+    exact = (p * (p.log() - q.log())).sum()
+    (g_exact,) = torch.autograd.grad(exact, zz)
+    assert abs(est.item() - exact.item()) < 0.01 * exact.item() + 1e-3
+    assert torch.allclose(g_est, g_exact, atol=0.02 * g_exact.abs().max().item())
+    plain = losses.calculate_grpo_loss(lp.detach(), old, ref, adv, 0.2, 0.2, 1.0, 0.0)[1].mean()
+    assert abs(plain.item() - exact.item()) > 5 * abs(est.item() - exact.item())
