@@ -1070,8 +1070,8 @@ def calculate_grpo_loss(
     ref_diff = ref_logprobs.to(acc) - lp_acc
     kl_term = ref_diff.exp() - ref_diff - 1
     if kl_is_correction:
-        # DeepSeek-V3.2 technical report ("unbiased KL estimate"): the k3 estimate weighted by pi_theta / pi_old, the tokens
-        # being drawn from pi_old; the ratio is differentiated too, so the gradient is that of KL(pi_theta || pi_ref)
+        # DeepSeek-V3.2 technical report ("unbiased KL estimate"): the k3 estimate weighted by pi_theta / pi_old,
+        # the tokens being drawn from pi_old; the ratio is differentiated too, so the gradient is that of KL(pi_theta || pi_ref)
         # itself (E_old[grad(r k3)] = grad E_theta[k3]).
         kl_term = torch.exp(torch.clamp(lp_acc - old_logprobs.to(acc), -20.0, 20.0)) * kl_term
     entropy_term = lp_acc.exp() * lp_acc
