@@ -748,14 +748,17 @@ def _masked_mean(x, m):
     return _checks.masked(x, m).sum() / (m.sum() + LY.MASKED_MEAN_EPS)  # verl_F.masked_mean
 
 
-def _select_top(score: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """The ``count`` eligible positions with the largest score (ties: the earlier position), as a bool mask; no
-    host sync (``count`` is a 0-dim tensor)."""
+def _select_top(score: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor, k_max: int) -> torch.Tensor:
+    """The ``count`` eligible positions with the largest score (ties in torch.topk's order), as a bool mask, with no
+    host sync: ``count`` is a 0-dim tensor, ``k_max >= count`` a bound known without reading data (a top-k of
+    k_max, not a sort of every token)."""
     flat = torch.where(eligible, score, torch.full_like(score, -math.inf)).reshape(-1)
-    order = torch.sort(flat, descending=True, stable=True).indices
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel(), device=order.device)
-    return ((rank < count) & eligible.reshape(-1)).reshape(score.shape)
+    k = max(1, min(int(k_max), flat.numel()))
+    idx = torch.topk(flat, k, sorted=True).indices
+    keep = (torch.arange(k, device=flat.device) < count) & eligible.reshape(-1)[idx]
+    out = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
+    out[idx] = keep
+    return out.reshape(score.shape)
 
 
 def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
@@ -763,8 +766,8 @@ def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_ma
     """Clip-Cov (arXiv:2505.22617, verl ``clip_cov``): PPO clip (log-ratio unbounded, no dual clip) whose tokens
     with covariance cov = (A - mean A)(log pi - mean log pi) in (``clip_cov_lb``, ``clip_cov_ub``), not already
     clipped, lose their gradient, at most max(1, int(``clip_cov_ratio`` * tokens)) of them. verl draws those at
-    random when more qualify; here the ones with the largest covariance are taken (ties: the earlier token), so a
-    run is reproducible. Equal to verl whenever no more tokens qualify than the cap. Metrics:
+    random when more qualify; here the ones with the largest covariance are taken (ties in torch.topk's order), so
+    a run is reproducible. Equal to verl whenever no more tokens qualify than the cap. Metrics:
     ``actor/pg_clipfrac`` (tokens cut), ``actor/ppo_kl``."""
     fn = "compute_policy_loss_clip_cov"
     cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
@@ -780,7 +783,8 @@ def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_ma
         cov = (adv - _masked_mean(adv, m)) * (lp - _masked_mean(lp, m))
         eligible = (cov < cfg.clip_cov_ub) & (cov > cfg.clip_cov_lb) & valid & ~((loss2 > loss1) & valid)
         count = (cfg.clip_cov_ratio * m.sum()).floor().clamp(min=1)
-        corr = (~_select_top(cov, eligible, count)).to(acc)
+        bound = int(cfg.clip_cov_ratio * m.numel()) + 1  # >= count for a 0/1 mask (mask weights > 1: capped here)
+        corr = (~_select_top(cov, eligible, count, bound)).to(acc)
         w = corr if rollout_is_weights is None else corr * rollout_is_weights.detach().to(acc)
     loss, _, rows = _policy_loss(LY.PG_KIND_PPO_UNBOUNDED, old_log_prob, log_prob, advantages, response_mask,
                                  loss_agg_mode, cfg, w, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
@@ -793,8 +797,8 @@ def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask
                                config=None, rollout_is_weights=None, *, cu_seqlens=None):
     """KL-Cov (arXiv:2505.22617, verl ``kl_cov``): L = -A r (log-ratio unbounded, no clip), plus
     ``ppo_kl_coef`` |log pi - log pi_old| on the max(1, int(``kl_cov_ratio`` * tokens)) valid tokens with the
-    largest covariance (A - mean A)(log pi - mean log pi) (means over the valid tokens; ties: the earlier token;
-    verl's torch.topk leaves their order unspecified). Metric: ``actor/ppo_kl`` = mean |log pi - log pi_old|, as verl logs it."""
+    largest covariance (A - mean A)(log pi - mean log pi) (means over the valid tokens; ties in torch.topk's
+    order, as verl). Metric: ``actor/ppo_kl`` = mean |log pi - log pi_old|, as verl logs it."""
     fn = "compute_policy_loss_kl_cov"
     cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
                     cu_seqlens)
@@ -808,7 +812,7 @@ def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask
         mean_lp = torch.where(valid, lp, 0).sum() / n.clamp(min=1)
         cov = (adv - mean_a) * (lp - mean_lp)
         count = (n * cfg.kl_cov_ratio).floor().clamp(min=1)
-        selected = _select_top(cov, valid, count).to(acc)
+        selected = _select_top(cov, valid, count, int(valid.numel() * cfg.kl_cov_ratio) + 1).to(acc)
     loss_mat, rows = ops.policy_loss_rows(ops.first_order_only(log_prob, fn), old_log_prob, advantages,
                                           response_mask, rollout_is_weights, math.inf, math.inf, math.inf,
                                           LY.PG_KIND_PPO_UNBOUNDED, cu_seqlens)
