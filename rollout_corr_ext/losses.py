@@ -980,6 +980,41 @@ def compute_policy_loss(
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _grpo_packed(lp, advantages, seq_starts, seq_lengths):
+    """Megatron-LM's packed bin: (sequence id per position, [in a sequence], cu_seqlens of the segments), or None."""
+    if seq_starts is None and seq_lengths is None:
+        return None
+    if seq_starts is None or seq_lengths is None:
+        raise ValueError("packed sequences need both seq_starts and seq_lengths (Megatron-LM passes both)")
+    if lp.dim() != 2 or lp.shape[0] != 1:
+        raise ValueError(f"with seq_starts / seq_lengths, current_logprobs must be the packed bin [1, bin_size], got "
+                         f"shape {tuple(lp.shape)}")
+    starts = [int(v) for v in (seq_starts.tolist() if isinstance(seq_starts, torch.Tensor) else seq_starts)]
+    lengths = [int(v) for v in (seq_lengths.tolist() if isinstance(seq_lengths, torch.Tensor) else seq_lengths)]
+    n, size = len(starts), lp.shape[1]
+    if len(lengths) != n:
+        raise ValueError(f"seq_starts has {n} entries but seq_lengths has {len(lengths)}")
+    if not isinstance(advantages, torch.Tensor) or advantages.numel() != n:
+        raise ValueError(f"advantages must be a tensor of one value per packed sequence ({n}), got "
+                         f"{getattr(advantages, 'shape', type(advantages))}")
+    ends = [min(s + ln - 1, size) for s, ln in zip(starts, lengths)]
+    for i, (s, ln) in enumerate(zip(starts, lengths)):
+        if s < 0 or ln < 0:
+            raise ValueError(f"seq_starts[{i}] = {s} and seq_lengths[{i}] = {ln} must be >= 0")
+        if i and s < max(starts[i - 1], ends[i - 1]):
+            raise ValueError(f"packed sequence {i} (start {s}) overlaps sequence {i - 1} (tokens {starts[i - 1]} .. "
+                             f"{ends[i - 1] - 1}), or seq_starts is not increasing")
+    dev = lp.device
+    bounds = sorted({0, size, *[min(s, size) for s in starts], *[max(e, 0) for e in ends]})
+    cu = torch.tensor(bounds, dtype=torch.int64, device=dev)
+    pos = torch.arange(size, device=dev)
+    st = torch.tensor(starts, dtype=torch.int64, device=dev)
+    en = torch.tensor(ends, dtype=torch.int64, device=dev)
+    seq_id = torch.searchsorted(st, pos, right=True) - 1
+    in_seq = (seq_id >= 0) & (pos < en[seq_id.clamp(min=0)]) if n else torch.zeros(size, dtype=torch.bool, device=dev)
+    return seq_id, in_seq, cu
+
+
 def calculate_grpo_loss(
     current_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -991,6 +1026,8 @@ def calculate_grpo_loss(
     entropy_weight: float,
     inference_logprobs: Optional[torch.Tensor] = None,
     is_truncation_coef: Optional[float] = None,
+    seq_starts=None,
+    seq_lengths=None,
     *,
     rollout_correction: Optional["RolloutCorrectionConfig"] = None,
     response_mask: Optional[torch.Tensor] = None,
@@ -1018,6 +1055,14 @@ def calculate_grpo_loss(
     ``response_mask`` is the mask to normalise the loss by, its ``metrics`` the ``rollout_corr/*`` values).
     ``response_mask`` ([B, T], default all valid) is then the mask the correction starts from.
 
+    Packed, as Megatron-LM passes it: ``seq_starts`` / ``seq_lengths`` (lists or 1-D integer tensors, one entry per
+    sequence) with ``[1, bin_size]`` log-probs and ``advantages`` ``[num_sequences]``; sequence i owns the tokens
+    ``[start_i, min(start_i + len_i - 1, bin_size))`` (log-probs are one shorter than the sequence) and every other
+    position gets advantage 0, as in Megatron. Overlapping sequences are an error (Megatron's later one would
+    silently overwrite). With ``rollout_correction`` the correction sees each sequence as one segment (sequence-level
+    IS / RS exact per sequence, not per bin), positions outside every sequence masked out, and the returned
+    result's tensors are the ``[bin_size]`` stream.
+
     ``kl_is_correction=True``: the IS-corrected KL of DeepSeek-V3.2, kl_term = (pi / pi_old) k3, an unbiased
     estimate of KL(pi || pi_ref) on tokens sampled from pi_old (plain k3 is unbiased only on-policy); the ratio is
     part of the gradient.
@@ -1029,7 +1074,8 @@ def calculate_grpo_loss(
     refuse_grad("calculate_grpo_loss", old_logprobs=old_logprobs, advantages=advantages,
                 inference_logprobs=inference_logprobs)
     _check_float("ref_logprobs", ref_logprobs, lp)
-    if not isinstance(advantages, torch.Tensor) or advantages.numel() != lp.shape[0]:
+    packed = _grpo_packed(lp, advantages, seq_starts, seq_lengths)
+    if packed is None and (not isinstance(advantages, torch.Tensor) or advantages.numel() != lp.shape[0]):
         raise ValueError(f"advantages must be a tensor of one value per sequence ({lp.shape[0]}), got "
                          f"{getattr(advantages, 'shape', type(advantages))}")
     clamp_eps_lower, clamp_eps_upper, kl_beta, entropy_weight = (
@@ -1046,7 +1092,16 @@ def calculate_grpo_loss(
         _check_mask("response_mask", response_mask, lp)
 
     acc = _checks.acc_dtype(lp.dtype)
-    adv = advantages.to(device=lp.device, dtype=acc).reshape(-1, 1).expand(lp.shape)
+    if packed is None:
+        adv = advantages.to(device=lp.device, dtype=acc).reshape(-1, 1).expand(lp.shape)
+    else:
+        seq_id, in_seq, cu = packed
+        adv_seq = advantages.detach().to(device=lp.device, dtype=acc).reshape(-1)
+        per_pos = adv_seq[seq_id.clamp(min=0)] if adv_seq.numel() else torch.zeros_like(seq_id, dtype=acc)
+        adv = torch.where(in_seq, per_pos, torch.zeros((), dtype=acc, device=lp.device))
+        adv = adv.reshape(lp.shape)
+        in_seq = in_seq.reshape(lp.shape)
+        response_mask = in_seq if response_mask is None else (response_mask != 0) & in_seq
     result = None
     weights = None
     if rollout_correction is not None:
@@ -1056,9 +1111,15 @@ def calculate_grpo_loss(
             raise ValueError("pass either is_truncation_coef (Megatron's TIS) or rollout_correction, not both")
         if response_mask is None:
             response_mask = torch.ones_like(lp, dtype=torch.bool)
-        result = _correction(old_logprobs, inference_logprobs, response_mask, rollout_correction, dp_group, seq_group,
-                             rollout_name="inference_logprobs")
-        weights = result.weights
+        if packed is None:
+            result = _correction(old_logprobs, inference_logprobs, response_mask, rollout_correction, dp_group,
+                                 seq_group, rollout_name="inference_logprobs")
+            weights = result.weights
+        else:
+            result = _correction(old_logprobs.reshape(-1), inference_logprobs.reshape(-1), response_mask.reshape(-1),
+                                 rollout_correction, dp_group, seq_group, cu_seqlens=cu,
+                                 rollout_name="inference_logprobs")
+            weights = result.weights.reshape(lp.shape)
     elif inference_logprobs is not None:
         weights = (old_logprobs.detach().to(acc) - inference_logprobs.to(acc)).exp()
         if is_truncation_coef is not None:
@@ -1075,13 +1136,13 @@ def calculate_grpo_loss(
     kl_term = ref_diff.exp() - ref_diff - 1
     if kl_is_correction:
         # DeepSeek-V3.2 technical report ("unbiased KL estimate"): the k3 estimate weighted by pi_theta / pi_old,
-        # the tokens being drawn from pi_old; the ratio is differentiated too, so the gradient is that of KL(pi_theta || pi_ref)
-        # itself (E_old[grad(r k3)] = grad E_theta[k3]).
+        # the tokens being drawn from pi_old; the ratio is differentiated too, so the gradient is that of
+        # KL(pi_theta || pi_ref) itself (E_old[grad(r k3)] = grad E_theta[k3]).
         kl_term = torch.exp(torch.clamp(lp_acc - old_logprobs.to(acc), -20.0, 20.0)) * kl_term
     entropy_term = lp_acc.exp() * lp_acc
     loss = pg_loss + kl_beta * kl_term + entropy_weight * entropy_term
     if result is not None:
-        loss = loss * (result.response_mask != 0).to(acc)
+        loss = loss * (result.response_mask != 0).to(acc).reshape(lp.shape)
     with torch.no_grad():
         ratios = torch.exp(torch.clamp(lp_acc - old_logprobs.to(acc), -20.0, 20.0))
     above, below = ratios > 1 + clamp_eps_upper, ratios < 1 - clamp_eps_lower

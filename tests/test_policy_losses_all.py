@@ -354,3 +354,69 @@ def test_is_corrected_kl_is_unbiased_off_policy():
     assert torch.allclose(g_est, g_exact, atol=0.02 * g_exact.abs().max().item())
     plain = losses.calculate_grpo_loss(lp.detach(), old, ref, adv, 0.2, 0.2, 1.0, 0.0)[1].mean()
     assert abs(plain.item() - exact.item()) > 5 * abs(est.item() - exact.item())
+
+
+# ----------------------------------------------------------------------------------------- Megatron-LM packed GRPO
+
+
+@pytest.mark.parametrize("correction", [None, "seq"])
+def test_grpo_packed_signature_equals_unpacked(correction):
+    """calculate_grpo_loss(..., seq_starts, seq_lengths) on a Megatron-LM bin ([1, bin], one advantage per sequence,
+    log-probs one shorter than each sequence, gaps between sequences) equals the unpacked [B, T] call token by token:
+    loss, kl, ratios, gradient; with a sequence-level rollout correction each sequence is its own segment."""
+    import rollout_corr_ext as rc
+
+    g = torch.Generator().manual_seed(3)
+    lengths = [6, 2, 9, 4]  # sequence lengths; each has length - 1 log-probs
+    starts, pos = [], 1
+    for ln in lengths:
+        starts.append(pos)
+        pos += ln + 1  # one padding position after each sequence's last token
+    size = pos + 2
+    n, t = len(lengths), max(lengths) - 1
+    cur, old, ref, inf = (torch.randn(1, size, generator=g, dtype=torch.float64) * 0.2 - 1.5 for _ in range(4))
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    pad = {k: torch.zeros(n, t, dtype=torch.float64) for k in ("cur", "old", "ref", "inf")}
+    mask = torch.zeros(n, t, dtype=torch.bool)
+    for i, (s, ln) in enumerate(zip(starts, lengths)):
+        for k, v in (("cur", cur), ("old", old), ("ref", ref), ("inf", inf)):
+            pad[k][i, :ln - 1] = v[0, s:s + ln - 1]
+        mask[i, :ln - 1] = True
+    kw = {}
+    if correction:
+        kw = dict(rollout_correction=rc.RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=3.0,
+                                                                rollout_rs="seq_mean_k3", rollout_rs_threshold=0.02))
+    x = cur.clone().requires_grad_(True)
+    got = losses.calculate_grpo_loss(x, old, ref, adv, 0.2, 0.28, 0.05, 0.01, inf if correction else None, None,
+                                     starts, lengths, **kw)
+    got[0].sum().backward()
+    y = pad["cur"].clone().requires_grad_(True)
+    want = losses.calculate_grpo_loss(y, pad["old"], pad["ref"], adv, 0.2, 0.28, 0.05, 0.01,
+                                      pad["inf"] if correction else None, None, response_mask=mask, **kw)
+    (want[0] * mask).sum().backward()
+    for i, (s, ln) in enumerate(zip(starts, lengths)):
+        sl = slice(s, s + ln - 1)
+        for k in (0, 1, 2, 3):
+            assert torch.allclose(got[k][0, sl], want[k][i, :ln - 1], rtol=1e-12, atol=1e-14), (k, i)
+        assert torch.allclose(x.grad[0, sl], y.grad[i, :ln - 1], rtol=1e-12, atol=1e-14)
+        if correction:
+            assert torch.equal(got[6].response_mask[sl] != 0, want[6].response_mask[i, :ln - 1] != 0)
+            assert torch.allclose(got[6].weights[sl], want[6].weights[i, :ln - 1].to(got[6].weights.dtype))
+    if correction:  # the sequence-level RS decided per sequence, some kept and some not
+        kept = [bool(want[6].response_mask[i, 0]) for i in range(n)]
+        assert any(kept) and not all(kept), kept
+        outside = torch.ones(size, dtype=torch.bool)
+        for s, ln in zip(starts, lengths):
+            outside[s:s + ln - 1] = False
+        assert (got[0][0, outside] == 0).all()  # positions outside every sequence: masked out by the correction
+
+
+def test_grpo_packed_refuses_overlap_and_mismatch():
+    lp = torch.zeros(1, 10, dtype=torch.float64)
+    adv = torch.zeros(2, dtype=torch.float64)
+    with pytest.raises(ValueError, match="overlaps"):
+        losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, [0, 2], [5, 3])
+    with pytest.raises(ValueError, match="both seq_starts and seq_lengths"):
+        losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, [0, 5])
+    with pytest.raises(ValueError, match="one value per packed sequence"):
+        losses.calculate_grpo_loss(lp, lp, lp, adv[:1], 0.2, 0.2, 0.0, 0.0, None, None, [0, 5], [4, 4])
