@@ -330,6 +330,9 @@ def register_policy_loss_autograd(namespace: str) -> None:
         (log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind,
          cu_seqlens, param_a, param_b, *knobs) = inputs
         ctx.save_for_backward(log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens)
+        # An output nothing differentiates (most callers use only the row sums) arrives as None, not as a zero
+        # [B, T] tensor autograd would fill and the kernel read.
+        ctx.set_materialize_grads(False)
         ctx.scalars = (clip_low, clip_high, clip_c, loss_kind)
         ctx.params = (param_a, param_b)
         ctx.knobs = tuple(knobs)
