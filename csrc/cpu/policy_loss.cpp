@@ -20,6 +20,81 @@ namespace {
 // Rows per task: about 16K tokens each, enough to amortize scheduling.
 inline int64_t policy_grain(int64_t cols) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols)); }
 
+// The common layout, read without a dtype switch per element: a view in the accumulation dtype whose row is
+// contiguous or broadcast (column stride 1 or 0). {nullptr, 0} otherwise (or absent): the generic path.
+template <typename acc_t>
+struct RowPtr {
+  const acc_t* p;
+  int64_t step;
+};
+template <typename acc_t>
+RowPtr<acc_t> row_ptr(const TokenView& v, int64_t row, int64_t col0) {
+  constexpr ViewDtype kAcc = sizeof(acc_t) == 8 ? ViewDtype::kFloat64 : ViewDtype::kFloat32;
+  if (v.data == nullptr || v.dtype != kAcc || (v.col_stride != 0 && v.col_stride != 1)) return {nullptr, 0};
+  return {static_cast<const acc_t*>(v.data) + row * v.row_stride + col0 * v.col_stride, v.col_stride};
+}
+
+// Calls f(mask_ptr) with the mask's row as a typed pointer when it is contiguous; returns false otherwise.
+template <typename F>
+bool with_mask_row(const TokenView& m, int64_t row, int64_t col0, F&& f) {
+  if (m.col_stride != 1) return false;
+  view_visit(m.dtype, m.data, [&](auto* base) { f(base + row * m.row_stride + col0); });
+  return true;
+}
+
+// One row of the forward on the fast layout: the same per-token math (policy_loss_token), typed loads.
+template <typename scalar_t, typename acc_t>
+bool forward_row_fast(const PolicyLossParams<scalar_t, acc_t>& p, const SeqSpan& sp,
+                      PolicyRowPartials<acc_t>& partials) {
+  if (p.lp_col_stride != 1) return false;
+  const RowPtr<acc_t> old = row_ptr<acc_t>(p.old_log_prob, sp.row, sp.col0);
+  const RowPtr<acc_t> adv = row_ptr<acc_t>(p.advantages, sp.row, sp.col0);
+  const RowPtr<acc_t> w = row_ptr<acc_t>(p.weights, sp.row, sp.col0);
+  if (old.p == nullptr || adv.p == nullptr || (p.weights.data != nullptr && w.p == nullptr)) return false;
+  const scalar_t* lp = p.log_prob + sp.row * p.lp_row_stride + sp.col0;
+  acc_t* out = p.loss_mat + sp.row * p.cols + sp.col0;
+  bool undefined = false;
+  const bool ok = with_mask_row(p.mask, sp.row, sp.col0, [&](auto* m) {
+    for (int64_t t = 0; t < sp.len; ++t) {
+      const acc_t l = static_cast<acc_t>(lp[t]), o = old.p[t * old.step], a = adv.p[t * adv.step];
+      const acc_t wt = w.p == nullptr ? acc_t(1) : w.p[t * w.step];
+      const acc_t mt = element_to<acc_t>(m[t]);
+      const PolicyTokenResult<acc_t> r = policy_loss_token(l, o, a, wt, p.cfg);
+      out[t] = r.loss;
+      policy_row_partials_add(partials, r, mt);
+      undefined |= policy_loss_undefined(l, o, a, wt, mt, p.cfg.kind, r.loss);
+    }
+  });
+  if (ok && undefined) *p.undefined = 1;
+  return ok;
+}
+
+// One row of the backward on the fast layout (policy_loss_backward_token's rule, typed loads).
+template <typename scalar_t, typename acc_t>
+bool backward_row_fast(const PolicyLossBackwardParams<scalar_t, acc_t>& p, int64_t seq, const SeqSpan& sp) {
+  if (p.lp_col_stride != 1 || p.grad_loss_mat.data != nullptr) return false;
+  const RowPtr<acc_t> old = row_ptr<acc_t>(p.old_log_prob, sp.row, sp.col0);
+  const RowPtr<acc_t> adv = row_ptr<acc_t>(p.advantages, sp.row, sp.col0);
+  const RowPtr<acc_t> w = row_ptr<acc_t>(p.weights, sp.row, sp.col0);
+  if (old.p == nullptr || adv.p == nullptr || (p.weights.data != nullptr && w.p == nullptr)) return false;
+  const scalar_t* lp = p.log_prob + sp.row * p.lp_row_stride + sp.col0;
+  scalar_t* grad = p.grad_log_prob + sp.row * p.cols + sp.col0;
+  const acc_t g_row = view_load_or<acc_t>(p.grad_rows_loss, seq, 0, acc_t(0));
+  return with_mask_row(p.mask, sp.row, sp.col0, [&](auto* m) {
+    for (int64_t t = 0; t < sp.len; ++t) {
+      const acc_t mt = element_to<acc_t>(m[t]);
+      const acc_t upstream = mt != acc_t(0) ? g_row * mt : acc_t(0);
+      acc_t g = acc_t(0);
+      if (upstream != acc_t(0)) {
+        const acc_t wt = w.p == nullptr ? acc_t(1) : w.p[t * w.step];
+        g = upstream * policy_loss_token_grad(static_cast<acc_t>(lp[t]), old.p[t * old.step], adv.p[t * adv.step],
+                                              wt, p.cfg);
+      }
+      grad[t] = static_cast<scalar_t>(g);
+    }
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor> policy_loss_rows_cpu(const at::Tensor& log_prob, const at::Tensor& old_log_prob,
                                                         const at::Tensor& advantages, const at::Tensor& response_mask,
                                                         const c10::optional<at::Tensor>& weights, double clip_low,
@@ -40,7 +115,8 @@ std::tuple<at::Tensor, at::Tensor> policy_loss_rows_cpu(const at::Tensor& log_pr
       for (int64_t r = begin; r < end; ++r) {
         PolicyRowPartials<acc_t> partials = policy_row_partials_zero<acc_t>();
         const SeqSpan sp = seq_span(p.row_offsets, p.cols, r);
-        for (int64_t t = 0; t < sp.len; ++t) policy_loss_forward_token(p, sp.row, sp.col0 + t, partials);
+        if (!forward_row_fast(p, sp, partials))
+          for (int64_t t = 0; t < sp.len; ++t) policy_loss_forward_token(p, sp.row, sp.col0 + t, partials);
         for (int k = 0; k < kPgRowCols; ++k) p.row_partials[r * kPgRowCols + k] = partials.v[k];
       }
     });
@@ -72,7 +148,8 @@ at::Tensor policy_loss_backward_cpu(const c10::optional<at::Tensor>& grad_loss_m
                      [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const SeqSpan sp = seq_span(p.row_offsets, p.cols, r);
-        for (int64_t t = 0; t < sp.len; ++t) policy_loss_backward_token(p, r, sp.row, sp.col0 + t);
+        if (!backward_row_fast(p, r, sp))
+          for (int64_t t = 0; t < sp.len; ++t) policy_loss_backward_token(p, r, sp.row, sp.col0 + t);
       }
     });
   });
