@@ -137,12 +137,15 @@ __all__ = [
     "compute_policy_loss_reinforce",
     "compute_policy_loss_bypass",
     "compute_policy_loss_decoupled",
+    "POLICY_LOSS_MODES",
+    "off_policy_sequence_mask",
     "calculate_grpo_loss",
     "make_policy_loss_func",
 ]
 
 from .losses import (  # noqa: E402
     LOSS_AGG_MODES,
+    POLICY_LOSS_MODES,
     PolicyLossConfig,
     agg_loss,
     calculate_grpo_loss,
@@ -151,5 +154,6 @@ from .losses import (  # noqa: E402
     compute_policy_loss_decoupled,
     compute_policy_loss_reinforce,
     compute_policy_loss_vanilla,
+    off_policy_sequence_mask,
 )
 from .megatron import make_policy_loss_func  # noqa: E402  (megatron-core itself is imported lazily)

@@ -124,6 +124,8 @@ class PolicyLossConfig:
         dro_beta: DRO's quadratic log-ratio penalty (required for ``loss_mode="dro"``).
         clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov's fraction of tokens and covariance bounds.
         kl_cov_ratio, ppo_kl_coef: KL-Cov's fraction of tokens and the coefficient of their |log-ratio| penalty.
+        opsm_delta: DeepSeek-V3.2's off-policy sequence masking (:func:`off_policy_sequence_mask`) with threshold
+            delta, applied by :func:`compute_policy_loss` before any loss (None: off).
     """
 
     clip_ratio: float = 0.2
@@ -144,6 +146,7 @@ class PolicyLossConfig:
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
     ppo_kl_coef: float = 0.1
+    opsm_delta: Optional[float] = None
 
     def __post_init__(self):
         for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
@@ -173,6 +176,9 @@ class PolicyLossConfig:
         b = self.dro_beta
         if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not (b > 0 and math.isfinite(b))):
             raise ValueError(f"dro_beta must be a finite float > 0 (or None), got {b!r}")
+        d = self.opsm_delta
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not (d >= 0 and math.isfinite(d))):
+            raise ValueError(f"opsm_delta must be a finite float >= 0 (or None), got {d!r}")
         if self.loss_mode == "dro" and b is None:
             raise ValueError("loss_mode='dro' needs dro_beta (a finite float > 0)")
         rc = self.rollout_correction
@@ -886,16 +892,65 @@ def compute_policy_loss_bypass(
     return loss, metrics
 
 
+def off_policy_sequence_mask(
+    log_prob: torch.Tensor,
+    behaviour_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    delta: float,
+    *,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    seq_group=None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Off-policy sequence masking (DeepSeek-V3.2 technical report): a sequence whose advantage is negative and whose
+    sampled tokens drifted, mean_t (log pi_behaviour - log pi_theta) > ``delta`` (the k1 estimate of
+    KL(pi_behaviour || pi_theta) on its own tokens), is left out of the loss. Decided per sequence: the sums run
+    over every token of the sequence, packed rows (``cu_seqlens``) and sequences split over context-parallel ranks
+    (``seq_group``: one all-reduce of [3, B] sums) included. The sequence's advantage is the mean of ``advantages``
+    over its tokens (GRPO's per-sequence advantage).
+
+    Returns ``(mask, masked_frac)``: ``response_mask`` with the dropped sequences zeroed (its dtype; the input is
+    not modified) and the fraction of sequences with tokens that were dropped (a 0-dim tensor; no host sync).
+    """
+    _check_policy_inputs(behaviour_log_prob, log_prob, advantages, response_mask, old_name="behaviour_log_prob",
+                         cu_seqlens=cu_seqlens)
+    d = _finite_real("delta", delta)
+    if d < 0:
+        raise ValueError(f"delta must be >= 0, got {delta!r}")
+    acc = _checks.acc_dtype(log_prob.dtype)
+    with torch.no_grad():
+        m = response_mask.to(acc)
+        drift = _checks.masked(behaviour_log_prob.to(acc) - log_prob.detach().to(acc), m)
+        adv = _checks.masked(advantages.to(acc), m)
+        sums = _seq_all_reduce(torch.stack([_row_sums(drift, cu_seqlens), _row_sums(adv, cu_seqlens),
+                                            _row_sums(m, cu_seqlens)]), seq_group)
+        has = sums[2] > 0
+        n = sums[2].clamp(min=1)
+        dropped = has & (sums[1] / n < 0) & (sums[0] / n > d)
+        keep = _per_token(~dropped, log_prob, cu_seqlens)
+        mask = torch.where(keep, response_mask, torch.zeros((), dtype=response_mask.dtype, device=response_mask.device))
+        frac = dropped.sum().to(acc) / has.sum().clamp(min=1).to(acc)
+    return mask, frac
+
+
 def _mode_loss(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, weights, cu_seqlens,
-               seq_group):
+               seq_group, rollout_log_prob=None):
     """The loss ``cfg.loss_mode`` names (docs/policy_losses.md), with the IS weights of the decoupled flow."""
     if cfg.loss_mode == "bypass_mode":
         raise ValueError("loss_mode='bypass_mode' needs config.rollout_correction with bypass_mode=True (the bypass "
                          "flow: pi_old = pi_rollout)")
     fn = globals()["compute_policy_loss_" + cfg.loss_mode]
     kw = {"seq_group": seq_group} if cfg.loss_mode == "gspo" else {}
-    return fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, weights, cu_seqlens=cu_seqlens,
-              **kw)
+    opsm = None
+    if cfg.opsm_delta is not None:
+        behaviour = old_log_prob if rollout_log_prob is None else rollout_log_prob
+        response_mask, opsm = off_policy_sequence_mask(log_prob, behaviour, advantages, response_mask, cfg.opsm_delta,
+                                                       cu_seqlens=cu_seqlens, seq_group=seq_group)
+    loss, metrics = fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, weights,
+                       cu_seqlens=cu_seqlens, **kw)
+    if opsm is not None:
+        metrics["actor/opsm_masked_frac"] = opsm
+    return loss, metrics
 
 
 def compute_policy_loss_decoupled(
@@ -933,7 +988,7 @@ def compute_policy_loss_decoupled(
                          "(pi_old = pi_rollout), not the decoupled flow")
     result = _correction(old_log_prob, rollout_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens)
     loss, metrics = _mode_loss(cfg, old_log_prob, log_prob, advantages, result.response_mask, loss_agg_mode,
-                               result.weights, cu_seqlens, seq_group)
+                               result.weights, cu_seqlens, seq_group, rollout_log_prob)
     metrics.update(result.metrics)
     return loss, metrics
 
@@ -959,17 +1014,29 @@ def compute_policy_loss(
     * ``bypass_mode``: :func:`compute_policy_loss_bypass` with pi_old = ``rollout_log_prob``
       (``old_log_prob`` may be None and is ignored);
     * otherwise: :func:`compute_policy_loss_decoupled` (the ``loss_mode`` loss times the correction's IS weights).
+
+    ``config.opsm_delta`` drops negative-advantage sequences that drifted from the behaviour policy
+    (:func:`off_policy_sequence_mask`; behaviour = ``rollout_log_prob`` when given, else ``old_log_prob``) before
+    any of these; metric ``actor/opsm_masked_frac``.
     """
     cfg = _as_config(config)
     rc = cfg.rollout_correction
     if rc is None:
         return _mode_loss(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, None, cu_seqlens,
-                          seq_group)
+                          seq_group, rollout_log_prob)
     if rollout_log_prob is None:
         raise ValueError("rollout_log_prob is required when config.rollout_correction is set")
     if getattr(rc, "bypass_mode", False):
-        return compute_policy_loss_bypass(rollout_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                                          cfg, dp_group=dp_group, seq_group=seq_group, cu_seqlens=cu_seqlens)
+        opsm = None
+        if cfg.opsm_delta is not None:
+            response_mask, opsm = off_policy_sequence_mask(log_prob, rollout_log_prob, advantages, response_mask,
+                                                           cfg.opsm_delta, cu_seqlens=cu_seqlens, seq_group=seq_group)
+        loss, metrics = compute_policy_loss_bypass(rollout_log_prob, log_prob, advantages, response_mask,
+                                                   loss_agg_mode, cfg, dp_group=dp_group, seq_group=seq_group,
+                                                   cu_seqlens=cu_seqlens)
+        if opsm is not None:
+            metrics["actor/opsm_masked_frac"] = opsm
+        return loss, metrics
     return compute_policy_loss_decoupled(old_log_prob, log_prob, rollout_log_prob, advantages, response_mask,
                                          loss_agg_mode, cfg, dp_group=dp_group, seq_group=seq_group,
                                          cu_seqlens=cu_seqlens)

@@ -420,3 +420,70 @@ def test_grpo_packed_refuses_overlap_and_mismatch():
         losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, [0, 5])
     with pytest.raises(ValueError, match="one value per packed sequence"):
         losses.calculate_grpo_loss(lp, lp, lp, adv[:1], 0.2, 0.2, 0.0, 0.0, None, None, [0, 5], [4, 4])
+
+
+# ----------------------------------------------------------------------------------------- off-policy sequence masking
+
+
+def _opsm_oracle(lp, beh, adv, mask, delta):
+    """DeepSeek-V3.2: M_i = 0 iff A_i < 0 and (1/|o_i|) sum_t log(pi_old / pi_theta) > delta; one sequence at a time."""
+    keep = []
+    for b in range(lp.shape[0]):
+        m = mask[b] > 0
+        if not m.any():
+            keep.append(True)
+            continue
+        kl = float((beh[b][m] - lp[b][m]).mean())
+        keep.append(not (float(adv[b][m].mean()) < 0 and kl > delta))
+    return torch.tensor(keep)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_opsm_decides_per_sequence(packed):
+    old, lp, adv, mask, _ = (x.double() for x in _inputs(seed=12))
+    beh = lp + torch.rand(lp.shape, generator=torch.Generator().manual_seed(1), dtype=lp.dtype) * 0.3
+    delta = 0.15
+    keep = _opsm_oracle(lp, beh, adv, mask, delta)
+    if not packed:
+        got, frac = losses.off_policy_sequence_mask(lp, beh, adv, mask, delta)
+        assert torch.equal(got, mask * keep.unsqueeze(-1).double())
+    else:
+        lengths = torch.full((lp.shape[0],), lp.shape[1])
+        cu = torch.zeros(lp.shape[0] + 1, dtype=torch.int64)
+        cu[1:] = lengths.cumsum(0)
+        got, frac = losses.off_policy_sequence_mask(lp.reshape(-1), beh.reshape(-1), adv.reshape(-1), mask.reshape(-1),
+                                                    delta, cu_seqlens=cu)
+        assert torch.equal(got.reshape(mask.shape), mask * keep.unsqueeze(-1).double())
+    rows = mask.sum(-1) > 0
+    assert 0 < (~keep[rows]).sum() < rows.sum()  # some sequences dropped, not all
+    assert float(frac) == pytest.approx(float((~keep[rows]).sum()) / float(rows.sum()))
+
+
+def test_opsm_through_the_front_door():
+    old, lp, adv, mask, _ = (x.double() for x in _inputs(seed=12))
+    rlp = lp + torch.rand(lp.shape, generator=torch.Generator().manual_seed(1), dtype=lp.dtype) * 0.3
+    cfg = losses.PolicyLossConfig(loss_mode="cispo", opsm_delta=0.15)
+    got = _run(lambda o, x, a, m, mode, c, w: losses.compute_policy_loss(o, x, a, m, mode, c, rollout_log_prob=rlp),
+               old, lp, adv, mask, "token-mean", cfg, None)
+    masked, frac = losses.off_policy_sequence_mask(lp, rlp, adv, mask, 0.15)
+    want = _run(losses.compute_policy_loss_cispo, old, lp, adv, masked, "token-mean", cfg, None)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    assert got[1]["actor/opsm_masked_frac"] == frac
+
+
+def _opsm_cp_worker(rank, world, lp, beh, adv, mask):
+    import torch.distributed as dist
+
+    t = lp.shape[1]
+    cols = slice(0, t // 2) if rank == 0 else slice(t // 2, t)
+    want, _ = losses.off_policy_sequence_mask(lp, beh, adv, mask, 0.15)
+    got, _ = losses.off_policy_sequence_mask(*(x[:, cols].contiguous() for x in (lp, beh, adv, mask)), 0.15,
+                                             seq_group=dist.group.WORLD)
+    assert torch.equal(got, want[:, cols])
+
+
+@pytest.mark.parametrize("device", dist_params(2))
+def test_opsm_context_parallel_equals_one_process(device):
+    old, lp, adv, mask, _ = (x.double() for x in _inputs(seed=12))
+    beh = lp + torch.rand(lp.shape, generator=torch.Generator().manual_seed(1), dtype=lp.dtype) * 0.3
+    run_workers(_opsm_cp_worker, 2, lp, beh, adv, mask, device=device)
