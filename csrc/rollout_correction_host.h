@@ -47,10 +47,9 @@ inline void check_rollout_config(const RolloutConfigArgs& a) {
     TORCH_CHECK(std::isfinite(a.is_upper) && a.is_upper > 0, "is_upper must be finite and > 0, got ", a.is_upper);
     TORCH_CHECK(std::isfinite(a.is_metric_lower) && a.is_metric_lower > 0,
                 "is_metric_lower must be finite and > 0, got ", a.is_metric_lower);
-    if (a.is_mask) {
-      TORCH_CHECK(std::isfinite(a.is_lower) && a.is_lower >= 0 && a.is_lower <= a.is_upper,
-                  "is_lower must be finite and in [0, is_upper] with is_mask, got ", a.is_lower);
-    }
+    // IcePop's band, or TIS's lower clamp (0: one-sided)
+    TORCH_CHECK(std::isfinite(a.is_lower) && a.is_lower >= 0 && a.is_lower <= a.is_upper,
+                "is_lower must be finite and in [0, is_upper], got ", a.is_lower);
   }
   if (a.veto_threshold.has_value()) {
     TORCH_CHECK(std::isfinite(*a.veto_threshold) && *a.veto_threshold > 0,

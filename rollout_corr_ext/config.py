@@ -21,7 +21,7 @@ __all__ = ["RolloutCorrectionConfig", "RSCriterion", "ISSpec", "IS_LEVELS", "RS_
 
 #: IS aggregation levels (verl 0.9.1 has token and sequence; geometric is the original API's).
 IS_LEVELS: Tuple[str, ...] = ("token", "sequence", "geometric")
-IS_MODES: Tuple[str, ...] = ("truncate", "mask")
+IS_MODES: Tuple[str, ...] = ("truncate", "mask", "two_sided")
 LOSS_TYPES: Tuple[str, ...] = ("ppo_clip", "reinforce")
 
 #: RS criterion name -> (level, statistic). verl 0.9.1's 11 divergence criteria
@@ -52,7 +52,8 @@ _FIELD_NAMES = (
 
 @dataclass(frozen=True)
 class ISSpec:
-    """Resolved IS settings. ``mode`` "truncate" (TIS: min(w, upper)) or "mask" (IcePop: w * 1[lower <= w <= upper]).
+    """Resolved IS settings. ``mode`` "truncate" (TIS: min(w, upper)), "mask" (IcePop: w * 1[lower <= w <= upper]) or
+    "two_sided" (two-sided TIS: clamp(w, lower, upper)).
 
     ``metric_lower`` is the lower bound the diagnostics use (verl 0.9.1 ``compute_is_metrics``: the IcePop lower
     bound, else 1/upper).
@@ -171,8 +172,11 @@ class RolloutCorrectionConfig:
     Fields (defaults are verl 0.9.1's):
         rollout_is: None | "token" | "sequence" | "geometric" -- IS weight level (None: no weights).
         rollout_is_threshold: C > 0 for TIS (truncate at C), or "L_U" for IcePop (weights outside [L, U] -> 0).
-        rollout_is_mode: original API: None (inferred from the threshold) | "truncate" | "mask" (IcePop).
-        rollout_is_threshold_lower: original API: IcePop lower bound with a numeric threshold (None = 1/C).
+        rollout_is_mode: original API: None (inferred from the threshold) | "truncate" | "mask" (IcePop); and ours,
+            "two_sided": two-sided truncated IS, w = clamp(rho, L, U) at every level, threshold "L_U" or U
+            (L = rollout_is_threshold_lower, or 1/U).
+        rollout_is_threshold_lower: original API: IcePop lower bound with a numeric threshold (None = 1/C); the
+            lower clamp of "two_sided".
         rollout_is_batch_normalize: divide the weights by their global mean (token level: masked mean;
             sequence levels: mean of per-sequence means).
         rollout_rs: None or comma-separated criteria (AND); duplicates removed, order kept.
@@ -229,7 +233,12 @@ class RolloutCorrectionConfig:
         lower, upper = _split_spec(thr, "rollout_is_threshold")
         if not upper > 0:
             raise ValueError(f"rollout_is_threshold: the upper bound must be > 0, got {upper}")
-        if lower is not None:  # "L_U": IcePop, as verl 0.9.1
+        if lower is not None and self.rollout_is_mode == "two_sided":
+            if lower_opt is not None:
+                raise ValueError("rollout_is_threshold_lower is given twice: in the 'L_U' rollout_is_threshold "
+                                 "and in rollout_is_threshold_lower; keep one")
+            mode = "two_sided"
+        elif lower is not None:  # "L_U": IcePop, as verl 0.9.1
             if self.rollout_is_mode == "truncate":
                 raise ValueError("rollout_is_threshold: a 'L_U' spec means IcePop (mask mode) but "
                                  "rollout_is_mode='truncate'; use a single number for TIS")
@@ -239,8 +248,8 @@ class RolloutCorrectionConfig:
             mode = "mask"
         else:
             mode = self.rollout_is_mode or "truncate"
-            lower = lower_opt if mode == "mask" else None
-            if mode == "mask" and lower is None:
+            lower = lower_opt if mode in ("mask", "two_sided") else None
+            if mode in ("mask", "two_sided") and lower is None:
                 lower = 1.0 / upper
         if lower is not None:
             if not lower > 0:
@@ -530,6 +539,14 @@ class RolloutCorrectionConfig:
                    rollout_rs_threshold=rs_threshold)
 
     @classmethod
+    def two_sided_tis(cls, threshold: float = 2.0, threshold_lower: float = 0.5, level: str = "token"
+                      ) -> "RolloutCorrectionConfig":
+        """Decoupled, two-sided truncated IS: w = clamp(rho, threshold_lower, threshold) at ``level`` ("token" or
+        "sequence"); a token the rollout over-sampled keeps a floor weight instead of a vanishing one."""
+        return cls(rollout_is=level, rollout_is_threshold=threshold, rollout_is_mode="two_sided",
+                   rollout_is_threshold_lower=threshold_lower, rollout_rs=None)
+
+    @classmethod
     def disabled(cls) -> "RolloutCorrectionConfig":
         """Metrics only: no weights, no rejection."""
         return cls(rollout_is=None, rollout_rs=None)
@@ -592,7 +609,7 @@ class RolloutCorrectionConfig:
                    loss_type="reinforce")
 
 
-#: Every preset name (verl 0.9.1's 19, then the original API's).
+#: Every preset name (verl 0.9.1's 19, then the original API's, then ours).
 PRESETS: Tuple[str, ...] = (
     "decoupled_token_is", "decoupled_seq_is", "decoupled_token_icepop", "bypass_pg_token_icepop",
     "decoupled_seq_is_rs", "decoupled_geo_rs", "bypass_ppo_clip", "bypass_ppo_clip_geo_rs", "bypass_ppo_clip_k3_rs",
@@ -600,5 +617,6 @@ PRESETS: Tuple[str, ...] = (
     "bypass_pg_geo_rs_seq_tis", "bypass_pg_geo_rs_token_tis", "decoupled_k3_rs", "decoupled_k3_rs_seq_tis",
     "decoupled_k3_rs_token_tis", "disabled",
     "token_is", "token_tis", "seq_is", "seq_is_rs", "seq_mis", "geo_rs", "geo_mis", "ppo_is_bypass", "pure_is",
+    "two_sided_tis",
 )
 __all__.append("PRESETS")

@@ -86,6 +86,7 @@ def op_args(config: RolloutCorrectionConfig, exclude_nonfinite: bool = False) ->
     return RolloutOpArgs(
         is_level=LY.IS_LEVEL[spec.level if spec is not None else "none"],
         is_mask=spec is not None and spec.mode == "mask",
+        # TIS clamps below at is_lower too: 0 (no-op on a weight) unless two-sided.
         is_lower=float(spec.lower) if spec is not None and spec.lower is not None else 0.0,
         is_upper=float(spec.upper) if spec is not None else 1.0,
         is_metric_lower=float(spec.metric_lower) if spec is not None else 1.0,

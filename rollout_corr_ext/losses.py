@@ -248,10 +248,16 @@ class PolicyLossConfig:
                 pl = config_items(policy_loss, "policy_loss")[0]
                 if "rollout_correction" not in out and pl.get("loss_mode", "vanilla") == "bypass_mode":
                     out["rollout_correction"] = pl.get("rollout_correction")
-                for k in ("loss_mode", "dro_beta", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio",
-                          "ppo_kl_coef"):
+                for k in ("dro_beta", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef"):
                     if pl.get(k) is not None:
                         out[k] = pl[k]
+                # verl's registry name; under register_policy_losses(replace=False) it carries a prefix. A name we do
+                # not know is verl's own choice of function (its registry picked the function being called).
+                mode = pl.get("loss_mode")
+                if isinstance(mode, str):
+                    mode = mode[len("rollout_corr_"):] if mode.startswith("rollout_corr_") else mode
+                    if mode in POLICY_LOSS_MODES:
+                        out["loss_mode"] = mode
             for k in ("tau_pos", "tau_neg"):
                 if out.get(k) is None:
                     out.pop(k, None)
@@ -701,19 +707,48 @@ def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, 
     fn = "compute_policy_loss_gspo"
     cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
                     cu_seqlens)
+    seq_log_ratio, x_sum = gspo_sequence_log_ratio(log_prob, old_log_prob, response_mask, cu_seqlens=cu_seqlens,
+                                                   seq_group=seq_group)
+    loss, _, rows = _policy_loss(LY.PG_KIND_GSPO, seq_log_ratio, log_prob, advantages, response_mask, loss_agg_mode,
+                                 cfg, rollout_is_weights, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
+    tokens = rows[:, LY.PG_ROW_TOKENS].sum() + LY.MASKED_MEAN_EPS
+    metrics = _row_metrics(rows, _PPO_METRICS, zero=("actor/ppo_kl", "actor/pg_clipfrac_lower"))
+    metrics["actor/ppo_kl"] = (-x_sum / tokens).detach()  # this rank's tokens, as the other metrics
+    return loss, metrics
+
+
+def gspo_sequence_log_ratio(log_prob, old_log_prob, response_mask, *, cu_seqlens=None, seq_group=None):
+    """GSPO's per-sequence mean log-ratio mean_t (log pi - log pi_old) (verl: sum / clamp(len, 1)), at every token
+    of its sequence (what the GSPO kind reads in place of ``old_log_prob``), and this rank's sum of the masked
+    log-ratios (for ``actor/ppo_kl``). Whole sequences: packed segments, and ``seq_group`` (context parallelism:
+    one all-reduce of [2, B] sums). A constant: computed under no_grad."""
     acc = _checks.acc_dtype(log_prob.dtype)
     with torch.no_grad():
         m = response_mask.to(acc)
         x = _checks.masked(log_prob.detach().to(acc) - old_log_prob.to(acc), m)
         sums = _seq_all_reduce(torch.stack([_row_sums(x, cu_seqlens), _row_sums(m, cu_seqlens)]), seq_group)
-        seq_log_ratio = sums[0] / sums[1].clamp(min=1)  # verl: sum / clamp(len, 1)
-    loss, _, rows = _policy_loss(LY.PG_KIND_GSPO, _per_token(seq_log_ratio, log_prob, cu_seqlens), log_prob,
-                                 advantages, response_mask, loss_agg_mode, cfg, rollout_is_weights,
-                                 cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
-    tokens = rows[:, LY.PG_ROW_TOKENS].sum() + LY.MASKED_MEAN_EPS
-    metrics = _row_metrics(rows, _PPO_METRICS, zero=("actor/ppo_kl", "actor/pg_clipfrac_lower"))
-    metrics["actor/ppo_kl"] = (-x.sum() / tokens).detach()  # this rank's tokens, as the other metrics
-    return loss, metrics
+        seq = sums[0] / sums[1].clamp(min=1)
+        return _per_token(seq, log_prob, cu_seqlens), x.sum()
+
+
+#: loss_mode -> the fused kind, for the losses that are one kind per token (GSPO: with its sequence ratio as a
+#: per-row constant). geo_mean, clip_cov and kl_cov need whole-batch or whole-sequence steps of their own.
+TOKEN_LOSS_KINDS = {"vanilla": LY.PG_KIND_PPO_CLIP, "dppo_tv": LY.PG_KIND_DPPO_TV, "dppo_kl": LY.PG_KIND_DPPO_KL,
+                    "gspo": LY.PG_KIND_GSPO, "sapo": LY.PG_KIND_SAPO, "gpg": LY.PG_KIND_REINFORCE,
+                    "dro": LY.PG_KIND_DRO, "cispo": LY.PG_KIND_CISPO}
+
+
+def token_loss_kind(cfg: "PolicyLossConfig", where: str) -> Tuple[int, Tuple[float, float]]:
+    """``(kind, (param_a, param_b))`` of ``cfg.loss_mode`` for :func:`rollout_corr_ext.ops.policy_loss_rows`; a
+    ValueError naming ``where`` for a loss that is not one kind per token."""
+    if cfg.loss_mode not in TOKEN_LOSS_KINDS:
+        raise ValueError(f"{where}: loss_mode={cfg.loss_mode!r} is not supported here (supported: "
+                         f"{sorted(TOKEN_LOSS_KINDS)}); call rollout_corr_ext.losses.compute_policy_loss_"
+                         f"{cfg.loss_mode} on the log-probs instead")
+    params = {"sapo": (float(cfg.tau_pos), float(cfg.tau_neg))}.get(cfg.loss_mode, (0.0, 0.0))
+    if cfg.loss_mode == "dro":
+        params = (_require_dro_beta(cfg), 0.0)
+    return TOKEN_LOSS_KINDS[cfg.loss_mode], params
 
 
 def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",

@@ -21,6 +21,8 @@ from . import logprobs as _lp
 from .losses import _horizon, _segment_sum
 from .losses import (
     PolicyLossConfig,
+    gspo_sequence_log_ratio,
+    token_loss_kind,
     _as_config,
     _check_mask,
     _check_mode,
@@ -245,10 +247,13 @@ def make_policy_loss_func(
     log-prob position s scores (megatron's ``labels``), ``response_mask`` marks the response tokens,
     ``advantages`` is ``[b, s]`` or ``[b]``. The flow follows ``config.rollout_correction``:
 
-    * None: PPO against ``old_log_prob`` (None: pi_theta detached, i.e. on-policy, ratio 1);
+    * None: PPO (or the loss ``config.loss_mode`` names: every per-token loss of docs/policy_losses.md and GSPO,
+      whose sequence ratio sums over ``seq_group``) against ``old_log_prob`` (None: pi_theta detached, i.e.
+      on-policy, ratio 1);
     * ``bypass_mode``: correction of pi_theta vs ``rollout_log_prob``, PPO-clip or REINFORCE against pi_rollout;
-    * otherwise (decoupled): correction of ``old_log_prob`` vs ``rollout_log_prob``, PPO against pi_old times the
-      IS weights.
+    * otherwise (decoupled): correction of ``old_log_prob`` vs ``rollout_log_prob``, PPO (or ``loss_mode``'s loss)
+      against pi_old times the IS weights. ``geo_mean``, ``clip_cov`` and ``kl_cov`` are refused here (a
+      ValueError): they need whole-batch steps this loss_func does not take yet.
 
     Reduction contract: ``loss_sum / num_tokens`` is this micro-batch's ``loss_agg_mode`` value, and summed over
     micro-batches and data-parallel ranks, ``sum(loss_sum) / sum(num_tokens)`` is the exact global value of the
@@ -345,6 +350,21 @@ def make_policy_loss_func(
                                  "replays thresholds, not id lists); pass the logits, or SamplingParams")
             kept_tokens = sampling
 
+    rc_cfg = cfg.rollout_correction
+    if rc_cfg is not None and getattr(rc_cfg, "bypass_mode", False):
+        if cfg.loss_mode not in ("vanilla", "bypass_mode"):
+            raise ValueError(f"make_policy_loss_func: the bypass flow's loss is rollout_correction.loss_type "
+                             f"(PPO clip or REINFORCE against pi_rollout), not loss_mode={cfg.loss_mode!r}; set "
+                             f"loss_mode='bypass_mode' (or 'vanilla'), or use the plain flow with old_log_prob = "
+                             f"rollout_log_prob for {cfg.loss_mode}")
+        mode_kind, mode_params = LY.PG_KIND_PPO_CLIP, (0.0, 0.0)
+    else:
+        if cfg.loss_mode == "bypass_mode":
+            raise ValueError("loss_mode='bypass_mode' needs config.rollout_correction with bypass_mode=True")
+        mode_kind, mode_params = token_loss_kind(cfg, "make_policy_loss_func")
+        if cfg.loss_mode == "sapo" and loss_agg_mode != "seq-mean-token-mean":
+            raise ValueError("loss_mode='sapo' is aggregated seq-mean-token-mean (as verl forces it); pass "
+                             "loss_agg_mode='seq-mean-token-mean'")
     if loss_agg_mode == "token-sum":
         raise ValueError("loss_agg_mode='token-sum' has no normaliser to return as num_tokens in megatron's "
                          "loss_func contract; use token-mean or a seq-mean-* mode (or agg_loss directly)")
@@ -539,7 +559,7 @@ def make_policy_loss_func(
                 in_support = in_support & (old_log_prob.to(logp.device) != -math.inf)
             given = torch.where(in_support, response_mask, torch.zeros_like(response_mask))
         mask, weights, corr_metrics = given, None, {}
-        kind, old = LY.PG_KIND_PPO_CLIP, (old_log_prob if old_log_prob is not None else logp.detach())
+        kind, old = mode_kind, (old_log_prob if old_log_prob is not None else logp.detach())
         if rc is not None:
             from .correction import compute_rollout_correction
 
@@ -555,8 +575,13 @@ def make_policy_loss_func(
             else:
                 weights = result.weights
         old_name = "rollout_log_prob" if bypass else ("old_log_prob" if old_log_prob is not None else "log_prob")
+        gspo_x_sum = None
+        if kind == LY.PG_KIND_GSPO:  # the sequence ratio over whole sequences: CP pieces summed over seq_group
+            refuse_grad("make_policy_loss_func", **{old_name: old})
+            old, gspo_x_sum = gspo_sequence_log_ratio(logp, old.to(logp.device), mask, cu_seqlens=cu,
+                                                      seq_group=seq if seq_world > 1 else None)
         _, _, rows = _policy_loss(kind, old, logp, advantages, mask, loss_agg_mode, cfg, weights, cu_seqlens=cu,
-                                  old_name=old_name, fn="make_policy_loss_func")
+                                  old_name=old_name, fn="make_policy_loss_func", params=mode_params)
         m = mask.to(logp.dtype)
         ent_masked = torch.where(mask != 0, entropy, torch.zeros_like(entropy)).mul(m)
         ent_rows = ent_masked.sum(-1) if cu is None else _segment_sum(ent_masked, cu)
@@ -616,7 +641,7 @@ def make_policy_loss_func(
             (pg_sum.detach(), n),
             (rows[:, LY.PG_ROW_CLIP].sum(), tokens),
             (rows[:, LY.PG_ROW_CLIP_LOWER].sum(), tokens),
-            (rows[:, LY.PG_ROW_KL_SUM].sum(), tokens),
+            (rows[:, LY.PG_ROW_KL_SUM].sum() if gspo_x_sum is None else -gspo_x_sum.to(rows.dtype), tokens),
             ((entropy.detach() * m).sum(), tokens),
         ]
         for k, v in corr_metrics.items():

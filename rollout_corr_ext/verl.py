@@ -8,8 +8,8 @@ mask in the input mask's dtype. So a verl code base swaps one import line::
     # from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
     from rollout_corr_ext.verl import compute_rollout_correction_and_add_to_batch
 
-and :func:`register_policy_losses` puts the policy losses into verl's ``POLICY_LOSS_REGISTRY`` (``"vanilla"`` and
-``"bypass_mode"``), so verl's actors compute them here without any other change.
+and :func:`register_policy_losses` puts the policy losses into verl's ``POLICY_LOSS_REGISTRY`` (all twelve of verl's
+names, docs/policy_losses.md), so verl's actors compute them here without any other change.
 
 Covered (verl module -> name):
 
@@ -20,7 +20,8 @@ Covered (verl module -> name):
   ``SUPPORTED_ROLLOUT_RS_OPTIONS``.
 * ``verl.trainer.ppo.core_algos``: :func:`agg_loss`, :func:`compute_policy_loss_vanilla`,
   :func:`compute_policy_loss_reinforce`, :func:`compute_policy_loss_bypass_mode`, :func:`compute_policy_loss`
-  (verl's deprecated 4-tuple form).
+  (verl's deprecated 4-tuple form), and the other ten registered losses (``compute_policy_loss_dppo_tv``,
+  ``_dppo_kl``, ``_gspo``, ``_sapo``, ``_gpg``, ``_clip_cov``, ``_kl_cov``, ``_geo_mean``, ``_dro``, ``_cispo``).
 
 What verl's signatures cannot carry is set once with :func:`configure` (or :func:`configured`, a context manager):
 the process groups (``dp_group`` / ``seq_group``: metrics and batch normalisation exact over the global batch),
@@ -658,12 +659,13 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
 
 # ------------------------------------------------------------------------------------------------- registry
 
-def _verl_loss(name: str) -> Callable:
+def _verl_loss(name: str, default_mode: str = "token-mean") -> Callable:
     """verl's ``compute_policy_loss_<name>`` (registry name ``name``) over :mod:`rollout_corr_ext.losses`'s fused
-    loss: same signature, loss tensor and metrics as floats (docs/policy_losses.md)."""
+    loss: same signature (``default_mode``: verl's default ``loss_agg_mode``), loss tensor and metrics as floats
+    (docs/policy_losses.md)."""
     ours = getattr(_losses, "compute_policy_loss_" + name)
 
-    def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+    def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode=default_mode, config=None,
                 rollout_is_weights=None):
         cfg = policy_loss_config(config)
         response_mask, frac = _replayed_mask(response_mask, old_log_prob, log_prob)
@@ -679,8 +681,8 @@ def _verl_loss(name: str) -> Callable:
 
 compute_policy_loss_dppo_tv = _verl_loss("dppo_tv")
 compute_policy_loss_dppo_kl = _verl_loss("dppo_kl")
-compute_policy_loss_gspo = _verl_loss("gspo")
-compute_policy_loss_sapo = _verl_loss("sapo")
+compute_policy_loss_gspo = _verl_loss("gspo", "seq-mean-token-mean")
+compute_policy_loss_sapo = _verl_loss("sapo", "seq-mean-token-mean")
 compute_policy_loss_gpg = _verl_loss("gpg")
 compute_policy_loss_clip_cov = _verl_loss("clip_cov")
 compute_policy_loss_kl_cov = _verl_loss("kl_cov")

@@ -56,11 +56,13 @@ EXPECTED = {
                     rollout_rs_threshold_lower=0.999, rollout_token_veto_threshold=1e-4),
     "ppo_is_bypass": dict(rollout_is="token", bypass_mode=True),
     "pure_is": dict(bypass_mode=True, loss_type="reinforce"),
+    # ours: two-sided truncated IS
+    "two_sided_tis": dict(rollout_is="token", rollout_is_mode="two_sided", rollout_is_threshold_lower=0.5),
 }
 
 
 def test_preset_list_is_complete():
-    assert len(PRESETS) == 28 and set(PRESETS) == set(EXPECTED)
+    assert len(PRESETS) == 29 and set(PRESETS) == set(EXPECTED)
     assert len([p for p in PRESETS[:19]]) == 19 and "disabled" in PRESETS[:19]
 
 
@@ -105,7 +107,7 @@ def test_threshold_forms():
     (dict(rollout_rs="token_k1,token_k2,seq_sum_k3", rollout_rs_threshold="1.5,0.1"),
      r"rollout_rs_threshold has 2 specs but rollout_rs has 3 criteria"),
     (dict(loss_type="ppo"), r"loss_type must be one of \['ppo_clip', 'reinforce'\]"),
-    (dict(rollout_is_mode="clip"), r"rollout_is_mode must be None or one of \['truncate', 'mask'\]"),
+    (dict(rollout_is_mode="clip"), r"rollout_is_mode must be None or one of \['truncate', 'mask', 'two_sided'\]"),
     (dict(rollout_is_threshold="0.5_2", rollout_is_mode="truncate"), r"rollout_is_threshold: a 'L_U' spec"),
     (dict(rollout_token_veto_threshold=0), r"rollout_token_veto_threshold must be None or a finite number > 0"),
     (dict(rollout_is_threshold=None), r"rollout_is_threshold is required when rollout_is='sequence'"),

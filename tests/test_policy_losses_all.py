@@ -487,3 +487,115 @@ def test_opsm_context_parallel_equals_one_process(device):
     old, lp, adv, mask, _ = (x.double() for x in _inputs(seed=12))
     beh = lp + torch.rand(lp.shape, generator=torch.Generator().manual_seed(1), dtype=lp.dtype) * 0.3
     run_workers(_opsm_cp_worker, 2, lp, beh, adv, mask, device=device)
+
+
+# ----------------------------------------------------------------------------------------- megatron's loss_func
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("name", sorted(losses.TOKEN_LOSS_KINDS))
+def test_megatron_loss_func_runs_every_token_loss(name, mode):
+    """make_policy_loss_func(config.loss_mode=name) on [s, b, V] logits: loss_sum / num_tokens and the gradient in
+    the logits equal compute_policy_loss_<name> on the log-probs (plain torch log_softmax of the same logits)."""
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    if name == "sapo" and mode != "seq-mean-token-mean":
+        cfg = losses.PolicyLossConfig(loss_mode="sapo")
+        with pytest.raises(ValueError, match="seq-mean-token-mean"):
+            make_policy_loss_func(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2), torch.ones(2, 3),
+                                  config=cfg, loss_agg_mode=mode)
+        return
+    g = torch.Generator().manual_seed(len(name))
+    b, s, v = 4, 9, 11
+    logits = torch.randn(s, b, v, generator=g, dtype=torch.float64)
+    target = torch.randint(0, v, (b, s), generator=g)
+    mask = (torch.rand(b, s, generator=g) > 0.2).double()
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        old = logits.transpose(0, 1).log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        old = old + 0.2 * torch.randn(b, s, generator=g, dtype=torch.float64)
+    cfg = losses.PolicyLossConfig(clip_ratio=0.2, loss_mode=name, **KNOBS)
+    x = logits.clone().requires_grad_(True)
+    loss_sum, count, report = make_policy_loss_func(target, adv, mask, old_log_prob=old, config=cfg,
+                                                    loss_agg_mode=mode)(x)
+    (loss_sum / count).backward()
+    y = logits.clone().requires_grad_(True)
+    lp = y.transpose(0, 1).log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    want, metrics = getattr(losses, "compute_policy_loss_" + name)(old, lp, adv.view(-1, 1).expand(b, s), mask, mode,
+                                                                   cfg)
+    want.backward()
+    assert torch.allclose(loss_sum / count, want, rtol=1e-10, atol=1e-12), (loss_sum / count, want)
+    assert torch.allclose(x.grad, y.grad, rtol=1e-9, atol=1e-12)
+    if name != "gpg":  # verl's gpg logs no metrics
+        kl = report["actor/ppo_kl"]
+        assert float(kl[0] / kl[1]) == pytest.approx(float(metrics["actor/ppo_kl"]), rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("name", ["geo_mean", "clip_cov", "kl_cov"])
+def test_megatron_loss_func_refuses_whole_batch_losses(name):
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    with pytest.raises(ValueError, match=f"loss_mode='{name}' is not supported here"):
+        make_policy_loss_func(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2), torch.ones(2, 3),
+                              config=losses.PolicyLossConfig(loss_mode=name))
+
+
+# ----------------------------------------------------------------------------------------- two-sided truncated IS
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated", "fallback"])
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_two_sided_tis_clamps_both_ways(device, level):
+    """rollout_is_mode="two_sided": w = clamp(rho, L, U) at every level (rho per token, or per sequence: the product
+    / geometric mean of the token ratios), fp64 oracle; the one-sided TIS of the same config is min(rho, U)."""
+    import rollout_corr_ext as rc
+    from rollout_corr_testing.backends import ops_on
+
+    g = torch.Generator().manual_seed(2)
+    b, t = 6, 14
+    lp = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2
+    rlp = lp + (0.6 if level == "token" else 0.05) * torch.randn(b, t, generator=g, dtype=torch.float64)
+    if level != "token":  # per-row drifts that put some sequences below L and some above U
+        rlp = rlp + torch.linspace(-0.8, 0.8, b, dtype=torch.float64).unsqueeze(-1) / (t if level == "sequence" else 1)
+    mask = torch.rand(b, t, generator=g) > 0.2
+    lower, upper = 0.7, 1.6
+    cfg = rc.RolloutCorrectionConfig(rollout_is=level, rollout_is_threshold=upper, rollout_is_mode="two_sided",
+                                     rollout_is_threshold_lower=lower, rollout_rs=None)
+    log_rho = torch.where(mask, lp - rlp, torch.zeros_like(lp))
+    if level == "token":
+        rho = log_rho.exp()
+    else:
+        s = log_rho.sum(-1, keepdim=True)
+        rho = (s if level == "sequence" else s / mask.sum(-1, keepdim=True).clamp(min=1)).exp().expand(b, t)
+    with ops_on(device) as dev:
+        got = rc.compute_rollout_correction(lp.to(dev), rlp.to(dev), mask.to(dev), cfg)
+        one_sided = rc.compute_rollout_correction(lp.to(dev), rlp.to(dev), mask.to(dev), dataclasses_replace(
+            cfg, rollout_is_mode="truncate", rollout_is_threshold_lower=None))
+    want = torch.where(mask, rho.clamp(lower, upper), torch.zeros_like(rho))
+    assert torch.allclose(got.weights.double().cpu(), want, rtol=1e-6, atol=1e-12)
+    assert ((rho < lower) & mask).any() and ((rho > upper) & mask).any()  # both clamps in play
+    want1 = torch.where(mask, rho.clamp(max=upper), torch.zeros_like(rho))
+    assert torch.allclose(one_sided.weights.double().cpu(), want1, rtol=1e-6, atol=1e-12)
+    low = float(got.metrics["rollout_corr/rollout_is_ratio_fraction_low"])
+    assert low > 0  # the fraction clamped from below is what *_fraction_low reports
+
+
+def dataclasses_replace(cfg, **kw):
+    import dataclasses
+
+    return dataclasses.replace(cfg, **kw)
+
+
+def test_two_sided_tis_config():
+    import rollout_corr_ext as rc
+
+    cfg = rc.RolloutCorrectionConfig.two_sided_tis()
+    assert (cfg.is_spec.mode, cfg.is_spec.lower, cfg.is_spec.upper) == ("two_sided", 0.5, 2.0)
+    spec = rc.RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="0.8_1.5",
+                                      rollout_is_mode="two_sided").is_spec
+    assert (spec.mode, spec.lower, spec.upper) == ("two_sided", 0.8, 1.5)
+    assert rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=4.0,
+                                      rollout_is_mode="two_sided").is_spec.lower == 0.25
+    with pytest.raises(ValueError, match="lower bound 3.0 > upper bound 2.0"):
+        rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_mode="two_sided",
+                                   rollout_is_threshold_lower=3.0)

@@ -198,7 +198,9 @@ HELPER_FNS = ("compute_rollout_correction_and_rejection_mask", "compute_rollout_
               "compute_rollout_correction_weights", "compute_rollout_rejection_mask", "compute_offpolicy_metrics",
               "compute_rollout_corr_metrics_from_logprobs", "apply_bypass_mode")
 CORE_FNS = ("agg_loss", "compute_policy_loss", "compute_policy_loss_vanilla", "compute_policy_loss_reinforce",
-            "compute_policy_loss_bypass_mode")
+            "compute_policy_loss_bypass_mode") + tuple(
+    "compute_policy_loss_" + n for n in ("dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean",
+                                         "dro", "cispo"))
 
 
 def _params(fn):
@@ -663,6 +665,14 @@ def test_register_policy_losses(V):
     try:
         assert previous == {"rollout_corr_" + name: None for name in rv.POLICY_LOSSES}
         assert registry["vanilla"] is before["vanilla"]
+        # selected the way verl selects it: the actor config names the prefixed loss
+        old, lp, adv, mask = loss_inputs()
+        for name in ("gspo", "cispo"):
+            actor = V.actor(loss_mode="rollout_corr_" + name)
+            got = V.core.get_policy_loss_fn("rollout_corr_" + name)(old, lp, adv, mask, "token-mean", actor)
+            want = before[name](old, lp, adv, mask, "token-mean", actor)
+            assert math.isclose(got[0].item(), want[0].item(), rel_tol=2e-5)
+            assert_metrics(got[1], want[1])
         assert V.core.get_policy_loss_fn("rollout_corr_bypass_mode") is rv.compute_policy_loss_bypass_mode
     finally:
         rv.restore_policy_losses(previous)

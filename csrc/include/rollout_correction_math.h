@@ -110,12 +110,14 @@ RC_HD RC_FORCEINLINE auto crit_keeps(V s, acc_t lower, acc_t upper, bool apply_l
 // (rho ~ 1), 0 for k1 / k2 / k3 (~ 0). Centred sums keep E[x^2] - E[x]^2 free of fp32 cancellation.
 RC_HD RC_FORCEINLINE double crit_centre(int stat) { return stat == rs_stat::ratio ? 1.0 : 0.0; }
 
-// Token-level IS weight: TIS min(rho, U), IcePop rho * 1[L <= rho <= U].
+// Token-level IS weight: TIS clamp(rho, L, U) (L = 0, a no-op on a weight, unless two-sided), IcePop
+// rho * 1[L <= rho <= U].
 template <typename V, typename acc_t>
 RC_HD RC_FORCEINLINE V token_is_weight(V rho, const Config<acc_t>& c) {
-  const V upper = splat<V>(c.is_upper);
-  if (c.is_mask) return (rho >= splat<V>(c.is_lower)) & (rho <= upper) ? rho : splat<V>(0);
-  return rho < upper ? rho : upper;
+  const V upper = splat<V>(c.is_upper), lower = splat<V>(c.is_lower);
+  if (c.is_mask) return (rho >= lower) & (rho <= upper) ? rho : splat<V>(0);
+  const V capped = rho < upper ? rho : upper;
+  return capped > lower ? capped : lower;
 }
 
 // The number of token-level criteria a token function loops over: kRuntimeCount reads it from the config; the CPU
@@ -229,8 +231,8 @@ RC_HD inline void row_values(const acc_t* st, const Config<acc_t>& c, RowValues<
   r.raw_w = rc_exp(clamp20(r.log_w));
   if (c.is_mask)
     r.w = (r.raw_w >= c.is_lower && r.raw_w <= c.is_upper) ? r.raw_w : acc_t(0);
-  else
-    r.w = r.raw_w < c.is_upper ? r.raw_w : c.is_upper;
+  else  // TIS, two-sided when is_lower > 0
+    r.w = r.raw_w < c.is_upper ? (r.raw_w > c.is_lower ? r.raw_w : c.is_lower) : c.is_upper;
   r.wc_centre = acc_t(0);
   if (c.is_level == is_level::token && r.n > acc_t(0)) {
     const acc_t mean_w = RC_LDG(st + seq::token_weight) / r.n;

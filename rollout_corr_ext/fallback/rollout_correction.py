@@ -74,7 +74,8 @@ def _crit_centre(stat: int) -> float:
 def _token_is_weight(rho, is_mask, is_lower, is_upper):
     if is_mask:
         return torch.where((rho >= is_lower) & (rho <= is_upper), rho, torch.zeros_like(rho))
-    return rho.clamp(max=is_upper)
+    # TIS: clamp(rho, is_lower, is_upper); is_lower is 0 (a no-op on a weight) unless two-sided.
+    return rho.clamp(min=is_lower, max=is_upper)
 
 
 def _padded(x: torch.Tensor, cu: torch.Tensor):
