@@ -79,6 +79,18 @@ __all__ = [
     "policy_loss_config",
     "sampling_params",
     "logprobs_from_logits",
+    "calculate_debug_metrics",
+    "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_sapo",
+    "compute_policy_loss_gpg",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_kl_cov",
+    "compute_policy_loss_geo_mean",
+    "compute_policy_loss_dro",
+    "compute_policy_loss_cispo",
+    "POLICY_LOSSES",
 ]
 
 #: The verl release whose signatures, defaults, key sets and return types this module follows.
@@ -689,6 +701,29 @@ compute_policy_loss_kl_cov = _verl_loss("kl_cov")
 compute_policy_loss_geo_mean = _verl_loss("geo_mean")
 compute_policy_loss_dro = _verl_loss("dro")
 compute_policy_loss_cispo = _verl_loss("cispo")
+
+
+def calculate_debug_metrics(data: Any) -> dict:
+    """verl's ``verl.utils.debug.metrics.calculate_debug_metrics(data)``: rollout-vs-actor probability metrics of a
+    ``DataProto`` (``rollout_log_probs``, ``old_log_probs``, the mask from ``response_mask``, else the response
+    part of ``attention_mask``, else every token), as Python floats under verl's keys; exact over the configured
+    ``dp_group`` (:func:`configure`) instead of per rank (:func:`rollout_corr_ext.observability.debug_metrics`)."""
+    from .observability import debug_metrics
+
+    _data_proto("calculate_debug_metrics")
+    batch = data.batch
+    rollout, actor = batch["rollout_log_probs"], batch["old_log_probs"]
+    if "response_mask" in batch.keys():
+        mask = batch["response_mask"]
+    elif "attention_mask" in batch.keys():
+        mask = batch["attention_mask"][:, -batch["responses"].size(1):]
+    else:
+        mask = torch.ones_like(rollout)
+    metrics = debug_metrics(actor, rollout, mask, dp_group=_SETTINGS["dp_group"])
+    values = torch.stack(list(metrics.values())).tolist()
+    out = dict(zip(metrics.keys(), values))
+    out["training/rollout_probs_diff_valid"] = int(out["training/rollout_probs_diff_valid"])
+    return out
 
 
 #: verl registry name -> this module's loss.

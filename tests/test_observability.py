@@ -1,0 +1,94 @@
+"""verl's rollout-vs-actor debug metrics (rollout_corr_ext.observability.debug_metrics and the verl adapter's
+calculate_debug_metrics): against verl 0.9.1's own function, an fp64 oracle, and exact over DP = 2 (gloo)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from rollout_corr_ext.observability import DEBUG_METRIC_KEYS, debug_metrics
+from rollout_corr_testing.dist_utils import dist_params, run_workers
+from rollout_corr_testing.skips import skip_unless_ci
+
+
+def _inputs(b=6, t=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rlp = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
+    lp = rlp + 0.1 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    mask = (torch.rand(b, t, generator=g) > 0.3).long()
+    return lp, rlp, mask
+
+
+def _oracle(lp, rlp, mask):
+    """Pearson / mean / Bessel std written out over the list of response tokens."""
+    v = mask.bool()
+    p, q = lp[v].exp().tolist(), rlp[v].exp().tolist()
+    d = [abs(a - b) for a, b in zip(p, q)]
+    n = len(d)
+    mean = sum(d) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    mp, mq = sum(p) / n, sum(q) / n
+    cov = sum((a - mp) * (b - mq) for a, b in zip(p, q))
+    corr = cov / math.sqrt(sum((a - mp) ** 2 for a in p) * sum((b - mq) ** 2 for b in q))
+    return [1.0, max(d), mean, std, corr]
+
+
+def test_debug_metrics_equal_oracle_and_keys():
+    lp, rlp, mask = _inputs()
+    got = debug_metrics(lp, rlp, mask)
+    assert tuple(got) == DEBUG_METRIC_KEYS
+    assert all(v.dim() == 0 for v in got.values())
+    for k, want in zip(DEBUG_METRIC_KEYS, _oracle(lp, rlp, mask)):
+        assert float(got[k]) == pytest.approx(want, rel=1e-10, abs=1e-14), k
+
+
+def test_debug_metrics_empty_and_single_token():
+    lp, rlp, mask = _inputs()
+    got = debug_metrics(lp, rlp, torch.zeros_like(mask))
+    assert float(got[DEBUG_METRIC_KEYS[0]]) == 0 and all(math.isnan(float(got[k])) for k in DEBUG_METRIC_KEYS[1:])
+    one = torch.zeros_like(mask)
+    one[1, 3] = 1
+    got = debug_metrics(lp, rlp, one)
+    assert float(got[DEBUG_METRIC_KEYS[2]]) == pytest.approx(abs(math.exp(lp[1, 3]) - math.exp(rlp[1, 3])))
+    assert math.isnan(float(got[DEBUG_METRIC_KEYS[3]]))  # torch.std of one value
+
+
+def test_calculate_debug_metrics_equals_verl():
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from verl.protocol import DataProto
+            from verl.utils.debug.metrics import calculate_debug_metrics as verl_fn
+    except Exception as exc:  # noqa: BLE001
+        skip_unless_ci(f"verl cannot be imported: {exc!r}")
+    import rollout_corr_ext.verl as rv
+
+    lp, rlp, mask = (x.float() if x.is_floating_point() else x for x in _inputs(seed=3))
+    for batch in ({"response_mask": mask}, {"attention_mask": torch.cat([torch.ones(6, 4, dtype=torch.long), mask], 1)},
+                  {}):
+        data = DataProto.from_dict(tensors={"rollout_log_probs": rlp, "old_log_probs": lp,
+                                            "responses": torch.zeros(6, 20, dtype=torch.long), **batch})
+        want = verl_fn(data)
+        got = rv.calculate_debug_metrics(data)
+        assert list(got) == list(want)
+        assert type(got["training/rollout_probs_diff_valid"]) is int
+        for k, v in want.items():
+            assert got[k] == pytest.approx(v, rel=2e-5, abs=2e-6), (k, got[k], v)
+
+
+def _dp_worker(rank, world, lp, rlp, mask):
+    import torch.distributed as dist
+
+    rows = slice(0, 2) if rank == 0 else slice(2, None)  # unequal shares: per-rank values would differ
+    want = debug_metrics(lp, rlp, mask)
+    got = debug_metrics(lp[rows], rlp[rows], mask[rows], dp_group=dist.group.WORLD)
+    for k in DEBUG_METRIC_KEYS:
+        assert float(got[k]) == pytest.approx(float(want[k]), rel=1e-12, abs=1e-15), k
+
+
+@pytest.mark.parametrize("device", dist_params(2))
+def test_debug_metrics_exact_over_dp(device):
+    run_workers(_dp_worker, 2, *_inputs(seed=5), device=device)
