@@ -1040,6 +1040,9 @@ def compute_policy_loss(
     dp_group=None,
     seq_group=None,
     cu_seqlens: Optional[torch.Tensor] = None,
+    versions: Optional[torch.Tensor] = None,
+    current_version: Optional[int] = None,
+    proximal: str = "loglinear",
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """The one entry point a trainer needs: picks the flow from ``config.rollout_correction``. Padded ``[B, T]``
     inputs, or packed ``[T]`` token streams with ``cu_seqlens`` ``[B + 1]`` (megatron's THD layout).
@@ -1053,8 +1056,44 @@ def compute_policy_loss(
     ``config.opsm_delta`` drops negative-advantage sequences that drifted from the behaviour policy
     (:func:`off_policy_sequence_mask`; behaviour = ``rollout_log_prob`` when given, else ``old_log_prob``) before
     any of these; metric ``actor/opsm_masked_frac``.
+
+    Asynchronous rollouts (:mod:`rollout_corr_ext.versions`): ``versions`` (the policy version that sampled each
+    token, per token or per row) and ``current_version`` (the trainer's) add the staleness metrics
+    ``rollout_corr/staleness_{mean,max,min}`` (exact over ``dp_group``). With ``old_log_prob=None`` the decoupled
+    flow's pi_old is the proximal policy approximated from the versions (``proximal``: ``"loglinear"`` or
+    ``"linear"``, AReaL's) between the behaviour log-probs (``rollout_log_prob``) and pi_theta, with no forward
+    pass; when ``old_log_prob`` is given too, the approximation's error against it is logged
+    (``rollout_corr/prox_approx_abs_error``, ``_imp_weight_error``).
     """
     cfg = _as_config(config)
+    extra: Dict[str, torch.Tensor] = {}
+    if versions is not None:
+        from . import versions as _versions
+
+        if current_version is None:
+            raise ValueError("versions need current_version (the trainer's policy version)")
+        behaviour = rollout_log_prob if rollout_log_prob is not None else old_log_prob
+        if behaviour is None:
+            raise ValueError("versions need rollout_log_prob (the behaviour policy's log-probs)")
+        stale = _versions.staleness_metrics(versions, current_version, response_mask, dp_group=dp_group)
+        extra.update({k: v for k, v in stale.items() if not k.endswith("hist")})
+        if rollout_log_prob is not None and cfg.rollout_correction is not None and \
+                not getattr(cfg.rollout_correction, "bypass_mode", False):
+            approx = _versions.proximal_log_prob(rollout_log_prob, log_prob, versions, current_version, proximal)
+            if old_log_prob is None:
+                old_log_prob = approx
+            else:
+                extra.update(_versions.proximal_error_metrics(approx, old_log_prob, response_mask, dp_group=dp_group))
+    elif current_version is not None:
+        raise ValueError("current_version is given without versions")
+    loss, metrics = _front_door(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                                rollout_log_prob, dp_group, seq_group, cu_seqlens)
+    metrics.update(extra)
+    return loss, metrics
+
+
+def _front_door(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, rollout_log_prob, dp_group,
+                seq_group, cu_seqlens):
     rc = cfg.rollout_correction
     if rc is None:
         return _mode_loss(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, None, cu_seqlens,

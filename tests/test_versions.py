@@ -1,0 +1,119 @@
+"""Per-token policy versions (rollout_corr_ext.versions): AReaL's proximal approximation against formulas written
+out token by token, staleness metrics against a loop oracle and exact over DP = 2 (gloo), and the front door's
+decoupled flow without a pi_old forward pass."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rollout_corr_ext import losses
+from rollout_corr_ext.versions import proximal_error_metrics, proximal_log_prob, staleness_metrics
+from rollout_corr_testing.dist_utils import dist_params, run_workers
+
+
+def _inputs(b=5, t=12, seed=0, current=10):
+    g = torch.Generator().manual_seed(seed)
+    lb = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
+    lt = lb + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    versions = torch.randint(current - 5, current + 1, (b, t), generator=g)
+    versions[0, :3] = -1  # not generated (prompt) tokens
+    mask = torch.rand(b, t, generator=g) > 0.2
+    return lb, lt, versions, mask
+
+
+@pytest.mark.parametrize("method", ["loglinear", "linear"])
+def test_proximal_matches_formula_token_by_token(method):
+    lb, lt, versions, _ = _inputs()
+    cur = 10
+    got = proximal_log_prob(lb, lt, versions, cur, method)
+    for (i, j), v in zip(torch.cartesian_prod(torch.arange(5), torch.arange(12)).tolist(), versions.reshape(-1).tolist()):
+        a = (cur - 1 - v) / (cur - v) if (cur - v > 0 and v >= 0) else 0.0
+        a = min(max(a, 0.0), 1.0)
+        b_, t_ = float(lb[i, j]), float(lt[i, j])
+        want = b_ + a * (t_ - b_) if method == "loglinear" else math.log((1 - a) * math.exp(b_) + a * math.exp(t_))
+        assert float(got[i, j]) == pytest.approx(want, rel=1e-12, abs=1e-12), (i, j, v)
+
+
+def test_proximal_is_exact_when_log_probs_move_linearly_in_versions():
+    """If log pi_v moves linearly in v between the behaviour version and the current one, the log-linear
+    approximation of pi_{current - 1} is exact, and its error metrics are 0; per-row versions broadcast."""
+    g = torch.Generator().manual_seed(1)
+    b, t, cur = 4, 9, 7
+    lb = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2
+    lt = lb + 0.4 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    vrow = torch.tensor([3, 5, 6, 7])
+    v = vrow.unsqueeze(-1).double()
+    true_prox = torch.where(v < cur, lb + (cur - 1 - v) / (cur - v).clamp(min=1) * (lt - lb), lb)
+    approx = proximal_log_prob(lb, lt, vrow, cur)
+    assert torch.allclose(approx, true_prox, rtol=1e-13, atol=1e-14)
+    err = proximal_error_metrics(approx, true_prox, torch.ones(b, t))
+    assert float(err["rollout_corr/prox_approx_abs_error"]) < 1e-13
+    err = proximal_error_metrics(approx, lt, torch.ones(b, t))  # against pi_theta itself: not 0
+    assert float(err["rollout_corr/prox_approx_abs_error"]) > 1e-3
+
+
+def test_staleness_metrics_equal_loop_oracle():
+    lb, lt, versions, mask = _inputs(seed=2)
+    versions = versions.clamp(min=0)
+    got = staleness_metrics(versions, 10, mask, max_lag=3)
+    lags = [10 - int(v) for v, m in zip(versions.reshape(-1).tolist(), mask.reshape(-1).tolist()) if m]
+    assert float(got["rollout_corr/staleness_mean"]) == pytest.approx(sum(lags) / len(lags))
+    assert float(got["rollout_corr/staleness_max"]) == max(lags)
+    assert float(got["rollout_corr/staleness_min"]) == min(lags)
+    want_hist = [sum(1 for x in lags if x == k) for k in range(4)] + [sum(1 for x in lags if x > 3)]
+    assert got["rollout_corr/staleness_hist"].tolist() == want_hist
+
+
+def test_staleness_refuses_a_token_newer_than_the_trainer():
+    lb, lt, versions, mask = _inputs(seed=2)
+    versions = versions.clone()
+    versions[1, 1] = 11
+    mask[1, 1] = True
+    with pytest.raises(ValueError, match=r"response token \(1, 1\) is 11, newer than current_version 10"):
+        staleness_metrics(versions, 10, mask)
+
+
+def _dp_worker(rank, world, versions, mask):
+    import torch.distributed as dist
+
+    rows = slice(0, 1) if rank == 0 else slice(1, None)
+    want = staleness_metrics(versions, 10, mask)
+    got = staleness_metrics(versions[rows], 10, mask[rows], dp_group=dist.group.WORLD)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("device", dist_params(2))
+def test_staleness_exact_over_dp(device):
+    _, _, versions, mask = _inputs(seed=3)
+    run_workers(_dp_worker, 2, versions.clamp(min=0), mask, device=device)
+
+
+def test_front_door_decoupled_without_an_old_forward():
+    import rollout_corr_ext as rc
+
+    lb, lt, versions, mask = _inputs(seed=4)
+    versions = versions.clamp(min=0)
+    adv = torch.randn(lb.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    corr = rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)
+    cfg = losses.PolicyLossConfig(rollout_correction=corr)
+    x = lt.clone().requires_grad_(True)
+    loss, metrics = losses.compute_policy_loss(None, x, adv, mask, "token-mean", cfg, rollout_log_prob=lb,
+                                               versions=versions, current_version=10)
+    prox = proximal_log_prob(lb, lt, versions, 10)
+    y = lt.clone().requires_grad_(True)
+    want, want_metrics = losses.compute_policy_loss(prox, y, adv, mask, "token-mean", cfg, rollout_log_prob=lb)
+    assert torch.equal(loss, want)
+    loss.backward()
+    want.backward()
+    assert torch.equal(x.grad, y.grad)
+    assert float(metrics["rollout_corr/staleness_max"]) == float((10 - versions[mask]).max())
+    assert "rollout_corr/prox_approx_abs_error" not in metrics
+    # with the real pi_old as well: the approximation's error is logged, the loss uses the real one
+    old = lt + 0.01
+    got = losses.compute_policy_loss(old, lt, adv, mask, "token-mean", cfg, rollout_log_prob=lb, versions=versions,
+                                     current_version=10)[1]
+    assert float(got["rollout_corr/prox_approx_abs_error"]) > 0
