@@ -210,6 +210,16 @@ def _mtp_shifted(target: torch.Tensor, response_mask: torch.Tensor, k: int, cu: 
     return torch.where(mask != 0, shifted, torch.full_like(shifted, -100)), mask
 
 
+#: The losses whose step needs whole-batch statistics: their own functions in rollout_corr_ext.losses.
+WHOLE_BATCH_LOSSES = ("geo_mean", "clip_cov", "kl_cov")
+
+
+def _whole_batch_loss(name: str):
+    from . import losses
+
+    return getattr(losses, "compute_policy_loss_" + name)
+
+
 def make_policy_loss_func(
     target: torch.Tensor,
     advantages: torch.Tensor,
@@ -252,8 +262,9 @@ def make_policy_loss_func(
       on-policy, ratio 1);
     * ``bypass_mode``: correction of pi_theta vs ``rollout_log_prob``, PPO-clip or REINFORCE against pi_rollout;
     * otherwise (decoupled): correction of ``old_log_prob`` vs ``rollout_log_prob``, PPO (or ``loss_mode``'s loss)
-      against pi_old times the IS weights. ``geo_mean``, ``clip_cov`` and ``kl_cov`` are refused here (a
-      ValueError): they need whole-batch steps this loss_func does not take yet.
+      against pi_old times the IS weights. ``geo_mean``, ``clip_cov`` and ``kl_cov`` run their own functions on
+      the micro-batch's log-probs (their covariances and GMPO's mean over rows are per micro-batch, as in verl);
+      under context parallelism they are a ValueError, and ``geo_mean`` needs ``entropy_coeff=0``.
 
     Reduction contract: ``loss_sum / num_tokens`` is this micro-batch's ``loss_agg_mode`` value, and summed over
     micro-batches and data-parallel ranks, ``sum(loss_sum) / sum(num_tokens)`` is the exact global value of the
@@ -361,7 +372,15 @@ def make_policy_loss_func(
     else:
         if cfg.loss_mode == "bypass_mode":
             raise ValueError("loss_mode='bypass_mode' needs config.rollout_correction with bypass_mode=True")
-        mode_kind, mode_params = token_loss_kind(cfg, "make_policy_loss_func")
+        if cfg.loss_mode in WHOLE_BATCH_LOSSES:
+            # whole-batch statistics (covariances over the micro-batch, GMPO's per-sequence products): the
+            # loss's own function on the log-probs, reported through the same loss_sum / num_tokens contract
+            mode_kind, mode_params = LY.PG_KIND_PPO_CLIP, (0.0, 0.0)
+            if cfg.loss_mode == "geo_mean" and entropy_coeff != 0:
+                raise ValueError("loss_mode='geo_mean' averages over sequences whatever loss_agg_mode says: an "
+                                 "entropy term has no common normaliser with it here; pass entropy_coeff=0")
+        else:
+            mode_kind, mode_params = token_loss_kind(cfg, "make_policy_loss_func")
         if cfg.loss_mode == "sapo" and loss_agg_mode != "seq-mean-token-mean":
             raise ValueError("loss_mode='sapo' is aggregated seq-mean-token-mean (as verl forces it); pass "
                              "loss_agg_mode='seq-mean-token-mean'")
@@ -580,6 +599,13 @@ def make_policy_loss_func(
             refuse_grad("make_policy_loss_func", **{old_name: old})
             old, gspo_x_sum = gspo_sequence_log_ratio(logp, old.to(logp.device), mask, cu_seqlens=cu,
                                                       seq_group=seq if seq_world > 1 else None)
+        whole = None
+        if cfg.loss_mode in WHOLE_BATCH_LOSSES and not bypass:
+            if seq_world > 1:
+                raise ValueError(f"loss_mode={cfg.loss_mode!r} with context parallelism (a sequence split over "
+                                 f"{seq_world} ranks) is not supported: its batch statistics would be per rank")
+            whole = _whole_batch_loss(cfg.loss_mode)(old, logp, advantages, mask, loss_agg_mode, cfg, weights,
+                                                     cu_seqlens=cu)
         _, _, rows = _policy_loss(kind, old, logp, advantages, mask, loss_agg_mode, cfg, weights, cu_seqlens=cu,
                                   old_name=old_name, fn="make_policy_loss_func", params=mode_params)
         m = mask.to(logp.dtype)
@@ -610,6 +636,10 @@ def make_policy_loss_func(
             pg_sum = _seq_numerator(rows[:, LY.PG_ROW_LOSS_SUM], row_tokens, valid, loss_agg_mode, horizon,
                                     cfg.loss_scale_factor)
             ent_sum = _seq_numerator(ent_rows, row_tokens, valid, loss_agg_mode, horizon, cfg.loss_scale_factor)
+        if whole is not None:  # the loss's own micro-batch value times this contract's count
+            if cfg.loss_mode == "geo_mean":  # the mean over every row, as verl's torch.mean
+                count = torch.tensor(rows.shape[0], device=rows.device)
+            pg_sum = whole[0] * count.to(whole[0].dtype)
         if seq_world > 1:
             pg_sum, ent_sum = pg_sum * seq_world, ent_sum * seq_world
         n = count.to(pg_sum.dtype)
@@ -644,6 +674,11 @@ def make_policy_loss_func(
             (rows[:, LY.PG_ROW_KL_SUM].sum() if gspo_x_sum is None else -gspo_x_sum.to(rows.dtype), tokens),
             ((entropy.detach() * m).sum(), tokens),
         ]
+        if whole is not None:  # the loss's own metrics (verl's masked means), as sums over the same tokens
+            zero = torch.zeros((), dtype=rows.dtype, device=rows.device)
+            for i, key in ((1, "actor/pg_clipfrac"), (2, "actor/pg_clipfrac_lower"), (3, "actor/ppo_kl")):
+                v = whole[1].get(key)
+                pairs[i] = ((v.to(rows.dtype) * (tokens + LY.MASKED_MEAN_EPS)) if v is not None else zero, tokens)
         for k, v in corr_metrics.items():
             names.append(k)
             pairs.append((v.detach().to(torch.float32), one))

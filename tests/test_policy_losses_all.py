@@ -493,8 +493,8 @@ def test_opsm_context_parallel_equals_one_process(device):
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-@pytest.mark.parametrize("name", sorted(losses.TOKEN_LOSS_KINDS))
-def test_megatron_loss_func_runs_every_token_loss(name, mode):
+@pytest.mark.parametrize("name", NAMES)
+def test_megatron_loss_func_runs_every_loss(name, mode):
     """make_policy_loss_func(config.loss_mode=name) on [s, b, V] logits: loss_sum / num_tokens and the gradient in
     the logits equal compute_policy_loss_<name> on the log-probs (plain torch log_softmax of the same logits)."""
     from rollout_corr_ext.megatron import make_policy_loss_func
@@ -532,12 +532,17 @@ def test_megatron_loss_func_runs_every_token_loss(name, mode):
 
 
 @pytest.mark.parametrize("name", ["geo_mean", "clip_cov", "kl_cov"])
-def test_megatron_loss_func_refuses_whole_batch_losses(name):
+def test_megatron_loss_func_whole_batch_losses_refuse_cp_and_geo_mean_entropy(name):
+    import torch.distributed as dist
+
     from rollout_corr_ext.megatron import make_policy_loss_func
 
-    with pytest.raises(ValueError, match=f"loss_mode='{name}' is not supported here"):
-        make_policy_loss_func(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2), torch.ones(2, 3),
-                              config=losses.PolicyLossConfig(loss_mode=name))
+    cfg = losses.PolicyLossConfig(loss_mode=name)
+    if name == "geo_mean":
+        with pytest.raises(ValueError, match="entropy_coeff=0"):
+            make_policy_loss_func(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2), torch.ones(2, 3), config=cfg,
+                                  entropy_coeff=0.01)
+    assert not dist.is_initialized()  # (the CP refusal needs a CP group: the loss_func checks it at call time)
 
 
 # ----------------------------------------------------------------------------------------- two-sided truncated IS
@@ -599,3 +604,21 @@ def test_two_sided_tis_config():
     with pytest.raises(ValueError, match="lower bound 3.0 > upper bound 2.0"):
         rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0, rollout_is_mode="two_sided",
                                    rollout_is_threshold_lower=3.0)
+
+
+def _whole_batch_cp_worker(rank, world):
+    import torch.distributed as dist
+
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    b, s, v = 2, 4, 7
+    fn = make_policy_loss_func(torch.zeros(b, s, dtype=torch.long), torch.ones(b), torch.ones(b, s),
+                               config=losses.PolicyLossConfig(loss_mode="clip_cov"), tp_group=None,
+                               dp_group=dist.group.WORLD, seq_group=dist.group.WORLD)
+    with pytest.raises(ValueError, match="context parallelism"):
+        fn(torch.randn(s, b, v, requires_grad=True))
+
+
+@pytest.mark.parametrize("device", dist_params(2))
+def test_megatron_whole_batch_loss_refuses_context_parallelism(device):
+    run_workers(_whole_batch_cp_worker, 2, device=device)
