@@ -17,7 +17,7 @@ all-reduce of a few numbers, whatever the batch size).
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist

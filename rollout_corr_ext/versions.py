@@ -21,7 +21,7 @@ with the version v_b of the weights that drew it, and the trainer is at version 
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist

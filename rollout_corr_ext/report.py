@@ -1,0 +1,212 @@
+"""A one-page mismatch report for a saved batch: ``python -m rollout_corr_ext.report BATCH.pt [--out PREFIX]``.
+
+``BATCH.pt`` is a ``torch.save``-d dict with the tensors :func:`rollout_corr_ext.compute_rollout_correction` takes:
+``log_prob`` (the trainer's), ``rollout_log_prob`` (the engine's) and ``response_mask``, ``[B, T]``; optionally
+``config`` (a dict of :class:`~rollout_corr_ext.RolloutCorrectionConfig` fields; default: token TIS at 2 and no
+rejection), ``versions`` (per-token or per-row policy versions) with ``current_version``. It writes ``PREFIX.png``
+(one page, four panels) and ``PREFIX.json`` (every number drawn), and prints one verdict line per panel, judged
+against the healthy ranges of docs/rollout_correction.md's metric table:
+
+1. the token ratio histogram (log scale) with the IS thresholds drawn; verdict from p5 / p95 of the ratio (inside
+   [0.8, 1.25]: healthy token-level mismatch) and ``kl`` (|kl| < 1e-3: bf16-level noise);
+2. mismatch by position in the response: mean |log pi - log pi_rollout| per decile of each row's response length
+   (mismatch that grows with length compounds in sequence-level weights);
+3. mismatch by the token's probability under the trainer (bins of pi: 0-0.1, ..., 0.9-1), and by policy-version
+   lag when ``versions`` are given;
+4. the worst sequences: the rows with the largest mean |log-ratio|, their row ids, lengths and sequence log-ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+import torch
+
+__all__ = ["build_report", "main"]
+
+#: Healthy ranges, from docs/rollout_correction.md's metric table.
+HEALTHY_P5_P95 = (0.8, 1.25)
+HEALTHY_KL = 1e-3
+HEALTHY_RS_FRACTION = 0.05
+
+
+def _load(path: str) -> Dict[str, Any]:
+    data = torch.load(path, map_location="cpu", weights_only=False)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a dict of tensors, got {type(data).__name__}")
+    missing = [k for k in ("log_prob", "rollout_log_prob", "response_mask") if k not in data]
+    if missing:
+        raise ValueError(f"{path}: missing {missing} (needs log_prob, rollout_log_prob, response_mask)")
+    return data
+
+
+def _binned_mean(values: torch.Tensor, bins: torch.Tensor, n_bins: int) -> List[Optional[float]]:
+    """Mean of ``values`` per integer bin 0 .. n_bins - 1 (None for an empty bin)."""
+    sums = torch.zeros(n_bins, dtype=torch.float64).index_add(0, bins, values.double())
+    counts = torch.zeros(n_bins, dtype=torch.float64).index_add(0, bins, torch.ones_like(values, dtype=torch.float64))
+    return [float(s / c) if c > 0 else None for s, c in zip(sums, counts)]
+
+
+def build_report(batch: Dict[str, Any], worst: int = 5) -> Dict[str, Any]:
+    """The numbers of the report (what ``PREFIX.json`` holds), from a batch dict (see the module docstring)."""
+    from . import RolloutCorrectionConfig, compute_rollout_correction
+
+    lp = batch["log_prob"].double()
+    rlp = batch["rollout_log_prob"].double()
+    mask = batch["response_mask"] != 0
+    if lp.dim() != 2 or lp.shape != rlp.shape or lp.shape != mask.shape:
+        raise ValueError(f"log_prob, rollout_log_prob and response_mask must be [B, T] of one shape, got "
+                         f"{tuple(lp.shape)}, {tuple(rlp.shape)}, {tuple(mask.shape)}")
+    cfg_fields = batch.get("config") or {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": None}
+    cfg = RolloutCorrectionConfig.from_dict(cfg_fields)
+    result = compute_rollout_correction(lp, rlp, batch["response_mask"], cfg)
+    metrics = {k: float(v) for k, v in result.metrics.items()}
+    lr = (lp - rlp)[mask]
+    ratio = lr.clamp(-20, 20).exp()
+    out: Dict[str, Any] = {"tokens": int(mask.sum()), "rows": int(mask.shape[0]), "config": cfg.to_dict(),
+                           "metrics": metrics}
+    if lr.numel():
+        q = torch.quantile(ratio, torch.tensor([0.05, 0.5, 0.95], dtype=torch.float64)).tolist()
+        out["ratio_p5"], out["ratio_p50"], out["ratio_p95"] = q
+        out["kl"] = float((-lr).mean())
+        edges = torch.linspace(-1.0, 1.0, 41, dtype=torch.float64) if lr.abs().max() < 1 else \
+            torch.linspace(float(lr.min()), float(lr.max()), 41, dtype=torch.float64)
+        out["log_ratio_hist"] = {"edges": edges.tolist(),
+                                 "counts": torch.histogram(lr.clamp(float(edges[0]), float(edges[-1])),
+                                                           bins=edges).hist.tolist()}
+    spec = cfg.is_spec
+    out["is_thresholds"] = [] if spec is None else [x for x in (spec.lower, spec.upper) if x is not None]
+    # by position: the decile of each token's index within its row's response tokens
+    absdiff = (lp - rlp).abs()
+    rank = torch.cumsum(mask.long(), dim=1) - 1
+    length = mask.sum(1, keepdim=True).clamp(min=1)
+    decile = torch.clamp((rank * 10) // length, 0, 9)
+    out["by_position_decile"] = _binned_mean(absdiff[mask], decile[mask], 10)
+    # by the trainer's token probability
+    pbin = torch.clamp((lp.exp() * 10).floor().long(), 0, 9)
+    out["by_probability_bin"] = _binned_mean(absdiff[mask], pbin[mask], 10)
+    versions = batch.get("versions")
+    if versions is not None:
+        current = int(batch["current_version"])
+        v = versions if versions.shape == lp.shape else versions.reshape(-1, 1).expand(lp.shape)
+        lag = (current - v.long())[mask]
+        if lag.numel() and int(lag.min()) < 0:
+            raise ValueError("a response token's version is newer than current_version")
+        n_lag = int(lag.max()) + 1 if lag.numel() else 1
+        out["by_version_lag"] = _binned_mean(absdiff[mask], lag, n_lag)
+    # worst sequences
+    row_tokens = mask.sum(1)
+    row_abs = torch.where(mask, absdiff, torch.zeros_like(absdiff)).sum(1) / row_tokens.clamp(min=1)
+    row_lr = torch.where(mask, lp - rlp, torch.zeros_like(lp)).sum(1)
+    order = torch.argsort(torch.where(row_tokens > 0, row_abs, torch.full_like(row_abs, -1.0)), descending=True)
+    out["worst_rows"] = [{"row": int(r), "tokens": int(row_tokens[r]), "mean_abs_log_ratio": float(row_abs[r]),
+                          "seq_log_ratio": float(row_lr[r])} for r in order[:worst].tolist() if row_tokens[r] > 0]
+    out["verdicts"] = _verdicts(out)
+    return out
+
+
+def _verdicts(r: Dict[str, Any]) -> List[str]:
+    lines = []
+    if "ratio_p5" in r:
+        lo, hi = HEALTHY_P5_P95
+        ok = lo <= r["ratio_p5"] and r["ratio_p95"] <= hi
+        kl_ok = abs(r["kl"]) < HEALTHY_KL
+        lines.append(f"ratio: p5 {r['ratio_p5']:.3f}, p95 {r['ratio_p95']:.3f} "
+                     f"({'inside' if ok else 'OUTSIDE'} the healthy [{lo}, {hi}]); kl {r['kl']:.2e} "
+                     f"({'bf16-level noise' if kl_ok else 'above the 1e-3 of bf16 noise'})")
+    else:
+        lines.append("ratio: no response tokens")
+    dec = [x for x in r["by_position_decile"] if x is not None]
+    if len(dec) >= 2:
+        growth = dec[-1] / dec[0] if dec[0] > 0 else math.inf
+        lines.append(f"position: mean |log-ratio| {dec[0]:.2e} in the first decile, {dec[-1]:.2e} in the last "
+                     f"({'grows' if growth > 1.5 else 'flat'} along the response, x{growth:.2f})")
+    probs = [(i, x) for i, x in enumerate(r["by_probability_bin"]) if x is not None]
+    if probs:
+        i, x = max(probs, key=lambda t: t[1])
+        lines.append(f"probability: the largest mismatch {x:.2e} is at pi in [{i / 10:.1f}, {(i + 1) / 10:.1f})")
+    if r.get("by_version_lag"):
+        lags = [(i, x) for i, x in enumerate(r["by_version_lag"]) if x is not None]
+        lines.append("version lag: " + ", ".join(f"lag {i}: {x:.2e}" for i, x in lags))
+    rs = r["metrics"].get("rollout_corr/rollout_rs_masked_fraction")
+    if rs is not None:
+        judged = "healthy" if rs < HEALTHY_RS_FRACTION else "above the 5 % of a healthy run"
+        lines.append(f"rejection: {rs:.1%} of the tokens ({judged})")
+    if r["worst_rows"]:
+        w = r["worst_rows"][0]
+        lines.append(f"worst sequence: row {w['row']} ({w['tokens']} tokens), mean |log-ratio| "
+                     f"{w['mean_abs_log_ratio']:.2e}, sequence log-ratio {w['seq_log_ratio']:.3f}")
+    return lines
+
+
+def _plot(r: Dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ax = axes[0][0]
+    if "log_ratio_hist" in r:
+        e, c = r["log_ratio_hist"]["edges"], r["log_ratio_hist"]["counts"]
+        ax.bar(e[:-1], c, width=[b - a for a, b in zip(e[:-1], e[1:])], align="edge")
+        for t in r["is_thresholds"]:
+            ax.axvline(math.log(t), color="r", linestyle="--", label=f"IS bound {t:g}")
+        if r["is_thresholds"]:
+            ax.legend()
+    ax.set_title("log pi - log pi_rollout (tokens)")
+    ax.set_yscale("log")
+    ax = axes[0][1]
+    ax.plot(range(1, 11), [x if x is not None else float("nan") for x in r["by_position_decile"]], marker="o")
+    ax.set_title("mean |log-ratio| by position decile")
+    ax.set_xlabel("decile of the response")
+    ax = axes[1][0]
+    ax.plot([i / 10 + 0.05 for i in range(10)], [x if x is not None else float("nan")
+                                                 for x in r["by_probability_bin"]], marker="o", label="by pi")
+    if r.get("by_version_lag"):
+        ax2 = ax.twiny()
+        ax2.plot(range(len(r["by_version_lag"])), [x if x is not None else float("nan")
+                                                   for x in r["by_version_lag"]], marker="s", color="g",
+                 label="by version lag")
+        ax2.set_xlabel("version lag")
+    ax.set_title("mean |log-ratio| by the token's probability" + (" (green: by version lag)" if r.get(
+        "by_version_lag") else ""), pad=24 if r.get("by_version_lag") else 6)
+    ax.set_xlabel("pi (trainer)")
+    ax = axes[1][1]
+    ax.axis("off")
+    rows = [[str(w["row"]), str(w["tokens"]), f"{w['mean_abs_log_ratio']:.2e}", f"{w['seq_log_ratio']:.3f}"]
+            for w in r["worst_rows"]]
+    if rows:
+        ax.table(cellText=rows, colLabels=["row", "tokens", "mean |lr|", "seq lr"], loc="upper center")
+    ax.set_title("worst sequences")
+    fig.suptitle("\n".join(r["verdicts"]), fontsize=8, ha="left", x=0.02)
+    fig.tight_layout(rect=(0, 0, 1, 0.85))
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rollout_corr_ext.report", description=__doc__.split("\n")[0])
+    ap.add_argument("batch", help="a torch.save-d dict: log_prob, rollout_log_prob, response_mask [B, T], optional "
+                                  "config, versions, current_version")
+    ap.add_argument("--out", default=None, help="output prefix (default: the batch path without its extension)")
+    ap.add_argument("--worst", type=int, default=5, help="worst sequences listed (default: %(default)s)")
+    args = ap.parse_args(argv)
+    report = build_report(_load(args.batch), worst=args.worst)
+    prefix = args.out or os.path.splitext(args.batch)[0]
+    with open(prefix + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    _plot(report, prefix + ".png")
+    for line in report["verdicts"]:
+        print(line)
+    print(f"wrote {prefix}.png and {prefix}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
