@@ -42,15 +42,29 @@ bool with_mask_row(const TokenView& m, int64_t row, int64_t col0, F&& f) {
   return true;
 }
 
+// The fast layout's typed rows of old_log_prob, advantages and weights (either params block), and whether the row
+// qualifies (log_prob contiguous too, every present input in the fast layout).
+template <typename acc_t>
+struct FastRows {
+  RowPtr<acc_t> old, adv, w;
+  bool ok;
+};
+template <typename acc_t, typename P>
+FastRows<acc_t> fast_rows(const P& p, const SeqSpan& sp) {
+  FastRows<acc_t> f{row_ptr<acc_t>(p.old_log_prob, sp.row, sp.col0), row_ptr<acc_t>(p.advantages, sp.row, sp.col0),
+                    row_ptr<acc_t>(p.weights, sp.row, sp.col0), false};
+  f.ok = p.lp_col_stride == 1 && f.old.p != nullptr && f.adv.p != nullptr &&
+         (p.weights.data == nullptr || f.w.p != nullptr);
+  return f;
+}
+
 // One row of the forward on the fast layout: the same per-token math (policy_loss_token), typed loads.
 template <typename scalar_t, typename acc_t>
 bool forward_row_fast(const PolicyLossParams<scalar_t, acc_t>& p, const SeqSpan& sp,
                       PolicyRowPartials<acc_t>& partials) {
-  if (p.lp_col_stride != 1) return false;
-  const RowPtr<acc_t> old = row_ptr<acc_t>(p.old_log_prob, sp.row, sp.col0);
-  const RowPtr<acc_t> adv = row_ptr<acc_t>(p.advantages, sp.row, sp.col0);
-  const RowPtr<acc_t> w = row_ptr<acc_t>(p.weights, sp.row, sp.col0);
-  if (old.p == nullptr || adv.p == nullptr || (p.weights.data != nullptr && w.p == nullptr)) return false;
+  const FastRows<acc_t> f = fast_rows<acc_t>(p, sp);
+  if (!f.ok) return false;
+  const RowPtr<acc_t>&old = f.old, &adv = f.adv, &w = f.w;
   const scalar_t* lp = p.log_prob + sp.row * p.lp_row_stride + sp.col0;
   acc_t* out = p.loss_mat + sp.row * p.cols + sp.col0;
   bool undefined = false;
@@ -72,11 +86,9 @@ bool forward_row_fast(const PolicyLossParams<scalar_t, acc_t>& p, const SeqSpan&
 // One row of the backward on the fast layout (policy_loss_backward_token's rule, typed loads).
 template <typename scalar_t, typename acc_t>
 bool backward_row_fast(const PolicyLossBackwardParams<scalar_t, acc_t>& p, int64_t seq, const SeqSpan& sp) {
-  if (p.lp_col_stride != 1 || p.grad_loss_mat.data != nullptr) return false;
-  const RowPtr<acc_t> old = row_ptr<acc_t>(p.old_log_prob, sp.row, sp.col0);
-  const RowPtr<acc_t> adv = row_ptr<acc_t>(p.advantages, sp.row, sp.col0);
-  const RowPtr<acc_t> w = row_ptr<acc_t>(p.weights, sp.row, sp.col0);
-  if (old.p == nullptr || adv.p == nullptr || (p.weights.data != nullptr && w.p == nullptr)) return false;
+  const FastRows<acc_t> f = fast_rows<acc_t>(p, sp);
+  if (!f.ok || p.grad_loss_mat.data != nullptr) return false;
+  const RowPtr<acc_t>&old = f.old, &adv = f.adv, &w = f.w;
   const scalar_t* lp = p.log_prob + sp.row * p.lp_row_stride + sp.col0;
   scalar_t* grad = p.grad_log_prob + sp.row * p.cols + sp.col0;
   const acc_t g_row = view_load_or<acc_t>(p.grad_rows_loss, seq, 0, acc_t(0));
