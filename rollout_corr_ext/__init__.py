@@ -23,7 +23,7 @@ def _activate(module_has_cuda: bool) -> None:
     global _BACKEND
     from . import ops
 
-    ops._on_extension_loaded()
+    ops.on_extension_loaded()
     import torch
 
     # "cuda" only when the CUDA kernels exist *and* a device can run them; CPU tensors use the CPU kernels.

@@ -34,3 +34,13 @@ def check_cu_seqlens(log_prob: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
     elif not bool(ok):
         raise ValueError(f"{_CU_MSG} ({log_prob.shape[0]}): got {cu.tolist()}")
     return cu
+
+
+def safe_div(num: torch.Tensor, den) -> torch.Tensor:
+    """num / den, and 0 where den == 0 (verl gives NaN there; see :func:`agg_loss`). Gradient-safe."""
+    if not isinstance(den, torch.Tensor):
+        # A Python number stays a scalar operand: no host-to-device copy (CUDA-graph capturable, no sync).
+        return num / den if den != 0 else num * 0.0
+    den = den.to(dtype=num.dtype, device=num.device)
+    nonzero = den != 0
+    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num))

@@ -36,10 +36,10 @@ import torch.distributed as dist
 
 from rollout_corr_ext import _layout as LY, ops
 from rollout_corr_ext.logprobs import (
-    _LOGPROB_OPS,
-    _all_gather,
-    _assert_status,
-    _group_size_rank,
+    LOGPROB_OPS,
+    all_gather,
+    assert_status,
+    group_size_rank,
     checked_inv_temperature,
     as_bool,
     as_int,
@@ -75,7 +75,7 @@ def logits_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _WIDE else dtype
 
 
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+def chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``h @ w.T + b`` in :func:`logits_dtype` (written into ``out`` when given: the caller's reused buffer; the
     tests build their chunked reference logits with it)."""
@@ -90,7 +90,7 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
     return out
 
 
-class _Workspace:
+class Workspace:
     """The chunk buffers of one forward or one backward, allocated once and reused by every chunk: the logits chunk
     (:func:`logits_dtype`), and in backward the 16-bit copy of its gradient that the 16-bit GEMMs read and the
     ``[rows, H]`` product of the rows left out of a compacted batch. Fresh chunk-sized tensors per chunk would churn
@@ -118,7 +118,7 @@ class _Workspace:
             self._h_pad[r:].zero_()
             h = self._h_pad
         m, c = h.shape[0], w.shape[0]
-        return _chunk_logits(h, w, b, self._z[:m * c].view(m, c))[:r]
+        return chunk_logits(h, w, b, self._z[:m * c].view(m, c))[:r]
 
     def sixteen(self, g: torch.Tensor) -> torch.Tensor:
         """The gradient chunk rounded to the inputs' 16-bit dtype (once, as a 16-bit logits gradient is)."""
@@ -139,7 +139,7 @@ class _Workspace:
         return self._gh[:r * self.hidden.shape[-1]].view(r, self.hidden.shape[-1])
 
 
-def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool, ws: "_Workspace") -> None:
+def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool, ws: "Workspace") -> None:
     """``out (+)= a @ b`` with ``out`` in the accumulators' dtype (fp32 for 16-bit ``a``, ``b``): the backward's
     gradient GEMMs. 16-bit inputs on CPU: the 16-bit GEMM (oneDNN, at bf16 speed), its product rounded to 16 bits
     once per chunk before the fp32 accumulation, as a materialized 16-bit output layer's gradient GEMMs round it:
@@ -199,7 +199,7 @@ def _can_compact(hidden: torch.Tensor) -> bool:
     return not (hidden.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
-def _valid_rows(target: torch.Tensor, ignore_index: int, hidden: torch.Tensor):
+def valid_rows(target: torch.Tensor, ignore_index: int, hidden: torch.Tensor):
     """(valid, keep): the rows the GEMMs see. ``valid``: the indices of the rows whose target is not ``ignore_index``
     (None: every row, or see ``keep``); ignored rows are then never multiplied, so a NaN in their hidden state cannot
     reach any output or gradient, and RL batches (often a third to a half padding) skip their cost. One host read of
@@ -213,13 +213,13 @@ def _valid_rows(target: torch.Tensor, ignore_index: int, hidden: torch.Tensor):
     return torch.nonzero(~ignored).reshape(-1), None
 
 
-def _hidden_rows(hidden: torch.Tensor, r0: int, r1: int, index: Optional[torch.Tensor],
+def hidden_rows(hidden: torch.Tensor, r0: int, r1: int, index: Optional[torch.Tensor],
                  keep: Optional[torch.Tensor]) -> torch.Tensor:
     h = _rows(hidden, r0, r1, index)
     return h if keep is None else torch.where(keep[r0:r1, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
 
 
-def _row_chunks(n: int, valid: Optional[torch.Tensor], chunk_rows: int):
+def row_chunks(n: int, valid: Optional[torch.Tensor], chunk_rows: int):
     """(r0, r1, index) per row chunk of the computed rows [0, n_valid): index None means rows r0:r1 of hidden."""
     count = n if valid is None else valid.numel()
     return [(r0, r1, None if valid is None else valid[r0:r1]) for r0, r1 in _ranges(count, chunk_rows)]
@@ -229,14 +229,14 @@ def _rows(x: torch.Tensor, r0: int, r1: int, index: Optional[torch.Tensor]) -> t
     return x[r0:r1] if index is None else x.index_select(0, index)
 
 
-def _vocab_tiles(local_vocab: int, real_cols: int, chunk_cols: int) -> List[Tuple[int, int]]:
+def vocab_tiles(local_vocab: int, real_cols: int, chunk_cols: int) -> List[Tuple[int, int]]:
     """The vocab tiles of this shard: as many on every rank (their records are gathered together), each clipped to
     the columns below vocab_size (``real_cols``), so padded vocabulary rows of the weight are never multiplied; a
     tile entirely past vocab_size is empty (its record is the identity of the merge)."""
     return [(c0, max(c0, min(c1, real_cols))) for c0, c1 in _ranges(local_vocab, chunk_cols)]
 
 
-class _LinearLogProbs(torch.autograd.Function):
+class LinearLogProbs(torch.autograd.Function):
     """(hidden [N, H], weight [V_local, H], bias [V_local] or None, target [N]) -> (logp [N], entropy [N])."""
 
     @staticmethod
@@ -246,16 +246,16 @@ class _LinearLogProbs(torch.autograd.Function):
         local = hidden
         if sequence_parallel:  # hidden: this rank's rows; the whole sequence is gathered (given: already gathered)
             hidden = gathered if gathered is not None else gather_sequence(local, tp_group, world)
-        valid, keep = _valid_rows(target, ignore_index, hidden)
-        rows = _row_chunks(hidden.shape[0], valid, chunk_rows)
+        valid, keep = valid_rows(target, ignore_index, hidden)
+        rows = row_chunks(hidden.shape[0], valid, chunk_rows)
         real_cols = min(max(vocab_size - vocab_start, 0), weight.shape[0])
-        tiles = _vocab_tiles(weight.shape[0], real_cols, chunk_cols)
+        tiles = vocab_tiles(weight.shape[0], real_cols, chunk_cols)
         records = []
         pad_rows = chunk_rows if batch_invariant else 0
-        ws = _Workspace(hidden, weight, max(r1 - r0 for r0, r1, _ in rows), max(c1 - c0 for c0, c1 in tiles),
+        ws = Workspace(hidden, weight, max(r1 - r0 for r0, r1, _ in rows), max(c1 - c0 for c0, c1 in tiles),
                         pad_rows)
         for r0, r1, index in rows:
-            h, t = _hidden_rows(hidden, r0, r1, index, keep), _rows(target, r0, r1, index)
+            h, t = hidden_rows(hidden, r0, r1, index, keep), _rows(target, r0, r1, index)
             for c0, c1 in tiles:
                 z = ws.logits(h, weight[c0:c1], None if bias is None else bias[c0:c1])
                 if floor is not None:
@@ -270,7 +270,7 @@ class _LinearLogProbs(torch.autograd.Function):
         if world > 1:
             if check_group:
                 _check_headers(records, tp_group, world, vocab_size, len(rows), len(tiles))
-            gathered = _all_gather(flat, tp_group, world)  # the one collective: every chunk's record at once
+            gathered = all_gather(flat, tp_group, world)  # the one collective: every chunk's record at once
         else:
             gathered = flat.unsqueeze(0)
         logps, entropies, states = [], [], []
@@ -286,7 +286,7 @@ class _LinearLogProbs(torch.autograd.Function):
             except RuntimeError as exc:  # CPU: the merge names rows of this chunk of its logits
                 raise _chunk_error(exc, r0, index, hidden.dtype) from None
             if hidden.device.type == "cuda":
-                _assert_status(status)
+                assert_status(status)
             logps.append(logp)
             entropies.append(entropy)
             states.append(row_state)
@@ -323,7 +323,7 @@ class _LinearLogProbs(torch.autograd.Function):
             anchors = [t for t in (hidden, weight, bias, grad_logp, grad_entropy)
                        if t is not None and t.requires_grad]
             if anchors:
-                grads = tuple(None if g is None else ops.NoDoubleBackward.apply(g, _LOGPROB_OPS, *anchors)
+                grads = tuple(None if g is None else ops.NoDoubleBackward.apply(g, LOGPROB_OPS, *anchors)
                               for g in grads)
         return grads + (None,) * 14
 
@@ -349,10 +349,10 @@ def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, g
     grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
     grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
-    rows = _row_chunks(hidden.shape[0], valid, chunk_rows)
-    tiles = [(c0, c1) for c0, c1 in _vocab_tiles(weight.shape[0], real_cols, chunk_cols) if c1 > c0]
+    rows = row_chunks(hidden.shape[0], valid, chunk_rows)
+    tiles = [(c0, c1) for c0, c1 in vocab_tiles(weight.shape[0], real_cols, chunk_cols) if c1 > c0]
     # the forward's GEMM shapes (batch-invariant mode: padded rows), so the recomputed logits are the forward's
-    ws = _Workspace(hidden, weight, max(r1 - r0 for r0, r1, _ in rows), max((c1 - c0 for c0, c1 in tiles), default=0),
+    ws = Workspace(hidden, weight, max(r1 - r0 for r0, r1, _ in rows), max((c1 - c0 for c0, c1 in tiles), default=0),
                     pad_rows)
     gw_acc = None  # the 16-bit path's fp32 grad_weight tile, reused across tiles
     if need_w and real_cols < weight.shape[0]:
@@ -372,7 +372,7 @@ def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, g
         for r0, r1, index in rows:
             if r1 == r0:
                 continue
-            h = _hidden_rows(hidden, r0, r1, index, keep)
+            h = hidden_rows(hidden, r0, r1, index, keep)
             g = ws.logits(h, w, b)  # recomputed, then overwritten with d(loss)/d(logits)
             if floor is not None:  # the same kept set as the forward: the gradient is 0 outside it
                 g = _below_floor_to_neg_inf(g, _rows(floor, r0, r1, index), inv_temperature)
@@ -408,7 +408,7 @@ def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, g
 def gather_sequence(x2d: torch.Tensor, group, world: int) -> torch.Tensor:
     """``[n, H]`` rows of every rank of ``group`` concatenated in rank order, ``[world * n, H]`` (megatron's
     sequence-parallel all-gather along the first dimension of ``[s / tp, b, H]``, whose rows flatten in order)."""
-    return _all_gather(x2d.reshape(-1), group, world).view((world * x2d.shape[0],) + tuple(x2d.shape[1:]))
+    return all_gather(x2d.reshape(-1), group, world).view((world * x2d.shape[0],) + tuple(x2d.shape[1:]))
 
 
 def reduce_scatter_sequence(x2d: torch.Tensor, group, world: int) -> torch.Tensor:
@@ -438,7 +438,7 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, tp_group) -> torch.Tensor:
     """``x`` unchanged, with its gradient summed over ``tp_group`` in backward (a no-op without TP)."""
-    if tp_group is None or _group_size_rank(tp_group)[0] == 1:
+    if tp_group is None or group_size_rank(tp_group)[0] == 1:
         return x
     return _CopyToTensorParallelRegion.apply(x, tp_group)
 
@@ -449,7 +449,7 @@ def _check_headers(records, group, world, vocab_size, n_rows, n_tiles) -> None:
     hl = LY.header_len(records[0].dtype)
     headers = torch.cat([r[:hl].clone().view(torch.int64) for r in records])
     per = headers.numel() // len(records)
-    got = _all_gather(headers, group, world).cpu().view(world, n_rows, n_tiles, per)
+    got = all_gather(headers, group, world).cpu().view(world, n_rows, n_tiles, per)
     for i in range(n_rows):
         why = LY.layout_error([got[r, i, j].tolist() for r in range(world) for j in range(n_tiles)],
                                      vocab_size, unit="shard")
@@ -511,10 +511,10 @@ def linear_log_probs(
         (plus the 64-byte header check when ``check_group``), none in backward; with ``sequence_parallel``, one
         all-gather of the hidden rows more in forward, and an all-gather and a reduce-scatter of them in backward.
     """
-    a = _prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, temperature, ignore_index,
+    a = prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, temperature, ignore_index,
                  chunk_rows, chunk_cols, check_group, sequence_parallel, batch_invariant)
     return_entropy = as_bool("return_entropy", return_entropy)
-    logp, entropy = _LinearLogProbs.apply(a.hidden2d, weight, bias, a.target1d, tp_group, a.world, a.vocab_start,
+    logp, entropy = LinearLogProbs.apply(a.hidden2d, weight, bias, a.target1d, tp_group, a.world, a.vocab_start,
                                           a.vocab_size, a.inv_temp, a.ignore_index, a.chunk_rows, a.chunk_cols,
                                           a.check_group, None, a.sequence_parallel, None, a.batch_invariant)
     logp, entropy = logp.reshape(a.lead), entropy.reshape(a.lead)
@@ -537,7 +537,7 @@ class _Prepared(NamedTuple):
     batch_invariant: bool
 
 
-def _prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, temperature, ignore_index, chunk_rows,
+def prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, temperature, ignore_index, chunk_rows,
              chunk_cols, check_group, sequence_parallel=False, batch_invariant=False) -> _Prepared:
     """The boundary checks of :func:`linear_log_probs` (and of its sampling-replay sibling), named errors."""
     if not isinstance(hidden, torch.Tensor) or hidden.dtype not in _FLOAT_DTYPES:
@@ -563,7 +563,7 @@ def _prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, te
             raise ValueError(f"bias ({bias.dtype}, {bias.device}) must have hidden's dtype and device "
                              f"({hidden.dtype}, {hidden.device})")
     sequence_parallel = as_bool("sequence_parallel", sequence_parallel)
-    world, rank = _group_size_rank(tp_group)
+    world, rank = group_size_rank(tp_group)
     sp = sequence_parallel and world > 1
     if sp:
         if hidden.dim() < 2:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import _layout as LY, ops
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _STATUS_MESSAGES = (
     (LY.STATUS_TARGET, "vocab_parallel_log_probs: target holds ids outside [0, vocab_size) that are not "
@@ -85,7 +85,7 @@ def checked_inv_temperature(temperature, dtype: torch.dtype) -> float:
 # --------------------------------------------------------------------------------------------- groups
 
 
-def _group_size_rank(group) -> Tuple[int, int]:
+def group_size_rank(group) -> Tuple[int, int]:
     if group is None:
         return 1, 0
     if not (dist.is_available() and dist.is_initialized()):
@@ -93,7 +93,7 @@ def _group_size_rank(group) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _megatron_tp_size() -> int:
+def megatron_tp_size() -> int:
     """The tensor-parallel size megatron-core was initialized with (1 when it is not imported or initialized)."""
     ps = sys.modules.get("megatron.core.parallel_state")
     if ps is None:
@@ -106,7 +106,7 @@ def _megatron_tp_size() -> int:
     return 1
 
 
-def _all_gather(tensor: torch.Tensor, group, world: int) -> torch.Tensor:
+def all_gather(tensor: torch.Tensor, group, world: int) -> torch.Tensor:
     """All-gather of equal-length 1-D tensors into ``[world, len]``.
 
     torch >= 2.12 names it ``all_gather_single`` (``all_gather_into_tensor`` is its deprecated alias).
@@ -123,13 +123,13 @@ def _check_group_headers(record: torch.Tensor, group, world: int, vocab_size: in
     collective whose sizes do not match. Every rank reaches the same verdict."""
     hl = LY.header_len(record.dtype)
     header = record[:hl].clone().view(torch.int64)  # a fresh 1-D copy: an int64 view needs an aligned offset
-    headers = _all_gather(header, group, world).cpu().tolist()
+    headers = all_gather(header, group, world).cpu().tolist()
     why = LY.layout_error(headers, vocab_size)
     if why is not None:
         raise ValueError("vocab_parallel_log_probs: the tensor-parallel shards do not fit together: " + why)
 
 
-def _assert_status(status: torch.Tensor) -> None:
+def assert_status(status: torch.Tensor) -> None:
     """CUDA: the merge's status slots as asynchronous device asserts (no host sync)."""
     for slot, message in _STATUS_MESSAGES:
         torch._assert_async(status[slot] == 0, message)
@@ -138,7 +138,7 @@ def _assert_status(status: torch.Tensor) -> None:
 # --------------------------------------------------------------------------------------------- autograd
 
 
-_LOGPROB_OPS = "vocab_parallel_log_probs / vocab_parallel_cross_entropy / linear_log_probs"
+LOGPROB_OPS = "vocab_parallel_log_probs / vocab_parallel_cross_entropy / linear_log_probs"
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
@@ -152,13 +152,13 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         if world > 1:
             if check_group:
                 _check_group_headers(record, tp_group, world, vocab_size)
-            gathered = _all_gather(record, tp_group, world)
+            gathered = all_gather(record, tp_group, world)
         else:
             gathered = record.unsqueeze(0)
         logp, entropy, mean_logp, row_state, status = ops.merge_row_stats(gathered, target, ignore_index, vocab_size,
                                                                           inv_temperature, with_sum_z)
         if logits.device.type == "cuda":
-            _assert_status(status)
+            assert_status(status)
         ctx.save_for_backward(logits, target, row_state)
         ctx.args = (vocab_start, vocab_size, inv_temperature, ignore_index, inplace_backward)
         ctx.set_materialize_grads(False)
@@ -180,7 +180,7 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         anchors = [t for t in (ctx.saved_tensors[0], grad_logp, grad_entropy, grad_mean_logp)
                    if t is not None and t.requires_grad]
         if anchors:
-            grad = ops.NoDoubleBackward.apply(grad, _LOGPROB_OPS, *anchors)
+            grad = ops.NoDoubleBackward.apply(grad, LOGPROB_OPS, *anchors)
         return (grad,) + (None,) * 11
 
     @staticmethod
@@ -247,7 +247,7 @@ def _vocab_parallel(
     with_entropy: bool = True,
     entry: str = "vocab_parallel_log_probs",
 ):
-    if not isinstance(logits, torch.Tensor) or logits.dtype not in _FLOAT_DTYPES:
+    if not isinstance(logits, torch.Tensor) or logits.dtype not in FLOAT_DTYPES:
         raise TypeError(f"logits must be a float16/bfloat16/float32/float64 tensor, got "
                         f"{getattr(logits, 'dtype', type(logits))}")
     if logits.dim() < 1 or logits.shape[-1] == 0:
@@ -259,11 +259,11 @@ def _vocab_parallel(
     if check_group is not None:
         check_group = as_bool("check_group", check_group)
 
-    world, rank = _group_size_rank(tp_group)
+    world, rank = group_size_rank(tp_group)
     local_vocab = logits.shape[-1]
-    if tp_group is None and vocab_size is None and _megatron_tp_size() > 1:
+    if tp_group is None and vocab_size is None and megatron_tp_size() > 1:
         raise ValueError(
-            f"tp_group=None, but megatron-core is initialized with tensor-parallel size {_megatron_tp_size()}: "
+            f"tp_group=None, but megatron-core is initialized with tensor-parallel size {megatron_tp_size()}: "
             f"these logits are probably one vocab shard. Pass tp_group (or use "
             f"rollout_corr_ext.megatron.{entry}, which defaults to megatron's group); for logits "
             f"that hold the whole vocab on this rank, pass vocab_size explicitly")

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
 import torch
 
 from . import _checks, _layout as LY, ops
+from ._checks import safe_div
 from .logprobs import as_real
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -281,7 +282,7 @@ class PolicyLossConfig:
         return dataclasses.replace(self, **kwargs)
 
 
-def _as_config(config) -> PolicyLossConfig:
+def as_policy_config(config) -> PolicyLossConfig:
     if config is None:
         return PolicyLossConfig()
     if isinstance(config, PolicyLossConfig):
@@ -317,7 +318,7 @@ def _check_float(name: str, t, ref: torch.Tensor) -> None:
         raise ValueError(f"{name} is on {t.device} but log_prob is on {ref.device}")
 
 
-def _check_mask(name: str, mask, ref: torch.Tensor, ref_name: str = "log_prob") -> None:
+def check_mask(name: str, mask, ref: torch.Tensor, ref_name: str = "log_prob") -> None:
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dtype.is_complex:
@@ -348,7 +349,7 @@ def _check_cu_seqlens(cu_seqlens, log_prob: torch.Tensor, name: str = "log_prob"
                          f"{tuple(log_prob.shape)}")
 
 
-def _horizon(log_prob: torch.Tensor, cu_seqlens):
+def padded_horizon(log_prob: torch.Tensor, cu_seqlens):
     """The padded length seq-mean-token-sum-norm divides by: T, or packed the longest segment (the width the same
     sequences would be padded to; a 0-dim tensor, so no host read)."""
     if cu_seqlens is None:
@@ -357,7 +358,7 @@ def _horizon(log_prob: torch.Tensor, cu_seqlens):
     return lens.max().clamp(min=1) if lens.numel() else 1
 
 
-def _segment_sum(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def segment_sum(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Per-segment sums of a packed [T] tensor (differentiable)."""
     cu = cu_seqlens.to(torch.int64)
     seg = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=x.device), cu[1:] - cu[:-1],
@@ -365,19 +366,19 @@ def _segment_sum(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.zeros(cu.numel() - 1, dtype=x.dtype, device=x.device).index_add(0, seg, x)
 
 
-def _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights=None,
+def check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights=None,
                          old_name: str = "old_log_prob", cu_seqlens=None) -> None:
     if not isinstance(log_prob, torch.Tensor) or not log_prob.is_floating_point():
         raise TypeError(f"log_prob must be a floating-point torch.Tensor, got {getattr(log_prob, 'dtype', type(log_prob))}")
     _check_cu_seqlens(cu_seqlens, log_prob)
     _check_float(old_name, old_log_prob, log_prob)
     _check_float("advantages", advantages, log_prob)
-    _check_mask("response_mask", response_mask, log_prob)
+    check_mask("response_mask", response_mask, log_prob)
     if rollout_is_weights is not None:
         _check_float("rollout_is_weights", rollout_is_weights, log_prob)
 
 
-def _check_mode(loss_agg_mode: str) -> None:
+def check_loss_agg_mode(loss_agg_mode: str) -> None:
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
 
@@ -385,16 +386,6 @@ def _check_mode(loss_agg_mode: str) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Aggregation
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _safe_div(num: torch.Tensor, den) -> torch.Tensor:
-    """num / den, and 0 where den == 0 (verl gives NaN there; see :func:`agg_loss`). Gradient-safe."""
-    if not isinstance(den, torch.Tensor):
-        # A Python number stays a scalar operand: no host-to-device copy (CUDA-graph capturable, no sync).
-        return num / den if den != 0 else num * 0.0
-    den = den.to(dtype=num.dtype, device=num.device)
-    nonzero = den != 0
-    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num))
 
 
 def aggregate_rows(
@@ -414,7 +405,7 @@ def aggregate_rows(
     ``seq-mean-token-sum-norm``), which is what lets the fused kernel emit ``[B, K]`` partials instead of a
     ``[B, T]`` loss matrix.
     """
-    _check_mode(loss_agg_mode)
+    check_loss_agg_mode(loss_agg_mode)
     if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
         raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
     _positive_or_none("batch_num_tokens", batch_num_tokens)
@@ -429,7 +420,7 @@ def aggregate_rows(
             if dp_size > 1:
                 raise ValueError("batch_num_tokens (the global count of valid tokens) is required when dp_size > 1")
             batch_num_tokens = row_tokens.sum()
-        return _safe_div(row_loss_sum.sum(), batch_num_tokens) * dp_size
+        return safe_div(row_loss_sum.sum(), batch_num_tokens) * dp_size
     if loss_agg_mode == "token-sum":
         # Data-parallel gradient averaging divides by dp_size; multiplying by it makes the result the global sum.
         return row_loss_sum.sum() * dp_size
@@ -445,9 +436,9 @@ def aggregate_rows(
     # A row without tokens is left out by a select, not by a product: its 0 / (0 + eps) is NaN wherever eps rounds
     # away (16-bit rows), and NaN * 0 would still be NaN.
     seq_loss = torch.where(seq_valid != 0, seq_loss, torch.zeros_like(seq_loss))
-    loss = _safe_div(seq_loss.sum(), global_batch_size) * dp_size
+    loss = safe_div(seq_loss.sum(), global_batch_size) * dp_size
     if loss_agg_mode == "seq-mean-token-sum-norm":  # horizon 0: an empty response dimension, nothing to normalise
-        loss = _safe_div(loss, horizon if loss_scale_factor is None else loss_scale_factor)
+        loss = safe_div(loss, horizon if loss_scale_factor is None else loss_scale_factor)
     return loss
 
 
@@ -484,8 +475,8 @@ def agg_loss(
     _check_cu_seqlens(cu_seqlens, loss_mat, "loss_mat")
     if cu_seqlens is not None:  # the values too (no op runs here to check them): a named error, a device assert on CUDA
         _checks.check_cu_seqlens(loss_mat, cu_seqlens)
-    _check_mask("loss_mask", loss_mask, loss_mat, "loss_mat")
-    _check_mode(loss_agg_mode)
+    check_mask("loss_mask", loss_mask, loss_mat, "loss_mat")
+    check_loss_agg_mode(loss_agg_mode)
     # 16-bit losses are aggregated in fp32 (in fp16 the eps of a masked row's token-mean rounds away, and partial
     # sums round at every op), and the scalar comes back in the loss's dtype.
     acc = loss_mat.dtype if loss_mat.dtype in (torch.float32, torch.float64) else torch.float32
@@ -494,8 +485,8 @@ def agg_loss(
     if cu_seqlens is None:
         row_loss_sum, row_tokens = _checks.masked(x, m).sum(-1), m.sum(-1)
     else:
-        row_loss_sum, row_tokens = _segment_sum(_checks.masked(x, m), cu_seqlens), _segment_sum(m, cu_seqlens)
-    loss = aggregate_rows(row_loss_sum, row_tokens, loss_agg_mode, _horizon(loss_mat, cu_seqlens), dp_size=dp_size,
+        row_loss_sum, row_tokens = segment_sum(_checks.masked(x, m), cu_seqlens), segment_sum(m, cu_seqlens)
+    loss = aggregate_rows(row_loss_sum, row_tokens, loss_agg_mode, padded_horizon(loss_mat, cu_seqlens), dp_size=dp_size,
                           batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
                           loss_scale_factor=loss_scale_factor)
     return loss.to(loss_mat.dtype)
@@ -519,7 +510,7 @@ def refuse_grad(fn: str, **named) -> None:
                              f"differentiated, so its gradient would be silently dropped); pass {name}.detach()")
 
 
-def _policy_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, weights,
+def policy_loss_step(kind: int, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, weights,
                  old_name: str = "old_log_prob", cu_seqlens=None, fn: str = "policy loss",
                  weights_name: str = "rollout_is_weights", params=(0.0, 0.0), metric_keys=None, clip=None):
     refuse_grad(fn, **{old_name: old_log_prob, "advantages": advantages, weights_name: weights})
@@ -530,7 +521,7 @@ def _policy_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, l
     loss_mat, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights,
                                           clip_low, clip_high, cfg.clip_ratio_c, kind, cu_seqlens, *params)
     loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM], rows[:, LY.PG_ROW_TOKENS], loss_agg_mode,
-                          _horizon(log_prob, cu_seqlens),
+                          padded_horizon(log_prob, cu_seqlens),
                           **cfg.global_batch_info)
     if metric_keys is None:
         metric_keys = _PPO_METRICS if kind == LY.PG_KIND_PPO_CLIP else ("actor/ppo_kl",)
@@ -572,11 +563,11 @@ def compute_policy_loss_vanilla(
     ``actor/pg_clipfrac`` (upper/ratio clip active), ``actor/pg_clipfrac_lower`` (dual clip active),
     ``actor/ppo_kl`` (mean of lp_old - lp, clamped).
     """
-    _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
                          cu_seqlens=cu_seqlens)
-    _check_mode(loss_agg_mode)
-    cfg = _as_config(config)
-    loss, metrics, _ = _policy_loss(LY.PG_KIND_PPO_CLIP, old_log_prob, log_prob, advantages, response_mask,
+    check_loss_agg_mode(loss_agg_mode)
+    cfg = as_policy_config(config)
+    loss, metrics, _ = policy_loss_step(LY.PG_KIND_PPO_CLIP, old_log_prob, log_prob, advantages, response_mask,
                                     loss_agg_mode, cfg, rollout_is_weights, cu_seqlens=cu_seqlens,
                                     fn="compute_policy_loss_vanilla")
     return loss, metrics
@@ -597,11 +588,11 @@ def compute_policy_loss_reinforce(
 
     ``rollout_log_prob`` only feeds the metric ``actor/ppo_kl`` = mean(rollout_lp - lp) over valid tokens.
     """
-    _check_policy_inputs(rollout_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
+    check_policy_inputs(rollout_log_prob, log_prob, advantages, response_mask, rollout_is_weights,
                          old_name="rollout_log_prob", cu_seqlens=cu_seqlens)
-    _check_mode(loss_agg_mode)
-    cfg = _as_config(config)
-    loss, metrics, _ = _policy_loss(LY.PG_KIND_REINFORCE, rollout_log_prob, log_prob, advantages, response_mask,
+    check_loss_agg_mode(loss_agg_mode)
+    cfg = as_policy_config(config)
+    loss, metrics, _ = policy_loss_step(LY.PG_KIND_REINFORCE, rollout_log_prob, log_prob, advantages, response_mask,
                                     loss_agg_mode, cfg, rollout_is_weights, old_name="rollout_log_prob",
                                     cu_seqlens=cu_seqlens, fn="compute_policy_loss_reinforce")
     return loss, metrics
@@ -614,7 +605,7 @@ def compute_policy_loss_reinforce(
 
 
 def _row_sums(x: torch.Tensor, cu_seqlens) -> torch.Tensor:
-    return x.sum(-1) if cu_seqlens is None else _segment_sum(x, cu_seqlens)
+    return x.sum(-1) if cu_seqlens is None else segment_sum(x, cu_seqlens)
 
 
 def _per_token(row_values: torch.Tensor, like: torch.Tensor, cu_seqlens) -> torch.Tensor:
@@ -635,9 +626,9 @@ def _seq_all_reduce(x: torch.Tensor, seq_group) -> torch.Tensor:
 
 def _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
               cu_seqlens):
-    _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights, cu_seqlens=cu_seqlens)
-    _check_mode(loss_agg_mode)
-    return _as_config(config)
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights, cu_seqlens=cu_seqlens)
+    check_loss_agg_mode(loss_agg_mode)
+    return as_policy_config(config)
 
 
 def _per_token_loss(kind, name, metric_keys, zero=(), params=lambda cfg: (0.0, 0.0), forced_mode=None):
@@ -647,7 +638,7 @@ def _per_token_loss(kind, name, metric_keys, zero=(), params=lambda cfg: (0.0, 0
                 rollout_is_weights=None, *, cu_seqlens=None):
         cfg = _prologue(name, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                         rollout_is_weights, cu_seqlens)
-        loss, _, rows = _policy_loss(kind, old_log_prob, log_prob, advantages, response_mask,
+        loss, _, rows = policy_loss_step(kind, old_log_prob, log_prob, advantages, response_mask,
                                      forced_mode or loss_agg_mode, cfg, rollout_is_weights, cu_seqlens=cu_seqlens,
                                      fn=name, params=params(cfg), metric_keys=())
         return loss, _row_metrics(rows, metric_keys, zero)
@@ -692,7 +683,7 @@ def compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask, l
     """GPG (verl ``gpg``): L = -A log pi (times the IS weights); no metrics, as in verl."""
     cfg = _prologue("compute_policy_loss_gpg", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                     config, rollout_is_weights, cu_seqlens)
-    loss, _, _ = _policy_loss(LY.PG_KIND_REINFORCE, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+    loss, _, _ = policy_loss_step(LY.PG_KIND_REINFORCE, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                               cfg, rollout_is_weights, cu_seqlens=cu_seqlens, fn="compute_policy_loss_gpg",
                               metric_keys=())
     return loss, {}
@@ -709,7 +700,7 @@ def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, 
                     cu_seqlens)
     seq_log_ratio, x_sum = gspo_sequence_log_ratio(log_prob, old_log_prob, response_mask, cu_seqlens=cu_seqlens,
                                                    seq_group=seq_group)
-    loss, _, rows = _policy_loss(LY.PG_KIND_GSPO, seq_log_ratio, log_prob, advantages, response_mask, loss_agg_mode,
+    loss, _, rows = policy_loss_step(LY.PG_KIND_GSPO, seq_log_ratio, log_prob, advantages, response_mask, loss_agg_mode,
                                  cfg, rollout_is_weights, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
     tokens = rows[:, LY.PG_ROW_TOKENS].sum() + LY.MASKED_MEAN_EPS
     metrics = _row_metrics(rows, _PPO_METRICS, zero=("actor/ppo_kl", "actor/pg_clipfrac_lower"))
@@ -762,7 +753,7 @@ def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_ma
     cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
                     cu_seqlens)
     refuse_grad(fn, rollout_is_weights=rollout_is_weights)
-    _, _, rows = _policy_loss(LY.PG_KIND_GEO_MEAN, old_log_prob, log_prob, advantages, response_mask, "token-sum",
+    _, _, rows = policy_loss_step(LY.PG_KIND_GEO_MEAN, old_log_prob, log_prob, advantages, response_mask, "token-sum",
                               cfg, None, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
     acc = rows.dtype
     m = response_mask.to(acc)
@@ -781,7 +772,7 @@ def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_ma
         loss = seq_loss.mean() if seq_loss.numel() else seq_loss.sum()
     else:
         gbs = cfg.global_batch_size
-        loss = _safe_div(seq_loss.sum(), gbs.reshape(()) if isinstance(gbs, torch.Tensor) else gbs) * cfg.dp_size
+        loss = safe_div(seq_loss.sum(), gbs.reshape(()) if isinstance(gbs, torch.Tensor) else gbs) * cfg.dp_size
     return loss, _row_metrics(rows, _PPO_METRICS)
 
 
@@ -827,7 +818,7 @@ def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_ma
         bound = int(cfg.clip_cov_ratio * m.numel()) + 1  # >= count for a 0/1 mask (mask weights > 1: capped here)
         corr = (~_select_top(cov, eligible, count, bound)).to(acc)
         w = corr if rollout_is_weights is None else corr * rollout_is_weights.detach().to(acc)
-    loss, _, rows = _policy_loss(LY.PG_KIND_PPO_UNBOUNDED, old_log_prob, log_prob, advantages, response_mask,
+    loss, _, rows = policy_loss_step(LY.PG_KIND_PPO_UNBOUNDED, old_log_prob, log_prob, advantages, response_mask,
                                  loss_agg_mode, cfg, w, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
     metrics = _row_metrics(rows, ("actor/ppo_kl",))
     metrics["actor/pg_clipfrac"] = _masked_mean((corr == 0).to(acc), m).detach()
@@ -909,9 +900,9 @@ def compute_policy_loss_bypass(
     ``rollout_is_weights`` is ignored (computed internally), as in verl. Metrics: the loss's plus every
     ``rollout_corr/*`` metric of the correction (global over ``dp_group``).
     """
-    _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, cu_seqlens=cu_seqlens)
-    _check_mode(loss_agg_mode)
-    cfg = _as_config(config)
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, cu_seqlens=cu_seqlens)
+    check_loss_agg_mode(loss_agg_mode)
+    cfg = as_policy_config(config)
     rc = _require_correction(cfg, "compute_policy_loss_bypass")
     result = _correction(log_prob, old_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens,
                          rollout_name="old_log_prob")
@@ -947,7 +938,7 @@ def off_policy_sequence_mask(
     Returns ``(mask, masked_frac)``: ``response_mask`` with the dropped sequences zeroed (its dtype; the input is
     not modified) and the fraction of sequences with tokens that were dropped (a 0-dim tensor; no host sync).
     """
-    _check_policy_inputs(behaviour_log_prob, log_prob, advantages, response_mask, old_name="behaviour_log_prob",
+    check_policy_inputs(behaviour_log_prob, log_prob, advantages, response_mask, old_name="behaviour_log_prob",
                          cu_seqlens=cu_seqlens)
     d = _finite_real("delta", delta)
     if d < 0:
@@ -1010,10 +1001,10 @@ def compute_policy_loss_decoupled(
     ``config.loss_mode`` other than ``"vanilla"`` puts that loss (GSPO, CISPO, ...) in PPO's place, with the same
     weights and mask.
     """
-    _check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, cu_seqlens=cu_seqlens)
+    check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, cu_seqlens=cu_seqlens)
     _check_float("rollout_log_prob", rollout_log_prob, log_prob)
-    _check_mode(loss_agg_mode)
-    cfg = _as_config(config)
+    check_loss_agg_mode(loss_agg_mode)
+    cfg = as_policy_config(config)
     rc = cfg.rollout_correction
     if rc is None:
         return _mode_loss(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, None, cu_seqlens,
@@ -1065,7 +1056,7 @@ def compute_policy_loss(
     pass; when ``old_log_prob`` is given too, the approximation's error against it is logged
     (``rollout_corr/prox_approx_abs_error``, ``_imp_weight_error``).
     """
-    cfg = _as_config(config)
+    cfg = as_policy_config(config)
     extra: Dict[str, torch.Tensor] = {}
     if versions is not None:
         from . import versions as _versions
@@ -1211,7 +1202,7 @@ def calculate_grpo_loss(
     lp = current_logprobs
     if not isinstance(kl_is_correction, bool):
         raise TypeError(f"kl_is_correction must be a bool, got {type(kl_is_correction).__name__}")
-    _check_policy_inputs(old_logprobs, lp, lp, torch.ones_like(lp, dtype=torch.bool), old_name="old_logprobs")
+    check_policy_inputs(old_logprobs, lp, lp, torch.ones_like(lp, dtype=torch.bool), old_name="old_logprobs")
     refuse_grad("calculate_grpo_loss", old_logprobs=old_logprobs, advantages=advantages,
                 inference_logprobs=inference_logprobs)
     _check_float("ref_logprobs", ref_logprobs, lp)
@@ -1230,7 +1221,7 @@ def calculate_grpo_loss(
     if is_truncation_coef is not None and (isinstance(is_truncation_coef, bool) or not is_truncation_coef > 0):
         raise ValueError(f"is_truncation_coef must be > 0 or None, got {is_truncation_coef}")
     if response_mask is not None:
-        _check_mask("response_mask", response_mask, lp)
+        check_mask("response_mask", response_mask, lp)
 
     acc = _checks.acc_dtype(lp.dtype)
     if packed is None:

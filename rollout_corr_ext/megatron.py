@@ -18,16 +18,16 @@ import torch.distributed as dist
 
 from . import _layout as LY
 from . import logprobs as _lp
-from .losses import _horizon, _segment_sum
+from ._checks import safe_div
+from .losses import padded_horizon, segment_sum
 from .losses import (
     PolicyLossConfig,
     gspo_sequence_log_ratio,
     token_loss_kind,
-    _as_config,
-    _check_mask,
-    _check_mode,
-    _policy_loss,
-    _safe_div,
+    as_policy_config,
+    check_mask,
+    check_loss_agg_mode,
+    policy_loss_step,
     refuse_grad,
 )
 
@@ -153,7 +153,7 @@ def _seq_numerator(row_sum, row_tokens, valid, mode, horizon, loss_scale_factor)
         row_sum = row_sum / (row_tokens.to(row_sum.dtype) + LY.MASKED_MEAN_EPS)
     total = torch.where(valid, row_sum, torch.zeros_like(row_sum)).sum()
     if mode == "seq-mean-token-sum-norm":
-        total = _safe_div(total, horizon if loss_scale_factor is None else loss_scale_factor)  # horizon 0: T = 0
+        total = safe_div(total, horizon if loss_scale_factor is None else loss_scale_factor)  # horizon 0: T = 0
     return total
 
 
@@ -344,8 +344,8 @@ def make_policy_loss_func(
     target position (rows in ``target``'s row-major order, or the packed stream's), renormalised over exactly those
     (:func:`rollout_corr_ext.kept_log_probs`; logits only, not with ``output_layer``).
     """
-    cfg = _as_config(config)
-    _check_mode(loss_agg_mode)
+    cfg = as_policy_config(config)
+    check_loss_agg_mode(loss_agg_mode)
     kept_tokens = None
     if sampling is not None:
         from .sampling import KeptTokens, SamplingParams
@@ -445,7 +445,7 @@ def make_policy_loss_func(
     elif target.dim() != 2:
         raise ValueError(f"target must be a [b, s] tensor of token ids, got {tuple(target.shape)}")
     shape = tuple(target.shape)
-    _check_mask("response_mask", response_mask, target, "target")
+    check_mask("response_mask", response_mask, target, "target")
     if cu is None and isinstance(advantages, torch.Tensor) and advantages.dim() == 1:
         if advantages.shape[0] != shape[0]:
             raise ValueError(f"advantages of shape [b] must have b = {shape[0]}, got {tuple(advantages.shape)}")
@@ -606,11 +606,11 @@ def make_policy_loss_func(
                                  f"{seq_world} ranks) is not supported: its batch statistics would be per rank")
             whole = _whole_batch_loss(cfg.loss_mode)(old, logp, advantages, mask, loss_agg_mode, cfg, weights,
                                                      cu_seqlens=cu)
-        _, _, rows = _policy_loss(kind, old, logp, advantages, mask, loss_agg_mode, cfg, weights, cu_seqlens=cu,
+        _, _, rows = policy_loss_step(kind, old, logp, advantages, mask, loss_agg_mode, cfg, weights, cu_seqlens=cu,
                                   old_name=old_name, fn="make_policy_loss_func", params=mode_params)
         m = mask.to(logp.dtype)
         ent_masked = torch.where(mask != 0, entropy, torch.zeros_like(entropy)).mul(m)
-        ent_rows = ent_masked.sum(-1) if cu is None else _segment_sum(ent_masked, cu)
+        ent_rows = ent_masked.sum(-1) if cu is None else segment_sum(ent_masked, cu)
         # Whole sequences: under CP the ranks of seq_group hold pieces of the same sequences, so the per-row token
         # counts, the padded length and the valid-token count are summed over it (one all-reduce of B + 2
         # numbers, fp64 so counts stay exact) and every CP rank reports the micro-batch's num_tokens. Its share
@@ -619,7 +619,7 @@ def make_policy_loss_func(
         # num_tokens with calculate_per_token_loss=True; otherwise the mean over the ranks of loss_sum / num_tokens).
         row_tokens = rows[:, LY.PG_ROW_TOKENS].detach()
         local_horizon = (row_tokens.new_full((1,), float(logp.shape[-1]), dtype=torch.float64)  # no H2D copy
-                         if cu is None else _horizon(logp, cu).double().reshape(1))
+                         if cu is None else padded_horizon(logp, cu).double().reshape(1))
         counts = torch.cat([row_tokens.double(), local_horizon, (mask != 0).sum().double().reshape(1)])
         if seq_world > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=seq)
@@ -628,8 +628,8 @@ def make_policy_loss_func(
             # value * count is sum(m * L) for 0/1 masks; for fractional masks it keeps the micro-batch value exact
             count = valid_tokens.round().to(torch.int64)
             n = count.to(rows.dtype)
-            pg_sum = _safe_div(rows[:, LY.PG_ROW_LOSS_SUM].sum(), row_tokens.sum()) * n
-            ent_sum = _safe_div(ent_rows.sum(), row_tokens.sum().to(ent_rows.dtype)) * n.to(ent_rows.dtype)
+            pg_sum = safe_div(rows[:, LY.PG_ROW_LOSS_SUM].sum(), row_tokens.sum()) * n
+            ent_sum = safe_div(ent_rows.sum(), row_tokens.sum().to(ent_rows.dtype)) * n.to(ent_rows.dtype)
         else:
             valid = row_tokens > 0  # rows RS rejected entirely (or without response tokens) do not count
             count = valid.sum()
@@ -660,7 +660,7 @@ def make_policy_loss_func(
                 lp_k = lp_k.reshape(-1) if cu is not None else lp_k.transpose(0, 1)
                 m_k = m_k.to(device=lp_k.device, dtype=lp_k.dtype)
                 ce_sum, n_k = -(lp_k * m_k).sum(), m_k.sum()
-                loss_sum = loss_sum + scale * _safe_div(ce_sum, n_k) * n
+                loss_sum = loss_sum + scale * safe_div(ce_sum, n_k) * n
                 mtp_pairs.append((ce_sum.detach(), n_k))
 
         rows = rows.detach()

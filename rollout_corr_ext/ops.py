@@ -19,7 +19,7 @@ _compiled = False
 _compiled_cuda = False
 
 
-def _on_extension_loaded() -> None:
+def on_extension_loaded() -> None:
     """Called by the package once ``torch.ops.rollout_corr`` exists: switch to it and register fakes."""
     global _compiled, _compiled_cuda
     if _compiled:

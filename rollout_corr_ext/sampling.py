@@ -132,9 +132,9 @@ def _check_entry(sampling, n: int, lead, tp_group, vocab_size, what: str) -> Non
         value = getattr(sampling, name)
         if isinstance(value, torch.Tensor):
             _per_row(name, value, n, lead, value.dtype, value.device)
-    if tp_group is None and vocab_size is None and _lp._megatron_tp_size() > 1:
+    if tp_group is None and vocab_size is None and _lp.megatron_tp_size() > 1:
         raise ValueError(
-            f"tp_group=None, but megatron-core is initialized with tensor-parallel size {_lp._megatron_tp_size()}: "
+            f"tp_group=None, but megatron-core is initialized with tensor-parallel size {_lp.megatron_tp_size()}: "
             f"{what} probably one vocab shard. Pass tp_group; for a whole vocabulary on this rank, pass vocab_size "
             f"explicitly")
 
@@ -316,7 +316,7 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
                     local[r0:r1] = _row_topk(zs, width)
                 del zs
         if world > 1:
-            local = _lp._all_gather(local.reshape(-1).contiguous(), group, world).reshape(world, n, width)
+            local = _lp.all_gather(local.reshape(-1).contiguous(), group, world).reshape(world, n, width)
             local = local.permute(1, 0, 2).reshape(n, world * width)
         cand = torch.where(local >= tau.unsqueeze(1), local, torch.full_like(local, ninf))
         top = cand.topk(k_max, dim=-1).values  # descending
@@ -428,14 +428,14 @@ class SampledLogProbs(NamedTuple):
 def _logits_entry(logits, target, ignore_index, tp_group):
     """The checks of a logits entry point (dtype, shape, targets, ignore_index) and its sizes: (ignore_index, world,
     rank, V_local, leading shape, rows)."""
-    if not isinstance(logits, torch.Tensor) or logits.dtype not in _lp._FLOAT_DTYPES:
+    if not isinstance(logits, torch.Tensor) or logits.dtype not in _lp.FLOAT_DTYPES:
         raise TypeError(f"logits must be a float16/bfloat16/float32/float64 tensor, got "
                         f"{getattr(logits, 'dtype', type(logits))}")
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have a non-empty last (vocab) dimension, got shape {tuple(logits.shape)}")
     _lp.check_target(target, logits, "logits")
     ignore_index = _lp.as_int("ignore_index", ignore_index)
-    world, rank = _lp._group_size_rank(tp_group)
+    world, rank = _lp.group_size_rank(tp_group)
     lead = logits.shape[:-1]
     return ignore_index, world, rank, logits.shape[-1], lead, int(torch.Size(lead).numel())
 
@@ -545,12 +545,12 @@ class _FlooredLogProbs(torch.autograd.Function):
         del buf
         lengths = [r.numel() for r in records]
         flat = torch.cat(records)
-        gathered = _lp._all_gather(flat, tp_group, world) if world > 1 else flat.unsqueeze(0)
+        gathered = _lp.all_gather(flat, tp_group, world) if world > 1 else flat.unsqueeze(0)
         cuda = logits.device.type == "cuda"
         _, _, _, state_all, status = ops.merge_row_stats(gathered[:, :lengths[0]].contiguous(), target,
                                                          ignore_index, vocab_size, inv_t, False)
         if cuda:
-            _lp._assert_status(status)
+            _lp.assert_status(status)
         logps, entropies, states = [], [], []
         offset = lengths[0]
         for (r0, r1), length in zip(chunks, lengths[1:]):
@@ -558,7 +558,7 @@ class _FlooredLogProbs(torch.autograd.Function):
                 gathered[:, offset:offset + length].contiguous(), target[r0:r1], ignore_index, vocab_size, inv_t,
                 False)
             if cuda:
-                _lp._assert_status(status)
+                _lp.assert_status(status)
             offset += length
             logps.append(logp)
             entropies.append(entropy)
@@ -702,7 +702,7 @@ def kept_log_probs(
     if kept.rows != n:
         raise ValueError(f"kept has {kept.rows} rows (offsets of {kept.offsets.numel()} entries), but the logits have "
                          f"{n} = {tuple(lead)} positions")
-    if tp_group is None and vocab_size is None and _lp._megatron_tp_size() > 1:
+    if tp_group is None and vocab_size is None and _lp.megatron_tp_size() > 1:
         _check_entry(SamplingParams(), n, lead, tp_group, vocab_size, "these logits are")
     vocab_start, vocab_size = _lp.vocab_layout(vocab_start, vocab_size, rank, world, local_vocab)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -799,7 +799,7 @@ def sampled_linear_log_probs(
     if isinstance(sampling.temperature, torch.Tensor):
         raise ValueError("sampled_linear_log_probs: SamplingParams.temperature must be one number (per-row "
                          "temperatures: compute the logits and use sampled_log_probs)")
-    a = _linear._prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, sampling.temperature,
+    a = _linear.prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, sampling.temperature,
                          ignore_index, chunk_rows, chunk_cols, check_group, sequence_parallel, batch_invariant)
     whole = _linear.gather_sequence(a.hidden2d.detach(), tp_group, a.world) if a.sequence_parallel else None
     n, v_local = a.target1d.numel(), weight.shape[0]
@@ -809,10 +809,10 @@ def sampled_linear_log_probs(
     # The kept set is searched over exactly the logits chunks the fused path computes (its row chunks of the rows
     # it does not ignore, its vocab tiles, the same GEMM calls), so that every decision sees the very values the
     # forward and the backward see.
-    valid, keep = _linear._valid_rows(a.target1d, a.ignore_index, hidden)
-    rows = _linear._row_chunks(n, valid, a.chunk_rows)
+    valid, keep = _linear.valid_rows(a.target1d, a.ignore_index, hidden)
+    rows = _linear.row_chunks(n, valid, a.chunk_rows)
     real_cols = min(max(a.vocab_size - a.vocab_start, 0), v_local)
-    tiles = _linear._vocab_tiles(v_local, real_cols, a.chunk_cols)
+    tiles = _linear.vocab_tiles(v_local, real_cols, a.chunk_cols)
     m = n if valid is None else valid.numel()
     index_of = {r0: index for r0, _, index in rows}
     h_data, w_data = (a.hidden2d.detach() if whole is None else whole), weight.detach()
@@ -820,11 +820,11 @@ def sampled_linear_log_probs(
     active = torch.ones(m, dtype=torch.bool, device=hidden.device) if keep is None else keep
 
     # the fused path's own chunk GEMMs (padded rows in batch-invariant mode), into one reused buffer
-    ws = _linear._Workspace(h_data, w_data, max(r1 - r0 for r0, r1, _ in rows),
+    ws = _linear.Workspace(h_data, w_data, max(r1 - r0 for r0, r1, _ in rows),
                             max(c1 - c0 for c0, c1 in tiles), a.chunk_rows if a.batch_invariant else 0)
 
     def pieces(r0, r1):
-        h = _linear._hidden_rows(h_data, r0, r1, index_of[r0], keep)
+        h = _linear.hidden_rows(h_data, r0, r1, index_of[r0], keep)
         for c0, c1 in tiles:
             yield ws.logits(h, w_data[c0:c1], None if b_data is None else b_data[c0:c1]).to(acc) / temperature
 
@@ -850,7 +850,7 @@ def sampled_linear_log_probs(
             floor.index_copy_(0, valid, th_floor)
             log_s.index_copy_(0, valid, th_log_s)
     ws = None  # the search's chunk buffer goes before the forward takes its own
-    logp, entropy = _linear._LinearLogProbs.apply(a.hidden2d, weight, bias, a.target1d, tp_group, a.world,
+    logp, entropy = _linear.LinearLogProbs.apply(a.hidden2d, weight, bias, a.target1d, tp_group, a.world,
                                                   a.vocab_start, a.vocab_size, a.inv_temp, a.ignore_index,
                                                   a.chunk_rows, a.chunk_cols, a.check_group, floor,
                                                   a.sequence_parallel, whole, a.batch_invariant)

@@ -226,7 +226,7 @@ def rollout_correction_config(rollout_corr_config: Any) -> RolloutCorrectionConf
 def policy_loss_config(config: Any) -> PolicyLossConfig:
     """Our :class:`PolicyLossConfig` from verl's actor config (dataclass, ``DictConfig`` or dict), a dict of our
     fields, our config itself, or None (defaults). See :meth:`PolicyLossConfig.from_dict`."""
-    return _losses._as_config(config)
+    return _losses.as_policy_config(config)
 
 
 def _weights_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -569,8 +569,8 @@ def compute_policy_loss_bypass_mode(
                          "the actor config must carry policy_loss.rollout_correction (apply_bypass_mode sets it)")
     rc = rollout_correction_config(source)
     cfg = dataclasses.replace(policy_loss_config(config), rollout_correction=None)
-    _losses._check_policy_inputs(old_log_prob, log_prob, advantages, response_mask)
-    _losses._check_mode(loss_agg_mode)
+    _losses.check_policy_inputs(old_log_prob, log_prob, advantages, response_mask)
+    _losses.check_loss_agg_mode(loss_agg_mode)
     res = _correct(log_prob.detach(), old_log_prob.detach(), response_mask, rc)
     if rc.loss_type == "reinforce":
         loss, metrics = _losses.compute_policy_loss_reinforce(old_log_prob, log_prob, advantages, res.response_mask,

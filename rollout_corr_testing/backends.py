@@ -55,7 +55,7 @@ def _emulated_merge(emu_merge, *args, **kwargs):
     """The emulated CUDA merge reports failures in its status slots; the CUDA path turns those into asynchronous
     device asserts, which on CPU tensors raise at once with the same messages."""
     out = emu_merge(*args, **kwargs)
-    logprobs._assert_status(out[4])
+    logprobs.assert_status(out[4])
     return out
 
 

@@ -68,7 +68,7 @@ DEVICE_ASSERTS = [
         x, t = torch.randn(4, 60, device="cuda"), torch.randint(0, 60, (4,), device="cuda")
         recs = torch.stack([ops.vocab_row_stats(x[:, :30], t, 0, 60, 1.0, -100, False),
                             ops.vocab_row_stats(x[:, 30:], t, 0, 60, 1.0, -100, False)])  # same vocab_start
-        logprobs._assert_status(ops.merge_row_stats(recs, t, -100, 60, 1.0, False)[4])  # what the forward does
+        logprobs.assert_status(ops.merge_row_stats(recs, t, -100, 60, 1.0, False)[4])  # what the forward does
     """),
     ("rollout_no_valid_token", """
         lp = torch.randn(3, 8, device="cuda")

@@ -426,8 +426,8 @@ def test_linear_log_probs_with_replay_match_the_oracle(kw, dtype):
     hidden, weight, bias, target = _linear_case(n, h, v, dtype, seed=31, vocab_size=vs)
     # the logits as the fused path's chunks compute them (4 rows x 16 vocab columns, in the input dtype), so that the
     # oracle decides on the very values the kernels see
-    from rollout_corr_ext.linear import _chunk_logits
-    logits = torch.cat([torch.cat([_chunk_logits(hidden[r0:r0 + 4], weight[c0:min(c0 + 16, vs)],
+    from rollout_corr_ext.linear import chunk_logits
+    logits = torch.cat([torch.cat([chunk_logits(hidden[r0:r0 + 4], weight[c0:min(c0 + 16, vs)],
                                                  bias[c0:min(c0 + 16, vs)]) for c0 in range(0, vs, 16)], 1)
                         for r0 in range(0, n, 4)])
     logits = torch.where(torch.isnan(logits), torch.zeros_like(logits), logits)
