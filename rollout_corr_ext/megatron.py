@@ -245,6 +245,9 @@ def make_policy_loss_func(
     batch_invariant: bool = False,
     mtp_num_layers: int = 0,
     mtp_loss_scaling_factor: float = 0.1,
+    versions: Optional[torch.Tensor] = None,
+    current_version: Optional[int] = None,
+    proximal: str = "loglinear",
 ) -> Callable:
     """Build the ``loss_func`` that megatron-core's ``forward_backward_func`` expects, for one micro-batch.
 
@@ -343,6 +346,13 @@ def make_policy_loss_func(
     ``sampling`` may instead be a :class:`rollout_corr_ext.KeptTokens`: the ids the engine reported it kept for each
     target position (rows in ``target``'s row-major order, or the packed stream's), renormalised over exactly those
     (:func:`rollout_corr_ext.kept_log_probs`; logits only, not with ``output_layer``).
+
+    **Asynchronous rollouts**: ``versions`` (the policy version that sampled each token: ``[b, s]``, ``[b]``, packed
+    ``[T]`` or one per sequence) and ``current_version`` (the trainer's) report ``rollout_corr/staleness_mean``
+    (the token-weighted lag). In the decoupled flow with ``old_log_prob=None``, pi_old is approximated from them
+    (:func:`rollout_corr_ext.versions.proximal_log_prob`, ``proximal``: ``"loglinear"`` / ``"linear"``), with no
+    forward pass; with ``old_log_prob`` given too, the approximation's error is reported
+    (``rollout_corr/prox_approx_abs_error``, ``_imp_weight_error``).
     """
     cfg = as_policy_config(config)
     check_loss_agg_mode(loss_agg_mode)
@@ -453,15 +463,35 @@ def make_policy_loss_func(
     _bs("advantages", advantages, shape)
     rc = cfg.rollout_correction
     bypass = rc is not None and bool(getattr(rc, "bypass_mode", False))
+    if versions is not None:  # per-token policy versions (asynchronous rollouts): per token, per row, per sequence
+        from .versions import PROXIMAL_METHODS
+
+        if isinstance(current_version, bool) or not isinstance(current_version, int):
+            raise ValueError(f"versions need current_version (an int, the trainer's policy version), got "
+                             f"{current_version!r}")
+        if proximal not in PROXIMAL_METHODS:
+            raise ValueError(f"proximal must be one of {PROXIMAL_METHODS}, got {proximal!r}")
+        if not isinstance(versions, torch.Tensor):
+            raise TypeError(f"versions must be an integer tensor, got {type(versions).__name__}")
+        if cu is not None and versions.dim() == 1 and versions.shape[0] == cu.shape[0] - 1 != target.shape[0]:
+            versions = torch.repeat_interleave(versions, cu[1:] - cu[:-1], output_size=target.shape[0])
+        elif cu is not None and versions.dim() == 2 and 1 in tuple(versions.shape):
+            versions = versions.reshape(-1)
+        elif cu is None and versions.dim() == 1 and versions.shape[0] == shape[0]:
+            versions = versions.reshape(-1, 1).expand(shape)
+        _bs("versions", versions, shape)
+    elif current_version is not None:
+        raise ValueError("current_version is given without versions")
     if old_log_prob is not None:
         _bs("old_log_prob", old_log_prob, shape)
     if rollout_log_prob is not None:
         _bs("rollout_log_prob", rollout_log_prob, shape)
     if rc is not None and rollout_log_prob is None:
         raise ValueError("config.rollout_correction is set, so rollout_log_prob (the sampler's log-probs) is required")
-    if rc is not None and not bypass and old_log_prob is None:
-        raise ValueError("decoupled rollout correction needs old_log_prob (pi_old recomputed by the trainer); "
-                         "set bypass_mode=True to use pi_rollout as pi_old instead")
+    if rc is not None and not bypass and old_log_prob is None and versions is None:
+        raise ValueError("decoupled rollout correction needs old_log_prob (pi_old recomputed by the trainer), or "
+                         "versions + current_version to approximate it; set bypass_mode=True to use pi_rollout as "
+                         "pi_old instead")
     metric_group = dp if dp is not None else seq  # the ranks the global batch is split over
     seq_parallel = False
     if output_layer is not None:
@@ -578,12 +608,23 @@ def make_policy_loss_func(
                 in_support = in_support & (old_log_prob.to(logp.device) != -math.inf)
             given = torch.where(in_support, response_mask, torch.zeros_like(response_mask))
         mask, weights, corr_metrics = given, None, {}
-        kind, old = mode_kind, (old_log_prob if old_log_prob is not None else logp.detach())
+        old_in = old_log_prob
+        prox_err = None
+        if versions is not None and rc is not None and not bypass:  # the proximal policy from the versions
+            from .versions import proximal_error_metrics, proximal_log_prob
+
+            approx = proximal_log_prob(rollout_log_prob.to(logp.device), logp, versions.to(logp.device),
+                                       current_version, proximal)
+            if old_in is None:
+                old_in = approx
+            else:
+                prox_err = proximal_error_metrics(approx, old_in.to(logp.device), given)
+        kind, old = mode_kind, (old_in if old_in is not None else logp.detach())
         if rc is not None:
             from .correction import compute_rollout_correction
 
             with torch.no_grad():
-                train_side = logp.detach() if bypass else old_log_prob
+                train_side = logp.detach() if bypass else old_in
                 result = compute_rollout_correction(train_side, rollout_log_prob, given, rc,
                                                     dp_group=dp, seq_group=seq, cu_seqlens=cu)
             mask, corr_metrics = result.response_mask, result.metrics
@@ -682,6 +723,16 @@ def make_policy_loss_func(
         for k, v in corr_metrics.items():
             names.append(k)
             pairs.append((v.detach().to(torch.float32), one))
+        if versions is not None:  # token-weighted lag over this rank's response tokens, summed like actor/*
+            valid_t = given != 0
+            lag = (current_version - versions.to(logp.device).to(torch.int64))
+            names.append("rollout_corr/staleness_mean")
+            pairs.append((torch.where(valid_t, lag, torch.zeros_like(lag)).sum().float(), valid_t.sum().float()))
+        if prox_err is not None:
+            n_given = (given != 0).sum().float()
+            for k, v in prox_err.items():
+                names.append(k)
+                pairs.append((v.float() * n_given, n_given))
         for k, pair in enumerate(mtp_pairs, 1):
             names.append(f"actor/mtp_{k}_loss")
             pairs.append(pair)

@@ -117,3 +117,42 @@ def test_front_door_decoupled_without_an_old_forward():
     got = losses.compute_policy_loss(old, lt, adv, mask, "token-mean", cfg, rollout_log_prob=lb, versions=versions,
                                      current_version=10)[1]
     assert float(got["rollout_corr/prox_approx_abs_error"]) > 0
+
+
+def test_megatron_loss_func_with_versions():
+    """make_policy_loss_func(versions=, current_version=) in the decoupled flow without old_log_prob: the loss and
+    the gradient in the logits equal compute_policy_loss with the same versions on the log-probs; the staleness mean
+    is reported; with old_log_prob as well, the approximation's error is."""
+    import rollout_corr_ext as rc
+    from rollout_corr_ext.megatron import make_policy_loss_func, reported_means
+
+    g = torch.Generator().manual_seed(5)
+    b, s, v = 3, 7, 11
+    logits = torch.randn(s, b, v, generator=g, dtype=torch.float64)
+    target = torch.randint(0, v, (b, s), generator=g)
+    mask = torch.rand(b, s, generator=g) > 0.2
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        lp0 = logits.transpose(0, 1).log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    rlp = lp0 + 0.1 * torch.randn(b, s, generator=g, dtype=torch.float64)
+    versions = torch.tensor([9, 8, 10])
+    cfg = losses.PolicyLossConfig(rollout_correction=rc.RolloutCorrectionConfig(rollout_is="token",
+                                                                                 rollout_is_threshold=2.0))
+    x = logits.clone().requires_grad_(True)
+    loss_sum, count, report = make_policy_loss_func(target, adv, mask, rollout_log_prob=rlp, config=cfg,
+                                                    versions=versions, current_version=10)(x)
+    (loss_sum / count).backward()
+    y = logits.clone().requires_grad_(True)
+    lp = y.transpose(0, 1).log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    want, _ = losses.compute_policy_loss(None, lp, adv.view(-1, 1).expand(b, s), mask, "token-mean", cfg,
+                                         rollout_log_prob=rlp, versions=versions, current_version=10)
+    want.backward()
+    assert torch.allclose(loss_sum / count, want, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(x.grad, y.grad, rtol=1e-9, atol=1e-12)
+    lags = (10 - versions).view(-1, 1).expand(b, s)[mask].double()
+    assert reported_means(report)["rollout_corr/staleness_mean"] == pytest.approx(float(lags.mean()))
+    _, _, report = make_policy_loss_func(target, adv, mask, old_log_prob=lp0, rollout_log_prob=rlp, config=cfg,
+                                         versions=versions, current_version=10)(logits)
+    assert reported_means(report)["rollout_corr/prox_approx_abs_error"] > 0
+    with pytest.raises(ValueError, match="current_version"):
+        make_policy_loss_func(target, adv, mask, rollout_log_prob=rlp, config=cfg, versions=versions)
