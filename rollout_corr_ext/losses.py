@@ -834,6 +834,7 @@ def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask
     fn = "compute_policy_loss_kl_cov"
     cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
                     cu_seqlens)
+    refuse_grad(fn, old_log_prob=old_log_prob, advantages=advantages, rollout_is_weights=rollout_is_weights)
     acc = _checks.acc_dtype(log_prob.dtype)
     m = response_mask.to(acc)
     valid = m > 0
@@ -848,7 +849,6 @@ def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask
     loss_mat, rows = ops.policy_loss_rows(ops.first_order_only(log_prob, fn), old_log_prob, advantages,
                                           response_mask, rollout_is_weights, math.inf, math.inf, math.inf,
                                           LY.PG_KIND_PPO_UNBOUNDED, cu_seqlens)
-    refuse_grad(fn, old_log_prob=old_log_prob, advantages=advantages, rollout_is_weights=rollout_is_weights)
     abs_kl = (log_prob.to(acc) - old_log_prob.to(acc)).abs()
     penalty = cfg.ppo_kl_coef * abs_kl * selected
     if rollout_is_weights is not None:

@@ -79,13 +79,22 @@ def backend(request):
         yield request.param
 
 
+#: (backend, mode): every mode on the compiled CPU kernels and the fallback; the emulated CUDA kernels (slow, thread
+#: by thread) in two modes, since the per-token kernel is the same for all and only the aggregation above it differs.
+BACKEND_MODES = [(b, m) for b in ("cpu", "fallback") for m in MODES] + [
+    ("emulated", m) for m in ("token-mean", "seq-mean-token-mean")]
+
+
 @pytest.mark.parametrize("weights", [False, True], ids=["no_w", "w"])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("backend_name, mode", BACKEND_MODES)
 @pytest.mark.parametrize("name", NAMES)
-def test_equals_verl(backend, name, mode, weights):
+def test_equals_verl(backend_name, name, mode, weights):
     core, _, _ = _verl()
-    if backend == "emulated" and mode not in ("token-mean", "seq-mean-token-mean"):
-        pytest.skip("the emulator runs two modes (the per-token kernel is the same for all)")
+    with policy_loss_backend(backend_name, threads=32, schedule=1, max_blocks=3):
+        _equals_verl(core, name, mode, weights)
+
+
+def _equals_verl(core, name, mode, weights):
     old, lp, adv, mask, w = _inputs(seed=len(name) + len(mode))
     actor = _actor(name)
     w = w if weights else None
