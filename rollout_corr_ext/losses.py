@@ -799,8 +799,9 @@ def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_ma
     with covariance cov = (A - mean A)(log pi - mean log pi) in (``clip_cov_lb``, ``clip_cov_ub``), not already
     clipped, lose their gradient, at most max(1, int(``clip_cov_ratio`` * tokens)) of them. verl draws those at
     random when more qualify; here the ones with the largest covariance are taken (ties in torch.topk's order), so
-    a run is reproducible. Equal to verl whenever no more tokens qualify than the cap. Metrics:
-    ``actor/pg_clipfrac`` (tokens cut), ``actor/ppo_kl``."""
+    a run is reproducible. Equal to verl whenever no more tokens qualify than the cap. The cap is read from the
+    data (a host sync on CUDA) unless ``response_mask`` is bool. Metrics: ``actor/pg_clipfrac`` (tokens cut),
+    ``actor/ppo_kl``."""
     fn = "compute_policy_loss_clip_cov"
     cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
                     cu_seqlens)
@@ -815,7 +816,10 @@ def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_ma
         cov = (adv - _masked_mean(adv, m)) * (lp - _masked_mean(lp, m))
         eligible = (cov < cfg.clip_cov_ub) & (cov > cfg.clip_cov_lb) & valid & ~((loss2 > loss1) & valid)
         count = (cfg.clip_cov_ratio * m.sum()).floor().clamp(min=1)
-        bound = int(cfg.clip_cov_ratio * m.numel()) + 1  # >= count for a 0/1 mask (mask weights > 1: capped here)
+        if response_mask.dtype == torch.bool:  # count <= ratio * numel: a bound known without reading data
+            bound = int(cfg.clip_cov_ratio * m.numel()) + 1
+        else:  # mask weights may exceed 1 (verl counts sum(mask)): read the count (a host sync on CUDA only)
+            bound = int(count.item())
         corr = (~_select_top(cov, eligible, count, bound)).to(acc)
         w = corr if rollout_is_weights is None else corr * rollout_is_weights.detach().to(acc)
     loss, _, rows = policy_loss_step(LY.PG_KIND_PPO_UNBOUNDED, old_log_prob, log_prob, advantages, response_mask,

@@ -36,7 +36,7 @@ HEALTHY_RS_FRACTION = 0.05
 
 
 def _load(path: str) -> Dict[str, Any]:
-    data = torch.load(path, map_location="cpu", weights_only=False)
+    data = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values only: no pickled code
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a dict of tensors, got {type(data).__name__}")
     missing = [k for k in ("log_prob", "rollout_log_prob", "response_mask") if k not in data]

@@ -115,6 +115,25 @@ def test_clip_cov_cuts_tokens_and_matches_verl_exactly_there():
     assert metrics["actor/pg_clipfrac"] > 0
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32, torch.int64])
+def test_clip_cov_cap_counts_mask_weights_as_verl_does(mask_dtype):
+    """verl cuts up to int(ratio * sum(mask)) tokens: with mask weights of 2 that is twice the token count, and no
+    static bound from the number of positions may cap it below that (a silent difference). Every token is eligible
+    here, so exactly that many are cut."""
+    g = torch.Generator().manual_seed(3)
+    b, t = 4, 16
+    lp = -torch.rand(b, t, generator=g, dtype=torch.float64) - 0.1
+    old = lp.clone()  # ratio 1: nothing clipped, every token with cov in the range is eligible
+    adv = torch.randn(b, t, generator=g, dtype=torch.float64)
+    scale = 1 if mask_dtype == torch.bool else 2
+    mask = torch.ones(b, t, dtype=mask_dtype) * (True if mask_dtype == torch.bool else scale)
+    cfg = losses.PolicyLossConfig(loss_mode="clip_cov", clip_cov_ratio=0.3, clip_cov_lb=-1e9, clip_cov_ub=1e9)
+    _, metrics = losses.compute_policy_loss_clip_cov(old, lp, adv, mask, "token-mean", cfg)
+    want = min(b * t, int(0.3 * scale * b * t))  # verl: int(clip_cov_ratio * sum(mask)) of the eligible tokens
+    cut = float(metrics["actor/pg_clipfrac"]) * b * t  # masked mean of the cut indicator, uniform weights
+    assert round(cut) == want, (cut, want)
+
+
 # ----------------------------------------------------------------------------------------- fp64 paper oracles
 
 
