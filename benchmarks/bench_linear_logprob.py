@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import rollout_corr_ext as rc  # noqa: E402
 from peak_memory import peak_extra_mib  # noqa: E402
+from progress import add_progress_flag, progress_bar  # noqa: E402
 
 PATHS = ("materialized", "fused")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -74,12 +75,12 @@ def measure_memory(path, n, h, v, dtype, device):
     return peak_extra_mib(lambda: step(path, *inputs), device)
 
 
-def memory_subprocess(path, n, h, v, dtype_name, device):
+def memory_subprocess(path, n, h, v, dtype_name, device, say=print):
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--_memory", path, "--n", str(n), "--hidden",
                           str(h), "--vocab", str(v), "--dtypes", dtype_name, "--device", device],
                          capture_output=True, text=True)
     if out.returncode != 0:
-        print(f"(memory of {path} at N={n} failed: {out.stderr.strip().splitlines()[-1:]})")
+        say(f"(memory of {path} at N={n} failed: {out.stderr.strip().splitlines()[-1:]})")
         return None
     return float(out.stdout.strip().splitlines()[-1])
 
@@ -97,6 +98,7 @@ def main():
     ap.add_argument("--ignored", type=float, nargs="+", default=[0.0, 0.3, 0.5],
                     help="fractions of rows whose target is ignore_index, timed each (the fused path skips them)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the inputs live")
+    add_progress_flag(ap)
     ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     h, v, device = args.hidden, args.vocab, args.device
@@ -114,13 +116,17 @@ def main():
     print()
     print("| dtype | ignored rows | materialized (s) | fused (s) | fused / materialized |")
     print("|---|---:|---:|---:|---:|")
+    cells_per_dtype = 2 * len(args.ignored) * (args.repeats + 1)
+    bar = progress_bar(len(args.dtypes) * cells_per_dtype, "time", args.no_progress, unit="step")
     for name in args.dtypes:
+        bar.set_postfix_str(name)
         # every (ignored fraction, path) cell interleaved within each repeat, so drift of the machine hits all alike
         inputs = {f: make_inputs(args.n_time, h, v, DTYPES[name], device, f) for f in args.ignored}
         cells = [(f, p) for f in args.ignored for p in PATHS]
         for f, path in cells:
             step(path, *inputs[f])
             sync()
+            bar.update()
         times = {c: [] for c in cells}
         for _ in range(args.repeats):
             for f, path in cells:
@@ -128,28 +134,36 @@ def main():
                 step(path, *inputs[f])
                 sync()
                 times[(f, path)].append(time.perf_counter() - t0)
+                bar.update()
         for f in args.ignored:
             med = {p: statistics.median(times[(f, p)]) for p in PATHS}
-            print(f"| {name} | {f:.0%} | {med['materialized']:.2f} | {med['fused']:.2f} | "
-                  f"{med['fused'] / med['materialized']:.2f}x |", flush=True)
+            bar.write(f"| {name} | {f:.0%} | {med['materialized']:.2f} | {med['fused']:.2f} | "
+                      f"{med['fused'] / med['materialized']:.2f}x |")
         del inputs
+    bar.close()
     print()
     print("peak extra memory of one forward + backward (MiB; in brackets: without the returned grad_hidden and "
           "grad_weight):")
     print()
     print("| dtype | N | logits [N, V_local] | materialized | fused | fused / materialized (without grads) |")
     print("|---|---:|---:|---:|---:|---:|")
+    bar = progress_bar(len(args.dtypes) * len(args.n) * len(PATHS), "memory", args.no_progress, unit="process")
     for name in args.dtypes:
         elem = torch.empty((), dtype=DTYPES[name]).element_size()
         for n in args.n:
             grads = (n * h + v * h) * elem / 2**20
-            mem = {p: memory_subprocess(p, n, h, v, name, device) for p in PATHS}
+            mem = {}
+            for p in PATHS:
+                bar.set_postfix_str(f"{name} N={n} {p}")
+                mem[p] = memory_subprocess(p, n, h, v, name, device, bar.write)
+                bar.update()
             if None in mem.values():
                 continue
             wo = {p: max(m - grads, 0.0) for p, m in mem.items()}
-            print(f"| {name} | {n} | {n * v * elem / 2**20:.0f} | {mem['materialized']:.0f} "
-                  f"[{wo['materialized']:.0f}] | {mem['fused']:.0f} [{wo['fused']:.0f}] | "
-                  f"{wo['fused'] / max(wo['materialized'], 1e-9):.3f} |", flush=True)
+            bar.write(f"| {name} | {n} | {n * v * elem / 2**20:.0f} | {mem['materialized']:.0f} "
+                      f"[{wo['materialized']:.0f}] | {mem['fused']:.0f} [{wo['fused']:.0f}] | "
+                      f"{wo['fused'] / max(wo['materialized'], 1e-9):.3f} |")
+    bar.close()
 
 
 if __name__ == "__main__":

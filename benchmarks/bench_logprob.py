@@ -45,6 +45,9 @@ warnings.filterwarnings("ignore")
 
 from rollout_corr_ext import ops  # noqa: E402  (after the path; the package picks its backend at import)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from progress import add_progress_flag, progress_bar  # noqa: E402
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
                "broadcast")
@@ -175,6 +178,9 @@ def _worker(rank, world, store, args, out_path):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     device = args.device
     rows = []
+    # one step per (size, dtype, implementation, pass): 2 passes of each implementation, 1 of the 4 baselines
+    steps = len(args.tokens) * len(args.vocab) * len(args.dtypes) * (2 * len(_impls(world, group)) + 4)
+    bar = progress_bar(steps, f"TP={world}", args.no_progress or rank != 0, unit="step")
     for n in args.tokens:
         for v_local in args.vocab:
             for dname in args.dtypes:
@@ -196,12 +202,16 @@ def _worker(rank, world, store, args, out_path):
                     for backward in (False, True):
                         if backward and (name.startswith("plain") or name.endswith("cached logits")):
                             continue
-                        t, peak, coll = _measure(fn, lambda: base.clone(), target, backward, args.reps, device, group)
+                        bar.set_postfix_str(f"N={n} V={v_local} {dname} {name} {'fwd+bwd' if backward else 'fwd'}")
+                        make = lambda src=base: src.clone()  # noqa: E731  (bound now: pyflakes sees the del below)
+                        t, peak, coll = _measure(fn, make, target, backward, args.reps, device, group)
                         # bytes moved: read once, plus the gradient written (fwd+bwd) or the copy's write; a fresh write 1x
                         moved = n * v_local * elem * (2 if backward or name == "plain copy" else 1)
                         rows.append((world, n, v_local, dname, name, "fwd+bwd" if backward else "fwd", t,
                                      moved / t / 1e9, peak, coll))
+                        bar.update()
                 del base
+    bar.close()
     if rank == 0:
         torch.save(rows, out_path)
     parallel_state.destroy_model_parallel()
@@ -220,6 +230,7 @@ def main():
     p.add_argument("--reps", type=int, default=3, help="timed repeats (median) after a warm-up")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the logits live")
     p.add_argument("--peak-gbps", type=float, default=None, help="peak memory bandwidth for the %% column (GPU)")
+    add_progress_flag(p)
     args = p.parse_args()
 
     all_rows = []

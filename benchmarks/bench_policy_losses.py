@@ -35,6 +35,9 @@ sys.path.insert(0, ROOT)
 from rollout_corr_ext import losses  # noqa: E402
 from rollout_corr_ext import verl as rv  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from progress import add_progress_flag, progress_bar  # noqa: E402
+
 NAMES = [n for n in losses.POLICY_LOSS_MODES if n != "bypass_mode"]
 
 
@@ -71,6 +74,7 @@ def main(argv=None):
     ap.add_argument("--t", type=int, default=8192, help="response length (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (default: %(default)s)")
     ap.add_argument("--losses", nargs="+", default=NAMES, choices=NAMES, help="losses to run (default: all)")
+    add_progress_flag(ap)
     args = ap.parse_args(argv)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -84,7 +88,9 @@ def main(argv=None):
           f"commit {commit}")
     print("| loss | ours ms | verl 0.9.1 ms | speed-up | host reads (shape ops) ours / verl |")
     print("|---|---:|---:|---:|---:|")
+    bar = progress_bar(len(args.losses) * (args.repeats + 1), "policy losses", args.no_progress)
     for name in args.losses:
+        bar.set_postfix_str(name)
         actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=4,
                             clip_ratio=0.2, clip_ratio_high=0.28,
                             policy_loss=PolicyLossConfig(loss_mode=name, dro_beta=0.5))
@@ -93,15 +99,18 @@ def main(argv=None):
         times = {k: [] for k in fns}
         for k in fns:
             _call(fns[k], old, lp, adv, mask, cfgs[k], w)  # warm-up
+        bar.update()
         for _ in range(args.repeats):
             for k in fns:
                 t0 = time.perf_counter()
                 _call(fns[k], old, lp, adv, mask, cfgs[k], w)
                 times[k].append(time.perf_counter() - t0)
+            bar.update()
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         syncs = {k: _syncs(fns[k], old, lp, adv, mask, cfgs[k], w) for k in fns}
-        print(f"| {name} | {med['ours']:.1f} | {med['verl']:.1f} | {med['verl'] / med['ours']:.2f}x | "
-              f"{syncs['ours'][0]} ({syncs['ours'][1]}) / {syncs['verl'][0]} ({syncs['verl'][1]}) |", flush=True)
+        bar.write(f"| {name} | {med['ours']:.1f} | {med['verl']:.1f} | {med['verl'] / med['ours']:.2f}x | "
+                  f"{syncs['ours'][0]} ({syncs['ours'][1]}) / {syncs['verl'][0]} ({syncs['verl'][1]}) |")
+    bar.close()
 
 
 if __name__ == "__main__":

@@ -81,6 +81,9 @@ warnings.filterwarnings("ignore")
 
 import rollout_corr_ext as rc  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from progress import add_progress_flag, progress_bar  # noqa: E402
+
 RS = "token_k1,seq_max_k3"
 RS_THRESHOLD = "0.5_2.0,0.05"
 CFG = dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs=RS, rollout_rs_threshold=RS_THRESHOLD)
@@ -306,6 +309,7 @@ def main() -> None:
     ap.add_argument("--dist", action="store_true",
                     help="instead: the cost of the cross-rank checks on 2 gloo ranks (own options: --b (default 64), "
                          "--t (default 2048), --repeats (default 20))")
+    add_progress_flag(ap)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -337,9 +341,14 @@ def main() -> None:
     else:
         flush = torch.ones(24 * 1024 * 1024)  # 96 MiB, several times any L3
 
+    # one step per timed repeat (the warm-up counted as one) and per row's syncs + peak memory
+    bar = progress_bar(args.repeats + 1 + len(names), "rollout correction", args.no_progress, unit="step")
     probe = OtherLoad()
+    bar.set_postfix_str("warm-up")
     results = {name: fn() for name, fn in fns.items()}  # warm-up (and the values compared below)
     _sync(device)
+    bar.update()
+    bar.set_postfix_str("timed repeats")
     times = {name: [] for name in names}
     for _ in range(args.repeats):  # interleaved, so load from other processes hits every row alike
         for name, fn in fns.items():
@@ -350,16 +359,20 @@ def main() -> None:
             fn()
             _sync(device)
             times[name].append(time.perf_counter() - t0)
+        bar.update()
 
     others = probe.share()
     rows = {}
     for name in names:
+        bar.set_postfix_str(f"syncs and peak memory: {name.split(':')[0]}")
         med = statistics.median(times[name])
         syncs, shape_ops = count_syncs(fns[name])
         peak = cuda_peak_memory(fns[name]) if device == "cuda" else peak_memory_subprocess(name, args.b, args.t)
         gbs = BYTES_PER_TOKEN[name] * n / med / 1e9
         nmet = len(results[name]) if name in (OURS, VERL) else None
         rows[name] = (med, syncs, shape_ops, peak, gbs, nmet)
+        bar.update()
+    bar.close()
 
     read_gbs = rows[READ][4]
     verl_med = rows[VERL][0] if VERL in rows else None
@@ -430,7 +443,8 @@ def _median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def _dist_worker(rank: int, world: int, store: str, b: int, t: int, repeats: int, out_path: str) -> None:
+def _dist_worker(rank: int, world: int, store: str, b: int, t: int, repeats: int, out_path: str,
+                 no_progress: bool = False) -> None:
     import torch.distributed as dist
 
     from rollout_corr_ext import correction as C
@@ -454,11 +468,11 @@ def _dist_worker(rank: int, world: int, store: str, b: int, t: int, repeats: int
     fingerprint = C.config_fingerprint(cfg)
 
     def checked_reduce():  # what the op does after pass 2: padded reduce, then the agreement + batch checks
-        s, _, agree = C._reduce_partials(sums, maxes, fingerprint, group)
+        s, _, agree = C._reduce_partials(sums, maxes, fingerprint, group)[:3]
         rc.ops.rollout_check(s, agree, lp, rlp, mask, False)
 
     rows = []
-    for name, fn in [
+    cases = [
         ("DP op (dp_group)", lambda: rc.compute_rollout_correction(lp, rlp, mask, cfg, dp_group=group)),
         ("  its partials reduce: fixed wire size + fingerprint and batch checks", checked_reduce),
         ("  baseline: bare SUM + MAX of the unpadded partials", bare_reduce),
@@ -466,11 +480,16 @@ def _dist_worker(rank: int, world: int, store: str, b: int, t: int, repeats: int
         ("  its row-count check alone (16-byte MAX all-reduce)",
          lambda: C._check_seq_rows(lp.shape[0], lp.device, group)),
         ("single-process op (no collectives)", lambda: rc.compute_rollout_correction(lp, rlp, mask, cfg)),
-    ]:
+    ]
+    bar = progress_bar(len(cases), "--dist", no_progress or rank != 0, unit="row")
+    for name, fn in cases:
+        bar.set_postfix_str(name.strip())
         ms = _median_ms(fn, repeats)
         with CollectiveCounter() as cc:
             fn()
         rows.append((name, ms, len(cc.calls)))
+        bar.update()
+    bar.close()
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(dict(rows=rows, wire=[C._WIRE_SUM, C._WIRE_MAX], own=[sums.numel(), maxes.numel()]), f)
@@ -485,7 +504,8 @@ def dist_main(args) -> None:
     b, t, repeats = args.b or 64, args.t or 2048, args.repeats or 20
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        mp.spawn(_dist_worker, args=(2, os.path.join(tmp, "store"), b, t, repeats, out), nprocs=2, join=True)
+        mp.spawn(_dist_worker, args=(2, os.path.join(tmp, "store"), b, t, repeats, out, args.no_progress), nprocs=2,
+                 join=True)
         with open(out) as f:
             res = json.load(f)
     n = b * t
@@ -572,8 +592,12 @@ def packed_main(args) -> None:
     real = int(mask.sum())
     flush = None if args.warm_cache else (torch.ones(64 * 1024 * 1024, device="cuda") if device == "cuda"
                                           else torch.ones(24 * 1024 * 1024))
+    bar = progress_bar(args.repeats + 1 + len(fns), "packed vs padded", args.no_progress, unit="step")
+    bar.set_postfix_str("warm-up")
     results = {name: fn() for name, fn in fns.items()}
     _sync(device)
+    bar.update()
+    bar.set_postfix_str("timed repeats")
     times = {name: [] for name in fns}
     for _ in range(args.repeats):
         for name, fn in fns.items():
@@ -584,6 +608,16 @@ def packed_main(args) -> None:
             fn().as_floats()
             _sync(device)
             times[name].append(time.perf_counter() - t0)
+        bar.update()
+    peaks = {}
+    for name in fns:  # peak memory before any row prints (a fresh subprocess each on CPU)
+        bar.set_postfix_str(f"peak memory: {name}")
+        if device == "cuda":
+            peaks[name] = cuda_peak_memory(lambda: fns[name]().as_floats())
+        else:
+            peaks[name] = peak_memory_subprocess(name, b, t, ("--packed", "--min-len", str(min_len)))
+        bar.update()
+    bar.close()
     ref = results[PADDED]
     ref_w, ref_m = ref.weights[mask], ref.response_mask[mask]
     ref_metrics = ref.as_floats()
@@ -601,10 +635,7 @@ def packed_main(args) -> None:
         med = statistics.median(times[name])
         stored = sum(x.numel() for x in inputs[name][:2]) // 2
         in_mib = sum(x.numel() * x.element_size() for x in inputs[name]) / 2**20
-        if device == "cuda":
-            peak = cuda_peak_memory(lambda: fns[name]().as_floats())
-        else:
-            peak = peak_memory_subprocess(name, b, t, ("--packed", "--min-len", str(min_len)))
+        peak = peaks[name]
         w = res.weights if name == PACKED else res.weights[mask]
         m = res.response_mask if name == PACKED else res.response_mask[mask]
         same = (torch.equal(w, ref_w) and torch.equal(m, ref_m) and res.as_floats() == ref_metrics)
@@ -624,6 +655,7 @@ if __name__ == "__main__":
         ap.add_argument("--b", type=int, default=None, help="rows per rank (default 64)")
         ap.add_argument("--t", type=int, default=None, help="response length (default 2048)")
         ap.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 20)")
+        add_progress_flag(ap)
         dist_main(ap.parse_args())
     elif "--packed" in sys.argv:
         ap = argparse.ArgumentParser(description="rollout correction: packed vs padded layouts of the same sequences")
@@ -635,6 +667,7 @@ if __name__ == "__main__":
         ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
         ap.add_argument("--warm-cache", action="store_true", help="do not evict the inputs between calls")
         ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="default cpu")
+        add_progress_flag(ap)
         ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
         pargs = ap.parse_args()
         if pargs.threads:

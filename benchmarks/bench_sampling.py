@@ -30,6 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout_corr_ext as rc  # noqa: E402
 from peak_memory import peak_extra_mib  # noqa: E402
+from progress import add_progress_flag, progress_bar  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 METHODS = ("plain", "replay", "peer")
@@ -199,6 +200,7 @@ def main():
     ap.add_argument("--no-memory", action="store_true", default=False, help="skip the memory table")
     ap.add_argument("--ties", action="store_true", default=False,
                     help="measure the top-p tie rule's extra kept mass on bf16 logits instead of timing")
+    add_progress_flag(ap)
     ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ties:
@@ -207,11 +209,13 @@ def main():
         print()
         print("| top_p | logit scale s | mean | max | rows that differ |")
         print("|---|---|---|---|---|")
-        for top_p in (0.5, 0.9, 0.95):
-            for scale in (1.0, 3.0, 8.0):
+        cases = [(top_p, scale) for top_p in (0.5, 0.9, 0.95) for scale in (1.0, 3.0, 8.0)]
+        with progress_bar(len(cases), "ties", args.no_progress, unit="case") as bar:
+            for top_p, scale in cases:
                 d = tie_rule_difference(args.n, args.vocab, top_p, scale)
-                print(f"| {top_p} | {scale} | {d.mean().item():.2e} | {d.max().item():.2e} | "
-                      f"{(d.abs() > 1e-6).double().mean().item() * 100:.1f} % |")
+                bar.write(f"| {top_p} | {scale} | {d.mean().item():.2e} | {d.max().item():.2e} | "
+                          f"{(d.abs() > 1e-6).double().mean().item() * 100:.1f} % |")
+                bar.update()
         return
     sp_kw = dict(top_k=args.top_k if args.top_k > 0 else None, top_p=args.top_p, temperature=args.temperature)
     sp = rc.SamplingParams(**sp_kw)
@@ -226,25 +230,29 @@ def main():
     print("| dtype | TP | plain fwd s | replay fwd s (x plain) | peer fwd s (x replay) | plain bwd s | replay bwd s "
           "| replay collectives / bytes per row |")
     print("|---|---|---|---|---|---|---|---|")
+    bar = progress_bar(len(args.dtypes) * len(args.tp), "time", args.no_progress, unit="case")
     for name in args.dtypes:
         dtype = DTYPES[name]
         for tp in args.tp:
+            bar.set_postfix_str(f"{name} TP={tp}")
             if tp == 1:
                 logits, target = make_inputs(args.n, args.vocab, dtype, args.device)
                 fwd = {m: timed(lambda m=m: step(m, logits, target, sp, backward=False), args.repeats, sync)
                        for m in METHODS}
                 bwd = {m: timed_backward(m, logits, target, sp, args.repeats, sync) for m in METHODS}
                 coll = "0 / 0"
-                print(f"| {name} | 1 | {fwd['plain']:.4f} | {fwd['replay']:.4f} ({fwd['replay'] / fwd['plain']:.2f}x) "
-                      f"| {fwd['peer']:.4f} ({fwd['peer'] / fwd['replay']:.2f}x) | {bwd['plain']:.4f} | "
-                      f"{bwd['replay']:.4f} | {coll} |")
+                bar.write(f"| {name} | 1 | {fwd['plain']:.4f} | {fwd['replay']:.4f} "
+                          f"({fwd['replay'] / fwd['plain']:.2f}x) | {fwd['peer']:.4f} "
+                          f"({fwd['peer'] / fwd['replay']:.2f}x) | {bwd['plain']:.4f} | {bwd['replay']:.4f} | {coll} |")
             else:
                 r = run_tp(tp, args.n, args.vocab, name, sp_kw, args.repeats)
                 p, s, q = r["plain"], r["replay"], r["peer"]
-                print(f"| {name} | {tp} | {p['fwd']:.4f} | {s['fwd']:.4f} ({s['fwd'] / p['fwd']:.2f}x) | "
-                      f"{q['fwd']:.4f} ({q['fwd'] / s['fwd']:.2f}x) | - | - | {s['collectives']} / "
-                      f"{s['bytes_per_row']:.0f} (plain: {p['collectives']} / {p['bytes_per_row']:.0f}; peer: "
-                      f"{q['collectives']} / {q['bytes_per_row']:.0f}) |")
+                bar.write(f"| {name} | {tp} | {p['fwd']:.4f} | {s['fwd']:.4f} ({s['fwd'] / p['fwd']:.2f}x) | "
+                          f"{q['fwd']:.4f} ({q['fwd'] / s['fwd']:.2f}x) | - | - | {s['collectives']} / "
+                          f"{s['bytes_per_row']:.0f} (plain: {p['collectives']} / {p['bytes_per_row']:.0f}; peer: "
+                          f"{q['collectives']} / {q['bytes_per_row']:.0f}) |")
+            bar.update()
+    bar.close()
     if args.no_memory:
         return
     print()
@@ -252,16 +260,20 @@ def main():
     print()
     print("| dtype | plain | replay | peer (x replay) |")
     print("|---|---|---|---|")
+    bar = progress_bar(len(args.dtypes) * len(METHODS), "memory", args.no_progress, unit="process")
     for name in args.dtypes:
         mem = {}
         for m in METHODS:
+            bar.set_postfix_str(f"{name} {m}")
             out = subprocess.run([sys.executable, os.path.abspath(__file__), "--_memory", m, "--n", str(args.n),
                                   "--vocab", str(args.vocab), "--dtypes", name, "--device", args.device,
                                   "--top-k", str(args.top_k), "--top-p", str(args.top_p), "--temperature",
                                   str(args.temperature)], capture_output=True, text=True)
             mem[m] = float(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else float("nan")
-        print(f"| {name} | {mem['plain']:.1f} | {mem['replay']:.1f} | {mem['peer']:.1f} "
-              f"({mem['peer'] / max(mem['replay'], 1e-9):.2f}x) |")
+            bar.update()
+        bar.write(f"| {name} | {mem['plain']:.1f} | {mem['replay']:.1f} | {mem['peer']:.1f} "
+                  f"({mem['peer'] / max(mem['replay'], 1e-9):.2f}x) |")
+    bar.close()
 
 
 if __name__ == "__main__":

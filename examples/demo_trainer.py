@@ -32,7 +32,9 @@ All settings start from the same weights and see the same prompts and sampling s
 Outputs in ``--out-dir``: ``metrics.jsonl`` (one line per step and setting), ``curves.png`` (reward, exact match,
 ``rollout_corr/kl``, ``rollout_corr/chi2_token``, percentiles of the token IS ratio pi_train/pi_rollout and the
 fraction of sequences / tokens each setting rejects) and ``run.json`` (the command, the commit, the machine, the
-backend and the wall time: ``examples/demo_table.py`` prints the docs' results table from these files).
+backend and the wall time: ``examples/demo_table.py`` prints the docs' results table from these files); unless
+``--no-report``, the mismatch report of each setting's last step (rank 0's batch): ``report_SETTING.pt`` (the batch)
+and ``report_SETTING.png`` / ``.json`` (``python -m rollout_corr_ext.report`` of it; a ':' in SETTING becomes '_').
 
 On CPU a few pieces of megatron-core need CUDA; ``rollout_corr_testing/megatron_cpu.py`` names each with its shim
 (docs/megatron.md). One of them is the schedule (``forward_backward_no_pipelining`` allocates on "cuda"), so
@@ -319,7 +321,8 @@ class Run:
             for name, p in self.sampler.named_parameters():
                 p.copy_(self.history[0][name])  # casts fp32 -> bf16
 
-    def step(self, prompts: torch.Tensor, gen: torch.Generator, tp_group, dp_group) -> dict:
+    def step(self, prompts: torch.Tensor, gen: torch.Generator, tp_group, dp_group, keep_batch: bool = False) -> dict:
+        """One GRPO step; ``keep_batch``: also keep this step's correction inputs in ``self.batch`` (the report's)."""
         a = self.args
         self.sync_sampler()
         prompts = prompts.repeat_interleave(a.group, 0)
@@ -389,6 +392,13 @@ class Run:
         rec.update(reported_means(reports))
         rec.update({f"demo/token_ratio_p{int(k * 100):02d}": float(v)
                     for k, v in zip((0.05, 0.25, 0.5, 0.75, 0.95), q)})
+        if keep_batch:
+            # the response positions only; a token outside the trainer's kept set (train_lp = -inf) left the loss
+            # and is left out of the report's mask as it is of the ratio percentiles above
+            cut = slice(p - 1, s - 1)
+            lp = train_lp[:, cut]
+            self.batch = {"log_prob": lp.float().cpu(), "rollout_log_prob": rollout_lp[:, cut].float().cpu(),
+                          "response_mask": (mask[:, cut] & (lp != -math.inf)).cpu(), "config": self.rc.to_dict()}
         return rec
 
 
@@ -460,6 +470,23 @@ def plot(path: str, records, settings, window: int = 9, sampling: str = "no trun
     fig.tight_layout(rect=(0, 0.07, 1, 0.97))
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+def report_name(setting: str) -> str:
+    """``report_SETTING``, the report files' name (a ':' in the setting's name becomes '_': no colon in file names)."""
+    return "report_" + setting.replace(":", "_")
+
+
+def write_report(prefix: str, batch: dict) -> None:
+    """``PREFIX.pt`` (the batch, as ``python -m rollout_corr_ext.report`` reads it) and the one-page report of it,
+    ``PREFIX.png`` and ``PREFIX.json`` (docs/rollout_correction.md)."""
+    from rollout_corr_ext import report
+
+    torch.save(batch, prefix + ".pt")
+    page = report.build_report(batch)
+    with open(prefix + ".json", "w") as f:
+        json.dump(page, f, indent=1)
+    report.plot_report(page, prefix + ".png")
 
 
 def _cpu_isa() -> str:
@@ -543,8 +570,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--geo-rs-threshold", default="0.9_1.1",
                     help="geo_rs keep range LOWER_UPPER of exp(mean log-ratio) per sequence")
     ap.add_argument("--seed", type=int, default=0, help="seed of the initial weights, the prompts and the sampling")
-    ap.add_argument("--out-dir", default="demo_out", help="where metrics.jsonl, curves.png and run.json go")
+    ap.add_argument("--out-dir", default="demo_out",
+                    help="where metrics.jsonl, curves.png, run.json and the report_SETTING files go")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    ap.add_argument("--no-report", action="store_true",
+                    help="no mismatch report of each setting's last step (report_SETTING.pt / .png / .json)")
     return ap
 
 
@@ -598,13 +628,14 @@ def main(argv=None):
         bar = tqdm(total=args.steps * len(runs), desc="GRPO", unit="upd", dynamic_ncols=True)
     t0 = time.time()
     out = open(jsonl, "w") if rank == 0 else None
+    keep = rank == 0 and not args.no_report  # the report pages: rank 0's batch of each setting's last step
     for step in range(args.steps):
         # Same prompts and sampling seed for every setting; each DP rank gets its own slice of prompts.
         pgen = torch.Generator().manual_seed(args.seed * 100003 + step * world + dp_rank)
         prompts = make_prompts(args.prompts, args.digits, pgen).to(device)
         for run in runs:
             gen = torch.Generator().manual_seed(args.seed * 7919 + step * world + dp_rank + 1)
-            rec = run.step(prompts, gen, tp_group, dp_group)
+            rec = run.step(prompts, gen, tp_group, dp_group, keep_batch=keep and step == args.steps - 1)
             # Reward is local to this DP rank's prompts: average it over DP (TP ranks already agree).
             r = torch.tensor([rec["reward"], rec["exact_match"]], device=device)
             dist.all_reduce(r, group=dp_group)
@@ -643,6 +674,12 @@ def main(argv=None):
             json.dump(run_info(args, backend, time.time() - t0), f, indent=1)
             f.write("\n")
         print(f"wrote {jsonl}, {png} and {info}")
+        if keep and args.steps > 0:
+            for run in runs:
+                write_report(os.path.join(args.out_dir, report_name(run.name)), run.batch)
+            print(f"wrote {os.path.join(args.out_dir, 'report_<setting>')}.png and .json, the mismatch report of each "
+                  f"setting's last step (python -m rollout_corr_ext.report), and its batch .pt; <setting>: "
+                  f"{', '.join(report_name(n)[len('report_'):] for n in settings)}")
     dist.barrier()
     shims.__exit__(None, None, None)
     parallel_state.destroy_model_parallel()

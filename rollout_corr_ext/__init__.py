@@ -101,7 +101,13 @@ if not _try_prebuilt():
 from .logprobs import empty_cpu_cache, vocab_parallel_cross_entropy, vocab_parallel_log_probs  # noqa: E402
 from .linear import linear_log_probs  # noqa: E402
 from .config import RolloutCorrectionConfig  # noqa: E402
-from .correction import RolloutCorrectionResult, compute_offpolicy_metrics, compute_rollout_correction  # noqa: E402
+from .correction import (  # noqa: E402
+    RolloutCorrectionResult,
+    RolloutDiagnosticsResult,
+    compute_offpolicy_metrics,
+    compute_rollout_correction,
+)
+from .observability import MismatchDiagnostics, log_histograms  # noqa: E402
 from .sampling import (  # noqa: E402
     KeptTokens,
     SampledLogProbs,
@@ -127,6 +133,9 @@ __all__ = [
     "sampled_linear_log_probs",
     "RolloutCorrectionConfig",
     "RolloutCorrectionResult",
+    "RolloutDiagnosticsResult",
+    "MismatchDiagnostics",
+    "log_histograms",
     "compute_rollout_correction",
     "compute_offpolicy_metrics",
     "LOSS_AGG_MODES",

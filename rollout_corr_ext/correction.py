@@ -54,6 +54,21 @@ _WIRE_MAX = _WIRE_MAX_BODY + 2
 _FINGERPRINT_BUCKETS = 1 << 24
 
 
+class RolloutDiagnosticsResult(NamedTuple):
+    """:func:`compute_rollout_correction` with ``diagnostics=``: the three fields of
+    :class:`RolloutCorrectionResult` (``metrics`` with the diagnostics' metrics added) and ``diagnostics``, a
+    :class:`~rollout_corr_ext.observability.DiagnosticsOutput` (per-row values, the worst rows, histograms)."""
+
+    weights: Optional[torch.Tensor]
+    response_mask: torch.Tensor
+    metrics: Dict[str, torch.Tensor]
+    diagnostics: "object"
+
+    def as_floats(self) -> Dict[str, float]:
+        """The metrics as Python floats, with one host sync for all of them."""
+        return _as_floats(self.metrics)
+
+
 class RolloutCorrectionResult(NamedTuple):
     """``weights``: ``[B, T]`` IS weights (detached, 0 at padding) or None; float32, or float64 when
     ``log_prob`` or ``rollout_log_prob`` is float64. ``response_mask``: the input mask with rejected tokens set to
@@ -435,22 +450,30 @@ def _check_seq_rows(b: int, device: torch.device, seq_group) -> None:
                          f"sequences, each its own slice of the response_length dimension")
 
 
-def _reduce_partials(sums: torch.Tensor, maxes: torch.Tensor, fingerprint: int, group):
-    """SUM / MAX all-reduce of the partials over ``group`` at the fixed wire size, with the config check.
+def _reduce_partials(sums: torch.Tensor, maxes: torch.Tensor, fingerprint: int, group, extra=None):
+    """SUM / MAX all-reduce of the partials over ``group`` at the fixed wire size, with the config check;
+    ``extra``: optional (sum, max) vectors appended to the two messages (the diagnostics: no extra collective).
 
-    Returns the reduced ``sums``, ``maxes`` (this config's sizes) and a bool 0-dim tensor: all ranks agree."""
+    Returns the reduced ``sums``, ``maxes`` (this config's sizes), a bool 0-dim tensor (all ranks agree) and the
+    reduced extra vectors (or None)."""
     ns, nm = sums.numel(), maxes.numel()
-    wire_s = sums.new_zeros(_WIRE_SUM)
+    es = 0 if extra is None else extra[0].numel()
+    em = 0 if extra is None else extra[1].numel()
+    wire_s = sums.new_zeros(_WIRE_SUM + es)
     wire_s[:ns] = sums
-    wire_m = maxes.new_full((_WIRE_MAX,), -math.inf)
+    wire_m = maxes.new_full((_WIRE_MAX + em,), -math.inf)
     wire_m[:nm] = maxes
-    wire_m[-2] = float(fingerprint)
-    wire_m[-1] = -float(fingerprint)
+    if extra is not None:
+        wire_s[_WIRE_SUM:] = extra[0]
+        wire_m[_WIRE_MAX:] = extra[1]
+    wire_m[_WIRE_MAX - 2] = float(fingerprint)
+    wire_m[_WIRE_MAX - 1] = -float(fingerprint)
     dist.all_reduce(wire_s, op=dist.ReduceOp.SUM, group=group)
     dist.all_reduce(wire_m, op=dist.ReduceOp.MAX, group=group)
     # max(h) == h and max(-h) == -h on this rank  <=>  min(h) == max(h) over all ranks: the same verdict everywhere.
-    agree = (wire_m[-2] == fingerprint) & (wire_m[-1] == -fingerprint)
-    return wire_s[:ns], wire_m[:nm], agree
+    agree = (wire_m[_WIRE_MAX - 2] == fingerprint) & (wire_m[_WIRE_MAX - 1] == -fingerprint)
+    rest = None if extra is None else (wire_s[_WIRE_SUM:], wire_m[_WIRE_MAX:])
+    return wire_s[:ns], wire_m[:nm], agree, rest
 
 
 def compute_rollout_correction(
@@ -463,7 +486,8 @@ def compute_rollout_correction(
     seq_group=None,
     nonfinite: str = "error",
     cu_seqlens: Optional[torch.Tensor] = None,
-) -> RolloutCorrectionResult:
+    diagnostics=None,
+) -> Union[RolloutCorrectionResult, RolloutDiagnosticsResult]:
     """IS weights, the RS + veto mask and every ``rollout_corr/*`` metric, exact over the global batch.
 
     Padded batches are ``[B, T]``; **packed** batches (megatron's THD layout, sequence packing) are the 1-D token
@@ -495,6 +519,11 @@ def compute_rollout_correction(
             tool outputs, padding between segments). With context parallelism each rank passes its own local stream
             and local cu_seqlens: the same sequences in the same order, each rank its share of every sequence
             (megatron's ``cu_seqlens_q_padded // cp_size`` layout).
+        diagnostics: a :class:`~rollout_corr_ext.observability.MismatchDiagnostics`: also compute the mismatch
+            diagnostics (|lr| statistics, reverse KL, Jensen-Shannon, breakdowns by position / probability /
+            entropy / turn / version lag, per-row values and rejection bits, the worst rows with global ids,
+            logger-ready histograms; docs/rollout_correction.md "Diagnostics"): one more pass over the tokens, its
+            partials carried by the same two all-reduces. Returns a :class:`RolloutDiagnosticsResult` then.
 
     Returns:
         :class:`RolloutCorrectionResult` (weights: float32, float64 when either log-prob input is float64; or None;
@@ -520,23 +549,53 @@ def compute_rollout_correction(
     if seq_world > 1:
         _check_seq_rows(num_rows, log_prob.device, seq_group)
     stats = ops.rollout_seq_stats(log_prob, rollout_log_prob, response_mask, args, cu_seqlens)
+    diag_state = row_abs = None
+    if diagnostics is not None:
+        diag_state, row_abs = _diagnostics_first_half(diagnostics, log_prob, rollout_log_prob, response_mask,
+                                                      exclude, cu_seqlens, num_rows)
     if seq_world > 1:
         ns = LY.SEQ_NUM_SUMS
-        part = stats[:, :ns].contiguous()
+        part = stats[:, :ns] if row_abs is None else torch.cat([stats[:, :ns], row_abs.to(stats.dtype)[:, None]], 1)
+        part = part.contiguous()
         dist.all_reduce(part, op=dist.ReduceOp.SUM, group=seq_group)
         top = stats[:, ns:].contiguous()
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=seq_group)
+        if row_abs is not None:
+            part, row_abs = part[:, :ns], part[:, ns]
         stats = torch.cat([part, top], dim=1)
 
     weights, mask_out, sums, maxes = ops.rollout_token_pass(
         log_prob, rollout_log_prob, response_mask, stats, args, seq_rank == 0, cu_seqlens)
-    agree = None
+    wire = row_values = None
+    red_rank = dist.get_rank(red_group) if dp_world > 1 else 0
+    lead_rank = red_rank  # the reduce-group rank of this row set's first context-parallel rank (global row ids)
+    if diagnostics is not None and seq_world > 1 and dp_world > 1:
+        lead_rank = dist.get_group_rank(red_group, dist.get_global_rank(seq_group, 0))
+    if diagnostics is not None:
+        wire, row_values = _diagnostics_second_half(diagnostics, diag_state, row_abs, stats, args, log_prob,
+                                                    None if config.is_spec is None else weights, mask_out,
+                                                    seq_rank, seq_world, dp_world, red_rank, cu_seqlens)
+    agree = extra = None
     if dp_world > 1:
-        sums, maxes, agree = _reduce_partials(sums, maxes, config_fingerprint(config, exclude), red_group)
+        fingerprint = config_fingerprint(config, exclude)
+        if diagnostics is not None:
+            fingerprint = _fold_fingerprint(fingerprint, diagnostics.fingerprint())
+        sums, maxes, agree, extra = _reduce_partials(sums, maxes, fingerprint, red_group,
+                                                     None if wire is None else wire.vectors())
+    elif wire is not None:
+        extra = wire.vectors()
     # Every rank reaches the same verdict on the reduced sums (CPU: a ValueError; CUDA: device asserts, no sync).
     sums = ops.rollout_check(sums, agree, log_prob, rollout_log_prob, response_mask, exclude)
 
     metrics = finalize_metrics(sums, maxes, config, exclude)
+    diag_out = None
+    if diagnostics is not None:
+        from .observability import finalize_diagnostics
+
+        names = tuple(c.name for c in config.rs_criteria) + ("veto",)
+        diag_metrics, diag_out = finalize_diagnostics(diagnostics, wire, extra[0], extra[1], lead_rank, row_values,
+                                                      names, config.is_spec is not None, PREFIX)
+        metrics.update(diag_metrics)
     if config.is_spec is None:
         weights = None
     elif config.rollout_is_batch_normalize:
@@ -546,7 +605,49 @@ def compute_rollout_correction(
     if cu_seqlens is not None:
         weights = None if weights is None else weights.reshape(out_shape)
         mask_out = mask_out.reshape(out_shape)
+    if diag_out is not None:
+        return RolloutDiagnosticsResult(weights, mask_out, metrics, diag_out)
     return RolloutCorrectionResult(weights, mask_out, metrics)
+
+
+def _fold_fingerprint(fingerprint: int, extra) -> int:
+    blob = repr((fingerprint, extra)).encode()
+    return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") % _FINGERPRINT_BUCKETS
+
+
+def _diagnostics_first_half(spec, log_prob, rollout_log_prob, response_mask, exclude, cu_seqlens, num_rows):
+    from .observability import MismatchDiagnostics, diagnostics_pass
+
+    if not isinstance(spec, MismatchDiagnostics):
+        raise TypeError(f"diagnostics must be a MismatchDiagnostics, got {type(spec).__name__}")
+    valid = response_mask != 0
+    if exclude:
+        valid = valid & torch.isfinite(log_prob) & torch.isfinite(rollout_log_prob)
+    return diagnostics_pass(spec, log_prob, rollout_log_prob, valid, cu_seqlens, num_rows)
+
+
+def _diagnostics_second_half(spec, state, row_abs, stats, args, log_prob, weights, mask_out, seq_rank, seq_world,
+                             world, rank, cu_seqlens):
+    from .fallback.rollout_correction import row_rejections
+    from .observability import diagnostics_partials
+
+    f64 = torch.float64
+    n = stats[:, LY.SEQ["tokens"]].to(f64)
+    nan = torch.full((), math.nan, dtype=f64, device=n.device)
+
+    def mean(s):
+        return torch.where(n > 0, s.to(f64) / n.clamp(min=1), nan)
+
+    bits = torch.zeros(n.shape, dtype=torch.int64, device=n.device)
+    for i, hit in enumerate(row_rejections(stats, args)):
+        bits = bits | (hit.to(torch.int64) << i)
+    lr_sum = stats[:, LY.SEQ["log_ratio"]].to(f64)
+    row_values = {"tokens": n.to(torch.int64), "log_ratio_sum": lr_sum, "log_ratio_mean": mean(lr_sum),
+                  "abs_log_ratio_mean": mean(row_abs), "kl": mean(stats[:, LY.SEQ["k1"]]),
+                  "k3_kl": mean(stats[:, LY.SEQ["k3"]]), "reject_bits": bits}
+    wire = diagnostics_partials(spec, state, log_prob, weights, mask_out, n, seq_rank, world, rank, seq_world > 1,
+                                cu_seqlens, row_values)
+    return wire, row_values
 
 
 def compute_offpolicy_metrics(

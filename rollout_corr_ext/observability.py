@@ -17,12 +17,16 @@ all-reduce of a few numbers, whatever the batch size).
 from __future__ import annotations
 
 import math
-from typing import Dict
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEBUG_METRIC_KEYS", "debug_metrics"]
+from . import _layout as LY
+
+__all__ = ["DEBUG_METRIC_KEYS", "debug_metrics", "MismatchDiagnostics", "DiagnosticsOutput", "Histogram",
+           "BREAKDOWNS", "BUCKET_STATS", "log_histograms"]
 
 #: verl's keys, in its order.
 DEBUG_METRIC_KEYS = ("training/rollout_probs_diff_valid", "training/rollout_probs_diff_max",
@@ -85,3 +89,482 @@ def debug_metrics(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, respon
             DEBUG_METRIC_KEYS[4]: torch.where(has, corr, nan),
         }
     return out
+
+
+# ------------------------------------------------------------------------------------------------- diagnostics
+#
+# ``compute_rollout_correction(..., diagnostics=MismatchDiagnostics(...))``: one more pass over the tokens (torch
+# ops, no host sync) whose fp64 partials ride on the correction's own SUM / MAX all-reduce (no extra collective).
+# Estimators, per response token with lr = log pi_theta - log pi_rollout, r = exp(clamp(lr, -20, 20)) and the token
+# drawn from pi_rollout (so E_rollout[f(r)] is the f-divergence D_f(pi_theta || pi_rollout) of the next-token
+# distributions, averaged over the contexts the batch visits; Csiszar's f-divergences, e.g. Liese & Vajda 2006):
+#   reverse KL(pi_theta || pi_rollout) = E[r lr - (r - 1)]          f(r) = r log r - (r - 1): >= 0 per token, the
+#       E[r - 1] = 0 control variate of Schulman's "Approximating KL divergence" (2020) k3, in the other direction;
+#   Jensen-Shannon JS(pi_theta, pi_rollout) = E[(r lr - (1 + r) log((1 + r) / 2)) / 2]   (Lin 1991; in nats,
+#       <= log 2; f(r) >= 0 per token);
+#   the forward KL(pi_rollout || pi_theta) is rollout_corr/kl (k1) and k3_kl (k3), as verl logs them.
+
+#: Breakdown families, in wire order.
+BREAKDOWNS = ("position_decile", "position", "probability", "entropy", "turn", "lag")
+#: Per-bucket statistics of every breakdown.
+BUCKET_STATS = ("tokens", "abs_log_ratio", "kl", "k3_kl")
+_HIST_BINS = 4096
+_HIST_LO, _HIST_HI = -20.0, 20.0
+_LN2 = math.log(2.0)
+
+
+@dataclass(eq=False, frozen=True)
+class MismatchDiagnostics:
+    """What :func:`~rollout_corr_ext.compute_rollout_correction` adds when given ``diagnostics=`` (docs/
+    rollout_correction.md, "Diagnostics"). Optional per-token tensors (the log-probs' shape; ``versions`` may be
+    per row ``[B]``): ``entropy`` (the trainer's per-token entropy), ``turn_ids`` (integer turn index of each token in
+    a multi-turn response; negative: not counted), ``versions`` with ``current_version`` (the policy version that
+    drew each token), ``positions`` (each token's index among its sequence's response tokens: required under
+    context parallelism, where a rank holds a slice of each sequence; derived from the mask otherwise).
+
+    Buckets: ``position_buckets`` (absolute position edges), ``entropy_edges``, ``probability_bins`` (equal bins of
+    the trainer's token probability), ``max_turns`` (turns >= it share the last bucket), ``max_lag`` (lags > it share
+    the last bucket). ``top_k``: how many of the worst sequences (largest mean |lr|) to return, with global row ids
+    over the data-parallel group. Every rank of the group must pass the same settings and the same optional tensors.
+    """
+
+    entropy: Optional[torch.Tensor] = None
+    turn_ids: Optional[torch.Tensor] = None
+    versions: Optional[torch.Tensor] = None
+    current_version: Optional[int] = None
+    positions: Optional[torch.Tensor] = None
+    position_buckets: Tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    entropy_edges: Tuple[float, ...] = (0.1, 0.5, 1.0, 2.0, 4.0)
+    probability_bins: int = 10
+    max_turns: int = 8
+    max_lag: int = 8
+    top_k: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("probability_bins", "max_turns", "max_lag", "top_k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "probability_bins" else 0):
+                raise ValueError(f"diagnostics.{name} must be an int >= {1 if name == 'probability_bins' else 0}, "
+                                 f"got {v!r}")
+        for name in ("position_buckets", "entropy_edges"):
+            v = tuple(getattr(self, name))
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v) \
+                    or any(b <= a for a, b in zip(v, v[1:])):
+                raise ValueError(f"diagnostics.{name} must be strictly increasing finite numbers, got {v!r}")
+            object.__setattr__(self, name, v)
+        if (self.versions is None) != (self.current_version is None):
+            raise ValueError("diagnostics.versions and diagnostics.current_version go together (one is missing)")
+        if self.current_version is not None and (isinstance(self.current_version, bool)
+                                                 or not isinstance(self.current_version, int)):
+            raise TypeError(f"diagnostics.current_version must be an int, got {type(self.current_version).__name__}")
+
+    def bucket_labels(self) -> Dict[str, List[str]]:
+        """Each breakdown's bucket labels (the metric keys' middle part), for the breakdowns this spec has."""
+        pb = self.position_buckets
+        pos = [f"{a}-{b - 1}" for a, b in zip((0,) + pb, pb)] + [f"{pb[-1]}+" if pb else "0+"]
+        n = self.probability_bins
+        eh = self.entropy_edges
+        out = {"position_decile": [f"d{i}" for i in range(10)], "position": pos,
+               "probability": [f"{i / n:.3g}-{(i + 1) / n:.3g}" for i in range(n)]}
+        if self.entropy is not None:
+            out["entropy"] = [f"{a:g}-{b:g}" for a, b in zip((0.0,) + eh, eh)] + [f"{eh[-1]:g}+" if eh else "0+"]
+        if self.turn_ids is not None:
+            out["turn"] = [str(i) for i in range(self.max_turns)] + [f"{self.max_turns}+"]
+        if self.versions is not None:
+            out["lag"] = [str(i) for i in range(self.max_lag + 1)] + [f"{self.max_lag + 1}+"]
+        return out
+
+    def fingerprint(self) -> Tuple:
+        """What every data-parallel rank must agree on (the wire layout)."""
+        return (self.position_buckets, self.entropy_edges, self.probability_bins, self.max_turns, self.max_lag,
+                self.top_k, self.entropy is None, self.turn_ids is None, self.versions is None, self.current_version)
+
+
+@dataclass(eq=False)
+class Histogram:
+    """A histogram in the form loggers take: ``edges`` ``[n + 1]`` and ``counts`` ``[n]`` (fp64), and the exact
+    ``num``, ``min``, ``max``, ``sum``, ``sum_squares`` of the values (0-dim fp64; TensorBoard's
+    ``add_histogram_raw`` asks for them). Exact over the data-parallel group."""
+
+    edges: torch.Tensor
+    counts: torch.Tensor
+    num: torch.Tensor
+    min: torch.Tensor
+    max: torch.Tensor
+    sum: torch.Tensor
+    sum_squares: torch.Tensor
+
+    def trimmed(self, max_bins: int = 512) -> "Histogram":
+        """The non-empty range only, adjacent bins merged so at most ``max_bins`` remain (W&B takes at most 512).
+        One host read."""
+        if max_bins < 1:
+            raise ValueError(f"max_bins must be >= 1, got {max_bins}")
+        counts, edges = self.counts.detach().cpu(), self.edges.detach().cpu()
+        nz = (counts > 0).nonzero().flatten()
+        if nz.numel() == 0:
+            return Histogram(edges[:2].clone(), counts[:1].clone() * 0, *(t.cpu() for t in (
+                self.num, self.min, self.max, self.sum, self.sum_squares)))
+        lo, hi = int(nz[0]), int(nz[-1]) + 1
+        counts, edges = counts[lo:hi], edges[lo:hi + 1]
+        step = -(-counts.numel() // max_bins)
+        if step > 1:
+            pad = (-counts.numel()) % step
+            counts = torch.cat([counts, counts.new_zeros(pad)]).reshape(-1, step).sum(1)
+            idx = torch.arange(0, edges.numel() - 1, step)
+            edges = torch.cat([edges[idx], edges[-1:]])
+        return Histogram(edges.clone(), counts.clone(), *(t.detach().cpu() for t in (
+            self.num, self.min, self.max, self.sum, self.sum_squares)))
+
+    def to_tensorboard(self, writer, tag: str, global_step: Optional[int] = None, max_bins: int = 512) -> None:
+        """``writer.add_histogram_raw`` (torch.utils.tensorboard's SummaryWriter) with this histogram; TensorBoard's
+        ``bucket_limits`` are the right edges."""
+        h = self.trimmed(max_bins)
+        writer.add_histogram_raw(tag, min=float(h.min), max=float(h.max), num=int(h.num), sum=float(h.sum),
+                                 sum_squares=float(h.sum_squares), bucket_limits=h.edges[1:].tolist(),
+                                 bucket_counts=h.counts.tolist(), global_step=global_step)
+
+    def to_wandb(self, max_bins: int = 512):
+        """A ``wandb.Histogram(np_histogram=(counts, edges))``."""
+        import numpy as np
+        import wandb
+
+        h = self.trimmed(max_bins)
+        return wandb.Histogram(np_histogram=(np.asarray(h.counts.tolist()), np.asarray(h.edges.tolist())))
+
+
+@dataclass(eq=False)
+class DiagnosticsOutput:
+    """``rows``: per-sequence ``[B]`` tensors of this rank's rows (exact under context parallelism): ``tokens``,
+    ``log_ratio_sum``, ``log_ratio_mean``, ``abs_log_ratio_mean``, ``kl`` (k1 mean), ``k3_kl`` (k3 mean),
+    ``reject_bits`` (int64: bit i set when criterion ``reject_bit_names[i]`` dropped tokens of the row) and
+    ``global_row`` (the row's index in the data-parallel batch: ranks in group order). ``worst``: the ``top_k``
+    sequences of the whole batch with the largest ``abs_log_ratio_mean`` (the same on every rank), each field a
+    ``[K]`` tensor. ``histograms``: ``log_ratio`` (over the response tokens) and ``is_weight`` (the IS weights of
+    the kept tokens; absent without IS), exact over the group."""
+
+    rows: Dict[str, torch.Tensor]
+    worst: Dict[str, torch.Tensor]
+    histograms: Dict[str, Histogram]
+    reject_bit_names: Tuple[str, ...]
+
+
+def _like(name: str, t, ref: torch.Tensor, integer: bool) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"diagnostics.{name} must be a torch.Tensor, got {type(t).__name__}")
+    if integer and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        raise TypeError(f"diagnostics.{name} must be an integer tensor, got {t.dtype}")
+    if not integer and not t.is_floating_point():
+        raise TypeError(f"diagnostics.{name} must be a floating-point tensor, got {t.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"diagnostics.{name} is on {t.device} but log_prob is on {ref.device}")
+    return t
+
+
+class _Wire:
+    """Named fp64 segments of the extra SUM / MAX partials."""
+
+    def __init__(self):
+        self.sum_parts: List[Tuple[str, torch.Tensor]] = []
+        self.max_parts: List[Tuple[str, torch.Tensor]] = []
+
+    def vectors(self):
+        return (torch.cat([t.reshape(-1) for _, t in self.sum_parts]),
+                torch.cat([t.reshape(-1) for _, t in self.max_parts]))
+
+    def split(self, sums: torch.Tensor, maxes: torch.Tensor) -> Dict[str, torch.Tensor]:
+        out, i = {}, 0
+        for name, t in self.sum_parts:
+            out[name] = sums[i:i + t.numel()].reshape(t.shape)
+            i += t.numel()
+        i = 0
+        for name, t in self.max_parts:
+            out[name] = maxes[i:i + t.numel()].reshape(t.shape)
+            i += t.numel()
+        return out
+
+
+def _row_index(cu_seqlens: Optional[torch.Tensor], shape, device) -> torch.Tensor:
+    """Each token's row; packed tokens past the last segment get row B (dropped)."""
+    if cu_seqlens is None:
+        b, t = shape
+        return torch.arange(b, device=device).unsqueeze(1).expand(b, t)
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    return torch.searchsorted(cu[1:], torch.arange(shape[0], device=device), right=True)
+
+
+def _row_sum(values: torch.Tensor, row: torch.Tensor, num_rows: int) -> torch.Tensor:
+    flat_row = row.reshape(-1)
+    keep = flat_row < num_rows
+    out = torch.zeros(num_rows, dtype=values.dtype, device=values.device)
+    return out.index_add(0, flat_row[keep], values.reshape(-1)[keep])
+
+
+def diagnostics_pass(spec: MismatchDiagnostics, log_prob, rollout_log_prob, valid, cu_seqlens, num_rows: int):
+    """Per-token partials (first half: before the context-parallel row reduce): returns the state and each row's
+    local sum of |lr| (to be summed over the context-parallel group with the correction's row statistics)."""
+    dev = log_prob.device
+    shape = tuple(log_prob.shape)
+    row = _row_index(cu_seqlens, shape, dev)
+    valid = valid & (row < num_rows)
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    lr = torch.where(valid, log_prob.double() - rollout_log_prob.double(), zero)
+    state = {"row": row, "valid": valid, "lr": lr}
+    if spec.versions is not None:
+        v = _like("versions", spec.versions, log_prob, True)
+        if tuple(v.shape) == shape:
+            pass
+        elif tuple(v.shape) == (num_rows,):
+            v = v[row.clamp(max=max(num_rows - 1, 0))] if num_rows else v.new_zeros(shape)
+        else:
+            raise ValueError(f"diagnostics.versions must have log_prob's shape {shape} or one value per sequence "
+                             f"({num_rows},), got {tuple(v.shape)}")
+        lag = spec.current_version - v.to(torch.int64)
+        bad = valid & (lag < 0)
+        if bad.device.type == "cpu":
+            if bool(bad.any()):
+                at = tuple(int(i) for i in bad.nonzero()[0])
+                raise ValueError(f"diagnostics.versions at response token {at} is {int(v[at])}, newer than "
+                                 f"current_version {spec.current_version}")
+        else:
+            torch._assert_async(~bad.any(), "a response token's version is newer than current_version")
+        state["lag"] = lag
+    return state, _row_sum(lr.abs(), row, num_rows)
+
+
+def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, mask_out, row_tokens,
+                         seq_rank: int, world: int, rank: int, positions_needed: bool, cu_seqlens,
+                         row_values: Dict[str, torch.Tensor]):
+    """The SUM / MAX partials of every diagnostic (second half: after the row reduce, with each row's total
+    response tokens ``row_tokens`` and the row values)."""
+    dev = log_prob.device
+    row, valid, lr = state["row"], state["valid"], state["lr"]
+    num_rows = row_tokens.numel()
+    f64 = torch.float64
+    zero = torch.zeros((), dtype=f64, device=dev)
+    vf = valid.to(f64)
+    l20 = lr.clamp(-LY.SAFETY_BOUND, LY.SAFETY_BOUND)
+    r = torch.exp(l20)
+    abs_lr = lr.abs()
+    rev = torch.where(valid, r * l20 - (r - 1.0), zero)
+    js = torch.where(valid, 0.5 * (r * l20 - (1.0 + r) * (torch.nn.functional.softplus(l20) - _LN2)), zero)
+    k3 = torch.where(valid, torch.expm1(l20) - l20, zero)
+    w = _Wire()
+    w.sum_parts.append(("scalars", torch.stack([vf.sum(), abs_lr.sum(), (abs_lr * abs_lr).sum(), rev.sum(),
+                                                js.sum()])))
+    ninf = torch.full((), -math.inf, dtype=f64, device=dev)
+    w.max_parts.append(("abs_max", (torch.where(valid, abs_lr, ninf).amax() if lr.numel() else ninf).reshape(1)))
+
+    # ---- breakdowns: one index space over every family, three bincounts
+    labels = spec.bucket_labels()
+    flat_valid = valid.reshape(-1)
+    idx_parts, offset = [], 0
+    safe_row = row.clamp(max=max(num_rows - 1, 0))
+    if spec.positions is not None:
+        pos = _like("positions", spec.positions, log_prob, True)
+        if tuple(pos.shape) != tuple(log_prob.shape):
+            raise ValueError(f"diagnostics.positions must have log_prob's shape {tuple(log_prob.shape)}, got "
+                             f"{tuple(pos.shape)}")
+        pos = pos.to(torch.int64)
+    else:
+        if positions_needed:
+            raise ValueError("diagnostics.positions is required under context parallelism (seq_group): each token's "
+                             "index among its sequence's response tokens, which a rank holding a slice cannot know")
+        if cu_seqlens is None:
+            pos = torch.cumsum(valid.to(torch.int64), dim=1) - 1
+        else:
+            c = torch.cumsum(valid.to(torch.int64), dim=0)
+            cu = cu_seqlens.to(device=dev, dtype=torch.int64)
+            start = torch.cat([c.new_zeros(1), c])[cu[:-1]] if num_rows else c.new_zeros(0)
+            pos = c - 1 - (start[safe_row] if num_rows else 0)
+    n_row = row_tokens.to(f64)[safe_row] if num_rows else torch.zeros_like(lr)
+    decile = torch.where(n_row > 0, (pos.to(f64) * 10 / n_row.clamp(min=1)).floor(), zero).clamp(0, 9).long()
+    fam_idx = {"position_decile": decile,
+               "position": torch.bucketize(pos, torch.tensor(spec.position_buckets, dtype=torch.int64, device=dev),
+                                           right=True),
+               "probability": (log_prob.detach().double().exp() * spec.probability_bins).floor().clamp(
+                   0, spec.probability_bins - 1).long()}
+    extra_valid = {}
+    if spec.entropy is not None:
+        ent = _like("entropy", spec.entropy, log_prob, False)
+        if tuple(ent.shape) != tuple(log_prob.shape):
+            raise ValueError(f"diagnostics.entropy must have log_prob's shape {tuple(log_prob.shape)}, got "
+                             f"{tuple(ent.shape)}")
+        fam_idx["entropy"] = torch.bucketize(ent.detach().double(), torch.tensor(
+            spec.entropy_edges, dtype=f64, device=dev), right=True)
+    if spec.turn_ids is not None:
+        tid = _like("turn_ids", spec.turn_ids, log_prob, True)
+        if tuple(tid.shape) != tuple(log_prob.shape):
+            raise ValueError(f"diagnostics.turn_ids must have log_prob's shape {tuple(log_prob.shape)}, got "
+                             f"{tuple(tid.shape)}")
+        fam_idx["turn"] = tid.to(torch.int64).clamp(0, spec.max_turns)
+        extra_valid["turn"] = tid >= 0
+    if spec.versions is not None:
+        lag = state["lag"]
+        fam_idx["lag"] = lag.clamp(0, spec.max_lag + 1)
+    sizes = {k: len(v) for k, v in labels.items()}
+    for fam in BREAKDOWNS:
+        if fam not in fam_idx:
+            continue
+        ok = flat_valid if fam not in extra_valid else flat_valid & extra_valid[fam].reshape(-1)
+        idx_parts.append((fam_idx[fam].reshape(-1) + offset, ok))
+        offset += sizes[fam]
+    total = offset
+    idx = torch.cat([i for i, _ in idx_parts])
+    ok = torch.cat([o for _, o in idx_parts])
+    reps = len(idx_parts)
+    sel = idx[ok]
+
+    def binned(values):
+        return torch.bincount(sel, weights=values.reshape(-1).repeat(reps)[ok], minlength=total)[:total]
+
+    buckets = torch.stack([torch.bincount(sel, minlength=total)[:total].to(f64), binned(abs_lr), binned(-lr),
+                           binned(k3)])
+    w.sum_parts.append(("buckets", buckets))
+
+    # ---- histograms (fixed edges, so they add across ranks)
+    width = (_HIST_HI - _HIST_LO) / _HIST_BINS
+    hidx = ((l20 - _HIST_LO) / width).floor().clamp(0, _HIST_BINS - 1).long()
+    w.sum_parts.append(("hist_lr", torch.bincount(hidx[valid], minlength=_HIST_BINS).to(f64)))
+    w.sum_parts.append(("hist_lr_moments", torch.stack([lr.sum(), (lr * lr).sum()])))
+    w.max_parts.append(("hist_lr_minmax", torch.stack([
+        torch.where(valid, lr, ninf).amax() if lr.numel() else ninf,
+        torch.where(valid, -lr, ninf).amax() if lr.numel() else ninf])))
+    if weights is not None:
+        kept = valid & (mask_out != 0)
+        wt = torch.where(kept, weights.double(), zero)
+        pos_w = kept & (wt > 0)
+        lw = torch.where(pos_w, wt.clamp(min=1e-300).log(), zero).clamp(_HIST_LO, _HIST_HI)
+        widx = torch.where(pos_w, ((lw - _HIST_LO) / width).floor().clamp(0, _HIST_BINS - 1).long() + 1,
+                           torch.zeros_like(hidx))
+        w.sum_parts.append(("hist_w", torch.bincount(widx[kept], minlength=_HIST_BINS + 1).to(f64)))
+        w.sum_parts.append(("hist_w_moments", torch.stack([kept.to(f64).sum(), wt.sum(), (wt * wt).sum()])))
+        w.max_parts.append(("hist_w_minmax", torch.stack([
+            torch.where(kept, wt, ninf).amax() if wt.numel() else ninf,
+            torch.where(kept, -wt, ninf).amax() if wt.numel() else ninf])))
+
+    # ---- staleness (versions)
+    if spec.versions is not None:
+        lagv = state["lag"]
+        lagf = torch.where(valid, lagv.to(f64), zero)
+        w.sum_parts.append(("lag_sum", lagf.sum().reshape(1)))
+        w.max_parts.append(("lag_minmax", torch.stack([
+            torch.where(valid, lagv.to(f64), ninf).amax() if lagv.numel() else ninf,
+            torch.where(valid, -lagv.to(f64), ninf).amax() if lagv.numel() else ninf])))
+
+    # ---- global row ids and the worst rows: every rank writes its own slots (context-parallel ranks but the
+    # first write nothing, their rows being the first's)
+    k = spec.top_k
+    counts = torch.zeros(world, dtype=f64, device=dev)
+    own = seq_rank == 0
+    if own:
+        counts[rank] = float(num_rows)
+    w.sum_parts.append(("row_counts", counts))
+    if k:
+        score = row_values["abs_log_ratio_mean"]
+        has = row_tokens > 0
+        kk = min(k, num_rows)
+        vals = torch.full((world, k), -math.inf, dtype=f64, device=dev)
+        fields = torch.zeros((world, k, len(_WORST_FIELDS)), dtype=f64, device=dev)
+        if own and kk:
+            top = torch.topk(torch.where(has, score.to(f64), ninf), kk)
+            vals[rank, :kk] = top.values
+            fields[rank, :kk] = torch.stack([row_values[f].to(f64)[top.indices] if f != "local_row" else
+                                             top.indices.to(f64) for f in _WORST_FIELDS], dim=1)
+        w.max_parts.append(("worst_vals", vals))
+        w.sum_parts.append(("worst_fields", fields))
+    return w
+
+
+_WORST_FIELDS = ("local_row", "tokens", "log_ratio_sum", "kl", "k3_kl", "reject_bits")
+
+
+def finalize_diagnostics(spec: MismatchDiagnostics, wire: _Wire, sums: torch.Tensor, maxes: torch.Tensor,
+                         lead_rank: int, row_values: Dict[str, torch.Tensor], reject_bit_names: Tuple[str, ...],
+                         has_weights: bool, prefix: str = "rollout_corr/"):
+    """Metrics (0-dim fp64) and the :class:`DiagnosticsOutput` from the reduced partials; ``lead_rank``: the
+    reduce-group rank that wrote this rank's row count (its context-parallel group's first rank)."""
+    p = wire.split(sums, maxes)
+    f64 = torch.float64
+    dev = sums.device
+    nan = torch.full((), math.nan, dtype=f64, device=dev)
+    n, s_abs, s_abs2, s_rev, s_js = p["scalars"].unbind()
+    has = n > 0
+    n1 = n.clamp(min=1)
+    mean_abs = s_abs / n1
+    var = (s_abs2 - n * mean_abs * mean_abs) / (n - 1).clamp(min=1)
+    m = {prefix + "abs_log_ratio_mean": torch.where(has, mean_abs, nan),
+         prefix + "abs_log_ratio_max": torch.where(has, p["abs_max"][0], nan),
+         prefix + "abs_log_ratio_std": torch.where(n > 1, var.clamp(min=0).sqrt(), nan),
+         prefix + "reverse_kl": torch.where(has, s_rev / n1, nan),
+         prefix + "js_divergence": torch.where(has, s_js / n1, nan)}
+    labels = spec.bucket_labels()
+    b = p["buckets"]
+    col = 0
+    for fam in BREAKDOWNS:
+        if fam not in labels:
+            continue
+        for lab in labels[fam]:
+            cnt = b[0, col]
+            nonempty = cnt > 0
+            key = f"{prefix}by_{fam}/{lab}/"
+            m[key + "tokens"] = cnt
+            for j, stat in enumerate(BUCKET_STATS[1:], start=1):
+                m[key + stat] = torch.where(nonempty, b[j, col] / cnt.clamp(min=1), nan)
+            col += 1
+    if spec.versions is not None:
+        mm = p["lag_minmax"]
+        m[prefix + "staleness_mean"] = torch.where(has, p["lag_sum"][0] / n1, nan)
+        m[prefix + "staleness_max"] = torch.where(has, mm[0], nan)
+        m[prefix + "staleness_min"] = torch.where(has, -mm[1], nan)
+
+    hists = {}
+    edges = torch.linspace(_HIST_LO, _HIST_HI, _HIST_BINS + 1, dtype=f64, device=dev)
+    mo, mx = p["hist_lr_moments"], p["hist_lr_minmax"]
+    hists["log_ratio"] = Histogram(edges, p["hist_lr"], n, -mx[1], mx[0], mo[0], mo[1])
+    if has_weights:
+        wm, wx = p["hist_w_moments"], p["hist_w_minmax"]
+        wedges = torch.cat([torch.zeros(1, dtype=f64, device=dev), edges.exp()])
+        hists["is_weight"] = Histogram(wedges, p["hist_w"], wm[0], -wx[1], wx[0], wm[1], wm[2])
+
+    counts = p["row_counts"]
+    offset = counts[:lead_rank].sum()
+    rows = dict(row_values)
+    num_rows = rows["tokens"].numel()
+    rows["global_row"] = (offset.to(torch.int64) + torch.arange(num_rows, device=dev))
+    worst: Dict[str, torch.Tensor] = {}
+    if spec.top_k:
+        vals = p["worst_vals"].reshape(-1)
+        fields = p["worst_fields"].reshape(-1, len(_WORST_FIELDS))
+        k = min(spec.top_k, vals.numel())
+        top = torch.topk(vals, k)
+        live = torch.isfinite(top.values)
+        starts = torch.cumsum(counts, 0) - counts
+        src_rank = top.indices // spec.top_k
+        f = fields[top.indices]
+        worst = {"global_row": (starts[src_rank] + f[:, 0]).to(torch.int64),
+                 "abs_log_ratio_mean": top.values,
+                 "tokens": f[:, 1].to(torch.int64), "log_ratio_sum": f[:, 2], "kl": f[:, 3], "k3_kl": f[:, 4],
+                 "reject_bits": f[:, 5].to(torch.int64)}
+        # fewer rows than top_k in the whole batch: the empty slots say so (global_row -1; no host read)
+        worst["global_row"] = torch.where(live, worst["global_row"], torch.full_like(worst["global_row"], -1))
+    return m, DiagnosticsOutput(rows, worst, hists, reject_bit_names)
+
+
+def log_histograms(histograms, step: Optional[int] = None, *, tensorboard=None, wandb_run=None,
+                   prefix: str = "rollout_corr/", max_bins: int = 512) -> None:
+    """Log the histograms of a diagnostics result (a :class:`DiagnosticsOutput`, a result carrying one, or a
+    ``{name: Histogram}`` dict) to a TensorBoard ``SummaryWriter`` (``add_histogram_raw``) and/or a W&B run
+    (``run.log({tag: wandb.Histogram(np_histogram=...)}, step=step)``, one call), under ``prefix + name``."""
+    if hasattr(histograms, "diagnostics"):
+        histograms = histograms.diagnostics
+    if isinstance(histograms, DiagnosticsOutput):
+        histograms = histograms.histograms
+    if not isinstance(histograms, dict) or not all(isinstance(h, Histogram) for h in histograms.values()):
+        raise TypeError("histograms must be a DiagnosticsOutput, a result with diagnostics, or a dict of Histogram")
+    if tensorboard is None and wandb_run is None:
+        raise ValueError("give tensorboard= (a SummaryWriter) and/or wandb_run= (a wandb run)")
+    if tensorboard is not None:
+        for name, h in histograms.items():
+            h.to_tensorboard(tensorboard, prefix + name, step, max_bins)
+    if wandb_run is not None:
+        wandb_run.log({prefix + name: h.to_wandb(max_bins) for name, h in histograms.items()}, step=step)

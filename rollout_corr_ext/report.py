@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["build_report", "main"]
+__all__ = ["build_report", "plot_report", "main"]
 
 #: Healthy ranges, from docs/rollout_correction.md's metric table.
 HEALTHY_P5_P95 = (0.8, 1.25)
@@ -144,7 +144,7 @@ def _verdicts(r: Dict[str, Any]) -> List[str]:
     return lines
 
 
-def _plot(r: Dict[str, Any], path: str) -> None:
+def plot_report(r: Dict[str, Any], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     prefix = args.out or os.path.splitext(args.batch)[0]
     with open(prefix + ".json", "w") as f:
         json.dump(report, f, indent=1)
-    _plot(report, prefix + ".png")
+    plot_report(report, prefix + ".png")
     for line in report["verdicts"]:
         print(line)
     print(f"wrote {prefix}.png and {prefix}.json")

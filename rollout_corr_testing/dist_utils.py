@@ -104,7 +104,9 @@ def _entry(rank, world_size, address, fn, args, device="cpu"):
     torch.set_num_threads(1)
     host, port = address
     store = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=300))
-    local = init_worker_group(rank, world_size, device, store=store)
+    # a collective one rank never joins (a test that fails on one rank between collectives) fails after 5 minutes
+    # instead of hanging the suite at the backend's 30-minute default
+    local = init_worker_group(rank, world_size, device, store=store, timeout=datetime.timedelta(seconds=300))
     store.set(f"joined/{rank}", "1")  # from here on a failure is the test's, never retried
     error = None
     try:

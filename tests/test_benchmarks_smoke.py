@@ -1,10 +1,12 @@
 """Every benchmark command the docs show runs, at a tiny size (issue: every documented command runs in CI): each
 script and each of its modes (``--packed``, ``--dist``, ``--ignored``), and ``--help`` names every mode. Figures are
-not checked here (timings are never asserted in tests); only that each run finishes and prints its table."""
+not checked here (timings are never asserted in tests); only that each run finishes and prints its table. On a
+terminal a tqdm bar runs over the long loops, and none with ``--no-progress`` or without tqdm."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -45,9 +47,57 @@ def test_benchmark_runs_at_a_tiny_size(name):
     assert "|---" in out.stdout, f"{name} printed no table:\n{out.stdout[-2000:]}"
 
 
+def _run_on_a_terminal(args, env):
+    """``_run``, with stdout and stderr on a pseudo-terminal (120 columns): (exit status, everything written)."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "benchmarks", args[0]), *args[1:]], cwd=ROOT,
+                            env=env, stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary)
+    os.close(secondary)
+    out = b""
+    try:
+        while True:
+            if select.select([primary], [], [], 1.0)[0]:
+                try:
+                    data = os.read(primary, 65536)
+                except OSError:  # the child closed the terminal (Linux: EIO)
+                    break
+                if not data:
+                    break
+                out += data
+            elif proc.poll() is not None:
+                break
+        return proc.wait(timeout=120), out.decode(errors="replace")
+    finally:
+        os.close(primary)
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_progress_bar_on_a_terminal(tmp_path):
+    """A tqdm bar on a terminal (never on a pipe: the runs above print clean tables); none with --no-progress; and
+    without tqdm installed the run goes on without a bar."""
+    pytest.importorskip("tqdm")
+    ties = ["bench_sampling.py", "--ties", "--n", "8", "--vocab", "256"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    bar = re.compile(r"ties:\s+\d+%\|")
+    rc, out = _run_on_a_terminal(ties, env)
+    assert rc == 0 and "|---" in out and bar.search(out), out[-2000:]
+    rc, out = _run_on_a_terminal(ties + ["--no-progress"], env)
+    assert rc == 0 and "|---" in out and not bar.search(out), out[-2000:]
+    (tmp_path / "tqdm.py").write_text("raise ImportError('tqdm is not installed here')\n")  # shadows the real one
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    rc, out = _run_on_a_terminal(ties, env)
+    assert rc == 0 and "|---" in out and not bar.search(out), out[-2000:]
+
+
 def test_help_lists_every_mode_and_every_default():
     """``--help`` of every script names its modes and shows the default of every option that has one."""
-    import re
 
     for script, modes in (("bench_rollout_corr.py", ("--packed", "--dist")), ("bench_linear_logprob.py", ("--ignored",)),
                           ("bench_logprob.py", ("--tp",)), ("bench_sampling.py", ("--tp", "--ties"))):

@@ -1,8 +1,9 @@
 """Smoke runs of the demo trainer (the README's main-job command) on both ranks: a few steps of every correction
-setting under ``torchrun --nproc_per_node=2`` (gloo, TP=2), then the JSONL, the PNG and run.json must be there and
-sane; every flag of the demo at a tiny size (``EXERCISED`` says which test covers which, and a test checks that it
-names every flag ``--help`` lists); ``--help`` gives every option a help text and its default; and
-examples/demo_table.py turns a smoke run into the docs' results table."""
+setting under ``torchrun --nproc_per_node=2`` (gloo, TP=2), then the JSONL, the PNG, run.json and each setting's
+report page (``report_SETTING.pt`` / ``.png`` / ``.json``) must be there and sane; every flag of the demo at a tiny
+size (``EXERCISED`` says which test covers which, and a test checks that it names every flag ``--help`` lists);
+``--help`` gives every option a help text and its default; and examples/demo_table.py turns a smoke run into the
+docs' results table."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ EXERCISED = {
     "--digits": "test_demo_other_flags", "--lr": "test_demo_other_flags",
     "--geo-rs-threshold": "test_demo_other_flags", "--seed": "test_demo_other_flags",
     "--no-progress": "test_demo_other_flags (the other runs show the progress bar)",
+    "--no-report": "every run but the smoke run (test_demo_smoke_two_ranks checks its report pages)",
     "--top-p": "all runs (0.9 by default), test_demo_other_flags, test_demo_no_truncation_is_the_unreplayed_run",
     "--top-k": "test_demo_other_flags", "--temperature": "test_demo_other_flags",
     "--help": "test_demo_help_lists_every_option",
@@ -71,8 +73,8 @@ def _run_demo(tmp_path, out, *extra, settings=SETTINGS, steps=STEPS, base=("--pr
 def test_demo_packed_gives_the_padded_curves(tmp_path):
     """--packed feeds the loss one token stream with cu_seqlens: the same run, to float rounding."""
     settings = ["token_tis", "geo_rs", "bypass"]
-    padded = _run_demo(tmp_path, tmp_path / "padded", settings=settings, steps=3)
-    packed = _run_demo(tmp_path, tmp_path / "packed", "--packed", settings=settings, steps=3)
+    padded = _run_demo(tmp_path, tmp_path / "padded", "--no-report", settings=settings, steps=3)
+    packed = _run_demo(tmp_path, tmp_path / "packed", "--packed", "--no-report", settings=settings, steps=3)
     assert len(padded) == len(packed) == 3 * len(settings)
     for a, b in zip(padded, packed):
         assert a.keys() == b.keys()
@@ -121,12 +123,48 @@ def test_demo_smoke_two_ranks(smoke_run):
     assert info["rollout_corr_ext_backend"] in ("cpu", "cuda", "fallback") and info["seconds"] > 0
 
 
+def test_demo_report_pages(smoke_run):
+    """The mismatch report of each setting's last step (rollout_corr_ext.report), from rank 0's batch: the batch
+    (loadable as ``python -m rollout_corr_ext.report`` loads it), the JSON with the report's keys, and the PNG."""
+    import torch
+
+    out, records = smoke_run
+    last = {r["setting"]: r for r in records if r["step"] == STEPS - 1}
+    compared = []
+    for name in SETTINGS:
+        prefix = out / ("report_" + name.replace(":", "_"))
+        batch = torch.load(f"{prefix}.pt", map_location="cpu", weights_only=True)  # tensors and plain values only
+        # the response tokens of --prompts=4 x --group=4 responses of 3 digits (TP=2: rank 0 holds the whole batch)
+        assert batch["log_prob"].shape == batch["rollout_log_prob"].shape == batch["response_mask"].shape == (16, 3)
+        mask = batch["response_mask"]
+        assert mask.dtype == torch.bool and 0 < int(mask.sum()) <= mask.numel()
+        assert torch.isfinite(batch["log_prob"][mask]).all() and torch.isfinite(batch["rollout_log_prob"]).all()
+        page = json.loads(open(f"{prefix}.json").read())
+        for key in ("tokens", "rows", "config", "metrics", "ratio_p5", "ratio_p95", "kl", "by_position_decile",
+                    "by_probability_bin", "worst_rows", "verdicts"):
+            assert key in page, (name, key, sorted(page))
+        assert page["tokens"] == int(mask.sum()) and page["rows"] == 16
+        assert page["config"] == batch["config"] and len(page["by_position_decile"]) == 10
+        assert page["verdicts"][0].startswith("ratio: p5 ")
+        assert batch["config"]["rollout_is"] == {"token_tis": "token", "seq_mis": "sequence"}.get(name)
+        assert batch["config"]["bypass_mode"] == (name == "bypass")
+        # The batch the loss corrected at the last step: where the loss saw the same tokens (no token outside a
+        # replayed kept set) against the same pi_old (not bypass), its k1 KL is the one metrics.jsonl logged.
+        if not batch["config"]["bypass_mode"] and int(mask.sum()) == mask.numel() and \
+                not last[name].get("rollout_corr/sampling_out_of_support_fraction"):
+            assert page["metrics"]["rollout_corr/kl"] == pytest.approx(last[name]["rollout_corr/kl"], rel=1e-4)
+            compared.append(name)
+        png = open(f"{prefix}.png", "rb").read()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert compared, "no setting's report could be compared with its metrics"
+
+
 def test_demo_other_flags(tmp_path):
     """Every flag the other runs leave at its default, in one run: TP=1 on 2 ranks (so DP=2, each rank its own
     prompts), one mini-batch, 2 digits, another lr, seed and geo_rs band, no progress bar, --device cpu spelled out."""
     out = tmp_path / "flags"
     extra = ("--device=cpu", "--tp=1", "--minibatches=1", "--digits=2", "--lr=1e-3", "--geo-rs-threshold=0.01_100",
-             "--seed=3", "--no-progress", "--top-k=6", "--top-p=0.95", "--temperature=0.8")
+             "--seed=3", "--no-progress", "--top-k=6", "--top-p=0.95", "--temperature=0.8", "--no-report")
     records = _run_demo(tmp_path, out, *extra, settings=["geo_rs", "bypass"], steps=2,
                         base=("--prompts=2", "--group=2", "--stale=1"))
     assert [(r["step"], r["setting"]) for r in records] == [(0, "geo_rs"), (0, "bypass"), (1, "geo_rs"),
@@ -135,6 +173,7 @@ def test_demo_other_flags(tmp_path):
     assert (args["tp"], args["minibatches"], args["digits"], args["lr"], args["seed"], args["no_progress"]) == \
         (1, 1, 2, 1e-3, 3, True)
     assert (args["top_k"], args["top_p"], args["temperature"]) == (6, 0.95, 0.8)
+    assert args["no_report"] and not list(out.glob("report_*"))  # --no-report: no report page
     assert all(0 < r["rollout_corr/sampling_kept_mass_mean"] < 1 for r in records)  # the replay ran
     for r in records:
         assert 0.0 <= r["reward"] <= 1.0
@@ -147,8 +186,8 @@ def test_demo_other_flags(tmp_path):
 def test_demo_tiny_model(tmp_path):
     """--model tiny: megatron's TP linears around attention written in the demo, the loss on the logits; replay
     at step 0 leaves the bf16 rounding alone, as with the default GPTModel."""
-    records = _run_demo(tmp_path, tmp_path / "tiny", "--model=tiny", "--no-progress", settings=["none", "none:noreplay"],
-                        steps=2)
+    records = _run_demo(tmp_path, tmp_path / "tiny", "--model=tiny", "--no-progress", "--no-report",
+                        settings=["none", "none:noreplay"], steps=2)
     first = {r["setting"]: r for r in records if r["step"] == 0}
     assert abs(first["none"]["rollout_corr/kl"]) < 1e-3 < first["none:noreplay"]["rollout_corr/kl"]
     assert json.loads((tmp_path / "tiny" / "run.json").read_text())["args"]["model"] == "tiny"
@@ -157,8 +196,8 @@ def test_demo_tiny_model(tmp_path):
 def test_demo_no_truncation_is_the_unreplayed_run(tmp_path):
     """--top-p 1 (no truncation): replaying and not replaying are the same run, to the bit; bad sampling flags are
     refused with the flag named."""
-    records = _run_demo(tmp_path, tmp_path / "p1", "--top-p=1", "--no-progress", settings=["seq_mis", "seq_mis:noreplay"],
-                        steps=2)
+    records = _run_demo(tmp_path, tmp_path / "p1", "--top-p=1", "--no-progress", "--no-report",
+                        settings=["seq_mis", "seq_mis:noreplay"], steps=2)
     by = {}
     for r in records:
         by.setdefault(r["setting"], []).append({k: v for k, v in r.items() if k != "setting"})
@@ -179,8 +218,8 @@ def test_demo_device_cuda(tmp_path):
         n = min(2, torch.cuda.device_count())
         if n < 2:
             pytest.skip("the demo's smoke runs use 2 ranks; --device cuda needs 2 GPUs here")
-        records = _run_demo(tmp_path, tmp_path / "cuda", "--device=cuda", "--no-progress", settings=["token_tis"],
-                            steps=2)
+        records = _run_demo(tmp_path, tmp_path / "cuda", "--device=cuda", "--no-progress", "--no-report",
+                            settings=["token_tis"], steps=2)
         assert len(records) == 2
         return
     demo = _load_demo()

@@ -409,3 +409,16 @@ def rollout_check(sums: torch.Tensor, agree: Optional[torch.Tensor], log_prob: t
     if not float(sums[_SUM["tokens"]]) > 0:
         raise ValueError(_MSG_NO_VALID)
     return sums.clone()
+
+
+def row_rejections(seq_stats: torch.Tensor, a):
+    """Which criterion dropped tokens of each row, from the (context-parallel reduced) row statistics: one bool
+    ``[B]`` per RS criterion of ``a`` in order (a token-level criterion: the row lost at least one token to it),
+    then the veto. The rules the token pass applies (``_row_values``)."""
+    st = seq_stats  # in the kernels' accumulation dtype, so the decisions are theirs
+    crits = _criteria(a)
+    *_, keeps, _, veto = _row_values(st, a, crits)
+    out = []
+    for (level, stat, *_rest), keep in zip(crits, keeps):
+        out.append(st[:, _SEQ[_REJECTED_COL[stat]]] > 0 if level == _TOKEN else ~keep)
+    return out + [veto]

@@ -1,0 +1,454 @@
+"""Mismatch diagnostics (compute_rollout_correction(..., diagnostics=MismatchDiagnostics(...))): every metric against
+an fp64 loop oracle written from the formulas in docs/rollout_correction.md, the divergence estimators against the
+exact divergences of known distributions, the rejection bits against verl 0.9.1's own rejection function one
+criterion at a time, packed equal to padded, DP = 2 and CP = 2 (gloo) equal to one process, and the histograms read
+back by TensorBoard and accepted by W&B."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+import rollout_corr_ext as rc
+from rollout_corr_ext.observability import BREAKDOWNS, Histogram, MismatchDiagnostics, log_histograms
+from rollout_corr_testing.dist_utils import dist_params, run_workers
+from rollout_corr_testing.skips import skip_unless_ci
+
+CFG = dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token_k1,seq_mean_k3",
+           rollout_rs_threshold="0.8_1.25,0.006", rollout_token_veto_threshold=0.82)
+
+
+def _inputs(b=7, t=30, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    rlp = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3 - 0.01
+    lp = rlp + 0.12 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    mask = (torch.rand(b, t, generator=g) > 0.25).long()
+    mask[2, 10:] = 0
+    mask[4] = 0  # a row without response tokens
+    entropy = torch.rand(b, t, generator=g, dtype=torch.float64) * 5
+    turns = torch.randint(-1, 11, (b, t), generator=g)
+    versions = 20 - torch.randint(0, 12, (b, t), generator=g)
+    return lp.to(dtype), rlp.to(dtype), mask, entropy, turns, versions
+
+
+def _spec(entropy, turns, versions, **kw):
+    kw.setdefault("position_buckets", (4, 8, 16))
+    kw.setdefault("top_k", 4)
+    return MismatchDiagnostics(entropy=entropy, turn_ids=turns, versions=versions, current_version=20, **kw)
+
+
+# --------------------------------------------------------------------------------------------- the loop oracle
+
+
+def _oracle(lp, rlp, mask, entropy, turns, versions, spec):
+    """Token by token in Python floats: the documented formulas and bucket rules."""
+    lp, rlp = lp.double().tolist(), rlp.double().tolist()
+    b, t = len(lp), len(lp[0])
+    tok = []  # (row, position, lr, p, entropy, turn, lag)
+    for i in range(b):
+        j = 0
+        for c in range(t):
+            if mask[i][c]:
+                tok.append((i, j, lp[i][c] - rlp[i][c], math.exp(lp[i][c]), float(entropy[i][c]), int(turns[i][c]),
+                            20 - int(versions[i][c])))
+                j += 1
+    n_row = [sum(1 for x in tok if x[0] == i) for i in range(b)]
+    out = {}
+    lrs = [x[2] for x in tok]
+    n = len(lrs)
+    ab = [abs(x) for x in lrs]
+    mean = sum(ab) / n
+    out["abs_log_ratio_mean"] = mean
+    out["abs_log_ratio_max"] = max(ab)
+    out["abs_log_ratio_std"] = math.sqrt(sum((a - mean) ** 2 for a in ab) / (n - 1))
+
+    def c20(x):
+        return max(-20.0, min(20.0, x))
+
+    # reverse KL(p || q) = E_q[r log r] and JS from its definition with m = (p + q) / 2, per drawn token:
+    # E_q[(1/2)(r log(r / m_r) + log(1 / m_r))], m_r = (1 + r) / 2
+    out["reverse_kl"] = sum(math.exp(c20(x)) * c20(x) - math.exp(c20(x)) + 1 for x in lrs) / n
+    out["js_divergence"] = sum(0.5 * (math.exp(c20(x)) * math.log(math.exp(c20(x)) / ((1 + math.exp(c20(x))) / 2))
+                                      + math.log(1 / ((1 + math.exp(c20(x))) / 2))) for x in lrs) / n
+    out["staleness_mean"] = sum(x[6] for x in tok) / n
+    out["staleness_max"] = max(x[6] for x in tok)
+    out["staleness_min"] = min(x[6] for x in tok)
+
+    def bucket(fam, x):
+        i, j, _, p, h, turn, lag = x
+        if fam == "position_decile":
+            return min(9, (10 * j) // n_row[i])
+        if fam == "position":
+            return sum(1 for e in spec.position_buckets if j >= e)
+        if fam == "probability":
+            return min(spec.probability_bins - 1, int(p * spec.probability_bins))
+        if fam == "entropy":
+            return sum(1 for e in spec.entropy_edges if h >= e)
+        if fam == "turn":
+            return None if turn < 0 else min(turn, spec.max_turns)
+        return min(lag, spec.max_lag + 1)
+
+    for fam, labels in spec.bucket_labels().items():
+        for k, lab in enumerate(labels):
+            sel = [x for x in tok if bucket(fam, x) == k]
+            key = f"by_{fam}/{lab}/"
+            out[key + "tokens"] = float(len(sel))
+            if sel:
+                out[key + "abs_log_ratio"] = sum(abs(x[2]) for x in sel) / len(sel)
+                out[key + "kl"] = sum(-x[2] for x in sel) / len(sel)
+                out[key + "k3_kl"] = sum(math.exp(c20(x[2])) - 1 - c20(x[2]) for x in sel) / len(sel)
+            else:
+                for s in ("abs_log_ratio", "kl", "k3_kl"):
+                    out[key + s] = math.nan
+    rows = {"tokens": n_row, "log_ratio_sum": [], "abs_log_ratio_mean": [], "kl": [], "k3_kl": []}
+    for i in range(b):
+        sel = [x[2] for x in tok if x[0] == i]
+        rows["log_ratio_sum"].append(sum(sel))
+        nb = len(sel)
+        rows["abs_log_ratio_mean"].append(sum(abs(x) for x in sel) / nb if nb else math.nan)
+        rows["kl"].append(sum(-c20(x) for x in sel) / nb if nb else math.nan)
+        rows["k3_kl"].append(sum(math.exp(c20(x)) - 1 - c20(x) for x in sel) / nb if nb else math.nan)
+    return out, rows
+
+
+def _close(got, want, rel, key):
+    if isinstance(want, float) and math.isnan(want):
+        assert math.isnan(got), (key, got)
+    else:
+        assert got == pytest.approx(want, rel=rel, abs=rel * 1e-3), (key, got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_metrics_and_rows_equal_loop_oracle(dtype):
+    lp, rlp, mask, ent, turns, versions = _inputs(dtype=dtype)
+    spec = _spec(ent, turns, versions)
+    before = [x.clone() for x in (lp, rlp, mask, ent, turns, versions)]
+    res = rc.compute_rollout_correction(lp, rlp, mask, rc.RolloutCorrectionConfig(**CFG), diagnostics=spec)
+    assert isinstance(res, rc.RolloutDiagnosticsResult)
+    for a, b_ in zip(before, (lp, rlp, mask, ent, turns, versions)):
+        assert torch.equal(a, b_)  # inputs untouched
+    want, rows = _oracle(lp, rlp, mask, ent, turns, versions, spec)
+    got = res.as_floats()
+    for k, v in want.items():
+        _close(got["rollout_corr/" + k], v, 1e-10, k)
+    assert {f for f in BREAKDOWNS} == {k.split("/")[1][3:] for k in got if k.startswith("rollout_corr/by_")}
+    d = res.diagnostics
+    rel = 1e-10 if dtype == torch.float64 else 2e-5  # row values come from the kernels' fp32 row sums
+    assert d.rows["tokens"].tolist() == rows["tokens"]
+    for k in ("log_ratio_sum", "abs_log_ratio_mean", "kl", "k3_kl"):
+        for i, (g_, w_) in enumerate(zip(d.rows[k].tolist(), rows[k])):
+            _close(g_, w_, rel, (k, i))
+    assert d.rows["global_row"].tolist() == list(range(lp.shape[0]))
+    # the worst rows: the largest mean |lr|, in order
+    order = sorted((i for i in range(lp.shape[0]) if rows["tokens"][i]), key=lambda i: -rows["abs_log_ratio_mean"][i])
+    assert d.worst["global_row"].tolist() == order[:4]
+    for k in ("tokens", "log_ratio_sum", "kl", "k3_kl", "reject_bits"):
+        assert torch.equal(d.worst[k], d.rows[k][order[:4]].to(d.worst[k].dtype)), k
+
+
+def test_estimators_converge_to_the_exact_divergences():
+    """Tokens drawn from q over a 6-token vocabulary: the estimators' means are the exact reverse KL(p || q) and
+    Jensen-Shannon divergence of p and q (to sampling error), and kl / k3_kl the forward KL(q || p)."""
+    g = torch.Generator().manual_seed(11)
+    p = torch.tensor([0.30, 0.25, 0.20, 0.12, 0.08, 0.05], dtype=torch.float64)
+    q = torch.tensor([0.22, 0.28, 0.15, 0.17, 0.10, 0.08], dtype=torch.float64)
+    y = torch.multinomial(q, 400_000, replacement=True, generator=g).reshape(400, 1000)
+    lp, rlp = p.log()[y], q.log()[y]
+    res = rc.compute_rollout_correction(lp, rlp, torch.ones_like(y), rc.RolloutCorrectionConfig.disabled(),
+                                        diagnostics=MismatchDiagnostics(top_k=0))
+    m = res.as_floats()
+    mix = (p + q) / 2
+    exact = {"reverse_kl": float((p * (p / q).log()).sum()),
+             "js_divergence": float(0.5 * (p * (p / mix).log()).sum() + 0.5 * (q * (q / mix).log()).sum()),
+             "kl": float((q * (q / p).log()).sum()), "k3_kl": float((q * (q / p).log()).sum())}
+    r = (lp - rlp).exp()
+    per_token = {"reverse_kl": r * (lp - rlp) - (r - 1), "kl": -(lp - rlp), "k3_kl": r - 1 - (lp - rlp),
+                 "js_divergence": 0.5 * (r * (lp - rlp) - (1 + r) * ((1 + r) / 2).log())}
+    for k, want in exact.items():
+        se = float(per_token[k].std()) / math.sqrt(y.numel())
+        assert abs(m["rollout_corr/" + k] - want) < 5 * se + 1e-12, (k, m["rollout_corr/" + k], want, se)
+    assert 0 < m["rollout_corr/js_divergence"] < math.log(2)
+
+
+# ------------------------------------------------------------------------------------------ rejection bits
+
+
+def _verl_fn():
+    try:
+        import verl
+        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+    except Exception as exc:  # noqa: BLE001 - any import failure means "verl is not usable here"
+        skip_unless_ci(f"verl 0.9.1 cannot be imported: {exc!r}")
+    if getattr(verl, "__version__", None) != "0.9.1":
+        skip_unless_ci(f"the oracle follows verl 0.9.1; installed verl is {getattr(verl, '__version__', '?')}")
+    return compute_rollout_correction_and_rejection_mask
+
+
+@pytest.mark.parametrize("rs,spec", [("token_k1,seq_mean_k3", "0.8_1.25,0.006"),
+                                     ("seq_sum_k1,token_k3,seq_max_k2", "0.6_1.6,0.02,0.03")])
+def test_reject_bits_equal_verl_one_criterion_at_a_time(rs, spec):
+    verl_fn = _verl_fn()
+    lp, rlp, mask, *_ = _inputs(seed=4)
+    cfg = dict(rollout_is=None, rollout_rs=rs, rollout_rs_threshold=spec, rollout_token_veto_threshold=0.75)
+    res = rc.compute_rollout_correction(lp, rlp, mask, rc.RolloutCorrectionConfig(**cfg),
+                                        diagnostics=MismatchDiagnostics(top_k=0))
+    d = res.diagnostics
+    names = rs.split(",")
+    assert d.reject_bit_names == tuple(names) + ("veto",)
+    bits = d.rows["reject_bits"]
+    maskf = mask.double()
+    for i, (name, s) in enumerate(zip(names, spec.split(","))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _, v_mask, _ = verl_fn(lp, rlp, maskf, rollout_is=None, rollout_rs=name, rollout_rs_threshold=s)
+        lost = ((maskf - v_mask) > 0).any(1)  # verl dropped a response token of the row under this criterion alone
+        assert torch.equal((bits >> i) & 1 == 1, lost), (name, bits, lost)
+    veto = ((lp - rlp).exp() < 0.75).logical_and(mask.bool()).any(1)  # a valid token with ratio below V
+    assert torch.equal((bits >> len(names)) & 1 == 1, veto)
+    # and the rows any criterion names are exactly the rows the correction's mask cut
+    assert torch.equal(bits != 0, (res.response_mask != mask).any(1))
+    assert bool((bits != 0).any()) and bool((bits == 0).any())  # the case decides something
+
+
+# ------------------------------------------------------------------------------------- layouts and groups
+
+
+def _packed(lp, rlp, mask, ent, turns, versions):
+    """The rows' first L_b tokens back to back (L_b: each row's last response position + 1, ragged)."""
+    keep = [int(mask[i].nonzero().max()) + 1 if mask[i].any() else 3 for i in range(mask.shape[0])]
+    cat = [torch.cat([x[i, :k] for i, k in enumerate(keep)]) for x in (lp, rlp, mask, ent, turns, versions)]
+    cu = torch.tensor([0] + keep).cumsum(0).to(torch.int32)
+    return cat, cu
+
+
+def test_packed_equals_padded():
+    lp, rlp, mask, ent, turns, versions = _inputs(seed=2)
+    cfg = rc.RolloutCorrectionConfig(**CFG)
+    want = rc.compute_rollout_correction(lp, rlp, mask, cfg, diagnostics=_spec(ent, turns, versions))
+    (plp, prlp, pmask, pent, pturns, pver), cu = _packed(lp, rlp, mask, ent, turns, versions)
+    got = rc.compute_rollout_correction(plp, prlp, pmask, cfg, cu_seqlens=cu, diagnostics=_spec(pent, pturns, pver))
+    _same(got, want, rel=1e-12)
+    # per-row versions [B] are broadcast along each segment
+    row_v = versions[:, 0]
+    want_r = rc.compute_rollout_correction(lp, rlp, mask, cfg, diagnostics=_spec(ent, turns, row_v))
+    got_r = rc.compute_rollout_correction(plp, prlp, pmask, cfg, cu_seqlens=cu, diagnostics=_spec(pent, pturns, row_v))
+    _same(got_r, want_r, rel=1e-12)
+
+
+def _same(got, want, rel):
+    g, w = got.as_floats(), want.as_floats()
+    assert set(g) == set(w)
+    for k in w:
+        _close(g[k], w[k], rel, k)
+    for k, v in want.diagnostics.rows.items():
+        assert torch.allclose(got.diagnostics.rows[k].double(), v.double(), rtol=rel, atol=0, equal_nan=True), k
+    for k, v in want.diagnostics.worst.items():
+        assert torch.allclose(got.diagnostics.worst[k].double(), v.double(), rtol=rel, atol=0, equal_nan=True), k
+    for k, h in want.diagnostics.histograms.items():
+        o = got.diagnostics.histograms[k]
+        assert torch.equal(o.counts, h.counts) and torch.equal(o.edges, h.edges), k
+        for f in ("num", "min", "max", "sum", "sum_squares"):
+            _close(float(getattr(o, f)), float(getattr(h, f)), rel, (k, f))
+
+
+def _dp_worker(rank, world, lp, rlp, mask, ent, turns, versions):
+    import torch.distributed as dist
+
+    cfg = rc.RolloutCorrectionConfig(**CFG)
+    want = rc.compute_rollout_correction(lp, rlp, mask, cfg, diagnostics=_spec(ent, turns, versions))
+    rows = slice(0, 2) if rank == 0 else slice(2, None)  # uneven split
+    got = rc.compute_rollout_correction(*(x[rows] for x in (lp, rlp, mask)), cfg, dp_group=dist.group.WORLD,
+                                        diagnostics=_spec(*(x[rows] for x in (ent, turns, versions))))
+    g, w = got.as_floats(), want.as_floats()
+    for k in w:
+        _close(g[k], w[k], 1e-12, k)
+    d, e = got.diagnostics, want.diagnostics
+    assert d.rows["global_row"].tolist() == list(range(lp.shape[0]))[rows]
+    for k, v in e.rows.items():
+        assert torch.allclose(d.rows[k].double(), v[rows].double(), rtol=1e-12, equal_nan=True), k
+    for k, v in e.worst.items():  # the same worst rows of the whole batch on every rank
+        assert torch.allclose(d.worst[k].double(), v.double(), rtol=1e-12, equal_nan=True), k
+    for k, h in e.histograms.items():
+        assert torch.equal(d.histograms[k].counts, h.counts), k
+
+
+@pytest.mark.parametrize("device", dist_params(2))
+def test_dp2_equals_one_process(device):
+    run_workers(_dp_worker, 2, *_inputs(seed=5), device=device)
+
+
+def _cp_worker(rank, world, lp, rlp, mask, ent, turns, versions):
+    import torch.distributed as dist
+
+    cfg = rc.RolloutCorrectionConfig(**CFG)
+    want = rc.compute_rollout_correction(lp, rlp, mask, cfg, diagnostics=_spec(ent, turns, versions))
+    positions = torch.cumsum(mask, 1) - 1  # each token's index among its row's response tokens
+    t = lp.shape[1]
+    cols = slice(0, t // 2) if rank == 0 else slice(t // 2, None)
+    sl = [x[:, cols].contiguous() for x in (lp, rlp, mask, ent, turns, versions, positions)]
+    got = rc.compute_rollout_correction(sl[0], sl[1], sl[2], cfg, seq_group=dist.group.WORLD,
+                                        diagnostics=_spec(sl[3], sl[4], sl[5], positions=sl[6]))
+    _same(got, want, rel=1e-12)
+    with pytest.raises(ValueError, match="diagnostics.positions is required under context parallelism"):
+        rc.compute_rollout_correction(sl[0], sl[1], sl[2], cfg, seq_group=dist.group.WORLD,
+                                      diagnostics=_spec(sl[3], sl[4], sl[5]))
+
+
+@pytest.mark.parametrize("device", dist_params(2))
+def test_cp2_equals_one_process(device):
+    run_workers(_cp_worker, 2, *_inputs(seed=6, dtype=torch.float64), device=device)
+
+
+def test_nonfinite_excluded_tokens_do_not_leak():
+    lp, rlp, mask, ent, turns, versions = _inputs(seed=7)
+    cfg = rc.RolloutCorrectionConfig(**CFG)
+    bad = lp.clone()
+    bad[0, 3], bad[1, 5] = math.nan, -math.inf
+    mask[0, 3] = mask[1, 5] = 1
+    got = rc.compute_rollout_correction(bad, rlp, mask, cfg, nonfinite="exclude",
+                                        diagnostics=_spec(ent, turns, versions))
+    cut = mask.clone()
+    cut[0, 3] = cut[1, 5] = 0
+    want = rc.compute_rollout_correction(lp, rlp, cut, cfg, diagnostics=_spec(ent, turns, versions))
+    g, w = got.as_floats(), want.as_floats()
+    for k in w:
+        if "by_position" in k or k.endswith("nonfinite_token_fraction"):
+            continue  # positions count the excluded tokens' places differently only by the excluded token itself
+        _close(g[k], w[k], 1e-12, k)
+    assert all(math.isfinite(v) or "by_" in k for k, v in g.items())
+
+
+# ----------------------------------------------------------------------------------------------- histograms
+
+
+def _hist_result():
+    lp, rlp, mask, ent, turns, versions = _inputs(seed=8)
+    return rc.compute_rollout_correction(lp, rlp, mask, rc.RolloutCorrectionConfig(**CFG),
+                                         diagnostics=_spec(ent, turns, versions)), lp, rlp, mask
+
+
+def test_histograms_hold_the_values():
+    res, lp, rlp, mask = _hist_result()
+    h = res.diagnostics.histograms["log_ratio"]
+    lr = (lp - rlp)[mask.bool()]
+    assert float(h.num) == lr.numel() == float(h.counts.sum())
+    assert float(h.min) == float(lr.min()) and float(h.max) == float(lr.max())
+    assert float(h.sum) == pytest.approx(float(lr.sum()), rel=1e-12)
+    assert float(h.sum_squares) == pytest.approx(float((lr * lr).sum()), rel=1e-12)
+    want = torch.histogram(lr, bins=h.edges).hist  # the same edges, torch's own binning
+    assert torch.equal(h.counts, want)
+    w = res.weights[res.response_mask.bool()].double()
+    hw = res.diagnostics.histograms["is_weight"]
+    assert float(hw.num) == w.numel() and float(hw.max) == float(w.max()) and float(hw.min) == float(w.min())
+    assert torch.equal(hw.counts, torch.histogram(w, bins=hw.edges).hist)
+    t = h.trimmed(7)
+    assert t.counts.numel() <= 7 and float(t.counts.sum()) == lr.numel()
+    assert float(t.edges[0]) <= float(lr.min()) and float(t.edges[-1]) >= float(lr.max())
+
+
+def test_histograms_read_back_by_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard", reason="the histogram helpers are tested against TensorBoard (test extra)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    res, lp, rlp, mask = _hist_result()
+    with SummaryWriter(str(tmp_path)) as writer:
+        log_histograms(res, step=7, tensorboard=writer)
+    acc = EventAccumulator(str(tmp_path), size_guidance={"histograms": 0})
+    acc.Reload()
+    assert set(acc.Tags()["histograms"]) == {"rollout_corr/log_ratio", "rollout_corr/is_weight"}
+    ev = acc.Histograms("rollout_corr/log_ratio")[0]
+    h = res.diagnostics.histograms["log_ratio"].trimmed()
+    assert ev.step == 7
+    v = ev.histogram_value
+    assert (v.min, v.max, v.num) == (float(h.min), float(h.max), float(h.num))
+    assert v.sum == pytest.approx(float(h.sum)) and v.sum_squares == pytest.approx(float(h.sum_squares))
+    assert list(v.bucket) == h.counts.tolist()
+    assert list(v.bucket_limit) == pytest.approx(h.edges[1:].tolist())
+
+
+def test_histograms_accepted_by_wandb(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb", reason="the histogram helpers are tested against W&B (test extra)")
+    res, *_ = _hist_result()
+    h = res.diagnostics.histograms["log_ratio"]
+    big = Histogram(h.edges, h.counts, h.num, h.min, h.max, h.sum, h.sum_squares)
+    wh = big.to_wandb()
+    t = big.trimmed(512)
+    assert isinstance(wh, wandb.Histogram)
+    assert wh.histogram == pytest.approx(t.counts.tolist()) and wh.bins == pytest.approx(t.edges.tolist())
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run = wandb.init(mode="offline", dir=str(tmp_path), project="rollout-corr-test")
+    try:
+        log_histograms(res, step=3, wandb_run=run)
+    finally:
+        run.finish()
+    files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".wandb")]
+    assert files, "no offline run file written"
+    blob = open(files[0], "rb").read()
+    assert b"rollout_corr/log_ratio" in blob and b"histogram" in blob
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+def test_bad_inputs_raise_named_errors():
+    lp, rlp, mask, ent, turns, versions = _inputs()
+    cfg = rc.RolloutCorrectionConfig(**CFG)
+
+    def run(**kw):
+        return rc.compute_rollout_correction(lp, rlp, mask, cfg, diagnostics=MismatchDiagnostics(**kw))
+
+    with pytest.raises(ValueError, match="diagnostics.entropy must have log_prob's shape"):
+        run(entropy=ent[:, :3])
+    with pytest.raises(TypeError, match="diagnostics.turn_ids must be an integer tensor"):
+        run(turn_ids=turns.double())
+    with pytest.raises(ValueError, match="diagnostics.positions must have log_prob's shape"):
+        run(positions=turns[:2])
+    with pytest.raises(ValueError, match=r"diagnostics.versions at response token .* newer than current_version 5"):
+        run(versions=versions, current_version=5)
+    with pytest.raises(ValueError, match="go together"):
+        MismatchDiagnostics(versions=versions)
+    with pytest.raises(ValueError, match="diagnostics.position_buckets must be strictly increasing"):
+        MismatchDiagnostics(position_buckets=(8, 4))
+    with pytest.raises(ValueError, match="diagnostics.top_k must be an int"):
+        MismatchDiagnostics(top_k=-1)
+    with pytest.raises(TypeError, match="diagnostics must be a MismatchDiagnostics"):
+        rc.compute_rollout_correction(lp, rlp, mask, cfg, diagnostics={"top_k": 3})
+    with pytest.raises(ValueError, match="give tensorboard="):
+        log_histograms(run().diagnostics)
+
+
+def _dp_cp_worker(rank, world, lp, rlp, mask, ent, turns, versions):
+    """DP = 2 x CP = 2: context-parallel pairs (0, 1) and (2, 3), data-parallel halves of the rows."""
+    import torch.distributed as dist
+
+    cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    seq_group = cp_groups[rank // 2]
+    cfg = rc.RolloutCorrectionConfig(**CFG)
+    want = rc.compute_rollout_correction(lp, rlp, mask, cfg, diagnostics=_spec(ent, turns, versions))
+    positions = torch.cumsum(mask, 1) - 1
+    rows = slice(0, 3) if rank < 2 else slice(3, None)
+    t = lp.shape[1]
+    cols = slice(0, t // 2) if rank % 2 == 0 else slice(t // 2, None)
+    sl = [x[rows, cols].contiguous() for x in (lp, rlp, mask, ent, turns, versions, positions)]
+    got = rc.compute_rollout_correction(sl[0], sl[1], sl[2], cfg, seq_group=seq_group, dp_group=dist.group.WORLD,
+                                        diagnostics=_spec(sl[3], sl[4], sl[5], positions=sl[6]))
+    g, w = got.as_floats(), want.as_floats()
+    for k in w:
+        _close(g[k], w[k], 1e-12, k)
+    d, e = got.diagnostics, want.diagnostics
+    assert d.rows["global_row"].tolist() == list(range(lp.shape[0]))[rows]  # the same ids on both CP ranks
+    for k, v in e.rows.items():
+        assert torch.allclose(d.rows[k].double(), v[rows].double(), rtol=1e-12, equal_nan=True), k
+    for k, v in e.worst.items():
+        assert torch.allclose(d.worst[k].double(), v.double(), rtol=1e-12, equal_nan=True), k
+
+
+@pytest.mark.parametrize("device", dist_params(4))
+def test_dp2_cp2_equals_one_process(device):
+    run_workers(_dp_cp_worker, 4, *_inputs(seed=9), device=device)
