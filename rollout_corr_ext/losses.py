@@ -742,6 +742,18 @@ def token_loss_kind(cfg: "PolicyLossConfig", where: str) -> Tuple[int, Tuple[flo
     return TOKEN_LOSS_KINDS[cfg.loss_mode], params
 
 
+def _nonzero(m: torch.Tensor) -> torch.Tensor:
+    """``m != 0`` as a bool tensor, by a cast: the same truth values (NaN included) at a fraction of a comparison's
+    cost."""
+    return m if m.dtype == torch.bool else m.bool()
+
+
+def _masked_by(x: torch.Tensor, nz: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """:func:`_checks.masked` (verl's ``where(m != 0, x, 0) * m``, the same values) given ``nz = m != 0``: one new
+    tensor, the product taken in place. Not differentiable (callers run under no_grad)."""
+    return torch.where(nz, x, 0.0).mul_(m)
+
+
 def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
                                  config=None, rollout_is_weights=None, *, cu_seqlens=None):
     """GMPO (arXiv:2507.20673, verl ``geo_mean``): per sequence L = -mean_t(A) exp(mean_t(clip_sgn(x))) times the
@@ -756,15 +768,16 @@ def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_ma
     _, _, rows = policy_loss_step(LY.PG_KIND_GEO_MEAN, old_log_prob, log_prob, advantages, response_mask, "token-sum",
                               cfg, None, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
     acc = rows.dtype
-    m = response_mask.to(acc)
     tokens = rows[:, LY.PG_ROW_TOKENS] + LY.MASKED_MEAN_EPS
     with torch.no_grad():
-        adv = _row_sums(_checks.masked(advantages.to(acc), m), cu_seqlens) / tokens
+        m = response_mask.to(acc)
+        nz = _nonzero(m)  # one mask test for both masked sums
+        adv = _row_sums(_masked_by(advantages.to(acc), nz, m), cu_seqlens) / tokens
     seq_loss = -adv * torch.exp(rows[:, LY.PG_ROW_LOSS_SUM] / tokens)
     if rollout_is_weights is not None:
         with torch.no_grad():
-            logw = _checks.masked(torch.log(rollout_is_weights.detach().to(acc) + 1e-10), m)
-            seq_w = torch.exp(_row_sums(logw, cu_seqlens) / tokens.detach())
+            logw = torch.add(rollout_is_weights.detach().to(acc), 1e-10).log_()  # log(w + 1e-10), one buffer
+            seq_w = torch.exp(_row_sums(_masked_by(logw, nz, m), cu_seqlens) / tokens.detach())
         seq_loss = seq_loss * seq_w
     if cfg.global_batch_size is None:
         if cfg.dp_size > 1:
@@ -776,21 +789,67 @@ def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_ma
     return loss, _row_metrics(rows, _PPO_METRICS)
 
 
-def _masked_mean(x, m):
-    return _checks.masked(x, m).sum() / (m.sum() + LY.MASKED_MEAN_EPS)  # verl_F.masked_mean
+#: The candidate filter of :func:`_topk_indices`: elements per block maximum (a power of 2).
+_TOPK_SHIFT = 7
+_TOPK_BLOCK = 1 << _TOPK_SHIFT
 
 
-def _select_top(score: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor, k_max: int) -> torch.Tensor:
-    """The ``count`` eligible positions with the largest score (ties in torch.topk's order), as a bool mask, with no
-    host sync: ``count`` is a 0-dim tensor, ``k_max >= count`` a bound known without reading data (a top-k of
-    k_max, not a sort of every token)."""
-    flat = torch.where(eligible, score, torch.full_like(score, -math.inf)).reshape(-1)
+def _topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """``torch.topk(flat, k, sorted=True).indices`` of a 1-D tensor: on the CPU the same indices in the same order
+    (ties included), with the sort run over candidates only.
+
+    The CPU top-k (ATen ``topk_impl_loop``, taken when ``64 k <= n``) is ``std::partial_sort``: a heap of the first
+    k elements, then one scan in which an element enters the heap only if it beats the heap's least element (NaN
+    beats everything); that least element never decreases, and the heap is sorted at the end. An element that does
+    not beat it at its turn leaves no trace, so dropping it changes neither the indices nor their order. Before
+    position p the least element is at least the k-th largest of any k elements before p, here of k block maxima
+    (blocks of :data:`_TOPK_BLOCK`) over prefixes that double in length: a block whose maximum is at most its bound
+    is dropped whole. The rest (the blocks holding the first k positions, every other block with an element above
+    its bound, the tail) keeps its order, -inf padding up to 64 k elements keeps the heap path (padding never enters
+    the heap), and the top-k of that maps back to positions. On the bench's 2^21 tokens a full top-k costs ~17 ms
+    on the 2-core VM (its 32 MiB work vector is mapped afresh on every call), this ~1 ms. Elsewhere (CUDA, small
+    inputs, under torch.compile) this is torch.topk itself; the CPU path sizes its candidates from the data (one
+    ``nonzero``: no device to wait for on the CPU).
+    """
+    n = flat.numel()
+    s = _TOPK_BLOCK
+    nb = n // s
+    if flat.device.type != "cpu" or 64 * k > n or nb < 2 * k or torch.compiler.is_compiling():
+        return torch.topk(flat, k, sorted=True).indices
+    blocks = flat[: nb * s].view(nb, s)
+    block_max = blocks.amax(-1)  # NaN-propagating, as the heap ranks NaN first
+    bound = torch.full((nb,), -math.inf, dtype=flat.dtype, device=flat.device)
+    b = k  # bound for blocks [b, 2b): the k-th largest block maximum of blocks [0, b) (a NaN there: keep all)
+    while b < nb:
+        bound[b:2 * b] = torch.topk(block_max[:b], k, sorted=False).values.min()
+        b *= 2
+    # The candidates: whole blocks whose maximum beats their bound (or is NaN, or the bound is), in order, then the
+    # tail; the blocks holding positions < k (the heap's first k elements) are taken whatever their values.
+    cand = (block_max <= bound).logical_not_()
+    cand[:-(-k // s)] = True
+    cb = cand.nonzero().squeeze(1)
+    vals = blocks[cb].reshape(-1)
+    head = vals.numel()
+    if nb * s < n:
+        vals = torch.cat([vals, flat[nb * s:]])
+    if vals.numel() < 64 * k:  # the same (heap) path as the full call: pad with values that never enter the heap
+        vals = torch.cat([vals, vals.new_full((64 * k - vals.numel(),), -math.inf)])
+    at = torch.topk(vals, k, sorted=True).indices
+    return torch.where(at < head, cb[(at >> _TOPK_SHIFT).clamp(max=max(0, cb.numel() - 1))] * s + (at & (s - 1)),
+                       at - head + nb * s)
+
+
+def _top_positions(score: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor,
+                   k_max: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The ``count`` eligible positions with the largest score (ties in torch.topk's order), as ``(idx, keep)``: the
+    flat positions of a top-k of k_max and which of them are selected, with no host sync on a GPU: ``count`` is a
+    0-dim tensor, ``k_max >= count`` a bound known without reading data (a top-k of k_max, not a sort of every
+    token)."""
+    flat = torch.where(eligible, score, -math.inf).reshape(-1)
     k = max(1, min(int(k_max), flat.numel()))
-    idx = torch.topk(flat, k, sorted=True).indices
+    idx = _topk_indices(flat, k)
     keep = (torch.arange(k, device=flat.device) < count) & eligible.reshape(-1)[idx]
-    out = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
-    out[idx] = keep
-    return out.reshape(score.shape)
+    return idx, keep
 
 
 def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
@@ -808,25 +867,53 @@ def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_ma
     acc = _checks.acc_dtype(log_prob.dtype)
     with torch.no_grad():
         m = response_mask.to(acc)
+        nz = _nonzero(m)
         valid = m > 0
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
-        ratio = torch.exp(lp - old_log_prob.to(acc))
-        loss1 = -adv * ratio
-        loss2 = -adv * torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
-        cov = (adv - _masked_mean(adv, m)) * (lp - _masked_mean(lp, m))
-        eligible = (cov < cfg.clip_cov_ub) & (cov > cfg.clip_cov_lb) & valid & ~((loss2 > loss1) & valid)
-        count = (cfg.clip_cov_ratio * m.sum()).floor().clamp(min=1)
+        m_sum = m.sum()
+        den = m_sum + LY.MASKED_MEAN_EPS  # verl_F.masked_mean's denominator
+        # verl's clip_by_origin: -A clip(r) > -A r, i.e. A clip(r) < A r (negation is exact and flips the order;
+        # NaN compares false either way)
+        ratio = torch.sub(lp, old_log_prob.to(acc)).exp_()
+        adv_r = adv * ratio
+        clipped = ratio.clamp_(1 - cfg.clip_low, 1 + cfg.clip_high).mul_(adv) < adv_r
+        del ratio, adv_r
+        cov = (adv - _masked_by(adv, nz, m).sum() / den).mul_(lp - _masked_by(lp, nz, m).sum() / den)
+        # (cov < ub) & (cov > lb) & valid & ~(clipped & valid), without the repeated mask
+        eligible = (cov < cfg.clip_cov_ub).logical_and_(cov > cfg.clip_cov_lb).logical_and_(valid)
+        eligible.logical_and_(clipped.logical_not_())
+        count = (cfg.clip_cov_ratio * m_sum).floor().clamp(min=1)
         if response_mask.dtype == torch.bool:  # count <= ratio * numel: a bound known without reading data
             bound = int(cfg.clip_cov_ratio * m.numel()) + 1
         else:  # mask weights may exceed 1 (verl counts sum(mask)): read the count (a host sync on CUDA only)
             bound = int(count.item())
-        corr = (~_select_top(cov, eligible, count, bound)).to(acc)
-        w = corr if rollout_is_weights is None else corr * rollout_is_weights.detach().to(acc)
+        idx, keep = _top_positions(cov, eligible, count, bound)
+        del cov, eligible, clipped
+        # The kernel's weights: the cut indicator's complement corr (1, 0 at the cut tokens) times the IS weights,
+        # written only where a token is cut (1 * w == w).
+        corr = (~keep).to(acc)
+        if rollout_is_weights is None:
+            w = torch.ones(log_prob.shape, dtype=acc, device=log_prob.device)
+            w.view(-1)[idx] = corr
+        else:
+            w = torch.empty(log_prob.shape, dtype=acc, device=log_prob.device)
+            w.copy_(rollout_is_weights.detach())
+            w_flat = w.view(-1)
+            w_flat[idx] = corr * w_flat[idx]
+        # masked_mean(corr == 0, m): the cut tokens' mask values, summed over the same dense [B, T] as before
+        cut = torch.zeros(log_prob.shape, dtype=acc, device=log_prob.device)
+        cut.view(-1)[idx] = torch.where(keep, m.reshape(-1)[idx], 0.0)
+        clipfrac = cut.sum() / den
     loss, _, rows = policy_loss_step(LY.PG_KIND_PPO_UNBOUNDED, old_log_prob, log_prob, advantages, response_mask,
                                  loss_agg_mode, cfg, w, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
-    metrics = _row_metrics(rows, ("actor/ppo_kl",))
-    metrics["actor/pg_clipfrac"] = _masked_mean((corr == 0).to(acc), m).detach()
-    return loss, {"actor/pg_clipfrac": metrics["actor/pg_clipfrac"], "actor/ppo_kl": metrics["actor/ppo_kl"]}
+    return loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": _row_metrics(rows, ("actor/ppo_kl",))["actor/ppo_kl"]}
+
+
+def _row_of(idx: torch.Tensor, log_prob: torch.Tensor, cu_seqlens) -> torch.Tensor:
+    """The row (padded) or segment (packed) of each flat token position ``idx``."""
+    if cu_seqlens is None:
+        return torch.div(idx, max(1, log_prob.shape[-1]), rounding_mode="floor")
+    return torch.searchsorted(cu_seqlens.to(torch.int64), idx, right=True) - 1
 
 
 def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
@@ -840,25 +927,39 @@ def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask
                     cu_seqlens)
     refuse_grad(fn, old_log_prob=old_log_prob, advantages=advantages, rollout_is_weights=rollout_is_weights)
     acc = _checks.acc_dtype(log_prob.dtype)
-    m = response_mask.to(acc)
-    valid = m > 0
     with torch.no_grad():
+        m = response_mask.to(acc)
+        valid = m > 0
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
-        n = valid.sum()
+        n = torch.count_nonzero(valid)  # valid.sum(), without the cast to int64
         mean_a = torch.where(valid, adv, 0).sum() / n.clamp(min=1)
         mean_lp = torch.where(valid, lp, 0).sum() / n.clamp(min=1)
-        cov = (adv - mean_a) * (lp - mean_lp)
+        cov = (adv - mean_a).mul_(lp - mean_lp)
         count = (n * cfg.kl_cov_ratio).floor().clamp(min=1)
-        selected = _select_top(cov, valid, count, int(valid.numel() * cfg.kl_cov_ratio) + 1).to(acc)
-    loss_mat, rows = ops.policy_loss_rows(ops.first_order_only(log_prob, fn), old_log_prob, advantages,
-                                          response_mask, rollout_is_weights, math.inf, math.inf, math.inf,
-                                          LY.PG_KIND_PPO_UNBOUNDED, cu_seqlens)
-    abs_kl = (log_prob.to(acc) - old_log_prob.to(acc)).abs()
-    penalty = cfg.ppo_kl_coef * abs_kl * selected
+        idx, keep = _top_positions(cov, valid, count, int(valid.numel() * cfg.kl_cov_ratio) + 1)
+        # actor/ppo_kl = masked_mean(|lp - lp_old|, m), in cov's buffer
+        abs_kl = torch.sub(lp, old_log_prob.to(acc), out=cov).abs_()
+        ppo_kl = torch.where(_nonzero(m), abs_kl, abs_kl.new_zeros(()), out=abs_kl).mul_(m).sum() / (
+            m.sum() + LY.MASKED_MEAN_EPS)
+        del cov, abs_kl
+    _, rows = ops.policy_loss_rows(ops.first_order_only(log_prob, fn), old_log_prob, advantages,
+                                   response_mask, rollout_is_weights, math.inf, math.inf, math.inf,
+                                   LY.PG_KIND_PPO_UNBOUNDED, cu_seqlens)
+    with torch.no_grad():  # agg_loss's token counts (after the op, which checks cu_seqlens)
+        row_tokens = _row_sums(m, cu_seqlens)
+    # The penalty lives on the selected tokens only: gathered there (differentiable in log_prob), masked as agg_loss
+    # masks every token (where(m != 0, v, 0) * m) and added to the rows' loss sums.
+    x = log_prob.reshape(-1)[idx].to(acc) - old_log_prob.reshape(-1)[idx].to(acc)
+    penalty = cfg.ppo_kl_coef * x.abs() * keep.to(acc)
     if rollout_is_weights is not None:
-        penalty = penalty * rollout_is_weights.detach().to(acc)
-    loss = agg_loss(loss_mat + penalty, response_mask, loss_agg_mode, **cfg.global_batch_info, cu_seqlens=cu_seqlens)
-    return loss, {"actor/ppo_kl": _masked_mean(abs_kl.detach(), m)}
+        penalty = penalty * rollout_is_weights.detach().reshape(-1)[idx].to(acc)
+    m_sel = m.reshape(-1)[idx]
+    penalty = torch.where(m_sel != 0, penalty, torch.zeros_like(penalty)) * m_sel
+    rows_penalty = torch.zeros(rows.shape[0], dtype=acc, device=rows.device).index_add(
+        0, _row_of(idx, log_prob, cu_seqlens), penalty)
+    loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM] + rows_penalty, row_tokens, loss_agg_mode,
+                          padded_horizon(log_prob, cu_seqlens), **cfg.global_batch_info)
+    return loss, {"actor/ppo_kl": ppo_kl}
 
 
 def _correction(log_prob, rollout_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens=None,

@@ -292,11 +292,16 @@ def _row_index(cu_seqlens: Optional[torch.Tensor], shape, device) -> torch.Tenso
     return torch.searchsorted(cu[1:], torch.arange(shape[0], device=device), right=True)
 
 
+def _binned(index: torch.Tensor, keep: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
+    """Sums of ``values`` per ``index`` in [0, size) where ``keep``; fixed shapes throughout (the dropped values go
+    to a spare last bin), so no host sync on CUDA (unlike boolean indexing or bincount)."""
+    at = torch.where(keep.reshape(-1), index.reshape(-1), size)
+    out = torch.zeros(size + 1, dtype=values.dtype, device=values.device)
+    return out.index_add_(0, at, values.reshape(-1))[:size]
+
+
 def _row_sum(values: torch.Tensor, row: torch.Tensor, num_rows: int) -> torch.Tensor:
-    flat_row = row.reshape(-1)
-    keep = flat_row < num_rows
-    out = torch.zeros(num_rows, dtype=values.dtype, device=values.device)
-    return out.index_add(0, flat_row[keep], values.reshape(-1)[keep])
+    return _binned(row.clamp(max=num_rows), row < num_rows, values, num_rows)
 
 
 def diagnostics_pass(spec: MismatchDiagnostics, log_prob, rollout_log_prob, valid, cu_seqlens, num_rows: int):
@@ -354,7 +359,7 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
     ninf = torch.full((), -math.inf, dtype=f64, device=dev)
     w.max_parts.append(("abs_max", (torch.where(valid, abs_lr, ninf).amax() if lr.numel() else ninf).reshape(1)))
 
-    # ---- breakdowns: one index space over every family, three bincounts
+    # ---- breakdowns: one index space over every family, four binned sums
     labels = spec.bucket_labels()
     flat_valid = valid.reshape(-1)
     idx_parts, offset = [], 0
@@ -412,19 +417,17 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
     idx = torch.cat([i for i, _ in idx_parts])
     ok = torch.cat([o for _, o in idx_parts])
     reps = len(idx_parts)
-    sel = idx[ok]
 
     def binned(values):
-        return torch.bincount(sel, weights=values.reshape(-1).repeat(reps)[ok], minlength=total)[:total]
+        return _binned(idx, ok, values.reshape(-1).repeat(reps), total)
 
-    buckets = torch.stack([torch.bincount(sel, minlength=total)[:total].to(f64), binned(abs_lr), binned(-lr),
-                           binned(k3)])
+    buckets = torch.stack([binned(vf), binned(abs_lr), binned(-lr), binned(k3)])
     w.sum_parts.append(("buckets", buckets))
 
     # ---- histograms (fixed edges, so they add across ranks)
     width = (_HIST_HI - _HIST_LO) / _HIST_BINS
     hidx = ((l20 - _HIST_LO) / width).floor().clamp(0, _HIST_BINS - 1).long()
-    w.sum_parts.append(("hist_lr", torch.bincount(hidx[valid], minlength=_HIST_BINS).to(f64)))
+    w.sum_parts.append(("hist_lr", _binned(hidx, valid, vf, _HIST_BINS)))
     w.sum_parts.append(("hist_lr_moments", torch.stack([lr.sum(), (lr * lr).sum()])))
     w.max_parts.append(("hist_lr_minmax", torch.stack([
         torch.where(valid, lr, ninf).amax() if lr.numel() else ninf,
@@ -436,7 +439,7 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
         lw = torch.where(pos_w, wt.clamp(min=1e-300).log(), zero).clamp(_HIST_LO, _HIST_HI)
         widx = torch.where(pos_w, ((lw - _HIST_LO) / width).floor().clamp(0, _HIST_BINS - 1).long() + 1,
                            torch.zeros_like(hidx))
-        w.sum_parts.append(("hist_w", torch.bincount(widx[kept], minlength=_HIST_BINS + 1).to(f64)))
+        w.sum_parts.append(("hist_w", _binned(widx, kept, kept.to(f64), _HIST_BINS + 1)))
         w.sum_parts.append(("hist_w_moments", torch.stack([kept.to(f64).sum(), wt.sum(), (wt * wt).sum()])))
         w.max_parts.append(("hist_w_minmax", torch.stack([
             torch.where(kept, wt, ninf).amax() if wt.numel() else ninf,
