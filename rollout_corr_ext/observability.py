@@ -104,6 +104,19 @@ def debug_metrics(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, respon
 #       <= log 2; f(r) >= 0 per token);
 #   the forward KL(pi_rollout || pi_theta) is rollout_corr/kl (k1) and k3_kl (k3), as verl logs them.
 
+#: The scalar keys the diagnostics add (besides the ``by_<breakdown>/...`` keys), without the prefix.
+DIAGNOSTICS_SCALAR_KEYS = ("abs_log_ratio_mean", "abs_log_ratio_max", "abs_log_ratio_std", "reverse_kl",
+                           "js_divergence", "staleness_mean", "staleness_max", "staleness_min")
+
+
+def is_diagnostics_key(key: str, prefix: str = "rollout_corr/") -> bool:
+    """Whether a metric key is one the diagnostics add."""
+    if not key.startswith(prefix):
+        return False
+    rest = key[len(prefix):]
+    return rest in DIAGNOSTICS_SCALAR_KEYS or rest.startswith("by_")
+
+
 #: Breakdown families, in wire order.
 BREAKDOWNS = ("position_decile", "position", "probability", "entropy", "turn", "lag")
 #: Per-bucket statistics of every breakdown.

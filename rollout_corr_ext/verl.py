@@ -107,7 +107,7 @@ SUPPORTED_ROLLOUT_RS_OPTIONS = frozenset({
 # ------------------------------------------------------------------------------------------------- settings
 
 _SETTINGS: Dict[str, Any] = {"dp_group": None, "seq_group": None, "extra_metrics": False, "nonfinite": "error",
-                             "sampling": None}
+                             "sampling": None, "diagnostics": None, "current_version": None}
 
 
 
@@ -140,6 +140,14 @@ def configure(**settings: Any) -> Dict[str, Any]:
             (a zero probability under a replayed distribution), reporting
             ``rollout_corr/sampling_out_of_support_fraction``. ``None`` (default): no replay; a -inf log-prob is
             treated as verl treats it.
+        diagnostics: a :class:`rollout_corr_ext.MismatchDiagnostics` (its bucket settings; leave its tensors None):
+            :func:`compute_rollout_correction_and_add_to_batch` then adds the mismatch diagnostics' metrics
+            (docs/rollout_correction.md "Diagnostics") to the ones it returns, with the policy versions of the
+            batch when it has them: ``batch.batch["rollout_versions"]`` (per token or per row), else verl's
+            fully-async ``non_tensor_batch["min_global_steps"]`` (per row: the oldest weights that generated part of
+            the trajectory, so the lag is the row's largest).
+        current_version: the trainer's policy version for those lags (verl's fully-async trainer:
+            ``current_param_version``); ``None``: ``batch.meta_info["global_steps"]``.
     """
     unknown = sorted(set(settings) - set(_SETTINGS))
     if unknown:
@@ -151,6 +159,18 @@ def configure(**settings: Any) -> Dict[str, Any]:
     if settings.get("sampling") is not None and not isinstance(settings["sampling"], SamplingParams):
         raise TypeError(f"sampling must be a rollout_corr_ext.SamplingParams (or None), got "
                         f"{type(settings['sampling']).__name__}")
+    diag = settings.get("diagnostics")
+    if diag is not None:
+        from .observability import MismatchDiagnostics
+
+        if not isinstance(diag, MismatchDiagnostics):
+            raise TypeError(f"diagnostics must be a rollout_corr_ext.MismatchDiagnostics (or None), got "
+                            f"{type(diag).__name__}")
+        if any(getattr(diag, k) is not None for k in ("entropy", "turn_ids", "versions", "positions")):
+            raise ValueError("diagnostics: leave its tensors None here (the batch supplies them per call)")
+    cv = settings.get("current_version")
+    if cv is not None and (isinstance(cv, bool) or not isinstance(cv, int)):
+        raise TypeError(f"current_version must be an int (or None), got {type(cv).__name__}")
     previous = dict(_SETTINGS)
     _SETTINGS.update(settings)
     return previous
@@ -271,12 +291,12 @@ def _with_replay_metric(metrics: Dict[str, Any], frac) -> Dict[str, Any]:
     return metrics
 
 
-def _correct(log_prob, rollout_log_prob, response_mask, cfg: RolloutCorrectionConfig):
+def _correct(log_prob, rollout_log_prob, response_mask, cfg: RolloutCorrectionConfig, diagnostics=None):
     dp, seq = _groups(cfg)
     response_mask, frac = _replayed_mask(response_mask, log_prob, rollout_log_prob)
     with torch.no_grad():
         res = compute_rollout_correction(log_prob, rollout_log_prob, response_mask, cfg, dp_group=dp,
-                                         seq_group=seq, nonfinite=_SETTINGS["nonfinite"])
+                                         seq_group=seq, nonfinite=_SETTINGS["nonfinite"], diagnostics=diagnostics)
     if frac is not None:
         res.metrics[PREFIX + "sampling_out_of_support_fraction"] = frac
     return res
@@ -408,10 +428,15 @@ def compute_rollout_correction_and_rejection_mask(
     return proto, mask, metrics
 
 
-def _correct_verl(old_log_prob, rollout_log_prob, response_mask, cfg):
-    """weights in verl's dtype (or None), the mask and verl's prefixed float metrics."""
-    res = _correct(old_log_prob, rollout_log_prob, response_mask, cfg)
+def _correct_verl(old_log_prob, rollout_log_prob, response_mask, cfg, diagnostics=None):
+    """weights in verl's dtype (or None), the mask and verl's prefixed float metrics (with the diagnostics' when
+    given)."""
+    res = _correct(old_log_prob, rollout_log_prob, response_mask, cfg, diagnostics)
     keys = _is_keys(cfg) + _rs_keys(cfg) + list(OFFPOLICY_KEYS)
+    if diagnostics is not None:
+        from .observability import is_diagnostics_key
+
+        keys += [k[len(PREFIX):] for k in res.metrics if is_diagnostics_key(k)]
     metrics = _select(res.metrics, keys, extras=_SETTINGS["extra_metrics"], prefixed=True)
     weights = None
     if res.weights is not None:
@@ -451,12 +476,36 @@ def compute_rollout_correction_and_add_to_batch(
     when an IS level is set. ``rollout_corr_config``: verl's config (read as verl reads it) or this package's."""
     cfg = rollout_correction_config(rollout_corr_config)
     weights, mask, metrics = _correct_verl(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
-                                           batch.batch["response_mask"], cfg)
+                                           batch.batch["response_mask"], cfg, _batch_diagnostics(batch))
     batch.batch["response_mask"] = mask
     if weights is not None:
         proto = _data_proto("compute_rollout_correction_and_add_to_batch")
         batch = batch.union(proto.from_dict(tensors={"rollout_is_weights": weights}))
     return batch, metrics
+
+
+def _batch_diagnostics(batch):
+    """The configured diagnostics with the batch's policy versions (see :func:`configure`), or None."""
+    spec = _SETTINGS["diagnostics"]
+    if spec is None:
+        return None
+    import dataclasses
+
+    versions = None
+    if "rollout_versions" in batch.batch.keys():
+        versions = batch.batch["rollout_versions"]
+    elif getattr(batch, "non_tensor_batch", None) is not None and "min_global_steps" in batch.non_tensor_batch:
+        versions = torch.as_tensor(batch.non_tensor_batch["min_global_steps"].astype("int64"),
+                                   device=batch.batch["old_log_probs"].device)
+    if versions is None:
+        return spec
+    current = _SETTINGS["current_version"]
+    if current is None:
+        current = (batch.meta_info or {}).get("global_steps")
+    if current is None:
+        raise ValueError("the batch carries policy versions but no current version: configure(current_version=...) "
+                         "or batch.meta_info['global_steps']")
+    return dataclasses.replace(spec, versions=versions, current_version=int(current))
 
 
 def apply_bypass_mode(

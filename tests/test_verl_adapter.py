@@ -18,6 +18,7 @@ verl not importable (or another version): the tests FAIL when CI=true, and are s
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import math
 import os
@@ -33,7 +34,7 @@ with warnings.catch_warnings():
     import rollout_corr_ext
     import rollout_corr_ext.verl as rv
 
-from rollout_corr_ext import PolicyLossConfig, RolloutCorrectionConfig
+from rollout_corr_ext import PolicyLossConfig, RolloutCorrectionConfig, compute_rollout_correction
 from rollout_corr_ext.config import PRESETS
 from rollout_corr_testing.rc_testutil import make_inputs
 from rollout_corr_testing.skips import skip_unless_ci
@@ -887,3 +888,41 @@ def test_losses_and_correction_leave_out_of_support_tokens_out_when_replaying(V)
     assert torch.equal(cmask, cmask2)
     with pytest.raises(ValueError, match="-inf"):
         rv.compute_policy_loss_vanilla(old_inf, lp_inf, adv, mask, "token-mean", actor)
+
+
+@pytest.mark.parametrize("source", ["rollout_versions", "min_global_steps", "none"])
+def test_add_to_batch_with_diagnostics_and_versions(V, source):
+    """configure(diagnostics=...): the returned metrics are verl's plus the diagnostics' (equal to
+    compute_rollout_correction with the same spec), the lags from the batch's per-row versions: our tensor key, or
+    verl's fully-async ``min_global_steps`` with the trainer's version from ``meta_info["global_steps"]``."""
+    import numpy as np
+
+    from rollout_corr_ext import MismatchDiagnostics
+
+    lp, rlp, mask = inputs(scale=0.3, seed=4)
+    cfg = V.RCConfig.decoupled_token_is()
+    rows = torch.arange(lp.shape[0]) % 3 + 5  # versions 5, 6, 7
+    tensors = {"old_log_probs": lp.clone(), "rollout_log_probs": rlp.clone(), "response_mask": mask.clone()}
+    non_tensors, meta = {}, {}
+    if source == "rollout_versions":
+        tensors["rollout_versions"] = rows.clone()
+    elif source == "min_global_steps":
+        non_tensors["min_global_steps"] = np.array(rows.tolist(), dtype=object)
+        meta["global_steps"] = 7
+    batch = V.DataProto.from_dict(tensors=tensors, non_tensors=non_tensors or None, meta_info=meta or None)
+    spec = MismatchDiagnostics(top_k=0, max_lag=3)
+    with rv.configured(diagnostics=spec, current_version=None if source == "min_global_steps" else 7):
+        _, metrics = rv.compute_rollout_correction_and_add_to_batch(batch, cfg)
+    want = compute_rollout_correction(lp, rlp, mask, rv.rollout_correction_config(cfg), diagnostics=dataclasses.replace(
+        spec, versions=None if source == "none" else rows, current_version=None if source == "none" else 7))
+    diag = {k: float(v) for k, v in want.metrics.items() if k.startswith("rollout_corr/by_") or k.endswith(
+        ("reverse_kl", "js_divergence", "abs_log_ratio_mean", "staleness_mean"))}
+    assert ("rollout_corr/staleness_mean" in diag) == (source != "none")
+    for k, v in diag.items():
+        assert math.isnan(v) and math.isnan(metrics[k]) or metrics[k] == pytest.approx(v, rel=1e-12), k
+    if source != "none":
+        assert metrics["rollout_corr/by_lag/2/tokens"] == float(mask[rows == 5].sum())
+    with pytest.raises(TypeError, match="diagnostics must be a rollout_corr_ext.MismatchDiagnostics"):
+        rv.configure(diagnostics=True)
+    with pytest.raises(ValueError, match="leave its tensors None"):
+        rv.configure(diagnostics=MismatchDiagnostics(entropy=lp))
