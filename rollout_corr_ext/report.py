@@ -3,7 +3,9 @@
 ``BATCH.pt`` is a ``torch.save``-d dict with the tensors :func:`rollout_corr_ext.compute_rollout_correction` takes:
 ``log_prob`` (the trainer's), ``rollout_log_prob`` (the engine's) and ``response_mask``, ``[B, T]``; optionally
 ``config`` (a dict of :class:`~rollout_corr_ext.RolloutCorrectionConfig` fields; default: token TIS at 2 and no
-rejection), ``versions`` (per-token or per-row policy versions) with ``current_version``. It writes ``PREFIX.png``
+rejection), ``versions`` (per-token or per-row policy versions) with ``current_version``, ``entropy`` (per token) and
+``turn_ids`` (per token). The breakdowns and the worst rows are the correction's diagnostics
+(:class:`~rollout_corr_ext.MismatchDiagnostics`, docs/rollout_correction.md). It writes ``PREFIX.png``
 (one page, four panels) and ``PREFIX.json`` (every number drawn), and prints one verdict line per panel, judged
 against the healthy ranges of docs/rollout_correction.md's metric table:
 
@@ -45,16 +47,9 @@ def _load(path: str) -> Dict[str, Any]:
     return data
 
 
-def _binned_mean(values: torch.Tensor, bins: torch.Tensor, n_bins: int) -> List[Optional[float]]:
-    """Mean of ``values`` per integer bin 0 .. n_bins - 1 (None for an empty bin)."""
-    sums = torch.zeros(n_bins, dtype=torch.float64).index_add(0, bins, values.double())
-    counts = torch.zeros(n_bins, dtype=torch.float64).index_add(0, bins, torch.ones_like(values, dtype=torch.float64))
-    return [float(s / c) if c > 0 else None for s, c in zip(sums, counts)]
-
-
 def build_report(batch: Dict[str, Any], worst: int = 5) -> Dict[str, Any]:
     """The numbers of the report (what ``PREFIX.json`` holds), from a batch dict (see the module docstring)."""
-    from . import RolloutCorrectionConfig, compute_rollout_correction
+    from . import MismatchDiagnostics, RolloutCorrectionConfig, compute_rollout_correction
 
     lp = batch["log_prob"].double()
     rlp = batch["rollout_log_prob"].double()
@@ -64,8 +59,24 @@ def build_report(batch: Dict[str, Any], worst: int = 5) -> Dict[str, Any]:
                          f"{tuple(lp.shape)}, {tuple(rlp.shape)}, {tuple(mask.shape)}")
     cfg_fields = batch.get("config") or {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": None}
     cfg = RolloutCorrectionConfig.from_dict(cfg_fields)
-    result = compute_rollout_correction(lp, rlp, batch["response_mask"], cfg)
-    metrics = {k: float(v) for k, v in result.metrics.items()}
+    versions, current = batch.get("versions"), batch.get("current_version")
+    max_lag = 0
+    if versions is not None:
+        if current is None:
+            raise ValueError("the batch has versions but no current_version")
+        v = versions if versions.shape == lp.shape else versions.reshape(-1, 1).expand(lp.shape)
+        lags = (int(current) - v.long())[mask]
+        max_lag = max(int(lags.max()), 0) if lags.numel() else 0
+    turns = batch.get("turn_ids")
+    max_turns = int(turns[mask].max()) + 1 if turns is not None and bool(mask.any()) else 1
+    dspec = MismatchDiagnostics(entropy=batch.get("entropy"), turn_ids=turns, versions=versions,
+                                current_version=None if versions is None else int(current), top_k=worst,
+                                max_lag=max_lag, max_turns=max(max_turns, 1))
+    diag = compute_rollout_correction(lp, rlp, batch["response_mask"], cfg, diagnostics=dspec)
+    result = diag
+    from .observability import is_diagnostics_key
+
+    metrics = {k: float(v) for k, v in result.metrics.items() if not is_diagnostics_key(k)}
     lr = (lp - rlp)[mask]
     ratio = lr.clamp(-20, 20).exp()
     out: Dict[str, Any] = {"tokens": int(mask.sum()), "rows": int(mask.shape[0]), "config": cfg.to_dict(),
@@ -81,31 +92,33 @@ def build_report(batch: Dict[str, Any], worst: int = 5) -> Dict[str, Any]:
                                                            bins=edges).hist.tolist()}
     spec = cfg.is_spec
     out["is_thresholds"] = [] if spec is None else [x for x in (spec.lower, spec.upper) if x is not None]
-    # by position: the decile of each token's index within its row's response tokens
-    absdiff = (lp - rlp).abs()
-    rank = torch.cumsum(mask.long(), dim=1) - 1
-    length = mask.sum(1, keepdim=True).clamp(min=1)
-    decile = torch.clamp((rank * 10) // length, 0, 9)
-    out["by_position_decile"] = _binned_mean(absdiff[mask], decile[mask], 10)
-    # by the trainer's token probability
-    pbin = torch.clamp((lp.exp() * 10).floor().long(), 0, 9)
-    out["by_probability_bin"] = _binned_mean(absdiff[mask], pbin[mask], 10)
-    versions = batch.get("versions")
-    if versions is not None:
-        current = int(batch["current_version"])
-        v = versions if versions.shape == lp.shape else versions.reshape(-1, 1).expand(lp.shape)
-        lag = (current - v.long())[mask]
-        if lag.numel() and int(lag.min()) < 0:
-            raise ValueError("a response token's version is newer than current_version")
-        n_lag = int(lag.max()) + 1 if lag.numel() else 1
-        out["by_version_lag"] = _binned_mean(absdiff[mask], lag, n_lag)
-    # worst sequences
-    row_tokens = mask.sum(1)
-    row_abs = torch.where(mask, absdiff, torch.zeros_like(absdiff)).sum(1) / row_tokens.clamp(min=1)
-    row_lr = torch.where(mask, lp - rlp, torch.zeros_like(lp)).sum(1)
-    order = torch.argsort(torch.where(row_tokens > 0, row_abs, torch.full_like(row_abs, -1.0)), descending=True)
-    out["worst_rows"] = [{"row": int(r), "tokens": int(row_tokens[r]), "mean_abs_log_ratio": float(row_abs[r]),
-                          "seq_log_ratio": float(row_lr[r])} for r in order[:worst].tolist() if row_tokens[r] > 0]
+    # the breakdowns and the worst rows are the correction's own diagnostics (docs/rollout_correction.md)
+    d = diag.diagnostics
+    m = diag.metrics
+
+    def series(fam: str, labels: List[str]) -> List[Optional[float]]:
+        vals = [float(m[f"rollout_corr/by_{fam}/{lab}/abs_log_ratio"]) for lab in labels]
+        return [None if math.isnan(v) else v for v in vals]
+
+    labels = dspec.bucket_labels()
+    out["by_position_decile"] = series("position_decile", labels["position_decile"])
+    out["by_probability_bin"] = series("probability", labels["probability"])
+    if "entropy" in labels:
+        out["entropy_edges"] = list(dspec.entropy_edges)
+        out["by_entropy_bin"] = series("entropy", labels["entropy"])
+    if "turn" in labels:
+        out["by_turn"] = series("turn", labels["turn"])[:-1]  # max_turns is the largest turn id: the last is empty
+    if "lag" in labels:
+        out["by_version_lag"] = series("lag", labels["lag"])[:-1]  # max_lag is the largest lag: the last is empty
+    for k in ("reverse_kl", "js_divergence", "abs_log_ratio_mean", "abs_log_ratio_max"):
+        out[k] = float(m["rollout_corr/" + k])
+    names = d.reject_bit_names
+    out["worst_rows"] = [
+        {"row": int(r), "tokens": int(n), "mean_abs_log_ratio": float(a), "seq_log_ratio": float(s),
+         "rejected_by": [names[i] for i in range(len(names)) if int(bits) >> i & 1]}
+        for r, n, a, s, bits in zip(d.worst["global_row"].tolist(), d.worst["tokens"].tolist(),
+                                    d.worst["abs_log_ratio_mean"].tolist(), d.worst["log_ratio_sum"].tolist(),
+                                    d.worst["reject_bits"].tolist()) if r >= 0]
     out["verdicts"] = _verdicts(out)
     return out
 
@@ -133,6 +146,19 @@ def _verdicts(r: Dict[str, Any]) -> List[str]:
     if r.get("by_version_lag"):
         lags = [(i, x) for i, x in enumerate(r["by_version_lag"]) if x is not None]
         lines.append("version lag: " + ", ".join(f"lag {i}: {x:.2e}" for i, x in lags))
+    if r.get("by_entropy_bin"):
+        edges = [0.0] + r["entropy_edges"]
+        ent = [(i, x) for i, x in enumerate(r["by_entropy_bin"]) if x is not None]
+        if ent:
+            i, x = max(ent, key=lambda t: t[1])
+            hi = f"{edges[i + 1]:g}" if i + 1 < len(edges) else "inf"
+            lines.append(f"entropy: the largest mismatch {x:.2e} is at entropy in [{edges[i]:g}, {hi})")
+    if r.get("by_turn"):
+        turns = [(i, x) for i, x in enumerate(r["by_turn"]) if x is not None]
+        lines.append("turn: " + ", ".join(f"turn {i}: {x:.2e}" for i, x in turns))
+    if "js_divergence" in r and not math.isnan(r["js_divergence"]):
+        lines.append(f"divergence: Jensen-Shannon {r['js_divergence']:.2e}, reverse KL {r['reverse_kl']:.2e} nats "
+                     f"per token")
     rs = r["metrics"].get("rollout_corr/rollout_rs_masked_fraction")
     if rs is not None:
         judged = "healthy" if rs < HEALTHY_RS_FRACTION else "above the 5 % of a healthy run"

@@ -25,7 +25,10 @@ def _batch(seed=0):
     lengths = torch.tensor([30, 12, 0, 25, 30, 7])
     mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)
     versions = torch.tensor([5, 4, 5, 3, 5, 4])
+    entropy = torch.rand(b, t, generator=g, dtype=torch.float64) * 5
+    turn_ids = torch.arange(t).unsqueeze(0).expand(b, t) // 10  # three turns of 10 tokens
     return {"log_prob": lp.float(), "rollout_log_prob": rlp.float(), "response_mask": mask, "versions": versions,
+            "entropy": entropy, "turn_ids": turn_ids,
             "current_version": 5, "config": {"rollout_is": "token", "rollout_is_threshold": 2.0,
                                              "rollout_rs": "token_k1", "rollout_rs_threshold": "0.5_2.0"}}
 
@@ -47,6 +50,8 @@ def test_report_cli_writes_page_and_numbers(tmp_path):
     deciles = [[] for _ in range(10)]
     pbins = [[] for _ in range(10)]
     lags = {}
+    ebins = [[] for _ in range(6)]
+    turns = [[] for _ in range(3)]
     for i in range(lp.shape[0]):
         n = int(mask[i].sum())
         for j in range(n):
@@ -54,11 +59,18 @@ def test_report_cli_writes_page_and_numbers(tmp_path):
             deciles[min(j * 10 // n, 9)].append(d)
             pbins[min(int(float(lp[i, j].exp()) * 10), 9)].append(d)
             lags.setdefault(5 - int(batch["versions"][i]), []).append(d)
-    for got, want in ((r["by_position_decile"], deciles), (r["by_probability_bin"], pbins)):
+            ebins[sum(1 for e in (0.1, 0.5, 1.0, 2.0, 4.0) if float(batch["entropy"][i, j]) >= e)].append(d)
+            turns[j // 10].append(d)
+    assert len(r["by_turn"]) == 3
+    for got, want in ((r["by_position_decile"], deciles), (r["by_probability_bin"], pbins),
+                      (r["by_entropy_bin"], ebins), (r["by_turn"], turns)):
         for g_, w_ in zip(got, want):
             assert (g_ is None and not w_) or g_ == pytest.approx(sum(w_) / len(w_), rel=1e-9)
     assert [x for x in r["by_version_lag"]] == pytest.approx([sum(lags[k]) / len(lags[k]) for k in range(3)])
     assert r["worst_rows"][0]["row"] == 4 and len(r["worst_rows"]) == 3
+    # row 4's mismatch is far outside the token_k1 bounds: the report names the criterion that cut it
+    assert r["worst_rows"][0]["rejected_by"] == ["token_k1"]
+    assert "entropy:" in out.stdout and "turn:" in out.stdout and "Jensen-Shannon" in out.stdout
     assert r["by_position_decile"][-1] > r["by_position_decile"][0]  # the growth is seen
     assert r["tokens"] == int(mask.sum())
     assert "rollout_corr/rollout_rs_masked_fraction" in r["metrics"]
