@@ -650,3 +650,32 @@ def _whole_batch_cp_worker(rank, world):
 @pytest.mark.parametrize("device", dist_params(2))
 def test_megatron_whole_batch_loss_refuses_context_parallelism(device):
     run_workers(_whole_batch_cp_worker, 2, device=device)
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "nan_inf", "sorted", "descending", "odd", "fp64", "small"])
+def test_candidate_topk_equals_torch_topk(case):
+    """clip_cov / kl_cov select tokens with losses._topk_indices, which on the CPU runs torch.topk over candidate
+    blocks only: the indices and their order must be torch.topk's, ties, NaN and -inf included."""
+    g = torch.Generator().manual_seed(hash(case) % 1000)
+    n, k = 1 << 17, 300
+    x = torch.randn(n, generator=g)
+    if case == "ties":
+        x = torch.randint(0, 7, (n,), generator=g).float()
+    elif case == "nan_inf":
+        x[torch.randint(0, n, (50,), generator=g)] = -math.inf
+        x[torch.randint(0, n, (3,), generator=g)] = math.nan
+        x[torch.randint(0, n, (20,), generator=g)] = math.inf
+    elif case == "sorted":
+        x = x.sort().values
+    elif case == "descending":
+        x = x.sort(descending=True).values
+    elif case == "odd":
+        x = x[: n - 77]
+    elif case == "fp64":
+        x = x.double()
+    elif case == "small":
+        x, k = x[:1000], 10
+    for kk in (1, k, 2 * k + 1):
+        want = torch.topk(x, kk, sorted=True).indices
+        got = losses._topk_indices(x, kk)
+        assert torch.equal(got, want), (case, kk)
