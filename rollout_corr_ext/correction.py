@@ -593,8 +593,11 @@ def compute_rollout_correction(
         from .observability import finalize_diagnostics
 
         names = tuple(c.name for c in config.rs_criteria) + ("veto",)
+        scale = None
+        if config.is_spec is not None and config.rollout_is_batch_normalize:
+            scale = 1.0 / metrics[PREFIX + "rollout_is_batch_norm_factor"]
         diag_metrics, diag_out = finalize_diagnostics(diagnostics, wire, extra[0], extra[1], lead_rank, row_values,
-                                                      names, config.is_spec is not None, PREFIX)
+                                                      names, config.is_spec is not None, PREFIX, scale)
         metrics.update(diag_metrics)
     if config.is_spec is None:
         weights = None

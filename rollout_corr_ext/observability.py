@@ -120,7 +120,7 @@ def is_diagnostics_key(key: str, prefix: str = "rollout_corr/") -> bool:
 #: Breakdown families, in wire order.
 BREAKDOWNS = ("position_decile", "position", "probability", "entropy", "turn", "lag")
 #: Per-bucket statistics of every breakdown.
-BUCKET_STATS = ("tokens", "abs_log_ratio", "kl", "k3_kl")
+BUCKET_STATS = ("tokens", "abs_log_ratio", "kl", "k3_kl", "rejected", "is_weight")
 _HIST_BINS = 4096
 _HIST_LO, _HIST_HI = -20.0, 20.0
 _LN2 = math.log(2.0)
@@ -434,7 +434,12 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
     def binned(values):
         return _binned(idx, ok, values.reshape(-1).repeat(reps), total)
 
-    buckets = torch.stack([binned(vf), binned(abs_lr), binned(-lr), binned(k3)])
+    # rejected: response tokens the RS criteria or the veto dropped; is_weight: the IS weights of the kept ones
+    kept = valid & (mask_out != 0)
+    parts = [binned(vf), binned(abs_lr), binned(-lr), binned(k3), binned((valid & ~kept).to(f64))]
+    if weights is not None:
+        parts += [binned(kept.to(f64)), binned(torch.where(kept, weights.double(), zero))]
+    buckets = torch.stack(parts)
     w.sum_parts.append(("buckets", buckets))
 
     # ---- histograms (fixed edges, so they add across ranks)
@@ -446,7 +451,6 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
         torch.where(valid, lr, ninf).amax() if lr.numel() else ninf,
         torch.where(valid, -lr, ninf).amax() if lr.numel() else ninf])))
     if weights is not None:
-        kept = valid & (mask_out != 0)
         wt = torch.where(kept, weights.double(), zero)
         pos_w = kept & (wt > 0)
         lw = torch.where(pos_w, wt.clamp(min=1e-300).log(), zero).clamp(_HIST_LO, _HIST_HI)
@@ -496,9 +500,12 @@ _WORST_FIELDS = ("local_row", "tokens", "log_ratio_sum", "kl", "k3_kl", "reject_
 
 def finalize_diagnostics(spec: MismatchDiagnostics, wire: _Wire, sums: torch.Tensor, maxes: torch.Tensor,
                          lead_rank: int, row_values: Dict[str, torch.Tensor], reject_bit_names: Tuple[str, ...],
-                         has_weights: bool, prefix: str = "rollout_corr/"):
+                         has_weights: bool, prefix: str = "rollout_corr/", weight_scale=None):
     """Metrics (0-dim fp64) and the :class:`DiagnosticsOutput` from the reduced partials; ``lead_rank``: the
-    reduce-group rank that wrote this rank's row count (its context-parallel group's first rank)."""
+    reduce-group rank that wrote this rank's row count (its context-parallel group's first rank); ``weight_scale``:
+    the factor batch normalisation multiplies the weights by after the reduce (a 0-dim tensor), applied here to
+    the weight statistics (exactly: means, extrema and the histogram's edges scale; its counts do not move)."""
+    ws = 1.0 if weight_scale is None else weight_scale.to(torch.float64)
     p = wire.split(sums, maxes)
     f64 = torch.float64
     dev = sums.device
@@ -524,8 +531,11 @@ def finalize_diagnostics(spec: MismatchDiagnostics, wire: _Wire, sums: torch.Ten
             nonempty = cnt > 0
             key = f"{prefix}by_{fam}/{lab}/"
             m[key + "tokens"] = cnt
-            for j, stat in enumerate(BUCKET_STATS[1:], start=1):
+            for j, stat in enumerate(BUCKET_STATS[1:5], start=1):
                 m[key + stat] = torch.where(nonempty, b[j, col] / cnt.clamp(min=1), nan)
+            if has_weights:
+                n_kept = b[5, col]
+                m[key + "is_weight"] = torch.where(n_kept > 0, ws * b[6, col] / n_kept.clamp(min=1), nan)
             col += 1
     if spec.versions is not None:
         mm = p["lag_minmax"]
@@ -540,7 +550,8 @@ def finalize_diagnostics(spec: MismatchDiagnostics, wire: _Wire, sums: torch.Ten
     if has_weights:
         wm, wx = p["hist_w_moments"], p["hist_w_minmax"]
         wedges = torch.cat([torch.zeros(1, dtype=f64, device=dev), edges.exp()])
-        hists["is_weight"] = Histogram(wedges, p["hist_w"], wm[0], -wx[1], wx[0], wm[1], wm[2])
+        hists["is_weight"] = Histogram(wedges * ws, p["hist_w"], wm[0], -wx[1] * ws, wx[0] * ws, wm[1] * ws,
+                                       wm[2] * ws * ws)
 
     counts = p["row_counts"]
     offset = counts[:lead_rank].sum()

@@ -44,17 +44,20 @@ def _spec(entropy, turns, versions, **kw):
 # --------------------------------------------------------------------------------------------- the loop oracle
 
 
-def _oracle(lp, rlp, mask, entropy, turns, versions, spec):
-    """Token by token in Python floats: the documented formulas and bucket rules."""
+def _oracle(lp, rlp, mask, entropy, turns, versions, spec, out_mask=None, weights=None):
+    """Token by token in Python floats: the documented formulas and bucket rules (``out_mask`` / ``weights``: the
+    correction's outputs, for the per-bucket rejected fraction and mean IS weight of the kept tokens)."""
     lp, rlp = lp.double().tolist(), rlp.double().tolist()
     b, t = len(lp), len(lp[0])
-    tok = []  # (row, position, lr, p, entropy, turn, lag)
+    tok = []  # (row, position, lr, p, entropy, turn, lag, kept, weight)
     for i in range(b):
         j = 0
         for c in range(t):
             if mask[i][c]:
+                kept = out_mask is None or bool(out_mask[i][c])
+                w = None if weights is None else float(weights[i][c])
                 tok.append((i, j, lp[i][c] - rlp[i][c], math.exp(lp[i][c]), float(entropy[i][c]), int(turns[i][c]),
-                            20 - int(versions[i][c])))
+                            20 - int(versions[i][c]), kept, w))
                 j += 1
     n_row = [sum(1 for x in tok if x[0] == i) for i in range(b)]
     out = {}
@@ -79,7 +82,7 @@ def _oracle(lp, rlp, mask, entropy, turns, versions, spec):
     out["staleness_min"] = min(x[6] for x in tok)
 
     def bucket(fam, x):
-        i, j, _, p, h, turn, lag = x
+        i, j, _, p, h, turn, lag = x[:7]
         if fam == "position_decile":
             return min(9, (10 * j) // n_row[i])
         if fam == "position":
@@ -101,9 +104,13 @@ def _oracle(lp, rlp, mask, entropy, turns, versions, spec):
                 out[key + "abs_log_ratio"] = sum(abs(x[2]) for x in sel) / len(sel)
                 out[key + "kl"] = sum(-x[2] for x in sel) / len(sel)
                 out[key + "k3_kl"] = sum(math.exp(c20(x[2])) - 1 - c20(x[2]) for x in sel) / len(sel)
+                out[key + "rejected"] = sum(1 for x in sel if not x[7]) / len(sel)
             else:
-                for s in ("abs_log_ratio", "kl", "k3_kl"):
+                for s in ("abs_log_ratio", "kl", "k3_kl", "rejected"):
                     out[key + s] = math.nan
+            if weights is not None:
+                kept = [x[8] for x in sel if x[7]]
+                out[key + "is_weight"] = sum(kept) / len(kept) if kept else math.nan
     rows = {"tokens": n_row, "log_ratio_sum": [], "abs_log_ratio_mean": [], "kl": [], "k3_kl": []}
     for i in range(b):
         sel = [x[2] for x in tok if x[0] == i]
@@ -131,7 +138,7 @@ def test_metrics_and_rows_equal_loop_oracle(dtype):
     assert isinstance(res, rc.RolloutDiagnosticsResult)
     for a, b_ in zip(before, (lp, rlp, mask, ent, turns, versions)):
         assert torch.equal(a, b_)  # inputs untouched
-    want, rows = _oracle(lp, rlp, mask, ent, turns, versions, spec)
+    want, rows = _oracle(lp, rlp, mask, ent, turns, versions, spec, res.response_mask, res.weights)
     got = res.as_floats()
     for k, v in want.items():
         _close(got["rollout_corr/" + k], v, 1e-10, k)
@@ -348,6 +355,25 @@ def test_histograms_hold_the_values():
     t = h.trimmed(7)
     assert t.counts.numel() <= 7 and float(t.counts.sum()) == lr.numel()
     assert float(t.edges[0]) <= float(lr.min()) and float(t.edges[-1]) >= float(lr.max())
+
+
+def test_weight_statistics_follow_batch_normalisation():
+    """With rollout_is_batch_normalize the returned weights are scaled after the reduce: the histogram and the
+    per-bucket mean weight describe those returned weights."""
+    lp, rlp, mask, ent, turns, versions = _inputs(seed=12)
+    cfg = rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1.5, rollout_is_batch_normalize=True)
+    res = rc.compute_rollout_correction(lp, rlp, mask, cfg, diagnostics=_spec(ent, turns, versions))
+    want, _ = _oracle(lp, rlp, mask, ent, turns, versions, _spec(ent, turns, versions), res.response_mask, res.weights)
+    got = res.as_floats()
+    assert got["rollout_corr/rollout_is_batch_norm_factor"] != pytest.approx(1.0, abs=1e-6)
+    for k, v in want.items():
+        if k.endswith("is_weight"):
+            _close(got["rollout_corr/" + k], v, 1e-6, k)  # the returned weights are fp32-rounded after the scale
+    h = res.diagnostics.histograms["is_weight"]
+    w = res.weights[res.response_mask.bool()].double()
+    assert float(h.max) == pytest.approx(float(w.max()), rel=1e-6) and float(h.sum) == pytest.approx(
+        float(w.sum()), rel=1e-6)
+    assert torch.equal(h.counts, torch.histogram(w, bins=h.edges).hist)  # the edges moved with the weights
 
 
 def test_histograms_read_back_by_tensorboard(tmp_path):
