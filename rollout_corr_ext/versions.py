@@ -26,7 +26,8 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
-__all__ = ["PROXIMAL_METHODS", "proximal_log_prob", "staleness_metrics", "proximal_error_metrics"]
+__all__ = ["PROXIMAL_METHODS", "proximal_log_prob", "staleness_metrics", "proximal_error_metrics",
+           "compute_rollout_correction_by_lag"]
 
 PROXIMAL_METHODS = ("loglinear", "linear")
 
@@ -144,3 +145,158 @@ def proximal_error_metrics(approx_log_prob: torch.Tensor, old_log_prob: torch.Te
             dist.all_reduce(sums, group=dp_group)
         n = sums[0].clamp(min=1)
         return {prefix + "abs_error": sums[1] / n, prefix + "imp_weight_error": sums[2] / n}
+
+
+def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
+                                      response_mask: torch.Tensor, lag_configs, versions: torch.Tensor,
+                                      current_version: int, *, dp_group=None, seq_group=None,
+                                      nonfinite: str = "error", cu_seqlens=None):
+    """Rollout correction whose IS / RS thresholds depend on the policy lag (docs/policy_losses.md, "Policy
+    versions"). ``lag_configs``: ``[(lag_0, config_0), (lag_1, config_1), ...]`` with 0 = lag_0 < lag_1 < ...: a
+    response token whose lag v_theta - v_b lies in [lag_i, lag_{i+1}) is corrected by ``config_i`` (the last
+    bucket is open). Each bucket is one :func:`~rollout_corr_ext.compute_rollout_correction` over the batch with
+    the other buckets' tokens masked out, so every token's weight and rejection are exactly those its bucket's
+    config gives it, and each bucket's metrics are exact over ``dp_group`` / ``seq_group``; they are returned under
+    ``rollout_corr/lag_<lo>-<hi>/`` (``lag_<lo>+`` for the last) beside ``rollout_corr/staleness_*``.
+
+    Each bucket's correction sees only the sequences with a response token in that bucket (a sequence of another
+    bucket must not enter its sequence-level statistics as an empty row; a sequence without response tokens is in
+    no bucket). A sequence-level IS level or RS criterion, or batch normalisation, judges a sequence by the tokens of
+    its bucket: with such a config ``versions`` must be one per row (``[B]``), so a sequence falls into one bucket
+    whole; so must they under context parallelism. ``rollout_corr/lag_<...>/tokens`` counts each bucket's response
+    tokens; an empty bucket (over the whole batch) has no other metrics. Costs one small all-reduce and one host
+    read (the bucket counts), then one correction (its passes and collectives) per non-empty bucket.
+
+    Returns a :class:`~rollout_corr_ext.RolloutCorrectionResult`: weights (0 where no bucket has IS or at a
+    rejected token, 1 in a bucket without IS; None when no bucket has IS), the response mask with every bucket's
+    rejections, the metrics."""
+    from .config import RolloutCorrectionConfig
+    from .correction import PREFIX, RolloutCorrectionResult, compute_rollout_correction
+
+    v_theta = _current(current_version)
+    if not isinstance(lag_configs, (list, tuple)) or not lag_configs:
+        raise ValueError("lag_configs must be a non-empty list of (lag, config) pairs, the first lag 0")
+    lags, cfgs = [], []
+    for item in lag_configs:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2):
+            raise ValueError(f"lag_configs: each entry is a (lag, config) pair, got {item!r}")
+        lag, cfg = item
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+            raise ValueError(f"lag_configs: a lag must be an int >= 0, got {lag!r}")
+        if isinstance(cfg, dict) or hasattr(cfg, "keys"):
+            cfg = RolloutCorrectionConfig.from_dict(cfg)
+        if not isinstance(cfg, RolloutCorrectionConfig):
+            raise TypeError(f"lag_configs: a config must be a RolloutCorrectionConfig or a dict, got "
+                            f"{type(cfg).__name__}")
+        lags.append(lag)
+        cfgs.append(cfg)
+    if lags[0] != 0 or any(b <= a for a, b in zip(lags, lags[1:])):
+        raise ValueError(f"lag_configs: the lags must start at 0 and increase strictly, got {lags}")
+    if not isinstance(response_mask, torch.Tensor):
+        raise TypeError(f"response_mask must be a torch.Tensor, got {type(response_mask).__name__}")
+    per_row = isinstance(versions, torch.Tensor) and response_mask.dim() == 2 and cu_seqlens is None and \
+        tuple(versions.shape) == (response_mask.shape[0],)
+    per_seq = isinstance(versions, torch.Tensor) and cu_seqlens is not None and versions.dim() == 1 and \
+        versions.shape[0] == cu_seqlens.shape[0] - 1 != response_mask.reshape(-1).shape[0]
+    whole = [c for c in cfgs if (c.is_spec is not None and c.is_spec.level != "token") or c.rollout_is_batch_normalize
+             or any(r.level != "token" for r in c.rs_criteria)]
+    if whole and not (per_row or per_seq):
+        raise ValueError("lag_configs: a sequence-level IS level, RS criterion or batch normalisation needs one "
+                         "version per sequence (versions [B]), so that each sequence falls into one lag bucket whole")
+    if per_seq:
+        cu = cu_seqlens.to(device=versions.device, dtype=torch.int64)
+        versions = torch.repeat_interleave(versions, cu[1:] - cu[:-1], output_size=int(response_mask.numel()))
+        versions = versions.reshape(response_mask.shape)
+    v = _versions(versions, response_mask)
+    lag = v_theta - v.to(torch.int64)
+    valid = response_mask != 0
+    bad = valid & (lag < 0)
+    if bad.device.type == "cpu":
+        if bool(bad.any()):
+            pos = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"versions at response token {pos} is {int(v[pos])}, newer than current_version "
+                             f"{v_theta}")
+    else:
+        torch._assert_async(~bad.any(), "a response token's version is newer than current_version")
+    if seq_group is not None and dist.get_world_size(seq_group) > 1 and not (per_row or per_seq):
+        raise ValueError("lag_configs under context parallelism (seq_group) need one version per sequence "
+                         "(versions [B]): the ranks must agree on which sequences each bucket holds")
+    any_is = any(c.is_spec is not None for c in cfgs)
+    wdtype = torch.float64 if torch.float64 in (log_prob.dtype, rollout_log_prob.dtype) else torch.float32
+    weights = torch.zeros(response_mask.shape, dtype=wdtype, device=response_mask.device) if any_is else None
+    mask_out = torch.zeros_like(response_mask)
+    metrics: Dict[str, torch.Tensor] = {}
+    packed = cu_seqlens is not None
+    if packed:
+        cu = cu_seqlens.to(device=response_mask.device, dtype=torch.int64)
+        n_seq = cu.shape[0] - 1
+        seg = torch.searchsorted(cu[1:], torch.arange(response_mask.numel(), device=cu.device), right=True)
+    insides, counts = [], []
+    for i, lo in enumerate(lags):
+        hi = lags[i + 1] if i + 1 < len(lags) else None
+        inside = (lag >= lo) if hi is None else (lag >= lo) & (lag < hi)
+        insides.append(inside)
+        counts.append((inside & valid).sum())
+    # which buckets hold response tokens anywhere in the batch: one small all-reduce and one host read, so that
+    # every rank runs the same corrections (an empty bucket has nothing to correct)
+    counts = torch.stack(counts).to(torch.float64)
+    group = dp_group if dp_group is not None else seq_group
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    totals = counts.tolist()
+    for i, (lo, cfg) in enumerate(zip(lags, cfgs)):
+        hi = lags[i + 1] if i + 1 < len(lags) else None
+        tag = PREFIX + (f"lag_{lo}-{hi - 1}/" if hi is not None else f"lag_{lo}+/")
+        metrics[tag + "tokens"] = counts[i]
+        if totals[i] == 0:
+            continue
+        inside = insides[i]
+        part = torch.where(inside, response_mask, torch.zeros_like(response_mask))
+        # the bucket's correction sees the sequences with a response token in it, and only those: a sequence of
+        # another bucket must not enter its sequence-level statistics as an empty row
+        if not packed:
+            rows = (part != 0).any(1)
+            if seq_group is not None and dist.get_world_size(seq_group) > 1 and lag.shape[1]:
+                row_lag = lag[:, 0]  # one version per row: every context-parallel rank picks the same rows
+                rows = (row_lag >= lo) & ((row_lag < hi) if hi is not None else True)
+            sel = rows.nonzero().squeeze(1)
+            res = compute_rollout_correction(log_prob[sel], rollout_log_prob[sel], part[sel], cfg,
+                                             dp_group=dp_group, seq_group=seq_group, nonfinite=nonfinite)
+            full_mask = torch.zeros_like(response_mask)
+            full_mask[sel] = res.response_mask
+            full_w = None
+            if res.weights is not None:
+                full_w = torch.zeros(response_mask.shape, dtype=wdtype, device=response_mask.device)
+                full_w[sel] = res.weights.to(wdtype)
+        else:
+            flat_part = part.reshape(-1)
+            has = torch.zeros(n_seq + 1, dtype=torch.int64, device=cu.device).index_add_(
+                0, seg, (flat_part != 0).to(torch.int64))[:n_seq] > 0
+            if seq_group is not None and dist.get_world_size(seq_group) > 1:
+                seq_lag = lag.reshape(-1)[cu[:-1].clamp(max=max(lag.numel() - 1, 0))] if lag.numel() else lag
+                has = (seq_lag >= lo) & ((seq_lag < hi) if hi is not None else True) & (cu[1:] > cu[:-1])
+            tok = torch.cat([has, has.new_zeros(1)])[seg]
+            idx = tok.nonzero().squeeze(1)
+            lengths = (cu[1:] - cu[:-1])[has]
+            sub_cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(cu_seqlens.dtype)
+            flat = [t.reshape(-1) for t in (log_prob, rollout_log_prob)]
+            res = compute_rollout_correction(flat[0][idx], flat[1][idx], flat_part[idx], cfg, dp_group=dp_group,
+                                             seq_group=seq_group, nonfinite=nonfinite, cu_seqlens=sub_cu)
+            full_mask = torch.zeros_like(flat_part)
+            full_mask[idx] = res.response_mask
+            full_mask = full_mask.reshape(response_mask.shape)
+            full_w = None
+            if res.weights is not None:
+                full_w = torch.zeros(flat_part.shape, dtype=wdtype, device=response_mask.device)
+                full_w[idx] = res.weights.to(wdtype)
+                full_w = full_w.reshape(response_mask.shape)
+        mask_out = torch.where(inside, full_mask, mask_out)
+        if weights is not None:  # a bucket without IS leaves its tokens' weight at 1
+            w = full_w if full_w is not None else (part != 0).to(wdtype)
+            weights = torch.where(inside, w, weights)
+        metrics.update({tag + k[len(PREFIX):]: val for k, val in res.metrics.items()})
+    stale = staleness_metrics(v, v_theta, response_mask, dp_group=dp_group if dp_group is not None else seq_group,
+                              prefix=PREFIX + "staleness_")
+    stale.pop(PREFIX + "staleness_hist")
+    metrics.update(stale)
+    return RolloutCorrectionResult(weights, mask_out, metrics)

@@ -156,3 +156,158 @@ def test_megatron_loss_func_with_versions():
     assert reported_means(report)["rollout_corr/prox_approx_abs_error"] > 0
     with pytest.raises(ValueError, match="current_version"):
         make_policy_loss_func(target, adv, mask, rollout_log_prob=rlp, config=cfg, versions=versions)
+
+
+# ----------------------------------------------------------------------------------- lag-dependent thresholds
+
+from rollout_corr_ext import RolloutCorrectionConfig, compute_rollout_correction  # noqa: E402
+from rollout_corr_ext.versions import compute_rollout_correction_by_lag  # noqa: E402
+
+LAG_CFGS = [(0, dict(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1",
+                     rollout_rs_threshold="0.7_1.4")),
+            (2, dict(rollout_is="token", rollout_is_threshold=1.2, rollout_rs="token_k1",
+                     rollout_rs_threshold="0.85_1.15")),
+            (4, dict(rollout_is=None, rollout_rs=None))]
+
+
+def _lag_inputs(seed=0, b=6, t=16):
+    g = torch.Generator().manual_seed(seed)
+    rlp = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
+    lp = rlp + 0.2 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    mask = (torch.rand(b, t, generator=g) > 0.2).long()
+    versions = 10 - torch.randint(0, 6, (b, t), generator=g)
+    return lp, rlp, mask, versions
+
+
+def test_token_thresholds_follow_each_tokens_lag():
+    """Token TIS and token_k1 rejection with the bucket's own bounds, token by token (fp64 formulas)."""
+    lp, rlp, mask, versions = _lag_inputs()
+    res = compute_rollout_correction_by_lag(lp, rlp, mask, LAG_CFGS, versions, 10)
+    bounds = {0: (2.0, 0.7, 1.4), 1: (2.0, 0.7, 1.4), 2: (1.2, 0.85, 1.15), 3: (1.2, 0.85, 1.15)}
+    for i in range(lp.shape[0]):
+        for j in range(lp.shape[1]):
+            lag = 10 - int(versions[i, j])
+            lr = float(lp[i, j] - rlp[i, j])
+            if not mask[i, j]:
+                assert res.response_mask[i, j] == 0 and float(res.weights[i, j]) == 0.0
+                continue
+            if lag >= 4:  # no correction: kept, weight 1
+                assert res.response_mask[i, j] == 1 and float(res.weights[i, j]) == 1.0
+                continue
+            u, lo, hi = bounds[lag]
+            assert float(res.weights[i, j]) == pytest.approx(min(math.exp(lr), u), rel=1e-12), (i, j)
+            keep = math.log(lo) <= -lr <= math.log(hi)  # verl's token_k1: -log-ratio inside [log L, log U]
+            assert int(res.response_mask[i, j]) == int(keep), (i, j, lag, lr)
+    assert float(res.metrics["rollout_corr/staleness_max"]) == float((10 - versions)[mask.bool()].max())
+    assert "rollout_corr/lag_0-1/rollout_is_mean" in res.metrics and "rollout_corr/lag_4+/kl" in res.metrics
+
+
+def test_sequence_configs_need_row_versions_and_match_the_row_subset():
+    lp, rlp, mask, versions = _lag_inputs(seed=1)
+    cfgs = [(0, RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=2.0)),
+            (2, RolloutCorrectionConfig(rollout_is="geometric", rollout_is_threshold=1.05, rollout_rs="seq_mean_k3",
+                                        rollout_rs_threshold=0.01))]
+    with pytest.raises(ValueError, match="one version per sequence"):
+        compute_rollout_correction_by_lag(lp, rlp, mask, cfgs, versions, 10)
+    rows_v = torch.tensor([10, 9, 7, 10, 6, 8])
+    res = compute_rollout_correction_by_lag(lp, rlp, mask, cfgs, rows_v, 10)
+    for (lo, cfg), hi in zip(cfgs, (2, None)):
+        sel = ((10 - rows_v) >= lo) & ((10 - rows_v) < hi if hi is not None else True)
+        sub = compute_rollout_correction(lp[sel], rlp[sel], mask[sel], cfg)  # those rows alone
+        assert torch.allclose(res.weights[sel], sub.weights, rtol=1e-12, atol=0)
+        assert torch.equal(res.response_mask[sel], sub.response_mask)
+        tag = f"rollout_corr/lag_{lo}-{hi - 1}/" if hi else f"rollout_corr/lag_{lo}+/"
+        for k, v in sub.metrics.items():
+            got = float(res.metrics[tag + k[len("rollout_corr/"):]])
+            assert (math.isnan(got) and math.isnan(float(v))) or got == pytest.approx(float(v), rel=1e-9, abs=1e-12), k
+
+
+def test_lag_configs_bad_input():
+    lp, rlp, mask, versions = _lag_inputs()
+    with pytest.raises(ValueError, match="start at 0 and increase strictly"):
+        compute_rollout_correction_by_lag(lp, rlp, mask, [(1, {"rollout_is": None})], versions, 10)
+    with pytest.raises(ValueError, match="newer than current_version 8"):
+        compute_rollout_correction_by_lag(lp, rlp, mask, LAG_CFGS, versions, 8)
+    with pytest.raises(ValueError, match="non-empty list"):
+        compute_rollout_correction_by_lag(lp, rlp, mask, [], versions, 10)
+
+
+def _lag_dp_worker(rank, world, lp, rlp, mask, versions):
+    import torch.distributed as dist
+
+    want = compute_rollout_correction_by_lag(lp, rlp, mask, LAG_CFGS, versions, 10)
+    rows = slice(0, 2) if rank == 0 else slice(2, None)
+    got = compute_rollout_correction_by_lag(lp[rows], rlp[rows], mask[rows], LAG_CFGS, versions[rows], 10,
+                                            dp_group=dist.group.WORLD)
+    assert torch.allclose(got.weights, want.weights[rows], rtol=1e-12, atol=0)
+    assert torch.equal(got.response_mask, want.response_mask[rows])
+    for k, v in want.metrics.items():
+        g = float(got.metrics[k])
+        assert (math.isnan(g) and math.isnan(float(v))) or g == pytest.approx(float(v), rel=1e-9, abs=1e-12), k
+
+
+@pytest.mark.parametrize("device", dist_params(2))
+def test_lag_thresholds_exact_over_dp(device):
+    run_workers(_lag_dp_worker, 2, *_lag_inputs(seed=2), device=device)
+
+
+def _pack(x, lengths):
+    return torch.cat([x[i, :n] for i, n in enumerate(lengths)])
+
+
+def test_lag_buckets_packed_equal_padded_and_empty_bucket():
+    lp, rlp, mask, versions = _lag_inputs(seed=3)
+    lengths = [16, 9, 12, 16, 5, 14]
+    for i, n in enumerate(lengths):
+        mask[i, n:] = 0
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    cfgs = LAG_CFGS + [(50, dict(rollout_is="token", rollout_is_threshold=3.0))]  # no token is 50 steps old
+    want = compute_rollout_correction_by_lag(lp, rlp, mask, cfgs, versions, 10)
+    got = compute_rollout_correction_by_lag(_pack(lp, lengths), _pack(rlp, lengths), _pack(mask, lengths), cfgs,
+                                            _pack(versions, lengths), 10, cu_seqlens=cu)
+    assert torch.equal(got.weights, _pack(want.weights, lengths))
+    assert torch.equal(got.response_mask, _pack(want.response_mask, lengths))
+    assert set(got.metrics) == set(want.metrics)
+    for k, v in want.metrics.items():
+        g = float(got.metrics[k])
+        assert (math.isnan(g) and math.isnan(float(v))) or g == pytest.approx(float(v), rel=1e-12, abs=1e-15), k
+    assert float(want.metrics["rollout_corr/lag_50+/tokens"]) == 0
+    assert not any(k.startswith("rollout_corr/lag_50+/") and not k.endswith("/tokens") for k in want.metrics)
+    # per-sequence versions, sequence-level configs: packed equals padded too
+    rows_v = torch.tensor([10, 9, 7, 10, 6, 8])
+    seq_cfgs = [(0, dict(rollout_is="sequence", rollout_is_threshold=2.0)), (3, dict(rollout_is="geometric",
+                                                                                     rollout_is_threshold=1.1))]
+    want = compute_rollout_correction_by_lag(lp, rlp, mask, seq_cfgs, rows_v, 10)
+    got = compute_rollout_correction_by_lag(_pack(lp, lengths), _pack(rlp, lengths), _pack(mask, lengths), seq_cfgs,
+                                            rows_v, 10, cu_seqlens=cu)
+    assert torch.allclose(got.weights, _pack(want.weights, lengths), rtol=1e-12, atol=0)
+    for k, v in want.metrics.items():
+        g = float(got.metrics[k])
+        assert (math.isnan(g) and math.isnan(float(v))) or g == pytest.approx(float(v), rel=1e-12, abs=1e-15), k
+
+
+def _lag_cp_worker(rank, world, lp, rlp, mask, rows_v):
+    import torch.distributed as dist
+
+    cfgs = [(0, dict(rollout_is="sequence", rollout_is_threshold=2.0)),
+            (2, dict(rollout_is="token", rollout_is_threshold=1.3, rollout_rs="seq_mean_k3",
+                     rollout_rs_threshold=0.02))]
+    want = compute_rollout_correction_by_lag(lp, rlp, mask, cfgs, rows_v, 10)
+    t = lp.shape[1]
+    cols = slice(0, t // 2) if rank == 0 else slice(t // 2, None)
+    got = compute_rollout_correction_by_lag(lp[:, cols].contiguous(), rlp[:, cols].contiguous(),
+                                            mask[:, cols].contiguous(), cfgs, rows_v, 10, seq_group=dist.group.WORLD)
+    assert torch.allclose(got.weights, want.weights[:, cols], rtol=1e-12, atol=0)
+    assert torch.equal(got.response_mask, want.response_mask[:, cols])
+    for k, v in want.metrics.items():
+        g = float(got.metrics[k])
+        assert (math.isnan(g) and math.isnan(float(v))) or g == pytest.approx(float(v), rel=1e-9, abs=1e-12), k
+    with pytest.raises(ValueError, match="under context parallelism"):
+        compute_rollout_correction_by_lag(lp[:, cols], rlp[:, cols], mask[:, cols], LAG_CFGS[:1],
+                                          10 - torch.zeros_like(mask[:, cols]), 10, seq_group=dist.group.WORLD)
+
+
+@pytest.mark.parametrize("device", dist_params(2))
+def test_lag_thresholds_exact_over_cp(device):
+    lp, rlp, mask, _ = _lag_inputs(seed=4)
+    run_workers(_lag_cp_worker, 2, lp, rlp, mask, torch.tensor([10, 9, 7, 10, 6, 8]), device=device)
