@@ -10,6 +10,8 @@ split over the data-parallel group *with* CP, and sequence-level values are redu
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from typing import Callable, Dict, Optional
 
@@ -647,8 +649,11 @@ def make_policy_loss_func(
                                  f"{seq_world} ranks) is not supported: its batch statistics would be per rank")
             whole = _whole_batch_loss(cfg.loss_mode)(old, logp, advantages, mask, loss_agg_mode, cfg, weights,
                                                      cu_seqlens=cu)
-        _, _, rows = policy_loss_step(kind, old, logp, advantages, mask, loss_agg_mode, cfg, weights, cu_seqlens=cu,
-                                  old_name=old_name, fn="make_policy_loss_func", params=mode_params)
+        # with a whole-batch loss the rows give only token counts and PPO's metric slots: no graph for them
+        with torch.no_grad() if whole is not None else contextlib.nullcontext():
+            _, _, rows = policy_loss_step(kind, old, logp if whole is None else logp.detach(), advantages, mask,
+                                          loss_agg_mode, cfg, weights, cu_seqlens=cu, old_name=old_name,
+                                          fn="make_policy_loss_func", params=mode_params)
         m = mask.to(logp.dtype)
         ent_masked = torch.where(mask != 0, entropy, torch.zeros_like(entropy)).mul(m)
         ent_rows = ent_masked.sum(-1) if cu is None else segment_sum(ent_masked, cu)
