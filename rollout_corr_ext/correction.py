@@ -536,6 +536,14 @@ def compute_rollout_correction(
                                                                              response_mask))
         if response_mask.shape != log_prob.shape or rollout_log_prob.shape != log_prob.shape:
             raise ValueError("log_prob, rollout_log_prob and response_mask must hold the same packed tokens")
+        if diagnostics is not None and hasattr(diagnostics, "entropy"):  # its per-token tensors as 1-D views too
+            import dataclasses
+
+            n_tok = log_prob.numel()
+            diagnostics = dataclasses.replace(diagnostics, **{
+                k: getattr(diagnostics, k).reshape(-1) for k in ("entropy", "turn_ids", "versions", "positions")
+                if isinstance(getattr(diagnostics, k), torch.Tensor) and getattr(diagnostics, k).dim() > 1
+                and getattr(diagnostics, k).numel() == n_tok})
     exclude = nonfinite == "exclude"
     seq_world, seq_rank = _world(seq_group, "seq_group")
     red_group = dp_group if dp_group is not None else seq_group

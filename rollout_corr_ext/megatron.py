@@ -250,6 +250,7 @@ def make_policy_loss_func(
     versions: Optional[torch.Tensor] = None,
     current_version: Optional[int] = None,
     proximal: str = "loglinear",
+    diagnostics=None,
 ) -> Callable:
     """Build the ``loss_func`` that megatron-core's ``forward_backward_func`` expects, for one micro-batch.
 
@@ -355,6 +356,13 @@ def make_policy_loss_func(
     (:func:`rollout_corr_ext.versions.proximal_log_prob`, ``proximal``: ``"loglinear"`` / ``"linear"``), with no
     forward pass; with ``old_log_prob`` given too, the approximation's error is reported
     (``rollout_corr/prox_approx_abs_error``, ``_imp_weight_error``).
+
+    **Diagnostics** (``diagnostics``, a :class:`rollout_corr_ext.MismatchDiagnostics`, with a rollout correction):
+    its metrics (docs/rollout_correction.md, "Diagnostics") join the ``rollout_corr/*`` ones (exact over
+    ``dp_group`` per micro-batch, count 1), broken down by policy lag with ``versions``. Its per-token tensors
+    (entropy, turn ids, positions) are in the batch tensors' layout; under context parallelism it needs
+    ``positions``. For per-row values, the worst rows and histograms call
+    :func:`rollout_corr_ext.compute_rollout_correction` with it directly.
     """
     cfg = as_policy_config(config)
     check_loss_agg_mode(loss_agg_mode)
@@ -484,6 +492,20 @@ def make_policy_loss_func(
         _bs("versions", versions, shape)
     elif current_version is not None:
         raise ValueError("current_version is given without versions")
+    diag_spec = None
+    if diagnostics is not None:
+        import dataclasses
+
+        from .observability import MismatchDiagnostics
+
+        if not isinstance(diagnostics, MismatchDiagnostics):
+            raise TypeError(f"diagnostics must be a rollout_corr_ext.MismatchDiagnostics, got "
+                            f"{type(diagnostics).__name__}")
+        if rc is None:
+            raise ValueError("diagnostics need config.rollout_correction (they ride on the correction's reduce)")
+        diag_spec = diagnostics
+        if versions is not None and diagnostics.versions is None:  # the loss's versions, per token
+            diag_spec = dataclasses.replace(diagnostics, versions=versions, current_version=current_version)
     if old_log_prob is not None:
         _bs("old_log_prob", old_log_prob, shape)
     if rollout_log_prob is not None:
@@ -628,7 +650,8 @@ def make_policy_loss_func(
             with torch.no_grad():
                 train_side = logp.detach() if bypass else old_in
                 result = compute_rollout_correction(train_side, rollout_log_prob, given, rc,
-                                                    dp_group=dp, seq_group=seq, cu_seqlens=cu)
+                                                    dp_group=dp, seq_group=seq, cu_seqlens=cu,
+                                                    diagnostics=diag_spec)
             mask, corr_metrics = result.response_mask, result.metrics
             if bypass:
                 old = rollout_log_prob

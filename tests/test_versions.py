@@ -311,3 +311,45 @@ def _lag_cp_worker(rank, world, lp, rlp, mask, rows_v):
 def test_lag_thresholds_exact_over_cp(device):
     lp, rlp, mask, _ = _lag_inputs(seed=4)
     run_workers(_lag_cp_worker, 2, lp, rlp, mask, torch.tensor([10, 9, 7, 10, 6, 8]), device=device)
+
+
+def test_megatron_loss_func_reports_diagnostics():
+    """make_policy_loss_func(diagnostics=...): the diagnostics' metrics (by lag with the loss's versions) equal
+    compute_rollout_correction's on the same tensors, padded and packed."""
+    import rollout_corr_ext as rc
+    from rollout_corr_ext.megatron import make_policy_loss_func, reported_means
+    from rollout_corr_ext.observability import MismatchDiagnostics, is_diagnostics_key
+
+    g = torch.Generator().manual_seed(6)
+    b, s, v = 3, 8, 11
+    logits = torch.randn(s, b, v, generator=g, dtype=torch.float64)
+    target = torch.randint(0, v, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        lp0 = logits.transpose(0, 1).log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    rlp = lp0 + 0.1 * torch.randn(b, s, generator=g, dtype=torch.float64)
+    versions = torch.tensor([9, 8, 10])
+    rc_cfg = rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)
+    cfg = losses.PolicyLossConfig(rollout_correction=rc_cfg)
+    spec = MismatchDiagnostics(top_k=0, max_lag=3, position_buckets=(2, 4))
+    _, _, report = make_policy_loss_func(target, adv, mask, old_log_prob=lp0, rollout_log_prob=rlp, config=cfg,
+                                         versions=versions, current_version=10, diagnostics=spec)(logits)
+    got = reported_means(report)
+    want = rc.compute_rollout_correction(lp0, rlp, mask, rc_cfg, diagnostics=MismatchDiagnostics(
+        top_k=0, max_lag=3, position_buckets=(2, 4), versions=versions, current_version=10)).as_floats()
+    keys = [k for k in want if is_diagnostics_key(k)]
+    assert "rollout_corr/by_lag/2/abs_log_ratio" in keys
+    for k in keys:
+        assert (math.isnan(got[k]) and math.isnan(want[k])) or got[k] == pytest.approx(want[k], rel=1e-6), k
+    # packed: [T] tensors with cu_seqlens, logits [T, 1, V], versions one per sequence
+    cu = torch.tensor([0, s, 2 * s, 3 * s])
+    packed_logits = logits.transpose(0, 1).reshape(b * s, 1, v)
+    _, _, report = make_policy_loss_func(target.reshape(-1), adv, mask.reshape(-1), old_log_prob=lp0.reshape(-1),
+                                         rollout_log_prob=rlp.reshape(-1), config=cfg, versions=versions,
+                                         current_version=10, diagnostics=spec, cu_seqlens=cu)(packed_logits)
+    got = reported_means(report)
+    for k in keys:
+        assert (math.isnan(got[k]) and math.isnan(want[k])) or got[k] == pytest.approx(want[k], rel=1e-6), k
+    with pytest.raises(ValueError, match="diagnostics need config.rollout_correction"):
+        make_policy_loss_func(target, adv, mask, old_log_prob=lp0, diagnostics=spec)
