@@ -336,16 +336,9 @@ def diagnostics_pass(spec: MismatchDiagnostics, log_prob, rollout_log_prob, vali
         else:
             raise ValueError(f"diagnostics.versions must have log_prob's shape {shape} or one value per sequence "
                              f"({num_rows},), got {tuple(v.shape)}")
-        lag = spec.current_version - v.to(torch.int64)
-        bad = valid & (lag < 0)
-        if bad.device.type == "cpu":
-            if bool(bad.any()):
-                at = tuple(int(i) for i in bad.nonzero()[0])
-                raise ValueError(f"diagnostics.versions at response token {at} is {int(v[at])}, newer than "
-                                 f"current_version {spec.current_version}")
-        else:
-            torch._assert_async(~bad.any(), "a response token's version is newer than current_version")
-        state["lag"] = lag
+        from .versions import policy_lag
+
+        state["lag"] = policy_lag(v, spec.current_version, valid, "diagnostics.versions")
     return state, _row_sum(lr.abs(), row, num_rows)
 
 

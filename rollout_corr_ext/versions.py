@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PROXIMAL_METHODS", "proximal_log_prob", "staleness_metrics", "proximal_error_metrics",
-           "compute_rollout_correction_by_lag"]
+           "compute_rollout_correction_by_lag", "policy_lag"]
 
 PROXIMAL_METHODS = ("loglinear", "linear")
 
@@ -52,6 +52,22 @@ def _current(current_version) -> int:
     if isinstance(current_version, bool) or not isinstance(current_version, int):
         raise TypeError(f"current_version must be an int, got {type(current_version).__name__}")
     return current_version
+
+
+def policy_lag(versions: torch.Tensor, current_version: int, valid: torch.Tensor,
+               name: str = "versions") -> torch.Tensor:
+    """The lag ``current_version - versions`` (int64), checking that no ``valid`` token is newer than the trainer:
+    a ValueError naming the first on CPU, an asynchronous device assert on CUDA (no host sync)."""
+    lag = current_version - versions.to(torch.int64)
+    bad = valid & (lag < 0)
+    if bad.device.type == "cpu":
+        if bool(bad.any()):
+            pos = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(f"{name} at response token {pos} is {int(versions[pos])}, newer than current_version "
+                             f"{current_version}")
+    else:
+        torch._assert_async(~bad.any(), "a response token's version is newer than current_version")
+    return lag
 
 
 def proximal_log_prob(behaviour_log_prob: torch.Tensor, log_prob: torch.Tensor, versions: torch.Tensor,
@@ -99,15 +115,7 @@ def staleness_metrics(versions: torch.Tensor, current_version: int, response_mas
     v = _versions(versions, response_mask)
     with torch.no_grad():
         valid = response_mask != 0
-        lag = (v_theta - v.to(torch.int64))
-        bad = valid & (lag < 0)
-        if bad.device.type == "cpu":
-            if bool(bad.any()):
-                pos = tuple(int(i) for i in bad.nonzero()[0])
-                raise ValueError(f"versions at response token {pos} is {int(v[pos])}, newer than current_version "
-                                 f"{v_theta}")
-        else:
-            torch._assert_async(~bad.any(), "a response token's version is newer than current_version")
+        lag = policy_lag(v, v_theta, valid)
         lagf = torch.where(valid, lag, torch.zeros_like(lag)).double()
         n = valid.sum().double()
         bucket = torch.where(valid, lag.clamp(0, max_lag + 1), torch.full_like(lag, max_lag + 2))
@@ -208,16 +216,8 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
         versions = torch.repeat_interleave(versions, cu[1:] - cu[:-1], output_size=int(response_mask.numel()))
         versions = versions.reshape(response_mask.shape)
     v = _versions(versions, response_mask)
-    lag = v_theta - v.to(torch.int64)
     valid = response_mask != 0
-    bad = valid & (lag < 0)
-    if bad.device.type == "cpu":
-        if bool(bad.any()):
-            pos = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"versions at response token {pos} is {int(v[pos])}, newer than current_version "
-                             f"{v_theta}")
-    else:
-        torch._assert_async(~bad.any(), "a response token's version is newer than current_version")
+    lag = policy_lag(v, v_theta, valid)
     if seq_group is not None and dist.get_world_size(seq_group) > 1 and not (per_row or per_seq):
         raise ValueError("lag_configs under context parallelism (seq_group) need one version per sequence "
                          "(versions [B]): the ranks must agree on which sequences each bucket holds")

@@ -16,7 +16,7 @@ import torch
 import rollout_corr_ext as rc
 from rollout_corr_ext.observability import BREAKDOWNS, Histogram, MismatchDiagnostics, log_histograms
 from rollout_corr_testing.dist_utils import dist_params, run_workers
-from rollout_corr_testing.skips import skip_unless_ci
+from rollout_corr_testing.skips import verl_rollout_correction_fn
 
 CFG = dict(rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token_k1,seq_mean_k3",
            rollout_rs_threshold="0.8_1.25,0.006", rollout_token_veto_threshold=0.82)
@@ -184,21 +184,10 @@ def test_estimators_converge_to_the_exact_divergences():
 # ------------------------------------------------------------------------------------------ rejection bits
 
 
-def _verl_fn():
-    try:
-        import verl
-        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
-    except Exception as exc:  # noqa: BLE001 - any import failure means "verl is not usable here"
-        skip_unless_ci(f"verl 0.9.1 cannot be imported: {exc!r}")
-    if getattr(verl, "__version__", None) != "0.9.1":
-        skip_unless_ci(f"the oracle follows verl 0.9.1; installed verl is {getattr(verl, '__version__', '?')}")
-    return compute_rollout_correction_and_rejection_mask
-
-
 @pytest.mark.parametrize("rs,spec", [("token_k1,seq_mean_k3", "0.8_1.25,0.006"),
                                      ("seq_sum_k1,token_k3,seq_max_k2", "0.6_1.6,0.02,0.03")])
 def test_reject_bits_equal_verl_one_criterion_at_a_time(rs, spec):
-    verl_fn = _verl_fn()
+    verl_fn = verl_rollout_correction_fn()
     lp, rlp, mask, *_ = _inputs(seed=4)
     cfg = dict(rollout_is=None, rollout_rs=rs, rollout_rs_threshold=spec, rollout_token_veto_threshold=0.75)
     res = rc.compute_rollout_correction(lp, rlp, mask, rc.RolloutCorrectionConfig(**cfg),

@@ -30,7 +30,7 @@ with warnings.catch_warnings():
 from rollout_corr_testing.backends import rollout_backend, skip_reason
 from rollout_corr_testing.rc_testutil import make_inputs
 from rollout_corr_testing.rollout_oracle import rollout_correction_oracle
-from rollout_corr_testing.skips import skip_unless_ci
+from rollout_corr_testing.skips import verl_rollout_correction_fn
 from rollout_corr_testing.tolerances import METRIC_TOL, PERCENTILE_RTOL, WEIGHT_TOL, accumulation_dtype
 
 PREFIX = "rollout_corr/"
@@ -107,19 +107,6 @@ def _fields(**kw):
 # --------------------------------------------------------------------------------------------------- a. verl
 
 
-def _verl_fn():
-    """verl 0.9.1's real ``compute_rollout_correction_and_rejection_mask``. Not importable (or another version):
-    the test FAILS when CI=true, and is skipped with the reason otherwise."""
-    try:
-        import verl
-        from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
-    except Exception as exc:  # noqa: BLE001 - any import failure means "verl is not usable here"
-        skip_unless_ci(f"verl 0.9.1 (verl.trainer.ppo.rollout_corr_helper) cannot be imported: {exc!r}")
-    if getattr(verl, "__version__", None) != "0.9.1":
-        skip_unless_ci(f"the oracle follows verl 0.9.1; installed verl is {getattr(verl, '__version__', '?')}")
-    return compute_rollout_correction_and_rejection_mask
-
-
 ALL_VERL_RS = ("token_k1,token_k2,token_k3,seq_sum_k1,seq_sum_k2,seq_sum_k3,seq_mean_k1,seq_mean_k2,seq_mean_k3,"
                "seq_max_k2,seq_max_k3")
 ALL_VERL_RS_SPECS = "0.75_1.3,0.0311,0.0311,0.45_2.3,0.53,0.53,0.93_1.07,0.0213,0.0213,0.15,0.15"
@@ -160,7 +147,7 @@ ALWAYS_EXTRA = {PREFIX + k for k in ("rollout_is_veto_fraction", "rollout_is_cat
 
 
 def _run_verl_and_oracle(fields, lp, rlp, mask):
-    verl_fn = _verl_fn()
+    verl_fn = verl_rollout_correction_fn()
     maskf = mask.to(torch.float64)  # verl multiplies by the mask: pass it as float
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
