@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["build_report", "plot_report", "main"]
+__all__ = ["build_report", "plot_report", "load_steps", "build_steps_report", "plot_steps_report", "main"]
 
 #: Healthy ranges, from docs/rollout_correction.md's metric table.
 HEALTHY_P5_P95 = (0.8, 1.25)
@@ -216,18 +216,132 @@ def plot_report(r: Dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+# ------------------------------------------------------------------------------------------- over steps
+
+#: The per-step series the steps page draws: (panel title, [(label, key candidates in order)]).
+STEP_PANELS = (
+    ("KL(pi_rollout || pi_theta) per token", [("kl", ("rollout_corr/kl",)), ("k3_kl", ("rollout_corr/k3_kl",))]),
+    ("token ratio p5 / p95", [("p5", ("rollout_corr/rollout_is_p5", "demo/token_ratio_p05")),
+                              ("p95", ("rollout_corr/rollout_is_p95", "demo/token_ratio_p95"))]),
+    ("fraction of tokens rejected", [("rejected", ("rollout_corr/rollout_rs_masked_fraction",
+                                                   "rollout_corr/masked_fraction"))]),
+    ("chi2 (token)", [("chi2_token", ("rollout_corr/chi2_token",))]),
+)
+
+
+def load_steps(path: str) -> List[Dict[str, Any]]:
+    """A metrics ``.jsonl``: one JSON object per line, flat (the demo's ``metrics.jsonl``: ``setting``, ``step`` and
+    the metric keys) or verl-style ``{"step": ..., "data": {...}}``. Missing ``setting``: one run; missing ``step``:
+    the line's index within its setting."""
+    records: List[Dict[str, Any]] = []
+    seen: Dict[str, int] = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: not a JSON object ({exc})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+            if isinstance(rec.get("data"), dict):
+                rec = dict(rec["data"], **{k: v for k, v in rec.items() if k != "data"})
+            setting = str(rec.get("setting", "run"))
+            rec["setting"] = setting
+            if "step" not in rec:
+                rec["step"] = seen.get(setting, 0)
+            seen[setting] = seen.get(setting, 0) + 1
+            records.append(rec)
+    if not records:
+        raise ValueError(f"{path}: no records")
+    return records
+
+
+def _value(rec: Dict[str, Any], keys) -> Optional[float]:
+    for k in keys:
+        v = rec.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
+
+
+def build_steps_report(records: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """Per setting: each panel's series over steps, the last step's values and a verdict line (the healthy ranges
+    of docs/rollout_correction.md), as the steps page's JSON holds them."""
+    settings: Dict[str, List[Dict[str, Any]]] = {}
+    for rec in records:
+        settings.setdefault(rec["setting"], []).append(rec)
+    out: Dict[str, Any] = {"settings": {}, "verdicts": []}
+    for name, recs in settings.items():
+        recs = sorted(recs, key=lambda r: r["step"])
+        series = {label: [_value(r, keys) for r in recs] for _, entries in STEP_PANELS for label, keys in entries}
+        last = {label: next((v for v in reversed(vals) if v is not None), None) for label, vals in series.items()}
+        out["settings"][name] = {"steps": [r["step"] for r in recs], "series": series, "last": last}
+        parts = []
+        if last["kl"] is not None:
+            parts.append(f"kl {last['kl']:.2e} ({'bf16-level noise' if abs(last['kl']) < HEALTHY_KL else 'above 1e-3'})")
+        if last["p5"] is not None and last["p95"] is not None:
+            lo, hi = HEALTHY_P5_P95
+            inside = lo <= last["p5"] and last["p95"] <= hi
+            parts.append(f"ratio p5 {last['p5']:.3f} / p95 {last['p95']:.3f} ({'inside' if inside else 'OUTSIDE'} "
+                         f"[{lo}, {hi}])")
+        if last["rejected"] is not None:
+            ok = last["rejected"] < HEALTHY_RS_FRACTION
+            parts.append(f"rejected {last['rejected']:.1%} ({'healthy' if ok else 'above 5 %'})")
+        kl = [v for v in series["kl"] if v is not None]
+        if len(kl) >= 4:
+            q = max(1, len(kl) // 4)
+            first, final = sum(map(abs, kl[:q])) / q, sum(map(abs, kl[-q:])) / q
+            if first > 0 and final > 2 * first:
+                parts.append(f"|kl| grows x{final / first:.1f} over the run")
+        out["verdicts"].append(f"{name} (step {recs[-1]['step']}): " + ("; ".join(parts) or "no mismatch metrics"))
+    return out
+
+
+def plot_steps_report(r: Dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, (title, entries) in zip([a for row in axes for a in row], STEP_PANELS):
+        for name, s in r["settings"].items():
+            for j, (label, _) in enumerate(entries):
+                ys = [float("nan") if v is None else v for v in s["series"][label]]
+                if all(math.isnan(y) for y in ys):
+                    continue
+                ax.plot(s["steps"], ys, linestyle="-" if j == 0 else "--",
+                        label=name if len(entries) == 1 else f"{name} {label}")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
+    fig.suptitle("\n".join(r["verdicts"]), fontsize=7, ha="left", x=0.02)
+    fig.tight_layout(rect=(0, 0, 1, 0.82))
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rollout_corr_ext.report", description=__doc__.split("\n")[0])
     ap.add_argument("batch", help="a torch.save-d dict: log_prob, rollout_log_prob, response_mask [B, T], optional "
-                                  "config, versions, current_version")
+                                  "config, versions, current_version, entropy, turn_ids; or a metrics .jsonl (the "
+                                  "demo's metrics.jsonl): the page over steps")
     ap.add_argument("--out", default=None, help="output prefix (default: the batch path without its extension)")
     ap.add_argument("--worst", type=int, default=5, help="worst sequences listed (default: %(default)s)")
     args = ap.parse_args(argv)
-    report = build_report(_load(args.batch), worst=args.worst)
     prefix = args.out or os.path.splitext(args.batch)[0]
+    if args.batch.endswith(".jsonl"):
+        report = build_steps_report(load_steps(args.batch))
+        plot = plot_steps_report
+    else:
+        report = build_report(_load(args.batch), worst=args.worst)
+        plot = plot_report
     with open(prefix + ".json", "w") as f:
         json.dump(report, f, indent=1)
-    plot_report(report, prefix + ".png")
+    plot(report, prefix + ".png")
     for line in report["verdicts"]:
         print(line)
     print(f"wrote {prefix}.png and {prefix}.json")

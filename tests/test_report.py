@@ -83,3 +83,32 @@ def test_report_refuses_a_batch_without_its_tensors(tmp_path):
     torch.save({"log_prob": torch.zeros(2, 3)}, path)
     with pytest.raises(ValueError, match="missing"):
         main([str(path)])
+
+
+def test_report_over_steps_from_a_metrics_jsonl(tmp_path):
+    """A metrics .jsonl (the demo's flat records, or verl-style {"step", "data"}): the page over steps, each
+    setting's series and last values as written, and a verdict per setting."""
+    path = tmp_path / "metrics.jsonl"
+    lines = []
+    for step in range(8):
+        lines.append({"setting": "tis", "step": step, "rollout_corr/kl": 1e-4 * (step + 1),
+                      "rollout_corr/rollout_is_p5": 0.9, "rollout_corr/rollout_is_p95": 1.1,
+                      "rollout_corr/rollout_rs_masked_fraction": 0.01 * step})
+        lines.append({"step": step, "data": {"setting": "drift", "rollout_corr/kl": 1e-3 * 2 ** step,
+                                             "demo/token_ratio_p05": 0.7, "demo/token_ratio_p95": 1.4}})
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-m", "rollout_corr_ext.report", str(path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    png, js = tmp_path / "metrics.png", tmp_path / "metrics.json"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    r = json.loads(js.read_text())
+    tis, drift = r["settings"]["tis"], r["settings"]["drift"]
+    assert tis["steps"] == list(range(8)) and tis["series"]["kl"] == pytest.approx([1e-4 * (s + 1) for s in range(8)])
+    assert tis["last"]["rejected"] == pytest.approx(0.07) and drift["last"]["p5"] == 0.7  # the demo's fallback key
+    assert drift["last"]["rejected"] is None
+    v = {line.split(" ")[0]: line for line in r["verdicts"]}
+    assert "bf16-level noise" in v["tis"] and "inside" in v["tis"] and "above 5 %" in v["tis"]
+    assert "above 1e-3" in v["drift"] and "OUTSIDE" in v["drift"] and "grows" in v["drift"]
+    assert all(line in out.stdout for line in r["verdicts"])
