@@ -91,10 +91,13 @@ CFG_TEXT = f"token TIS (C=2) + rollout_rs={RS!r} (thresholds {RS_THRESHOLD!r})"
 
 OURS = "ours: compute_rollout_correction(...).as_floats()"
 VERL = "verl 0.9.1: compute_rollout_correction_and_rejection_mask + float(metric) each"
+DIAG = ("ours + diagnostics=MismatchDiagnostics(entropy, turn_ids, versions): compute_rollout_correction(...)"
+        ".as_floats()")
 READ = "plain read of the inputs (lp, rlp, mask)"
 COPY = "plain read + write (copy lp and mask)"
 #: bytes per token each row moves: the fused minimum for the two implementations, their own for the baselines
-BYTES_PER_TOKEN = {OURS: 2 * (4 + 4 + 1) + 4 + 1, VERL: 2 * (4 + 4 + 1) + 4 + 1, READ: 4 + 4 + 1, COPY: 2 * (4 + 1)}
+BYTES_PER_TOKEN = {OURS: 2 * (4 + 4 + 1) + 4 + 1, VERL: 2 * (4 + 4 + 1) + 4 + 1, READ: 4 + 4 + 1, COPY: 2 * (4 + 1),
+                   DIAG: 2 * (4 + 4 + 1) + 4 + 1 + 4 + 8 + 8}  # + the diagnostics' own inputs, read once
 
 
 def make_inputs(b: int, t: int, device: str = "cpu"):
@@ -156,7 +159,19 @@ def setup_copy(lp, rlp, mask, cfg):
     return lambda: (buf.copy_(lp), mbuf.copy_(mask))
 
 
-SETUPS = {OURS: setup_ours, VERL: setup_verl, READ: setup_read, COPY: setup_copy}
+def setup_diag(lp, rlp, mask, cfg):
+    """The correction with the mismatch diagnostics (every breakdown, 8 worst rows): entropy, turn ids and per-token
+    versions of the inputs' shape."""
+    g = torch.Generator().manual_seed(2)
+    b, t = lp.shape
+    entropy = (torch.rand(b, t, generator=g) * 4).to(lp.device)
+    turns = (torch.arange(t) // max(1, t // 4)).expand(b, t).contiguous().to(lp.device)
+    versions = (100 - torch.randint(0, 4, (b, 1), generator=g)).expand(b, t).contiguous().to(lp.device)
+    spec = rc.MismatchDiagnostics(entropy=entropy, turn_ids=turns, versions=versions, current_version=100)
+    return lambda: rc.compute_rollout_correction(lp, rlp, mask, cfg, diagnostics=spec).as_floats()
+
+
+SETUPS = {OURS: setup_ours, VERL: setup_verl, READ: setup_read, COPY: setup_copy, DIAG: setup_diag}
 
 
 # ------------------------------------------------------------------------------------------- host syncs
@@ -318,7 +333,7 @@ def main() -> None:
         return
 
     H, verl_info = _import_verl()
-    names = [OURS, VERL, READ, COPY] if H is not None else [OURS, READ, COPY]
+    names = [OURS, DIAG, VERL, READ, COPY] if H is not None else [OURS, DIAG, READ, COPY]
     if H is None:
         banner = "!" * 100
         print(f"{banner}\n!!! verl could not be imported ({verl_info}):\n!!! the verl row is SKIPPED and there is "
@@ -369,7 +384,7 @@ def main() -> None:
         syncs, shape_ops = count_syncs(fns[name])
         peak = cuda_peak_memory(fns[name]) if device == "cuda" else peak_memory_subprocess(name, args.b, args.t)
         gbs = BYTES_PER_TOKEN[name] * n / med / 1e9
-        nmet = len(results[name]) if name in (OURS, VERL) else None
+        nmet = len(results[name]) if name in (OURS, VERL, DIAG) else None
         rows[name] = (med, syncs, shape_ops, peak, gbs, nmet)
         bar.update()
     bar.close()
@@ -401,7 +416,7 @@ def main() -> None:
         speed = _fmt(verl_med / med) + "x" if verl_med else "n/a (no verl)"
         sync = f"{syncs}" + (f" (+{shape_ops})" if shape_ops else "")
         mem = f"{peak:.0f}" if peak is not None else "?"
-        label = name if name in (OURS, VERL) else f"{name}, {BYTES_PER_TOKEN[name]} B/token"
+        label = name if name in (OURS, VERL, DIAG) else f"{name}, {BYTES_PER_TOKEN[name]} B/token"
         pct = f" {gbs / args.peak_gbps:.1%} |" if peak_col else ""
         print(f"| {label} | {_fmt(med * 1e3)} | {speed} | {sync} | {mem} | {gbs:.2f} | {gbs / read_gbs:.1%} |{pct} "
               f"{nmet if nmet is not None else '-'} |")

@@ -348,27 +348,34 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
     """The SUM / MAX partials of every diagnostic (second half: after the row reduce, with each row's total
     response tokens ``row_tokens`` and the row values)."""
     dev = log_prob.device
-    row, valid, lr = state["row"], state["valid"], state["lr"]
+    row, valid, lr = state["row"], state["valid"], state["lr"]  # lr is 0 at every token that does not count
     num_rows = row_tokens.numel()
     f64 = torch.float64
     zero = torch.zeros((), dtype=f64, device=dev)
-    vf = valid.to(f64)
-    l20 = lr.clamp(-LY.SAFETY_BOUND, LY.SAFETY_BOUND)
-    r = torch.exp(l20)
-    abs_lr = lr.abs()
-    rev = torch.where(valid, r * l20 - (r - 1.0), zero)
-    js = torch.where(valid, 0.5 * (r * l20 - (1.0 + r) * (torch.nn.functional.softplus(l20) - _LN2)), zero)
-    k3 = torch.where(valid, torch.expm1(l20) - l20, zero)
-    w = _Wire()
-    w.sum_parts.append(("scalars", torch.stack([vf.sum(), abs_lr.sum(), (abs_lr * abs_lr).sum(), rev.sum(),
-                                                js.sum()])))
     ninf = torch.full((), -math.inf, dtype=f64, device=dev)
-    w.max_parts.append(("abs_max", (torch.where(valid, abs_lr, ninf).amax() if lr.numel() else ninf).reshape(1)))
+    n_tok = lr.numel()
+    # Per-token statistics, one column each, all 0 at a token that does not count (lr = 0 gives r = 1 and 0 for
+    # every estimator), so the breakdowns are plain index_adds of this matrix's rows: one pass per breakdown.
+    kept = valid & (mask_out != 0)
+    l20 = lr.clamp(-LY.SAFETY_BOUND, LY.SAFETY_BOUND)
+    rm1 = torch.expm1(l20)  # r - 1, accurate for small lr
+    r = rm1 + 1.0
+    rl = r * l20
+    abs_lr = lr.abs()
+    cols = [valid.to(f64), abs_lr, -lr, rm1 - l20]  # count, |lr|, k1, k3
+    cols.append((valid & ~kept).to(f64))  # rejected: the RS criteria or the veto dropped it
+    if weights is not None:
+        cols += [kept.to(f64), torch.where(kept, weights.to(f64), zero)]
+    stats = torch.stack([c.reshape(-1) for c in cols], 1)  # [N, C]
+    rev = rl - rm1
+    js = 0.5 * (rl - (1.0 + r) * (torch.nn.functional.softplus(l20) - _LN2))
+    w = _Wire()
+    w.sum_parts.append(("scalars", torch.stack([stats[:, 0].sum(), stats[:, 1].sum(), (abs_lr * abs_lr).sum(),
+                                                rev.sum(), js.sum()])))
+    w.max_parts.append(("abs_max", (torch.where(valid, abs_lr, ninf).amax() if n_tok else ninf).reshape(1)))
 
-    # ---- breakdowns: one index space over every family, four binned sums
+    # ---- breakdowns: a bucket index per token and breakdown (the spare last bucket takes tokens not counted)
     labels = spec.bucket_labels()
-    flat_valid = valid.reshape(-1)
-    idx_parts, offset = [], 0
     safe_row = row.clamp(max=max(num_rows - 1, 0))
     if spec.positions is not None:
         pos = _like("positions", spec.positions, log_prob, True)
@@ -388,11 +395,11 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
             start = torch.cat([c.new_zeros(1), c])[cu[:-1]] if num_rows else c.new_zeros(0)
             pos = c - 1 - (start[safe_row] if num_rows else 0)
     n_row = row_tokens.to(f64)[safe_row] if num_rows else torch.zeros_like(lr)
-    decile = torch.where(n_row > 0, (pos.to(f64) * 10 / n_row.clamp(min=1)).floor(), zero).clamp(0, 9).long()
-    fam_idx = {"position_decile": decile,
+    fam_idx = {"position_decile": torch.where(n_row > 0, (pos.to(f64) * 10 / n_row.clamp(min=1)).floor(),
+                                              zero).clamp(0, 9).long(),
                "position": torch.bucketize(pos, torch.tensor(spec.position_buckets, dtype=torch.int64, device=dev),
                                            right=True),
-               "probability": (log_prob.detach().double().exp() * spec.probability_bins).floor().clamp(
+               "probability": (log_prob.detach().to(f64).exp() * spec.probability_bins).floor().clamp(
                    0, spec.probability_bins - 1).long()}
     extra_valid = {}
     if spec.entropy is not None:
@@ -400,7 +407,7 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
         if tuple(ent.shape) != tuple(log_prob.shape):
             raise ValueError(f"diagnostics.entropy must have log_prob's shape {tuple(log_prob.shape)}, got "
                              f"{tuple(ent.shape)}")
-        fam_idx["entropy"] = torch.bucketize(ent.detach().double(), torch.tensor(
+        fam_idx["entropy"] = torch.bucketize(ent.detach().to(f64), torch.tensor(
             spec.entropy_edges, dtype=f64, device=dev), right=True)
     if spec.turn_ids is not None:
         tid = _like("turn_ids", spec.turn_ids, log_prob, True)
@@ -410,50 +417,36 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
         fam_idx["turn"] = tid.to(torch.int64).clamp(0, spec.max_turns)
         extra_valid["turn"] = tid >= 0
     if spec.versions is not None:
-        lag = state["lag"]
-        fam_idx["lag"] = lag.clamp(0, spec.max_lag + 1)
-    sizes = {k: len(v) for k, v in labels.items()}
+        fam_idx["lag"] = state["lag"].clamp(0, spec.max_lag + 1)
+    blocks = []
     for fam in BREAKDOWNS:
         if fam not in fam_idx:
             continue
-        ok = flat_valid if fam not in extra_valid else flat_valid & extra_valid[fam].reshape(-1)
-        idx_parts.append((fam_idx[fam].reshape(-1) + offset, ok))
-        offset += sizes[fam]
-    total = offset
-    idx = torch.cat([i for i, _ in idx_parts])
-    ok = torch.cat([o for _, o in idx_parts])
-    reps = len(idx_parts)
-
-    def binned(values):
-        return _binned(idx, ok, values.reshape(-1).repeat(reps), total)
-
-    # rejected: response tokens the RS criteria or the veto dropped; is_weight: the IS weights of the kept ones
-    kept = valid & (mask_out != 0)
-    parts = [binned(vf), binned(abs_lr), binned(-lr), binned(k3), binned((valid & ~kept).to(f64))]
-    if weights is not None:
-        parts += [binned(kept.to(f64)), binned(torch.where(kept, weights.double(), zero))]
-    buckets = torch.stack(parts)
-    w.sum_parts.append(("buckets", buckets))
+        nb = len(labels[fam])
+        ok = valid if fam not in extra_valid else valid & extra_valid[fam]
+        at = torch.where(ok, fam_idx[fam], nb).reshape(-1)
+        blocks.append(torch.zeros((nb + 1, stats.shape[1]), dtype=f64, device=dev).index_add_(0, at, stats)[:nb])
+    w.sum_parts.append(("buckets", torch.cat(blocks).t().contiguous()))  # [C, buckets]
 
     # ---- histograms (fixed edges, so they add across ranks)
     width = (_HIST_HI - _HIST_LO) / _HIST_BINS
     hidx = ((l20 - _HIST_LO) / width).floor().clamp(0, _HIST_BINS - 1).long()
-    w.sum_parts.append(("hist_lr", _binned(hidx, valid, vf, _HIST_BINS)))
+    w.sum_parts.append(("hist_lr", _binned(hidx, valid, stats[:, 0], _HIST_BINS)))
     w.sum_parts.append(("hist_lr_moments", torch.stack([lr.sum(), (lr * lr).sum()])))
     w.max_parts.append(("hist_lr_minmax", torch.stack([
-        torch.where(valid, lr, ninf).amax() if lr.numel() else ninf,
-        torch.where(valid, -lr, ninf).amax() if lr.numel() else ninf])))
+        torch.where(valid, lr, ninf).amax() if n_tok else ninf,
+        torch.where(valid, -lr, ninf).amax() if n_tok else ninf])))
     if weights is not None:
-        wt = torch.where(kept, weights.double(), zero)
+        wt = stats[:, 6].reshape(lr.shape)
         pos_w = kept & (wt > 0)
         lw = torch.where(pos_w, wt.clamp(min=1e-300).log(), zero).clamp(_HIST_LO, _HIST_HI)
         widx = torch.where(pos_w, ((lw - _HIST_LO) / width).floor().clamp(0, _HIST_BINS - 1).long() + 1,
                            torch.zeros_like(hidx))
-        w.sum_parts.append(("hist_w", _binned(widx, kept, kept.to(f64), _HIST_BINS + 1)))
-        w.sum_parts.append(("hist_w_moments", torch.stack([kept.to(f64).sum(), wt.sum(), (wt * wt).sum()])))
+        w.sum_parts.append(("hist_w", _binned(widx, kept, stats[:, 5], _HIST_BINS + 1)))
+        w.sum_parts.append(("hist_w_moments", torch.stack([stats[:, 5].sum(), wt.sum(), (wt * wt).sum()])))
         w.max_parts.append(("hist_w_minmax", torch.stack([
-            torch.where(kept, wt, ninf).amax() if wt.numel() else ninf,
-            torch.where(kept, -wt, ninf).amax() if wt.numel() else ninf])))
+            torch.where(kept, wt, ninf).amax() if n_tok else ninf,
+            torch.where(kept, -wt, ninf).amax() if n_tok else ninf])))
 
     # ---- staleness (versions)
     if spec.versions is not None:
