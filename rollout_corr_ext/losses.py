@@ -1064,6 +1064,43 @@ def off_policy_sequence_mask(
     return mask, frac
 
 
+def _opsm_aware(fn):
+    """``fn`` (a ``compute_policy_loss_<name>``) honouring ``config.opsm_delta`` when called on its own (as the verl
+    adapter and verl's registry call it): off-policy sequence masking with ``old_log_prob`` as the behaviour policy
+    (verl's pi_old; pi_rollout in bypass mode) before the loss, metric ``actor/opsm_masked_frac``. The front door
+    applies it itself (with ``rollout_log_prob`` when given) and hands the loss a config without it."""
+    import functools
+    import inspect
+
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        cfg = as_policy_config(a["config"])
+        if cfg.opsm_delta is None:
+            return fn(*args, **kwargs)
+        behaviour = a["old_log_prob"] if "old_log_prob" in a else a["rollout_log_prob"]
+        mask, frac = off_policy_sequence_mask(a["log_prob"], behaviour, a["advantages"], a["response_mask"],
+                                              cfg.opsm_delta, cu_seqlens=a.get("cu_seqlens"),
+                                              seq_group=a.get("seq_group"))
+        a["response_mask"], a["config"] = mask, dataclasses.replace(cfg, opsm_delta=None)
+        loss, metrics = fn(*bound.args, **bound.kwargs)
+        metrics = dict(metrics)
+        metrics["actor/opsm_masked_frac"] = frac
+        return loss, metrics
+
+    return wrapped
+
+
+for _name in ("vanilla", "reinforce", "dppo_tv", "dppo_kl", "sapo", "cispo", "dro", "gpg", "gspo", "geo_mean",
+              "clip_cov", "kl_cov"):
+    globals()["compute_policy_loss_" + _name] = _opsm_aware(globals()["compute_policy_loss_" + _name])
+del _name
+
+
 def _mode_loss(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, weights, cu_seqlens,
                seq_group, rollout_log_prob=None):
     """The loss ``cfg.loss_mode`` names (docs/policy_losses.md), with the IS weights of the decoupled flow."""
@@ -1077,8 +1114,8 @@ def _mode_loss(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_
         behaviour = old_log_prob if rollout_log_prob is None else rollout_log_prob
         response_mask, opsm = off_policy_sequence_mask(log_prob, behaviour, advantages, response_mask, cfg.opsm_delta,
                                                        cu_seqlens=cu_seqlens, seq_group=seq_group)
-    loss, metrics = fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, weights,
-                       cu_seqlens=cu_seqlens, **kw)
+    loss, metrics = fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                       dataclasses.replace(cfg, opsm_delta=None), weights, cu_seqlens=cu_seqlens, **kw)
     if opsm is not None:
         metrics["actor/opsm_masked_frac"] = opsm
     return loss, metrics
@@ -1202,8 +1239,8 @@ def _front_door(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg
             response_mask, opsm = off_policy_sequence_mask(log_prob, rollout_log_prob, advantages, response_mask,
                                                            cfg.opsm_delta, cu_seqlens=cu_seqlens, seq_group=seq_group)
         loss, metrics = compute_policy_loss_bypass(rollout_log_prob, log_prob, advantages, response_mask,
-                                                   loss_agg_mode, cfg, dp_group=dp_group, seq_group=seq_group,
-                                                   cu_seqlens=cu_seqlens)
+                                                   loss_agg_mode, dataclasses.replace(cfg, opsm_delta=None),
+                                                   dp_group=dp_group, seq_group=seq_group, cu_seqlens=cu_seqlens)
         if opsm is not None:
             metrics["actor/opsm_masked_frac"] = opsm
         return loss, metrics

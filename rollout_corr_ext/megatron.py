@@ -11,6 +11,7 @@ split over the data-parallel group *with* CP, and sequence-level values are redu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import math
 from typing import Callable, Dict, Optional
@@ -29,6 +30,7 @@ from .losses import (
     as_policy_config,
     check_mask,
     check_loss_agg_mode,
+    off_policy_sequence_mask,
     policy_loss_step,
     refuse_grad,
 )
@@ -494,8 +496,6 @@ def make_policy_loss_func(
         raise ValueError("current_version is given without versions")
     diag_spec = None
     if diagnostics is not None:
-        import dataclasses
-
         from .observability import MismatchDiagnostics
 
         if not isinstance(diagnostics, MismatchDiagnostics):
@@ -659,6 +659,12 @@ def make_policy_loss_func(
                     kind, weights = LY.PG_KIND_REINFORCE, result.weights
             else:
                 weights = result.weights
+        opsm_frac = None
+        if cfg.opsm_delta is not None:  # DeepSeek-V3.2's off-policy sequence masking, per whole sequence (CP too)
+            behaviour = rollout_log_prob if rollout_log_prob is not None else old
+            mask, opsm_frac = off_policy_sequence_mask(logp, behaviour.to(logp.device), advantages, mask,
+                                                       cfg.opsm_delta, cu_seqlens=cu,
+                                                       seq_group=seq if seq_world > 1 else None)
         old_name = "rollout_log_prob" if bypass else ("old_log_prob" if old_log_prob is not None else "log_prob")
         gspo_x_sum = None
         if kind == LY.PG_KIND_GSPO:  # the sequence ratio over whole sequences: CP pieces summed over seq_group
@@ -670,7 +676,8 @@ def make_policy_loss_func(
             if seq_world > 1:
                 raise ValueError(f"loss_mode={cfg.loss_mode!r} with context parallelism (a sequence split over "
                                  f"{seq_world} ranks) is not supported: its batch statistics would be per rank")
-            whole = _whole_batch_loss(cfg.loss_mode)(old, logp, advantages, mask, loss_agg_mode, cfg, weights,
+            whole = _whole_batch_loss(cfg.loss_mode)(old, logp, advantages, mask, loss_agg_mode,
+                                                     dataclasses.replace(cfg, opsm_delta=None), weights,
                                                      cu_seqlens=cu)
         # with a whole-batch loss the rows give only token counts and PPO's metric slots: no graph for them
         with torch.no_grad() if whole is not None else contextlib.nullcontext():
@@ -748,6 +755,9 @@ def make_policy_loss_func(
             for i, key in ((1, "actor/pg_clipfrac"), (2, "actor/pg_clipfrac_lower"), (3, "actor/ppo_kl")):
                 v = whole[1].get(key)
                 pairs[i] = ((v.to(rows.dtype) * (tokens + LY.MASKED_MEAN_EPS)) if v is not None else zero, tokens)
+        if opsm_frac is not None:  # the fraction of this micro-batch's sequences dropped (exact over CP)
+            names.append("actor/opsm_masked_frac")
+            pairs.append((opsm_frac.detach().to(torch.float32), one))
         for k, v in corr_metrics.items():
             names.append(k)
             pairs.append((v.detach().to(torch.float32), one))

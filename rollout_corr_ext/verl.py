@@ -544,6 +544,8 @@ _PG_KEYS = ("actor/ppo_kl",)
 
 
 def _loss_floats(metrics: Dict[str, torch.Tensor], keys: Sequence[str]) -> Dict[str, float]:
+    if "actor/opsm_masked_frac" in metrics and "actor/opsm_masked_frac" not in keys:  # config.opsm_delta (ours)
+        keys = list(keys) + ["actor/opsm_masked_frac"]
     floats = torch.stack([metrics[k].detach().reshape(()).to(torch.float64) for k in keys]).tolist()
     return dict(zip(keys, floats))
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -494,9 +495,36 @@ def test_opsm_through_the_front_door():
     got = _run(lambda o, x, a, m, mode, c, w: losses.compute_policy_loss(o, x, a, m, mode, c, rollout_log_prob=rlp),
                old, lp, adv, mask, "token-mean", cfg, None)
     masked, frac = losses.off_policy_sequence_mask(lp, rlp, adv, mask, 0.15)
-    want = _run(losses.compute_policy_loss_cispo, old, lp, adv, masked, "token-mean", cfg, None)
+    want = _run(losses.compute_policy_loss_cispo, old, lp, adv, masked, "token-mean",
+                dataclasses.replace(cfg, opsm_delta=None), None)
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     assert got[1]["actor/opsm_masked_frac"] == frac
+
+
+OPSM_LOSSES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro",
+               "cispo")
+
+
+@pytest.mark.parametrize("name", OPSM_LOSSES)
+def test_opsm_delta_is_honoured_by_every_loss_on_its_own(name):
+    """A config with opsm_delta given to compute_policy_loss_<name> directly (as verl's registry and our verl
+    adapter call it) masks the drifted negative-advantage sequences with old_log_prob as the behaviour policy:
+    equal to the loss on the oracle's mask without opsm_delta; never silently ignored."""
+    old, lp, adv, mask, _ = (x.double() for x in _inputs(seed=12))
+    old = lp + torch.rand(lp.shape, generator=torch.Generator().manual_seed(1), dtype=lp.dtype) * 0.3
+    keep = _opsm_oracle(lp, old, adv, mask, 0.15)
+    assert bool((~keep).any())
+    cfg = dataclasses.replace(losses.PolicyLossConfig.from_dict(_actor(name)), opsm_delta=0.15)
+    fn = getattr(losses, "compute_policy_loss_" + name)
+    mode = "seq-mean-token-mean" if name in ("gspo", "sapo") else "token-mean"
+    got = _run(fn, old, lp, adv, mask, mode, cfg, None)
+    want = _run(fn, old, lp, adv, mask * keep.unsqueeze(-1).double(), mode, dataclasses.replace(cfg, opsm_delta=None),
+                None)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    rows = mask.sum(-1) > 0
+    assert float(got[1]["actor/opsm_masked_frac"]) == pytest.approx(float((~keep[rows]).sum()) / float(rows.sum()))
+    verl_got = _run(rv.POLICY_LOSSES[name], old, lp, adv, mask, mode, cfg, None)  # the verl adapter too
+    assert torch.equal(verl_got[0], want[0]) and "actor/opsm_masked_frac" in verl_got[1]
 
 
 def _opsm_cp_worker(rank, world, lp, beh, adv, mask):
@@ -520,13 +548,18 @@ def test_opsm_context_parallel_equals_one_process(device):
 # ----------------------------------------------------------------------------------------- megatron's loss_func
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("mode,opsm", [("token-mean", None), ("seq-mean-token-mean", None),
+                                       ("seq-mean-token-sum", None), ("token-mean", 0.1),
+                                       ("seq-mean-token-mean", 0.1)])
 @pytest.mark.parametrize("name", NAMES)
-def test_megatron_loss_func_runs_every_loss(name, mode):
+def test_megatron_loss_func_runs_every_loss(name, mode, opsm):
     """make_policy_loss_func(config.loss_mode=name) on [s, b, V] logits: loss_sum / num_tokens and the gradient in
-    the logits equal compute_policy_loss_<name> on the log-probs (plain torch log_softmax of the same logits)."""
+    the logits equal compute_policy_loss_<name> on the log-probs (plain torch log_softmax of the same logits);
+    with opsm_delta, both mask the same sequences (behaviour: old_log_prob)."""
     from rollout_corr_ext.megatron import make_policy_loss_func
 
+    if opsm is not None and name == "sapo" and mode != "seq-mean-token-mean":
+        return
     if name == "sapo" and mode != "seq-mean-token-mean":
         cfg = losses.PolicyLossConfig(loss_mode="sapo")
         with pytest.raises(ValueError, match="seq-mean-token-mean"):
@@ -542,10 +575,16 @@ def test_megatron_loss_func_runs_every_loss(name, mode):
     with torch.no_grad():
         old = logits.transpose(0, 1).log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
         old = old + 0.2 * torch.randn(b, s, generator=g, dtype=torch.float64)
-    cfg = losses.PolicyLossConfig(clip_ratio=0.2, loss_mode=name, **KNOBS)
+        if opsm is not None:
+            old[::2] += 0.3  # rows 0, 2 drifted: OPSM drops those of them with a negative advantage
+            adv[0], adv[2] = -abs(adv[0]), abs(adv[2])
+    cfg = losses.PolicyLossConfig(clip_ratio=0.2, loss_mode=name, opsm_delta=opsm, **KNOBS)
     x = logits.clone().requires_grad_(True)
     loss_sum, count, report = make_policy_loss_func(target, adv, mask, old_log_prob=old, config=cfg,
                                                     loss_agg_mode=mode)(x)
+    if opsm is not None:
+        frac = report["actor/opsm_masked_frac"]
+        assert 0 < float(frac[0] / frac[1]) < 1  # the case masks some sequences, not all
     (loss_sum / count).backward()
     y = logits.clone().requires_grad_(True)
     lp = y.transpose(0, 1).log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
