@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import warnings
 
 import pytest
@@ -402,9 +403,15 @@ def test_histograms_accepted_by_wandb(tmp_path, monkeypatch):
         log_histograms(res, step=3, wandb_run=run)
     finally:
         run.finish()
+        wandb.teardown()  # stops W&B's service process, which writes the run file: everything is on disk after it
     files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs if f.endswith(".wandb")]
     assert files, "no offline run file written"
-    blob = open(files[0], "rb").read()
+    blob = b""
+    for _ in range(60):  # and should the service still be writing on a starved machine, give it a minute
+        blob = open(files[0], "rb").read()
+        if b"rollout_corr/log_ratio" in blob:
+            break
+        time.sleep(1)
     assert b"rollout_corr/log_ratio" in blob and b"histogram" in blob
 
 
