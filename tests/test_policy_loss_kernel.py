@@ -374,3 +374,38 @@ def test_emulated_row_partials_equal_compiled_cpu_counts(emu, compiled_backend):
     counts = [PG_ROW_TOKENS, LY.PG_ROW_CLIP, LY.PG_ROW_CLIP_LOWER]
     assert torch.equal(cpu_rows[:, counts], emu_rows[:, counts])
     assert torch.equal(cpu_rows[:, PG_ROW_TOKENS], inp["mask"].sum(-1).float())
+
+
+@pytest.mark.parametrize("kind", [PG_KIND_PPO_CLIP, PG_KIND_REINFORCE])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cpu_gradient_block_is_reused_and_fully_overwritten(compiled_backend, kind, dtype):
+    """The CPU backward's gradient comes from a one-block cache (csrc/cpu/reused_buffer.h): a freed gradient's block
+    serves the next backward of the same size, which writes every element (masked tokens exactly 0, the rest equal
+    to a fresh computation) even though the block held large values."""
+    import rollout_corr_ext as rc
+
+    g = torch.Generator().manual_seed(4)
+    b, t = 16, 512
+    old = (-torch.rand(b, t, generator=g) * 3).to(dtype)
+    lp0 = (old.double() + 0.1 * torch.randn(b, t, generator=g, dtype=torch.float64)).to(dtype)
+    adv = torch.randn(b, t, generator=g).to(dtype)
+    mask = torch.rand(b, t, generator=g) > 0.3
+
+    def grad():
+        lp = lp0.clone().requires_grad_(True)
+        loss, rows = torch.ops.rollout_corr.policy_loss_rows(lp, old, adv, mask, None, 0.2, 0.28, 3.0, kind)
+        rows[:, PG_ROW_LOSS_SUM].sum().backward()
+        return lp.grad
+
+    rc.empty_cpu_cache()
+    first = grad()
+    want = first.clone()
+    ptr = first.data_ptr()
+    first.fill_(1e4)  # what a reused block would show if any element were left unwritten
+    del first
+    assert ops.cpu_cache_bytes() >= lp0.numel() * lp0.element_size()
+    again = grad()
+    assert again.data_ptr() == ptr, "the kept block was not reused"
+    assert torch.equal(again, want)
+    assert bool((again[~mask] == 0).all())
+    assert rc.empty_cpu_cache() == 0

@@ -1,5 +1,6 @@
 // One-block caches for the large CPU outputs that a training step frees and asks for again at the same size: the
-// log-prob gradient of the out-of-place backward, and rollout correction's weights and mask. The CPU analogue, for
+// log-prob gradient of the out-of-place backward, rollout correction's weights and mask, and the policy loss's
+// gradient in the log-probs. The CPU analogue, for
 // these few buffers, of PyTorch's CUDA caching allocator.
 //
 // A buffer of several MiB is new pages from the kernel each time glibc gets it (large blocks are mmapped, or the heap
@@ -33,8 +34,8 @@ namespace rollout_corr {
 namespace cpu {
 
 // What a cache serves: one block is kept per use.
-enum class ReusedUse : int { kLogprobGrad = 0, kRolloutWeights = 1, kRolloutMask = 2 };
-constexpr int kReusedUses = 3;
+enum class ReusedUse : int { kLogprobGrad = 0, kRolloutWeights = 1, kRolloutMask = 2, kPolicyGrad = 3 };
+constexpr int kReusedUses = 4;
 
 class ReusedBlockAllocator final : public c10::Allocator {
  public:
