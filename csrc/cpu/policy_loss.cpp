@@ -147,13 +147,7 @@ struct Lanes {
   static RC_FORCEINLINE VF keep_if(VI c, VF a) { return (VF)((VU)c & (VU)a); }  // a where c, else +0
   static RC_FORCEINLINE VI lor(VI a, VI b) { return (VI)((VU)a | (VU)b); }
   static RC_FORCEINLINE VI land(VI a, VI b) { return (VI)((VU)a & (VU)b); }
-  static RC_FORCEINLINE bool any(VI c) {
-    long long w[sizeof(VI) / 8];
-    std::memcpy(w, &c, sizeof(w));
-    long long a = 0;
-    for (int l = 0; l < static_cast<int>(sizeof(VI) / 8); ++l) a |= w[l];
-    return a != 0;
-  }
+  static RC_FORCEINLINE bool any(VI c) { return cpu::any_lane(c); }
   static RC_FORCEINLINE double sum_f64(VF v) {
     double s = 0;
     for (int l = 0; l < kWidth; ++l) s += static_cast<double>(v[l]);

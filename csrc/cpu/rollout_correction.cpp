@@ -41,13 +41,7 @@ struct SimdLaneMath {
     for (int l = 0; l < kWidth; ++l) x[l] = std::exp(x[l]);
     return x;
   }
-  static RC_FORCEINLINE bool any(VI c) {
-    long long w[sizeof(VI) / 8];
-    std::memcpy(w, &c, sizeof(w));
-    long long a = 0;
-    for (int l = 0; l < static_cast<int>(sizeof(VI) / 8); ++l) a |= w[l];
-    return a != 0;
-  }
+  static RC_FORCEINLINE bool any(VI c) { return cpu::any_lane(c); }
   // Histogram bins of the lanes (hist_index's arithmetic, vectorized; lanes are clamped log-weights, so f >= 0 and
   // truncation is the floor).
   static RC_FORCEINLINE VI hist_bins(VF log_w) {

@@ -161,6 +161,15 @@ RC_FORCEINLINE float hsum_vec(VF v) {
   for (int l = 0; l < lanes_of<VF>(); ++l) s += v[l];
   return s;
 }
+// Whether any lane of a comparison result (-1 true, 0 false) is true: the lanes OR-ed as 64-bit words.
+template <typename VI>
+RC_FORCEINLINE bool any_lane(VI c) {
+  long long w[sizeof(VI) / 8];
+  std::memcpy(w, &c, sizeof(w));
+  long long a = 0;
+  for (int l = 0; l < static_cast<int>(sizeof(VI) / 8); ++l) a |= w[l];
+  return a != 0;
+}
 template <typename VF>
 RC_FORCEINLINE float hmax_vec(VF v) {
   float m = v[0];
