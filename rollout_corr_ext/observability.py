@@ -313,6 +313,15 @@ def _binned(index: torch.Tensor, keep: torch.Tensor, values: torch.Tensor, size:
     return out.index_add_(0, at, values.reshape(-1))[:size]
 
 
+def _count_at_least(x: torch.Tensor, edges) -> torch.Tensor:
+    """The bucket of each value: how many of the (few, ascending) ``edges`` it reaches (``bucketize(right=True)``),
+    by comparisons with Python numbers: no boundary tensor to copy to the device, so no host sync on CUDA."""
+    out = torch.zeros(x.shape, dtype=torch.int64, device=x.device)
+    for e in edges:
+        out += x >= e
+    return out
+
+
 def _row_sum(values: torch.Tensor, row: torch.Tensor, num_rows: int) -> torch.Tensor:
     return _binned(row.clamp(max=num_rows), row < num_rows, values, num_rows)
 
@@ -397,8 +406,7 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
     n_row = row_tokens.to(f64)[safe_row] if num_rows else torch.zeros_like(lr)
     fam_idx = {"position_decile": torch.where(n_row > 0, (pos.to(f64) * 10 / n_row.clamp(min=1)).floor(),
                                               zero).clamp(0, 9).long(),
-               "position": torch.bucketize(pos, torch.tensor(spec.position_buckets, dtype=torch.int64, device=dev),
-                                           right=True),
+               "position": _count_at_least(pos, spec.position_buckets),
                "probability": (log_prob.detach().to(f64).exp() * spec.probability_bins).floor().clamp(
                    0, spec.probability_bins - 1).long()}
     extra_valid = {}
@@ -407,8 +415,7 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
         if tuple(ent.shape) != tuple(log_prob.shape):
             raise ValueError(f"diagnostics.entropy must have log_prob's shape {tuple(log_prob.shape)}, got "
                              f"{tuple(ent.shape)}")
-        fam_idx["entropy"] = torch.bucketize(ent.detach().to(f64), torch.tensor(
-            spec.entropy_edges, dtype=f64, device=dev), right=True)
+        fam_idx["entropy"] = _count_at_least(ent.detach().to(f64), spec.entropy_edges)
     if spec.turn_ids is not None:
         tid = _like("turn_ids", spec.turn_ids, log_prob, True)
         if tuple(tid.shape) != tuple(log_prob.shape):
