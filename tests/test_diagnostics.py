@@ -427,6 +427,10 @@ def test_bad_inputs_raise_named_errors():
 
     with pytest.raises(ValueError, match="diagnostics.entropy must have log_prob's shape"):
         run(entropy=ent[:, :3])
+    nan_ent = ent.clone()
+    nan_ent[tuple(mask.bool().nonzero()[0].tolist())] = math.nan
+    with pytest.raises(ValueError, match=r"diagnostics.entropy at response token .* must be finite"):
+        run(entropy=nan_ent)
     with pytest.raises(TypeError, match="diagnostics.turn_ids must be an integer tensor"):
         run(turn_ids=turns.double())
     with pytest.raises(ValueError, match="diagnostics.positions must have log_prob's shape"):
