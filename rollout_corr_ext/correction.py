@@ -522,8 +522,9 @@ def compute_rollout_correction(
         diagnostics: a :class:`~rollout_corr_ext.observability.MismatchDiagnostics`: also compute the mismatch
             diagnostics (|lr| statistics, reverse KL, Jensen-Shannon, breakdowns by position / probability /
             entropy / turn / version lag, per-row values and rejection bits, the worst rows with global ids,
-            logger-ready histograms; docs/rollout_correction.md "Diagnostics"): one more pass over the tokens, its
-            partials carried by the same two all-reduces. Returns a :class:`RolloutDiagnosticsResult` then.
+            logger-ready histograms; docs/rollout_correction.md "Diagnostics"): a stage of torch ops over the
+            tokens (not fused: its cost is a row of benchmarks/bench_rollout_corr.py), its partials carried by the
+            same two all-reduces. Returns a :class:`RolloutDiagnosticsResult` then.
 
     Returns:
         :class:`RolloutCorrectionResult` (weights: float32, float64 when either log-prob input is float64; or None;
