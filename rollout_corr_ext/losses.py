@@ -19,10 +19,11 @@ Megatron-LM RL ``calculate_grpo_loss`` (``megatron/rl/rl_utils.py``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -631,43 +632,79 @@ def _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mo
     return as_policy_config(config)
 
 
-def _per_token_loss(kind, name, metric_keys, zero=(), params=lambda cfg: (0.0, 0.0), forced_mode=None):
-    """A verl loss that is one fused kind per token, aggregated by ``loss_agg_mode`` (or the mode verl forces)."""
+#: loss_mode -> the fused kind, for the losses that are one kind per token (GSPO: with its sequence ratio as a
+#: per-row constant). geo_mean, clip_cov and kl_cov need whole-batch steps of their own (:data:`WHOLE_BATCH_LOSSES`).
+TOKEN_LOSS_KINDS = {"vanilla": LY.PG_KIND_PPO_CLIP, "dppo_tv": LY.PG_KIND_DPPO_TV, "dppo_kl": LY.PG_KIND_DPPO_KL,
+                    "gspo": LY.PG_KIND_GSPO, "sapo": LY.PG_KIND_SAPO, "gpg": LY.PG_KIND_REINFORCE,
+                    "dro": LY.PG_KIND_DRO, "cispo": LY.PG_KIND_CISPO}
+
+#: verl's metrics of each per-token loss: (its keys, those verl logs as a constant 0). GSPO's ppo_kl comes from its
+#: sequence sums (:func:`_token_metrics`).
+_TOKEN_LOSS_METRICS = {
+    "vanilla": (_PPO_METRICS, ()), "dppo_tv": (_PPO_METRICS, ()), "dppo_kl": (_PPO_METRICS, ()),
+    "gspo": (_PPO_METRICS, ("actor/ppo_kl", "actor/pg_clipfrac_lower")),
+    "sapo": (_PPO_METRICS, ("actor/pg_clipfrac", "actor/pg_clipfrac_lower")), "gpg": ((), ()),
+    "dro": (("actor/ppo_kl",), ()), "cispo": (_PPO_METRICS, ("actor/pg_clipfrac_lower",)),
+}
+
+#: The aggregation verl forces on a loss whatever ``loss_agg_mode`` says.
+_FORCED_AGG = {"sapo": "seq-mean-token-mean"}
+
+
+def _kind_params(mode: str, cfg: "PolicyLossConfig") -> Tuple[int, Tuple[float, float]]:
+    """``(kind, (param_a, param_b))`` of the per-token loss ``mode`` for :func:`ops.policy_loss_rows`."""
+    if mode == "sapo":
+        return LY.PG_KIND_SAPO, (float(cfg.tau_pos), float(cfg.tau_neg))
+    if mode == "dro":
+        return LY.PG_KIND_DRO, (_require_dro_beta(cfg), 0.0)
+    return TOKEN_LOSS_KINDS[mode], (0.0, 0.0)
+
+
+def _token_metrics(mode: str, rows: torch.Tensor, gspo_x_sum=None) -> Dict[str, torch.Tensor]:
+    """verl's metrics of the per-token loss ``mode`` from the row partials (GSPO: ``gspo_x_sum``, this rank's sum of
+    the masked log-ratios, gives ``actor/ppo_kl`` over this rank's tokens, as the other metrics)."""
+    keys, zero = _TOKEN_LOSS_METRICS[mode]
+    metrics = _row_metrics(rows, keys, zero)
+    if gspo_x_sum is not None:
+        metrics["actor/ppo_kl"] = (-gspo_x_sum / (rows[:, LY.PG_ROW_TOKENS].sum() + LY.MASKED_MEAN_EPS)).detach()
+    return metrics
+
+
+def _per_token_loss(mode):
+    """verl's loss ``mode``, one fused kind per token, aggregated by ``loss_agg_mode`` (or the mode verl forces)."""
+    name = "compute_policy_loss_" + mode
 
     def loss_fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
                 rollout_is_weights=None, *, cu_seqlens=None):
         cfg = _prologue(name, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config,
                         rollout_is_weights, cu_seqlens)
+        kind, params = _kind_params(mode, cfg)
         loss, _, rows = policy_loss_step(kind, old_log_prob, log_prob, advantages, response_mask,
-                                     forced_mode or loss_agg_mode, cfg, rollout_is_weights, cu_seqlens=cu_seqlens,
-                                     fn=name, params=params(cfg), metric_keys=())
-        return loss, _row_metrics(rows, metric_keys, zero)
+                                         _FORCED_AGG.get(mode, loss_agg_mode), cfg, rollout_is_weights,
+                                         cu_seqlens=cu_seqlens, fn=name, params=params, metric_keys=())
+        return loss, _token_metrics(mode, rows)
 
     loss_fn.__name__ = loss_fn.__qualname__ = name
     return loss_fn
 
 
-compute_policy_loss_dppo_tv = _per_token_loss(LY.PG_KIND_DPPO_TV, "compute_policy_loss_dppo_tv", _PPO_METRICS)
+compute_policy_loss_dppo_tv = _per_token_loss("dppo_tv")
 compute_policy_loss_dppo_tv.__doc__ = """DPPO-Binary-TV (arXiv:2602.04879, verl ``dppo_tv``): a token whose probability moved
     by more than eps (``clip_ratio_high`` up for A > 0, ``clip_ratio_low`` down for A <= 0) is masked; the rest get
     L = -A sg(min(r, clip_ratio_c)) log pi. Metrics: ``actor/pg_clipfrac`` (masked), ``actor/pg_clipfrac_lower``
     (kept with r > c), ``actor/ppo_kl``."""
-compute_policy_loss_dppo_kl = _per_token_loss(LY.PG_KIND_DPPO_KL, "compute_policy_loss_dppo_kl", _PPO_METRICS)
+compute_policy_loss_dppo_kl = _per_token_loss("dppo_kl")
 compute_policy_loss_dppo_kl.__doc__ = """DPPO-Binary-KL (verl ``dppo_kl``): as ``dppo_tv`` with the Bernoulli KL
     p_old log(p_old / p) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8)) <= eps as the trust region (a token
     moving against the advantage's push is always kept)."""
-compute_policy_loss_sapo = _per_token_loss(
-    LY.PG_KIND_SAPO, "compute_policy_loss_sapo", _PPO_METRICS, zero=("actor/pg_clipfrac", "actor/pg_clipfrac_lower"),
-    params=lambda cfg: (float(cfg.tau_pos), float(cfg.tau_neg)), forced_mode="seq-mean-token-mean")
+compute_policy_loss_sapo = _per_token_loss("sapo")
 compute_policy_loss_sapo.__doc__ = """SAPO (arXiv:2511.20347, verl ``sapo``): L = -A (4 / tau) sigmoid(tau (r - 1)),
     tau = ``tau_pos`` for A > 0 else ``tau_neg``; always aggregated seq-mean-token-mean (as verl does, whatever
     ``loss_agg_mode`` says). Clip metrics are 0, as in verl."""
-compute_policy_loss_cispo = _per_token_loss(LY.PG_KIND_CISPO, "compute_policy_loss_cispo", _PPO_METRICS,
-                                            zero=("actor/pg_clipfrac_lower",))
+compute_policy_loss_cispo = _per_token_loss("cispo")
 compute_policy_loss_cispo.__doc__ = """CISPO (arXiv:2506.13585, verl ``cispo``): L = -sg(clip(r, 1 - eps_low,
     1 + eps_high)) A log pi: every token keeps a gradient, its IS weight clipped. ``actor/pg_clipfrac``: r clipped."""
-compute_policy_loss_dro = _per_token_loss(LY.PG_KIND_DRO, "compute_policy_loss_dro", ("actor/ppo_kl",),
-                                          params=lambda cfg: (_require_dro_beta(cfg), 0.0))
+compute_policy_loss_dro = _per_token_loss("dro")
 compute_policy_loss_dro.__doc__ = """DRO (verl ``dro``): L = -(A log pi - beta / 2 (log pi - log pi_old)^2),
     beta = ``dro_beta`` (required). Metric: ``actor/ppo_kl`` (unclamped)."""
 
@@ -698,14 +735,12 @@ def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, 
     fn = "compute_policy_loss_gspo"
     cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
                     cu_seqlens)
+    refuse_grad(fn, old_log_prob=old_log_prob)  # the sequence ratio below is a constant built from it
     seq_log_ratio, x_sum = gspo_sequence_log_ratio(log_prob, old_log_prob, response_mask, cu_seqlens=cu_seqlens,
                                                    seq_group=seq_group)
     loss, _, rows = policy_loss_step(LY.PG_KIND_GSPO, seq_log_ratio, log_prob, advantages, response_mask, loss_agg_mode,
                                  cfg, rollout_is_weights, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
-    tokens = rows[:, LY.PG_ROW_TOKENS].sum() + LY.MASKED_MEAN_EPS
-    metrics = _row_metrics(rows, _PPO_METRICS, zero=("actor/ppo_kl", "actor/pg_clipfrac_lower"))
-    metrics["actor/ppo_kl"] = (-x_sum / tokens).detach()  # this rank's tokens, as the other metrics
-    return loss, metrics
+    return loss, _token_metrics("gspo", rows, x_sum)
 
 
 def gspo_sequence_log_ratio(log_prob, old_log_prob, response_mask, *, cu_seqlens=None, seq_group=None):
@@ -722,26 +757,6 @@ def gspo_sequence_log_ratio(log_prob, old_log_prob, response_mask, *, cu_seqlens
         return _per_token(seq, log_prob, cu_seqlens), x.sum()
 
 
-#: loss_mode -> the fused kind, for the losses that are one kind per token (GSPO: with its sequence ratio as a
-#: per-row constant). geo_mean, clip_cov and kl_cov need whole-batch or whole-sequence steps of their own.
-TOKEN_LOSS_KINDS = {"vanilla": LY.PG_KIND_PPO_CLIP, "dppo_tv": LY.PG_KIND_DPPO_TV, "dppo_kl": LY.PG_KIND_DPPO_KL,
-                    "gspo": LY.PG_KIND_GSPO, "sapo": LY.PG_KIND_SAPO, "gpg": LY.PG_KIND_REINFORCE,
-                    "dro": LY.PG_KIND_DRO, "cispo": LY.PG_KIND_CISPO}
-
-
-def token_loss_kind(cfg: "PolicyLossConfig", where: str) -> Tuple[int, Tuple[float, float]]:
-    """``(kind, (param_a, param_b))`` of ``cfg.loss_mode`` for :func:`rollout_corr_ext.ops.policy_loss_rows`; a
-    ValueError naming ``where`` for a loss that is not one kind per token."""
-    if cfg.loss_mode not in TOKEN_LOSS_KINDS:
-        raise ValueError(f"{where}: loss_mode={cfg.loss_mode!r} is not supported here (supported: "
-                         f"{sorted(TOKEN_LOSS_KINDS)}); call rollout_corr_ext.losses.compute_policy_loss_"
-                         f"{cfg.loss_mode} on the log-probs instead")
-    params = {"sapo": (float(cfg.tau_pos), float(cfg.tau_neg))}.get(cfg.loss_mode, (0.0, 0.0))
-    if cfg.loss_mode == "dro":
-        params = (_require_dro_beta(cfg), 0.0)
-    return TOKEN_LOSS_KINDS[cfg.loss_mode], params
-
-
 def _nonzero(m: torch.Tensor) -> torch.Tensor:
     """``m != 0`` as a bool tensor, by a cast: the same truth values (NaN included) at a fraction of a comparison's
     cost."""
@@ -754,8 +769,8 @@ def _masked_by(x: torch.Tensor, nz: torch.Tensor, m: torch.Tensor) -> torch.Tens
     return torch.where(nz, x, 0.0).mul_(m)
 
 
-def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                 config=None, rollout_is_weights=None, *, cu_seqlens=None):
+def _geo_mean_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                   rollout_is_weights=None, *, cu_seqlens=None):
     """GMPO (arXiv:2507.20673, verl ``geo_mean``): per sequence L = -mean_t(A) exp(mean_t(clip_sgn(x))) times the
     geometric mean of the IS weights, x = log pi - log pi_old clipped on the side the advantage's sign picks;
     the batch loss is the mean over sequences (``loss_agg_mode`` is ignored, as in verl), or with
@@ -786,7 +801,7 @@ def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_ma
     else:
         gbs = cfg.global_batch_size
         loss = safe_div(seq_loss.sum(), gbs.reshape(()) if isinstance(gbs, torch.Tensor) else gbs) * cfg.dp_size
-    return loss, _row_metrics(rows, _PPO_METRICS)
+    return loss, _row_metrics(rows, _PPO_METRICS), rows
 
 
 #: The candidate filter of :func:`_topk_indices`: elements per block maximum (a power of 2).
@@ -852,8 +867,8 @@ def _top_positions(score: torch.Tensor, eligible: torch.Tensor, count: torch.Ten
     return idx, keep
 
 
-def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                                 config=None, rollout_is_weights=None, *, cu_seqlens=None):
+def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                   rollout_is_weights=None, *, cu_seqlens=None):
     """Clip-Cov (arXiv:2505.22617, verl ``clip_cov``): PPO clip (log-ratio unbounded, no dual clip) whose tokens
     with covariance cov = (A - mean A)(log pi - mean log pi) in (``clip_cov_lb``, ``clip_cov_ub``), not already
     clipped, lose their gradient, at most max(1, int(``clip_cov_ratio`` * tokens)) of them. verl draws those at
@@ -906,7 +921,8 @@ def compute_policy_loss_clip_cov(old_log_prob, log_prob, advantages, response_ma
         clipfrac = cut.sum() / den
     loss, _, rows = policy_loss_step(LY.PG_KIND_PPO_UNBOUNDED, old_log_prob, log_prob, advantages, response_mask,
                                  loss_agg_mode, cfg, w, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
-    return loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": _row_metrics(rows, ("actor/ppo_kl",))["actor/ppo_kl"]}
+    ppo_kl = _row_metrics(rows, ("actor/ppo_kl",))["actor/ppo_kl"]
+    return loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl}, rows
 
 
 def _row_of(idx: torch.Tensor, log_prob: torch.Tensor, cu_seqlens) -> torch.Tensor:
@@ -916,8 +932,8 @@ def _row_of(idx: torch.Tensor, log_prob: torch.Tensor, cu_seqlens) -> torch.Tens
     return torch.searchsorted(cu_seqlens.to(torch.int64), idx, right=True) - 1
 
 
-def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
-                               config=None, rollout_is_weights=None, *, cu_seqlens=None):
+def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                  rollout_is_weights=None, *, cu_seqlens=None):
     """KL-Cov (arXiv:2505.22617, verl ``kl_cov``): L = -A r (log-ratio unbounded, no clip), plus
     ``ppo_kl_coef`` |log pi - log pi_old| on the max(1, int(``kl_cov_ratio`` * tokens)) valid tokens with the
     largest covariance (A - mean A)(log pi - mean log pi) (means over the valid tokens; ties in torch.topk's
@@ -959,24 +975,41 @@ def compute_policy_loss_kl_cov(old_log_prob, log_prob, advantages, response_mask
         0, _row_of(idx, log_prob, cu_seqlens), penalty)
     loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM] + rows_penalty, row_tokens, loss_agg_mode,
                           padded_horizon(log_prob, cu_seqlens), **cfg.global_batch_info)
-    return loss, {"actor/ppo_kl": ppo_kl}
+    return loss, {"actor/ppo_kl": ppo_kl}, rows
+
+
+def _without_rows(step, mode: str):
+    """The public ``compute_policy_loss_<mode>`` of a whole-batch step: its ``(loss, metrics)``; :func:`policy_step`
+    also reads the step's rows (their token counts)."""
+
+    @functools.wraps(step)
+    def loss_fn(*args, **kwargs):
+        loss, metrics, _ = step(*args, **kwargs)
+        return loss, metrics
+
+    loss_fn.__name__ = loss_fn.__qualname__ = "compute_policy_loss_" + mode
+    return loss_fn
+
+
+#: The losses whose step needs whole-batch statistics (covariances over the batch, GMPO's mean over its sequences):
+#: their own functions, each returning ``(loss, metrics, rows)``.
+_WHOLE_BATCH_STEPS = {"geo_mean": _geo_mean_step, "clip_cov": _clip_cov_step, "kl_cov": _kl_cov_step}
+WHOLE_BATCH_LOSSES = tuple(_WHOLE_BATCH_STEPS)
+compute_policy_loss_geo_mean = _without_rows(_geo_mean_step, "geo_mean")
+compute_policy_loss_clip_cov = _without_rows(_clip_cov_step, "clip_cov")
+compute_policy_loss_kl_cov = _without_rows(_kl_cov_step, "kl_cov")
 
 
 def _correction(log_prob, rollout_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens=None,
-                rollout_name: str = "rollout_log_prob"):
+                rollout_name: str = "rollout_log_prob", **options):
+    """:func:`compute_rollout_correction` under no_grad (``options``: its ``diagnostics``, ``nonfinite``)."""
     from .correction import compute_rollout_correction
 
     refuse_grad("rollout correction", **{rollout_name: rollout_log_prob})  # its weights and mask are constants
 
     with torch.no_grad():
         return compute_rollout_correction(log_prob.detach(), rollout_log_prob.detach(), response_mask, rc,
-                                          dp_group=dp_group, seq_group=seq_group, cu_seqlens=cu_seqlens)
-
-
-def _require_correction(cfg: PolicyLossConfig, fn: str):
-    if cfg.rollout_correction is None:
-        raise ValueError(f"{fn} needs config.rollout_correction (a RolloutCorrectionConfig); got None")
-    return cfg.rollout_correction
+                                          dp_group=dp_group, seq_group=seq_group, cu_seqlens=cu_seqlens, **options)
 
 
 def compute_policy_loss_bypass(
@@ -1005,22 +1038,13 @@ def compute_policy_loss_bypass(
     ``rollout_is_weights`` is ignored (computed internally), as in verl. Metrics: the loss's plus every
     ``rollout_corr/*`` metric of the correction (global over ``dp_group``).
     """
+    fn = "compute_policy_loss_bypass"
     check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, cu_seqlens=cu_seqlens)
-    check_loss_agg_mode(loss_agg_mode)
-    cfg = as_policy_config(config)
-    rc = _require_correction(cfg, "compute_policy_loss_bypass")
-    result = _correction(log_prob, old_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens,
-                         rollout_name="old_log_prob")
-    if rc.loss_type == "reinforce":
-        loss, metrics = compute_policy_loss_reinforce(old_log_prob, log_prob, advantages, result.response_mask,
-                                                      loss_agg_mode, cfg, result.weights, cu_seqlens=cu_seqlens)
-    elif rc.loss_type == "ppo_clip":
-        loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, result.response_mask,
-                                                    loss_agg_mode, cfg, None, cu_seqlens=cu_seqlens)
-    else:  # the config validates this; kept for configs built some other way
-        raise ValueError(f"rollout_correction.loss_type must be 'ppo_clip' or 'reinforce', got {rc.loss_type!r}")
-    metrics.update(result.metrics)
-    return loss, metrics
+    refuse_grad(fn, old_log_prob=old_log_prob)  # by this function's name for it (the step's: rollout_log_prob)
+    step = policy_step(config, None, log_prob, advantages, response_mask, loss_agg_mode,
+                       rollout_log_prob=old_log_prob, dp_group=dp_group, seq_group=seq_group, cu_seqlens=cu_seqlens,
+                       flow="bypass", fn=fn)
+    return step.loss, step.metrics
 
 
 def off_policy_sequence_mask(
@@ -1067,9 +1091,9 @@ def off_policy_sequence_mask(
 def _opsm_aware(fn):
     """``fn`` (a ``compute_policy_loss_<name>``) honouring ``config.opsm_delta`` when called on its own (as the verl
     adapter and verl's registry call it): off-policy sequence masking with ``old_log_prob`` as the behaviour policy
-    (verl's pi_old; pi_rollout in bypass mode) before the loss, metric ``actor/opsm_masked_frac``. The front door
-    applies it itself (with ``rollout_log_prob`` when given) and hands the loss a config without it."""
-    import functools
+    (verl's pi_old; pi_rollout in bypass mode) before the loss, metric ``actor/opsm_masked_frac``.
+    :func:`policy_step` applies it itself (with ``rollout_log_prob`` when given) and runs the losses' own steps, not
+    these wrappers."""
     import inspect
 
     sig = inspect.signature(fn)
@@ -1101,24 +1125,156 @@ for _name in ("vanilla", "reinforce", "dppo_tv", "dppo_kl", "sapo", "cispo", "dr
 del _name
 
 
-def _mode_loss(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, weights, cu_seqlens,
-               seq_group, rollout_log_prob=None):
-    """The loss ``cfg.loss_mode`` names (docs/policy_losses.md), with the IS weights of the decoupled flow."""
-    if cfg.loss_mode == "bypass_mode":
+#: The flows of :func:`policy_step`: no correction, bypass (pi_old = pi_rollout), decoupled (pi_old, pi_rollout).
+POLICY_FLOWS = ("plain", "bypass", "decoupled")
+
+
+class PolicyStep(NamedTuple):
+    """One policy step (:func:`policy_step`), everything its callers report, each in its own convention.
+
+    Attributes:
+        loss: the scalar loss, aggregated by ``loss_agg_mode`` with the config's normalisers (a whole-batch loss:
+            its own value).
+        loss_metrics: the loss's verl metrics (0-dim tensors over this call's tokens).
+        rows: the ``[B, K]`` row partials of the fused kernel (``LY.PG_ROW_*``; the loss column carries the
+            gradient); for a whole-batch loss those of its own kernel pass, of which the token counts are meant.
+        mask: the mask the loss ran on (the correction's RS and OPSM applied).
+        flow: one of :data:`POLICY_FLOWS`.
+        whole_batch: the loss is one of :data:`WHOLE_BATCH_LOSSES` (``loss`` and ``loss_metrics`` are its own).
+        correction_metrics: the correction's ``rollout_corr/*`` metrics, exact over ``dp_group`` (empty: none ran).
+        opsm_frac: ``actor/opsm_masked_frac`` (None: ``opsm_delta`` is off).
+        gspo_x_sum: GSPO's sum of this rank's masked log-ratios, its ``actor/ppo_kl`` numerator (None: not GSPO).
+        prox_error: the proximal approximation's error metrics (empty unless ``versions`` and pi_old both came).
+    """
+
+    loss: torch.Tensor
+    loss_metrics: Dict[str, torch.Tensor]
+    rows: torch.Tensor
+    mask: torch.Tensor
+    flow: str
+    whole_batch: bool
+    correction_metrics: Dict[str, torch.Tensor]
+    opsm_frac: Optional[torch.Tensor]
+    gspo_x_sum: Optional[torch.Tensor]
+    prox_error: Dict[str, torch.Tensor]
+
+    @property
+    def metrics(self) -> Dict[str, torch.Tensor]:
+        """Every metric in one new dict, as :func:`compute_policy_loss` returns them."""
+        out = dict(self.loss_metrics)
+        if self.opsm_frac is not None:
+            out["actor/opsm_masked_frac"] = self.opsm_frac
+        out.update(self.correction_metrics)
+        out.update(self.prox_error)
+        return out
+
+
+def policy_step(
+    config,
+    old_log_prob: Optional[torch.Tensor],
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    *,
+    rollout_log_prob: Optional[torch.Tensor] = None,
+    dp_group=None,
+    seq_group=None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    versions: Optional[torch.Tensor] = None,
+    current_version: Optional[int] = None,
+    proximal: str = "loglinear",
+    diagnostics=None,
+    nonfinite: str = "error",
+    flow: Optional[str] = None,
+    fn: str = "policy_step",
+) -> PolicyStep:
+    """The policy step every entry point runs (:func:`compute_policy_loss`, megatron's ``loss_func``, the verl
+    adapter's bypass loss): choose the flow, correct, mask, loss. The flow is ``flow``, or from
+    ``config.rollout_correction``: None -> ``"plain"``, ``bypass_mode`` -> ``"bypass"``, else ``"decoupled"``.
+
+    1. Decoupled with ``versions``: pi_old approximated from them (:func:`rollout_corr_ext.versions.proximal_log_prob`,
+       ``proximal``) when ``old_log_prob`` is None, else the approximation's error metrics (over ``dp_group``).
+    2. The rollout correction (bypass: of pi_theta detached, decoupled: of pi_old, vs ``rollout_log_prob``; its
+       ``diagnostics`` and ``nonfinite`` as :func:`compute_rollout_correction` takes them): its RS mask replaces
+       ``response_mask``; its IS weights multiply the loss in the decoupled flow and in bypass REINFORCE.
+    3. ``config.opsm_delta``: :func:`off_policy_sequence_mask` (behaviour = ``rollout_log_prob`` when given, else
+       pi_old).
+    4. The loss: bypass, ``rollout_correction.loss_type`` against pi_rollout (``config.loss_mode`` is not read);
+       otherwise ``config.loss_mode``: a per-token loss in the fused kernel (GSPO with its sequence ratio over
+       ``seq_group``), or a whole-batch loss's own function (not under context parallelism).
+
+    ``fn`` names the caller in error messages. Returns a :class:`PolicyStep`.
+    """
+    cfg = as_policy_config(config)
+    rc = cfg.rollout_correction
+    if flow is None:
+        flow = "plain" if rc is None else ("bypass" if getattr(rc, "bypass_mode", False) else "decoupled")
+    elif flow not in POLICY_FLOWS:
+        raise ValueError(f"flow must be one of {POLICY_FLOWS} or None, got {flow!r}")
+    if flow != "plain":
+        if rc is None:
+            raise ValueError(f"{fn} needs config.rollout_correction (a RolloutCorrectionConfig); got None")
+        if rollout_log_prob is None:
+            raise ValueError("rollout_log_prob is required when config.rollout_correction is set")
+    if flow == "bypass":
+        if rc.loss_type not in ("ppo_clip", "reinforce"):  # the config validates this; kept for configs built otherwise
+            raise ValueError(f"rollout_correction.loss_type must be 'ppo_clip' or 'reinforce', got {rc.loss_type!r}")
+    elif cfg.loss_mode == "bypass_mode":
         raise ValueError("loss_mode='bypass_mode' needs config.rollout_correction with bypass_mode=True (the bypass "
                          "flow: pi_old = pi_rollout)")
-    fn = globals()["compute_policy_loss_" + cfg.loss_mode]
-    kw = {"seq_group": seq_group} if cfg.loss_mode == "gspo" else {}
-    opsm = None
-    if cfg.opsm_delta is not None:
-        behaviour = old_log_prob if rollout_log_prob is None else rollout_log_prob
-        response_mask, opsm = off_policy_sequence_mask(log_prob, behaviour, advantages, response_mask, cfg.opsm_delta,
-                                                       cu_seqlens=cu_seqlens, seq_group=seq_group)
-    loss, metrics = fn(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                       dataclasses.replace(cfg, opsm_delta=None), weights, cu_seqlens=cu_seqlens, **kw)
-    if opsm is not None:
-        metrics["actor/opsm_masked_frac"] = opsm
-    return loss, metrics
+    whole = flow != "bypass" and cfg.loss_mode in WHOLE_BATCH_LOSSES
+    seq_world = 1 if seq_group is None else torch.distributed.get_world_size(seq_group)
+    if whole and seq_world > 1:
+        raise ValueError(f"loss_mode={cfg.loss_mode!r} with context parallelism (a sequence split over {seq_world} "
+                         f"ranks) is not supported: its batch statistics would be per rank")
+    prox_error: Dict[str, torch.Tensor] = {}
+    if versions is not None and flow == "decoupled":  # asynchronous rollouts: the proximal policy from the versions
+        from . import versions as _versions
+
+        approx = _versions.proximal_log_prob(rollout_log_prob, log_prob, versions, current_version, proximal)
+        if old_log_prob is None:
+            old_log_prob = approx
+        else:
+            prox_error = _versions.proximal_error_metrics(approx, old_log_prob, response_mask, dp_group=dp_group)
+    old, old_name = (rollout_log_prob, "rollout_log_prob") if flow == "bypass" else (old_log_prob, "old_log_prob")
+    check_policy_inputs(old, log_prob, advantages, response_mask, old_name=old_name, cu_seqlens=cu_seqlens)
+    if flow == "decoupled":
+        _check_float("rollout_log_prob", rollout_log_prob, log_prob)
+    check_loss_agg_mode(loss_agg_mode)
+
+    mask, weights, correction_metrics = response_mask, None, {}
+    if flow != "plain":
+        result = _correction(log_prob if flow == "bypass" else old_log_prob, rollout_log_prob, response_mask, rc,
+                             dp_group, seq_group, cu_seqlens, diagnostics=diagnostics, nonfinite=nonfinite)
+        mask, correction_metrics = result.response_mask, result.metrics
+        if flow == "decoupled" or rc.loss_type == "reinforce":  # bypass PPO clip: the clipped ratio is the IS ratio
+            weights = result.weights
+    opsm_frac = None
+    if cfg.opsm_delta is not None:  # DeepSeek-V3.2's off-policy sequence masking, per whole sequence
+        behaviour = rollout_log_prob if rollout_log_prob is not None else old
+        mask, opsm_frac = off_policy_sequence_mask(log_prob, behaviour, advantages, mask, cfg.opsm_delta,
+                                                   cu_seqlens=cu_seqlens, seq_group=seq_group)
+    gspo_x_sum = None
+    if whole:
+        loss, loss_metrics, rows = _WHOLE_BATCH_STEPS[cfg.loss_mode](old, log_prob, advantages, mask, loss_agg_mode,
+                                                                     cfg, weights, cu_seqlens=cu_seqlens)
+    elif flow == "bypass":
+        kind = LY.PG_KIND_REINFORCE if rc.loss_type == "reinforce" else LY.PG_KIND_PPO_CLIP
+        loss, loss_metrics, rows = policy_loss_step(kind, old, log_prob, advantages, mask, loss_agg_mode, cfg, weights,
+                                                    old_name=old_name, cu_seqlens=cu_seqlens, fn=fn)
+    else:
+        kind, params = _kind_params(cfg.loss_mode, cfg)
+        if kind == LY.PG_KIND_GSPO:  # the sequence ratio is a constant computed here: pi_old must be one too
+            refuse_grad(fn, **{old_name: old})
+            old, gspo_x_sum = gspo_sequence_log_ratio(log_prob, old, mask, cu_seqlens=cu_seqlens, seq_group=seq_group)
+        loss, _, rows = policy_loss_step(kind, old, log_prob, advantages, mask,
+                                         _FORCED_AGG.get(cfg.loss_mode, loss_agg_mode), cfg, weights,
+                                         old_name=old_name, cu_seqlens=cu_seqlens, fn=fn, params=params,
+                                         metric_keys=())
+        loss_metrics = _token_metrics(cfg.loss_mode, rows, gspo_x_sum)
+    return PolicyStep(loss, loss_metrics, rows, mask, flow, whole, correction_metrics, opsm_frac, gspo_x_sum,
+                      prox_error)
 
 
 def compute_policy_loss_decoupled(
@@ -1148,17 +1304,14 @@ def compute_policy_loss_decoupled(
     check_loss_agg_mode(loss_agg_mode)
     cfg = as_policy_config(config)
     rc = cfg.rollout_correction
-    if rc is None:
-        return _mode_loss(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, None, cu_seqlens,
-                          seq_group)
     if getattr(rc, "bypass_mode", False):
         raise ValueError("config.rollout_correction.bypass_mode is True: use compute_policy_loss_bypass "
                          "(pi_old = pi_rollout), not the decoupled flow")
-    result = _correction(old_log_prob, rollout_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens)
-    loss, metrics = _mode_loss(cfg, old_log_prob, log_prob, advantages, result.response_mask, loss_agg_mode,
-                               result.weights, cu_seqlens, seq_group, rollout_log_prob)
-    metrics.update(result.metrics)
-    return loss, metrics
+    # without a correction this is the plain flow, whose behaviour policy (OPSM's) is then pi_old
+    step = policy_step(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                       rollout_log_prob=None if rc is None else rollout_log_prob, dp_group=dp_group,
+                       seq_group=seq_group, cu_seqlens=cu_seqlens, fn="compute_policy_loss_decoupled")
+    return step.loss, step.metrics
 
 
 def compute_policy_loss(
@@ -1177,8 +1330,9 @@ def compute_policy_loss(
     current_version: Optional[int] = None,
     proximal: str = "loglinear",
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """The one entry point a trainer needs: picks the flow from ``config.rollout_correction``. Padded ``[B, T]``
-    inputs, or packed ``[T]`` token streams with ``cu_seqlens`` ``[B + 1]`` (megatron's THD layout).
+    """The one entry point a trainer needs: :func:`policy_step`, which picks the flow from
+    ``config.rollout_correction``, in verl's ``(loss, metrics)`` form. Padded ``[B, T]`` inputs, or packed ``[T]``
+    token streams with ``cu_seqlens`` ``[B + 1]`` (megatron's THD layout).
 
     * no correction config: the loss ``config.loss_mode`` names (default ``"vanilla"``: PPO) of pi_theta vs
       ``old_log_prob`` (``rollout_log_prob`` unused);
@@ -1187,8 +1341,8 @@ def compute_policy_loss(
     * otherwise: :func:`compute_policy_loss_decoupled` (the ``loss_mode`` loss times the correction's IS weights).
 
     ``config.opsm_delta`` drops negative-advantage sequences that drifted from the behaviour policy
-    (:func:`off_policy_sequence_mask`; behaviour = ``rollout_log_prob`` when given, else ``old_log_prob``) before
-    any of these; metric ``actor/opsm_masked_frac``.
+    (:func:`off_policy_sequence_mask`; behaviour = ``rollout_log_prob`` when given, else ``old_log_prob``) in each
+    of these, after the correction's RS and before the loss; metric ``actor/opsm_masked_frac``.
 
     Asynchronous rollouts (:mod:`rollout_corr_ext.versions`): ``versions`` (the policy version that sampled each
     token, per token or per row) and ``current_version`` (the trainer's) add the staleness metrics
@@ -1199,54 +1353,25 @@ def compute_policy_loss(
     (``rollout_corr/prox_approx_abs_error``, ``_imp_weight_error``).
     """
     cfg = as_policy_config(config)
-    extra: Dict[str, torch.Tensor] = {}
+    staleness: Dict[str, torch.Tensor] = {}
     if versions is not None:
         from . import versions as _versions
 
         if current_version is None:
             raise ValueError("versions need current_version (the trainer's policy version)")
-        behaviour = rollout_log_prob if rollout_log_prob is not None else old_log_prob
-        if behaviour is None:
+        if rollout_log_prob is None and old_log_prob is None:
             raise ValueError("versions need rollout_log_prob (the behaviour policy's log-probs)")
         stale = _versions.staleness_metrics(versions, current_version, response_mask, dp_group=dp_group)
-        extra.update({k: v for k, v in stale.items() if not k.endswith("hist")})
-        if rollout_log_prob is not None and cfg.rollout_correction is not None and \
-                not getattr(cfg.rollout_correction, "bypass_mode", False):
-            approx = _versions.proximal_log_prob(rollout_log_prob, log_prob, versions, current_version, proximal)
-            if old_log_prob is None:
-                old_log_prob = approx
-            else:
-                extra.update(_versions.proximal_error_metrics(approx, old_log_prob, response_mask, dp_group=dp_group))
+        staleness = {k: v for k, v in stale.items() if not k.endswith("hist")}
     elif current_version is not None:
         raise ValueError("current_version is given without versions")
-    loss, metrics = _front_door(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                                rollout_log_prob, dp_group, seq_group, cu_seqlens)
-    metrics.update(extra)
-    return loss, metrics
-
-
-def _front_door(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, rollout_log_prob, dp_group,
-                seq_group, cu_seqlens):
-    rc = cfg.rollout_correction
-    if rc is None:
-        return _mode_loss(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, None, cu_seqlens,
-                          seq_group, rollout_log_prob)
-    if rollout_log_prob is None:
-        raise ValueError("rollout_log_prob is required when config.rollout_correction is set")
-    if getattr(rc, "bypass_mode", False):
-        opsm = None
-        if cfg.opsm_delta is not None:
-            response_mask, opsm = off_policy_sequence_mask(log_prob, rollout_log_prob, advantages, response_mask,
-                                                           cfg.opsm_delta, cu_seqlens=cu_seqlens, seq_group=seq_group)
-        loss, metrics = compute_policy_loss_bypass(rollout_log_prob, log_prob, advantages, response_mask,
-                                                   loss_agg_mode, dataclasses.replace(cfg, opsm_delta=None),
-                                                   dp_group=dp_group, seq_group=seq_group, cu_seqlens=cu_seqlens)
-        if opsm is not None:
-            metrics["actor/opsm_masked_frac"] = opsm
-        return loss, metrics
-    return compute_policy_loss_decoupled(old_log_prob, log_prob, rollout_log_prob, advantages, response_mask,
-                                         loss_agg_mode, cfg, dp_group=dp_group, seq_group=seq_group,
-                                         cu_seqlens=cu_seqlens)
+    step = policy_step(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+                       rollout_log_prob=rollout_log_prob, dp_group=dp_group, seq_group=seq_group,
+                       cu_seqlens=cu_seqlens, versions=versions, current_version=current_version, proximal=proximal,
+                       fn="compute_policy_loss")
+    metrics = step.metrics
+    metrics.update(staleness)
+    return step.loss, metrics
 
 
 # ---------------------------------------------------------------------------------------------------------

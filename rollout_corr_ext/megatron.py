@@ -10,7 +10,6 @@ split over the data-parallel group *with* CP, and sequence-level values are redu
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import math
@@ -22,17 +21,15 @@ import torch.distributed as dist
 from . import _layout as LY
 from . import logprobs as _lp
 from ._checks import safe_div
-from .losses import padded_horizon, segment_sum
 from .losses import (
     PolicyLossConfig,
-    gspo_sequence_log_ratio,
-    token_loss_kind,
     as_policy_config,
-    check_mask,
     check_loss_agg_mode,
-    off_policy_sequence_mask,
-    policy_loss_step,
+    check_mask,
+    padded_horizon,
+    policy_step,
     refuse_grad,
+    segment_sum,
 )
 
 
@@ -214,16 +211,6 @@ def _mtp_shifted(target: torch.Tensor, response_mask: torch.Tensor, k: int, cu: 
     return torch.where(mask != 0, shifted, torch.full_like(shifted, -100)), mask
 
 
-#: The losses whose step needs whole-batch statistics: their own functions in rollout_corr_ext.losses.
-WHOLE_BATCH_LOSSES = ("geo_mean", "clip_cov", "kl_cov")
-
-
-def _whole_batch_loss(name: str):
-    from . import losses
-
-    return getattr(losses, "compute_policy_loss_" + name)
-
-
 def make_policy_loss_func(
     target: torch.Tensor,
     advantages: torch.Tensor,
@@ -259,7 +246,8 @@ def make_policy_loss_func(
     ``forward_step_func`` returns ``(output_tensor, make_policy_loss_func(...))``; megatron then calls
     ``loss_func(output_tensor)`` with the output layer's vocab-parallel logits and gets
     ``(loss_sum, num_tokens, {name: tensor([sum, count])})``. Inside: log-probs (and entropy) from the logits
-    with one collective over the TP group -> rollout correction (``config.rollout_correction``) -> policy loss.
+    with one collective over the TP group -> :func:`rollout_corr_ext.losses.policy_step` (the flow, rollout
+    correction and policy loss, as :func:`rollout_corr_ext.losses.compute_policy_loss` runs them) -> this contract.
 
     Batch tensors are ``[b, s]`` and aligned with the logits' positions: ``target[b, s]`` is the token whose
     log-prob position s scores (megatron's ``labels``), ``response_mask`` marks the response tokens,
@@ -384,25 +372,20 @@ def make_policy_loss_func(
             kept_tokens = sampling
 
     rc_cfg = cfg.rollout_correction
+    # the flow and the loss are policy_step's; refused here, at build time: a loss_mode the bypass flow would
+    # ignore, and what the loss_sum / num_tokens contract cannot take
     if rc_cfg is not None and getattr(rc_cfg, "bypass_mode", False):
         if cfg.loss_mode not in ("vanilla", "bypass_mode"):
             raise ValueError(f"make_policy_loss_func: the bypass flow's loss is rollout_correction.loss_type "
                              f"(PPO clip or REINFORCE against pi_rollout), not loss_mode={cfg.loss_mode!r}; set "
                              f"loss_mode='bypass_mode' (or 'vanilla'), or use the plain flow with old_log_prob = "
                              f"rollout_log_prob for {cfg.loss_mode}")
-        mode_kind, mode_params = LY.PG_KIND_PPO_CLIP, (0.0, 0.0)
     else:
         if cfg.loss_mode == "bypass_mode":
             raise ValueError("loss_mode='bypass_mode' needs config.rollout_correction with bypass_mode=True")
-        if cfg.loss_mode in WHOLE_BATCH_LOSSES:
-            # whole-batch statistics (covariances over the micro-batch, GMPO's per-sequence products): the
-            # loss's own function on the log-probs, reported through the same loss_sum / num_tokens contract
-            mode_kind, mode_params = LY.PG_KIND_PPO_CLIP, (0.0, 0.0)
-            if cfg.loss_mode == "geo_mean" and entropy_coeff != 0:
-                raise ValueError("loss_mode='geo_mean' averages over sequences whatever loss_agg_mode says: an "
-                                 "entropy term has no common normaliser with it here; pass entropy_coeff=0")
-        else:
-            mode_kind, mode_params = token_loss_kind(cfg, "make_policy_loss_func")
+        if cfg.loss_mode == "geo_mean" and entropy_coeff != 0:
+            raise ValueError("loss_mode='geo_mean' averages over sequences whatever loss_agg_mode says: an "
+                             "entropy term has no common normaliser with it here; pass entropy_coeff=0")
         if cfg.loss_mode == "sapo" and loss_agg_mode != "seq-mean-token-mean":
             raise ValueError("loss_mode='sapo' is aggregated seq-mean-token-mean (as verl forces it); pass "
                              "loss_agg_mode='seq-mean-token-mean'")
@@ -624,66 +607,21 @@ def make_policy_loss_func(
         refuse_grad("make_policy_loss_func", old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob,
                     advantages=advantages)
 
+        old_in, rollout_in, versions_in = _map(lambda t: t.to(logp.device), old_log_prob, rollout_log_prob, versions)
         given = response_mask
         if in_support is not None:  # a token outside the replayed kept set has probability 0: it leaves the loss
-            if old_log_prob is not None and not bypass:
+            if old_in is not None and not bypass:
                 # pi_old, replayed by the caller, is -inf where the token is outside pi_old's own kept set: the PPO
                 # ratio pi_theta / pi_old is undefined there, so the token leaves the loss as well
-                in_support = in_support & (old_log_prob.to(logp.device) != -math.inf)
+                in_support = in_support & (old_in != -math.inf)
             given = torch.where(in_support, response_mask, torch.zeros_like(response_mask))
-        mask, weights, corr_metrics = given, None, {}
-        old_in = old_log_prob
-        prox_err = None
-        if versions is not None and rc is not None and not bypass:  # the proximal policy from the versions
-            from .versions import proximal_error_metrics, proximal_log_prob
-
-            approx = proximal_log_prob(rollout_log_prob.to(logp.device), logp, versions.to(logp.device),
-                                       current_version, proximal)
-            if old_in is None:
-                old_in = approx
-            else:
-                prox_err = proximal_error_metrics(approx, old_in.to(logp.device), given)
-        kind, old = mode_kind, (old_in if old_in is not None else logp.detach())
-        if rc is not None:
-            from .correction import compute_rollout_correction
-
-            with torch.no_grad():
-                train_side = logp.detach() if bypass else old_in
-                result = compute_rollout_correction(train_side, rollout_log_prob, given, rc,
-                                                    dp_group=dp, seq_group=seq, cu_seqlens=cu,
-                                                    diagnostics=diag_spec)
-            mask, corr_metrics = result.response_mask, result.metrics
-            if bypass:
-                old = rollout_log_prob
-                if rc.loss_type == "reinforce":
-                    kind, weights = LY.PG_KIND_REINFORCE, result.weights
-            else:
-                weights = result.weights
-        opsm_frac = None
-        if cfg.opsm_delta is not None:  # DeepSeek-V3.2's off-policy sequence masking, per whole sequence (CP too)
-            behaviour = rollout_log_prob if rollout_log_prob is not None else old
-            mask, opsm_frac = off_policy_sequence_mask(logp, behaviour.to(logp.device), advantages, mask,
-                                                       cfg.opsm_delta, cu_seqlens=cu,
-                                                       seq_group=seq if seq_world > 1 else None)
-        old_name = "rollout_log_prob" if bypass else ("old_log_prob" if old_log_prob is not None else "log_prob")
-        gspo_x_sum = None
-        if kind == LY.PG_KIND_GSPO:  # the sequence ratio over whole sequences: CP pieces summed over seq_group
-            refuse_grad("make_policy_loss_func", **{old_name: old})
-            old, gspo_x_sum = gspo_sequence_log_ratio(logp, old.to(logp.device), mask, cu_seqlens=cu,
-                                                      seq_group=seq if seq_world > 1 else None)
-        whole = None
-        if cfg.loss_mode in WHOLE_BATCH_LOSSES and not bypass:
-            if seq_world > 1:
-                raise ValueError(f"loss_mode={cfg.loss_mode!r} with context parallelism (a sequence split over "
-                                 f"{seq_world} ranks) is not supported: its batch statistics would be per rank")
-            whole = _whole_batch_loss(cfg.loss_mode)(old, logp, advantages, mask, loss_agg_mode,
-                                                     dataclasses.replace(cfg, opsm_delta=None), weights,
-                                                     cu_seqlens=cu)
-        # with a whole-batch loss the rows give only token counts and PPO's metric slots: no graph for them
-        with torch.no_grad() if whole is not None else contextlib.nullcontext():
-            _, _, rows = policy_loss_step(kind, old, logp if whole is None else logp.detach(), advantages, mask,
-                                          loss_agg_mode, cfg, weights, cu_seqlens=cu, old_name=old_name,
-                                          fn="make_policy_loss_func", params=mode_params)
+        if old_in is None and rc is None:  # no pi_old (and none to approximate): on-policy, ratio 1
+            old_in = logp.detach()
+        step = policy_step(cfg, old_in, logp, advantages, given, loss_agg_mode, rollout_log_prob=rollout_in,
+                           dp_group=dp, seq_group=seq, cu_seqlens=cu, versions=versions_in,
+                           current_version=current_version, proximal=proximal, diagnostics=diag_spec,
+                           fn="make_policy_loss_func")
+        rows, mask = step.rows, step.mask
         m = mask.to(logp.dtype)
         ent_masked = torch.where(mask != 0, entropy, torch.zeros_like(entropy)).mul(m)
         ent_rows = ent_masked.sum(-1) if cu is None else segment_sum(ent_masked, cu)
@@ -712,10 +650,10 @@ def make_policy_loss_func(
             pg_sum = _seq_numerator(rows[:, LY.PG_ROW_LOSS_SUM], row_tokens, valid, loss_agg_mode, horizon,
                                     cfg.loss_scale_factor)
             ent_sum = _seq_numerator(ent_rows, row_tokens, valid, loss_agg_mode, horizon, cfg.loss_scale_factor)
-        if whole is not None:  # the loss's own micro-batch value times this contract's count
+        if step.whole_batch:  # the loss's own micro-batch value times this contract's count
             if cfg.loss_mode == "geo_mean":  # the mean over every row, as verl's torch.mean
                 count = torch.tensor(rows.shape[0], device=rows.device)
-            pg_sum = whole[0] * count.to(whole[0].dtype)
+            pg_sum = step.loss * count.to(step.loss.dtype)
         if seq_world > 1:
             pg_sum, ent_sum = pg_sum * seq_world, ent_sum * seq_world
         n = count.to(pg_sum.dtype)
@@ -747,28 +685,29 @@ def make_policy_loss_func(
             (pg_sum.detach(), n),
             (rows[:, LY.PG_ROW_CLIP].sum(), tokens),
             (rows[:, LY.PG_ROW_CLIP_LOWER].sum(), tokens),
-            (rows[:, LY.PG_ROW_KL_SUM].sum() if gspo_x_sum is None else -gspo_x_sum.to(rows.dtype), tokens),
+            (rows[:, LY.PG_ROW_KL_SUM].sum() if step.gspo_x_sum is None else -step.gspo_x_sum.to(rows.dtype),
+             tokens),
             ((entropy.detach() * m).sum(), tokens),
         ]
-        if whole is not None:  # the loss's own metrics (verl's masked means), as sums over the same tokens
+        if step.whole_batch:  # the loss's own metrics (verl's masked means), as sums over the same tokens
             zero = torch.zeros((), dtype=rows.dtype, device=rows.device)
             for i, key in ((1, "actor/pg_clipfrac"), (2, "actor/pg_clipfrac_lower"), (3, "actor/ppo_kl")):
-                v = whole[1].get(key)
+                v = step.loss_metrics.get(key)
                 pairs[i] = ((v.to(rows.dtype) * (tokens + LY.MASKED_MEAN_EPS)) if v is not None else zero, tokens)
-        if opsm_frac is not None:  # the fraction of this micro-batch's sequences dropped (exact over CP)
+        if step.opsm_frac is not None:  # the fraction of this micro-batch's sequences dropped (exact over CP)
             names.append("actor/opsm_masked_frac")
-            pairs.append((opsm_frac.detach().to(torch.float32), one))
-        for k, v in corr_metrics.items():
+            pairs.append((step.opsm_frac.detach().to(torch.float32), one))
+        for k, v in step.correction_metrics.items():
             names.append(k)
             pairs.append((v.detach().to(torch.float32), one))
         if versions is not None:  # token-weighted lag over this rank's response tokens, summed like actor/*
             valid_t = given != 0
-            lag = (current_version - versions.to(logp.device).to(torch.int64))
+            lag = (current_version - versions_in.to(torch.int64))
             names.append("rollout_corr/staleness_mean")
             pairs.append((torch.where(valid_t, lag, torch.zeros_like(lag)).sum().float(), valid_t.sum().float()))
-        if prox_err is not None:
+        if step.prox_error:  # exact over dp_group already: weighted by this rank's tokens, its mean is unchanged
             n_given = (given != 0).sum().float()
-            for k, v in prox_err.items():
+            for k, v in step.prox_error.items():
                 names.append(k)
                 pairs.append((v.float() * n_given, n_given))
         for k, pair in enumerate(mtp_pairs, 1):

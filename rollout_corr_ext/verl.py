@@ -619,20 +619,22 @@ def compute_policy_loss_bypass_mode(
         raise ValueError("rollout_correction config not found in config.policy_loss; with loss_mode='bypass_mode' "
                          "the actor config must carry policy_loss.rollout_correction (apply_bypass_mode sets it)")
     rc = rollout_correction_config(source)
-    cfg = dataclasses.replace(policy_loss_config(config), rollout_correction=None)
+    cfg = dataclasses.replace(policy_loss_config(config), rollout_correction=rc)
+    fn = "compute_policy_loss_bypass_mode"
     _losses.check_policy_inputs(old_log_prob, log_prob, advantages, response_mask)
     _losses.check_loss_agg_mode(loss_agg_mode)
-    res = _correct(log_prob.detach(), old_log_prob.detach(), response_mask, rc)
-    if rc.loss_type == "reinforce":
-        loss, metrics = _losses.compute_policy_loss_reinforce(old_log_prob, log_prob, advantages, res.response_mask,
-                                                              loss_agg_mode, cfg, res.weights)
-        head = {k: metrics[k] for k in _PG_KEYS}
-    else:  # "ppo_clip" (the config validates loss_type): the clipped ratio is the IS correction, no weights
-        loss, metrics = _losses.compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, res.response_mask,
-                                                            loss_agg_mode, cfg, None)
-        head = {k: metrics[k] for k in _PPO_KEYS}
+    _losses.refuse_grad(fn, old_log_prob=old_log_prob)  # by verl's name for it (the step's: rollout_log_prob)
+    dp, seq = _groups(rc)
+    response_mask, frac = _replayed_mask(response_mask, log_prob, old_log_prob)
+    # the bypass flow whatever rc.bypass_mode says: verl's bypass loss reads only the correction's fields
+    step = _losses.policy_step(cfg, None, log_prob, advantages, response_mask, loss_agg_mode,
+                               rollout_log_prob=old_log_prob, dp_group=dp, seq_group=seq,
+                               nonfinite=_SETTINGS["nonfinite"], flow="bypass", fn=fn)
+    corr = dict(step.correction_metrics)
+    if frac is not None:
+        corr[PREFIX + "sampling_out_of_support_fraction"] = frac
     keys = _is_keys(rc) + _rs_keys(rc) + list(OFFPOLICY_KEYS)
-    return loss, _select(res.metrics, keys, extras=_SETTINGS["extra_metrics"], prefixed=True, head=head)
+    return step.loss, _select(corr, keys, extras=_SETTINGS["extra_metrics"], prefixed=True, head=step.loss_metrics)
 
 
 def compute_policy_loss(

@@ -27,6 +27,7 @@ from rollout_corr_ext.losses import (
     compute_policy_loss,
     compute_policy_loss_bypass,
     compute_policy_loss_decoupled,
+    compute_policy_loss_gspo,
     compute_policy_loss_reinforce,
     compute_policy_loss_vanilla,
 )
@@ -340,6 +341,10 @@ def _constant_cases(old, lp, adv, mask, w):
                                                                                rc_cfg)),
         ("compute_policy_loss", "rollout_log_prob", lambda x: compute_policy_loss(old, lp, adv, mask, "token-mean",
                                                                                    rc_cfg, rollout_log_prob=x)),
+        # GSPO's sequence ratio is a constant built from pi_old: pi_old with a gradient would lose it silently
+        ("gspo", "old_log_prob", lambda x: compute_policy_loss_gspo(x, lp, adv, mask)),
+        ("compute_policy_loss", "old_log_prob", lambda x: compute_policy_loss(x, lp, adv, mask, "token-mean",
+                                                                               PolicyLossConfig(loss_mode="gspo"))),
         ("grpo", "old_logprobs", lambda x: calculate_grpo_loss(lp, x, ref, a_seq, 0.2, 0.2, 0.0, 0.0)),
         ("grpo", "advantages", lambda x: calculate_grpo_loss(lp, old, ref, x, 0.2, 0.2, 0.0, 0.0)),
         ("grpo", "inference_logprobs", lambda x: calculate_grpo_loss(lp, old, ref, a_seq, 0.2, 0.2, 0.0, 0.0,

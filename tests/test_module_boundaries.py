@@ -42,3 +42,37 @@ def test_no_module_uses_another_modules_private_names():
                     and node.attr.startswith("_") and not node.attr.startswith("__"):
                 bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: {node.value.id}.{node.attr}")
     assert not bad, "private names used across modules:\n" + "\n".join(bad)
+
+
+#: The pieces of a policy step: :func:`rollout_corr_ext.losses.policy_step` puts them together, in one place.
+FLOW_PIECES = {"compute_rollout_correction", "off_policy_sequence_mask", "gspo_sequence_log_ratio", "policy_loss_step",
+               "proximal_log_prob", "proximal_error_metrics", "token_loss_kind", "compute_policy_loss_bypass",
+               "compute_policy_loss_decoupled", "compute_policy_loss_vanilla", "compute_policy_loss_reinforce"}
+
+
+def _names(path) -> set:
+    """Every name a module binds or reads: imported names, plain names, attribute names, string constants (a getattr
+    by name counts too)."""
+    out = set()
+    for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+        if isinstance(node, ast.ImportFrom):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.Name):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            out.add(node.value)
+    return out
+
+
+def test_megatron_loss_func_is_a_translation_of_the_one_policy_step():
+    """megatron's loss_func chooses no flow of its own (issue: one front door): it calls losses.policy_step and uses
+    none of the step's pieces, and imports only public names from losses."""
+    names = _names(os.path.join(PKG, "megatron.py"))
+    assert "policy_step" in names
+    assert not names & FLOW_PIECES, sorted(names & FLOW_PIECES)
+    tree = ast.parse(open(os.path.join(PKG, "megatron.py"), encoding="utf-8").read())
+    from_losses = [a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "losses"
+                   for a in node.names]
+    assert from_losses and not [n for n in from_losses if n.startswith("_")], from_losses

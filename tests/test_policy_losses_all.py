@@ -598,6 +598,54 @@ def test_megatron_loss_func_runs_every_loss(name, mode, opsm):
         assert float(kl[0] / kl[1]) == pytest.approx(float(metrics["actor/ppo_kl"]), rel=1e-6, abs=1e-9)
 
 
+@pytest.mark.parametrize("loss_type", ["ppo_clip", "reinforce"])
+@pytest.mark.parametrize("flow", ["bypass", "decoupled"])
+def test_one_policy_step_behind_the_front_door_and_megatron(flow, loss_type):
+    """compute_policy_loss and make_policy_loss_func run the one policy_step: with a correction whose RS and batch
+    normalisation see every sequence and OPSM dropping a drifted sequence after it (in every flow), the loss, the
+    gradient and every metric agree (bypass used to mask before correcting behind the front door only)."""
+    from rollout_corr_ext.config import RolloutCorrectionConfig
+    from rollout_corr_ext.megatron import make_policy_loss_func, reported_means
+
+    if flow == "decoupled" and loss_type == "reinforce":
+        return
+    g = torch.Generator().manual_seed(5)
+    b, s, v = 6, 10, 13
+    logits = torch.randn(s, b, v, generator=g, dtype=torch.float64)
+    target = torch.randint(0, v, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.float64)
+    adv = torch.ones(b, dtype=torch.float64)
+    adv[0] = -1.0
+    with torch.no_grad():
+        lp = logits.transpose(0, 1).log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        old = lp + 0.05 * torch.randn(b, s, generator=g, dtype=torch.float64)
+        rlp = old + 0.05 * torch.randn(b, s, generator=g, dtype=torch.float64)
+        rlp[0] += 0.18  # sequence 0 drifted (within RS bounds) with a negative advantage: OPSM drops it
+        rlp[5] -= 0.4  # sequence 5 is rejected by the geometric RS
+    rc = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=5.0, rollout_is_batch_normalize=True,
+                                 rollout_rs="geometric", rollout_rs_threshold="0.8_1.25",
+                                 bypass_mode=flow == "bypass", loss_type=loss_type)
+    cfg = losses.PolicyLossConfig(rollout_correction=rc, opsm_delta=0.1)
+    x = logits.clone().requires_grad_(True)
+    loss_sum, count, report = make_policy_loss_func(target, adv, mask, old_log_prob=old, rollout_log_prob=rlp,
+                                                    config=cfg)(x)
+    (loss_sum / count).backward()
+    y = logits.clone().requires_grad_(True)
+    lp_y = y.transpose(0, 1).log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    step = losses.policy_step(cfg, old, lp_y, adv.view(-1, 1).expand(b, s), mask, rollout_log_prob=rlp)
+    want, metrics = losses.compute_policy_loss(old, lp_y, adv.view(-1, 1).expand(b, s), mask, "token-mean", cfg,
+                                               rollout_log_prob=rlp)
+    want.backward()
+    assert step.flow == flow and torch.equal(step.loss, want) and step.metrics.keys() == metrics.keys()
+    assert float(metrics["actor/opsm_masked_frac"]) == pytest.approx(1 / 5)  # of the 5 sequences RS kept
+    assert float(step.mask[5].sum()) == 0 and float(step.mask[0].sum()) == 0
+    assert torch.allclose(loss_sum / count, want, rtol=1e-12, atol=1e-14)
+    assert torch.allclose(x.grad, y.grad, rtol=1e-10, atol=1e-14)
+    means = reported_means(report)
+    for k, val in metrics.items():
+        assert means[k] == pytest.approx(float(val), rel=1e-6, abs=1e-9), k
+
+
 @pytest.mark.parametrize("name", ["geo_mean", "clip_cov", "kl_cov"])
 def test_megatron_loss_func_whole_batch_losses_refuse_cp_and_geo_mean_entropy(name):
     import torch.distributed as dist
@@ -684,6 +732,10 @@ def _whole_batch_cp_worker(rank, world):
                                dp_group=dist.group.WORLD, seq_group=dist.group.WORLD)
     with pytest.raises(ValueError, match="context parallelism"):
         fn(torch.randn(s, b, v, requires_grad=True))
+    x = torch.zeros(b, s, dtype=torch.float64)  # the front door runs the same step: the same refusal
+    with pytest.raises(ValueError, match="context parallelism"):
+        losses.compute_policy_loss(x, x.clone().requires_grad_(True), x, torch.ones(b, s), "token-mean",
+                                   losses.PolicyLossConfig(loss_mode="clip_cov"), seq_group=dist.group.WORLD)
 
 
 @pytest.mark.parametrize("device", dist_params(2))
