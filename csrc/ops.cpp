@@ -128,6 +128,27 @@ TORCH_LIBRARY(rollout_corr, m) {
   // [N] int64: per row the number of values z >= floor (z any float dtype, compared in fp32 / fp64; floor in that
   // dtype): the run of values tied at the end of a shard's candidate list.
   m.def("count_at_least(Tensor z, Tensor floor) -> Tensor");
+  // The replay of top-k sampling in one read of the logits x [N, C] (fp32 / bf16 / fp16; rows contiguous): per row
+  // with k[r] >= 1 (<= 0: an ignored row, never read), z = x / temperature in fp32, and
+  //   values [N, width] fp32, index [N, width] int64: every z >= the row's k-th largest over its first valid_cols
+  //     columns (ties kept whole; -inf never), sorted by value descending then column ascending, -inf / -1 padded;
+  //   count [N] int64: how many there are (> width: the list holds the first width of them);
+  //   stats [N, 3] fp64: max z (NaN if the row holds NaN or +inf, -inf if every value is -inf),
+  //     sum exp(z - max z), z at target_col[r] (-inf where target_col is -1).
+  // CPU kernel; other devices (and fp64) run torch ops through the Python wrapper.
+  m.def("row_candidates(Tensor x, Tensor k, Tensor target_col, int width, float temperature, int valid_cols) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
+  // [N, cols] of dtype: 0, with values[r, w] at column index[r, w] where that is >= 0 (the replay's gradient, which
+  // lives on the kept candidates only). CPU kernel (the log-prob gradient's reused block); torch elsewhere.
+  m.def("scatter_rows(Tensor values, Tensor index, int cols, ScalarType dtype) -> Tensor");
+  // The replay's decision on each row's candidates cand [N, C] (fp32 / fp64, sorted descending, -inf padded, holding
+  // every value >= the row's k-th largest): tau [N] (cand's dtype; the kept set is {z >= tau, z > -inf}) =
+  // max(floor (the min-p threshold, or -inf), the k-th largest, the top-p threshold where top_p < 1: the smallest
+  // v with M(<= v) > min(floor((1 - p) M), M - 1) in integer masses round(exp(z - z_max) 2^40)), and out [N, 4] fp64:
+  // the target's log-prob under the kept set's softmax (z_t - lse; -inf outside it), the entropy over it, log S =
+  // log(sum_kept exp(z - z_max)) - log(sum_all) (<= 0), lse. Rows with k <= 0 are skipped (zeros, tau -inf).
+  m.def("candidate_decide(Tensor cand, Tensor z_max, Tensor z_t, Tensor sum_all, Tensor k, Tensor floor, "
+        "Tensor top_p) -> (Tensor, Tensor)");
 
   // §6 the fused linear log-probs' GEMM: out [M, N] fp32 = a [M, K] @ b [K, N] + beta * out, a and b both bf16 or
   // both fp16 (any strides with one of them 1), products accumulated in fp32 and never rounded to 16 bits; out

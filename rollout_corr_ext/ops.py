@@ -96,6 +96,22 @@ def _register_fakes() -> None:
     def _(z, z_max, floor, lo, hi, probes):
         return z.new_empty((z.shape[0], probes.shape[1] + 1), dtype=torch.int64)
 
+    @torch.library.register_fake("rollout_corr::row_candidates")
+    def _(x, k, target_col, width, temperature, valid_cols):
+        torch._check(x.dim() == 2, lambda: f"x must be 2-D, got {x.dim()}-D")
+        n = x.shape[0]
+        return (x.new_empty((n, width), dtype=torch.float32), x.new_empty((n, width), dtype=torch.int64),
+                x.new_empty((n,), dtype=torch.int64), x.new_empty((n, 3), dtype=torch.float64))
+
+    @torch.library.register_fake("rollout_corr::candidate_decide")
+    def _(cand, z_max, z_t, sum_all, k, floor, top_p):
+        n = cand.shape[0]
+        return cand.new_empty((n,)), cand.new_empty((n, 4), dtype=torch.float64)
+
+    @torch.library.register_fake("rollout_corr::scatter_rows")
+    def _(values, index, cols, dtype):
+        return values.new_empty((values.shape[0], cols), dtype=dtype)
+
     @torch.library.register_fake("rollout_corr::mm_f32_")
     def _(out, a, b, beta):
         return None
@@ -470,6 +486,34 @@ def floor_zero_(grad: torch.Tensor, x: torch.Tensor, floor: torch.Tensor, temper
         torch.ops.rollout_corr.floor_zero_.default(grad, x, floor, float(temperature))
         return
     fallback.floor_zero_(grad, x, floor, temperature)
+
+
+def row_candidates(x: torch.Tensor, k: torch.Tensor, target_col: torch.Tensor, width: int, temperature: float,
+                   valid_cols: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The replay of top-k sampling from one read of the logits ``x`` ``[N, C]``: ``(values, index, count, stats)``
+    (the contract: csrc/ops.cpp). The CPU kernel (fp32 / bf16 / fp16, csrc/cpu/sampling.cpp) reads each row once;
+    fp64 and other devices run torch ops (fallback/sampling.py)."""
+    if _compiled and x.device.type in ("cpu", "meta") and x.dtype != torch.float64:
+        return torch.ops.rollout_corr.row_candidates.default(x, k, target_col, int(width), float(temperature),
+                                                             int(valid_cols))
+    return fallback.row_candidates(x, k, target_col, int(width), float(temperature), int(valid_cols))
+
+
+def candidate_decide(cand: torch.Tensor, z_max: torch.Tensor, z_t: torch.Tensor, sum_all: torch.Tensor,
+                     k: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The replay's decision on each row's sorted candidates: ``(tau, out)``, the kept set's threshold and ``[N, 4]``
+    fp64 (the target's log-prob, entropy, log S, lse) (the contract: csrc/ops.cpp; CPU kernel, torch elsewhere)."""
+    if _compiled and cand.device.type in ("cpu", "meta"):
+        return torch.ops.rollout_corr.candidate_decide.default(cand, z_max, z_t, sum_all, k, floor, top_p)
+    return fallback.candidate_decide(cand, z_max, z_t, sum_all, k, floor, top_p)
+
+
+def scatter_rows(values: torch.Tensor, index: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[N, cols]`` of ``dtype``: 0, and ``values[r, w]`` at column ``index[r, w]`` where that is >= 0 (the
+    replay's gradient on its kept candidates). The CPU kernel writes into the log-prob gradient's reused block."""
+    if _compiled and values.device.type in ("cpu", "meta"):
+        return torch.ops.rollout_corr.scatter_rows.default(values, index, int(cols), dtype)
+    return fallback.scatter_rows(values, index, int(cols), dtype)
 
 
 def mm_f32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 0.0) -> None:

@@ -223,12 +223,34 @@ def _top_p_budget(total: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return torch.minimum(c, total - 1)
 
 
+def _top_p_key(cand: torch.Tensor, mult: Optional[torch.Tensor], z_max: torch.Tensor,
+               top_p: torch.Tensor) -> torch.Tensor:
+    """The key of each row's top-p threshold when every survivor of the earlier filters is among ``cand`` (-inf
+    elsewhere; ``mult``: how many values each entry stands for, None for one): the smallest v with M(<= v) > c."""
+    q = _masses(cand, z_max)
+    if mult is not None:
+        q = q * mult
+    c = _top_p_budget(q.sum(-1), top_p)
+    key = _ordered_key(cand)
+    sorted_key, order = key.sort(dim=-1)
+    cum = q.gather(1, order).cumsum(-1)
+    over = _mass_at_or_below(sorted_key, cum, sorted_key) > c.unsqueeze(1)
+    return torch.where(over, sorted_key, torch.full_like(sorted_key, torch.iinfo(torch.int64).max)).amin(1)
+
+
 def _ceil_to(t64: torch.Tensor, acc) -> torch.Tensor:
     """The smallest ``acc`` value >= each fp64 threshold (so ``z >= result`` iff ``z >= t64`` for ``acc`` z)."""
     if acc == torch.float64:
         return t64
     t = t64.to(acc)
     return torch.where(t.to(torch.float64) < t64, torch.nextafter(t, torch.full_like(t, math.inf)), t)
+
+
+def _min_p_floor(z_max64: torch.Tensor, min_p: torch.Tensor, mp_on: torch.Tensor, acc) -> torch.Tensor:
+    """min-p keeps p_u >= min_p * p_max, i.e. z_u >= z_max + log(min_p): that threshold (fp64) as the smallest
+    ``acc`` value at or above it, -inf where min-p is off."""
+    return _ceil_to(torch.where(mp_on, z_max64 + torch.log(min_p.clamp_min(1e-300)),
+                                torch.full_like(min_p, -math.inf)), acc)
 
 
 def _row_max(pieces, rows: int, acc, device) -> torch.Tensor:
@@ -298,8 +320,7 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
     z_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))  # an all -inf row is refused later
 
     # min-p: p_u >= min_p * p_max, i.e. z_u >= z_max + log(min_p) (in fp64; as a threshold in z's dtype)
-    tau = _ceil_to(torch.where(mp_on, z_max.to(torch.float64) + torch.log(min_p.clamp_min(1e-300)),
-                               torch.full_like(min_p, ninf)), acc)
+    tau = _min_p_floor(z_max.to(torch.float64), min_p, mp_on, acc)
 
     def above_tau(r0, r1):  # the pieces with everything under tau at -inf
         t = tau[r0:r1].unsqueeze(1)
@@ -352,13 +373,7 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
                 mult = torch.cat([mult, missing.unsqueeze(1)], 1)
             fast = True
         if fast:  # every rank holds the same candidates
-            q = _masses(cand, z_max) * mult
-            c = _top_p_budget(q.sum(-1), top_p)
-            key = _ordered_key(cand)
-            sorted_key, order = key.sort(dim=-1)
-            cum = q.gather(1, order).cumsum(-1)
-            over = _mass_at_or_below(sorted_key, cum, sorted_key) > c.unsqueeze(1)
-            hi = torch.where(over, sorted_key, torch.full_like(sorted_key, torch.iinfo(torch.int64).max)).amin(1)
+            hi = _top_p_key(cand, mult, z_max, top_p)
         else:  # the general search: bisection of the key space, a histogram of every shard's survivors per round
             # 2^levels - 1 probes per round: 255 in one process (4 rounds for fp32 keys, no collective), 15 under
             # tensor parallelism (8 rounds, 128 bytes per row each). base = M(<= lo): each round then needs the
@@ -495,6 +510,11 @@ def sampled_log_probs(
         return z
 
     scalar_t = not isinstance(sampling.temperature, torch.Tensor)
+    if scalar_t:  # top-k on every row: one read of the logits and a few candidates per row (None: not this case)
+        res = _candidate_log_probs(logits2d, target1d, sampling, active, lead, n, tp_group, world, vocab_start,
+                                   vocab_size, valid_cols, acc)
+        if res is not None:
+            return res
     with torch.no_grad():
         th = kept_set(z_of, n, local_vocab, acc, logits.device, sampling, active, lead, tp_group, world,
                       with_log_s=not scalar_t)
@@ -514,6 +534,124 @@ def sampled_log_probs(
     log_s = torch.where(active, th.log_kept_mass, torch.zeros_like(th.log_kept_mass))
     return _masked_log_probs(logits2d, below, target1d, sampling.temperature, temperature, active, log_s, lead,
                              tp_group, vocab_start, vocab_size, ignore_index)
+
+
+#: the largest top-k the candidate path takes (its exchange is ``k + slack`` values per row and rank); larger
+#: ones take the general path
+CANDIDATE_MAX_K = 1024
+
+
+def _candidate_width(k_max: int) -> int:
+    """Candidates kept per row and rank: k plus room for values tied with the k-th (bf16 logits tie often); a row
+    with more ties than that takes the general path."""
+    return k_max + max(16, k_max // 4)
+
+
+def _candidate_log_probs(logits2d, target1d, sampling, active, lead, n, tp_group, world, vocab_start, vocab_size,
+                         valid_cols, acc) -> Optional[SampledLogProbs]:
+    """The replay when every scored row has a top-k (below the vocabulary) and the temperature is one number: each
+    shard's values at or above its own k-th largest (``ops.row_candidates``: one read of the logits, which also
+    gives the row max and sum of exps) hold every value the sampler could keep, since the global k-th largest is
+    at least any shard's. One all-gather of those lists (and the row max, sum, the target's value) gives every rank
+    the same sorted candidates, on which top-k, min-p and top-p are decided exactly as on the whole row, and the
+    kept set's log-probs, entropy and log S follow in fp64. Backward: the renormalised softmax's gradient on this
+    shard's kept candidates, scattered into zeros (no collective). None when the case does not apply, or when a
+    row has more values tied at its k-th largest than the lists hold (every rank sees the same, from the gather)."""
+    if sampling.top_k is None or n == 0 or not bool(active.any()):
+        return None
+    k = _per_row("top_k", sampling.top_k, n, lead, torch.int64, logits2d.device)
+    k_act = k[active]
+    if not bool(((k_act > 0) & (k_act < vocab_size)).all()):
+        return None  # a row without top-k (or one that keeps the whole vocabulary): the general path
+    k_max = int(k_act.max())
+    if k_max > CANDIDATE_MAX_K:
+        return None
+    width = _candidate_width(k_max)
+    t_value = float(sampling.temperature)
+    dev = logits2d.device
+    ninf = -math.inf
+    v_local = logits2d.shape[1]
+    with torch.no_grad():
+        tcol = target1d - vocab_start
+        tcol = torch.where(active & (tcol >= 0) & (tcol < v_local), tcol, torch.full_like(tcol, -1))
+        k_rows = torch.where(active, k, torch.zeros_like(k))
+        vals, idx, count, stats = ops.row_candidates(logits2d.detach(), k_rows, tcol, width, t_value, valid_cols)
+        vals = vals.to(acc)
+        over = count > width
+        if world > 1:  # one all-gather of [candidates, max, sum, target value, overflow] per row, in acc's dtype
+            record = torch.cat([vals, stats.to(acc), over.to(acc).unsqueeze(1)], 1)
+            g = _lp.all_gather(record.reshape(-1).contiguous(), tp_group, world).reshape(world, n, width + 4)
+            cand = g[:, :, :width].permute(1, 0, 2).reshape(n, world * width).sort(dim=-1, descending=True).values
+            z_max_r, sum_r, z_t_r, over_r = (g[:, :, width + j].t() for j in range(4))
+        else:  # the kernel's lists are sorted already
+            cand = vals
+            z_max_r, sum_r, z_t_r, over_r = stats[:, 0:1], stats[:, 1:2], stats[:, 2:3], over.unsqueeze(1)
+        bad = torch.isnan(z_max_r).any(1) & active
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"sampled_log_probs: NaN or +inf logit in row {i} of the flattened logits")
+        z_max = z_max_r.amax(1).to(torch.float64)
+        empty = (z_max == ninf) & active
+        if bool(empty.any()):
+            i = int(empty.nonzero()[0, 0])
+            raise RuntimeError(f"every logit of row {i} (logits.reshape(-1, V_local)[{i}], over all tensor-parallel "
+                               f"shards) is -inf: its softmax is undefined; give such positions target = "
+                               f"ignore_index")
+        if bool(over_r.any()):
+            return None
+        z_max = torch.where(active, z_max, torch.zeros_like(z_max))
+        sum_all = (sum_r.to(torch.float64) * torch.exp(z_max_r.to(torch.float64) - z_max.unsqueeze(1))).sum(1)
+        z_t = z_t_r.amax(1).to(torch.float64)
+        # the thresholds and the kept set's log-probs (the rules: docs/sampling_replay.md), on every rank alike
+        min_p = _per_row("min_p", sampling.min_p, n, lead, torch.float64, dev)
+        floor = _min_p_floor(z_max, min_p, (min_p > 0) & active, acc)
+        top_p = _per_row("top_p", sampling.top_p, n, lead, torch.float64, dev)
+        tau, out = ops.candidate_decide(cand.contiguous(), z_max, z_t, sum_all, k_rows, floor, top_p)
+        logp, entropy, log_s, lse = out.unbind(1)
+        in_support = (logp != ninf) & active
+    logp, entropy = _CandidateLogProbs.apply(logits2d, logp.to(acc), entropy.to(acc), vals, idx, tcol, tau, lse,
+                                             entropy, in_support, 1.0 / t_value)
+    return SampledLogProbs(logp.reshape(lead), entropy.reshape(lead), log_s.to(acc).reshape(lead),
+                           (in_support | ~active).reshape(lead))
+
+
+class _CandidateLogProbs(torch.autograd.Function):
+    """(logits, the precomputed log-prob and entropy, this shard's candidates) -> (log-prob, entropy), with the kept
+    set's softmax gradient: d logp / d z_u = [u = target] - p_u and d H / d z_u = -p_u (log p_u + H) on the kept
+    candidates (z_u >= tau), p_u = exp(z_u - lse), times 1 / T; 0 everywhere else (``ops.scatter_rows``)."""
+
+    @staticmethod
+    def forward(ctx, logits, logp, entropy, vals, idx, tcol, tau, lse, entropy64, in_support, inv_t):
+        ctx.save_for_backward(vals, idx, tcol, tau, lse, entropy64, in_support)
+        ctx.info = (logits.shape[1], logits.dtype, inv_t)
+        ctx.set_materialize_grads(False)
+        return logp.clone(), entropy.clone()
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        vals, idx, tcol, tau, lse, entropy64, in_support = ctx.saved_tensors
+        cols, dtype, inv_t = ctx.info
+        if grad_logp is None and grad_entropy is None:
+            return (None,) * 11
+        with torch.no_grad():
+            kept = (vals >= tau.unsqueeze(1)) & (vals != -math.inf) & (idx >= 0)
+            lp_u = torch.where(kept, vals.to(torch.float64) - lse.unsqueeze(1), torch.zeros((), dtype=torch.float64,
+                                                                                              device=vals.device))
+            p = torch.where(kept, lp_u.exp(), torch.zeros_like(lp_u))
+            g = torch.zeros_like(p)
+            if grad_logp is not None:  # a target outside the kept set (log-prob -inf) has no gradient
+                gl = torch.where(in_support, grad_logp, torch.zeros_like(grad_logp)).to(torch.float64)
+                is_t = (kept & (idx == tcol.unsqueeze(1))).to(torch.float64)
+                g = g + gl.unsqueeze(1) * (is_t - p)
+            if grad_entropy is not None:
+                g = g - grad_entropy.to(torch.float64).unsqueeze(1) * p * (lp_u + entropy64.unsqueeze(1))
+            g = (g * inv_t).to(torch.float64 if dtype == torch.float64 else torch.float32)
+            grad = ops.scatter_rows(g, torch.where(kept, idx, torch.full_like(idx, -1)), cols, dtype)
+        if torch.is_grad_enabled():  # create_graph=True: differentiating this gradient again must raise
+            anchors = [t for t in (grad_logp, grad_entropy) if t is not None and t.requires_grad]
+            if anchors:
+                grad = ops.NoDoubleBackward.apply(grad, "sampled_log_probs", *anchors)
+        return (grad,) + (None,) * 10
 
 
 #: rows per chunk of the floored forward and backward (a chunk-sized masked temporary, never [N, V])

@@ -1,8 +1,9 @@
 """The sampling-replay search ops (csrc/cpu/sampling.cpp, and the fallback's torch versions) against independent
 oracles written from their contracts in csrc/ops.cpp: ``row_topk`` against ``torch.topk`` (NaN left out), ``floor_fill``
 against an elementwise Python rule, ``mass_histogram`` against a per-value loop with ``math.exp`` and ``bisect``,
-``count_at_least`` against a comparison count; every dtype, -inf, ties, strided rows, empty inputs, bad arguments,
-and the fake (meta) kernels."""
+``count_at_least`` against a comparison count, ``row_candidates`` / ``candidate_decide`` / ``scatter_rows`` (the top-k
+replay's one-read path) against row-by-row Python from their contracts; every dtype, -inf, ties, strided rows, empty
+inputs, bad arguments, and the fake (meta) kernels."""
 
 import bisect
 import math
@@ -173,6 +174,25 @@ def test_bad_arguments_and_fakes():
     i64 = torch.empty(4, dtype=torch.int64, device="meta")
     f = torch.empty(4, device="meta")
     assert torch.ops.rollout_corr.mass_histogram(m, f, f, i64, i64, probes).shape == (4, 16)
+    with pytest.raises(RuntimeError, match="every k must be <= width"):
+        ops.row_candidates(x, torch.full((3,), 5), torch.zeros(3, dtype=torch.int64), 4, 1.0, 10)
+    with pytest.raises(RuntimeError, match="temperature must be finite"):
+        ops.row_candidates(x, torch.full((3,), 2), torch.zeros(3, dtype=torch.int64), 4, 0.0, 10)
+    with pytest.raises(RuntimeError, match="valid_cols"):
+        ops.row_candidates(x, torch.full((3,), 2), torch.zeros(3, dtype=torch.int64), 4, 1.0, 11)
+    with pytest.raises(RuntimeError, match="an index is >= cols"):
+        ops.scatter_rows(torch.ones(2, 2), torch.tensor([[0, 9], [1, -1]]), 5, torch.float32)
+    with pytest.raises(RuntimeError, match="floor must be"):
+        ops.candidate_decide(torch.zeros(3, 4), *(torch.zeros(3, dtype=torch.float64),) * 3,
+                             torch.ones(3, dtype=torch.int64), torch.zeros(3, dtype=torch.float64),
+                             torch.ones(3, dtype=torch.float64))
+    vals, idx, cnt, st = torch.ops.rollout_corr.row_candidates(m, i64, i64, 7, 1.0, 9)
+    assert vals.shape == idx.shape == (4, 7) and cnt.shape == (4,) and st.shape == (4, 3)
+    assert torch.ops.rollout_corr.scatter_rows(f.reshape(4, 1), i64.reshape(4, 1), 9, torch.bfloat16).dtype == \
+        torch.bfloat16
+    f64 = torch.empty(4, dtype=torch.float64, device="meta")
+    tau, out = torch.ops.rollout_corr.candidate_decide(m, f64, f64, f64, i64, f, f64)
+    assert tau.shape == (4,) and out.shape == (4, 4)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -194,3 +214,200 @@ def test_floor_zero_(impl, dtype, temperature):
     before = x.clone()
     fn(grad, x, floor, temperature)
     assert torch.equal(grad, want) and torch.equal(x, before)
+
+
+def _candidates_oracle(x, k, target_col, width, temperature, valid_cols):
+    """``row_candidates`` from its contract, a row at a time in Python: z = x / T in fp32 (fp64 for fp64), the
+    values at or above the k-th largest finite one sorted by (value descending, column ascending), the count, and
+    max / sum exp / the target's z."""
+    acc = _acc(x.dtype)
+    z = x[:, :valid_cols].to(acc)
+    if temperature != 1.0:
+        z = z / torch.tensor(temperature, dtype=acc)
+    n = x.shape[0]
+    values = torch.full((n, width), -math.inf, dtype=acc)
+    index = torch.full((n, width), -1, dtype=torch.int64)
+    count = torch.zeros(n, dtype=torch.int64)
+    stats = torch.zeros(n, 3, dtype=torch.float64)
+    for r in range(n):
+        stats[r, 2] = -math.inf
+        if int(k[r]) <= 0:
+            stats[r, 0] = -math.inf
+            continue
+        row = [float(v) for v in z[r]]
+        if 0 <= int(target_col[r]) < valid_cols:
+            stats[r, 2] = row[int(target_col[r])]
+        if any(math.isnan(v) or v == math.inf for v in row):
+            stats[r, 0] = math.nan
+            continue
+        finite = sorted(((v, c) for c, v in enumerate(row) if v != -math.inf), key=lambda p: (-p[0], p[1]))
+        if not finite:
+            stats[r, 0] = -math.inf
+            continue
+        m = finite[0][0]
+        stats[r, 0] = m
+        stats[r, 1] = math.fsum(math.exp(v - m) for v, _ in finite)
+        kk = int(k[r])
+        kth = finite[kk - 1][0] if len(finite) >= kk else -math.inf
+        cand = [p for p in finite if p[0] >= kth]
+        count[r] = len(cand)
+        for i, (v, c) in enumerate(cand[:width]):
+            values[r, i] = v
+            index[r, i] = c
+    return values, index, count, stats
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_row_candidates(impl, dtype, temperature):
+    """Every value the top-k can keep, ties whole (grid rows), -inf never, NaN / +inf rows flagged, ignored rows
+    (k = 0) untouched, partial blocks (valid_cols not a multiple of 64), a list too short for a row's ties (count >
+    width), rows with fewer finite values than k, strided rows."""
+    fn = _impl(impl, "row_candidates")
+    for grid, v in ((False, 1000), (True, 301), (False, 4096 + 37)):
+        x = _rows(12, v, dtype, seed=v, grid=grid)
+        x[2, 5] = float("nan")
+        x[3, 9] = math.inf
+        x[4] = -math.inf
+        x[4, 10:13] = 1.5  # fewer finite values than k
+        x[5] = 0.25  # every value tied
+        x[6, :] = -math.inf
+        x[6, v - 2] = float("nan")  # NaN among -inf only
+        k = torch.tensor([3, 7, 5, 5, 9, 4, 2, 0, 1, 40, 12, 64])
+        target_col = torch.tensor([0, 5, 9, -1, 11, 3, 2, 7, v - 4, 100, -1, 20])
+        width, valid = 72, v - 3
+        got = fn(x, k, target_col, width, temperature, valid)
+        want = _candidates_oracle(x, k, target_col, width, temperature, valid)
+        full = want[2] <= width  # rows whose lists fit: exact; the others only need their count
+        assert got[0].dtype == _acc(dtype) and got[1].dtype == torch.int64, (got[0].dtype, got[1].dtype)
+        assert torch.equal(got[2], want[2]), (impl, dtype, grid, got[2], want[2])
+        assert torch.equal(got[0][full], want[0][full]) and torch.equal(got[1][full], want[1][full]), (impl, dtype, grid)
+        assert bool((~full).any()) and bool(full.any())
+        assert torch.equal(got[3][:, 0].isnan(), want[3][:, 0].isnan())
+        assert torch.equal(got[3][:, [0, 2]].nan_to_num(), want[3][:, [0, 2]].nan_to_num())
+        ok = ~want[3][:, 0].isnan()
+        torch.testing.assert_close(got[3][ok, 1], want[3][ok, 1], rtol=2e-6, atol=0)
+    wide = _rows(4, 300, dtype, seed=2)
+    k4 = torch.full((4,), 6)
+    tc = torch.full((4,), -1)
+    got = fn(wide[:, 40:240], k4, tc, 8, temperature, 200)
+    want = _candidates_oracle(wide[:, 40:240].contiguous(), k4, tc, 8, temperature, 200)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert fn(torch.empty(0, 10, dtype=dtype), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+              4, 1.0, 10)[0].shape == (0, 4)
+
+
+def _decide_oracle(cand, z_max, z_t, sum_all, k, floor, top_p):
+    """``candidate_decide`` from its contract, a row at a time with Python numbers: tau from min-p's floor, the k-th
+    candidate and vLLM's top-p rule in integer masses; the kept set's lse, entropy, log S, the target's log-prob."""
+    n = cand.shape[0]
+    tau = torch.full((n,), -math.inf, dtype=cand.dtype)
+    out = torch.zeros(n, 4, dtype=torch.float64)
+    for r in range(n):
+        if int(k[r]) <= 0:
+            continue
+        c = [float(v) for v in cand[r]]
+        m = float(z_max[r])
+        t = max(float(floor[r]), c[int(k[r]) - 1])
+        if float(top_p[r]) < 1:
+            surv = [v for v in c if v >= t and v != -math.inf]
+            mass = {v: 0 for v in surv}
+            for v in surv:
+                mass[v] += round(math.exp(v - m) * 2 ** 40) if v - m >= -60 else 0
+            total = sum(mass.values())
+            budget = min(math.floor((1 - float(top_p[r])) * total), total - 1)
+            below = 0
+            for v in sorted(mass):  # ascending: the smallest v with M(<= v) > budget
+                below += mass[v]
+                if below > budget:
+                    t = max(t, v)
+                    break
+        kept = [v for v in c if v >= t and v != -math.inf]
+        lse = m + math.log(math.fsum(math.exp(v - m) for v in kept))
+        h = -math.fsum(math.exp(v - lse) * (v - lse) for v in kept)
+        tau[r] = t
+        zt = float(z_t[r])
+        out[r, 0] = zt - lse if zt >= t and zt != -math.inf else -math.inf
+        out[r, 1] = h
+        out[r, 2] = min(lse - m - math.log(float(sum_all[r])), 0.0)
+        out[r, 3] = lse
+    return tau, out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_candidate_decide(impl, dtype):
+    """min-p floors, top-k with ties at the k-th, top-p with ties at its boundary (a grid), a target inside / outside
+    the kept set, rows skipped (k = 0), -inf padding."""
+    fn = _impl(impl, "candidate_decide")
+    g = torch.Generator().manual_seed(5)
+    n, width = 40, 24
+    cand = (torch.randn(n, width, generator=g, dtype=torch.float64) * 2).round(decimals=0 if dtype else 0)
+    cand = cand.sort(dim=1, descending=True).values.to(dtype)
+    cand[3, 10:] = -math.inf
+    z_max = cand[:, 0].double() + torch.where(torch.arange(n) % 3 == 0, 0.5, 0.0).double()  # a shard's max above
+    z_t = torch.where(torch.arange(n) % 2 == 0, cand[:, 2].double(), cand[:, -1].double() - 1.0)
+    z_t[7] = -math.inf
+    sum_all = (cand.double() - z_max.unsqueeze(1)).exp().sum(1) * 1.7 + 1.0
+    k = torch.randint(1, width + 1, (n,), generator=g)
+    k[5] = 0
+    floor = torch.where(torch.arange(n) % 4 == 1, z_max - 1.5, torch.full((n,), -math.inf, dtype=torch.float64))
+    floor = floor.to(dtype)
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.3, 0.99] * 8, dtype=torch.float64)
+    tau, out = fn(cand, z_max, z_t, sum_all, k, floor, top_p)
+    want_tau, want_out = _decide_oracle(cand, z_max, z_t, sum_all, k, floor, top_p)
+    assert torch.equal(tau, want_tau)
+    assert torch.equal(out[:, 0] == -math.inf, want_out[:, 0] == -math.inf)
+    fin = want_out[:, 0] != -math.inf
+    assert bool(fin.any()) and not bool(fin.all())
+    torch.testing.assert_close(out[fin], want_out[fin], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[~fin][:, 1:], want_out[~fin][:, 1:], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scatter_rows(impl, dtype):
+    fn = _impl(impl, "scatter_rows")
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(6, 5, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    index = torch.stack([torch.randperm(40, generator=g)[:5] for _ in range(6)])
+    index[2, 3:] = -1
+    index[4] = -1
+    want = torch.zeros(6, 40, dtype=torch.float64)
+    for r in range(6):
+        for w in range(5):
+            if index[r, w] >= 0:
+                want[r, index[r, w]] = float(values[r, w])
+    for _ in range(2):  # the CPU kernel reuses its block: a second call must not show the first one's values
+        got = fn(values, index, 40, dtype)
+        assert got.dtype == dtype and got.shape == (6, 40)
+        assert torch.equal(got, want.to(dtype))
+        del got
+        values = values.flip(0)
+        index = index.flip(0)
+        want = want.flip(0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_candidate_ops_compile_fullgraph(backend):
+    """The one-read replay's ops under torch.compile(fullgraph=True) (their fake kernels and schemas): candidates,
+    decision and the scattered gradient, equal to eager."""
+    def step(x, k, tc, floor, top_p):
+        vals, idx, count, stats = torch.ops.rollout_corr.row_candidates(x, k, tc, 12, 0.7, x.shape[1])
+        tau, out = torch.ops.rollout_corr.candidate_decide(vals, stats[:, 0], stats[:, 2], stats[:, 1], k, floor,
+                                                           top_p)
+        grad = torch.ops.rollout_corr.scatter_rows(out[:, 3:4].float().expand(-1, 12) * (vals > -math.inf), idx,
+                                                   x.shape[1], x.dtype)
+        return vals, idx, count, tau, out, grad
+
+    torch._dynamo.reset()
+    x = _rows(6, 200, torch.float32, seed=4)
+    x[1, :5] = 0.0  # a row with some finite values
+    args = (x, torch.full((6,), 8), torch.tensor([0, 3, -1, 7, 8, 9]), torch.full((6,), -math.inf),
+            torch.full((6,), 0.9, dtype=torch.float64))
+    eager = step(*args)
+    compiled = torch.compile(step, backend=backend, fullgraph=True)(*args)
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())

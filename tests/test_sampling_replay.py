@@ -138,6 +138,88 @@ def test_ties_at_the_boundaries_are_kept_whole():
     assert res.log_prob[0].item() == pytest.approx((z[3] - torch.logsumexp(z, 0)).item(), abs=1e-6)
 
 
+#: cases where every scored row has a top-k: the one-read candidate path (sampling._candidate_log_probs) runs them
+CANDIDATE_CASES = {
+    "k20_p0.8": dict(top_k=20, top_p=0.8),
+    "k5_minp_t0.7": dict(top_k=5, min_p=0.05, temperature=0.7),
+    "k3_t0.5": dict(top_k=3, temperature=0.5),
+    "per_row": dict(top_k=torch.tensor([4, 30, 1, 12, 7, 50, 2, 9, 64]),
+                    top_p=torch.tensor([0.9, 1.0, 0.5, 0.7, 1.0, 0.95, 0.6, 0.99, 0.8], dtype=torch.float64),
+                    min_p=torch.tensor([0.0, 0.01, 0.0, 0.0, 0.1, 0.0, 0.0, 0.02, 0.0])),
+}
+
+
+def _spy_candidates(monkeypatch):
+    """Records whether each call took the candidate path (True) or left it for the general search (False)."""
+    import rollout_corr_ext.sampling as sampling_mod
+
+    taken = []
+    real = sampling_mod._candidate_log_probs
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(sampling_mod, "_candidate_log_probs", spy)
+    return taken
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(CANDIDATE_CASES))
+def test_candidate_path_matches_the_oracle_and_the_general_search(name, dtype, monkeypatch):
+    """With a top-k on every row the replay reads the logits once (a few candidates per row); its kept sets are the
+    general search's and the dense oracle's, its values and gradients the oracle's."""
+    import rollout_corr_ext.sampling as sampling_mod
+
+    kw = CANDIDATE_CASES[name]
+    x, target = _inputs(9, 700, dtype, seed=sum(map(ord, name)), grid=0.25 if dtype != torch.float16 else None)
+    target = _targets_in_and_out(x, target, kw, seed=3)
+    taken = _spy_candidates(monkeypatch)
+    xs = x.clone().requires_grad_(True)
+    res = sampled_log_probs(xs, target, SamplingParams(**kw))
+    assert taken == [True]
+    oracle = sampled_log_probs_dense(x.double(), target, **kw)
+    _check(res, oracle, dtype)
+    use = res.in_support & (target != -100)
+    g = torch.randn(9, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (torch.where(use, res.log_prob.double(), torch.zeros_like(g)) * g + res.entropy.double() * g.flip(0)).sum().backward()
+    xr = torch.where(torch.isnan(x), torch.zeros_like(x), x).double().requires_grad_(True)
+    lp, _, _, _, kept = sampled_log_probs_dense(xr, target, **kw)
+    active = target != -100
+    # the entropy over the oracle's kept set, differentiable: -sum q log q of log_softmax over it, in fp64
+    log_q = torch.log_softmax(torch.where(kept, xr / kw.get("temperature", 1.0), torch.tensor(-math.inf).double()), 1)
+    log_q = torch.where(kept, log_q, torch.zeros_like(log_q))  # no 0 * -inf in the backward
+    ent = -torch.where(kept, log_q.exp() * log_q, torch.zeros_like(log_q)).sum(1)
+    (torch.where(use, lp, torch.zeros_like(lp)) * g + torch.where(active, ent, torch.zeros_like(ent)) * g.flip(0)
+     ).sum().backward()
+    rows = active.nonzero().flatten()
+    torch.testing.assert_close(xs.grad.double()[rows], xr.grad[rows], **grad_tol(dtype))
+    assert bool((xs.grad[rows][~kept[rows]] == 0).all()) and bool((xs.grad[~active] == 0).all())
+    # the general search (the candidate path turned off) keeps the same sets
+    monkeypatch.setattr(sampling_mod, "CANDIDATE_MAX_K", 0)
+    general = sampled_log_probs(x, target, SamplingParams(**kw))
+    assert taken == [True, False]
+    assert torch.equal(general.in_support, res.in_support)
+    torch.testing.assert_close(general.log_kept_mass, res.log_kept_mass.detach(), **output_tol(dtype))
+
+
+def test_candidate_path_leaves_rows_with_ties_past_its_lists_to_the_general_search(monkeypatch):
+    """A row whose k-th value is tied more times than the candidate lists hold (bf16 logits tie often): the
+    candidate path declines (every rank sees it in the gathered flags) and the general search decides."""
+    from rollout_corr_ext.sampling import _candidate_width
+
+    x, target = _inputs(4, 400, torch.bfloat16, seed=12, ignored=(), neg_inf=False)
+    x[1, :] = -5.0
+    x[1, :_candidate_width(6) + 40] = 2.0  # far more ties at the 6th largest than the lists hold
+    target[1] = 3
+    kw = dict(top_k=6, top_p=0.9)
+    taken = _spy_candidates(monkeypatch)
+    res = sampled_log_probs(x, target, SamplingParams(**kw))
+    assert taken == [False]
+    _check(res, sampled_log_probs_dense(x.double(), target, **kw), torch.bfloat16)
+
+
 def test_bf16_tie_rule_kept_mass_difference_is_measured():
     """On bf16 logits (many ties) the whole-group rule keeps at least vLLM's set; the extra mass it keeps is what
     vLLM's sort order would drop. The docs state the measured bound; this checks it holds here."""
@@ -188,7 +270,8 @@ def test_from_verl_rollout_config():
 
 # --------------------------------------------------------------------------------------------- tensor parallel
 
-TP_CASES = [dict(top_k=12, top_p=0.85), dict(top_p=0.7, min_p=0.01, temperature=0.5), dict(top_k=3)]
+TP_CASES = [dict(top_k=12, top_p=0.85), dict(top_p=0.7, min_p=0.01, temperature=0.5), dict(top_k=3),
+            dict(top_k=9, top_p=0.9, min_p=0.02, temperature=0.7)]
 
 
 def _scaled(x, active, kw, vocab_size=None):

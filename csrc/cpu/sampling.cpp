@@ -18,8 +18,11 @@
 #include <functional>
 #include <iterator>
 #include <limits>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
+#include "cpu/reused_buffer.h"
 #include "cpu/vec_math.h"
 
 namespace rollout_corr {
@@ -573,9 +576,550 @@ void floor_zero_cpu(const at::Tensor& grad, const at::Tensor& x, const at::Tenso
   });
 }
 
+
+// ---------------------------------------------------------------------------------------------------------
+// row_candidates: one streaming pass per row for the replay of top-k (+ top-p / min-p) sampling. Per row:
+//   * z = x / T (fp32, IEEE division as the sampler's), its max and sum(exp(z - max)) (online, by blocks of 64):
+//     log S's denominator;
+//   * the max of every 64-value block. The k-th largest block max is at most the row's k-th largest value (k blocks
+//     hold a value at least that large), so only the blocks whose max reaches it (or a bound just under it) can hold
+//     a value >= the k-th largest: they are read again (from cache) and their values >= that bound become
+//     candidates;
+//   * the candidates' k-th largest, then all of them at or above it (ties kept whole), sorted by value descending
+//     then column ascending: the shard's complete list of the values the top-k can keep.
+// The rest of the replay (top-k across shards, min-p, top-p, the renormalised log-probs, entropy) runs on these
+// few candidates per row (sampling.py): the logits are read once, as the plain forward reads them.
+
+constexpr int64_t kCandBlock = 64;
+constexpr int64_t kCandChunk = 2048;  // columns whose two passes share L1 (8 KiB of fp32)
+constexpr int64_t kCandPrefetchBytes = 16384;  // how far ahead the exp pass prefetches (as the log-prob kernels)
+
+// The order-preserving unsigned key of a float (-0.0 as 0.0), and back.
+RC_FORCEINLINE uint32_t ordered_u32(float v) {
+  uint32_t b;
+  const float w = v + 0.0f;
+  std::memcpy(&b, &w, sizeof b);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+RC_FORCEINLINE float from_ordered_u32(uint32_t u) {
+  const uint32_t b = (u & 0x80000000u) ? (u & 0x7FFFFFFFu) : ~u;
+  float v;
+  std::memcpy(&v, &b, sizeof v);
+  return v;
+}
+// value descending, then column ascending, as one descending integer order
+RC_FORCEINLINE uint64_t candidate_key(float z, int64_t col) {
+  return (static_cast<uint64_t>(ordered_u32(z)) << 32) | (0xFFFFFFFFull - static_cast<uint64_t>(col));
+}
+
+// A row of 16-bit logits widened to fp32, a vector at a time (exact).
+template <typename VF>
+RC_FORCEINLINE void widen_row(const at::BFloat16* x, float* out, int64_t n) {
+  widen_16bit<Bf16Bits, VF>(reinterpret_cast<const uint16_t*>(x), out, n);
+}
+template <typename VF>
+RC_FORCEINLINE void widen_row(const at::Half* x, float* out, int64_t n) {
+  widen_16bit<HalfBits, VF>(reinterpret_cast<const uint16_t*>(x), out, n);
+}
+template <typename VF>
+RC_FORCEINLINE void widen_row(const float*, float*, int64_t) {}
+
+// The largest lane, by halving (a chain of lane extracts costs more than the block's own math).
+RC_FORCEINLINE float hmax_tree(v4f v) {
+  const float a = v[0] > v[1] ? v[0] : v[1], b = v[2] > v[3] ? v[2] : v[3];
+  return a > b ? a : b;
+}
+RC_FORCEINLINE float hmax_tree(v8f v) {
+  const v4f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3), hi = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return hmax_tree(lo > hi ? lo : hi);
+}
+RC_FORCEINLINE float hmax_tree(v16f v) {
+  const v8f lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const v8f hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return hmax_tree(lo > hi ? lo : hi);
+}
+// One bit per lane of v: set where thr <= v and v > -inf (v >= thr, never -inf; NaN never). One compare per
+// condition and a movemask on x86: GCC would otherwise build the lanes' -1 / 0 one by one.
+template <typename VF>
+RC_FORCEINLINE uint32_t kept_bits(VF v, VF thr) {
+  uint32_t bits = 0;
+  for (int l = 0; l < lanes_of<VF>(); ++l) {
+    bits |= static_cast<uint32_t>(v[l] >= thr[l] && v[l] > -std::numeric_limits<float>::infinity()) << l;
+  }
+  return bits;
+}
+#if RC_CPU_HAS_AVX512_PATH
+RC_CPU_AVX512_INLINE uint32_t kept_bits(v16f v, v16f thr) {
+  const __m512 x = (__m512)v;
+  return _mm512_cmp_ps_mask(x, (__m512)thr, _CMP_GE_OQ) &
+         _mm512_cmp_ps_mask(x, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_GT_OQ);
+}
+RC_CPU_AVX2_INLINE uint32_t kept_bits(v8f v, v8f thr) {
+  const __m256 x = (__m256)v;
+  const __m256 c = _mm256_and_ps(_mm256_cmp_ps(x, (__m256)thr, _CMP_GE_OQ),
+                                 _mm256_cmp_ps(x, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_GT_OQ));
+  return static_cast<uint32_t>(_mm256_movemask_ps(c));
+}
+inline uint32_t kept_bits(v4f v, v4f thr) {
+  const __m128 x = (__m128)v;
+  const __m128 c = _mm_and_ps(_mm_cmpge_ps(x, (__m128)thr),
+                              _mm_cmpgt_ps(x, _mm_set1_ps(-std::numeric_limits<float>::infinity())));
+  return static_cast<uint32_t>(_mm_movemask_ps(c));
+}
+#endif
+
+// A lower bound of the k-th largest of v[0, n) (n >= k, no NaN) that at most a 2^-7 relative step under it: the
+// k-th largest of the values' 16-bit key prefixes (sign, exponent, 7 mantissa bits), found by two rounds of a
+// 256-bucket histogram. Branch-free counting, where nth_element pays a mispredicted branch per compare. At least k
+// values are >= the result, so any value >= the true k-th largest is >= it as well.
+RC_FORCEINLINE float kth_largest_bound(const float* v, int64_t n, int64_t k, uint32_t* keys) {
+  uint32_t hist[256];
+  std::memset(hist, 0, sizeof hist);
+  for (int64_t i = 0; i < n; ++i) {
+    keys[i] = ordered_u32(v[i]);
+    ++hist[keys[i] >> 24];
+  }
+  int64_t above = 0;
+  int b1 = 255;
+  for (; b1 > 0 && above + hist[b1] < static_cast<uint32_t>(k); --b1) above += hist[b1];
+  std::memset(hist, 0, sizeof hist);
+  for (int64_t i = 0; i < n; ++i) {
+    if ((keys[i] >> 24) == static_cast<uint32_t>(b1)) ++hist[(keys[i] >> 16) & 255u];
+  }
+  int b2 = 255;
+  for (; b2 > 0 && above + hist[b2] < static_cast<uint32_t>(k); --b2) above += hist[b2];
+  const float bound = from_ordered_u32((static_cast<uint32_t>(b1) << 24) | (static_cast<uint32_t>(b2) << 16));
+  // the prefix of -inf's key reads as a NaN pattern: the k-th largest is -inf there
+  return std::isnan(bound) ? -std::numeric_limits<float>::infinity() : bound;
+}
+
+template <typename scalar_t>
+struct CandidateParams {
+  const scalar_t* x;
+  int64_t ld, cols;       // row stride; the valid (non-padding) columns
+  const int64_t* k;       // [N]: the row's top-k; <= 0: an ignored row, never read
+  const int64_t* target;  // [N]: the target's local column, or -1
+  float t;
+  bool unit_t;
+  int64_t width;
+  float* values;    // [N, width]
+  int64_t* index;   // [N, width]
+  int64_t* count;   // [N]
+  double* stats;    // [N, 3]: z max (NaN: the row holds NaN or +inf), sum exp(z - max), z of the target
+};
+
+// A 64-value block as kCandBlock / L fp32 vectors, in any order (its max and its sum do not depend on it): fp32
+// as it lies; bf16 read in place, L 32-bit words holding two vectors (the even elements, word << 16, and the odd
+// ones, word & 0xffff0000: exact, no shuffle); fp16 widened through a small buffer.
+template <typename VF>
+RC_FORCEINLINE void block_lanes(const float* x, VF* v) {
+  for (int q = 0; q < static_cast<int>(kCandBlock / lanes_of<VF>()); ++q) v[q] = load_vec<VF>(x + q * lanes_of<VF>());
+}
+template <typename VF>
+RC_FORCEINLINE void block_lanes(const at::BFloat16* x, VF* v) {
+  constexpr int L = lanes_of<VF>();
+  for (int q = 0; q < static_cast<int>(kCandBlock / L); q += 2) {
+    typename VecOf<VF>::u32 w;
+    std::memcpy(&w, x + q * L, sizeof(w));
+    v[q] = (VF)(w << 16);
+    v[q + 1] = (VF)(w & 0xffff0000u);
+  }
+}
+template <typename VF>
+RC_FORCEINLINE void block_lanes(const at::Half* x, VF* v) {
+  alignas(64) float buf[kCandBlock];
+  widen_row<VF>(x, buf, kCandBlock);
+  block_lanes<VF>(static_cast<const float*>(buf), v);
+}
+// A block in column order as fp32 (16-bit types widened into buf).
+template <typename VF>
+RC_FORCEINLINE const float* block_in_order(const float* x, int64_t, float*) {
+  return x;
+}
+template <typename VF, typename scalar_t>
+RC_FORCEINLINE const float* block_in_order(const scalar_t* x, int64_t n, float* buf) {
+  widen_row<VF>(x, buf, n);
+  return buf;
+}
+
+template <CpuIsa I, typename scalar_t>
+RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b, int64_t e) {
+  using VF = isa_vec<I>;
+  constexpr int L = lanes_of<VF>();
+  constexpr int64_t B = kCandBlock;
+  constexpr int kV = B / L;  // vectors per block
+  static_assert(B % (2 * L) == 0, "a block is whole pairs of vectors");
+  const float inf = std::numeric_limits<float>::infinity(), ninf = -inf;
+  const int64_t cols = p.cols, width = p.width;
+  const float t = p.t;
+  const float c2 = (1.0f / t) * 1.44269504088896341f;  // e^((x - m) / T) = 2^((x - m) c2)
+  const int64_t nblocks = (cols + B - 1) / B;
+  std::vector<float> bmax(static_cast<size_t>(nblocks));
+  std::vector<uint32_t> bkey(static_cast<size_t>(nblocks));
+  std::vector<int64_t> qual(static_cast<size_t>(nblocks));
+  int64_t* const qual_p = qual.data();
+  uint32_t* const key_p = bkey.data();
+  std::vector<uint64_t> keys;
+  keys.reserve(static_cast<size_t>(std::min<int64_t>(cols, 4 * width + B)));
+  alignas(64) float wide[kCandBlock];
+  float* const bmax_p = bmax.data();
+  for (int64_t r = b; r < e; ++r) {
+    float* vout = p.values + r * width;
+    int64_t* iout = p.index + r * width;
+    double* st = p.stats + r * 3;
+    const int64_t k = p.k[r];
+    std::fill(vout, vout + width, ninf);
+    std::fill(iout, iout + width, int64_t(-1));
+    p.count[r] = 0;
+    st[0] = ninf;
+    st[1] = 0.0;
+    st[2] = ninf;
+    if (k <= 0 || cols == 0) continue;
+    const scalar_t* x = p.x + r * p.ld;
+    const int64_t tc = p.target[r];
+    if (tc >= 0 && tc < cols) st[2] = p.unit_t ? static_cast<float>(x[tc]) : static_cast<float>(x[tc]) / t;
+    const int64_t full = cols / B * B;
+
+    // pass A, a chunk of kCandChunk columns at a time: the max of every block (from memory), then, with the chunk in
+    // L1, sum 2^((x - m) c2) at the running max m (rescaled when a chunk raises it), prefetching the next chunk's
+    // start meanwhile (the exp pass is compute-bound, the max pass waits on memory otherwise). A NaN makes the sum
+    // NaN (exp2 of NaN), a +inf is the max (bad); a chunk with nothing but -inf is scanned for NaN instead.
+    float m = ninf;
+    double s = 0.0;
+    bool bad = false;
+    int64_t nb = 0;
+    for (int64_t c0 = 0; c0 < full; c0 += kCandChunk) {
+      const int64_t c1 = std::min(full, c0 + kCandChunk);
+      float cm = ninf;
+      for (int64_t cb = c0; cb < c1; cb += B) {
+        VF v[kV];
+        block_lanes<VF>(x + cb, v);
+        VF mx = v[0];  // a NaN lane does not move the max (max_lanes)
+        for (int q = 1; q < kV; ++q) mx = max_lanes(v[q], mx);
+        const float bm = hmax_tree(mx);
+        bmax_p[nb++] = bm;
+        cm = bm > cm ? bm : cm;
+      }
+      if (cm == ninf) {
+        for (int64_t i = c0; i < c1; ++i) bad |= std::isnan(static_cast<float>(x[i]));
+        continue;
+      }
+      if (cm > m) {
+        if (m > ninf) s *= std::exp2(static_cast<double>((m - cm) * c2));
+        m = cm;
+      }
+      if (m == inf) {
+        bad = true;
+        break;
+      }
+      const VF mc = VF{} + m * c2;
+      VF s0 = VF{}, s1 = VF{};
+      for (int64_t cb = c0; cb < c1; cb += B) {
+        for (int64_t line = 0; line < B * static_cast<int64_t>(sizeof(scalar_t)); line += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(x + cb) + kCandPrefetchBytes + line, 0, 3);
+        }
+        VF v[kV];
+        block_lanes<VF>(x + cb, v);
+        for (int q = 0; q < kV; q += 2) {
+          s0 += exp2_lanes(v[q] * c2 - mc);
+          s1 += exp2_lanes(v[q + 1] * c2 - mc);
+        }
+      }
+      const VF s01 = s0 + s1;
+      for (int l = 0; l < L; ++l) s += static_cast<double>(s01[l]);
+    }
+    if (!bad && full < cols) {  // the last, partial block
+      float bm = ninf;
+      for (int64_t i = full; i < cols; ++i) {
+        const float xi = static_cast<float>(x[i]);
+        bm = xi > bm ? xi : bm;
+        bad |= std::isnan(xi);
+      }
+      bmax_p[nb++] = bm;
+      if (bm > m) {
+        if (m > ninf) s *= std::exp2(static_cast<double>((m - bm) * c2));
+        m = bm;
+      }
+      bad |= m == inf;
+      if (!bad && m > ninf) {
+        for (int64_t i = full; i < cols; ++i) s += std::exp2(static_cast<double>((static_cast<float>(x[i]) - m) * c2));
+      }
+    }
+    bad |= std::isnan(s);
+    if (bad) {
+      st[0] = std::numeric_limits<double>::quiet_NaN();
+      continue;
+    }
+    st[0] = m == ninf ? ninf : (p.unit_t ? m : m / t);
+    st[1] = s;
+    if (m == ninf) continue;  // every value -inf: no candidate (the caller names the row)
+
+    // pass B: the blocks that can hold a value >= the k-th largest, their values >= the k-th largest block max
+    float thr = ninf;
+    if (nb >= k) {
+      const float kth_block = kth_largest_bound(bmax_p, nb, k, key_p);
+      thr = p.unit_t ? kth_block : kth_block / t;
+    }
+    keys.clear();
+    // the blocks to read again, listed without a branch per block, then their lines fetched ahead of the reads
+    int64_t nq = 0;
+    for (int64_t j = 0; j < nb; ++j) {
+      const float bj = bmax_p[j];
+      qual_p[nq] = j;
+      nq += (p.unit_t ? bj : bj / t) >= thr && bj > ninf;
+    }
+    const VF thr_v = VF{} + thr;
+    for (int64_t q0 = 0; q0 < nq; ++q0) {
+      if (q0 + 4 < nq) {
+        const char* ahead = reinterpret_cast<const char*>(x + qual_p[q0 + 4] * B);
+        for (int64_t line = 0; line < B * static_cast<int64_t>(sizeof(scalar_t)); line += 64) {
+          __builtin_prefetch(ahead + line, 0, 3);
+        }
+      }
+      const int64_t s0 = qual_p[q0] * B, len = std::min(B, cols - s0);
+      const float* z = block_in_order<VF>(x + s0, len, wide);
+      if (len == B) {
+        for (int l = 0; l < B; l += L) {
+          VF v = load_vec<VF>(z + l);
+          if (!p.unit_t) v = v / t;
+          for (uint32_t bits = kept_bits(v, thr_v); bits != 0; bits &= bits - 1) {
+            const int q = __builtin_ctz(bits);
+            keys.push_back(candidate_key(v[q], s0 + l + q));
+          }
+        }
+      } else {
+        for (int64_t i = 0; i < len; ++i) {
+          const float v = p.unit_t ? z[i] : z[i] / t;
+          if (v >= thr && v > ninf) keys.push_back(candidate_key(v, s0 + i));
+        }
+      }
+    }
+    // pass C: every candidate at or above the k-th largest, sorted
+    std::sort(keys.begin(), keys.end(), std::greater<uint64_t>());  // a few dozen keys: one sort
+    int64_t c = static_cast<int64_t>(keys.size());
+    if (c > k) {  // every key tied with the k-th largest value stays
+      const uint64_t kth = keys[k - 1] >> 32;
+      while ((keys[c - 1] >> 32) < kth) --c;
+    }
+    for (int64_t i = 0; i < std::min(c, width); ++i) {
+      vout[i] = from_ordered_u32(static_cast<uint32_t>(keys[i] >> 32));
+      iout[i] = static_cast<int64_t>(0xFFFFFFFFull - (keys[i] & 0xFFFFFFFFull));
+    }
+    p.count[r] = c;
+  }
+}
+
+#define RC_DEFINE_CAND(scalar_t, suffix)                                                                          \
+  void cand_rows_##suffix(const CandidateParams<scalar_t>& p, int64_t b, int64_t e) {                             \
+    candidate_rows<CpuIsa::kBaseline, scalar_t>(p, b, e);                                                         \
+  }                                                                                                               \
+  RC_CPU_AVX2 void cand_rows_##suffix##_avx2(const CandidateParams<scalar_t>& p, int64_t b, int64_t e) {          \
+    candidate_rows<CpuIsa::kAvx2, scalar_t>(p, b, e);                                                             \
+  }                                                                                                               \
+  RC_CPU_AVX512 void cand_rows_##suffix##_avx512(const CandidateParams<scalar_t>& p, int64_t b, int64_t e) {      \
+    candidate_rows<CpuIsa::kAvx512, scalar_t>(p, b, e);                                                           \
+  }                                                                                                               \
+  void cand_dispatch(const CandidateParams<scalar_t>& p, int64_t b, int64_t e) {                                  \
+    switch (cpu_isa()) {                                                                                          \
+      case CpuIsa::kAvx512: return cand_rows_##suffix##_avx512(p, b, e);                                          \
+      case CpuIsa::kAvx2: return cand_rows_##suffix##_avx2(p, b, e);                                              \
+      default: return cand_rows_##suffix(p, b, e);                                                                \
+    }                                                                                                             \
+  }
+RC_DEFINE_CAND(float, f32)
+RC_DEFINE_CAND(at::BFloat16, bf16)
+RC_DEFINE_CAND(at::Half, f16)
+#undef RC_DEFINE_CAND
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_candidates_cpu(
+    const at::Tensor& x, const at::Tensor& k, const at::Tensor& target_col, int64_t width, double temperature,
+    int64_t valid_cols) {
+  TORCH_CHECK(x.dim() == 2, "row_candidates: x must be 2-D [rows, cols], got ", x.dim(), "-D");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "row_candidates: x must be float32, "
+              "bfloat16 or float16 (fp64 runs the PyTorch path), got ", dt);
+  const int64_t rows = x.size(0);
+  TORCH_CHECK(k.dim() == 1 && k.size(0) == rows && k.scalar_type() == at::kLong, "row_candidates: k must be [rows] "
+              "int64, got ", k.sizes(), " ", k.scalar_type());
+  TORCH_CHECK(target_col.dim() == 1 && target_col.size(0) == rows && target_col.scalar_type() == at::kLong,
+              "row_candidates: target_col must be [rows] int64, got ", target_col.sizes(), " ", target_col.scalar_type());
+  TORCH_CHECK(width >= 1, "row_candidates: width must be >= 1, got ", width);
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, "row_candidates: temperature must be finite and > 0, "
+              "got ", temperature);
+  TORCH_CHECK(valid_cols >= 0 && valid_cols <= x.size(1), "row_candidates: valid_cols must be in [0, ", x.size(1),
+              "], got ", valid_cols);
+  TORCH_CHECK(valid_cols < (int64_t(1) << 32), "row_candidates: more than 2^32 columns");
+  const auto kc = k.contiguous(), tc = target_col.contiguous();
+  TORCH_CHECK(rows == 0 || kc.max().item<int64_t>() <= width, "row_candidates: every k must be <= width = ", width);
+  at::Tensor values = at::empty({rows, width}, x.options().dtype(at::kFloat));
+  at::Tensor index = at::empty({rows, width}, x.options().dtype(at::kLong));
+  at::Tensor count = at::empty({rows}, x.options().dtype(at::kLong));
+  at::Tensor stats = at::empty({rows, 3}, x.options().dtype(at::kDouble));
+  if (rows == 0) return {values, index, count, stats};
+  const at::Tensor xc = x.stride(1) == 1 || x.size(1) <= 1 ? x : x.contiguous();
+  auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    CandidateParams<scalar_t> p{xc.data_ptr<scalar_t>(), xc.size(1) <= 1 ? std::max<int64_t>(1, xc.size(1))
+                                                                         : xc.stride(0),
+                                valid_cols, kc.data_ptr<int64_t>(), tc.data_ptr<int64_t>(),
+                                static_cast<float>(temperature), temperature == 1.0, width,
+                                values.data_ptr<float>(), index.data_ptr<int64_t>(), count.data_ptr<int64_t>(),
+                                stats.data_ptr<double>()};
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, valid_cols));
+    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) { cand_dispatch(p, b, e); });
+  };
+  if (dt == at::kFloat) {
+    run(float{});
+  } else if (dt == at::kBFloat16) {
+    run(at::BFloat16{});
+  } else {
+    run(at::Half{});
+  }
+  return {values, index, count, stats};
+}
+
+// The replay's decision on each row's gathered candidates (sorted descending, -inf padded; they hold every value
+// top-k can keep), sampling.py's rules: tau = max(floor (min-p), the k-th largest), then top-p over the survivors
+// in integer masses (top_p_mass, as the general search's histogram), the smallest v with M(<= v) > c, c =
+// min(floor((1 - p) M), M - 1); then, in fp64 over the kept candidates, lse, the entropy, log S = lse_kept -
+// lse_all (sum_all: sum exp(z - z_max) over the row) and the target's log-prob (-inf outside the kept set).
+template <typename acc_t>
+void decide_rows(const acc_t* cand, int64_t width, const double* z_max, const double* z_t, const double* sum_all,
+                 const int64_t* k, const acc_t* floor, const double* top_p, acc_t* tau_out, double* out, int64_t b,
+                 int64_t e) {
+  constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52: rounds to an integer, as top_p_mass
+  const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
+  std::vector<double> ex(static_cast<size_t>(width));  // e^(z - z_max) of each survivor (0 below e^-60)
+  for (int64_t r = b; r < e; ++r) {
+    double* o = out + r * 4;
+    tau_out[r] = ninf;
+    o[0] = o[1] = o[2] = o[3] = 0.0;
+    if (k[r] <= 0) continue;
+    const acc_t* c = cand + r * width;
+    const double m = z_max[r];
+    acc_t tau = floor[r];
+    const acc_t kth = c[std::min(k[r], width) - 1];
+    tau = kth > tau ? kth : tau;
+    int64_t n = 0;  // the survivors of min-p and top-k: a prefix of the sorted list
+    while (n < width && c[n] >= tau && c[n] != ninf) ++n;
+    for (int64_t i = 0; i < n; ++i) {
+      const double rel = static_cast<double>(c[i]) - m;
+      ex[i] = rel < -60.0 ? 0.0 : exp_nonpositive(rel);
+    }
+    if (top_p[r] < 1.0) {  // masses exactly as top_p_mass gives them
+      int64_t total = 0;
+      for (int64_t i = 0; i < n; ++i) total += static_cast<int64_t>((ex[i] * 1099511627776.0 + kMagic) - kMagic);
+      const int64_t budget = std::min(static_cast<int64_t>(std::floor((1.0 - top_p[r]) * static_cast<double>(total))),
+                                      total - 1);
+      int64_t below = 0;  // M(<= v), from the smallest survivor up, a group of equal values at a time
+      for (int64_t i = n - 1; i >= 0;) {
+        int64_t j = i;
+        for (; j >= 0 && c[j] == c[i]; --j) below += static_cast<int64_t>((ex[j] * 1099511627776.0 + kMagic) - kMagic);
+        if (below > budget) {
+          tau = c[i] > tau ? c[i] : tau;
+          break;
+        }
+        i = j;
+      }
+      while (n > 0 && c[n - 1] < tau) --n;
+    }
+    double s = 0.0, s_rel = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      s += ex[i];
+      s_rel += ex[i] * (static_cast<double>(c[i]) - m);
+    }
+    const double log_kept = std::log(s);  // s >= 1: the row max is always kept
+    const double lse = m + log_kept;
+    const bool in = z_t[r] >= static_cast<double>(tau) && z_t[r] != -std::numeric_limits<double>::infinity();
+    tau_out[r] = tau;
+    o[0] = in ? z_t[r] - lse : -std::numeric_limits<double>::infinity();
+    o[1] = log_kept - s_rel / s;  // H = -sum p log p, p = e / s, log p = rel - log_kept
+    o[2] = std::min(log_kept - std::log(sum_all[r]), 0.0);
+    o[3] = lse;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> candidate_decide_cpu(const at::Tensor& cand, const at::Tensor& z_max,
+                                                       const at::Tensor& z_t, const at::Tensor& sum_all,
+                                                       const at::Tensor& k, const at::Tensor& floor,
+                                                       const at::Tensor& top_p) {
+  TORCH_CHECK(cand.dim() == 2 && (cand.scalar_type() == at::kFloat || cand.scalar_type() == at::kDouble),
+              "candidate_decide: cand must be [rows, C] float32 / float64, got ", cand.scalar_type(), " ", cand.sizes());
+  const int64_t rows = cand.size(0), width = cand.size(1);
+  for (const auto* t : {&z_max, &z_t, &sum_all, &top_p}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == at::kDouble,
+                "candidate_decide: z_max, z_t, sum_all and top_p must be [rows] float64");
+  }
+  TORCH_CHECK(k.dim() == 1 && k.size(0) == rows && k.scalar_type() == at::kLong, "candidate_decide: k must be [rows] "
+              "int64");
+  TORCH_CHECK(floor.dim() == 1 && floor.size(0) == rows && floor.scalar_type() == cand.scalar_type(),
+              "candidate_decide: floor must be [rows] in cand's dtype");
+  TORCH_CHECK(width >= 1 || rows == 0, "candidate_decide: cand must have at least one column");
+  const auto cc = cand.contiguous(), zm = z_max.contiguous(), zt = z_t.contiguous(), sa = sum_all.contiguous();
+  const auto kc = k.contiguous(), fl = floor.contiguous(), tp = top_p.contiguous();
+  at::Tensor tau = at::empty({rows}, cand.options());
+  at::Tensor out = at::empty({rows, 4}, cand.options().dtype(at::kDouble));
+  if (rows == 0) return {tau, out};
+  AT_DISPATCH_FLOATING_TYPES(cand.scalar_type(), "candidate_decide_cpu", [&] {
+    at::parallel_for(0, rows, 256, [&](int64_t b, int64_t e) {
+      decide_rows<scalar_t>(cc.data_ptr<scalar_t>(), width, zm.data_ptr<double>(), zt.data_ptr<double>(),
+                            sa.data_ptr<double>(), kc.data_ptr<int64_t>(), fl.data_ptr<scalar_t>(),
+                            tp.data_ptr<double>(), tau.data_ptr<scalar_t>(), out.data_ptr<double>(), b, e);
+    });
+  });
+  return {tau, out};
+}
+
+// out [N, cols] (dtype) = 0, then out[r, index[r, w]] = values[r, w] where index >= 0: the replay's gradient, which
+// is nonzero on the kept candidates only. Written into the log-prob gradient's reused block (reused_buffer.h).
+template <typename scalar_t, typename acc_t>
+void scatter_rows_impl(const acc_t* v, const int64_t* idx, int64_t width, int64_t cols, scalar_t* out, int64_t b,
+                       int64_t e) {
+  for (int64_t r = b; r < e; ++r) {
+    scalar_t* o = out + r * cols;
+    std::memset(static_cast<void*>(o), 0, static_cast<size_t>(cols) * sizeof(scalar_t));
+    for (int64_t w = 0; w < width; ++w) {
+      const int64_t c = idx[r * width + w];
+      if (c >= 0) o[c] = static_cast<scalar_t>(v[r * width + w]);
+    }
+  }
+}
+
+at::Tensor scatter_rows_cpu(const at::Tensor& values, const at::Tensor& index, int64_t cols, at::ScalarType dtype) {
+  TORCH_CHECK(values.dim() == 2 && index.sizes() == values.sizes() && index.scalar_type() == at::kLong,
+              "scatter_rows: values [N, W] and index [N, W] int64 expected, got ", values.sizes(), " and ",
+              index.sizes(), " ", index.scalar_type());
+  TORCH_CHECK(values.scalar_type() == at::kFloat || values.scalar_type() == at::kDouble, "scatter_rows: values must "
+              "be float32 or float64, got ", values.scalar_type());
+  TORCH_CHECK(cols >= 0, "scatter_rows: cols must be >= 0, got ", cols);
+  const int64_t rows = values.size(0), width = values.size(1);
+  const auto vc = values.contiguous(), ic = index.contiguous();
+  if (rows > 0 && width > 0) {
+    TORCH_CHECK(ic.max().item<int64_t>() < cols, "scatter_rows: an index is >= cols = ", cols);
+  }
+  at::Tensor out = cpu::reused_empty({rows, cols}, dtype, cpu::ReusedUse::kLogprobGrad);
+  if (rows == 0 || cols == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "scatter_rows_cpu", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t* ip = ic.data_ptr<int64_t>();
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, cols));
+    if (vc.scalar_type() == at::kDouble) {
+      const double* vp = vc.data_ptr<double>();
+      at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) { scatter_rows_impl(vp, ip, width, cols, o, b, e); });
+    } else {
+      const float* vp = vc.data_ptr<float>();
+      at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) { scatter_rows_impl(vp, ip, width, cols, o, b, e); });
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(rollout_corr, CPU, m) {
+  m.impl("row_candidates", &row_candidates_cpu);
+  m.impl("scatter_rows", &scatter_rows_cpu);
+  m.impl("candidate_decide", &candidate_decide_cpu);
   m.impl("floor_zero_", &floor_zero_cpu);
   m.impl("count_at_least", &count_at_least_cpu);
   m.impl("row_topk", &row_topk_cpu);

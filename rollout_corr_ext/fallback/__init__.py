@@ -13,9 +13,10 @@ from .logprob import (logprob_backward, logprob_backward_, merge_row_stats, sett
                       target_fingerprint, vocab_row_stats)
 from .policy_loss import policy_loss_rows
 from .rollout_correction import rollout_check, rollout_seq_stats, rollout_token_pass
-from .sampling import count_at_least, floor_fill, floor_zero_, mass_histogram, row_topk
+from .sampling import (candidate_decide, count_at_least, floor_fill, floor_zero_, mass_histogram, row_candidates, row_topk,
+                       scatter_rows)
 
 __all__ = ["vocab_row_stats", "merge_row_stats", "logprob_backward", "logprob_backward_", "target_fingerprint",
            "settings_fingerprint", "rollout_seq_stats", "rollout_token_pass", "rollout_check", "policy_loss_rows",
            "row_topk", "floor_fill", "mass_histogram", "count_at_least",
-           "floor_zero_", "mm_f32_"]
+           "floor_zero_", "row_candidates", "scatter_rows", "candidate_decide", "mm_f32_"]
