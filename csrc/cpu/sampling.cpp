@@ -591,7 +591,11 @@ void floor_zero_cpu(const at::Tensor& grad, const at::Tensor& x, const at::Tenso
 // few candidates per row (sampling.py): the logits are read once, as the plain forward reads them.
 
 constexpr int64_t kCandBlock = 64;
-constexpr int64_t kCandChunk = 2048;  // columns whose two passes share L1 (8 KiB of fp32)
+// Columns whose two passes share L1: 8 KiB of fp32, 16 KiB of bf16 (read in place) or fp16, as the log-prob kernels.
+template <typename scalar_t>
+constexpr int64_t cand_chunk_cols() {
+  return std::is_same<scalar_t, float>::value ? 2048 : 8192;
+}
 constexpr int64_t kCandPrefetchBytes = 16384;  // how far ahead the exp pass prefetches (as the log-prob kernels)
 
 // The order-preserving unsigned key of a float (-0.0 as 0.0), and back.
@@ -673,24 +677,64 @@ inline uint32_t kept_bits(v4f v, v4f thr) {
 // 256-bucket histogram. Branch-free counting, where nth_element pays a mispredicted branch per compare. At least k
 // values are >= the result, so any value >= the true k-th largest is >= it as well.
 RC_FORCEINLINE float kth_largest_bound(const float* v, int64_t n, int64_t k, uint32_t* keys) {
-  uint32_t hist[256];
+  // four interleaved histograms: block maxima share their top bits, and one counter would chain every increment
+  uint32_t hist[4][256];
   std::memset(hist, 0, sizeof hist);
   for (int64_t i = 0; i < n; ++i) {
     keys[i] = ordered_u32(v[i]);
-    ++hist[keys[i] >> 24];
+    ++hist[i & 3][keys[i] >> 24];
   }
   int64_t above = 0;
   int b1 = 255;
-  for (; b1 > 0 && above + hist[b1] < static_cast<uint32_t>(k); --b1) above += hist[b1];
+  for (;; --b1) {
+    const uint32_t h = hist[0][b1] + hist[1][b1] + hist[2][b1] + hist[3][b1];
+    if (b1 == 0 || above + h >= static_cast<uint32_t>(k)) break;
+    above += h;
+  }
   std::memset(hist, 0, sizeof hist);
   for (int64_t i = 0; i < n; ++i) {
-    if ((keys[i] >> 24) == static_cast<uint32_t>(b1)) ++hist[(keys[i] >> 16) & 255u];
+    if ((keys[i] >> 24) == static_cast<uint32_t>(b1)) ++hist[i & 3][(keys[i] >> 16) & 255u];
   }
   int b2 = 255;
-  for (; b2 > 0 && above + hist[b2] < static_cast<uint32_t>(k); --b2) above += hist[b2];
+  for (;; --b2) {
+    const uint32_t h = hist[0][b2] + hist[1][b2] + hist[2][b2] + hist[3][b2];
+    if (b2 == 0 || above + h >= static_cast<uint32_t>(k)) break;
+    above += h;
+  }
   const float bound = from_ordered_u32((static_cast<uint32_t>(b1) << 24) | (static_cast<uint32_t>(b2) << 16));
   // the prefix of -inf's key reads as a NaN pattern: the k-th largest is -inf there
   return std::isnan(bound) ? -std::numeric_limits<float>::infinity() : bound;
+}
+
+// The candidates by value descending, ties in their order of arrival (ascending column): a stable LSD radix sort
+// of top - (value key), 8 bits a pass, only over the bits the values span (a few dozen keys within a binade or two:
+// two or three passes, no comparison branch to mispredict, where std::sort paid about a microsecond a row).
+RC_FORCEINLINE void sort_candidates(std::vector<uint64_t>& keys, std::vector<uint64_t>& tmp) {
+  const size_t n = keys.size();
+  if (n < 2) return;
+  uint32_t top = 0, bottom = 0xFFFFFFFFu;
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t v = static_cast<uint32_t>(keys[i] >> 32);
+    top = v > top ? v : top;
+    bottom = v < bottom ? v : bottom;
+  }
+  const uint32_t span = top - bottom;
+  tmp.resize(n);
+  uint64_t* src = keys.data();
+  uint64_t* dst = tmp.data();
+  for (int shift = 0; shift < 32 && (span >> shift) != 0; shift += 8) {
+    uint32_t start[256] = {0};
+    for (size_t i = 0; i < n; ++i) ++start[((top - static_cast<uint32_t>(src[i] >> 32)) >> shift) & 255u];
+    uint32_t sum = 0;
+    for (int d = 0; d < 256; ++d) {
+      const uint32_t c = start[d];
+      start[d] = sum;
+      sum += c;
+    }
+    for (size_t i = 0; i < n; ++i) dst[start[((top - static_cast<uint32_t>(src[i] >> 32)) >> shift) & 255u]++] = src[i];
+    std::swap(src, dst);
+  }
+  if (src != keys.data()) std::copy(src, src + n, keys.data());
 }
 
 template <typename scalar_t>
@@ -759,7 +803,7 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
   std::vector<int64_t> qual(static_cast<size_t>(nblocks));
   int64_t* const qual_p = qual.data();
   uint32_t* const key_p = bkey.data();
-  std::vector<uint64_t> keys;
+  std::vector<uint64_t> keys, sorted_keys;
   keys.reserve(static_cast<size_t>(std::min<int64_t>(cols, 4 * width + B)));
   alignas(64) float wide[kCandBlock];
   float* const bmax_p = bmax.data();
@@ -776,11 +820,9 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
     st[2] = ninf;
     if (k <= 0 || cols == 0) continue;
     const scalar_t* x = p.x + r * p.ld;
-    const int64_t tc = p.target[r];
-    if (tc >= 0 && tc < cols) st[2] = p.unit_t ? static_cast<float>(x[tc]) : static_cast<float>(x[tc]) / t;
     const int64_t full = cols / B * B;
 
-    // pass A, a chunk of kCandChunk columns at a time: the max of every block (from memory), then, with the chunk in
+    // pass A, a chunk of cand_chunk_cols columns at a time: the max of every block (from memory), then, with the chunk in
     // L1, sum 2^((x - m) c2) at the running max m (rescaled when a chunk raises it), prefetching the next chunk's
     // start meanwhile (the exp pass is compute-bound, the max pass waits on memory otherwise). A NaN makes the sum
     // NaN (exp2 of NaN), a +inf is the max (bad); a chunk with nothing but -inf is scanned for NaN instead.
@@ -788,8 +830,9 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
     double s = 0.0;
     bool bad = false;
     int64_t nb = 0;
-    for (int64_t c0 = 0; c0 < full; c0 += kCandChunk) {
-      const int64_t c1 = std::min(full, c0 + kCandChunk);
+    constexpr int64_t kChunk = cand_chunk_cols<scalar_t>();
+    for (int64_t c0 = 0; c0 < full; c0 += kChunk) {
+      const int64_t c1 = std::min(full, c0 + kChunk);
       float cm = ninf;
       for (int64_t cb = c0; cb < c1; cb += B) {
         VF v[kV];
@@ -846,6 +889,8 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
       }
     }
     bad |= std::isnan(s);
+    const int64_t tc = p.target[r];  // read after the pass: the row is in cache now
+    if (tc >= 0 && tc < cols) st[2] = p.unit_t ? static_cast<float>(x[tc]) : static_cast<float>(x[tc]) / t;
     if (bad) {
       st[0] = std::numeric_limits<double>::quiet_NaN();
       continue;
@@ -866,7 +911,7 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
     for (int64_t j = 0; j < nb; ++j) {
       const float bj = bmax_p[j];
       qual_p[nq] = j;
-      nq += (p.unit_t ? bj : bj / t) >= thr && bj > ninf;
+      nq += static_cast<int64_t>((p.unit_t ? bj : bj / t) >= thr) & static_cast<int64_t>(bj > ninf);
     }
     const VF thr_v = VF{} + thr;
     for (int64_t q0 = 0; q0 < nq; ++q0) {
@@ -895,7 +940,7 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
       }
     }
     // pass C: every candidate at or above the k-th largest, sorted
-    std::sort(keys.begin(), keys.end(), std::greater<uint64_t>());  // a few dozen keys: one sort
+    sort_candidates(keys, sorted_keys);
     int64_t c = static_cast<int64_t>(keys.size());
     if (c > k) {  // every key tied with the k-th largest value stays
       const uint64_t kth = keys[k - 1] >> 32;
@@ -984,7 +1029,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_candidates_cpu(
 // min(floor((1 - p) M), M - 1); then, in fp64 over the kept candidates, lse, the entropy, log S = lse_kept -
 // lse_all (sum_all: sum exp(z - z_max) over the row) and the target's log-prob (-inf outside the kept set).
 template <typename acc_t>
-void decide_rows(const acc_t* cand, int64_t width, const double* z_max, const double* z_t, const double* sum_all,
+RC_FORCEINLINE void decide_rows(const acc_t* cand, int64_t width, const double* z_max, const double* z_t, const double* sum_all,
                  const int64_t* k, const acc_t* floor, const double* top_p, acc_t* tau_out, double* out, int64_t b,
                  int64_t e) {
   constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52: rounds to an integer, as top_p_mass
@@ -1039,6 +1084,36 @@ void decide_rows(const acc_t* cand, int64_t width, const double* z_max, const do
   }
 }
 
+// The ISA copies (the masses' exp polynomial vectorises over a row's candidates with FMA).
+#define RC_DEFINE_DECIDE(acc_t, suffix)                                                                          \
+  void decide_##suffix(const acc_t* c, int64_t w, const double* zm, const double* zt, const double* sa,         \
+                       const int64_t* k, const acc_t* f, const double* tp, acc_t* tau, double* o, int64_t b,     \
+                       int64_t e) {                                                                              \
+    decide_rows<acc_t>(c, w, zm, zt, sa, k, f, tp, tau, o, b, e);                                                \
+  }                                                                                                              \
+  RC_CPU_AVX2 void decide_##suffix##_avx2(const acc_t* c, int64_t w, const double* zm, const double* zt,        \
+                                          const double* sa, const int64_t* k, const acc_t* f, const double* tp, \
+                                          acc_t* tau, double* o, int64_t b, int64_t e) {                         \
+    decide_rows<acc_t>(c, w, zm, zt, sa, k, f, tp, tau, o, b, e);                                                \
+  }                                                                                                              \
+  RC_CPU_AVX512 void decide_##suffix##_avx512(const acc_t* c, int64_t w, const double* zm, const double* zt,    \
+                                              const double* sa, const int64_t* k, const acc_t* f,               \
+                                              const double* tp, acc_t* tau, double* o, int64_t b, int64_t e) {   \
+    decide_rows<acc_t>(c, w, zm, zt, sa, k, f, tp, tau, o, b, e);                                                \
+  }                                                                                                              \
+  void decide_dispatch(const acc_t* c, int64_t w, const double* zm, const double* zt, const double* sa,         \
+                       const int64_t* k, const acc_t* f, const double* tp, acc_t* tau, double* o, int64_t b,     \
+                       int64_t e) {                                                                              \
+    switch (cpu_isa()) {                                                                                         \
+      case CpuIsa::kAvx512: return decide_##suffix##_avx512(c, w, zm, zt, sa, k, f, tp, tau, o, b, e);           \
+      case CpuIsa::kAvx2: return decide_##suffix##_avx2(c, w, zm, zt, sa, k, f, tp, tau, o, b, e);               \
+      default: return decide_##suffix(c, w, zm, zt, sa, k, f, tp, tau, o, b, e);                                 \
+    }                                                                                                            \
+  }
+RC_DEFINE_DECIDE(float, f32)
+RC_DEFINE_DECIDE(double, f64)
+#undef RC_DEFINE_DECIDE
+
 std::tuple<at::Tensor, at::Tensor> candidate_decide_cpu(const at::Tensor& cand, const at::Tensor& z_max,
                                                        const at::Tensor& z_t, const at::Tensor& sum_all,
                                                        const at::Tensor& k, const at::Tensor& floor,
@@ -1062,9 +1137,9 @@ std::tuple<at::Tensor, at::Tensor> candidate_decide_cpu(const at::Tensor& cand, 
   if (rows == 0) return {tau, out};
   AT_DISPATCH_FLOATING_TYPES(cand.scalar_type(), "candidate_decide_cpu", [&] {
     at::parallel_for(0, rows, 256, [&](int64_t b, int64_t e) {
-      decide_rows<scalar_t>(cc.data_ptr<scalar_t>(), width, zm.data_ptr<double>(), zt.data_ptr<double>(),
-                            sa.data_ptr<double>(), kc.data_ptr<int64_t>(), fl.data_ptr<scalar_t>(),
-                            tp.data_ptr<double>(), tau.data_ptr<scalar_t>(), out.data_ptr<double>(), b, e);
+      decide_dispatch(cc.data_ptr<scalar_t>(), width, zm.data_ptr<double>(), zt.data_ptr<double>(),
+                      sa.data_ptr<double>(), kc.data_ptr<int64_t>(), fl.data_ptr<scalar_t>(), tp.data_ptr<double>(),
+                      tau.data_ptr<scalar_t>(), out.data_ptr<double>(), b, e);
     });
   });
   return {tau, out};
