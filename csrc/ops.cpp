@@ -141,7 +141,7 @@ TORCH_LIBRARY(rollout_corr, m) {
   // [N, cols] of dtype: 0, with values[r, w] at column index[r, w] where that is >= 0 (the replay's gradient, which
   // lives on the kept candidates only). CPU kernel (the log-prob gradient's reused block); torch elsewhere.
   m.def("scatter_rows(Tensor values, Tensor index, int cols, ScalarType dtype) -> Tensor");
-  // The replay's decision on each row's candidates cand [N, C] (fp32 / fp64, sorted descending, -inf padded, holding
+  // The replay's decision on each row's candidates cand [N, C] (fp32 / fp64, in any order, -inf padded, holding
   // every value >= the row's k-th largest): tau [N] (cand's dtype; the kept set is {z >= tau, z > -inf}) =
   // max(floor (the min-p threshold, or -inf), the k-th largest, the top-p threshold where top_p < 1: the smallest
   // v with M(<= v) > min(floor((1 - p) M), M - 1) in integer masses round(exp(z - z_max) 2^40)), and out [N, 4] fp64:

@@ -501,7 +501,7 @@ def row_candidates(x: torch.Tensor, k: torch.Tensor, target_col: torch.Tensor, w
 
 def candidate_decide(cand: torch.Tensor, z_max: torch.Tensor, z_t: torch.Tensor, sum_all: torch.Tensor,
                      k: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The replay's decision on each row's sorted candidates: ``(tau, out)``, the kept set's threshold and ``[N, 4]``
+    """The replay's decision on each row's candidates (any order): ``(tau, out)``, the kept set's threshold and ``[N, 4]``
     fp64 (the target's log-prob, entropy, log S, lse) (the contract: csrc/ops.cpp; CPU kernel, torch elsewhere)."""
     if _compiled and cand.device.type in ("cpu", "meta"):
         return torch.ops.rollout_corr.candidate_decide.default(cand, z_max, z_t, sum_all, k, floor, top_p)

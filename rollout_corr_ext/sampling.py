@@ -553,7 +553,7 @@ def _candidate_log_probs(logits2d, target1d, sampling, active, lead, n, tp_group
     shard's values at or above its own k-th largest (``ops.row_candidates``: one read of the logits, which also
     gives the row max and sum of exps) hold every value the sampler could keep, since the global k-th largest is
     at least any shard's. One all-gather of those lists (and the row max, sum, the target's value) gives every rank
-    the same sorted candidates, on which top-k, min-p and top-p are decided exactly as on the whole row, and the
+    the same candidates, on which top-k, min-p and top-p are decided exactly as on the whole row, and the
     kept set's log-probs, entropy and log S follow in fp64. Backward: the renormalised softmax's gradient on this
     shard's kept candidates, scattered into zeros (no collective). None when the case does not apply, or when a
     row has more values tied at its k-th largest than the lists hold (every rank sees the same, from the gather)."""
@@ -581,7 +581,7 @@ def _candidate_log_probs(logits2d, target1d, sampling, active, lead, n, tp_group
         if world > 1:  # one all-gather of [candidates, max, sum, target value, overflow] per row, in acc's dtype
             record = torch.cat([vals, stats.to(acc), over.to(acc).unsqueeze(1)], 1)
             g = _lp.all_gather(record.reshape(-1).contiguous(), tp_group, world).reshape(world, n, width + 4)
-            cand = g[:, :, :width].permute(1, 0, 2).reshape(n, world * width).sort(dim=-1, descending=True).values
+            cand = g[:, :, :width].permute(1, 0, 2).reshape(n, world * width)  # the decision sorts each row
             z_max_r, sum_r, z_t_r, over_r = (g[:, :, width + j].t() for j in range(4))
         else:  # the kernel's lists are sorted already
             cand = vals

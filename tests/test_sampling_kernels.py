@@ -363,6 +363,10 @@ def test_candidate_decide(impl, dtype):
     assert bool(fin.any()) and not bool(fin.all())
     torch.testing.assert_close(out[fin], want_out[fin], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out[~fin][:, 1:], want_out[~fin][:, 1:], rtol=1e-12, atol=1e-12)
+    # the shards' lists arrive gathered, not merged: any order per row decides the same
+    shuffled = cand.gather(1, torch.stack([torch.randperm(width, generator=g) for _ in range(n)]))
+    tau_s, out_s = fn(shuffled, z_max, z_t, sum_all, k, floor, top_p)
+    assert torch.equal(tau_s, tau) and torch.equal(out_s, out)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -1023,6 +1023,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_candidates_cpu(
   return {values, index, count, stats};
 }
 
+// Values in descending order: fp32 through the candidates' radix sort, fp64 by comparison.
+RC_FORCEINLINE void sort_descending(float* v, int64_t n, std::vector<uint64_t>& keys, std::vector<uint64_t>& tmp) {
+  keys.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) keys[i] = static_cast<uint64_t>(ordered_u32(v[i])) << 32;
+  sort_candidates(keys, tmp);
+  for (int64_t i = 0; i < n; ++i) v[i] = from_ordered_u32(static_cast<uint32_t>(keys[i] >> 32));
+}
+RC_FORCEINLINE void sort_descending(double* v, int64_t n, std::vector<uint64_t>&, std::vector<uint64_t>&) {
+  std::sort(v, v + n, std::greater<double>());
+}
+
 // The replay's decision on each row's gathered candidates (sorted descending, -inf padded; they hold every value
 // top-k can keep), sampling.py's rules: tau = max(floor (min-p), the k-th largest), then top-p over the survivors
 // in integer masses (top_p_mass, as the general search's histogram), the smallest v with M(<= v) > c, c =
@@ -1035,12 +1046,19 @@ RC_FORCEINLINE void decide_rows(const acc_t* cand, int64_t width, const double* 
   constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52: rounds to an integer, as top_p_mass
   const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
   std::vector<double> ex(static_cast<size_t>(width));  // e^(z - z_max) of each survivor (0 below e^-60)
+  std::vector<acc_t> row(static_cast<size_t>(width));
+  std::vector<uint64_t> keys, tmp;
   for (int64_t r = b; r < e; ++r) {
     double* o = out + r * 4;
     tau_out[r] = ninf;
     o[0] = o[1] = o[2] = o[3] = 0.0;
     if (k[r] <= 0) continue;
     const acc_t* c = cand + r * width;
+    if (!std::is_sorted(c, c + width, std::greater<acc_t>())) {  // the shards' lists, gathered: sort them
+      std::copy(c, c + width, row.begin());
+      sort_descending(row.data(), width, keys, tmp);
+      c = row.data();
+    }
     const double m = z_max[r];
     acc_t tau = floor[r];
     const acc_t kth = c[std::min(k[r], width) - 1];

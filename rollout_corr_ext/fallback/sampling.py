@@ -134,12 +134,13 @@ def scatter_rows(values: torch.Tensor, index: torch.Tensor, cols: int, dtype: to
 
 def candidate_decide(cand: torch.Tensor, z_max: torch.Tensor, z_t: torch.Tensor, sum_all: torch.Tensor,
                      k: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor):
-    """The replay's decision on each row's sorted candidates (the op's contract, csrc/ops.cpp): ``tau`` (the kept set
+    """The replay's decision on each row's candidates (the op's contract, csrc/ops.cpp): ``tau`` (the kept set
     is ``{z >= tau, z > -inf}``) and ``[N, 4]`` fp64 (log-prob of the target, entropy, log S, lse)."""
     n, width = cand.shape
     dev = cand.device
     ninf = -math.inf
     active = k >= 1
+    cand = cand.sort(dim=1, descending=True).values  # the shards' lists, gathered, come in any order
     kth = cand.gather(1, (k.clamp(1, width) - 1).unsqueeze(1)).squeeze(1)
     tau = torch.where(active, torch.maximum(floor, kth), torch.full_like(floor, ninf))
     p_on = (top_p < 1) & active
