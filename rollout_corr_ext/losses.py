@@ -29,7 +29,7 @@ import torch
 
 from . import _checks, _layout as LY, ops
 from ._checks import safe_div
-from .logprobs import as_real
+from .logprobs import all_gather, as_real
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import RolloutCorrectionConfig
@@ -625,6 +625,56 @@ def _seq_all_reduce(x: torch.Tensor, seq_group) -> torch.Tensor:
     return x
 
 
+def _seq_world(seq_group) -> int:
+    """The number of context-parallel ranks a sequence is split over (1: whole sequences on this rank)."""
+    return 1 if seq_group is None else torch.distributed.get_world_size(seq_group)
+
+
+class _WholeSums(NamedTuple):
+    """What a whole-batch loss needs of the whole sequences under context parallelism (:func:`_whole_sums`)."""
+
+    sums: torch.Tensor  # [S]: the batch sums the caller gave, over every rank's tokens
+    row_tokens: torch.Tensor  # [B]: each sequence's sum of the mask, over all of its pieces
+    horizon: Any  # the padded length seq-mean-token-sum-norm divides by (None: not needed)
+
+
+def _whole_sums(sums, m, log_prob, cu_seqlens, loss_agg_mode, cfg, seq_group) -> _WholeSums:
+    """One SUM all-reduce over ``seq_group`` (fp64, so counts stay exact) of this rank's batch sums ``sums`` (0-dim
+    tensors), its per-sequence mask sums and, for ``seq-mean-token-sum-norm`` without ``loss_scale_factor``, the
+    parts of the padded length (padded: this rank's width, summed to the whole width; packed: each segment's length,
+    summed per sequence, the longest whole sequence taken). Returned in ``m``'s dtype: with them,
+    :func:`aggregate_rows` of this rank's row loss sums is this rank's share of the one-process loss (the shares of
+    the ``seq_group`` ranks add up to it)."""
+    acc = m.dtype
+    if cu_seqlens is not None:  # the values, before the first use (the op, which checks them too, runs later)
+        _checks.check_cu_seqlens(log_prob, cu_seqlens)
+    row_tokens = _row_sums(m, cu_seqlens)
+    parts = [torch.stack(list(sums)).double(), row_tokens.double()]
+    horizon = None
+    if loss_agg_mode == "seq-mean-token-sum-norm" and cfg.loss_scale_factor is None:
+        if cu_seqlens is None:
+            parts.append(row_tokens.new_full((1,), float(log_prob.shape[-1]), dtype=torch.float64))
+        else:
+            cu = cu_seqlens.to(torch.int64)
+            parts.append((cu[1:] - cu[:-1]).double())
+    flat = _seq_all_reduce(torch.cat(parts), seq_group)
+    n, b = len(sums), row_tokens.shape[0]
+    if len(parts) == 3:
+        rest = flat[n + b:]
+        horizon = rest[0] if cu_seqlens is None else (rest.max().clamp(min=1) if rest.numel() else 1)
+    return _WholeSums(flat[:n].to(acc), flat[n:n + b].to(acc), horizon)
+
+
+def _share_of_whole(loss: torch.Tensor, seq_world: int) -> torch.Tensor:
+    """A context-parallel rank's share of a loss ``loss`` that every rank of ``seq_group`` computed whole (its
+    value the one-process loss, its gradient that of the whole loss on this rank's tokens): the value ``loss /
+    seq_world``, so that the shares add up to the loss, with the gradient of ``loss`` itself."""
+    if seq_world == 1:
+        return loss
+    whole = loss.detach()
+    return whole / seq_world + (loss - whole)
+
+
 def _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
               cu_seqlens):
     check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights, cu_seqlens=cu_seqlens)
@@ -770,12 +820,19 @@ def _masked_by(x: torch.Tensor, nz: torch.Tensor, m: torch.Tensor) -> torch.Tens
 
 
 def _geo_mean_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                   rollout_is_weights=None, *, cu_seqlens=None):
+                   rollout_is_weights=None, *, cu_seqlens=None, seq_group=None):
     """GMPO (arXiv:2507.20673, verl ``geo_mean``): per sequence L = -mean_t(A) exp(mean_t(clip_sgn(x))) times the
     geometric mean of the IS weights, x = log pi - log pi_old clipped on the side the advantage's sign picks;
     the batch loss is the mean over sequences (``loss_agg_mode`` is ignored, as in verl), or with
     ``global_batch_size`` their sum / global_batch_size * dp_size (the same mean, exact across data-parallel
-    ranks). Metrics: ``actor/pg_clipfrac`` (x clipped, A > 0), ``actor/pg_clipfrac_lower`` (A < 0), ``actor/ppo_kl``."""
+    ranks). Metrics: ``actor/pg_clipfrac`` (x clipped, A > 0), ``actor/pg_clipfrac_lower`` (A < 0), ``actor/ppo_kl``.
+
+    ``seq_group`` (context parallelism: the ranks hold pieces of the same sequences): every per-sequence sum (of the
+    clipped log-ratios, the mask, the advantages, the log IS weights) and the metrics' sums are summed over it in one
+    all-reduce of ``[7, B]`` (``[6, B]`` without IS weights), so the loss and the metrics are those of the whole
+    sequences. Each rank returns its share of the loss, ``L / cp`` (the shares add up to the one-process ``L``),
+    with the gradient of the whole ``L`` on its own tokens (the other ranks' sums enter as constants); the metrics
+    are the one-process values on every rank."""
     fn = "compute_policy_loss_geo_mean"
     cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
                     cu_seqlens)
@@ -783,17 +840,29 @@ def _geo_mean_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
     _, _, rows = policy_loss_step(LY.PG_KIND_GEO_MEAN, old_log_prob, log_prob, advantages, response_mask, "token-sum",
                               cfg, None, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
     acc = rows.dtype
-    tokens = rows[:, LY.PG_ROW_TOKENS] + LY.MASKED_MEAN_EPS
+    cp = _seq_world(seq_group)
     with torch.no_grad():
         m = response_mask.to(acc)
         nz = _nonzero(m)  # one mask test for both masked sums
-        adv = _row_sums(_masked_by(advantages.to(acc), nz, m), cu_seqlens) / tokens
-    seq_loss = -adv * torch.exp(rows[:, LY.PG_ROW_LOSS_SUM] / tokens)
-    if rollout_is_weights is not None:
-        with torch.no_grad():
+        adv_sum = _row_sums(_masked_by(advantages.to(acc), nz, m), cu_seqlens)
+        logw_sum = None
+        if rollout_is_weights is not None:
             logw = torch.add(rollout_is_weights.detach().to(acc), 1e-10).log_()  # log(w + 1e-10), one buffer
-            seq_w = torch.exp(_row_sums(_masked_by(logw, nz, m), cu_seqlens) / tokens.detach())
-        seq_loss = seq_loss * seq_w
+            logw_sum = _row_sums(_masked_by(logw, nz, m), cu_seqlens)
+            del logw
+        whole_rows = rows.detach()
+        if cp > 1:  # the whole sequences' sums: rows' columns, the advantages' and log-weights' sums, one all-reduce
+            parts = [rows.detach().t(), adv_sum.unsqueeze(0)] + ([] if logw_sum is None else [logw_sum.unsqueeze(0)])
+            summed = _seq_all_reduce(torch.cat(parts).double(), seq_group).to(acc)
+            whole_rows, adv_sum = summed[:LY.PG_ROW_COLS].t(), summed[LY.PG_ROW_COLS]
+            logw_sum = None if logw_sum is None else summed[LY.PG_ROW_COLS + 1]
+    tokens = whole_rows[:, LY.PG_ROW_TOKENS] + LY.MASKED_MEAN_EPS
+    g = rows[:, LY.PG_ROW_LOSS_SUM]
+    if cp > 1:  # the whole sum's value, differentiable in this rank's terms only
+        g = whole_rows[:, LY.PG_ROW_LOSS_SUM] + (g - g.detach())
+    seq_loss = -(adv_sum / tokens) * torch.exp(g / tokens)
+    if logw_sum is not None:
+        seq_loss = seq_loss * torch.exp(logw_sum / tokens)
     if cfg.global_batch_size is None:
         if cfg.dp_size > 1:
             raise ValueError("geo_mean with dp_size > 1 needs global_batch_size (the global count of sequences)")
@@ -801,7 +870,7 @@ def _geo_mean_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
     else:
         gbs = cfg.global_batch_size
         loss = safe_div(seq_loss.sum(), gbs.reshape(()) if isinstance(gbs, torch.Tensor) else gbs) * cfg.dp_size
-    return loss, _row_metrics(rows, _PPO_METRICS), rows
+    return _share_of_whole(loss, cp), _row_metrics(whole_rows, _PPO_METRICS), rows
 
 
 #: The candidate filter of :func:`_topk_indices`: elements per block maximum (a power of 2).
@@ -854,38 +923,116 @@ def _topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
                        at - head + nb * s)
 
 
-def _top_positions(score: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor,
-                   k_max: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The ``count`` eligible positions with the largest score (ties in torch.topk's order), as ``(idx, keep)``: the
-    flat positions of a top-k of k_max and which of them are selected, with no host sync on a GPU: ``count`` is a
-    0-dim tensor, ``k_max >= count`` a bound known without reading data (a top-k of k_max, not a sort of every
-    token)."""
+def _top_by_rule(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions of the ``k`` largest values of a 1-D tensor, in the order (value descending, position
+    ascending): a top-k whose ties are taken by the lower position, on every device (torch.topk leaves that order to
+    its algorithm). -inf entries are padding: which of them come last is not fixed. No host sync on a GPU.
+
+    A top-(k + 1) by :func:`_topk_indices` gives the right values, so every position above the k-th value ``v``. On
+    the CPU, when the (k + 1)-th value is below ``v`` (or ``v`` is -inf) the candidates hold every position at ``v``
+    and sorting them is all; otherwise (and always on a GPU, where that test would be a host read) the positions at
+    ``v`` are the first ones of the tensor, found by a cumulative count of ``flat == v`` (one more pass)."""
+    n = flat.numel()
+    idx = _topk_indices(flat, min(k + 1, n)).sort().values
+    idx = idx[torch.sort(flat[idx], descending=True, stable=True).indices]
+    vals = flat[idx]
+    v = vals[k - 1:k]  # the k-th largest value, [1]
+    if flat.device.type == "cpu" and not torch.compiler.is_compiling():
+        vk = float(v)
+        if k == n or vk == -math.inf or float(vals[k]) < vk:
+            return idx[:k]
+    idx, vals = idx[:k], vals[:k]
+    n_above = (vals > v).sum()
+    j = torch.arange(k, device=flat.device)
+    nth_tied = torch.searchsorted((flat == v).cumsum(0), (j - n_above + 1).clamp(min=1))
+    return torch.where(j < n_above, idx, nth_tied.clamp(max=n - 1))
+
+
+def _top_positions(score: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor, k_max: int, *,
+                   seq_group=None, cu_seqlens=None, weight: Optional[torch.Tensor] = None):
+    """The ``count`` eligible positions with the largest score, as ``(idx, keep, weight_sum)``: the flat positions
+    of this rank's top-k of k_max and which of them are selected, with no host sync on a GPU: ``count`` is a 0-dim
+    tensor, ``k_max >= count`` a bound known without reading data (a top-k of k_max, not a sort of every token).
+    ``weight_sum``: the sum of ``weight`` over the selected tokens of every rank (None without ``weight`` or
+    ``seq_group``).
+
+    The selection is the first ``count`` eligible tokens in the order: score descending, then sequence (row, packed
+    segment) ascending, then context-parallel rank (in ``seq_group``) ascending, then position in this rank's piece
+    ascending. In one process that is (score descending, position ascending in the row-major / packed stream), and
+    under context parallelism it is the same order whenever rank r holds the r-th contiguous piece of every
+    sequence (with megatron's load-balanced chunks, two tokens of one sequence on different ranks that tie exactly
+    at the boundary are taken by rank). Eligible scores must be > -inf (clip_cov's lie in (lb, ub); kl_cov's are
+    finite where its op accepts the inputs).
+
+    ``seq_group`` with more than one rank: ``k_max`` must be the global ``count`` itself (the same int on every
+    rank). Each rank's own top-``count`` under that order (a rank can hold no more of the selection) goes into one
+    all-gather of ``[count, 4]`` fp64 records per rank (score, sequence, position, weight); every rank sorts the
+    ``cp * count`` records by the order above and keeps its own among the first ``count``."""
     flat = torch.where(eligible, score, -math.inf).reshape(-1)
-    k = max(1, min(int(k_max), flat.numel()))
-    idx = _topk_indices(flat, k)
-    keep = (torch.arange(k, device=flat.device) < count) & eligible.reshape(-1)[idx]
-    return idx, keep
+    elig = eligible.reshape(-1)
+    k = min(max(1, int(k_max)), flat.numel())
+    idx = _top_by_rule(flat, k) if k else torch.zeros(0, dtype=torch.int64, device=flat.device)
+    cp = _seq_world(seq_group)
+    if cp == 1:
+        keep = (torch.arange(k, device=flat.device) < count) & elig[idx]
+        return idx, keep, None
+    big = int(k_max)
+    record = torch.full((big, 4), math.inf, dtype=torch.float64, device=flat.device)
+    record[:, 0] = -math.inf
+    record[:, 3] = 0.0
+    record[:k, 0] = flat[idx].double()
+    record[:k, 1] = _row_of(idx, score, cu_seqlens).double()
+    record[:k, 2] = idx.double()
+    if weight is not None:
+        record[:k, 3] = torch.where(elig[idx], weight.reshape(-1)[idx], 0).double()
+    got = all_gather(record.reshape(-1), seq_group, cp).view(cp * big, 4)
+    rank = torch.arange(cp, device=flat.device, dtype=torch.float64).repeat_interleave(big)
+    order = torch.argsort(got[:, 2], stable=True)
+    for key in (rank, got[:, 1]):
+        order = order[torch.argsort(key[order], stable=True)]
+    order = order[torch.argsort(got[order, 0], descending=True, stable=True)]
+    place = torch.empty_like(order)
+    place[order] = torch.arange(order.numel(), device=order.device)
+    selected = place < count
+    me = torch.distributed.get_rank(seq_group)
+    keep = selected[me * big: me * big + k] & elig[idx]
+    weight_sum = None if weight is None else torch.where(selected, got[:, 3], 0.0).sum()
+    return idx, keep, weight_sum
 
 
 def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                   rollout_is_weights=None, *, cu_seqlens=None):
+                   rollout_is_weights=None, *, cu_seqlens=None, seq_group=None):
     """Clip-Cov (arXiv:2505.22617, verl ``clip_cov``): PPO clip (log-ratio unbounded, no dual clip) whose tokens
     with covariance cov = (A - mean A)(log pi - mean log pi) in (``clip_cov_lb``, ``clip_cov_ub``), not already
     clipped, lose their gradient, at most max(1, int(``clip_cov_ratio`` * tokens)) of them. verl draws those at
-    random when more qualify; here the ones with the largest covariance are taken (ties in torch.topk's order), so
-    a run is reproducible. Equal to verl whenever no more tokens qualify than the cap. The cap is read from the
-    data (a host sync on CUDA) unless ``response_mask`` is bool. Metrics: ``actor/pg_clipfrac`` (tokens cut),
-    ``actor/ppo_kl``."""
+    random when more qualify; here the ones with the largest covariance are taken (equal covariances: the earlier
+    token, :func:`_top_positions`), so a run is reproducible. Equal to verl whenever no more tokens qualify than
+    the cap. The cap is read from the data (a host sync on CUDA) unless ``response_mask`` is bool. Metrics:
+    ``actor/pg_clipfrac`` (tokens cut), ``actor/ppo_kl``.
+
+    ``seq_group`` (context parallelism): the means, the token count, the cap and the metrics are those of the whole
+    micro-batch (one all-reduce of B + 4 numbers, B + 5 or 2B + 4 for seq-mean-token-sum-norm), the tokens cut
+    are the global selection (one all-gather of ``[cap, 4]`` fp64 per rank; the cap is read on the host, a sync on
+    CUDA) and each rank returns its share of the loss: :func:`aggregate_rows` of its own rows with the whole
+    sequences' token counts, so the shares add up to the one-process loss and each rank's gradient is the
+    one-process gradient on its tokens."""
     fn = "compute_policy_loss_clip_cov"
     cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
                     cu_seqlens)
     acc = _checks.acc_dtype(log_prob.dtype)
+    cp = _seq_world(seq_group)
+    whole = None
     with torch.no_grad():
         m = response_mask.to(acc)
         nz = _nonzero(m)
         valid = m > 0
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
-        m_sum = m.sum()
+        m_sum, adv_sum, lp_sum = m.sum(), _masked_by(adv, nz, m).sum(), _masked_by(lp, nz, m).sum()
+        if cp > 1:  # the micro-batch's sums over every rank's tokens, and the kernel's ppo_kl numerator (unclamped)
+            kl_sum = _masked_by(old_log_prob.to(acc) - lp, nz, m).sum()
+            whole = _whole_sums((m_sum, adv_sum, lp_sum, kl_sum), m, log_prob, cu_seqlens, loss_agg_mode, cfg,
+                                seq_group)
+            m_sum, adv_sum, lp_sum, kl_sum = whole.sums
         den = m_sum + LY.MASKED_MEAN_EPS  # verl_F.masked_mean's denominator
         # verl's clip_by_origin: -A clip(r) > -A r, i.e. A clip(r) < A r (negation is exact and flips the order;
         # NaN compares false either way)
@@ -893,16 +1040,19 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         adv_r = adv * ratio
         clipped = ratio.clamp_(1 - cfg.clip_low, 1 + cfg.clip_high).mul_(adv) < adv_r
         del ratio, adv_r
-        cov = (adv - _masked_by(adv, nz, m).sum() / den).mul_(lp - _masked_by(lp, nz, m).sum() / den)
+        cov = (adv - adv_sum / den).mul_(lp - lp_sum / den)
         # (cov < ub) & (cov > lb) & valid & ~(clipped & valid), without the repeated mask
         eligible = (cov < cfg.clip_cov_ub).logical_and_(cov > cfg.clip_cov_lb).logical_and_(valid)
         eligible.logical_and_(clipped.logical_not_())
         count = (cfg.clip_cov_ratio * m_sum).floor().clamp(min=1)
-        if response_mask.dtype == torch.bool:  # count <= ratio * numel: a bound known without reading data
+        if cp > 1:  # the global cap, the same int on every rank (the records' length)
+            bound = int(count.item())
+        elif response_mask.dtype == torch.bool:  # count <= ratio * numel: a bound known without reading data
             bound = int(cfg.clip_cov_ratio * m.numel()) + 1
         else:  # mask weights may exceed 1 (verl counts sum(mask)): read the count (a host sync on CUDA only)
             bound = int(count.item())
-        idx, keep = _top_positions(cov, eligible, count, bound)
+        idx, keep, cut_sum = _top_positions(cov, eligible, count, bound, seq_group=seq_group,
+                                            cu_seqlens=cu_seqlens, weight=m)
         del cov, eligible, clipped
         # The kernel's weights: the cut indicator's complement corr (1, 0 at the cut tokens) times the IS weights,
         # written only where a token is cut (1 * w == w).
@@ -915,14 +1065,27 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
             w.copy_(rollout_is_weights.detach())
             w_flat = w.view(-1)
             w_flat[idx] = corr * w_flat[idx]
-        # masked_mean(corr == 0, m): the cut tokens' mask values, summed over the same dense [B, T] as before
-        cut = torch.zeros(log_prob.shape, dtype=acc, device=log_prob.device)
-        cut.view(-1)[idx] = torch.where(keep, m.reshape(-1)[idx], 0.0)
-        clipfrac = cut.sum() / den
+        if cut_sum is None:
+            # masked_mean(corr == 0, m): the cut tokens' mask values, summed over the same dense [B, T] as before
+            cut = torch.zeros(log_prob.shape, dtype=acc, device=log_prob.device)
+            cut.view(-1)[idx] = torch.where(keep, m.reshape(-1)[idx], 0.0)
+            cut_sum = cut.sum()
+        clipfrac = cut_sum.to(acc) / den
     loss, _, rows = policy_loss_step(LY.PG_KIND_PPO_UNBOUNDED, old_log_prob, log_prob, advantages, response_mask,
                                  loss_agg_mode, cfg, w, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
-    ppo_kl = _row_metrics(rows, ("actor/ppo_kl",))["actor/ppo_kl"]
+    if whole is None:
+        ppo_kl = _row_metrics(rows, ("actor/ppo_kl",))["actor/ppo_kl"]
+    else:
+        loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM], whole.row_tokens, loss_agg_mode,
+                              _horizon(whole, log_prob, cu_seqlens), **cfg.global_batch_info)
+        ppo_kl = kl_sum / den
     return loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl}, rows
+
+
+def _horizon(whole: "_WholeSums", log_prob, cu_seqlens):
+    """The padded length of :func:`aggregate_rows`: the whole sequences' when it was reduced (the local one is then
+    not read)."""
+    return whole.horizon if whole.horizon is not None else padded_horizon(log_prob, cu_seqlens)
 
 
 def _row_of(idx: torch.Tensor, log_prob: torch.Tensor, cu_seqlens) -> torch.Tensor:
@@ -933,36 +1096,57 @@ def _row_of(idx: torch.Tensor, log_prob: torch.Tensor, cu_seqlens) -> torch.Tens
 
 
 def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                  rollout_is_weights=None, *, cu_seqlens=None):
+                  rollout_is_weights=None, *, cu_seqlens=None, seq_group=None):
     """KL-Cov (arXiv:2505.22617, verl ``kl_cov``): L = -A r (log-ratio unbounded, no clip), plus
     ``ppo_kl_coef`` |log pi - log pi_old| on the max(1, int(``kl_cov_ratio`` * tokens)) valid tokens with the
-    largest covariance (A - mean A)(log pi - mean log pi) (means over the valid tokens; ties in torch.topk's
-    order, as verl). Metric: ``actor/ppo_kl`` = mean |log pi - log pi_old|, as verl logs it."""
+    largest covariance (A - mean A)(log pi - mean log pi) (means over the valid tokens; equal covariances: the
+    earlier token, :func:`_top_positions`). Metric: ``actor/ppo_kl`` = mean |log pi - log pi_old|, as verl logs it.
+
+    ``seq_group`` (context parallelism): the means, the token count, the metric and the sequences' token counts are
+    those of the whole micro-batch (one all-reduce of B + 5 numbers, B + 6 or 2B + 5 for
+    seq-mean-token-sum-norm), the penalised tokens are the global top-k (one all-gather of ``[k, 4]`` fp64 per rank;
+    k is read on the host, a sync on CUDA), and each rank returns its share of the loss (:func:`aggregate_rows` of
+    its own rows with the whole sequences' token counts: the shares add up to the one-process loss, and each rank's
+    gradient is the one-process gradient on its tokens)."""
     fn = "compute_policy_loss_kl_cov"
     cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
                     cu_seqlens)
     refuse_grad(fn, old_log_prob=old_log_prob, advantages=advantages, rollout_is_weights=rollout_is_weights)
     acc = _checks.acc_dtype(log_prob.dtype)
+    cp = _seq_world(seq_group)
+    whole = None
     with torch.no_grad():
         m = response_mask.to(acc)
         valid = m > 0
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
         n = torch.count_nonzero(valid)  # valid.sum(), without the cast to int64
-        mean_a = torch.where(valid, adv, 0).sum() / n.clamp(min=1)
-        mean_lp = torch.where(valid, lp, 0).sum() / n.clamp(min=1)
+
+        def abs_kl_sum(out=None):  # actor/ppo_kl's numerator: masked_sum(|lp - lp_old|, m), in ``out`` if given
+            abs_kl = torch.sub(lp, old_log_prob.to(acc), out=out).abs_()
+            return torch.where(_nonzero(m), abs_kl, abs_kl.new_zeros(()), out=abs_kl).mul_(m).sum()
+
+        mean_a, mean_lp = torch.where(valid, adv, 0).sum(), torch.where(valid, lp, 0).sum()  # sums, for now
+        if cp > 1:  # the micro-batch's sums over every rank's tokens
+            whole = _whole_sums((n.to(acc), mean_a, mean_lp, abs_kl_sum(), m.sum()), m, log_prob, cu_seqlens,
+                                loss_agg_mode, cfg, seq_group)
+            n, mean_a, mean_lp, kl_sum, m_sum = whole.sums
+            n = n.round().to(torch.int64)  # the count in the dtype one process has (the cap is computed from it)
+        mean_a = mean_a / n.clamp(min=1)
+        mean_lp = mean_lp / n.clamp(min=1)
         cov = (adv - mean_a).mul_(lp - mean_lp)
         count = (n * cfg.kl_cov_ratio).floor().clamp(min=1)
-        idx, keep = _top_positions(cov, valid, count, int(valid.numel() * cfg.kl_cov_ratio) + 1)
-        # actor/ppo_kl = masked_mean(|lp - lp_old|, m), in cov's buffer
-        abs_kl = torch.sub(lp, old_log_prob.to(acc), out=cov).abs_()
-        ppo_kl = torch.where(_nonzero(m), abs_kl, abs_kl.new_zeros(()), out=abs_kl).mul_(m).sum() / (
-            m.sum() + LY.MASKED_MEAN_EPS)
-        del cov, abs_kl
+        # the global k under context parallelism (the same int on every rank), else a bound known without the data
+        bound = int(count.item()) if cp > 1 else int(valid.numel() * cfg.kl_cov_ratio) + 1
+        idx, keep, _ = _top_positions(cov, valid, count, bound, seq_group=seq_group, cu_seqlens=cu_seqlens)
+        if whole is None:  # in cov's buffer
+            kl_sum, m_sum = abs_kl_sum(out=cov), m.sum()
+        ppo_kl = kl_sum / (m_sum + LY.MASKED_MEAN_EPS)
+        del cov
     _, rows = ops.policy_loss_rows(ops.first_order_only(log_prob, fn), old_log_prob, advantages,
                                    response_mask, rollout_is_weights, math.inf, math.inf, math.inf,
                                    LY.PG_KIND_PPO_UNBOUNDED, cu_seqlens)
     with torch.no_grad():  # agg_loss's token counts (after the op, which checks cu_seqlens)
-        row_tokens = _row_sums(m, cu_seqlens)
+        row_tokens = _row_sums(m, cu_seqlens) if whole is None else whole.row_tokens
     # The penalty lives on the selected tokens only: gathered there (differentiable in log_prob), masked as agg_loss
     # masks every token (where(m != 0, v, 0) * m) and added to the rows' loss sums.
     x = log_prob.reshape(-1)[idx].to(acc) - old_log_prob.reshape(-1)[idx].to(acc)
@@ -973,8 +1157,9 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
     penalty = torch.where(m_sel != 0, penalty, torch.zeros_like(penalty)) * m_sel
     rows_penalty = torch.zeros(rows.shape[0], dtype=acc, device=rows.device).index_add(
         0, _row_of(idx, log_prob, cu_seqlens), penalty)
-    loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM] + rows_penalty, row_tokens, loss_agg_mode,
-                          padded_horizon(log_prob, cu_seqlens), **cfg.global_batch_info)
+    horizon = padded_horizon(log_prob, cu_seqlens) if whole is None else _horizon(whole, log_prob, cu_seqlens)
+    loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM] + rows_penalty, row_tokens, loss_agg_mode, horizon,
+                          **cfg.global_batch_info)
     return loss, {"actor/ppo_kl": ppo_kl}, rows
 
 
@@ -1134,8 +1319,10 @@ class PolicyStep(NamedTuple):
 
     Attributes:
         loss: the scalar loss, aggregated by ``loss_agg_mode`` with the config's normalisers (a whole-batch loss:
-            its own value).
-        loss_metrics: the loss's verl metrics (0-dim tensors over this call's tokens).
+            its own value; under context parallelism this rank's share of it, the shares of ``seq_group`` adding up
+            to the one-process value).
+        loss_metrics: the loss's verl metrics (0-dim tensors over this call's tokens; a whole-batch loss's over
+            the whole sequences of ``seq_group``).
         rows: the ``[B, K]`` row partials of the fused kernel (``LY.PG_ROW_*``; the loss column carries the
             gradient); for a whole-batch loss those of its own kernel pass, of which the token counts are meant.
         mask: the mask the loss ran on (the correction's RS and OPSM applied).
@@ -1202,7 +1389,9 @@ def policy_step(
        pi_old).
     4. The loss: bypass, ``rollout_correction.loss_type`` against pi_rollout (``config.loss_mode`` is not read);
        otherwise ``config.loss_mode``: a per-token loss in the fused kernel (GSPO with its sequence ratio over
-       ``seq_group``), or a whole-batch loss's own function (not under context parallelism).
+       ``seq_group``), or a whole-batch loss's own function, exact over ``seq_group`` (each rank's ``loss`` is then
+       its share of the one-process loss: the shares add up to it, and each rank's gradient is the one-process
+       gradient on its tokens; the metrics are the one-process values).
 
     ``fn`` names the caller in error messages. Returns a :class:`PolicyStep`.
     """
@@ -1224,10 +1413,6 @@ def policy_step(
         raise ValueError("loss_mode='bypass_mode' needs config.rollout_correction with bypass_mode=True (the bypass "
                          "flow: pi_old = pi_rollout)")
     whole = flow != "bypass" and cfg.loss_mode in WHOLE_BATCH_LOSSES
-    seq_world = 1 if seq_group is None else torch.distributed.get_world_size(seq_group)
-    if whole and seq_world > 1:
-        raise ValueError(f"loss_mode={cfg.loss_mode!r} with context parallelism (a sequence split over {seq_world} "
-                         f"ranks) is not supported: its batch statistics would be per rank")
     prox_error: Dict[str, torch.Tensor] = {}
     if versions is not None and flow == "decoupled":  # asynchronous rollouts: the proximal policy from the versions
         from . import versions as _versions
@@ -1258,7 +1443,8 @@ def policy_step(
     gspo_x_sum = None
     if whole:
         loss, loss_metrics, rows = _WHOLE_BATCH_STEPS[cfg.loss_mode](old, log_prob, advantages, mask, loss_agg_mode,
-                                                                     cfg, weights, cu_seqlens=cu_seqlens)
+                                                                     cfg, weights, cu_seqlens=cu_seqlens,
+                                                                     seq_group=seq_group)
     elif flow == "bypass":
         kind = LY.PG_KIND_REINFORCE if rc.loss_type == "reinforce" else LY.PG_KIND_PPO_CLIP
         loss, loss_metrics, rows = policy_loss_step(kind, old, log_prob, advantages, mask, loss_agg_mode, cfg, weights,

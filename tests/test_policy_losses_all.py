@@ -646,18 +646,13 @@ def test_one_policy_step_behind_the_front_door_and_megatron(flow, loss_type):
         assert means[k] == pytest.approx(float(val), rel=1e-6, abs=1e-9), k
 
 
-@pytest.mark.parametrize("name", ["geo_mean", "clip_cov", "kl_cov"])
-def test_megatron_loss_func_whole_batch_losses_refuse_cp_and_geo_mean_entropy(name):
-    import torch.distributed as dist
-
+def test_megatron_loss_func_geo_mean_refuses_entropy():
     from rollout_corr_ext.megatron import make_policy_loss_func
 
-    cfg = losses.PolicyLossConfig(loss_mode=name)
-    if name == "geo_mean":
-        with pytest.raises(ValueError, match="entropy_coeff=0"):
-            make_policy_loss_func(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2), torch.ones(2, 3), config=cfg,
-                                  entropy_coeff=0.01)
-    assert not dist.is_initialized()  # (the CP refusal needs a CP group: the loss_func checks it at call time)
+    cfg = losses.PolicyLossConfig(loss_mode="geo_mean")
+    with pytest.raises(ValueError, match="entropy_coeff=0"):
+        make_policy_loss_func(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2), torch.ones(2, 3), config=cfg,
+                              entropy_coeff=0.01)
 
 
 # ----------------------------------------------------------------------------------------- two-sided truncated IS
@@ -722,24 +717,40 @@ def test_two_sided_tis_config():
 
 
 def _whole_batch_cp_worker(rank, world):
+    """The whole-batch losses run under context parallelism (they used to be refused): megatron's loss_func and the
+    front door on two halves of every sequence give one process's value (tests/test_policy_losses_cp.py checks
+    every loss, mode, layout and gradient)."""
     import torch.distributed as dist
 
     from rollout_corr_ext.megatron import make_policy_loss_func
 
-    b, s, v = 2, 4, 7
-    fn = make_policy_loss_func(torch.zeros(b, s, dtype=torch.long), torch.ones(b), torch.ones(b, s),
-                               config=losses.PolicyLossConfig(loss_mode="clip_cov"), tp_group=None,
-                               dp_group=dist.group.WORLD, seq_group=dist.group.WORLD)
-    with pytest.raises(ValueError, match="context parallelism"):
-        fn(torch.randn(s, b, v, requires_grad=True))
-    x = torch.zeros(b, s, dtype=torch.float64)  # the front door runs the same step: the same refusal
-    with pytest.raises(ValueError, match="context parallelism"):
-        losses.compute_policy_loss(x, x.clone().requires_grad_(True), x, torch.ones(b, s), "token-mean",
-                                   losses.PolicyLossConfig(loss_mode="clip_cov"), seq_group=dist.group.WORLD)
+    from rollout_corr_testing.dist_utils import worker_device
+
+    dev = worker_device()
+    old, lp, adv, mask, _ = (x.double().to(dev) for x in _inputs(b=4, t=8, seed=6))
+    cols = slice(0, 4) if rank == 0 else slice(4, 8)
+    for name in losses.WHOLE_BATCH_LOSSES:
+        cfg = losses.PolicyLossConfig(loss_mode=name, **KNOBS)
+        want = losses.compute_policy_loss(old, lp, adv, mask, "token-mean", cfg)[0]
+        got = losses.compute_policy_loss(old[:, cols], lp[:, cols], adv[:, cols], mask[:, cols], "token-mean", cfg,
+                                         seq_group=dist.group.WORLD)[0].reshape(1)
+        dist.all_reduce(got)  # each rank's loss is its share
+        assert torch.allclose(got[0], want, rtol=1e-12), (name, got, want)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(8, 2, 7, generator=g, dtype=torch.float64).to(dev)
+    target = torch.randint(0, 7, (2, 8), generator=g).to(dev)
+    adv, mask = torch.ones(2, device=dev), torch.ones(2, 8, device=dev)
+    cfg = losses.PolicyLossConfig(loss_mode="clip_cov")
+    whole = make_policy_loss_func(target, adv, mask, config=cfg)(logits)
+    part = make_policy_loss_func(target[:, cols], adv, mask[:, cols], config=cfg, tp_group=None,
+                                 dp_group=dist.group.WORLD, seq_group=dist.group.WORLD)(logits[cols])
+    totals = torch.stack([part[0].detach(), part[1].double()])
+    dist.all_reduce(totals)
+    assert torch.allclose(totals[0] / totals[1], whole[0] / whole[1], rtol=1e-12)
 
 
 @pytest.mark.parametrize("device", dist_params(2))
-def test_megatron_whole_batch_loss_refuses_context_parallelism(device):
+def test_whole_batch_losses_run_under_context_parallelism(device):
     run_workers(_whole_batch_cp_worker, 2, device=device)
 
 
