@@ -930,8 +930,9 @@ def _top_by_rule(flat: torch.Tensor, k: int) -> torch.Tensor:
 
     A top-(k + 1) by :func:`_topk_indices` gives the right values, so every position above the k-th value ``v``. On
     the CPU, when the (k + 1)-th value is below ``v`` (or ``v`` is -inf) the candidates hold every position at ``v``
-    and sorting them is all; otherwise (and always on a GPU, where that test would be a host read) the positions at
-    ``v`` are the first ones of the tensor, found by a cumulative count of ``flat == v`` (one more pass)."""
+    and sorting them is all; otherwise the positions at ``v`` are the first ones of the tensor: on the CPU a
+    ``nonzero`` of ``flat == v``, on a GPU (where the test and a nonzero would be host reads) a cumulative count of
+    ``flat == v`` (one more pass)."""
     n = flat.numel()
     idx = _topk_indices(flat, min(k + 1, n)).sort().values
     idx = idx[torch.sort(flat[idx], descending=True, stable=True).indices]
@@ -941,6 +942,9 @@ def _top_by_rule(flat: torch.Tensor, k: int) -> torch.Tensor:
         vk = float(v)
         if k == n or vk == -math.inf or float(vals[k]) < vk:
             return idx[:k]
+        # the values above v, then the first positions holding v: a nonzero of flat == v (no cumulative count)
+        n_above = int((vals[:k] > v).sum())
+        return torch.cat([idx[:n_above], (flat == v).nonzero().squeeze(1)[:k - n_above]])
     idx, vals = idx[:k], vals[:k]
     n_above = (vals > v).sum()
     j = torch.arange(k, device=flat.device)
