@@ -926,6 +926,26 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
         }
       }
       const int64_t s0 = qual_p[q0] * B, len = std::min(B, cols - s0);
+      if constexpr (std::is_same<scalar_t, at::BFloat16>::value) {
+        if (len == B) {  // read in place: each pair of vectors holds the even and the odd columns of 2L values
+          VF v[kV];
+          block_lanes<VF>(x + s0, v);
+          for (int q = 0; q < kV; q += 2) {
+            if (!p.unit_t) {
+              v[q] = v[q] / t;
+              v[q + 1] = v[q + 1] / t;
+            }
+            const uint32_t even = kept_bits(v[q], thr_v), odd = kept_bits(v[q + 1], thr_v);
+            for (uint32_t bits = even | odd; bits != 0; bits &= bits - 1) {  // lane j: columns 2j, 2j + 1, in order
+              const int j = __builtin_ctz(bits);
+              const int64_t col = s0 + q * L + 2 * j;
+              if (even >> j & 1u) keys.push_back(candidate_key(v[q][j], col));
+              if (odd >> j & 1u) keys.push_back(candidate_key(v[q + 1][j], col + 1));
+            }
+          }
+          continue;
+        }
+      }
       const float* z = block_in_order<VF>(x + s0, len, wide);
       if (len == B) {
         for (int l = 0; l < B; l += L) {
