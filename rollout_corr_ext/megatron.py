@@ -211,6 +211,78 @@ def _mtp_shifted(target: torch.Tensor, response_mask: torch.Tensor, k: int, cu: 
     return torch.where(mask != 0, shifted, torch.full_like(shifted, -100)), mask
 
 
+def _mtp_shifted_cp(target: torch.Tensor, response_mask: torch.Tensor, num_layers: int, cu: Optional[torch.Tensor],
+                    group):
+    """Every MTP head's (targets, weights) under context parallelism: :func:`_mtp_shifted` of the whole sequences,
+    read at this CP rank's positions (heads ``k = 1 .. num_layers``).
+
+    The positions follow megatron-core's load-balanced layout (``get_batch_on_this_cp_rank``; packed THD: each
+    sequence on its own, TE's ``thd_get_partitioned_indices`` over ``cu_seqlens_q_padded``): a sequence is cut into
+    ``2 * cp`` equal chunks and CP rank r holds chunks r and ``2 * cp - 1 - r``, so its local piece of the sequence
+    is ``[chunk r | chunk 2cp-1-r]``. megatron's ``roll_tensor(..., cp_group=...)`` (0.16 - 0.19,
+    ``transformer/multi_token_prediction.py``) rolls each local chunk left by one and splices in the first token of
+    the next chunk from the CP neighbour (isend / irecv; rank cp-1 takes it from its own second chunk, rank 0 inserts
+    0 at the end of the sequence): the roll of the whole sequence, applied once per head. The same values come from
+    **one all-gather** over ``group`` of the first ``min(L, chunk)`` tokens of every local chunk, target and weight as
+    fp64 (16 bytes a token; exact for ids and mask values): a position ``k <= L`` further lies in the same chunk
+    (local) or within the first ``k`` tokens of a later chunk of its sequence (gathered). Positions past their
+    sequence's end get weight 0 and -100, as in :func:`_mtp_shifted`."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    dev = target.device
+    # [rows, positions]: the padded batch's rows, or the packed stream as one row
+    rows_t, rows_m = (target, response_mask) if cu is None else (target.reshape(1, -1), response_mask.reshape(1, -1))
+    n = rows_t.shape[-1]
+    if cu is None:
+        if n % 2:
+            raise ValueError(f"mtp_num_layers > 0 with context parallelism: this rank's sequence piece has {n} "
+                             f"positions, not the two equal chunks of megatron's load-balanced split (the sequence "
+                             f"length must be divisible by 2 * cp = {2 * cp})")
+        bounds = [0, n]
+    else:
+        bounds = [int(x) for x in cu.tolist()]  # one host read of the B + 1 local boundaries
+        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+        if any(length % 2 for length in lengths) or (bounds and bounds[-1] > n):
+            raise ValueError(f"mtp_num_layers > 0 with context parallelism: every packed sequence's local piece must "
+                             f"be two equal chunks (padded lengths divisible by 2 * cp = {2 * cp}, "
+                             f"cu_seqlens_q_padded) within the stream of {n} tokens; local lengths {lengths}")
+    n_heads_per_rank = sum(2 * min(num_layers, (b - a) // 2) for a, b in zip(bounds[:-1], bounds[1:]))
+    if len(bounds) < 2 or n == 0:  # no sequence: every head weight is 0
+        zero = torch.zeros_like(response_mask)
+        return [(torch.full_like(target, -100), zero) for _ in range(num_layers)]
+    cu_l = torch.tensor(bounds, device=dev) if cu is None else cu.to(device=dev, dtype=torch.int64)
+    t = torch.arange(n, device=dev)
+    seg = torch.searchsorted(cu_l[1:], t, right=True).clamp(max=cu_l.shape[0] - 2)
+    start, end = cu_l[seg], cu_l[seg + 1]
+    in_seq = t < cu_l[-1]
+    half = (end - start) // 2  # the chunk length of the position's sequence
+    second = (t - start) >= half  # in the local piece's second chunk (2cp-1-r), else the first (r)
+    off = torch.where(second, t - start - half, t - start)  # offset within the chunk: the same on every rank
+    size = cp * n  # global positions of the whole sequences, plus one slot that takes the positions outside them
+
+    def global_pos(r):  # where CP rank r's local positions sit in the whole sequences (sequence i starts at cp * cu[i])
+        pos = cp * start + torch.where(second, 2 * cp - 1 - r, r) * half + off
+        return torch.where(in_seq, pos, torch.full_like(pos, size))
+
+    vals = torch.stack([rows_t.double(), rows_m.double()], -1)  # [rows, n, 2]
+    heads = torch.nonzero_static(in_seq & (off < num_layers), size=n_heads_per_rank).squeeze(1)
+    from .logprobs import all_gather
+
+    got = all_gather(vals.index_select(1, heads).reshape(-1), group, cp)  # the one collective: [cp, rows * nh * 2]
+    got = got.view(cp, vals.shape[0], -1, 2).permute(1, 0, 2, 3).reshape(vals.shape[0], -1, 2)
+    whole = vals.new_zeros(vals.shape[0], size + 1, 2)
+    whole[:, torch.cat([global_pos(r).index_select(0, heads) for r in range(cp)])] = got
+    mine = global_pos(rank)
+    whole[:, mine] = vals
+    whole[:, size] = 0  # the slot outside every sequence (this rank's stream past the last boundary) reads as masked
+    out = []
+    for k in range(1, num_layers + 1):
+        read = whole[:, torch.where(in_seq & (mine + k < cp * end), mine + k, torch.full_like(mine, size))]
+        mask = read[..., 1].to(response_mask.dtype)
+        shifted = torch.where(mask != 0, read[..., 0].to(target.dtype), torch.full_like(rows_t, -100))
+        out.append((shifted.reshape(target.shape), mask.reshape(response_mask.shape)))
+    return out
+
+
 def make_policy_loss_func(
     target: torch.Tensor,
     advantages: torch.Tensor,
@@ -259,8 +331,9 @@ def make_policy_loss_func(
     * ``bypass_mode``: correction of pi_theta vs ``rollout_log_prob``, PPO-clip or REINFORCE against pi_rollout;
     * otherwise (decoupled): correction of ``old_log_prob`` vs ``rollout_log_prob``, PPO (or ``loss_mode``'s loss)
       against pi_old times the IS weights. ``geo_mean``, ``clip_cov`` and ``kl_cov`` run their own functions on
-      the micro-batch's log-probs (their covariances and GMPO's mean over rows are per micro-batch, as in verl);
-      under context parallelism they are a ValueError, and ``geo_mean`` needs ``entropy_coeff=0``.
+      the micro-batch's log-probs (their covariances and GMPO's mean over rows are per micro-batch, as in verl;
+      under context parallelism over the whole sequences of ``seq_group``, each rank's value its share of the
+      micro-batch's), and ``geo_mean`` needs ``entropy_coeff=0``.
 
     Reduction contract: ``loss_sum / num_tokens`` is this micro-batch's ``loss_agg_mode`` value, and summed over
     micro-batches and data-parallel ranks, ``sum(loss_sum) / sum(num_tokens)`` is the exact global value of the
@@ -326,7 +399,12 @@ def make_policy_loss_func(
     sequence left out), through the fused path, so no MTP head materializes its logits either. As megatron
     scales it: ``loss_sum / num_tokens`` gains ``mtp_loss_scaling_factor / L * sum_k mean_k`` (``mean_k``: head
     ``k``'s cross-entropy over its rolled response mask, this micro-batch), and each head's value is reported as
-    ``actor/mtp_{k}_loss``. Not with context parallelism (rolling across CP ranks needs their boundary tokens).
+    ``actor/mtp_{k}_loss``. Under context parallelism the positions must follow megatron's load-balanced split
+    (each sequence, or each packed sequence, in ``2 * cp`` chunks, rank r holding chunks r and ``2 * cp - 1 - r``),
+    as megatron's ``roll_tensor`` assumes: the first call all-gathers over ``seq_group`` the first ``min(L, chunk)``
+    target ids and mask values of every local chunk (16 bytes a token, nothing per vocabulary entry), each head's
+    weight sum joins the existing all-reduce of the counts, and the loss, the metrics and the gradients equal the
+    single-process ones.
 
     **Sampling replay** (``sampling``, a :class:`rollout_corr_ext.SamplingParams`; docs/sampling_replay.md): pi_theta's
     log-probs are those of the truncated, renormalised distribution the engine sampled from (its temperature
@@ -524,11 +602,11 @@ def make_policy_loss_func(
             kept_tokens = kept_tokens.permute_rows(
                 torch.arange(b_ * s_, device=kept_tokens.offsets.device).reshape(b_, s_).t().reshape(-1))
 
-    if mtp_num_layers and seq_world > 1:
-        raise ValueError("mtp_num_layers > 0 with context parallelism is not supported: rolling the targets k "
-                         "positions needs the neighbouring CP rank's tokens")
-    # MTP head k's targets and weights: target / response_mask k positions further within each sequence
-    mtp_heads = [_mtp_shifted(target, response_mask, k, cu) for k in range(1, mtp_num_layers + 1)]
+    # MTP head k's targets and weights: target / response_mask k positions further within each sequence. Under CP
+    # the next positions may sit on other CP ranks: found on the first loss_func call (one all-gather over seq_group
+    # of the chunks' first L tokens, _mtp_shifted_cp) and kept for later calls
+    mtp_heads = [] if seq_world > 1 else [_mtp_shifted(target, response_mask, k, cu)
+                                          for k in range(1, mtp_num_layers + 1)]
 
     def hidden_in(x):  # the output layer's input: all-reduce of its gradient over TP (with SP: inside the path)
         from .linear import copy_to_tensor_parallel_region
@@ -606,6 +684,8 @@ def make_policy_loss_func(
             return out
         refuse_grad("make_policy_loss_func", old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob,
                     advantages=advantages)
+        if mtp_num_layers and not mtp_heads:  # context parallelism: every CP rank calls loss_func, so all gather
+            mtp_heads.extend(_mtp_shifted_cp(tgt, response_mask.to(tgt.device), mtp_num_layers, cu, seq))
 
         old_in, rollout_in, versions_in = _map(lambda t: t.to(logp.device), old_log_prob, rollout_log_prob, versions)
         given = response_mask
@@ -634,9 +714,12 @@ def make_policy_loss_func(
         row_tokens = rows[:, LY.PG_ROW_TOKENS].detach()
         local_horizon = (row_tokens.new_full((1,), float(logp.shape[-1]), dtype=torch.float64)  # no H2D copy
                          if cu is None else padded_horizon(logp, cu).double().reshape(1))
-        counts = torch.cat([row_tokens.double(), local_horizon, (mask != 0).sum().double().reshape(1)])
+        # under CP the MTP heads' weight sums ride on the same all-reduce: each head's mean is over the micro-batch
+        mtp_local = [m_k.double().sum().reshape(1) for _, m_k in mtp_heads] if seq_world > 1 else []
+        counts = torch.cat([row_tokens.double(), local_horizon, (mask != 0).sum().double().reshape(1)] + mtp_local)
         if seq_world > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=seq)
+        counts, mtp_totals = counts[:counts.shape[0] - len(mtp_local)], counts[counts.shape[0] - len(mtp_local):]
         row_tokens, horizon, valid_tokens = counts[:-2].to(rows.dtype), counts[-2], counts[-1]
         if loss_agg_mode == "token-mean":
             # value * count is sum(m * L) for 0/1 masks; for fractional masks it keeps the micro-batch value exact
@@ -650,7 +733,8 @@ def make_policy_loss_func(
             pg_sum = _seq_numerator(rows[:, LY.PG_ROW_LOSS_SUM], row_tokens, valid, loss_agg_mode, horizon,
                                     cfg.loss_scale_factor)
             ent_sum = _seq_numerator(ent_rows, row_tokens, valid, loss_agg_mode, horizon, cfg.loss_scale_factor)
-        if step.whole_batch:  # the loss's own micro-batch value times this contract's count
+        if step.whole_batch:  # the loss's own micro-batch value times this contract's count (under CP the
+            # step's loss is this rank's share of it, scaled by the CP size below like every share)
             if cfg.loss_mode == "geo_mean":  # the mean over every row, as verl's torch.mean
                 count = torch.tensor(rows.shape[0], device=rows.device)
             pg_sum = step.loss * count.to(step.loss.dtype)
@@ -663,9 +747,11 @@ def make_policy_loss_func(
             from .linear import linear_log_probs
 
             # megatron's MTP loss: each head's cross-entropy mean over its rolled mask, scaled by factor / L,
-            # added to this micro-batch's value (so loss_sum gains it times num_tokens)
-            scale = mtp_loss_scaling_factor / mtp_num_layers
-            for x_k, (tgt_k, m_k) in zip(mtp_parts, mtp_heads):
+            # added to this micro-batch's value (so loss_sum gains it times num_tokens). Under CP this rank's share:
+            # its cross-entropy sum over the micro-batch's weight sum, times the CP size like every share above
+            # (megatron's own MTP divides by the rank's weight sum; this is the single-process value)
+            scale = mtp_loss_scaling_factor / mtp_num_layers * seq_world
+            for k, (x_k, (tgt_k, m_k)) in enumerate(zip(mtp_parts, mtp_heads)):
                 tgt_k = tgt_k.to(x_k.device)
                 lp_k = linear_log_probs(x_k, out_weight, tgt_k.reshape(lead) if cu is not None else tgt_k.t(), tp,
                                         bias=out_bias,
@@ -673,8 +759,9 @@ def make_policy_loss_func(
                                         batch_invariant=batch_invariant)
                 lp_k = lp_k.reshape(-1) if cu is not None else lp_k.transpose(0, 1)
                 m_k = m_k.to(device=lp_k.device, dtype=lp_k.dtype)
-                ce_sum, n_k = -(lp_k * m_k).sum(), m_k.sum()
-                loss_sum = loss_sum + scale * safe_div(ce_sum, n_k) * n
+                ce_sum, n_k = -(lp_k * m_k).sum(), m_k.sum()  # this rank's: the metric's, summed over dp_group
+                n_all = mtp_totals[k].to(n_k.dtype) if seq_world > 1 else n_k
+                loss_sum = loss_sum + scale * safe_div(ce_sum, n_all) * n
                 mtp_pairs.append((ce_sum.detach(), n_k))
 
         rows = rows.detach()
