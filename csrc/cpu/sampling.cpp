@@ -1058,6 +1058,36 @@ RC_FORCEINLINE void sort_descending(double* v, int64_t n, std::vector<uint64_t>&
   std::sort(v, v + n, std::greater<double>());
 }
 
+// A row of gathered lists, each sorted descending (the shards' candidates), in descending order into out: merged
+// run by run (linear; tensor parallelism gives one run a rank) between two buffers, or sorted when there are many
+// runs. Returns the row to read: v itself when it is one run.
+template <typename acc_t>
+RC_FORCEINLINE const acc_t* order_descending(const acc_t* v, int64_t n, std::vector<acc_t>& out,
+                                             std::vector<acc_t>& spare, std::vector<uint64_t>& keys,
+                                             std::vector<uint64_t>& tmp) {
+  int64_t run_end[8];
+  int runs = 0;
+  for (int64_t i = 1; i <= n && runs < 8; ++i) {
+    if (i == n || v[i] > v[i - 1]) run_end[runs++] = i;
+  }
+  if (runs == 1) return v;
+  out.resize(static_cast<size_t>(n));
+  if (run_end[runs - 1] != n) {  // more than 8 runs
+    std::copy(v, v + n, out.begin());
+    sort_descending(out.data(), n, keys, tmp);
+    return out.data();
+  }
+  spare.resize(static_cast<size_t>(n));
+  // merged prefix in `out` (after the first merge), the next run appended by a merge into `spare`, then swapped
+  std::merge(v, v + run_end[0], v + run_end[0], v + run_end[1], out.begin(), std::greater<acc_t>());
+  for (int r = 2; r < runs; ++r) {
+    std::merge(out.begin(), out.begin() + run_end[r - 1], v + run_end[r - 1], v + run_end[r], spare.begin(),
+               std::greater<acc_t>());
+    out.swap(spare);
+  }
+  return out.data();
+}
+
 // The replay's decision on each row's gathered candidates (sorted descending, -inf padded; they hold every value
 // top-k can keep), sampling.py's rules: tau = max(floor (min-p), the k-th largest), then top-p over the survivors
 // in integer masses (top_p_mass, as the general search's histogram), the smallest v with M(<= v) > c, c =
@@ -1070,7 +1100,7 @@ RC_FORCEINLINE void decide_rows(const acc_t* cand, int64_t width, const double* 
   constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52: rounds to an integer, as top_p_mass
   const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
   std::vector<double> ex(static_cast<size_t>(width));  // e^(z - z_max) of each survivor (0 below e^-60)
-  std::vector<acc_t> row(static_cast<size_t>(width));
+  std::vector<acc_t> row, spare;
   std::vector<uint64_t> keys, tmp;
   for (int64_t r = b; r < e; ++r) {
     double* o = out + r * 4;
@@ -1078,11 +1108,7 @@ RC_FORCEINLINE void decide_rows(const acc_t* cand, int64_t width, const double* 
     o[0] = o[1] = o[2] = o[3] = 0.0;
     if (k[r] <= 0) continue;
     const acc_t* c = cand + r * width;
-    if (!std::is_sorted(c, c + width, std::greater<acc_t>())) {  // the shards' lists, gathered: sort them
-      std::copy(c, c + width, row.begin());
-      sort_descending(row.data(), width, keys, tmp);
-      c = row.data();
-    }
+    c = order_descending(c, width, row, spare, keys, tmp);  // the shards' lists, gathered: merged
     const double m = z_max[r];
     acc_t tau = floor[r];
     const acc_t kth = c[std::min(k[r], width) - 1];
