@@ -622,14 +622,14 @@ class _CandidateLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, logp, entropy, vals, idx, tcol, tau, lse, entropy64, in_support, inv_t):
-        ctx.save_for_backward(vals, idx, tcol, tau, lse, entropy64, in_support)
+        ctx.save_for_backward(vals, idx, tcol, tau, lse, entropy64, in_support, logits)
         ctx.info = (logits.shape[1], logits.dtype, inv_t)
         ctx.set_materialize_grads(False)
         return logp.clone(), entropy.clone()
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        vals, idx, tcol, tau, lse, entropy64, in_support = ctx.saved_tensors
+        vals, idx, tcol, tau, lse, entropy64, in_support, logits = ctx.saved_tensors
         cols, dtype, inv_t = ctx.info
         if grad_logp is None and grad_entropy is None:
             return (None,) * 11
@@ -648,7 +648,7 @@ class _CandidateLogProbs(torch.autograd.Function):
             g = (g * inv_t).to(torch.float64 if dtype == torch.float64 else torch.float32)
             grad = ops.scatter_rows(g, torch.where(kept, idx, torch.full_like(idx, -1)), cols, dtype)
         if torch.is_grad_enabled():  # create_graph=True: differentiating this gradient again must raise
-            anchors = [t for t in (grad_logp, grad_entropy) if t is not None and t.requires_grad]
+            anchors = [t for t in (logits, grad_logp, grad_entropy) if t is not None and t.requires_grad]
             if anchors:
                 grad = ops.NoDoubleBackward.apply(grad, "sampled_log_probs", *anchors)
         return (grad,) + (None,) * 10

@@ -621,14 +621,15 @@ def test_edge_batches_and_refusals():
         sampled_linear_log_probs(h, torch.randn(6, 4), torch.tensor([1, -100, 3]), sp, vocab_size=6)
 
 
+@pytest.mark.parametrize("top_k", [None, 4], ids=["general", "candidates"])
 @pytest.mark.parametrize("linear", [False, True], ids=["logits", "hidden"])
-def test_double_backward_is_refused(linear):
+def test_double_backward_is_refused(linear, top_k):
     from rollout_corr_ext.sampling import sampled_linear_log_probs
 
     x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
     w = torch.randn(8, 6, dtype=torch.float64)
     target = torch.tensor([1, 2, 3])
-    sp = SamplingParams(top_p=0.9)
+    sp = SamplingParams(top_p=0.9, top_k=top_k)
     r = sampled_linear_log_probs(x, w, target, sp, vocab_size=8) if linear else \
         sampled_log_probs(x, target, sp, vocab_size=6)
     g, = torch.autograd.grad(torch.where(r.in_support, r.log_prob, torch.zeros_like(r.log_prob)).sum(), x,
