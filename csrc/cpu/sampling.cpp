@@ -598,12 +598,9 @@ constexpr int64_t cand_chunk_cols() {
 }
 constexpr int64_t kCandPrefetchBytes = 16384;  // how far ahead the exp pass prefetches (as the log-prob kernels)
 
-// The order-preserving unsigned key of a float (-0.0 as 0.0), and back.
+// The order-preserving key of a float (ordered_key, the top-p search's) shifted to unsigned, and back.
 RC_FORCEINLINE uint32_t ordered_u32(float v) {
-  uint32_t b;
-  const float w = v + 0.0f;
-  std::memcpy(&b, &w, sizeof b);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return static_cast<uint32_t>(ordered_key(v) + 0x80000000LL);
 }
 RC_FORCEINLINE float from_ordered_u32(uint32_t u) {
   const uint32_t b = (u & 0x80000000u) ? (u & 0x7FFFFFFFu) : ~u;
