@@ -30,6 +30,12 @@ static bool built_with_cuda() {
 
 static int64_t cpu_cache_bytes(bool release) { return cpu::ReusedBlockAllocator::retained_bytes_all(release); }
 
+static at::Tensor cpu_scratch(at::IntArrayRef sizes, at::ScalarType dtype, int64_t slot) {
+  TORCH_CHECK(slot >= 0 && slot < cpu::kScratchSlots, "cpu_scratch: slot must be in [0, ", cpu::kScratchSlots,
+              "), got ", slot);
+  return cpu::reused_empty(sizes, dtype, static_cast<cpu::ReusedUse>(static_cast<int>(cpu::ReusedUse::kScratch0) + slot));
+}
+
 bool mm_f32_uses_mkl();  // csrc/cpu/linear.cpp
 
 static std::string cpu_isa() {
@@ -45,6 +51,10 @@ TORCH_LIBRARY(rollout_corr, m) {
   // Bytes the CPU kernels keep for their next large outputs (the out-of-place log-prob gradient, rollout weights and
   // mask: csrc/cpu/reused_buffer.h); with release, they are given back to the system first.
   m.def("cpu_cache_bytes(bool release) -> int", &cpu_cache_bytes);
+  // An uninitialised contiguous CPU tensor from the reused block of scratch `slot` (0 to 7): a temporary that a
+  // step frees and asks for again at the same size, written in pages already mapped (csrc/cpu/reused_buffer.h).
+  // A block is handed out again only after the tensor holding it was freed.
+  m.def("cpu_scratch(int[] size, ScalarType dtype, int slot) -> Tensor", &cpu_scratch);
   // The copy of the CPU log-prob kernels this process runs: "avx512", "avx2" or "baseline" (csrc/cpu/vec_math.h).
   m.def("cpu_isa() -> str", &cpu_isa);
 

@@ -94,12 +94,6 @@ inline at::Tensor defined_or_empty(const c10::optional<at::Tensor>& t) {
   return (t.has_value() && t->defined()) ? *t : at::Tensor();
 }
 
-// Outputs: loss_mat (log_prob's shape: [B, T], or [T] packed) and rows [B, 5], contiguous, accumulation dtype.
-inline std::tuple<at::Tensor, at::Tensor> new_policy_loss_outputs(const at::Tensor& log_prob, int64_t rows) {
-  const auto opts = log_prob.options().dtype(policy_acc_dtype(log_prob.scalar_type()));
-  return {at::empty(log_prob.sizes(), opts), at::empty({rows, kPgRowCols}, opts)};
-}
-
 template <typename scalar_t, typename acc_t>
 PolicyLossParams<scalar_t, acc_t> make_policy_loss_params(const at::Tensor& log_prob, const at::Tensor& old_log_prob,
                                                           const at::Tensor& advantages,

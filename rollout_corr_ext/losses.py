@@ -923,6 +923,19 @@ def _topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
                        at - head + nb * s)
 
 
+def _positions_of(flat: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The positions of ``flat`` (1-D, CPU) holding the value ``v`` ([1], not NaN), ascending. Only the blocks of
+    :data:`_TOPK_BLOCK` whose maximum reaches ``v`` are compared (one pass of block maxima, then those blocks): the
+    positions tied at a top-k boundary are few next to the tensor."""
+    s = _TOPK_BLOCK
+    nb = flat.numel() // s
+    blocks = flat[:nb * s].view(nb, s)
+    near = (blocks.amax(-1) < v).logical_not_().nonzero().squeeze(1)  # a NaN maximum hides nothing
+    at = (blocks[near] == v).nonzero()  # row-major: ascending positions
+    tail = (flat[nb * s:] == v).nonzero().squeeze(1) + nb * s
+    return torch.cat([near[at[:, 0]] * s + at[:, 1], tail])
+
+
 def _top_by_rule(flat: torch.Tensor, k: int) -> torch.Tensor:
     """The positions of the ``k`` largest values of a 1-D tensor, in the order (value descending, position
     ascending): a top-k whose ties are taken by the lower position, on every device (torch.topk leaves that order to
@@ -930,8 +943,8 @@ def _top_by_rule(flat: torch.Tensor, k: int) -> torch.Tensor:
 
     A top-(k + 1) by :func:`_topk_indices` gives the right values, so every position above the k-th value ``v``. On
     the CPU, when the (k + 1)-th value is below ``v`` (or ``v`` is -inf) the candidates hold every position at ``v``
-    and sorting them is all; otherwise the positions at ``v`` are the first ones of the tensor: on the CPU a
-    ``nonzero`` of ``flat == v``, on a GPU (where the test and a nonzero would be host reads) a cumulative count of
+    and sorting them is all; otherwise the positions at ``v`` are the first ones of the tensor: on the CPU found in
+    the blocks whose maximum reaches ``v`` (:func:`_positions_of`), on a GPU (where the test and a nonzero would be host reads) a cumulative count of
     ``flat == v`` (one more pass)."""
     n = flat.numel()
     idx = _topk_indices(flat, min(k + 1, n)).sort().values
@@ -942,9 +955,9 @@ def _top_by_rule(flat: torch.Tensor, k: int) -> torch.Tensor:
         vk = float(v)
         if k == n or vk == -math.inf or float(vals[k]) < vk:
             return idx[:k]
-        # the values above v, then the first positions holding v: a nonzero of flat == v (no cumulative count)
+        # the values above v, then the first positions holding v (no cumulative count)
         n_above = int((vals[:k] > v).sum())
-        return torch.cat([idx[:n_above], (flat == v).nonzero().squeeze(1)[:k - n_above]])
+        return torch.cat([idx[:n_above], _positions_of(flat, v)[:k - n_above]])
     idx, vals = idx[:k], vals[:k]
     n_above = (vals > v).sum()
     j = torch.arange(k, device=flat.device)
@@ -953,7 +966,7 @@ def _top_by_rule(flat: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _top_positions(score: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor, k_max: int, *,
-                   seq_group=None, cu_seqlens=None, weight: Optional[torch.Tensor] = None):
+                   seq_group=None, cu_seqlens=None, weight: Optional[torch.Tensor] = None, overwrite: bool = False):
     """The ``count`` eligible positions with the largest score, as ``(idx, keep, weight_sum)``: the flat positions
     of this rank's top-k of k_max and which of them are selected, with no host sync on a GPU: ``count`` is a 0-dim
     tensor, ``k_max >= count`` a bound known without reading data (a top-k of k_max, not a sort of every token).
@@ -971,8 +984,13 @@ def _top_positions(score: torch.Tensor, eligible: torch.Tensor, count: torch.Ten
     ``seq_group`` with more than one rank: ``k_max`` must be the global ``count`` itself (the same int on every
     rank). Each rank's own top-``count`` under that order (a rank can hold no more of the selection) goes into one
     all-gather of ``[count, 4]`` fp64 records per rank (score, sequence, position, weight); every rank sorts the
-    ``cp * count`` records by the order above and keeps its own among the first ``count``."""
-    flat = torch.where(eligible, score, -math.inf).reshape(-1)
+    ``cp * count`` records by the order above and keeps its own among the first ``count``.
+
+    ``overwrite``: ``score`` (contiguous) may be overwritten (its ineligible entries set to -inf in place)."""
+    if overwrite:
+        flat = torch.where(eligible, score, score.new_full((), -math.inf), out=score).view(-1)
+    else:
+        flat = torch.where(eligible, score, -math.inf).reshape(-1)
     elig = eligible.reshape(-1)
     k = min(max(1, int(k_max)), flat.numel())
     idx = _top_by_rule(flat, k) if k else torch.zeros(0, dtype=torch.int64, device=flat.device)
@@ -1004,6 +1022,24 @@ def _top_positions(score: torch.Tensor, eligible: torch.Tensor, count: torch.Ten
     return idx, keep, weight_sum
 
 
+#: Scratch slots (ops.scratch_empty) of the whole-batch losses' [B, T] temporaries: 0 and 1 are two of the
+#: accumulation dtype; one slot per other temporary that is alive at the same time as another.
+_SLOT_WEIGHTS, _SLOT_MASK, _SLOT_NZ, _SLOT_VALID, _SLOT_ELIGIBLE, _SLOT_TEST = 2, 3, 4, 5, 6, 7
+
+
+def _in_dtype(x: torch.Tensor, dtype: torch.dtype, slot: int) -> torch.Tensor:
+    """``x.to(dtype)``: ``x`` itself when it has that dtype, else a copy in scratch ``slot``."""
+    return x if x.dtype == dtype else ops.scratch_empty(x.shape, dtype, x.device, slot).copy_(x)
+
+
+def _nonzero_mask(response_mask: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``m != 0`` for ``m = response_mask`` in the accumulation dtype: a bool mask itself, else ``m`` cast to bool
+    (:func:`_nonzero`) in scratch slot ``_SLOT_NZ``."""
+    if response_mask.dtype == torch.bool:
+        return response_mask
+    return ops.scratch_empty(m.shape, torch.bool, m.device, _SLOT_NZ).copy_(m)
+
+
 def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
                    rollout_is_weights=None, *, cu_seqlens=None, seq_group=None):
     """Clip-Cov (arXiv:2505.22617, verl ``clip_cov``): PPO clip (log-ratio unbounded, no dual clip) whose tokens
@@ -1027,27 +1063,39 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
     cp = _seq_world(seq_group)
     whole = None
     with torch.no_grad():
-        m = response_mask.to(acc)
-        nz = _nonzero(m)
-        valid = m > 0
+        # [B, T] temporaries in reused blocks on the CPU (ops.scratch_empty, one slot each): two of acc for the
+        # masked sums, the ratios, then the covariance (its top-k masking in place) and the cut tokens; the
+        # kernel's weights; the masks.
+        shape, dev = log_prob.shape, log_prob.device
+        m = _in_dtype(response_mask, acc, _SLOT_MASK)
+        nz = _nonzero_mask(response_mask, m)
+        valid = torch.gt(m, 0, out=ops.scratch_empty(shape, torch.bool, dev, _SLOT_VALID))
+        s0, s1 = ops.scratch_empty(shape, acc, dev, 0), ops.scratch_empty(shape, acc, dev, 1)
+        zero = s0.new_zeros(())
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
-        m_sum, adv_sum, lp_sum = m.sum(), _masked_by(adv, nz, m).sum(), _masked_by(lp, nz, m).sum()
+        m_sum = m.sum()
+        adv_sum = torch.where(nz, adv, zero, out=s0).mul_(m).sum()  # _masked_by's values
+        lp_sum = torch.where(nz, lp, zero, out=s1).mul_(m).sum()
         if cp > 1:  # the micro-batch's sums over every rank's tokens, and the kernel's ppo_kl numerator (unclamped)
-            kl_sum = _masked_by(old_log_prob.to(acc) - lp, nz, m).sum()
+            kl_sum = torch.where(nz, torch.sub(old_log_prob.to(acc), lp, out=s0), zero, out=s0).mul_(m).sum()
             whole = _whole_sums((m_sum, adv_sum, lp_sum, kl_sum), m, log_prob, cu_seqlens, loss_agg_mode, cfg,
                                 seq_group)
             m_sum, adv_sum, lp_sum, kl_sum = whole.sums
         den = m_sum + LY.MASKED_MEAN_EPS  # verl_F.masked_mean's denominator
         # verl's clip_by_origin: -A clip(r) > -A r, i.e. A clip(r) < A r (negation is exact and flips the order;
         # NaN compares false either way)
-        ratio = torch.sub(lp, old_log_prob.to(acc)).exp_()
-        adv_r = adv * ratio
-        clipped = ratio.clamp_(1 - cfg.clip_low, 1 + cfg.clip_high).mul_(adv) < adv_r
+        ratio = torch.sub(lp, old_log_prob.to(acc), out=s0).exp_()
+        adv_r = torch.mul(adv, ratio, out=s1)
+        eligible = ops.scratch_empty(shape, torch.bool, dev, _SLOT_ELIGIBLE)
+        torch.lt(ratio.clamp_(1 - cfg.clip_low, 1 + cfg.clip_high).mul_(adv), adv_r, out=eligible)  # clipped
         del ratio, adv_r
-        cov = (adv - adv_sum / den).mul_(lp - lp_sum / den)
+        cov = torch.sub(adv, adv_sum / den, out=s0).mul_(torch.sub(lp, lp_sum / den, out=s1))
         # (cov < ub) & (cov > lb) & valid & ~(clipped & valid), without the repeated mask
-        eligible = (cov < cfg.clip_cov_ub).logical_and_(cov > cfg.clip_cov_lb).logical_and_(valid)
-        eligible.logical_and_(clipped.logical_not_())
+        test = ops.scratch_empty(shape, torch.bool, dev, _SLOT_TEST)
+        eligible.logical_not_().logical_and_(valid)
+        eligible.logical_and_(torch.lt(cov, cfg.clip_cov_ub, out=test))
+        eligible.logical_and_(torch.gt(cov, cfg.clip_cov_lb, out=test))
+        del test
         count = (cfg.clip_cov_ratio * m_sum).floor().clamp(min=1)
         if cp > 1:  # the global cap, the same int on every rank (the records' length)
             bound = int(count.item())
@@ -1056,24 +1104,25 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         else:  # mask weights may exceed 1 (verl counts sum(mask)): read the count (a host sync on CUDA only)
             bound = int(count.item())
         idx, keep, cut_sum = _top_positions(cov, eligible, count, bound, seq_group=seq_group,
-                                            cu_seqlens=cu_seqlens, weight=m)
-        del cov, eligible, clipped
-        # The kernel's weights: the cut indicator's complement corr (1, 0 at the cut tokens) times the IS weights,
-        # written only where a token is cut (1 * w == w).
+                                            cu_seqlens=cu_seqlens, weight=m, overwrite=True)
+        del cov, eligible
+        # The kernel's weights (alive until the backward): the cut indicator's complement corr (1, 0 at the cut
+        # tokens) times the IS weights, written only where a token is cut (1 * w == w).
         corr = (~keep).to(acc)
+        w = ops.scratch_empty(shape, acc, dev, _SLOT_WEIGHTS)
         if rollout_is_weights is None:
-            w = torch.ones(log_prob.shape, dtype=acc, device=log_prob.device)
+            w.fill_(1.0)
             w.view(-1)[idx] = corr
         else:
-            w = torch.empty(log_prob.shape, dtype=acc, device=log_prob.device)
             w.copy_(rollout_is_weights.detach())
             w_flat = w.view(-1)
             w_flat[idx] = corr * w_flat[idx]
         if cut_sum is None:
             # masked_mean(corr == 0, m): the cut tokens' mask values, summed over the same dense [B, T] as before
-            cut = torch.zeros(log_prob.shape, dtype=acc, device=log_prob.device)
+            cut = s1.zero_()
             cut.view(-1)[idx] = torch.where(keep, m.reshape(-1)[idx], 0.0)
             cut_sum = cut.sum()
+        del s0, s1
         clipfrac = cut_sum.to(acc) / den
     loss, _, rows = policy_loss_step(LY.PG_KIND_PPO_UNBOUNDED, old_log_prob, log_prob, advantages, response_mask,
                                  loss_agg_mode, cfg, w, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
@@ -1120,51 +1169,88 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
     cp = _seq_world(seq_group)
     whole = None
     with torch.no_grad():
-        m = response_mask.to(acc)
-        valid = m > 0
+        # [B, T] temporaries in reused blocks on the CPU (ops.scratch_empty, one slot each): two of acc for the
+        # masked sums, then the covariance (its top-k masking in place) and the |log-ratio| metric; the masks.
+        shape, dev = log_prob.shape, log_prob.device
+        m = _in_dtype(response_mask, acc, _SLOT_MASK)
+        valid = torch.gt(m, 0, out=ops.scratch_empty(shape, torch.bool, dev, _SLOT_VALID))
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
         n = torch.count_nonzero(valid)  # valid.sum(), without the cast to int64
+        s0, s1 = ops.scratch_empty(shape, acc, dev, 0), ops.scratch_empty(shape, acc, dev, 1)
+        zero = s0.new_zeros(())
 
-        def abs_kl_sum(out=None):  # actor/ppo_kl's numerator: masked_sum(|lp - lp_old|, m), in ``out`` if given
+        def abs_kl_sum(out):  # actor/ppo_kl's numerator: masked_sum(|lp - lp_old|, m), in ``out``
             abs_kl = torch.sub(lp, old_log_prob.to(acc), out=out).abs_()
-            return torch.where(_nonzero(m), abs_kl, abs_kl.new_zeros(()), out=abs_kl).mul_(m).sum()
+            return torch.where(_nonzero_mask(response_mask, m), abs_kl, zero, out=abs_kl).mul_(m).sum()
 
-        mean_a, mean_lp = torch.where(valid, adv, 0).sum(), torch.where(valid, lp, 0).sum()  # sums, for now
+        # sums, for now
+        mean_a, mean_lp = torch.where(valid, adv, zero, out=s0).sum(), torch.where(valid, lp, zero, out=s1).sum()
         if cp > 1:  # the micro-batch's sums over every rank's tokens
-            whole = _whole_sums((n.to(acc), mean_a, mean_lp, abs_kl_sum(), m.sum()), m, log_prob, cu_seqlens,
+            whole = _whole_sums((n.to(acc), mean_a, mean_lp, abs_kl_sum(s0), m.sum()), m, log_prob, cu_seqlens,
                                 loss_agg_mode, cfg, seq_group)
             n, mean_a, mean_lp, kl_sum, m_sum = whole.sums
             n = n.round().to(torch.int64)  # the count in the dtype one process has (the cap is computed from it)
         mean_a = mean_a / n.clamp(min=1)
         mean_lp = mean_lp / n.clamp(min=1)
-        cov = (adv - mean_a).mul_(lp - mean_lp)
+        cov = torch.sub(adv, mean_a, out=s0).mul_(torch.sub(lp, mean_lp, out=s1))
         count = (n * cfg.kl_cov_ratio).floor().clamp(min=1)
         # the global k under context parallelism (the same int on every rank), else a bound known without the data
         bound = int(count.item()) if cp > 1 else int(valid.numel() * cfg.kl_cov_ratio) + 1
-        idx, keep, _ = _top_positions(cov, valid, count, bound, seq_group=seq_group, cu_seqlens=cu_seqlens)
+        idx, keep, _ = _top_positions(cov, valid, count, bound, seq_group=seq_group, cu_seqlens=cu_seqlens,
+                                      overwrite=True)
         if whole is None:  # in cov's buffer
-            kl_sum, m_sum = abs_kl_sum(out=cov), m.sum()
+            kl_sum, m_sum = abs_kl_sum(cov), m.sum()
         ppo_kl = kl_sum / (m_sum + LY.MASKED_MEAN_EPS)
-        del cov
-    _, rows = ops.policy_loss_rows(ops.first_order_only(log_prob, fn), old_log_prob, advantages,
-                                   response_mask, rollout_is_weights, math.inf, math.inf, math.inf,
-                                   LY.PG_KIND_PPO_UNBOUNDED, cu_seqlens)
+        del cov, s0, s1
+        # The penalty lives on the selected tokens only, masked as agg_loss masks every token (where(m != 0, v, 0) *
+        # m): its per-token factor.
+        scale = cfg.ppo_kl_coef * keep.to(acc)
+        if rollout_is_weights is not None:
+            scale = scale * rollout_is_weights.detach().reshape(-1)[idx].to(acc)
+        m_sel = m.reshape(-1)[idx]
+        scale = torch.where(m_sel != 0, scale, torch.zeros_like(scale)) * m_sel
+        row_idx = _row_of(idx, log_prob, cu_seqlens)
+    loss_sums, rows = _RowsWithPenalty.apply(ops.first_order_only(log_prob, fn), old_log_prob, advantages,
+                                             response_mask, rollout_is_weights, cu_seqlens, idx, row_idx, scale)
     with torch.no_grad():  # agg_loss's token counts (after the op, which checks cu_seqlens)
         row_tokens = _row_sums(m, cu_seqlens) if whole is None else whole.row_tokens
-    # The penalty lives on the selected tokens only: gathered there (differentiable in log_prob), masked as agg_loss
-    # masks every token (where(m != 0, v, 0) * m) and added to the rows' loss sums.
-    x = log_prob.reshape(-1)[idx].to(acc) - old_log_prob.reshape(-1)[idx].to(acc)
-    penalty = cfg.ppo_kl_coef * x.abs() * keep.to(acc)
-    if rollout_is_weights is not None:
-        penalty = penalty * rollout_is_weights.detach().reshape(-1)[idx].to(acc)
-    m_sel = m.reshape(-1)[idx]
-    penalty = torch.where(m_sel != 0, penalty, torch.zeros_like(penalty)) * m_sel
-    rows_penalty = torch.zeros(rows.shape[0], dtype=acc, device=rows.device).index_add(
-        0, _row_of(idx, log_prob, cu_seqlens), penalty)
     horizon = padded_horizon(log_prob, cu_seqlens) if whole is None else _horizon(whole, log_prob, cu_seqlens)
-    loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM] + rows_penalty, row_tokens, loss_agg_mode, horizon,
-                          **cfg.global_batch_info)
+    loss = aggregate_rows(loss_sums, row_tokens, loss_agg_mode, horizon, **cfg.global_batch_info)
     return loss, {"actor/ppo_kl": ppo_kl}, rows
+
+
+class _RowsWithPenalty(torch.autograd.Function):
+    """kl_cov's per-row loss sums: the kernel's (-A r, unbounded; its rows returned too, not differentiable) plus,
+    on the selected tokens ``idx`` (rows ``row_idx``), ``scale * |log pi - log pi_old|``. One autograd node, so the
+    penalty's gradient (k values) is added in place into the kernel's gradient: no dense [B, T] gradient of the k
+    tokens built and summed with it."""
+
+    @staticmethod
+    def forward(ctx, log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens, idx, row_idx, scale):
+        weights = None if weights is None else weights.detach()
+        _, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, math.inf, math.inf,
+                                       math.inf, LY.PG_KIND_PPO_UNBOUNDED, cu_seqlens)
+        x = log_prob.reshape(-1)[idx].to(scale.dtype) - old_log_prob.reshape(-1)[idx].to(scale.dtype)
+        x = torch.where(scale != 0, x, torch.zeros_like(x))  # a token that adds nothing: its x (maybe NaN) unread
+        penalty = torch.zeros(rows.shape[0], dtype=scale.dtype, device=rows.device).index_add(0, row_idx,
+                                                                                              scale * x.abs())
+        ctx.save_for_backward(log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens, idx, row_idx,
+                              scale, x)
+        ctx.mark_non_differentiable(rows)
+        ctx.set_materialize_grads(False)
+        return rows[:, LY.PG_ROW_LOSS_SUM] + penalty, rows
+
+    @staticmethod
+    def backward(ctx, grad_sums, _grad_rows):
+        if grad_sums is None or not ctx.needs_input_grad[0]:
+            return (None,) * 9
+        log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens, idx, row_idx, scale, x = \
+            ctx.saved_tensors
+        grad = ops.policy_loss_backward(grad_sums, log_prob, old_log_prob, advantages, response_mask, weights,
+                                        math.inf, math.inf, math.inf, LY.PG_KIND_PPO_UNBOUNDED, cu_seqlens)
+        # d(scale |x|)/dx = scale sgn(x) (0 at x = 0, as torch's abs), times the row's gradient
+        grad.view(-1).index_add_(0, idx, (grad_sums[row_idx] * scale * torch.sgn(x)).to(grad.dtype))
+        return (grad,) + (None,) * 8
 
 
 def _without_rows(step, mode: str):

@@ -207,10 +207,22 @@ def logprob_backward_(
 def cpu_cache_bytes(release: bool = False) -> int:
     """Bytes the compiled CPU kernels keep for their next large outputs: the out-of-place log-prob gradient and
     rollout correction's weights and mask, one block each (csrc/cpu/reused_buffer.h; 0 without the compiled
-    kernels). With ``release`` they are given back to the system first, and the count of bytes freed is returned."""
+    kernels), the policy loss's per-token loss and the whole-batch losses' scratch blocks (:func:`scratch_empty`).
+    With ``release`` they are given back to the system first, and the count of bytes freed is returned."""
     if not _compiled:
         return 0
     return int(torch.ops.rollout_corr.cpu_cache_bytes.default(bool(release)))
+
+
+def scratch_empty(shape, dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
+    """An uninitialised contiguous tensor for a temporary that never leaves its call. On the CPU (compiled kernels,
+    eager) its storage is the reused block of scratch ``slot`` (0 to 7; one per temporary alive at the same time):
+    a step that frees it and asks again at the same size writes into pages already mapped instead of faulting in
+    fresh ones (csrc/cpu/reused_buffer.h; a block is handed out again only once the tensor holding it is freed).
+    Elsewhere ``torch.empty``."""
+    if _compiled and device.type == "cpu" and not torch.compiler.is_compiling():
+        return torch.ops.rollout_corr.cpu_scratch.default(list(shape), dtype, int(slot))
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def cpu_isa() -> str:
@@ -406,6 +418,25 @@ def first_order_only(x: torch.Tensor, what: str) -> torch.Tensor:
     if not (torch.is_grad_enabled() and x.requires_grad):
         return x
     return _FirstOrderOnly.apply(x, what)
+
+
+def policy_loss_backward(grad_rows_loss: torch.Tensor, log_prob: torch.Tensor, old_log_prob: torch.Tensor,
+                         advantages: torch.Tensor, response_mask: torch.Tensor, weights: Optional[torch.Tensor],
+                         clip_low: float, clip_high: float, clip_c: float, loss_kind: int,
+                         cu_seqlens: Optional[torch.Tensor] = None, param_a: float = 0.0,
+                         param_b: float = 0.0) -> torch.Tensor:
+    """d/d ``log_prob`` of ``sum_b grad_rows_loss[b] * rows[b, LY.PG_ROW_LOSS_SUM]`` of :func:`policy_loss_rows`
+    (same arguments), for callers that run the op inside an autograd function of their own: the kernel's backward
+    (its output may be a reused block, the caller's to write), or autograd through the fallback."""
+    if _has_kernel(log_prob.device):
+        return torch.ops.rollout_corr.policy_loss_backward.default(
+            None, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights, float(clip_low),
+            float(clip_high), float(clip_c), int(loss_kind), cu_seqlens, float(param_a), float(param_b))
+    with torch.enable_grad():
+        x = log_prob.detach().requires_grad_(True)
+        _, rows = fallback.policy_loss_rows(x, old_log_prob, advantages, response_mask, weights, clip_low, clip_high,
+                                            clip_c, loss_kind, cu_seqlens, param_a, param_b)
+        return torch.autograd.grad(rows[:, LY.PG_ROW_LOSS_SUM], x, grad_rows_loss)[0]
 
 
 def policy_loss_rows(

@@ -19,6 +19,7 @@ import torch
 from rollout_corr_testing import dense_oracles as R
 from rollout_corr_testing.backends import device_params, ops_on
 from rollout_corr_testing.tolerances import LOSS_TOL
+from rollout_corr_ext import losses
 from rollout_corr_ext.losses import (
     LOSS_AGG_MODES,
     PolicyLossConfig,
@@ -385,6 +386,11 @@ def test_double_backward_is_refused(device):
             "compute_policy_loss_reinforce": lambda: compute_policy_loss_reinforce(old, lp, adv, mask)[0],
             "calculate_grpo_loss": lambda: calculate_grpo_loss(lp, old, old - 0.1, adv[:, 0].contiguous(), 0.2,
                                                                0.2, 0.0, 0.0)[0].sum(),
+            # the whole-batch losses: kl_cov's penalty has an autograd node of its own
+            "compute_policy_loss_kl_cov": lambda: losses.compute_policy_loss_kl_cov(
+                old, lp, adv, mask, "token-mean", PolicyLossConfig(kl_cov_ratio=0.2), w)[0],
+            "compute_policy_loss_clip_cov": lambda: losses.compute_policy_loss_clip_cov(
+                old, lp, adv, mask, "token-mean", PolicyLossConfig(clip_cov_ratio=0.2, clip_cov_lb=-5.0), w)[0],
         }
         for what, call in calls.items():
             g1, = torch.autograd.grad(call(), lp)

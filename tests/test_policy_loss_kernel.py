@@ -408,4 +408,32 @@ def test_cpu_gradient_block_is_reused_and_fully_overwritten(compiled_backend, ki
     assert again.data_ptr() == ptr, "the kept block was not reused"
     assert torch.equal(again, want)
     assert bool((again[~mask] == 0).all())
-    assert rc.empty_cpu_cache() == 0
+    # what is cached now: the per-token loss's block (csrc/cpu/policy_loss.cpp; freed with `loss` in grad())
+    acc_bytes = 8 if dtype == torch.float64 else 4
+    assert rc.empty_cpu_cache() == b * t * acc_bytes
+
+
+@pytest.mark.parametrize("kind", [PG_KIND_PPO_CLIP, PG_KIND_REINFORCE])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cpu_loss_mat_block_is_reused_and_fully_overwritten(compiled_backend, kind, dtype):
+    """The CPU forward's per-token loss comes from a one-block cache too: a freed one serves the next forward of
+    the same size, which writes every element even though the block held other values."""
+    import rollout_corr_ext as rc
+
+    g = torch.Generator().manual_seed(5)
+    b, t = 16, 512
+    old = (-torch.rand(b, t, generator=g) * 3).to(dtype)
+    lp = (old.double() + 0.1 * torch.randn(b, t, generator=g, dtype=torch.float64)).to(dtype)
+    adv = torch.randn(b, t, generator=g).to(dtype)
+    mask = torch.rand(b, t, generator=g) > 0.3
+    rc.empty_cpu_cache()
+    first, _ = torch.ops.rollout_corr.policy_loss_rows(lp, old, adv, mask, None, 0.2, 0.28, 3.0, kind)
+    want, ptr = first.clone(), first.data_ptr()
+    first.fill_(1e4)
+    del first
+    again, _ = torch.ops.rollout_corr.policy_loss_rows(lp, old, adv, mask, None, 0.2, 0.28, 3.0, kind)
+    assert again.data_ptr() == ptr, "the kept block was not reused"
+    assert torch.equal(again, want)
+    held = again
+    other, _ = torch.ops.rollout_corr.policy_loss_rows(lp, old, adv, mask, None, 0.2, 0.28, 3.0, kind)
+    assert other.data_ptr() != held.data_ptr(), "a live loss's block is never handed out again"

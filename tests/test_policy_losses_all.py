@@ -19,7 +19,7 @@ import warnings
 import pytest
 import torch
 
-from rollout_corr_ext import losses
+from rollout_corr_ext import losses, ops
 from rollout_corr_ext import verl as rv
 from rollout_corr_testing.backends import policy_loss_backend
 from rollout_corr_testing.dist_utils import dist_params, run_workers
@@ -781,3 +781,70 @@ def test_candidate_topk_equals_torch_topk(case):
         want = torch.topk(x, kk, sorted=True).indices
         got = losses._topk_indices(x, kk)
         assert torch.equal(got, want), (case, kk)
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "ties_tail", "few_ties", "neg_inf", "fp64"])
+def test_top_by_rule_equals_stable_sort(case):
+    """The selection rule of clip_cov / kl_cov (value descending, then position ascending), against a stable sort:
+    the CPU path finds the positions tied at the k-th value in the blocks whose maximum reaches it only."""
+    g = torch.Generator().manual_seed(len(case))
+    n = (1 << 16) + (45 if case == "ties_tail" else 0)
+    x = torch.randn(n, generator=g)
+    if case in ("ties", "ties_tail"):  # many values at the boundary, in the tail too
+        x = torch.randint(0, 5, (n,), generator=g).float()
+    elif case == "few_ties":  # a handful of copies of one large value, far apart
+        x[torch.randint(0, n, (9,), generator=g)] = 3.5
+    elif case == "neg_inf":  # ineligible entries, as the losses mask them
+        x[torch.rand(n, generator=g) < 0.9] = -math.inf
+    elif case == "fp64":
+        x = torch.randint(0, 3, (n,), generator=g).double()
+    for k in (1, 7, 300, 1000):
+        want = torch.sort(x, descending=True, stable=True).indices[:k]
+        got = losses._top_by_rule(x, k)
+        assert torch.equal(got, want), (case, k)
+
+
+def test_scratch_blocks_are_reused_never_shared():
+    """ops.scratch_empty: a slot's block goes to the next request only once the tensor holding it is freed, so two
+    live temporaries never alias; the blocks count in cpu_cache_bytes and empty_cpu_cache() frees them."""
+    if not ops._compiled:
+        pytest.skip("the compiled extension is not built")
+    import rollout_corr_ext as rc
+
+    rc.empty_cpu_cache()
+    cpu = torch.device("cpu")
+    a = ops.scratch_empty((64, 1000), torch.float32, cpu, 0)
+    b = ops.scratch_empty((64, 1000), torch.float32, cpu, 0)  # the same slot while `a` lives: a block of its own
+    assert a.data_ptr() != b.data_ptr() and a.is_contiguous() and a.shape == (64, 1000)
+    ptr = a.data_ptr()
+    del a
+    c = ops.scratch_empty((64, 1000), torch.float32, cpu, 0)
+    assert c.data_ptr() == ptr, "the freed block serves the next request of its size"
+    d = ops.scratch_empty((64, 1000), torch.bool, cpu, 1)
+    assert d.dtype == torch.bool and d.data_ptr() not in (b.data_ptr(), c.data_ptr())
+    del b, c, d
+    assert ops.cpu_cache_bytes() >= 64 * 1000 * 5
+    assert rc.empty_cpu_cache() >= 64 * 1000 * 5 and ops.cpu_cache_bytes() == 0
+    with pytest.raises(RuntimeError, match="slot must be in"):
+        ops.scratch_empty((4,), torch.float32, cpu, 8)
+
+
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+def test_whole_batch_losses_repeat_exactly(name):
+    """clip_cov / kl_cov write their temporaries into reused blocks: a second call (blocks holding the first call's
+    values) and a call on other inputs in between give bitwise the same loss, metrics and gradient; the inputs are
+    untouched."""
+    core, _, _ = _verl()
+    actor = _actor(name)
+    cfg = losses.PolicyLossConfig.from_dict(actor)
+    fn = getattr(losses, "compute_policy_loss_" + name)
+    old, lp, adv, mask, w = _inputs(seed=21)
+    saved = [t.clone() for t in (old, lp, adv, mask, w)]
+    first = _run(fn, old, lp, adv, mask, "token-mean", cfg, w)
+    other = _inputs(seed=22)
+    _run(fn, *other[:4], "seq-mean-token-sum", cfg, other[4])
+    again = _run(fn, old, lp, adv, mask, "token-mean", cfg, w)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[2], again[2])
+    assert {k: float(v) for k, v in first[1].items()} == {k: float(v) for k, v in again[1].items()}
+    for t, s in zip((old, lp, adv, mask, w), saved):
+        assert torch.equal(t, s)

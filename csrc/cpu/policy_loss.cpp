@@ -675,7 +675,11 @@ std::tuple<at::Tensor, at::Tensor> policy_loss_rows_cpu(const at::Tensor& log_pr
   const SeqLayout layout = seq_layout(log_prob, cu_seqlens);  // first: names a layout mistake as such
   check_policy_loss_inputs(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
                            loss_kind, param_a, param_b);
-  auto [loss_mat, rows] = new_policy_loss_outputs(log_prob, layout.rows);
+  // loss_mat (log_prob's shape) and rows [B, 5], contiguous, in the accumulation dtype. loss_mat, which most callers
+  // drop at once, comes from a reused block: a step writes it into pages already mapped.
+  const at::ScalarType acc = policy_acc_dtype(log_prob.scalar_type());
+  const at::Tensor loss_mat = cpu::reused_empty(log_prob.sizes(), acc, cpu::ReusedUse::kPolicyLossMat);
+  const at::Tensor rows = at::empty({layout.rows, kPgRowCols}, log_prob.options().dtype(acc));
   const at::Tensor w = defined_or_empty(weights);
   const at::Tensor undefined = new_undefined_flag(log_prob);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, log_prob.scalar_type(), "policy_loss_rows_cpu", [&] {

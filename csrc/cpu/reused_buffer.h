@@ -33,9 +33,19 @@
 namespace rollout_corr {
 namespace cpu {
 
-// What a cache serves: one block is kept per use.
-enum class ReusedUse : int { kLogprobGrad = 0, kRolloutWeights = 1, kRolloutMask = 2, kPolicyGrad = 3 };
-constexpr int kReusedUses = 4;
+// What a cache serves: one block is kept per use. kPolicyLossMat: the policy loss's per-token loss, which most
+// callers drop at once. kScratch0 + slot: the policy losses' whole-batch temporaries (clip_cov / kl_cov's
+// covariance, its masks and masked sums: rollout_corr_ext/losses.py), which never leave the call.
+constexpr int kScratchSlots = 8;
+enum class ReusedUse : int {
+  kLogprobGrad = 0,
+  kRolloutWeights = 1,
+  kRolloutMask = 2,
+  kPolicyGrad = 3,
+  kPolicyLossMat = 4,
+  kScratch0 = 5,  // .. kScratch0 + kScratchSlots - 1
+};
+constexpr int kReusedUses = static_cast<int>(ReusedUse::kScratch0) + kScratchSlots;
 
 class ReusedBlockAllocator final : public c10::Allocator {
  public:
