@@ -649,9 +649,10 @@ def _whole_sums(sums, m, log_prob, cu_seqlens, loss_agg_mode, cfg, seq_group) ->
     if cu_seqlens is not None:  # the values, before the first use (the op, which checks them too, runs later)
         _checks.check_cu_seqlens(log_prob, cu_seqlens)
     row_tokens = _row_sums(m, cu_seqlens)
-    parts = [torch.stack(list(sums)).double(), row_tokens.double()]
+    parts = ([torch.stack(list(sums)).double()] if len(sums) else []) + [row_tokens.double()]
     horizon = None
-    if loss_agg_mode == "seq-mean-token-sum-norm" and cfg.loss_scale_factor is None:
+    with_horizon = loss_agg_mode == "seq-mean-token-sum-norm" and cfg.loss_scale_factor is None
+    if with_horizon:
         if cu_seqlens is None:
             parts.append(row_tokens.new_full((1,), float(log_prob.shape[-1]), dtype=torch.float64))
         else:
@@ -659,7 +660,7 @@ def _whole_sums(sums, m, log_prob, cu_seqlens, loss_agg_mode, cfg, seq_group) ->
             parts.append((cu[1:] - cu[:-1]).double())
     flat = _seq_all_reduce(torch.cat(parts), seq_group)
     n, b = len(sums), row_tokens.shape[0]
-    if len(parts) == 3:
+    if with_horizon:
         rest = flat[n + b:]
         horizon = rest[0] if cu_seqlens is None else (rest.max().clamp(min=1) if rest.numel() else 1)
     return _WholeSums(flat[:n].to(acc), flat[n:n + b].to(acc), horizon)
@@ -1464,6 +1465,7 @@ def policy_step(
     diagnostics=None,
     nonfinite: str = "error",
     flow: Optional[str] = None,
+    loss_share: bool = True,
     fn: str = "policy_step",
 ) -> PolicyStep:
     """The policy step every entry point runs (:func:`compute_policy_loss`, megatron's ``loss_func``, the verl
@@ -1482,6 +1484,12 @@ def policy_step(
        ``seq_group``), or a whole-batch loss's own function, exact over ``seq_group`` (each rank's ``loss`` is then
        its share of the one-process loss: the shares add up to it, and each rank's gradient is the one-process
        gradient on its tokens; the metrics are the one-process values).
+    5. Context parallelism (``seq_group`` of more than one rank) and a per-token loss: with ``loss_share`` (the
+       default) ``loss`` is this rank's share of the one-process loss too, as for the whole-batch losses:
+       :func:`aggregate_rows` of its row loss sums with the whole sequences' token counts (one all-reduce of B
+       numbers, B + 1 or 2B for ``seq-mean-token-sum-norm``), each rank's gradient the one-process gradient on its
+       tokens; the per-token loss's metrics stay this rank's. ``loss_share=False``: this rank's own aggregate, no
+       collective, for a caller that combines the ranks' row sums itself (megatron's ``loss_func``).
 
     ``fn`` names the caller in error messages. Returns a :class:`PolicyStep`.
     """
@@ -1544,11 +1552,16 @@ def policy_step(
         if kind == LY.PG_KIND_GSPO:  # the sequence ratio is a constant computed here: pi_old must be one too
             refuse_grad(fn, **{old_name: old})
             old, gspo_x_sum = gspo_sequence_log_ratio(log_prob, old, mask, cu_seqlens=cu_seqlens, seq_group=seq_group)
-        loss, _, rows = policy_loss_step(kind, old, log_prob, advantages, mask,
-                                         _FORCED_AGG.get(cfg.loss_mode, loss_agg_mode), cfg, weights,
+        loss_agg_mode = _FORCED_AGG.get(cfg.loss_mode, loss_agg_mode)
+        loss, _, rows = policy_loss_step(kind, old, log_prob, advantages, mask, loss_agg_mode, cfg, weights,
                                          old_name=old_name, cu_seqlens=cu_seqlens, fn=fn, params=params,
                                          metric_keys=())
         loss_metrics = _token_metrics(cfg.loss_mode, rows, gspo_x_sum)
+    if not whole and loss_share and _seq_world(seq_group) > 1:  # this rank's share of the one-process loss
+        with torch.no_grad():
+            counts = _whole_sums((), mask.to(rows.dtype), log_prob, cu_seqlens, loss_agg_mode, cfg, seq_group)
+        loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM], counts.row_tokens, loss_agg_mode,
+                              _horizon(counts, log_prob, cu_seqlens), **cfg.global_batch_info)
     return PolicyStep(loss, loss_metrics, rows, mask, flow, whole, correction_metrics, opsm_frac, gspo_x_sum,
                       prox_error)
 

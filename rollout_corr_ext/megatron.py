@@ -700,7 +700,7 @@ def make_policy_loss_func(
         step = policy_step(cfg, old_in, logp, advantages, given, loss_agg_mode, rollout_log_prob=rollout_in,
                            dp_group=dp, seq_group=seq, cu_seqlens=cu, versions=versions_in,
                            current_version=current_version, proximal=proximal, diagnostics=diag_spec,
-                           fn="make_policy_loss_func")
+                           loss_share=False, fn="make_policy_loss_func")
         rows, mask = step.rows, step.mask
         m = mask.to(logp.dtype)
         ent_masked = torch.where(mask != 0, entropy, torch.zeros_like(entropy)).mul(m)

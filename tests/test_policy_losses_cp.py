@@ -299,14 +299,55 @@ def _cp_losses(seq_group, cp, rank, failures, seed=0, dp_group=None):
             _compare(what + " (policy_step, decoupled)", got, want, pos, seq_group, failures)
 
 
+#: Per-token losses through the front door under CP (the kernel's rows; GSPO's sequence ratio over seq_group).
+TOKEN_LOSSES = ("vanilla", "gspo", "sapo", "dro", "cispo", "gpg")
+
+
+def _cp_token_losses(seq_group, cp, rank, failures, seed=0):
+    """Per-token losses through compute_policy_loss under CP: each rank's loss is its share of the one-process loss
+    (the shares add up to it) and its gradient the one-process gradient on its tokens, as for the whole-batch
+    losses; the metrics are the rank's own (not compared)."""
+    old, lp, adv, mask, w = _batch(seed)
+    packed_pos, packed_cu = _packed(mask)
+    whole_packed = [t.reshape(-1)[packed_pos] for t in (old, lp, adv, mask)]
+
+    def run(cfg, o, x, a, m, mode, **kw):
+        x = x.clone().requires_grad_(True)
+        loss, _ = losses.compute_policy_loss(o, x, a, m, mode, cfg, **kw)
+        loss.backward()
+        return loss.detach(), {}, x.grad
+
+    for name in TOKEN_LOSSES:
+        cfg = losses.PolicyLossConfig(loss_mode=name, clip_ratio=0.2, clip_ratio_high=0.28, dro_beta=0.5)
+        for mode in MODES:
+            for layout, split in (("padded", "halves"), ("padded", "megatron"), ("packed", "halves")):
+                what = f"{name}/{mode}/{layout}/{split} (compute_policy_loss)"
+                if layout == "packed":
+                    want = run(cfg, *whole_packed, mode, cu_seqlens=packed_cu)
+                else:
+                    want = run(cfg, old, lp, adv, mask, mode)
+                (o, x, a, m), cu, pos = _cut((old, lp, adv, mask), layout, split, cp, rank, mask)
+                if layout == "packed":
+                    pos = torch.searchsorted(packed_pos, pos)
+                got = run(cfg, o, x, a, m, mode, cu_seqlens=cu, seq_group=seq_group)
+                _compare(what, got, want, pos, seq_group, failures)
+                # loss_share=False: the rank's own aggregate, no collective
+                own = losses.policy_step(cfg, o, x, a, m, mode, cu_seqlens=cu, seq_group=seq_group,
+                                         loss_share=False)
+                local = losses.policy_step(cfg, o, x, a, m, mode, cu_seqlens=cu) if name != "gspo" else own
+                if not _close(own.loss, local.loss):
+                    failures.append(f"{what}: loss_share=False is not the rank's own aggregate")
+
+
 def _cp_worker(rank, world):
     failures = []
     _cp_losses(dist.group.WORLD, world, rank, failures)
+    _cp_token_losses(dist.group.WORLD, world, rank, failures)
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("device", dist_params(2, cuda_reason="the gloo variant covers the collectives"))
-def test_whole_batch_losses_context_parallel_equal_one_process(device):
+def test_policy_losses_context_parallel_equal_one_process(device):
     run_workers(_cp_worker, 2, device=device)
 
 
