@@ -158,10 +158,12 @@ def _seq_numerator(row_sum, row_tokens, valid, mode, horizon, loss_scale_factor)
     return total
 
 
-def _packed_boundaries(packed_seq_params, cu_seqlens, cp_size: int):
+def _packed_boundaries(packed_seq_params, cu_seqlens, cp_size: int, per_sequence: bool = False):
     """This rank's packed-sequence boundaries: ``cu_seqlens`` as given, or megatron's ``PackedSeqParams``
     (``cu_seqlens_q_padded`` else ``cu_seqlens_q``; divided by the CP size, as each CP rank holds that share of every
-    padded sequence). None: padded [b, s] batches."""
+    padded sequence: each padded length must be divisible by 2 * cp). ``per_sequence`` (megatron's
+    ``use_per_sequence_balancing``) under CP: the whole stream's boundaries, which :func:`_zigzag_boundaries` turns
+    into this rank's once the stream's length is known. None: padded [b, s] batches."""
     if packed_seq_params is not None and cu_seqlens is not None:
         raise ValueError("pass either packed_seq_params or cu_seqlens, not both")
     if cu_seqlens is not None:
@@ -177,7 +179,38 @@ def _packed_boundaries(packed_seq_params, cu_seqlens, cp_size: int):
         cu = _attr(packed_seq_params, "cu_seqlens_q")
     if cu is None:
         raise ValueError("packed_seq_params carries no cu_seqlens_q / cu_seqlens_q_padded")
-    return cu // cp_size if cp_size > 1 else cu
+    if cp_size == 1 or per_sequence:
+        return cu
+    # megatron's per-document split (TE's thd_get_partitioned_indices): 2 * cp equal chunks of every padded sequence
+    lengths = cu[1:] - cu[:-1]
+    uneven = (lengths % (2 * cp_size)).ne(0).any()
+    msg = (f"packed sequences under context parallelism ({cp_size} ranks): every padded sequence length "
+           f"(cu_seqlens_q_padded) must be divisible by 2 * cp = {2 * cp_size} (megatron's per-document split); "
+           f"a batch split with use_per_sequence_balancing needs make_policy_loss_func(use_per_sequence_balancing=True)")
+    if cu.device.type == "cpu":
+        if bool(uneven):
+            raise ValueError(msg)
+    else:  # no host sync on a GPU: a device-side assert
+        torch._assert_async(uneven.logical_not(), msg)
+    return cu // cp_size
+
+
+def _zigzag_boundaries(cu: torch.Tensor, n: int, cp: int, rank: int) -> torch.Tensor:
+    """This CP rank's packed-sequence boundaries when the whole packed stream (boundaries ``cu``) was split as one
+    sequence (megatron-core 0.19's ``use_per_sequence_balancing``: ``2 * cp`` equal chunks of the stream, rank r
+    holding chunks r and 2cp-1-r; ``n`` = 2 chunks, this rank's stream length). A sequence's local piece is its
+    overlap with the two chunks; in the local stream the pieces come in sequence order and each is contiguous (a
+    sequence in both chunks ends the first and starts the second), so the local boundaries are the cumulative sums
+    of the overlaps: [B + 1], no host read."""
+    if n % 2:
+        raise ValueError(f"use_per_sequence_balancing under context parallelism: this rank's packed stream has {n} "
+                         f"tokens, not two equal chunks (the stream length must be divisible by 2 * cp = {2 * cp})")
+    c = n // 2
+    cu = cu.to(torch.int64)
+    lo = torch.tensor([rank * c, (2 * cp - 1 - rank) * c], device=cu.device)
+    start, end = cu[:-1].unsqueeze(1), cu[1:].unsqueeze(1)
+    overlap = (torch.minimum(end, lo + c) - torch.maximum(start, lo)).clamp(min=0).sum(1)
+    return torch.cat([overlap.new_zeros(1), overlap.cumsum(0)])
 
 
 def _bs(name: str, t, shape) -> torch.Tensor:
@@ -308,6 +341,7 @@ def make_policy_loss_func(
     batch_invariant: bool = False,
     mtp_num_layers: int = 0,
     mtp_loss_scaling_factor: float = 0.1,
+    use_per_sequence_balancing: bool = False,
     versions: Optional[torch.Tensor] = None,
     current_version: Optional[int] = None,
     proximal: str = "loglinear",
@@ -368,7 +402,12 @@ def make_policy_loss_func(
     **Packed sequences** (sequence packing, megatron's THD layout): pass megatron's ``packed_seq_params`` (its
     ``cu_seqlens_q_padded``, else ``cu_seqlens_q``; with CP > 1 each rank holds ``1 / cp_size`` of every padded
     sequence, so the local boundaries ``cu_seqlens_q_padded // cp_size`` are used) or ``cu_seqlens`` itself (this
-    rank's local boundaries). Then ``target``, ``response_mask``, ``old_log_prob``, ``rollout_log_prob`` are the
+    rank's local boundaries). ``use_per_sequence_balancing=True``: the batch was split as megatron-core 0.19's
+    ``get_batch_on_this_cp_rank(use_per_sequence_balancing=True)`` splits it (the whole packed stream cut into
+    ``2 * cp_size`` chunks, rank r holding chunks r and ``2 * cp_size - 1 - r``; ``cu_seqlens_q_padded`` of the
+    whole stream): the local boundaries are each sequence's overlap with this rank's chunks. Without it, a padded
+    length not divisible by ``2 * cp_size`` is a ValueError (a device assert on a GPU): the per-document split
+    cannot have produced it. Then ``target``, ``response_mask``, ``old_log_prob``, ``rollout_log_prob`` are the
     packed token stream ``[T]`` (or ``[1, T]`` / ``[T, 1]``), ``advantages`` is ``[T]`` or one value per sequence
     ``[B]``, and the logits are ``[T, 1, V_local]`` (``sbv``) or ``[1, T, V_local]`` (``bsv``). Padding tokens
     between segments must be 0 in ``response_mask``. No reshaping to ``[b, s]`` anywhere: every sequence-level
@@ -478,6 +517,8 @@ def make_policy_loss_func(
                          "log-probs are per row already and the logits come from your own GEMM")
     if logits_layout not in ("sbv", "bsv"):
         raise ValueError(f"logits_layout must be 'sbv' (output layer) or 'bsv' (GPTModel output), got {logits_layout!r}")
+    if not isinstance(use_per_sequence_balancing, bool):
+        raise TypeError(f"use_per_sequence_balancing must be a bool, got {type(use_per_sequence_balancing).__name__}")
     if isinstance(mtp_num_layers, bool) or not isinstance(mtp_num_layers, int) or mtp_num_layers < 0:
         raise ValueError(f"mtp_num_layers must be an int >= 0 (megatron's config.mtp_num_layers), got "
                          f"{mtp_num_layers!r}")
@@ -502,7 +543,11 @@ def make_policy_loss_func(
         seq_group = packed_seq_params.cp_group  # megatron-core >= 0.19: this batch's own CP group (hybrid CP)
     dp, seq = _loss_groups(dp_group, seq_group, pg_collection)
     seq_world = _size(seq)
-    cu = _packed_boundaries(packed_seq_params, cu_seqlens, seq_world)
+    zigzag = use_per_sequence_balancing and seq_world > 1 and packed_seq_params is not None
+    if zigzag and mtp_num_layers:
+        raise ValueError("mtp_num_layers > 0 with use_per_sequence_balancing under context parallelism is not "
+                         "supported (the MTP heads' shift follows megatron's per-document split)")
+    cu = _packed_boundaries(packed_seq_params, cu_seqlens, seq_world, per_sequence=use_per_sequence_balancing)
     if cu is not None:  # packed: 1-D token streams
         if target.dim() == 2 and 1 in tuple(target.shape):
             target, response_mask, old_log_prob, rollout_log_prob = (
@@ -510,6 +555,8 @@ def make_policy_loss_func(
         if target.dim() != 1:
             raise ValueError(f"with packed sequences target must be the packed token stream [T] (or [1, T] / "
                              f"[T, 1]), got shape {tuple(target.shape)}")
+        if zigzag:
+            cu = _zigzag_boundaries(cu, target.shape[0], seq_world, dist.get_rank(seq))
         cu = cu.to(target.device)
         num_seqs = cu.shape[0] - 1
         if isinstance(advantages, torch.Tensor) and advantages.dim() == 1 and advantages.shape[0] == num_seqs \
@@ -706,21 +753,31 @@ def make_policy_loss_func(
         ent_masked = torch.where(mask != 0, entropy, torch.zeros_like(entropy)).mul(m)
         ent_rows = ent_masked.sum(-1) if cu is None else segment_sum(ent_masked, cu)
         # Whole sequences: under CP the ranks of seq_group hold pieces of the same sequences, so the per-row token
-        # counts, the padded length and the valid-token count are summed over it (one all-reduce of B + 2
-        # numbers, fp64 so counts stay exact) and every CP rank reports the micro-batch's num_tokens. Its share
+        # counts, the padded length (packed: the B sequence lengths) and the valid-token count are summed over it
+        # (one all-reduce of B + 2 numbers, 2B + 1 packed, fp64 so counts stay exact) and every CP rank reports the
+        # micro-batch's num_tokens. Its share
         # of the numerator is scaled by the CP size, as megatron-core scales CP losses: then both of megatron's
         # reductions give the single-process value (the sum over DP x CP ranks of loss_sum over that of
         # num_tokens with calculate_per_token_loss=True; otherwise the mean over the ranks of loss_sum / num_tokens).
         row_tokens = rows[:, LY.PG_ROW_TOKENS].detach()
-        local_horizon = (row_tokens.new_full((1,), float(logp.shape[-1]), dtype=torch.float64)  # no H2D copy
-                         if cu is None else padded_horizon(logp, cu).double().reshape(1))
+        n_rows = row_tokens.shape[0]
+        if cu is None:  # the padded width (under CP each rank's share of it: the shares add up to it)
+            local_horizon = row_tokens.new_full((1,), float(logp.shape[-1]), dtype=torch.float64)  # no H2D copy
+        elif seq_world > 1:  # packed under CP: each sequence's local length, summed to its whole length, then max
+            local_horizon = (cu[1:] - cu[:-1]).to(device=row_tokens.device, dtype=torch.float64)
+        else:
+            local_horizon = padded_horizon(logp, cu).double().reshape(1)
         # under CP the MTP heads' weight sums ride on the same all-reduce: each head's mean is over the micro-batch
         mtp_local = [m_k.double().sum().reshape(1) for _, m_k in mtp_heads] if seq_world > 1 else []
         counts = torch.cat([row_tokens.double(), local_horizon, (mask != 0).sum().double().reshape(1)] + mtp_local)
         if seq_world > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=seq)
         counts, mtp_totals = counts[:counts.shape[0] - len(mtp_local)], counts[counts.shape[0] - len(mtp_local):]
-        row_tokens, horizon, valid_tokens = counts[:-2].to(rows.dtype), counts[-2], counts[-1]
+        row_tokens, horizon, valid_tokens = counts[:n_rows].to(rows.dtype), counts[n_rows:-1], counts[-1]
+        if cu is None or seq_world == 1:
+            horizon = horizon[0]
+        else:  # the longest whole sequence, as padded_horizon takes it
+            horizon = horizon.max().clamp(min=1) if horizon.numel() else horizon.new_ones(())
         if loss_agg_mode == "token-mean":
             # value * count is sum(m * L) for 0/1 masks; for fractional masks it keeps the micro-batch value exact
             count = valid_tokens.round().to(torch.int64)

@@ -130,6 +130,22 @@ def test_packed_single_process_equals_padded(case):
     assert not failures, "\n".join(failures)
 
 
+def _megatron_per_sequence_split(total, cu, group):
+    """The stream positions megatron-core's own ``get_batch_on_this_cp_rank(..., use_per_sequence_balancing=True)``
+    (0.19+) gives this rank, or None where megatron-core has no such split."""
+    import inspect
+
+    try:
+        from megatron.core.utils import get_batch_on_this_cp_rank
+    except ImportError:
+        return None
+    if "use_per_sequence_balancing" not in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return None
+    batch = {"tokens": torch.arange(total).reshape(1, -1), "cu_seqlens": cu}
+    out = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=group, use_per_sequence_balancing=True)
+    return out["tokens"].reshape(-1)
+
+
 def _worker(rank, world, layout):
     from rollout_corr_ext.megatron import reported_means
 
@@ -142,19 +158,39 @@ def _worker(rank, world, layout):
             seqs = [rank, rank + 2]
             packed = _pack(batch, seqs, lambda b: torch.arange(LENGTHS[b]))
             groups = dict(dp_group=group, seq_group=None)
-        else:  # CP: every sequence, this rank's load-balanced half of each
+        elif layout == "cp":  # CP: every sequence, this rank's load-balanced half of each
             seqs = list(range(len(LENGTHS)))
             packed = _pack(batch, seqs, lambda b: cp_token_index(LENGTHS[b], world, rank))
             groups = dict(dp_group=group, seq_group=group)
+        else:  # CP, megatron 0.19's use_per_sequence_balancing: the whole stream cut into 2 * cp chunks (zigzag)
+            seqs = list(range(len(LENGTHS)))
+            plog, tgt, mask, adv, old, rollout, cu, pos, row = _pack(batch, seqs, lambda b: torch.arange(LENGTHS[b]))
+            mine = cp_token_index(int(cu[-1]), world, rank)  # a sequence may span both of this rank's chunks
+            theirs = _megatron_per_sequence_split(int(cu[-1]), cu, group)
+            if theirs is not None and not torch.equal(theirs, mine):
+                failures.append(f"megatron's per-sequence split gives positions {theirs.tolist()}, not {mine.tolist()}")
+            plog = plog.detach()[mine].clone().requires_grad_(True)
+            packed = (plog, tgt[mine], mask[mine], adv, old[mine], rollout[mine], cu, pos[mine], row[mine])
+            groups = dict(dp_group=group, seq_group=group, use_per_sequence_balancing=True)
         plog, tgt, mask, adv, old, rollout, cu, pos, row = packed
         global_cu = cu * (world if layout == "cp" else 1)  # megatron's cu_seqlens_q_padded: the whole sequences
         params = types.SimpleNamespace(cu_seqlens_q=global_cu, cu_seqlens_q_padded=global_cu, qkv_format="thd")
         loss_sum, num_tokens, report = _make(case, tgt, mask, adv, old, rollout, packed_seq_params=params,
                                              tp_group=None, **groups)(plog)
+        if layout == "cp_per_sequence":  # the same batch without the flag: its lengths cannot be per-document
+            uneven = types.SimpleNamespace(cu_seqlens_q=torch.tensor([0, 6, 20, 40]),
+                                           cu_seqlens_q_padded=torch.tensor([0, 6, 20, 40]), qkv_format="thd")
+            try:
+                _make(case, tgt, mask, adv[:3], old, rollout, packed_seq_params=uneven, tp_group=None,
+                      dp_group=group, seq_group=group)
+                failures.append("lengths not divisible by 2 * cp without use_per_sequence_balancing: no error")
+            except ValueError as e:
+                if "use_per_sequence_balancing" not in str(e):
+                    failures.append(f"the error does not name use_per_sequence_balancing: {e}")
         totals = torch.stack([loss_sum.detach().double(), num_tokens.double()])
         dist.all_reduce(totals, group=group)  # calculate_per_token_loss=True: megatron sums over DP x CP
         value = totals[0] / totals[1].clamp(min=1)
-        count = int(totals[1]) // (world if layout == "cp" else 1)  # every CP rank reports the whole count
+        count = int(totals[1]) // (1 if layout == "dp" else world)  # every CP rank reports the whole count
         (loss_sum / totals[1].clamp(min=1).to(loss_sum.dtype)).backward()
         grad_ok = torch.allclose(plog.grad[:, 0], ref_grad[pos, row], rtol=1e-4, atol=1e-7)
         _compare(f"{layout}/{case[0]}", (value, count, reported_means(report), grad_ok),
@@ -162,7 +198,7 @@ def _worker(rank, world, layout):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("layout", ["dp", "cp"])
+@pytest.mark.parametrize("layout", ["dp", "cp", "cp_per_sequence"])
 def test_packed_distributed_equals_single_process_padded(layout):
     run_workers_preloaded(_worker, 2, layout)
 
