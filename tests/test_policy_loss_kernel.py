@@ -376,6 +376,15 @@ def test_emulated_row_partials_equal_compiled_cpu_counts(emu, compiled_backend):
     assert torch.equal(cpu_rows[:, PG_ROW_TOKENS], inp["mask"].sum(-1).float())
 
 
+def _reuse_inputs(b, t, dtype, seed):
+    """(old, log_prob, advantages, mask) of the reused-block tests."""
+    g = torch.Generator().manual_seed(seed)
+    old = (-torch.rand(b, t, generator=g) * 3).to(dtype)
+    lp = (old.double() + 0.1 * torch.randn(b, t, generator=g, dtype=torch.float64)).to(dtype)
+    adv = torch.randn(b, t, generator=g).to(dtype)
+    return old, lp, adv, torch.rand(b, t, generator=g) > 0.3
+
+
 @pytest.mark.parametrize("kind", [PG_KIND_PPO_CLIP, PG_KIND_REINFORCE])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_cpu_gradient_block_is_reused_and_fully_overwritten(compiled_backend, kind, dtype):
@@ -384,12 +393,8 @@ def test_cpu_gradient_block_is_reused_and_fully_overwritten(compiled_backend, ki
     to a fresh computation) even though the block held large values."""
     import rollout_corr_ext as rc
 
-    g = torch.Generator().manual_seed(4)
     b, t = 16, 512
-    old = (-torch.rand(b, t, generator=g) * 3).to(dtype)
-    lp0 = (old.double() + 0.1 * torch.randn(b, t, generator=g, dtype=torch.float64)).to(dtype)
-    adv = torch.randn(b, t, generator=g).to(dtype)
-    mask = torch.rand(b, t, generator=g) > 0.3
+    old, lp0, adv, mask = _reuse_inputs(b, t, dtype, seed=4)
 
     def grad():
         lp = lp0.clone().requires_grad_(True)
@@ -420,12 +425,7 @@ def test_cpu_loss_mat_block_is_reused_and_fully_overwritten(compiled_backend, ki
     the same size, which writes every element even though the block held other values."""
     import rollout_corr_ext as rc
 
-    g = torch.Generator().manual_seed(5)
-    b, t = 16, 512
-    old = (-torch.rand(b, t, generator=g) * 3).to(dtype)
-    lp = (old.double() + 0.1 * torch.randn(b, t, generator=g, dtype=torch.float64)).to(dtype)
-    adv = torch.randn(b, t, generator=g).to(dtype)
-    mask = torch.rand(b, t, generator=g) > 0.3
+    old, lp, adv, mask = _reuse_inputs(16, 512, dtype, seed=5)
     rc.empty_cpu_cache()
     first, _ = torch.ops.rollout_corr.policy_loss_rows(lp, old, adv, mask, None, 0.2, 0.28, 3.0, kind)
     want, ptr = first.clone(), first.data_ptr()
