@@ -85,32 +85,8 @@ def memory_subprocess(path, n, h, v, dtype_name, device, say=print):
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=512, help="H: the hidden size")
-    ap.add_argument("--vocab", type=int, default=32000, help="V_local: rows of this rank's output-layer shard")
-    ap.add_argument("--n", type=int, nargs="+", default=[2048, 4096, 8192, 16384],
-                    help="rows N of each memory measurement (a fresh process each)")
-    ap.add_argument("--n-time", type=int, default=8192, help="rows N of the time table")
-    ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="input dtypes")
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats (median) after a warm-up")
-    ap.add_argument("--ignored", type=float, nargs="+", default=[0.0, 0.3, 0.5],
-                    help="fractions of rows whose target is ignore_index, timed each (the fused path skips them)")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the inputs live")
-    add_progress_flag(ap)
-    ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    h, v, device = args.hidden, args.vocab, args.device
-    if args._memory:
-        print(json.dumps(measure_memory(args._memory, args.n[0], h, v, DTYPES[args.dtypes[0]], device)))
-        return
-
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    print(f"log-probs + entropy from hidden states: H = {h}, V_local = {v}, forward + backward w.r.t. hidden and "
-          f"weight; device {device}, backend={rc.backend()}, torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads; fused chunk {rc.linear.DEFAULT_CHUNK_ROWS} x {rc.linear.DEFAULT_CHUNK_COLS}")
-    print()
+def time_table(args, h, v, device, sync):
+    """The time table: every (ignored fraction, path) cell at ``--n-time`` rows, median of ``--repeats``."""
     print(f"time at N = {args.n_time} (median of {args.repeats} after a warm-up); ignored rows: targets set to "
           f"ignore_index, which the fused path leaves out of its GEMMs and the materialized path computes:")
     print()
@@ -142,6 +118,37 @@ def main():
         del inputs
     bar.close()
     print()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=512, help="H: the hidden size")
+    ap.add_argument("--vocab", type=int, default=32000, help="V_local: rows of this rank's output-layer shard")
+    ap.add_argument("--n", type=int, nargs="+", default=[2048, 4096, 8192, 16384],
+                    help="rows N of each memory measurement (a fresh process each)")
+    ap.add_argument("--n-time", type=int, default=8192, help="rows N of the time table")
+    ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="input dtypes")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats (median) after a warm-up")
+    ap.add_argument("--ignored", type=float, nargs="+", default=[0.0, 0.3, 0.5],
+                    help="fractions of rows whose target is ignore_index, timed each (the fused path skips them)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the inputs live")
+    ap.add_argument("--memory-only", action="store_true", help="skip the time table (--n-time, --repeats, --ignored)")
+    add_progress_flag(ap)
+    ap.add_argument("--_memory", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    h, v, device = args.hidden, args.vocab, args.device
+    if args._memory:
+        print(json.dumps(measure_memory(args._memory, args.n[0], h, v, DTYPES[args.dtypes[0]], device)))
+        return
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    print(f"log-probs + entropy from hidden states: H = {h}, V_local = {v}, forward + backward w.r.t. hidden and "
+          f"weight; device {device}, backend={rc.backend()}, torch {torch.__version__}, {torch.get_num_threads()} "
+          f"threads; fused chunk {rc.linear.DEFAULT_CHUNK_ROWS} x {rc.linear.DEFAULT_CHUNK_COLS}")
+    print()
+    if not args.memory_only:
+        time_table(args, h, v, device, sync)
     print("peak extra memory of one forward + backward (MiB; in brackets: without the returned grad_hidden and "
           "grad_weight):")
     print()

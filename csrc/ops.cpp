@@ -160,11 +160,16 @@ TORCH_LIBRARY(rollout_corr, m) {
   m.def("candidate_decide(Tensor cand, Tensor z_max, Tensor z_t, Tensor sum_all, Tensor k, Tensor floor, "
         "Tensor top_p) -> (Tensor, Tensor)");
 
-  // §6 the fused linear log-probs' GEMM: out [M, N] fp32 = a [M, K] @ b [K, N] + beta * out, a and b both bf16 or
+  // §6 the fused linear log-probs' GEMM and gradient accumulator. mm_f32_: out [M, N] fp32 = a [M, K] @ b [K, N] + beta * out, a and b both bf16 or
   // both fp16 (any strides with one of them 1), products accumulated in fp32 and never rounded to 16 bits; out
   // with unit column stride. CPU kernel (MKL's 16-bit GEMM with fp32 output: csrc/cpu/linear.cpp); CUDA runs
   // torch's out_dtype matmul through the Python wrapper (rollout_corr_ext/ops.py).
   m.def("mm_f32_(Tensor(a!) out, Tensor a, Tensor b, float beta) -> ()");
+  // The fused path's 16-bit gradient accumulator: (hi, lo) += x row by row, x [R, C] (hi's dtype or fp32) added to
+  // rows index[i] (distinct; all R = N rows when index is None) of hi [N, C] (bf16 / fp16) and lo [N, C] (bf16):
+  // s = (hi + lo) + x in fp32, hi = s rounded to hi's dtype, lo = bf16(s - hi) (0 where hi overflows). Unit column
+  // strides. CPU kernel; other devices run the fallback's torch ops.
+  m.def("hilo_add_(Tensor(a!) hi, Tensor(b!) lo, Tensor x, Tensor? index) -> ()");
   // Whether the CPU kernel of mm_f32_ calls MKL (false: it widens its inputs to fp32 first: more memory, same values).
   m.def("mm_f32_uses_mkl() -> bool", &mm_f32_uses_mkl);
 }

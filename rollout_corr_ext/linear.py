@@ -19,10 +19,11 @@ are those of the exact product ``h W^T`` to fp32 accuracy -- more accurate than 
 layer, whose logits carry a bf16 rounding of up to 0.03 at |z| ~ 8.
 
 Memory model (beyond inputs and the gradients autograd must return): one logits chunk of
-``chunk_rows x chunk_cols`` (fp32 for 16-bit inputs; in backward also its 16-bit copy), allocated once per call and
-reused by every chunk, the records (16-20 bytes per row per vocab tile), and for 16-bit inputs fp32 accumulators
-for ``grad_hidden`` ``[N, H]`` and one vocab tile of ``grad_weight`` (fp32 inputs accumulate into the returned
-gradients directly). See docs/logprobs.md.
+``chunk_rows x chunk_cols`` (fp32 for 16-bit inputs; in the 16-bit backward it also holds the gradient GEMMs'
+products, and the chunk's gradient has a 16-bit copy), allocated once per call and reused by every chunk, the
+records (16-20 bytes per row per vocab tile), and for 16-bit inputs the bf16 residuals of the hi/lo accumulators
+(``ops.hilo_add_``) whose hi parts are the returned ``grad_hidden`` ``[N, H]`` and ``grad_weight`` tile (fp32
+inputs accumulate into the returned gradients directly). See docs/logprobs.md.
 """
 
 from __future__ import annotations
@@ -91,25 +92,44 @@ def chunk_logits(h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
 
 
 class Workspace:
-    """The chunk buffers of one forward or one backward, allocated once and reused by every chunk: the logits chunk
-    (:func:`logits_dtype`), and in backward the 16-bit copy of its gradient that the 16-bit GEMMs read and the
-    ``[rows, H]`` product of the rows left out of a compacted batch. Fresh chunk-sized tensors per chunk would churn
-    through the host allocator (glibc then keeps the freed chunks in the process, raising its resident memory by
-    hundreds of MiB at the default settings) and through the CUDA caching allocator."""
+    """The chunk buffers of one forward or one backward, allocated once and reused by every chunk (fresh chunk-sized
+    tensors per chunk would churn through the host allocator -- glibc then keeps the freed chunks in the process,
+    raising its resident memory by hundreds of MiB at the default settings -- and through the CUDA caching
+    allocator):
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, rows: int, cols: int, pad_rows: int = 0):
+    * the logits chunk (:func:`logits_dtype`). In the 16-bit backward (``products=True``), once the chunk's gradient
+      is copied to 16 bits, the same memory holds the gradient GEMMs' products (``[rows, H]`` and ``[cols, H]``:
+      16-bit on CPU, fp32 elsewhere; see :func:`_product`), so it is sized for the largest of the three;
+    * the 16-bit copy of the chunk's gradient that the 16-bit GEMMs read, and the bf16 residual ``lo`` of the
+      grad_weight tile's accumulator (:func:`_backward`);
+    * with ignored rows left out, the chunk's gathered hidden rows, and for an fp32 accumulator the product of those
+      rows (``[rows, H]`` each);
+    * batch-invariant mode: the chunk's rows padded to ``pad_rows``.
+    """
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, rows: int, cols: int, pad_rows: int = 0,
+                 products: bool = False):
         self.rows, self.cols, self.pad_rows = max(rows, pad_rows, 0), max(cols, 0), pad_rows
         self.hidden, self.weight = hidden, weight
-        self._z = self._g16 = self._gh = self._h_pad = self._p16 = None
+        size = self.rows * self.cols * torch.empty((), dtype=logits_dtype(hidden.dtype)).element_size()
+        if products:
+            per = hidden.element_size() if hidden.device.type == "cpu" else 4
+            size = max(size, max(self.rows, self.cols) * hidden.shape[-1] * per)
+        self._bytes = size
+        self._z = self._g16 = self._gh = self._h_pad = self._h_rows = self._lo = None
+
+    def _scratch(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """``shape`` of ``dtype`` at the start of the logits / product memory."""
+        if self._z is None:
+            self._z = torch.empty(self._bytes, dtype=torch.uint8, device=self.hidden.device)
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return self._z[:n].view(dtype).view(shape)
 
     def logits(self, h, w, b) -> torch.Tensor:
         """The chunk's logits ``h @ w.T + b``. Batch-invariant mode (``pad_rows``): every GEMM multiplies exactly
         ``pad_rows`` rows (the chunk's, then zero rows), so its shape, and with it the GEMM's blocking and reduction
         order, never depends on how many rows the batch has or where this one sits; the padding's logits are
         dropped."""
-        if self._z is None:
-            self._z = torch.empty(self.rows * self.cols, dtype=logits_dtype(self.hidden.dtype),
-                                  device=self.hidden.device)
         r = h.shape[0]
         if self.pad_rows > r:
             if self._h_pad is None:
@@ -118,7 +138,12 @@ class Workspace:
             self._h_pad[r:].zero_()
             h = self._h_pad
         m, c = h.shape[0], w.shape[0]
-        return chunk_logits(h, w, b, self._z[:m * c].view(m, c))[:r]
+        return chunk_logits(h, w, b, self._scratch((m, c), logits_dtype(h.dtype)))[:r]
+
+    def product(self, m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """An ``[m, n]`` buffer for a gradient GEMM's product (16-bit backward only: it overwrites the logits chunk,
+        whose gradient has been copied to 16 bits by then)."""
+        return self._scratch((m, n), dtype)
 
     def sixteen(self, g: torch.Tensor) -> torch.Tensor:
         """The gradient chunk rounded to the inputs' 16-bit dtype (once, as a 16-bit logits gradient is)."""
@@ -126,27 +151,44 @@ class Workspace:
             self._g16 = torch.empty(self.rows * self.cols, dtype=self.hidden.dtype, device=g.device)
         return self._g16[:g.numel()].view(g.shape).copy_(g)
 
-    def product16(self, m: int, n: int) -> torch.Tensor:
-        """A 16-bit ``[m, n]`` buffer for a gradient GEMM's product (``m, n`` <= a chunk's rows / columns or H)."""
-        size = max(self.rows, self.cols) * self.hidden.shape[-1]
-        if self._p16 is None:
-            self._p16 = torch.empty(size, dtype=self.hidden.dtype, device=self.hidden.device)
-        return self._p16[:m * n].view(m, n)
+    def tile_residual(self, c: int) -> torch.Tensor:
+        """The bf16 ``lo`` of a ``[c, H]`` grad_weight tile's hi/lo accumulator, zeroed."""
+        if self._lo is None:
+            self._lo = torch.empty(self.cols * self.hidden.shape[-1], dtype=torch.bfloat16, device=self.hidden.device)
+        return self._lo[:c * self.hidden.shape[-1]].view(c, self.hidden.shape[-1]).zero_()
 
-    def hidden_rows(self, r: int, dtype: torch.dtype) -> torch.Tensor:
+    def gathered_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """``hidden[index]`` (a chunk's computed rows when ignored rows are left out) in a reused buffer."""
+        hsize = self.hidden.shape[-1]
+        if self._h_rows is None:
+            self._h_rows = torch.empty(self.rows * hsize, dtype=self.hidden.dtype, device=self.hidden.device)
+        return torch.index_select(self.hidden, 0, index, out=self._h_rows[:index.numel() * hsize].view(-1, hsize))
+
+    def row_product(self, r: int, dtype: torch.dtype) -> torch.Tensor:
+        """An ``[r, H]`` buffer for the gathered rows' grad_hidden product (fp32 / fp64 accumulators)."""
         if self._gh is None:
             self._gh = torch.empty(self.rows * self.hidden.shape[-1], dtype=dtype, device=self.hidden.device)
         return self._gh[:r * self.hidden.shape[-1]].view(r, self.hidden.shape[-1])
 
 
+def _product(a: torch.Tensor, b: torch.Tensor, ws: "Workspace") -> torch.Tensor:
+    """``a @ b`` for the 16-bit backward's gradient GEMMs, in the workspace's product memory. On CPU the 16-bit GEMM
+    (oneDNN, at bf16 speed), its product rounded to 16 bits once per chunk, as a materialized 16-bit output layer's
+    gradient GEMMs round it: no library call torch exposes there writes fp32 from 16-bit inputs at 16-bit speed
+    (MKL's and torch's own run at fp32 GEMM speed), and the log-probs do not depend on these GEMMs. Elsewhere
+    (CUDA): fp32 (``ops.mm_f32_``)."""
+    if a.device.type == "cpu":
+        return torch.mm(a, b, out=ws.product(a.shape[0], b.shape[1], a.dtype))
+    out = ws.product(a.shape[0], b.shape[1], torch.float32)
+    ops.mm_f32_(out, a, b, 0.0)
+    return out
+
+
 def _matmul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool, ws: "Workspace") -> None:
-    """``out (+)= a @ b`` with ``out`` in the accumulators' dtype (fp32 for 16-bit ``a``, ``b``): the backward's
-    gradient GEMMs. 16-bit inputs on CPU: the 16-bit GEMM (oneDNN, at bf16 speed), its product rounded to 16 bits
-    once per chunk before the fp32 accumulation, as a materialized 16-bit output layer's gradient GEMMs round it:
-    no library call torch exposes there writes fp32 from 16-bit inputs at 16-bit speed (MKL's and torch's own run
-    at fp32 GEMM speed), and the log-probs do not depend on these GEMMs. Elsewhere (CUDA): fp32 output."""
+    """``out (+)= a @ b`` with ``out`` in the accumulators' dtype (fp32 for 16-bit ``a``, ``b``, see
+    :func:`_product`)."""
     if a.dtype in _WIDE and a.device.type == "cpu":
-        prod = torch.mm(a, b, out=ws.product16(a.shape[0], b.shape[1]))
+        prod = _product(a, b, ws)
         if accumulate:
             out.add_(prod)
         else:
@@ -214,8 +256,9 @@ def valid_rows(target: torch.Tensor, ignore_index: int, hidden: torch.Tensor):
 
 
 def hidden_rows(hidden: torch.Tensor, r0: int, r1: int, index: Optional[torch.Tensor],
-                 keep: Optional[torch.Tensor]) -> torch.Tensor:
-    h = _rows(hidden, r0, r1, index)
+                 keep: Optional[torch.Tensor], ws: Optional["Workspace"] = None) -> torch.Tensor:
+    """The chunk's hidden rows (gathered into ``ws``'s reused buffer when given and ignored rows are left out)."""
+    h = ws.gathered_rows(index) if ws is not None and index is not None else _rows(hidden, r0, r1, index)
     return h if keep is None else torch.where(keep[r0:r1, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
 
 
@@ -255,7 +298,7 @@ class LinearLogProbs(torch.autograd.Function):
         ws = Workspace(hidden, weight, max(r1 - r0 for r0, r1, _ in rows), max(c1 - c0 for c0, c1 in tiles),
                         pad_rows)
         for r0, r1, index in rows:
-            h, t = hidden_rows(hidden, r0, r1, index, keep), _rows(target, r0, r1, index)
+            h, t = hidden_rows(hidden, r0, r1, index, keep, ws), _rows(target, r0, r1, index)
             for c0, c1 in tiles:
                 z = ws.logits(h, weight[c0:c1], None if bias is None else bias[c0:c1])
                 if floor is not None:
@@ -340,39 +383,44 @@ def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, g
               sp=None, pad_rows=0):
     """Per vocab tile (clipped to the real vocabulary), per chunk of the computed rows: recompute the logits, turn
     them into d(loss)/d(logits) in place, accumulate. Ignored rows and padded vocabulary rows are never multiplied:
-    their gradients are exactly 0 whatever they hold. 16-bit inputs: the logits gradient is rounded to their dtype
-    once (as a 16-bit materialized path has it) and every chunk's gradient GEMM is summed into fp32 accumulators
-    (``grad_hidden`` ``[N, H]`` and one ``grad_weight`` tile; see :func:`_matmul_into`), rounded once at the end. ``sp = (group, world)``: ``hidden`` is the gathered
-    sequence and grad_hidden is reduce-scattered back to this rank's rows (in fp32 for 16-bit inputs)."""
+    their gradients are exactly 0 whatever they hold. ``sp = (group, world)``: ``hidden`` is the gathered sequence
+    and grad_hidden is reduce-scattered back to this rank's rows.
+
+    16-bit inputs: the logits gradient is rounded to their dtype once (as a 16-bit materialized path has it), and
+    each chunk's gradient GEMM product (:func:`_product`) is summed into a hi/lo pair (``ops.hilo_add_``): ``hi`` is
+    the returned 16-bit gradient itself (``grad_hidden`` ``[N, H]``, the ``grad_weight`` tile), ``lo`` its bf16
+    residual, together about 17 significant bits (an error of at most 2^-17 of the running sum per chunk, against
+    the 2^-9 of rounding the result to bf16 once), in half the memory of an fp32 accumulator and with no 16-bit copy
+    of it at the end. With ``sp``, grad_hidden is the whole sequence's, reduce-scattered in fp32: an fp32
+    accumulator then."""
     exact = hidden.dtype not in _WIDE  # accumulate in the gradients' own dtype
     acc = hidden.dtype if exact else torch.float32
-    grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+    hilo_h = need_h and not exact and sp is None
+    lo_h = torch.zeros(hidden.shape, dtype=torch.bfloat16, device=hidden.device) if hilo_h else None
+    grad_h = torch.zeros(hidden.shape, dtype=hidden.dtype if hilo_h else acc, device=hidden.device) if need_h else None
     grad_w = torch.empty_like(weight) if need_w else None
     grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
     rows = row_chunks(hidden.shape[0], valid, chunk_rows)
     tiles = [(c0, c1) for c0, c1 in vocab_tiles(weight.shape[0], real_cols, chunk_cols) if c1 > c0]
     # the forward's GEMM shapes (batch-invariant mode: padded rows), so the recomputed logits are the forward's
     ws = Workspace(hidden, weight, max(r1 - r0 for r0, r1, _ in rows), max((c1 - c0 for c0, c1 in tiles), default=0),
-                    pad_rows)
-    gw_acc = None  # the 16-bit path's fp32 grad_weight tile, reused across tiles
+                    pad_rows, products=not exact)
     if need_w and real_cols < weight.shape[0]:
         grad_w[real_cols:].zero_()
     for c0, c1 in tiles:
         w = weight[c0:c1]
         b = None if bias is None else bias[c0:c1]
-        gw = None
+        gw = lo_w = None
         if need_w:
-            if exact:
-                gw = grad_w[c0:c1]
-            else:
-                if gw_acc is None:
-                    gw_acc = torch.empty(ws.cols * weight.shape[1], dtype=acc, device=weight.device)
-                gw = gw_acc[:(c1 - c0) * weight.shape[1]].view(c1 - c0, weight.shape[1])
-        first = True  # the first row chunk writes the grad_weight tile, later ones accumulate (no zero fill)
+            gw = grad_w[c0:c1]
+            if not exact:
+                gw.zero_()
+                lo_w = ws.tile_residual(c1 - c0)
+        first = True  # fp32 / fp64: the first row chunk writes the grad_weight tile, later ones accumulate
         for r0, r1, index in rows:
             if r1 == r0:
                 continue
-            h = hidden_rows(hidden, r0, r1, index, keep)
+            h = hidden_rows(hidden, r0, r1, index, keep, ws)
             g = ws.logits(h, w, b)  # recomputed, then overwritten with d(loss)/d(logits)
             if floor is not None:  # the same kept set as the forward: the gradient is 0 outside it
                 g = _below_floor_to_neg_inf(g, _rows(floor, r0, r1, index), inv_temperature)
@@ -382,23 +430,28 @@ def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, g
                                   inv_temperature, ignore_index)
             if need_b:
                 grad_b[c0:c1] += g.sum(0, dtype=acc)
-            g_in = g if exact else ws.sixteen(g)  # what the GEMMs read
-            if need_h:
+            g_in = g if exact else ws.sixteen(g)  # what the GEMMs read; g's memory now holds their products
+            if hilo_h:
+                if index is None:
+                    ops.hilo_add_(grad_h[r0:r1], lo_h[r0:r1], _product(g_in, w, ws))
+                else:
+                    ops.hilo_add_(grad_h, lo_h, _product(g_in, w, ws), index)
+            elif need_h:
                 if index is not None:
-                    part = ws.hidden_rows(r1 - r0, acc)
+                    part = ws.row_product(r1 - r0, acc)
                     _matmul_into(part, g_in, w, False, ws)
                     grad_h.index_add_(0, index, part)
                 else:
                     _matmul_into(grad_h[r0:r1], g_in, w, True, ws)
-            if need_w:
+            if need_w and exact:
                 _matmul_into(gw, g_in.t(), h, not first, ws)
+            elif need_w:
+                ops.hilo_add_(gw, lo_w, _product(g_in.t(), h, ws))
             first = False
             del g, g_in
-        if need_w and first:  # no rows at all
-            grad_w[c0:c1].zero_()
-        elif need_w and not exact:
-            grad_w[c0:c1] = gw
-    del ws, gw_acc
+        if need_w and exact and first:  # no rows at all
+            gw.zero_()
+    del ws, lo_h
     if grad_h is not None and sp is not None:
         grad_h = reduce_scatter_sequence(grad_h, *sp)
     return (None if grad_h is None else grad_h.to(hidden.dtype), grad_w,

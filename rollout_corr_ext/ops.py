@@ -116,6 +116,10 @@ def _register_fakes() -> None:
     def _(out, a, b, beta):
         return None
 
+    @torch.library.register_fake("rollout_corr::hilo_add_")
+    def _(hi, lo, x, index):
+        return None
+
 
 # ---------------------------------------------------------------------------------------------------------
 # §2 vocab-parallel log-probs: local row statistics, merge of the gathered records, backward
@@ -555,3 +559,15 @@ def mm_f32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float = 0
         torch.ops.rollout_corr.mm_f32_.default(out, a, b, float(beta))
         return
     fallback.mm_f32_(out, a, b, beta)
+
+
+def hilo_add_(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor, index: Optional[torch.Tensor] = None) -> None:
+    """``(hi, lo) += x`` row by row (into rows ``index`` of ``hi`` / ``lo``, distinct, or all rows): the fused path's
+    16-bit gradient accumulator. ``hi`` (bf16 / fp16: the gradient returned) and ``lo`` (bf16: the residual hi leaves)
+    hold a sum of about 17 significant bits; ``s = (hi + lo) + x`` in fp32, ``hi`` = s rounded to its dtype,
+    ``lo = bf16(s - hi)``, so each call adds at most ``2^-17 |s|`` of error. ``x``: hi's dtype or fp32. The CPU
+    kernel is in csrc/cpu/linear.cpp; CUDA runs the fallback's torch ops."""
+    if _compiled and hi.device.type in ("cpu", "meta"):
+        torch.ops.rollout_corr.hilo_add_.default(hi, lo, x, index)
+        return
+    fallback.hilo_add_(hi, lo, x, index)

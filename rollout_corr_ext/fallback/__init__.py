@@ -8,7 +8,7 @@ this one. One module per op family, named after the family's stem in ``csrc/`` (
 this package or the kernels.
 """
 
-from .linear import mm_f32_
+from .linear import hilo_add_, mm_f32_
 from .logprob import (logprob_backward, logprob_backward_, merge_row_stats, settings_fingerprint,
                       target_fingerprint, vocab_row_stats)
 from .policy_loss import policy_loss_rows
@@ -19,4 +19,4 @@ from .sampling import (candidate_decide, count_at_least, floor_fill, floor_zero_
 __all__ = ["vocab_row_stats", "merge_row_stats", "logprob_backward", "logprob_backward_", "target_fingerprint",
            "settings_fingerprint", "rollout_seq_stats", "rollout_token_pass", "rollout_check", "policy_loss_rows",
            "row_topk", "floor_fill", "mass_histogram", "count_at_least",
-           "floor_zero_", "row_candidates", "scatter_rows", "candidate_decide", "mm_f32_"]
+           "floor_zero_", "row_candidates", "scatter_rows", "candidate_decide", "mm_f32_", "hilo_add_"]

@@ -1,8 +1,11 @@
-"""The fused linear log-probs' GEMM (``mm_f32_``) in PyTorch: what runs off the CPU kernel (CUDA, the fallback
-backend). On CUDA, torch's ``out_dtype`` matmul (cuBLAS writes the fp32 accumulators of 16-bit inputs without
-rounding them); elsewhere, the fp32 GEMM of the inputs widened exactly to fp32."""
+"""The fused linear log-probs' GEMM (``mm_f32_``) and 16-bit gradient accumulator (``hilo_add_``) in PyTorch: what
+runs off the CPU kernels (CUDA, the fallback backend). On CUDA, torch's ``out_dtype`` matmul (cuBLAS writes the fp32
+accumulators of 16-bit inputs without rounding them); elsewhere, the fp32 GEMM of the inputs widened exactly to
+fp32."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -29,3 +32,30 @@ def mm_f32_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float) ->
         out.copy_(prod)
     else:
         out.mul_(beta).add_(prod)
+
+
+def hilo_add_(hi: torch.Tensor, lo: torch.Tensor, x: torch.Tensor, index: Optional[torch.Tensor]) -> None:
+    """``(hi, lo) += x`` (rows ``index`` of hi and lo, or all): ``s = (hi + lo) + x`` in fp32, ``hi`` = s rounded to
+    its 16-bit dtype, ``lo = bf16(s - hi)`` (0 where hi overflows). The CPU kernel's values, bit for bit (one fp32
+    temporary of x's shape here)."""
+    if hi.dim() != 2 or lo.shape != hi.shape or x.dim() != 2 or x.shape[1] != hi.shape[1]:
+        raise RuntimeError(f"hilo_add_: hi, lo [N, C] and x [R, C] must be 2-D with the same columns, got "
+                           f"{tuple(hi.shape)}, {tuple(lo.shape)}, {tuple(x.shape)}")
+    if hi.dtype not in (torch.bfloat16, torch.float16) or lo.dtype != torch.bfloat16 or \
+            x.dtype not in (hi.dtype, torch.float32):
+        raise RuntimeError(f"hilo_add_: hi must be bfloat16 or float16, lo bfloat16 and x hi's dtype or float32, got "
+                           f"{hi.dtype}, {lo.dtype}, {x.dtype}")
+    if index is None and x.shape[0] != hi.shape[0]:
+        raise RuntimeError(f"hilo_add_: x must have hi's {hi.shape[0]} rows, got {x.shape[0]}")
+    h = hi if index is None else hi.index_select(0, index)
+    s = h.to(torch.float32)
+    s += lo if index is None else lo.index_select(0, index)  # exact: at most 20 significant bits
+    s += x
+    h.copy_(s)
+    s -= h  # exact (Sterbenz); +-inf - +-inf is NaN where hi overflowed: lo is 0 there
+    s.masked_fill_(~torch.isfinite(h), 0.0)
+    if index is None:
+        lo.copy_(s)
+    else:
+        hi.index_copy_(0, index, h)
+        lo.index_copy_(0, index, s.to(torch.bfloat16))
