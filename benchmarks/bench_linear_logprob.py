@@ -21,6 +21,7 @@ buffers unchanged)::
 
     python benchmarks/bench_linear_logprob.py [--hidden 512 --vocab 32000 --n 2048 4096 8192 16384 --n-time 8192
                                                --ignored 0 0.3 0.5]
+    python benchmarks/bench_linear_logprob.py --hidden 2048 --n 2048 8192 16384 --memory-only   # memory table only
     python benchmarks/bench_linear_logprob.py --device cuda   # on a GPU: CUDA allocator peaks, cuda.synchronize
 """
 

@@ -99,7 +99,8 @@ def test_progress_bar_on_a_terminal(tmp_path):
 def test_help_lists_every_mode_and_every_default():
     """``--help`` of every script names its modes and shows the default of every option that has one."""
 
-    for script, modes in (("bench_rollout_corr.py", ("--packed", "--dist")), ("bench_linear_logprob.py", ("--ignored",)),
+    for script, modes in (("bench_rollout_corr.py", ("--packed", "--dist")),
+                          ("bench_linear_logprob.py", ("--ignored", "--memory-only")),
                           ("bench_logprob.py", ("--tp",)), ("bench_sampling.py", ("--tp", "--ties"))):
         out = _run([script, "--help"])
         assert out.returncode == 0, out.stderr[-2000:]

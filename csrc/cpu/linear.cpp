@@ -8,12 +8,11 @@
 // wheels ship inside libtorch_cpu. It is declared weak: a torch build without MKL resolves it to null, and the op
 // then widens its inputs to fp32 and runs the fp32 GEMM (same values, more memory).
 //
-// MKL's working memory grows with the depth K of one call: on a CPU without its native 16-bit kernels it widens
-// both operands to fp32 first and keeps those buffers in its own pool for the life of the process (measured on the
-// development machine, an AMD EPYC at 2 threads: 50 MiB for one 2048 x 2048 x 2048 call, 32 MiB at 1 thread,
-// 91 MiB at 8; 6 / 4 / 16 MiB with K = 256). So the call is cut along K into slices of kDepthSlice, each summed into
-// out in fp32 (beta = 1 after the first): the same fp32 accumulation, and at most (M + N) x kDepthSlice of
-// MKL's buffers instead of (M + N) x K.
+// MKL's working memory grows with the depth K of one call, and MKL keeps it in its own pool for the life of the
+// process (measured on the development machine, an AMD EPYC: 50 MiB for one 2048 x 2048 x 2048 call at 2 threads,
+// 32 MiB -- fp32 copies of both operands -- at 1 thread, 91 MiB at 8; 6 / 4 / 16 MiB with K = 256). So the call
+// is cut along K into slices of kDepthSlice, each summed into out in fp32 (beta = 1 after the first): the same
+// fp32 accumulation, and MKL's buffers of (M + N) x kDepthSlice instead of (M + N) x K.
 //
 // hilo_add_ is the fused path's 16-bit gradient accumulator (rollout_corr_ext/linear.py, docs/logprobs.md): a sum
 // held as the pair hi (the gradient's own 16-bit dtype: the result) + lo (bf16, the residual hi leaves), about 17
