@@ -24,6 +24,8 @@
 
 #include "cpu/reused_buffer.h"
 #include "cpu/vec_math.h"
+#include "sampling_host.h"
+#include "sampling_math.h"
 
 namespace rollout_corr {
 namespace cpu {
@@ -183,10 +185,7 @@ RC_DEFINE_TOPK(at::Half, float, f16)
 #undef RC_TOPK_AVX512
 
 at::Tensor row_topk_cpu(const at::Tensor& values, int64_t k) {
-  TORCH_CHECK(values.dim() == 2, "row_topk: values must be 2-D [rows, cols], got ", values.dim(), "-D");
-  TORCH_CHECK(k >= 1, "row_topk: k must be >= 1, got ", k);
-  TORCH_CHECK(at::isFloatingType(values.scalar_type()), "row_topk: values must be a float tensor, got ",
-              values.scalar_type());
+  check_row_topk(values, k);
   // Rows may be strided (a column slice of the logits); each row itself must be contiguous.
   const at::Tensor v = values.stride(1) == 1 || values.size(1) <= 1 ? values : values.contiguous();
   const auto acc = values.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -287,19 +286,9 @@ RC_DEFINE_FLOOR(at::Half, float, f16)
 #undef RC_DEFINE_FLOOR
 
 void floor_fill_cpu(const at::Tensor& x, const at::Tensor& floor, double temperature, const at::Tensor& out) {
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.sizes() == out.sizes(), "floor_fill: x and out must be 2-D of one "
-              "shape, got ", x.sizes(), " and ", out.sizes());
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()) && out.scalar_type() == x.scalar_type(), "floor_fill: x and out "
-              "must be float tensors of one dtype, got ", x.scalar_type(), " and ", out.scalar_type());
-  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(floor.dim() == 1 && floor.size(0) == x.size(0) && floor.scalar_type() == acc, "floor_fill: floor must "
-              "be [rows] in ", acc, ", got ", floor.sizes(), " ", floor.scalar_type());
-  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, "floor_fill: temperature must be finite and > 0, got ",
-              temperature);
+  check_floor_fill(x, floor, temperature, out);
   const int64_t rows = x.size(0), cols = x.size(1);
   if (rows == 0 || cols == 0) return;
-  TORCH_CHECK(x.stride(1) == 1 || cols == 1, "floor_fill: each row of x must be contiguous");
-  TORCH_CHECK(out.stride(1) == 1 || cols == 1, "floor_fill: each row of out must be contiguous");
   const auto f = floor.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "floor_fill_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -312,56 +301,6 @@ void floor_fill_cpu(const at::Tensor& x, const at::Tensor& floor, double tempera
     const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, cols));
     at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) { floor_dispatch(src, lx, fl, t, unit, dst, lo, cols, b, e); });
   });
-}
-
-// The order-preserving integer key of a value (-0.0 as 0.0): sampling.py's _ordered_key.
-RC_FORCEINLINE int64_t ordered_key(float z) {
-  int32_t bits;
-  const float v = z + 0.0f;
-  std::memcpy(&bits, &v, sizeof bits);
-  return bits < 0 ? static_cast<int64_t>(bits ^ 0x7FFFFFFF) : static_cast<int64_t>(bits);
-}
-RC_FORCEINLINE int64_t ordered_key(double z) {
-  int64_t bits;
-  const double v = z + 0.0;
-  std::memcpy(&bits, &v, sizeof bits);
-  return bits < 0 ? (bits ^ 0x7FFFFFFFFFFFFFFFLL) : bits;
-}
-
-// e^x for x in [-60, 0]: x = k ln2 + r (|r| <= ln2 / 2, ln2 split in two so k ln2 is exact), e^r by its Taylor
-// series to r^13 (the next term is below 2^-57 of the sum), 2^k put into the exponent bits. Plain arithmetic (the
-// roundings by the 1.5 * 2^52 trick, no libm call), so the ISA copies vectorise it; within 2 ulp of exp.
-RC_FORCEINLINE double exp_nonpositive(double x) {
-  constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52: adding and subtracting it rounds to an integer
-  const double kf = (x * 1.4426950408889634 + kMagic) - kMagic;
-  const double r = (x - kf * 6.93147180369123816490e-01) - kf * 1.90821492927058770002e-10;
-  double p = 1.0 / 6227020800.0;
-  p = p * r + 1.0 / 479001600.0;
-  p = p * r + 1.0 / 39916800.0;
-  p = p * r + 1.0 / 3628800.0;
-  p = p * r + 1.0 / 362880.0;
-  p = p * r + 1.0 / 40320.0;
-  p = p * r + 1.0 / 5040.0;
-  p = p * r + 1.0 / 720.0;
-  p = p * r + 1.0 / 120.0;
-  p = p * r + 1.0 / 24.0;
-  p = p * r + 1.0 / 6.0;
-  p = p * r + 0.5;
-  p = p * r + 1.0;
-  p = p * r + 1.0;
-  const int64_t bits = (static_cast<int64_t>(kf) + 1023) << 52;
-  double scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-// The top-p mass of a value rel = z - z_max <= 0: round(e^rel * 2^40) as an integer (sampling.py's masses; their sums
-// do not depend on the order or the sharding); 0 below e^-60 (it would round to 0 anyway).
-RC_FORCEINLINE double top_p_mass(double rel) {
-  constexpr double kMagic = 6755399441055744.0;
-  const double x = rel < -60.0 ? -60.0 : rel;
-  const double v = exp_nonpositive(x) * 1099511627776.0;  // 2^40
-  return rel < -60.0 ? 0.0 : (v + kMagic) - kMagic;  // round half to even, exact below 2^51
 }
 
 constexpr int64_t kMassBlock = 64;
@@ -452,23 +391,8 @@ RC_DEFINE_MASS(at::Half, float, f16)
 
 at::Tensor mass_histogram_cpu(const at::Tensor& z, const at::Tensor& z_max, const at::Tensor& floor,
                               const at::Tensor& lo, const at::Tensor& hi, const at::Tensor& probes) {
-  TORCH_CHECK(z.dim() == 2 && at::isFloatingType(z.scalar_type()), "mass_histogram: z must be a 2-D float tensor, "
-              "got ", z.scalar_type(), " ", z.sizes());
-  const auto acc = z.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const int64_t n_probes = check_mass_histogram(z, z_max, floor, lo, hi, probes);
   const int64_t rows = z.size(0), cols = z.size(1);
-  TORCH_CHECK(probes.dim() == 2 && probes.size(0) == rows && probes.scalar_type() == at::kLong,
-              "mass_histogram: probes must be [rows, P] int64");
-  const int64_t n_probes = probes.size(1);
-  TORCH_CHECK(n_probes >= 1 && ((n_probes + 1) & n_probes) == 0, "mass_histogram: P + 1 must be a power of 2, got P = ",
-              n_probes);
-  for (const auto* t : {&z_max, &floor}) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == acc,
-                "mass_histogram: z_max and floor must be [rows] in ", acc);
-  }
-  for (const auto* t : {&lo, &hi}) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == at::kLong,
-                "mass_histogram: lo and hi must be [rows] int64 keys");
-  }
   at::Tensor hist = at::zeros({rows, n_probes + 1}, z.options().dtype(at::kLong));
   if (rows == 0 || cols == 0) return hist;
   const at::Tensor zc = z.stride(1) == 1 ? z : z.contiguous();
@@ -528,11 +452,7 @@ RC_DEFINE_COUNT(at::Half, float, f16)
 #undef RC_DEFINE_COUNT
 
 at::Tensor count_at_least_cpu(const at::Tensor& z, const at::Tensor& floor) {
-  TORCH_CHECK(z.dim() == 2 && at::isFloatingType(z.scalar_type()), "count_at_least: z must be a 2-D float tensor, "
-              "got ", z.scalar_type(), " ", z.sizes());
-  const auto acc = z.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(floor.dim() == 1 && floor.size(0) == z.size(0) && floor.scalar_type() == acc,
-              "count_at_least: floor must be [rows] in ", acc);
+  check_count_at_least(z, floor);
   const int64_t rows = z.size(0), cols = z.size(1);
   at::Tensor counts = at::zeros({rows}, z.options().dtype(at::kLong));
   if (rows == 0 || cols == 0) return counts;
@@ -550,18 +470,9 @@ at::Tensor count_at_least_cpu(const at::Tensor& z, const at::Tensor& floor) {
 }
 
 void floor_zero_cpu(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& floor, double temperature) {
-  TORCH_CHECK(x.dim() == 2 && grad.dim() == 2 && x.sizes() == grad.sizes(), "floor_zero_: grad and x must be 2-D of "
-              "one shape, got ", grad.sizes(), " and ", x.sizes());
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()) && grad.scalar_type() == x.scalar_type(), "floor_zero_: grad and x "
-              "must be float tensors of one dtype, got ", grad.scalar_type(), " and ", x.scalar_type());
-  const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(floor.dim() == 1 && floor.size(0) == x.size(0) && floor.scalar_type() == acc, "floor_zero_: floor "
-              "must be [rows] in ", acc, ", got ", floor.sizes(), " ", floor.scalar_type());
-  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, "floor_zero_: temperature must be finite and > 0, got ",
-              temperature);
+  check_floor_zero(grad, x, floor, temperature);
   const int64_t rows = x.size(0), cols = x.size(1);
   if (rows == 0 || cols == 0) return;
-  TORCH_CHECK((x.stride(1) == 1 && grad.stride(1) == 1) || cols == 1, "floor_zero_: each row must be contiguous");
   const auto f = floor.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "floor_zero_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -597,21 +508,6 @@ constexpr int64_t cand_chunk_cols() {
   return std::is_same<scalar_t, float>::value ? 2048 : 8192;
 }
 constexpr int64_t kCandPrefetchBytes = 16384;  // how far ahead the exp pass prefetches (as the log-prob kernels)
-
-// The order-preserving key of a float (ordered_key, the top-p search's) shifted to unsigned, and back.
-RC_FORCEINLINE uint32_t ordered_u32(float v) {
-  return static_cast<uint32_t>(ordered_key(v) + 0x80000000LL);
-}
-RC_FORCEINLINE float from_ordered_u32(uint32_t u) {
-  const uint32_t b = (u & 0x80000000u) ? (u & 0x7FFFFFFFu) : ~u;
-  float v;
-  std::memcpy(&v, &b, sizeof v);
-  return v;
-}
-// value descending, then column ascending, as one descending integer order
-RC_FORCEINLINE uint64_t candidate_key(float z, int64_t col) {
-  return (static_cast<uint64_t>(ordered_u32(z)) << 32) | (0xFFFFFFFFull - static_cast<uint64_t>(col));
-}
 
 // A row of 16-bit logits widened to fp32, a vector at a time (exact).
 template <typename VF>
@@ -1000,23 +896,10 @@ RC_DEFINE_CAND(at::Half, f16)
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_candidates_cpu(
     const at::Tensor& x, const at::Tensor& k, const at::Tensor& target_col, int64_t width, double temperature,
     int64_t valid_cols) {
-  TORCH_CHECK(x.dim() == 2, "row_candidates: x must be 2-D [rows, cols], got ", x.dim(), "-D");
+  check_row_candidates(x, k, target_col, width, temperature, valid_cols);
   const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "row_candidates: x must be float32, "
-              "bfloat16 or float16 (fp64 runs the PyTorch path), got ", dt);
   const int64_t rows = x.size(0);
-  TORCH_CHECK(k.dim() == 1 && k.size(0) == rows && k.scalar_type() == at::kLong, "row_candidates: k must be [rows] "
-              "int64, got ", k.sizes(), " ", k.scalar_type());
-  TORCH_CHECK(target_col.dim() == 1 && target_col.size(0) == rows && target_col.scalar_type() == at::kLong,
-              "row_candidates: target_col must be [rows] int64, got ", target_col.sizes(), " ", target_col.scalar_type());
-  TORCH_CHECK(width >= 1, "row_candidates: width must be >= 1, got ", width);
-  TORCH_CHECK(std::isfinite(temperature) && temperature > 0, "row_candidates: temperature must be finite and > 0, "
-              "got ", temperature);
-  TORCH_CHECK(valid_cols >= 0 && valid_cols <= x.size(1), "row_candidates: valid_cols must be in [0, ", x.size(1),
-              "], got ", valid_cols);
-  TORCH_CHECK(valid_cols < (int64_t(1) << 32), "row_candidates: more than 2^32 columns");
   const auto kc = k.contiguous(), tc = target_col.contiguous();
-  TORCH_CHECK(rows == 0 || kc.max().item<int64_t>() <= width, "row_candidates: every k must be <= width = ", width);
   at::Tensor values = at::empty({rows, width}, x.options().dtype(at::kFloat));
   at::Tensor index = at::empty({rows, width}, x.options().dtype(at::kLong));
   at::Tensor count = at::empty({rows}, x.options().dtype(at::kLong));
@@ -1094,7 +977,6 @@ template <typename acc_t>
 RC_FORCEINLINE void decide_rows(const acc_t* cand, int64_t width, const double* z_max, const double* z_t, const double* sum_all,
                  const int64_t* k, const acc_t* floor, const double* top_p, acc_t* tau_out, double* out, int64_t b,
                  int64_t e) {
-  constexpr double kMagic = 6755399441055744.0;  // 1.5 * 2^52: rounds to an integer, as top_p_mass
   const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
   std::vector<double> ex(static_cast<size_t>(width));  // e^(z - z_max) of each survivor (0 below e^-60)
   std::vector<acc_t> row, spare;
@@ -1114,17 +996,17 @@ RC_FORCEINLINE void decide_rows(const acc_t* cand, int64_t width, const double* 
     while (n < width && c[n] >= tau && c[n] != ninf) ++n;
     for (int64_t i = 0; i < n; ++i) {
       const double rel = static_cast<double>(c[i]) - m;
-      ex[i] = rel < -60.0 ? 0.0 : exp_nonpositive(rel);
+      ex[i] = mass_exp(rel);
     }
     if (top_p[r] < 1.0) {  // masses exactly as top_p_mass gives them
       int64_t total = 0;
-      for (int64_t i = 0; i < n; ++i) total += static_cast<int64_t>((ex[i] * 1099511627776.0 + kMagic) - kMagic);
+      for (int64_t i = 0; i < n; ++i) total += mass_of(ex[i]);
       const int64_t budget = std::min(static_cast<int64_t>(std::floor((1.0 - top_p[r]) * static_cast<double>(total))),
                                       total - 1);
       int64_t below = 0;  // M(<= v), from the smallest survivor up, a group of equal values at a time
       for (int64_t i = n - 1; i >= 0;) {
         int64_t j = i;
-        for (; j >= 0 && c[j] == c[i]; --j) below += static_cast<int64_t>((ex[j] * 1099511627776.0 + kMagic) - kMagic);
+        for (; j >= 0 && c[j] == c[i]; --j) below += mass_of(ex[j]);
         if (below > budget) {
           tau = c[i] > tau ? c[i] : tau;
           break;
@@ -1183,18 +1065,8 @@ std::tuple<at::Tensor, at::Tensor> candidate_decide_cpu(const at::Tensor& cand, 
                                                        const at::Tensor& z_t, const at::Tensor& sum_all,
                                                        const at::Tensor& k, const at::Tensor& floor,
                                                        const at::Tensor& top_p) {
-  TORCH_CHECK(cand.dim() == 2 && (cand.scalar_type() == at::kFloat || cand.scalar_type() == at::kDouble),
-              "candidate_decide: cand must be [rows, C] float32 / float64, got ", cand.scalar_type(), " ", cand.sizes());
+  check_candidate_decide(cand, z_max, z_t, sum_all, k, floor, top_p);
   const int64_t rows = cand.size(0), width = cand.size(1);
-  for (const auto* t : {&z_max, &z_t, &sum_all, &top_p}) {
-    TORCH_CHECK(t->dim() == 1 && t->size(0) == rows && t->scalar_type() == at::kDouble,
-                "candidate_decide: z_max, z_t, sum_all and top_p must be [rows] float64");
-  }
-  TORCH_CHECK(k.dim() == 1 && k.size(0) == rows && k.scalar_type() == at::kLong, "candidate_decide: k must be [rows] "
-              "int64");
-  TORCH_CHECK(floor.dim() == 1 && floor.size(0) == rows && floor.scalar_type() == cand.scalar_type(),
-              "candidate_decide: floor must be [rows] in cand's dtype");
-  TORCH_CHECK(width >= 1 || rows == 0, "candidate_decide: cand must have at least one column");
   const auto cc = cand.contiguous(), zm = z_max.contiguous(), zt = z_t.contiguous(), sa = sum_all.contiguous();
   const auto kc = k.contiguous(), fl = floor.contiguous(), tp = top_p.contiguous();
   at::Tensor tau = at::empty({rows}, cand.options());
@@ -1226,12 +1098,7 @@ void scatter_rows_impl(const acc_t* v, const int64_t* idx, int64_t width, int64_
 }
 
 at::Tensor scatter_rows_cpu(const at::Tensor& values, const at::Tensor& index, int64_t cols, at::ScalarType dtype) {
-  TORCH_CHECK(values.dim() == 2 && index.sizes() == values.sizes() && index.scalar_type() == at::kLong,
-              "scatter_rows: values [N, W] and index [N, W] int64 expected, got ", values.sizes(), " and ",
-              index.sizes(), " ", index.scalar_type());
-  TORCH_CHECK(values.scalar_type() == at::kFloat || values.scalar_type() == at::kDouble, "scatter_rows: values must "
-              "be float32 or float64, got ", values.scalar_type());
-  TORCH_CHECK(cols >= 0, "scatter_rows: cols must be >= 0, got ", cols);
+  check_scatter_rows(values, index, cols);
   const int64_t rows = values.size(0), width = values.size(1);
   const auto vc = values.contiguous(), ic = index.contiguous();
   if (rows > 0 && width > 0) {
