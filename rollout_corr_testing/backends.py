@@ -24,9 +24,25 @@ LOGPROB_OPS: Dict[str, tuple] = {
 }
 
 
-#: The sampling-replay search ops (CPU kernels and the fallback; other devices run the fallback's torch ops): swapped
-#: with the log-prob ops for the fallback variant, left on the CPU kernels for the emulated one.
-SAMPLING_OPS = ("row_topk", "floor_fill", "floor_zero_", "mass_histogram", "count_at_least")
+#: The sampling-replay ops (CPU and CUDA kernels, and the fallback's torch versions): swapped with the log-prob ops
+#: for the fallback and the emulated variants, so that a replay runs on one implementation throughout.
+SAMPLING_OPS = ("row_topk", "floor_fill", "floor_zero_", "mass_histogram", "count_at_least", "row_candidates",
+                "scatter_rows", "candidate_decide")
+
+
+def _emulated_sampling_ops(emu, knobs) -> Dict[str, object]:
+    """The emulated sampling-replay ops with the launch knobs they accept; fp64 logits take the torch version of
+    row_candidates, as ``ops.row_candidates`` routes them."""
+    kn = {k: v for k, v in knobs.items() if k in ("threads", "schedule", "max_blocks")}
+    impl = {op: functools.partial(getattr(emu, op), **kn) for op in SAMPLING_OPS}
+
+    def row_candidates(x, k, target_col, width, temperature, valid_cols):
+        if x.dtype == torch.float64:
+            return fallback.row_candidates(x, k, target_col, int(width), float(temperature), int(valid_cols))
+        return emu.row_candidates(x, k, target_col, int(width), float(temperature), int(valid_cols), **kn)
+
+    impl["row_candidates"] = row_candidates
+    return impl
 
 
 def available(include_emulated: bool = True) -> List[str]:
@@ -82,8 +98,9 @@ def _skip_unless_runnable(name: str) -> None:
 
 @contextlib.contextmanager
 def logprob_backend(name: str, **knobs) -> Iterator[str]:
-    """Within the block, ``rollout_corr_ext.ops``' log-prob functions run on backend ``name``; yields the device
-    the inputs must live on. ``knobs`` (threads, vec, schedule, max_blocks) tune the emulated launches."""
+    """Within the block, ``rollout_corr_ext.ops``' log-prob and sampling-replay functions run on backend ``name``;
+    yields the device the inputs must live on. ``knobs`` (threads, vec, schedule, max_blocks) tune the emulated
+    launches."""
     _skip_unless_runnable(name)
     if name in ("cpu", "cuda"):
         yield name
@@ -98,6 +115,7 @@ def logprob_backend(name: str, **knobs) -> Iterator[str]:
         impl = {op: functools.partial(getattr(emu, op), **{k: v for k, v in knobs.items() if k in accepted})
                 for op, accepted in LOGPROB_OPS.items()}
         impl["merge_row_stats"] = functools.partial(_emulated_merge, impl["merge_row_stats"])
+        impl.update(_emulated_sampling_ops(emu, knobs))
     else:
         raise ValueError(f"unknown backend {name!r}")
     with _swapped_ops(impl) as device:

@@ -324,3 +324,142 @@ def test_rollout_passes_read_each_input_once_per_pass(emu, dtype, mask_dtype):
         _once(fold.buffers["sums"], sums.numel() * 8, read=False)
         _once(fold.buffers["maxes"], maxes.numel() * 8, read=False)
         _assert_coalesced(fold)
+
+
+# ---- sampling replay -------------------------------------------------------------------------------------------------
+
+SAMPLING_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", SAMPLING_DTYPES, ids=str)
+def test_sampling_floor_ops_read_once(emu, dtype):
+    """floor_fill reads the logits once and writes the output once; floor_zero_ reads the logits once and writes
+    only the gradient elements it zeroes (the others are neither read nor written); count_at_least reads the row
+    once and writes 8 B per row. The row's floor is one broadcast value per thread. Every request coalesced (but
+    floor_zero_'s sparse stores, which the counters cannot group)."""
+    import math
+
+    rows, cols = 5, 320
+    elem, acc = dtype.itemsize, (8 if dtype == torch.float64 else 4)
+    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    x = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 2).to(dtype)
+    floor = torch.tensor([0.0, -math.inf, 1.0, -1.0, 9.0], dtype=acc_dtype)
+    out = torch.empty_like(x)
+    grad = torch.ones_like(x)
+    for knobs in (dict(), dict(threads=64, max_blocks=2, schedule=2)):
+        with recorded_launches() as rec:
+            emu.floor_fill(x, floor, 0.7, out, **knobs)
+            emu.floor_zero_(grad, x, floor, 0.7, **knobs)
+            counts = emu.count_at_least(x, floor, **knobs)
+        fill = _one(rec, "floor_fill_kernel", x=x, out=out, floor=floor)
+        _once(fill.buffers["x"], rows * cols * elem)
+        _once(fill.buffers["out"], rows * cols * elem, read=False)
+        assert fill.buffers["floor"].read_unique == rows * acc and fill.other_read_bytes == 0
+        _assert_coalesced(fill)
+        zero = _one(rec, "floor_zero_kernel", x=x, grad=grad, floor=floor)
+        _once(zero.buffers["x"], rows * cols * elem)
+        zeroed = int((out == -math.inf).sum())  # the elements under the floor
+        assert zero.buffers["grad"].read_bytes == 0 and zero.buffers["grad"].write_bytes == zeroed * elem
+        assert zero.buffers["grad"].write_max == 1
+        # the loads coalesced (the emulator groups a data-dependent store's lanes by their execution count, which
+        # mixes loop iterations: its sectors per request say nothing here)
+        assert not [x for x in zero.uncoalesced_sites if not x.store], zero.uncoalesced_sites
+        count = _one(rec, "count_at_least_kernel", x=x, counts=counts, floor=floor)
+        _once(count.buffers["x"], rows * cols * elem)
+        _once(count.buffers["counts"], rows * 8, read=False)
+        assert count.other_read_bytes == 0 and count.other_write_bytes == 0
+        _assert_coalesced(count)
+
+
+@pytest.mark.parametrize("dtype", SAMPLING_DTYPES, ids=str)
+def test_sampling_mass_histogram_reads_once(emu, dtype):
+    """mass_histogram: the row read once, each row's probes once (into shared memory), its buckets written once; the
+    row's bracket, floor and max are broadcast values."""
+    from rollout_corr_ext.sampling import _ordered_key, _probes
+
+    rows, cols = 4, 256
+    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    z = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 3).to(dtype)
+    z_max = z.to(acc_dtype).amax(1)
+    floor = torch.full((rows,), -1.0, dtype=acc_dtype)
+    hi, lo = _ordered_key(z_max), _ordered_key(z_max - 64) - 1
+    probes = _probes(lo, hi, 8)
+    with recorded_launches() as rec:
+        hist = emu.mass_histogram(z, z_max, floor, lo, hi, probes, threads=128)
+    stats = _one(rec, "mass_histogram_kernel", z=z, probes=probes, hist=hist, z_max=z_max, floor=floor, lo=lo, hi=hi)
+    _once(stats.buffers["z"], rows * cols * dtype.itemsize)
+    _once(stats.buffers["probes"], probes.numel() * 8, aligned=False)  # 255 probes: 2040-byte rows
+    _once(stats.buffers["hist"], hist.numel() * 8, read=False)
+    for name in ("z_max", "floor", "lo", "hi"):
+        assert stats.buffers[name].read_unique == rows * (8 if name in ("lo", "hi") else acc_dtype.itemsize), name
+    assert stats.other_read_bytes == 0 and stats.other_write_bytes == 0
+    _assert_coalesced(stats)
+
+
+def test_sampling_row_candidates_reads_the_row_once_plus_its_marked_tiles(emu):
+    """row_candidates: every valid column read once by the first pass, never the padding; the second reads only
+    the tiles whose max reaches the k-th largest tile max (about k of the row's V / 32 tiles for i.i.d. logits: here
+    under 4 % of the row), and the target once; the lists written once. Coalesced."""
+    rows, cols, valid, k, width = 2, 32768, 32000, 20, 64
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(2)).bfloat16()
+    ks = torch.full((rows,), k)
+    tc = torch.tensor([3, 31999])
+    with recorded_launches() as rec:
+        vals, idx, count, st = emu.row_candidates(x, ks, tc, width, 0.8, valid)
+    stats = _one(rec, "row_candidates_kernel", x=x, vals=vals, idx=idx, count=count, st=st, k=ks, tc=tc)
+    logits = stats.buffers["x"]
+    assert logits.read_unique == rows * valid * 2  # every valid column, no padding column
+    extra = logits.read_bytes - rows * valid * 2
+    assert 0 < extra < 0.04 * rows * valid * 2, extra
+    for name, buf in (("vals", vals), ("idx", idx), ("count", count), ("st", st)):
+        _once(stats.buffers[name], buf.numel() * buf.element_size(), read=False, aligned=name != "st")
+    assert stats.other_read_bytes == 0 and stats.other_write_bytes == 0
+    _assert_coalesced(stats)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_sampling_candidate_decide_and_row_topk_rounds(emu, dtype):
+    """candidate_decide reads the candidates once per radix round: 8-bit digits of 32- (fp32) or 64-bit (fp64)
+    keys for the k-th largest, one pass for the total mass, as many rounds for the top-p cut, one for the kept
+    sums (with top-p: 10 reads in fp32, 18 in fp64); row_topk reads the row once per round plus once to gather.
+    Every request coalesced; the per-row outputs written once."""
+    import math
+
+    rows, width = 4, 256
+    rounds = dtype.itemsize  # 8-bit digits
+    g = torch.Generator().manual_seed(3)
+    cand = torch.randn(rows, width, generator=g, dtype=dtype)
+    z_max = cand.double().amax(1)
+    args = (cand, z_max, cand[:, 0].double(), torch.full((rows,), 50.0, dtype=torch.float64),
+            torch.full((rows,), 30), torch.full((rows,), -math.inf, dtype=dtype),
+            torch.full((rows,), 0.9, dtype=torch.float64))
+    with recorded_launches() as rec:
+        tau, out = emu.candidate_decide(*args)
+        top = emu.row_topk(cand, 16)
+    decide = _one(rec, "candidate_decide_kernel", cand=cand, tau=tau, out=out)
+    buf = decide.buffers["cand"]
+    assert buf.read_unique == cand.numel() * dtype.itemsize
+    assert buf.read_bytes == (2 * rounds + 2) * cand.numel() * dtype.itemsize
+    _once(decide.buffers["tau"], rows * dtype.itemsize, read=False)
+    _once(decide.buffers["out"], rows * 32, read=False)
+    _assert_coalesced(decide)
+    topk = _one(rec, "row_topk_kernel", cand=cand, top=top)
+    assert topk.buffers["cand"].read_bytes == (rounds + 1) * cand.numel() * dtype.itemsize
+    _once(topk.buffers["top"], top.numel() * dtype.itemsize, read=False)
+    _assert_coalesced(topk)
+
+
+def test_sampling_scatter_rows_writes_the_candidates_only(emu):
+    """scatter_rows: the indices read once, the values that have one read once; the kernel writes only those
+    entries (the launcher zeroes the output with a memset first)."""
+    values = torch.randn(3, 64)
+    index = torch.stack([torch.randperm(500)[:64] for _ in range(3)])
+    index[1, 40:] = -1
+    with recorded_launches() as rec:
+        out = emu.scatter_rows(values, index, 500, torch.bfloat16)
+    stats = _one(rec, "scatter_rows_kernel", values=values, index=index, out=out)
+    _once(stats.buffers["index"], index.numel() * 8)
+    kept = int((index >= 0).sum())
+    assert stats.buffers["values"].read_bytes == stats.buffers["values"].read_unique == kept * 4  # with an index
+    assert (stats.buffers["out"].write_bytes, stats.buffers["out"].write_unique) == (kept * 2, kept * 2)
+    assert stats.buffers["out"].read_bytes == 0

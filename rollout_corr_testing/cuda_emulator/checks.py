@@ -1,12 +1,14 @@
 """The checks every emulated kernel family must pass, under every turnstile schedule.
 
-For a family (``logprob``, ``policy_loss``, ``rollout_correction``) and small inputs that give each block several
-rows and several warps (so a warp that runs a row ahead of the others meets shared slots that are still in use):
+For a family (``logprob``, ``policy_loss``, ``rollout_correction``, ``sampling``) and small inputs that give each
+block several rows and several warps (so a warp that runs a row ahead of the others meets shared slots that are still
+in use):
 
 * racecheck: the hazards the emulator reports (cuda_emu.h) over the family's launches, in each schedule;
 * values: the outputs of each schedule against a reference (the fp64 oracles for the log-probs and the policy
-  loss; the fallback for the rollout passes, whose per-row partials no public oracle returns -- the whole rollout
-  pipeline on the emulator is held to the independent oracle in tests/test_cuda_emulator_rollout_correction.py);
+  loss, the contracts' row-by-row oracles for the sampling replay; the fallback for the rollout passes, whose
+  per-row partials no public oracle returns -- the whole rollout pipeline on the emulator is held to the
+  independent oracle in tests/test_cuda_emulator_rollout_correction.py);
 * schedule invariance: the raw outputs (shard records with their headers, loss rows, partial sums) bitwise equal
   across the four schedules -- the kernels reduce in a fixed order, so any difference is a race.
 
@@ -32,6 +34,7 @@ FAMILY_OF_FILE = {
     "logprob_kernels.cuh": "logprob",
     "policy_loss_kernels.cuh": "policy_loss",
     "rollout_correction_kernels.cuh": "rollout_correction",
+    "sampling_kernels.cuh": "sampling",
 }
 
 
@@ -128,10 +131,71 @@ def _rollout_run(schedule: int):
     return [st, *out], why
 
 
+def _sampling_run(schedule: int):
+    import math
+
+    from rollout_corr_ext.sampling import _ordered_key, _probes
+    from rollout_corr_testing.sampling_kernel_oracles import (candidate_decide_oracle, mass_histogram_oracle,
+                                                              row_candidates_oracle, rows_with_edges)
+
+    emu = torch.ops.rollout_corr_emu
+    knobs = dict(threads=64, max_blocks=2, schedule=schedule)  # 2 warps, several rows per block
+    why = []
+
+    # count_at_least (block sums) and mass_histogram (shared buckets)
+    z = rows_with_edges(5, 200, torch.float32, seed=4, grid=True)
+    floor = torch.tensor([-math.inf, 0.0, -1.0, 2.0, -math.inf])
+    counts = emu.count_at_least(z, floor, **knobs)
+    want = torch.tensor([int((z[r] >= floor[r]).sum()) for r in range(5)])
+    why.append("count_at_least: mismatch" if not torch.equal(counts, want) else "")
+    z_max = z.amax(1)
+    hi, lo = _ordered_key(z_max), _ordered_key(z_max - 64) - 1
+    probes = _probes(lo, hi, 8)  # 255 per row: the shared-memory buckets
+    hist = emu.mass_histogram(z, z_max, floor, lo, hi, probes, **knobs)
+    diff = int((hist - mass_histogram_oracle(z, z_max, floor, lo, hi, probes)).abs().sum())
+    why.append(f"mass_histogram: off by {diff}" if diff > 3 else "")
+
+    # row_topk (radix rounds, the gathered keys' sort)
+    x = rows_with_edges(5, 300, torch.float32, seed=5, grid=True)
+    top = emu.row_topk(x, 40, **knobs)
+    why.append("row_topk: mismatch" if not torch.equal(top, x.topk(40, dim=-1).values) else "")
+
+    # row_candidates: the fast route and the exact one (a row of 4130 ties: the column select)
+    v = 4133
+    x = rows_with_edges(6, v, torch.bfloat16, seed=6)
+    x[2] = 0.25
+    x[3, 7] = float("nan")
+    k = torch.tensor([5, 3, 4, 6, 50, 0])
+    tc = torch.tensor([1, -1, 3, 4, 9, 2])
+    cand = emu.row_candidates(x, k, tc, 60, 0.8, v - 3, **knobs)
+    want = row_candidates_oracle(x, k, tc, 60, 0.8, v - 3)
+    full = want[2] <= 60
+    ok = (torch.equal(cand[2], want[2]) and torch.equal(cand[0][full], want[0][full])
+          and torch.equal(cand[1][full], want[1][full]) and _mismatch(cand[3], want[3], rtol=2e-6, atol=0) == "")
+    why.append("row_candidates: mismatch" if not ok else "")
+
+    # candidate_decide: k-th largest, the top-p cut (the weighted select), the fp64 block sums
+    g = torch.Generator().manual_seed(7)
+    n, width = 6, 40
+    c = (torch.randn(n, width, generator=g, dtype=torch.float64) * 2).round()
+    c[1, 25:] = -math.inf
+    c = c.float()
+    z_max = c.double().amax(1)
+    args = (c, z_max, c[:, 3].double(), (c.double() - z_max.unsqueeze(1)).exp().sum(1) + 1.0,
+            torch.tensor([5, 30, 12, 0, 40, 8]), torch.full((n,), -math.inf),
+            torch.tensor([0.9, 0.5, 1.0, 0.7, 0.3, 0.95], dtype=torch.float64))
+    tau, out = emu.candidate_decide(*args, **knobs)
+    want_tau, want_out = candidate_decide_oracle(c.sort(dim=1, descending=True).values, *args[1:])  # (reads it sorted)
+    ok = torch.equal(tau, want_tau) and _mismatch(out, want_out, rtol=1e-12, atol=1e-12) == ""
+    why.append("candidate_decide: mismatch" if not ok else "")
+    return [counts, hist, top, *cand, tau, out], "; ".join(w for w in why if w)
+
+
 RUNS: Dict[str, Callable[[int], tuple]] = {
     "logprob": _logprob_run,
     "policy_loss": _policy_loss_run,
     "rollout_correction": _rollout_run,
+    "sampling": _sampling_run,
 }
 
 
