@@ -32,6 +32,7 @@ CUDA_SOURCES: List[str] = [
     "csrc/cuda/logprob.cu",
     "csrc/cuda/rollout_correction.cu",
     "csrc/cuda/policy_loss.cu",
+    "csrc/cuda/sampling.cu",
 ]
 
 INCLUDE_DIRS: List[str] = ["csrc/include", "csrc"]

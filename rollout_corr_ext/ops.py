@@ -475,24 +475,24 @@ def policy_loss_rows(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# §5 sampling replay: the per-shard candidates of the threshold search
+# §5 sampling replay: the per-shard candidates of the threshold search (CPU and CUDA kernels)
 # ---------------------------------------------------------------------------------------------------------
 
 
 def row_topk(values: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k`` largest values of each row of ``values`` ``[N, C]``, descending, fp32 (fp64 for fp64), -inf after a
-    row's values when ``C < k``. The compiled CPU kernel streams each row once (csrc/cpu/sampling.cpp); other devices
-    (and the fallback backend) run ``torch.topk``."""
-    if _compiled and values.device.type in ("cpu", "meta"):
+    row's values when ``C < k``. The compiled CPU kernel streams each row once (csrc/cpu/sampling.cpp), the CUDA
+    kernel selects by radix rounds (csrc/cuda/sampling_kernels.cuh); the fallback backend runs ``torch.topk``."""
+    if _has_kernel(values.device):
         return torch.ops.rollout_corr.row_topk.default(values, int(k))
     return fallback.row_topk(values, k)
 
 
 def floor_fill(x: torch.Tensor, floor: torch.Tensor, temperature: float, out: torch.Tensor) -> None:
     """``out`` = ``x`` with -inf where ``x / temperature`` (fp32; fp64 for fp64 ``x``) is under the row's ``floor``:
-    the kept set ``{z >= floor}`` of a replayed row (csrc/cpu/sampling.cpp; ``torch.where`` off the CPU kernels).
+    the kept set ``{z >= floor}`` of a replayed row (CPU and CUDA kernels; ``torch.where`` on the fallback backend).
     ``out`` may be ``x``."""
-    if _compiled and x.device.type in ("cpu", "meta"):
+    if _has_kernel(x.device):
         torch.ops.rollout_corr.floor_fill.default(x, floor, float(temperature), out)
         return
     fallback.floor_fill(x, floor, temperature, out)
@@ -502,22 +502,22 @@ def mass_histogram(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor, lo
                    probes: torch.Tensor) -> torch.Tensor:
     """One round of the top-p search: ``[N, P + 1]`` int64, per row the integer masses of the values ``z >= floor``
     with ``lo < key(z) <= hi``, bucketed by how many of the row's ascending ``probes`` lie under ``key(z)``
-    (csrc/cpu/sampling.cpp; torch ops off the CPU kernels)."""
-    if _compiled and z.device.type in ("cpu", "meta"):
+    (CPU and CUDA kernels; torch ops on the fallback backend)."""
+    if _has_kernel(z.device):
         return torch.ops.rollout_corr.mass_histogram.default(z, z_max, floor, lo, hi, probes)
     return fallback.mass_histogram(z, z_max, floor, lo, hi, probes)
 
 
 def count_at_least(z: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     """``[N]`` int64: per row the number of values ``z >= floor`` (compared in fp32 / fp64)."""
-    if _compiled and z.device.type in ("cpu", "meta"):
+    if _has_kernel(z.device):
         return torch.ops.rollout_corr.count_at_least.default(z, floor)
     return fallback.count_at_least(z, floor)
 
 
 def floor_zero_(grad: torch.Tensor, x: torch.Tensor, floor: torch.Tensor, temperature: float) -> None:
     """``grad`` = 0 (in place) where ``x / temperature`` is under the row's ``floor``."""
-    if _compiled and x.device.type in ("cpu", "meta"):
+    if _has_kernel(x.device):
         torch.ops.rollout_corr.floor_zero_.default(grad, x, floor, float(temperature))
         return
     fallback.floor_zero_(grad, x, floor, temperature)
@@ -526,9 +526,9 @@ def floor_zero_(grad: torch.Tensor, x: torch.Tensor, floor: torch.Tensor, temper
 def row_candidates(x: torch.Tensor, k: torch.Tensor, target_col: torch.Tensor, width: int, temperature: float,
                    valid_cols: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The replay of top-k sampling from one read of the logits ``x`` ``[N, C]``: ``(values, index, count, stats)``
-    (the contract: csrc/ops.cpp). The CPU kernel (fp32 / bf16 / fp16, csrc/cpu/sampling.cpp) reads each row once;
-    fp64 and other devices run torch ops (fallback/sampling.py)."""
-    if _compiled and x.device.type in ("cpu", "meta") and x.dtype != torch.float64:
+    (the contract: csrc/ops.cpp). The CPU and CUDA kernels (fp32 / bf16 / fp16; the CUDA kernel's lists hold at
+    most 4096 candidates) read each row once; fp64 and the fallback backend run torch ops (fallback/sampling.py)."""
+    if _has_kernel(x.device) and x.dtype != torch.float64:
         return torch.ops.rollout_corr.row_candidates.default(x, k, target_col, int(width), float(temperature),
                                                              int(valid_cols))
     return fallback.row_candidates(x, k, target_col, int(width), float(temperature), int(valid_cols))
@@ -537,16 +537,18 @@ def row_candidates(x: torch.Tensor, k: torch.Tensor, target_col: torch.Tensor, w
 def candidate_decide(cand: torch.Tensor, z_max: torch.Tensor, z_t: torch.Tensor, sum_all: torch.Tensor,
                      k: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The replay's decision on each row's candidates (any order): ``(tau, out)``, the kept set's threshold and ``[N, 4]``
-    fp64 (the target's log-prob, entropy, log S, lse) (the contract: csrc/ops.cpp; CPU kernel, torch elsewhere)."""
-    if _compiled and cand.device.type in ("cpu", "meta"):
+    fp64 (the target's log-prob, entropy, log S, lse) (the contract: csrc/ops.cpp; CPU and CUDA kernels, torch on the
+    fallback backend)."""
+    if _has_kernel(cand.device):
         return torch.ops.rollout_corr.candidate_decide.default(cand, z_max, z_t, sum_all, k, floor, top_p)
     return fallback.candidate_decide(cand, z_max, z_t, sum_all, k, floor, top_p)
 
 
 def scatter_rows(values: torch.Tensor, index: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
     """``[N, cols]`` of ``dtype``: 0, and ``values[r, w]`` at column ``index[r, w]`` where that is >= 0 (the
-    replay's gradient on its kept candidates). The CPU kernel writes into the log-prob gradient's reused block."""
-    if _compiled and values.device.type in ("cpu", "meta"):
+    replay's gradient on its kept candidates). The CPU kernel writes into the log-prob gradient's reused block; the
+    CUDA kernel writes the candidates into a zeroed output."""
+    if _has_kernel(values.device):
         return torch.ops.rollout_corr.scatter_rows.default(values, index, int(cols), dtype)
     return fallback.scatter_rows(values, index, int(cols), dtype)
 

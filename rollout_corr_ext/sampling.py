@@ -262,7 +262,7 @@ def _row_max(pieces, rows: int, acc, device) -> torch.Tensor:
 
 def _row_topk(pieces, width: int) -> torch.Tensor:
     """The ``width`` largest of each row over every piece, descending (-inf padded when a row has fewer): one
-    streaming pass per piece in the CPU kernel (``ops.row_topk``), ``torch.topk`` elsewhere."""
+    pass per piece in the CPU kernel (``ops.row_topk``), radix-select rounds in the CUDA kernel."""
     tops = [ops.row_topk(z, width) for z in pieces]
     return tops[0] if len(tops) == 1 else ops.row_topk(torch.cat(tops, 1), width)
 

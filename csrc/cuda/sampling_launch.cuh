@@ -19,7 +19,7 @@
 namespace rollout_corr {
 
 // Threads per block of the selecting kernels: enough warps for the shared-memory sorts and the row sweeps.
-constexpr int kCandidateThreads = 512;
+constexpr int kCandidateThreads = 256;
 constexpr int kDecideThreads = 256;
 constexpr int kTopkThreads = 512;
 
