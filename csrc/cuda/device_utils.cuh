@@ -18,6 +18,14 @@
   T* const name = reinterpret_cast<T*>(rc_dynamic_smem_)
 #endif
 
+// Between a thread's load of a shared slot and its store back to the same slot (a sort's compare-and-swap): nothing
+// on the GPU. Under the CUDA emulator an opaque call: GCC's AddressSanitizer pass, which gives racecheck its view of
+// every access, drops a store's check as redundant when a load of the same address dominates it in the same block,
+// so without the call racecheck would not see the store.
+#ifndef RC_SHARED_STORE_AFTER_LOAD
+#define RC_SHARED_STORE_AFTER_LOAD()
+#endif
+
 namespace rollout_corr {
 
 constexpr unsigned kFullWarpMask = 0xffffffffu;

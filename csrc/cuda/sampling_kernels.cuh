@@ -304,6 +304,7 @@ __device__ RC_FORCEINLINE void bitonic_sort_descending(unsigned long long* keys,
         const int hi = lo + stride;
         const bool descending = (lo & size) == 0;   // the last stage (size = n) sorts all of it descending
         const unsigned long long a = keys[lo], b = keys[hi];
+        RC_SHARED_STORE_AFTER_LOAD();
         if ((a < b) == descending) {
           keys[lo] = b;
           keys[hi] = a;
@@ -439,10 +440,11 @@ __global__ void mass_histogram_kernel(MassParams<scalar_t, acc_t> p) {
     }
     if (shared) {
       __syncthreads();  // every mass added before the buckets are written out
+      // (no trailing barrier: the next row re-zeroes bucket b in the thread that writes it out here, and its probes
+      // are last read before the barrier above)
       for (int64_t b = threadIdx.x; b < buckets; b += blockDim.x) {
         RC_STG(p.hist + row * buckets + b, static_cast<int64_t>(hist_s[b]));
       }
-      __syncthreads();  // the buckets are re-zeroed (and the probes rewritten) for the next row
     }
   }
 }

@@ -209,13 +209,13 @@ def check_family(family: str) -> dict:
     outputs = {}
     for s in SCHEDULES:
         # racecheck records hazards without failing the launches, so the values are still compared.
+        outs = None
         with racecheck(1), recorded_launches() as rec:
             try:
                 outs, why = run(s)
             except Exception as e:  # noqa: BLE001 - an emulator error (synccheck, a crash) is a finding
                 report["errors"][s] = f"{type(e).__name__}: {str(e)[:600]}"
-                continue
-        launches = rec.launches()
+        launches = rec.launches()  # the failed launch's record included: its hazards count too
         report["hazards"][s] = sum(x.hazard_count for x in launches)
         for x in launches:
             for h in x.hazards:
@@ -223,6 +223,8 @@ def check_family(family: str) -> dict:
                     report["hazard_examples"].append(h)
             for site, n in x.barriers.items():
                 report["barriers"][site] = report["barriers"].get(site, 0) + n
+        if outs is None:
+            continue
         if why:
             report["mismatch"][s] = why
         outputs[s] = outs

@@ -924,6 +924,12 @@ void launch(Kernel kernel, dim3 grid, dim3 block, size_t dynamic_smem_bytes, Arg
   T* const name = ::emu::block_shared<T>((count), &name##_emu_key, #name)
 #define RC_DYNAMIC_SHARED(T, name) T* const name = ::emu::dynamic_shared<T>()
 
+// A call GCC cannot see into (defined in emu_stats.cpp, another translation unit): it may free memory, so the
+// AddressSanitizer pass keeps the check of a store to an address the same code loaded just before, which it would
+// otherwise drop as redundant -- and racecheck would never see that store (device_utils.cuh).
+extern "C" void rc_emu_opaque_call();
+#define RC_SHARED_STORE_AFTER_LOAD() rc_emu_opaque_call()
+
 // Global-memory accesses of the device code (csrc/include/rc_macros.h): counted while recording. Each expansion
 // registers its site once (a static in a lambda unique to the expansion and the template instantiation).
 #define RC_LDG(ptr)                                                                                      \

@@ -19,6 +19,9 @@
 #include <string>
 #include <vector>
 
+// RC_SHARED_STORE_AFTER_LOAD (cuda_emu.h): defined here, out of sight of the kernels' translation units.
+extern "C" void rc_emu_opaque_call() {}
+
 namespace rollout_corr {
 namespace {
 
