@@ -139,6 +139,56 @@ def rollout_reduce(rows: int, cols: int) -> Measured:
     return _stats(rec, "rollout_reduce_partials_kernel", (sums.numel() + maxes.numel()) * 8)
 
 
+def floor_fill(rows: int, cols: int) -> Measured:
+    from rollout_corr_testing.cuda_emulator.records import recorded_launches
+
+    x = torch.randn(rows, cols).bfloat16()
+    out = torch.empty_like(x)
+    with recorded_launches() as rec:
+        torch.ops.rollout_corr_emu.floor_fill(x, torch.full((rows,), 0.5), 0.7, out)
+    return _stats(rec, "floor_fill_kernel", 2 * rows * cols * 2 + rows * 4)
+
+
+def mass_histogram(rows: int, cols: int) -> Measured:
+    from rollout_corr_ext.sampling import _ordered_key, _probes
+    from rollout_corr_testing.cuda_emulator.records import recorded_launches
+
+    z = torch.randn(rows, cols) * 3
+    z_max = z.amax(1)
+    hi, lo = _ordered_key(z_max), _ordered_key(z_max - 64) - 1
+    probes = _probes(lo, hi, 8)
+    with recorded_launches() as rec:
+        torch.ops.rollout_corr_emu.mass_histogram(z, z_max, torch.full((rows,), -1.0), lo, hi, probes)
+    return _stats(rec, "mass_histogram_kernel", rows * cols * 4 + rows * (255 * 8 + 256 * 8 + 4 + 4 + 8 + 8))
+
+
+def row_candidates(rows: int, cols: int) -> Measured:
+    from rollout_corr_testing.cuda_emulator.records import recorded_launches
+
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols)).bfloat16()
+    with recorded_launches() as rec:
+        torch.ops.rollout_corr_emu.row_candidates(x, torch.full((rows,), 50), torch.full((rows,), 7), 66, 0.7, cols)
+    # the logits, k and target in; 66 candidates (value, column), the count and 3 stats out per row
+    return _stats(rec, "row_candidates_kernel", rows * cols * 2 + rows * (16 + 66 * 12 + 8 + 24))
+
+
+def candidate_decide(rows: int, width: int) -> Measured:
+    import math
+
+    from rollout_corr_testing.cuda_emulator.records import recorded_launches
+
+    g = torch.Generator().manual_seed(rows * width)
+    cand = torch.randn(rows, width, generator=g)
+    z_max = cand.double().amax(1)
+    f64 = torch.float64
+    with recorded_launches() as rec:
+        torch.ops.rollout_corr_emu.candidate_decide(cand, z_max, cand[:, 0].double(), torch.full((rows,), 9.0, dtype=f64),
+                                                    torch.full((rows,), 50), torch.full((rows,), -math.inf),
+                                                    torch.full((rows,), 0.9, dtype=f64))
+    # the lists and 5 per-row inputs (z_max, z_t, sum_all, k, top_p: 8 B; floor: 4 B) in; tau and 4 fp64 out
+    return _stats(rec, "candidate_decide_kernel", rows * width * 4 + rows * (5 * 8 + 4) + rows * (4 + 32))
+
+
 # kernel -> (measure, description of the inputs, small shapes (rows, cols) to fit on, check shape, realistic shape,
 #            realistic shape's description, how elements count)
 KERNELS: Dict[str, Tuple[Callable[[int, int], Measured], str, List[Tuple[int, int]], Tuple[int, int], Tuple[int, int],
@@ -159,6 +209,15 @@ KERNELS: Dict[str, Tuple[Callable[[int, int], Measured], str, List[Tuple[int, in
                                   [(2, 512), (4, 512), (2, 1024)], (3, 1536), (64, 8192), "B = 64, T = 8192"),
     "rollout_reduce_partials_kernel": (rollout_reduce, "fp64 partial rows", [(2, 512), (4, 512), (2, 1024)],
                                        (3, 1536), (64, 8192), "B = 64 (64 partial rows)"),
+    "floor_fill_kernel": (floor_fill, "bf16 logits", [(2, 4096), (4, 4096), (2, 8192)], (3, 12288), (16384, 32768),
+                          "N = 16384, V = 32768"),
+    "mass_histogram_kernel": (mass_histogram, "fp32 logits, 255 probes", [(2, 4096), (4, 4096), (2, 8192)],
+                              (3, 12288), (16384, 32768), "N = 16384, V = 32768"),
+    "row_candidates_kernel": (row_candidates, "bf16 logits, top-k 50, width 66", [(2, 4096), (4, 4096), (2, 8192)],
+                              (3, 12288), (16384, 32768), "N = 16384, V = 32768"),
+    "candidate_decide_kernel": (candidate_decide, "fp32 gathered lists, top-k 50, top-p 0.9",
+                                [(32, 132), (64, 132), (32, 264)], (48, 396), (16384, 528),
+                                "N = 16384, 8 shards of 66"),
 }
 
 
@@ -193,7 +252,7 @@ def table() -> str:
         b_min = minimum[0] * r * c + minimum[1] * r + minimum[2]
         spr = m4.sectors / m4.requests
         ideal = m4.ideal / m4.requests
-        unit = "elem" if "logit" in what or "records" in what else "token"
+        unit = "elem" if "logit" in what or "records" in what or "lists" in what else "token"
         model = f"{moved[0]:.3g} B/{unit} + {moved[1]:.4g} B/row"
         if abs(moved[2]) >= 1:
             model += f" + {moved[2]:.0f} B"
