@@ -217,7 +217,7 @@ def test_demo_device_cuda(tmp_path):
     if torch.cuda.is_available():
         n = min(2, torch.cuda.device_count())
         if n < 2:
-            pytest.skip("the demo's smoke runs use 2 ranks; --device cuda needs 2 GPUs here")
+            pytest.skip(reason="the demo's smoke runs use 2 ranks; --device cuda needs 2 GPUs here")
         records = _run_demo(tmp_path, tmp_path / "cuda", "--device=cuda", "--no-progress", "--no-report",
                             settings=["token_tis"], steps=2)
         assert len(records) == 2

@@ -808,7 +808,7 @@ def test_scratch_blocks_are_reused_never_shared():
     """ops.scratch_empty: a slot's block goes to the next request only once the tensor holding it is freed, so two
     live temporaries never alias; the blocks count in cpu_cache_bytes and empty_cpu_cache() frees them."""
     if not ops._compiled:
-        pytest.skip("the compiled extension is not built")
+        pytest.skip(reason="the compiled extension is not built")
     import rollout_corr_ext as rc
 
     rc.empty_cpu_cache()

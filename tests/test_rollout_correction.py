@@ -217,7 +217,7 @@ def test_long_masked_out_runs(dtype, mask_dtype, device):
 def test_lone_bad_mask_value_among_zeros_raises(value, device):
     """A value other than 0 / 1 alone in a run of zeros (a chunk the CPU kernels would otherwise skip) is found."""
     if device == "cuda":
-        pytest.skip("CUDA raises through an asynchronous device assert (tests/test_cuda.py, in a subprocess)")
+        pytest.skip(reason="CUDA raises through an asynchronous device assert (tests/test_cuda.py, in a subprocess)")
     mask = _zero_run_mask(300).float()
     lp, rlp, _ = make_inputs(mask.shape[0], 300, seed=22, min_len=300)
     mask[1, 200] = value
