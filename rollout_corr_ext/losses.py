@@ -814,10 +814,13 @@ def _nonzero(m: torch.Tensor) -> torch.Tensor:
     return m if m.dtype == torch.bool else m.bool()
 
 
-def _masked_by(x: torch.Tensor, nz: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+def _masked_by(x: torch.Tensor, nz: torch.Tensor, m: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`_checks.masked` (verl's ``where(m != 0, x, 0) * m``, the same values) given ``nz = m != 0``: one new
-    tensor, the product taken in place. Not differentiable (callers run under no_grad)."""
-    return torch.where(nz, x, 0.0).mul_(m)
+    tensor (or ``out``, which may be ``x``), the product taken in place. Not differentiable (callers run under
+    no_grad)."""
+    if out is None:
+        return torch.where(nz, x, 0.0).mul_(m)
+    return torch.where(nz, x, out.new_zeros(()), out=out).mul_(m)
 
 
 def _geo_mean_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
@@ -945,7 +948,8 @@ def _top_by_rule(flat: torch.Tensor, k: int) -> torch.Tensor:
     A top-(k + 1) by :func:`_topk_indices` gives the right values, so every position above the k-th value ``v``. On
     the CPU, when the (k + 1)-th value is below ``v`` (or ``v`` is -inf) the candidates hold every position at ``v``
     and sorting them is all; otherwise the positions at ``v`` are the first ones of the tensor: on the CPU found in
-    the blocks whose maximum reaches ``v`` (:func:`_positions_of`), on a GPU (where the test and a nonzero would be host reads) a cumulative count of
+    the blocks whose maximum reaches ``v`` (:func:`_positions_of`), on a GPU (where the test and a nonzero would be
+    host reads) a cumulative count of
     ``flat == v`` (one more pass)."""
     n = flat.numel()
     idx = _topk_indices(flat, min(k + 1, n)).sort().values
@@ -1072,13 +1076,11 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         nz = _nonzero_mask(response_mask, m)
         valid = torch.gt(m, 0, out=ops.scratch_empty(shape, torch.bool, dev, _SLOT_VALID))
         s0, s1 = ops.scratch_empty(shape, acc, dev, 0), ops.scratch_empty(shape, acc, dev, 1)
-        zero = s0.new_zeros(())
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
         m_sum = m.sum()
-        adv_sum = torch.where(nz, adv, zero, out=s0).mul_(m).sum()  # _masked_by's values
-        lp_sum = torch.where(nz, lp, zero, out=s1).mul_(m).sum()
+        adv_sum, lp_sum = _masked_by(adv, nz, m, out=s0).sum(), _masked_by(lp, nz, m, out=s1).sum()
         if cp > 1:  # the micro-batch's sums over every rank's tokens, and the kernel's ppo_kl numerator (unclamped)
-            kl_sum = torch.where(nz, torch.sub(old_log_prob.to(acc), lp, out=s0), zero, out=s0).mul_(m).sum()
+            kl_sum = _masked_by(torch.sub(old_log_prob.to(acc), lp, out=s0), nz, m, out=s0).sum()
             whole = _whole_sums((m_sum, adv_sum, lp_sum, kl_sum), m, log_prob, cu_seqlens, loss_agg_mode, cfg,
                                 seq_group)
             m_sum, adv_sum, lp_sum, kl_sum = whole.sums
@@ -1182,7 +1184,7 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
 
         def abs_kl_sum(out):  # actor/ppo_kl's numerator: masked_sum(|lp - lp_old|, m), in ``out``
             abs_kl = torch.sub(lp, old_log_prob.to(acc), out=out).abs_()
-            return torch.where(_nonzero_mask(response_mask, m), abs_kl, zero, out=abs_kl).mul_(m).sum()
+            return _masked_by(abs_kl, _nonzero_mask(response_mask, m), m, out=abs_kl).sum()
 
         # sums, for now
         mean_a, mean_lp = torch.where(valid, adv, zero, out=s0).sum(), torch.where(valid, lp, zero, out=s1).sum()
