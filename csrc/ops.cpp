@@ -108,10 +108,12 @@ TORCH_LIBRARY(rollout_corr, m) {
   // log_prob's shape, rows [B, 5] = loss sum, tokens, clip, dual clip, kl sum per sequence), in fp32 (fp64 for
   // fp64 log_prob). loss_kind: a PG_KIND_* of policy_loss_layout.def (0 PPO clip + dual clip, 1 REINFORCE, DPPO, GSPO,
   // SAPO, CISPO, DRO, GMPO, unbounded PPO); param_a / param_b: SAPO's tau_pos / tau_neg, DRO's beta.
+  // with_loss_mat=False: loss_mat is an empty [0] tensor, and tokens whose mask is 0 need not be read (the
+  // callers that aggregate the row sums only: one write and, for padding, every read less).
   m.def(
       "policy_loss_rows(Tensor log_prob, Tensor old_log_prob, Tensor advantages, Tensor response_mask, "
       "Tensor? weights, float clip_low, float clip_high, float clip_c, int loss_kind, Tensor? cu_seqlens=None, "
-      "float param_a=0., float param_b=0.) -> (Tensor, Tensor)");
+      "float param_a=0., float param_b=0., bool with_loss_mat=True) -> (Tensor, Tensor)");
   // d/d log_prob of sum(grad_loss_mat * loss_mat) + sum_b grad_rows_loss[b] * rows[b, 0], in log_prob's dtype.
   m.def(
       "policy_loss_backward(Tensor? grad_loss_mat, Tensor? grad_rows_loss, Tensor log_prob, Tensor old_log_prob, "

@@ -108,7 +108,7 @@ PolicyLossParams<scalar_t, acc_t> make_policy_loss_params(const at::Tensor& log_
   p.advantages = token_view(advantages);
   p.mask = token_view(response_mask);
   p.weights = token_view_or_absent(weights);
-  p.loss_mat = loss_mat.mutable_data_ptr<acc_t>();
+  p.loss_mat = loss_mat.numel() > 0 ? loss_mat.mutable_data_ptr<acc_t>() : nullptr;  // empty: not wanted
   p.row_partials = rows.mutable_data_ptr<acc_t>();
   p.undefined = undefined.mutable_data_ptr<int32_t>();
   p.row_offsets = layout.offsets.defined() ? layout.offsets.const_data_ptr<int64_t>() : nullptr;

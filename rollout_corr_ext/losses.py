@@ -519,8 +519,8 @@ def policy_loss_step(kind: int, old_log_prob, log_prob, advantages, response_mas
     clip_low, clip_high = (cfg.clip_low, cfg.clip_high) if clip is None else clip
     # An undefined loss at a response token (NaN / +inf log-probs, ...) is an error raised by the op itself (CPU: a
     # ValueError naming the token; CUDA: an asynchronous device assert), so nothing here reads a value on the host.
-    loss_mat, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights,
-                                          clip_low, clip_high, cfg.clip_ratio_c, kind, cu_seqlens, *params)
+    _, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high,
+                                   cfg.clip_ratio_c, kind, cu_seqlens, *params, with_loss_mat=False)
     loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM], rows[:, LY.PG_ROW_TOKENS], loss_agg_mode,
                           padded_horizon(log_prob, cu_seqlens),
                           **cfg.global_batch_info)
@@ -771,9 +771,12 @@ def compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask, l
     """GPG (verl ``gpg``): L = -A log pi (times the IS weights); no metrics, as in verl."""
     cfg = _prologue("compute_policy_loss_gpg", old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                     config, rollout_is_weights, cu_seqlens)
-    loss, _, _ = policy_loss_step(LY.PG_KIND_REINFORCE, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
-                              cfg, rollout_is_weights, cu_seqlens=cu_seqlens, fn="compute_policy_loss_gpg",
-                              metric_keys=())
+    refuse_grad("compute_policy_loss_gpg", old_log_prob=old_log_prob)
+    # GPG logs nothing, so old_log_prob (the kernel's kl column only) is not read: the kernel gets log_prob in its
+    # place (the same memory, read once) and the unused kl column is 0.
+    loss, _, _ = policy_loss_step(LY.PG_KIND_REINFORCE, log_prob.detach(), log_prob, advantages, response_mask,
+                                  loss_agg_mode, cfg, rollout_is_weights, cu_seqlens=cu_seqlens,
+                                  fn="compute_policy_loss_gpg", metric_keys=())
     return loss, {}
 
 
@@ -1232,7 +1235,7 @@ class _RowsWithPenalty(torch.autograd.Function):
     def forward(ctx, log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens, idx, row_idx, scale):
         weights = None if weights is None else weights.detach()
         _, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, math.inf, math.inf,
-                                       math.inf, LY.PG_KIND_PPO_UNBOUNDED, cu_seqlens)
+                                       math.inf, LY.PG_KIND_PPO_UNBOUNDED, cu_seqlens, with_loss_mat=False)
         x = log_prob.reshape(-1)[idx].to(scale.dtype) - old_log_prob.reshape(-1)[idx].to(scale.dtype)
         x = torch.where(scale != 0, x, torch.zeros_like(x))  # a token that adds nothing: its x (maybe NaN) unread
         penalty = torch.zeros(rows.shape[0], dtype=scale.dtype, device=rows.device).index_add(0, row_idx,
@@ -1375,9 +1378,14 @@ def _opsm_aware(fn):
     import inspect
 
     sig = inspect.signature(fn)
+    config_at = list(sig.parameters).index("config")
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
+        # the config first, without binding the whole signature (a per-call cost when OPSM is off, the usual case)
+        config = args[config_at] if len(args) > config_at else kwargs.get("config")
+        if config is None or (isinstance(config, PolicyLossConfig) and config.opsm_delta is None):
+            return fn(*args, **kwargs)
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments

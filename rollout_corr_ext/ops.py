@@ -333,10 +333,10 @@ def _register_policy_loss_ops() -> None:
 
     @torch.library.register_fake("rollout_corr::policy_loss_rows")
     def _(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind,
-          cu_seqlens=None, param_a=0.0, param_b=0.0):
+          cu_seqlens=None, param_a=0.0, param_b=0.0, with_loss_mat=True):
         acc = _stats_dtype(log_prob.dtype)
         rows = log_prob.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-        return (log_prob.new_empty(tuple(log_prob.shape), dtype=acc),
+        return (log_prob.new_empty(tuple(log_prob.shape) if with_loss_mat else (0,), dtype=acc),
                 log_prob.new_empty((rows, LY.PG_ROW_KL_SUM + 1), dtype=acc))
 
     @torch.library.register_fake("rollout_corr::policy_loss_backward")
@@ -360,17 +360,20 @@ def register_policy_loss_autograd(namespace: str) -> None:
 
     def setup_context(ctx, inputs, output):
         (log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind,
-         cu_seqlens, param_a, param_b, *knobs) = inputs
+         cu_seqlens, param_a, param_b, with_loss_mat, *knobs) = inputs
         ctx.save_for_backward(log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens)
         # An output nothing differentiates (most callers use only the row sums) arrives as None, not as a zero
         # [B, T] tensor autograd would fill and the kernel read.
         ctx.set_materialize_grads(False)
         ctx.scalars = (clip_low, clip_high, clip_c, loss_kind)
         ctx.params = (param_a, param_b)
+        ctx.with_loss_mat = with_loss_mat
         ctx.knobs = tuple(knobs)
 
     def backward(ctx, grad_loss_mat, grad_rows):
         log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens = ctx.saved_tensors
+        if not ctx.with_loss_mat:
+            grad_loss_mat = None  # the gradient of an empty loss_mat
         grad_log_prob = None
         if ctx.needs_input_grad[0] and (grad_loss_mat is not None or grad_rows is not None):
             # Only the loss column of rows carries a gradient (the others are detached metric partials).
@@ -456,6 +459,7 @@ def policy_loss_rows(
     cu_seqlens: Optional[torch.Tensor] = None,
     param_a: float = 0.0,
     param_b: float = 0.0,
+    with_loss_mat: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token policy loss (``[B, T]``, or ``[T]`` packed with ``cu_seqlens``) and per-sequence partials
     ``[B, 5]`` (``LY.PG_ROW_*``) in one pass; ``loss_kind`` a ``LY.PG_KIND_*`` (``param_a`` / ``param_b``: SAPO's
@@ -469,9 +473,9 @@ def policy_loss_rows(
             weights = weights.detach()
         return torch.ops.rollout_corr.policy_loss_rows.default(
             log_prob, old_log_prob, advantages, response_mask, weights, float(clip_low), float(clip_high),
-            float(clip_c), int(loss_kind), cu_seqlens, float(param_a), float(param_b))
+            float(clip_c), int(loss_kind), cu_seqlens, float(param_a), float(param_b), bool(with_loss_mat))
     return fallback.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
-                                      clip_high, clip_c, loss_kind, cu_seqlens, param_a, param_b)
+                                      clip_high, clip_c, loss_kind, cu_seqlens, param_a, param_b, with_loss_mat)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -205,14 +205,15 @@ def device_params(*names: str, emulated_reason: str = None, cuda_reason: str = N
 
 
 def _emulated_policy_loss_rows(knobs, log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
-                               clip_high, clip_c, loss_kind, cu_seqlens=None, param_a=0.0, param_b=0.0):
+                               clip_high, clip_c, loss_kind, cu_seqlens=None, param_a=0.0, param_b=0.0,
+                               with_loss_mat=True):
     """``ops.policy_loss_rows`` on the emulated kernels, with the compiled op's autograd formula (registered on the
     emulator's op by ``ops.register_policy_loss_autograd``)."""
     if weights is not None:
         weights = weights.detach()  # a constant of the loss, as in ops.policy_loss_rows
     return torch.ops.rollout_corr_emu.policy_loss_rows(
         log_prob, old_log_prob, advantages, response_mask, weights, float(clip_low), float(clip_high),
-        float(clip_c), int(loss_kind), cu_seqlens, float(param_a), float(param_b), **knobs)
+        float(clip_c), int(loss_kind), cu_seqlens, float(param_a), float(param_b), bool(with_loss_mat), **knobs)
 
 
 @contextlib.contextmanager

@@ -437,3 +437,111 @@ def test_cpu_loss_mat_block_is_reused_and_fully_overwritten(compiled_backend, ki
     held = again
     other, _ = torch.ops.rollout_corr.policy_loss_rows(lp, old, adv, mask, None, 0.2, 0.28, 3.0, kind)
     assert other.data_ptr() != held.data_ptr(), "a live loss's block is never handed out again"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# with_loss_mat=False: the row partials only (what every loss of losses.py but calculate_grpo_loss asks for)
+# ---------------------------------------------------------------------------------------------------------
+
+#: every kind of the family, with parameters every kind accepts (SAPO's taus, DRO's beta = param_a)
+ALL_KINDS = list(range(LY.KIND_COUNT))
+KIND_PARAMS = (1.0, 1.05)
+
+
+def _junk_padding(inp):
+    """The case with NaN / +-inf in every input at masked positions: a row-only pass must not read them (nor would
+    it matter if it did, as the rows exclude masked tokens: both are checked)."""
+    out = dict(inp)
+    pad = inp["mask"] == 0
+    for key, junk in (("lp", float("nan")), ("old", float("inf")), ("adv", float("-inf")), ("w", float("nan"))):
+        if out[key] is not None and out[key].shape == pad.shape:
+            out[key] = out[key].masked_fill(pad, junk)
+    return out
+
+
+def _rows_only_matches_full(run, device, dtype, kind):
+    """``run(*args, with_loss_mat=...)`` -> (loss_mat, rows): rows without loss_mat equal, bit for bit, the rows of
+    the full pass on the same inputs, loss_mat is an empty [0] tensor, and the gradient through the rows is the same
+    bits too. Also with junk in the padding (skipped chunks) against the clean inputs' rows."""
+    for name, inp, clip in sample_inputs(dtype):
+        for variant, case in (("clean", inp), ("junk_padding", _junk_padding(inp))):
+            msg = f"{name} {variant} kind={kind}"
+            dinp = _to(case, device)
+            args = (dinp["old"], dinp["adv"], dinp["mask"], dinp["w"], clip["clip_low"], clip["clip_high"],
+                    clip["clip_c"], kind, None, *KIND_PARAMS)
+            lp_full = _to(inp, device)["lp"].clone().requires_grad_(True)  # full pass: clean inputs
+            full_args = (_to(inp, device)[k] for k in ("old", "adv", "mask", "w"))
+            loss_full, rows_full = run(lp_full, *full_args, *args[4:], with_loss_mat=True)
+            lp = dinp["lp"].clone().requires_grad_(True)
+            loss, rows = run(lp, *args, with_loss_mat=False)
+            assert loss.shape == (0,) and loss.dtype == rows_full.dtype, msg
+            assert torch.equal(rows, rows_full), msg
+            g_row = torch.linspace(-1.0, 2.0, rows.shape[0], dtype=rows.dtype, device=rows.device)
+            (rows[:, PG_ROW_LOSS_SUM] * g_row).sum().backward()
+            (rows_full[:, PG_ROW_LOSS_SUM] * g_row).sum().backward()
+            pad = dinp["mask"] == 0
+            assert torch.equal(lp.grad[~pad], lp_full.grad[~pad]), msg
+            assert (lp.grad[pad] == 0).all(), msg
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_without_loss_mat_equal_the_full_pass(compiled_backend, device, dtype):
+    for kind in ALL_KINDS:
+        _rows_only_matches_full(ops.policy_loss_rows, device, dtype, kind)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_without_loss_mat_fallback(dtype):
+    for kind in ALL_KINDS:
+        _rows_only_matches_full(fallback.policy_loss_rows, "cpu", dtype, kind)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_emulated_rows_without_loss_mat_equal_the_full_pass(emu, dtype):
+    from rollout_corr_testing.backends import policy_loss_backend
+
+    with policy_loss_backend("emulated", threads=64, schedule=1, max_blocks=2):
+        for kind in ALL_KINDS:
+            _rows_only_matches_full(ops.policy_loss_rows, "cpu", dtype, kind)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_without_loss_mat(compiled_backend, device):
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        for name, inp, clip in list(sample_inputs(dtype))[:2]:
+            inp = _to(inp, device)
+            for kind in KINDS:
+                lp = inp["lp"].clone().requires_grad_(True)
+                args = (lp, inp["old"], inp["adv"], inp["mask"], inp["w"], clip["clip_low"], clip["clip_high"],
+                        clip["clip_c"], kind, None, 0.0, 0.0, False)
+                torch.library.opcheck(torch.ops.rollout_corr.policy_loss_rows.default, args)
+
+
+def test_emulated_rows_only_pass_reads_masked_tokens_mask_only(emu):
+    """The CUDA kernel without loss_mat moves, per masked token, its mask's byte (its 32-byte sectors) and nothing
+    else: the DRAM-level traffic the emulator records falls by the other inputs' bytes of the masked tokens and by
+    loss_mat's bytes."""
+    from rollout_corr_testing.cuda_emulator.records import recorded_launches
+
+    rows, cols = 4, 1024
+    lp = -torch.rand(rows, cols)
+    old, adv, w = lp + 0.1 * torch.randn(rows, cols), torch.randn(rows, cols), torch.rand(rows, cols) + 0.5
+    mask = torch.zeros(rows, cols, dtype=torch.bool)
+    mask[:, : cols // 4] = True  # 3/4 padding, in whole sectors
+
+    def moved(with_loss_mat):
+        with recorded_launches() as rec:
+            emu.policy_loss_rows(lp, old, adv, mask, w, 0.2, 0.2, 3.0, PG_KIND_PPO_CLIP, None, 0.0, 0.0,
+                                 with_loss_mat)
+        (x,) = rec.launches("policy_loss_rows_kernel")
+        return 32 * x.read.unique_sectors, 32 * x.write.unique_sectors
+
+    full_read, full_write = moved(True)
+    rows_read, rows_write = moved(False)
+    valid = rows * cols // 4
+    assert full_read == rows * cols * (4 * 4 + 1)  # four fp32 inputs and the bool mask, every token
+    assert rows_read == rows * cols * 1 + valid * 4 * 4  # the mask everywhere, the rest at valid tokens only
+    record_sectors = rows * 5 * 4 // 32 + 2  # the [rows, 5] fp32 records, however they straddle sectors
+    assert rows * cols * 4 <= full_write <= rows * cols * 4 + 32 * record_sectors  # loss_mat + the records
+    assert rows_write <= 32 * record_sectors  # the records only: no loss_mat

@@ -72,15 +72,16 @@ bool forward_row_fast(const PolicyLossParams<scalar_t, acc_t>& p, const SeqSpan&
   if (!f.ok) return false;
   const RowPtr<acc_t>&old = f.old, &adv = f.adv, &w = f.w;
   const scalar_t* lp = p.log_prob + sp.row * p.lp_row_stride + sp.col0;
-  acc_t* out = p.loss_mat + sp.row * p.cols + sp.col0;
+  acc_t* out = p.loss_mat == nullptr ? nullptr : p.loss_mat + sp.row * p.cols + sp.col0;
   bool undefined = false;
   const bool ok = with_mask_row(p.mask, sp.row, sp.col0, [&](auto* m) {
     for (int64_t t = 0; t < sp.len; ++t) {
+      if (out == nullptr && element_to<acc_t>(m[t]) == acc_t(0)) continue;  // policy_loss_forward_token's skip
       const acc_t l = static_cast<acc_t>(lp[t]), o = old.p[t * old.step], a = adv.p[t * adv.step];
       const acc_t wt = w.p == nullptr ? acc_t(1) : w.p[t * w.step];
       const acc_t mt = element_to<acc_t>(m[t]);
       const PolicyTokenResult<acc_t> r = policy_loss_token(l, o, a, wt, p.cfg);
-      out[t] = r.loss;
+      if (out != nullptr) out[t] = r.loss;
       policy_row_partials_add(partials, r, mt);
       undefined |= policy_loss_undefined(l, o, a, wt, mt, p.cfg.kind, r.loss);
     }
@@ -462,7 +463,7 @@ RC_FORCEINLINE bool any_nonzero(const float* m) {
 
 struct FwdArgs {
   Inputs in;
-  float* loss_mat;
+  float* loss_mat;  // nullptr: not wanted, and chunks whose mask is all 0 are skipped (they add nothing)
   float* row_partials;
   const int64_t* row_offsets;
   int32_t* undefined;
@@ -481,21 +482,22 @@ RC_FORCEINLINE void forward_rows(const FwdArgs& p, int64_t begin, int64_t end) {
   bool any_undefined = false;
   for (int64_t r = begin; r < end; ++r) {
     const SeqSpan sp = seq_span(p.row_offsets, p.cols, r);
-    float* out = p.loss_mat + sp.row * p.cols + sp.col0;
+    float* out = p.loss_mat == nullptr ? nullptr : p.loss_mat + sp.row * p.cols + sp.col0;
     double row[kPgRowCols] = {};
     VF s_tokens{}, s_loss{}, s_clip{}, s_lower{}, s_kl{};
     VI bad{};
     int chunks = 0;
     for (int64_t t0 = 0; t0 < sp.len; t0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, sp.len - t0));
-      ch.load_mask(p.in, sp.row, sp.col0 + t0, n);
-      ch.load_rest(p.in, sp.row, sp.col0 + t0, n);
-      float* o = n == kChunk ? out + t0 : tail;
-      for (int k = 0; k < kChunk; k += W) {
+      const float* mask = ch.load_mask(p.in, sp.row, sp.col0 + t0, n);
+      const bool skip = out == nullptr && !any_nonzero<VF>(mask);  // adds nothing: the fold below still runs
+      if (!skip) ch.load_rest(p.in, sp.row, sp.col0 + t0, n);
+      float* o = out != nullptr && n == kChunk ? out + t0 : tail;
+      for (int k = 0; k < kChunk && !skip; k += W) {
         const VF lp = L::load(ch.v[0] + k), old = L::load(ch.v[1] + k), adv = L::load(ch.v[2] + k);
         const VF m = L::load(ch.v[3] + k), w = L::load(ch.v[4] + k);
         const TokenOut<VF> t = token<K>(lp, old, adv, w, cfg);
-        L::store(o + k, t.loss);
+        if (out != nullptr) L::store(o + k, t.loss);
         // policy_row_partials_add: the mask multiplies, a token whose mask is 0 adds nothing (even a NaN).
         const VI nz = m != VF{};
         s_tokens += m;
@@ -505,7 +507,7 @@ RC_FORCEINLINE void forward_rows(const FwdArgs& p, int64_t begin, int64_t end) {
         s_kl += L::keep_if(nz, t.kl * m);
         bad = L::lor(bad, undefined<K>(lp, old, adv, w, m, t.loss));
       }
-      if (n < kChunk) std::memcpy(out + t0, tail, sizeof(float) * n);
+      if (out != nullptr && n < kChunk) std::memcpy(out + t0, tail, sizeof(float) * n);
       if (++chunks == kFoldChunks || t0 + kChunk >= sp.len) {
         row[kPgRowTokens] += L::sum_f64(s_tokens);
         row[kPgRowLossSum] += L::sum_f64(s_loss);
@@ -570,8 +572,15 @@ RC_FORCEINLINE void backward_rows(const BwdArgs& p, int64_t begin, int64_t end) 
       const int64_t col0 = sp.col0 + t0;
       const float* m = ch.load_mask(p.in, sp.row, col0, n);
       float* o = (direct && n == kChunk) ? static_cast<float*>(p.grad) + base + t0 : res;
+      // The gradient goes straight to memory (no read of its lines first: a third less traffic for a 4-byte
+      // output), where the chunk is aligned for it.
+      const bool stream = o != res && cpu::stream_aligned<VF>(o);
       if (!has_gmat && !any_nonzero<VF>(m)) {  // nothing differentiates the chunk: exactly 0, nothing else read
-        std::memset(o, 0, sizeof(float) * kChunk);
+        if (stream) {
+          for (int k = 0; k < kChunk; k += W) cpu::stream_vec(o + k, VF{});
+        } else {
+          std::memset(o, 0, sizeof(float) * kChunk);
+        }
       } else {
         ch.load_rest(p.in, sp.row, col0, n, /*log_probs=*/K != kPolicyLossReinforce);
         const float* gm = has_gmat ? Chunk::load(p.grad_loss_mat, sp.row, col0, n, gmat_buf, 0.0f) : nullptr;
@@ -583,12 +592,18 @@ RC_FORCEINLINE void backward_rows(const BwdArgs& p, int64_t begin, int64_t end) 
           const VF g = token_grad<K>(L::load(ch.v[0] + k), L::load(ch.v[1] + k), L::load(ch.v[2] + k),
                                      L::load(ch.v[4] + k), cfg);
           // A token nothing differentiates gets exactly 0, even where its own values are NaN / -inf.
-          L::store(o + k, L::keep_if(upstream != VF{}, upstream * g));
+          const VF out = L::keep_if(upstream != VF{}, upstream * g);
+          if (stream) {
+            cpu::stream_vec(o + k, out);
+          } else {
+            L::store(o + k, out);
+          }
         }
       }
       if (o == res) store_grad(p, base + t0, res, n);
     }
   }
+  cpu::stream_fence();  // this thread's streamed stores are visible before parallel_for returns
 }
 
 // One function per (copy, kind): the kind's loop is compiled once per ISA, and no function holds every kind (GCC's
@@ -671,14 +686,17 @@ std::tuple<at::Tensor, at::Tensor> policy_loss_rows_cpu(const at::Tensor& log_pr
                                                         const at::Tensor& advantages, const at::Tensor& response_mask,
                                                         const c10::optional<at::Tensor>& weights, double clip_low,
                                                         double clip_high, double clip_c, int64_t loss_kind,
-                                                        const c10::optional<at::Tensor>& cu_seqlens, double param_a, double param_b) {
+                                                        const c10::optional<at::Tensor>& cu_seqlens, double param_a,
+                                                        double param_b, bool with_loss_mat) {
   const SeqLayout layout = seq_layout(log_prob, cu_seqlens);  // first: names a layout mistake as such
   check_policy_loss_inputs(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
                            loss_kind, param_a, param_b);
-  // loss_mat (log_prob's shape) and rows [B, 5], contiguous, in the accumulation dtype. loss_mat, which most callers
-  // drop at once, comes from a reused block: a step writes it into pages already mapped.
+  // loss_mat (log_prob's shape; empty when not wanted) and rows [B, 5], contiguous, in the accumulation dtype.
+  // loss_mat, which callers drop soon, comes from a reused block: a step writes it into pages already mapped.
   const at::ScalarType acc = policy_acc_dtype(log_prob.scalar_type());
-  const at::Tensor loss_mat = cpu::reused_empty(log_prob.sizes(), acc, cpu::ReusedUse::kPolicyLossMat);
+  const at::Tensor loss_mat = with_loss_mat
+                                  ? cpu::reused_empty(log_prob.sizes(), acc, cpu::ReusedUse::kPolicyLossMat)
+                                  : at::empty({0}, log_prob.options().dtype(acc));
   const at::Tensor rows = at::empty({layout.rows, kPgRowCols}, log_prob.options().dtype(acc));
   const at::Tensor w = defined_or_empty(weights);
   const at::Tensor undefined = new_undefined_flag(log_prob);

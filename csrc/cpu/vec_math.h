@@ -155,6 +155,30 @@ template <typename VF>
 RC_FORCEINLINE void store_vec(float* p, VF v) {
   std::memcpy(p, &v, sizeof(v));
 }
+// A store that bypasses the caches (no read for ownership of the line first): for large outputs written once and
+// not read back by the same pass. p must be aligned to sizeof(VF) (stream_aligned); call stream_fence() after the
+// last one of a thread, before the data is handed to another.
+template <typename VF>
+RC_FORCEINLINE bool stream_aligned(const float* p) {
+  return reinterpret_cast<uintptr_t>(p) % sizeof(VF) == 0;
+}
+#if RC_CPU_HAS_AVX512_PATH
+RC_CPU_AVX512_INLINE void stream_vec(float* p, v16f v) { _mm512_stream_ps(p, (__m512)v); }
+RC_CPU_AVX2_INLINE void stream_vec(float* p, v8f v) { _mm256_stream_ps(p, (__m256)v); }
+inline void stream_vec(float* p, v4f v) { _mm_stream_ps(p, (__m128)v); }  // SSE: the x86-64 baseline
+#else
+template <typename VF>
+RC_FORCEINLINE void stream_vec(float* p, VF v) {
+  store_vec(p, v);
+}
+#endif
+RC_FORCEINLINE void stream_fence() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_sfence();
+#else
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
 template <typename VF>
 RC_FORCEINLINE float hsum_vec(VF v) {
   float s = 0.f;

@@ -18,10 +18,12 @@ std::tuple<at::Tensor, at::Tensor> policy_loss_rows_cuda(const at::Tensor& log_p
                                                          const at::Tensor& response_mask,
                                                          const c10::optional<at::Tensor>& weights, double clip_low,
                                                          double clip_high, double clip_c, int64_t loss_kind,
-                                                         const c10::optional<at::Tensor>& cu_seqlens, double param_a, double param_b) {
+                                                         const c10::optional<at::Tensor>& cu_seqlens, double param_a,
+                                                         double param_b, bool with_loss_mat) {
   const c10::cuda::CUDAGuard guard(log_prob.device());
   return run_policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
-                              loss_kind, cu_seqlens, param_a, param_b, LaunchKnobs{}, OutputInit::kEmpty, current_stream_launch());
+                              loss_kind, cu_seqlens, param_a, param_b, with_loss_mat, LaunchKnobs{},
+                              OutputInit::kEmpty, current_stream_launch());
 }
 
 at::Tensor policy_loss_backward_cuda(const c10::optional<at::Tensor>& grad_loss_mat,

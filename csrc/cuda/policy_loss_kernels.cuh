@@ -13,7 +13,7 @@ namespace rollout_corr {
 // threads read adjacent tokens: coalesced), writes their loss and folds them into five fp32 partials; lanes
 // reduce by butterfly shuffles, warps through shared memory, and thread 0 writes the row's record. Every input
 // is read once and loss_mat written once: with fp32 inputs, weights and a bool mask that is 17 B read + 4 B
-// written per token, plus 20 B per row.
+// written per token, plus 20 B per row. Without loss_mat (p.loss_mat == nullptr), a masked token's 1 B of mask.
 template <typename scalar_t, typename acc_t>
 __global__ void policy_loss_rows_kernel(PolicyLossParams<scalar_t, acc_t> p) {
   RC_SHARED_ARRAY(acc_t, warp_partials, kWarpSize * kPgRowCols);

@@ -56,13 +56,14 @@ std::tuple<at::Tensor, at::Tensor> run_policy_loss_rows(const at::Tensor& log_pr
                                                         const at::Tensor& advantages, const at::Tensor& response_mask,
                                                         const c10::optional<at::Tensor>& weights, double clip_low,
                                                         double clip_high, double clip_c, int64_t loss_kind,
-                                                        const c10::optional<at::Tensor>& cu_seqlens, double param_a, double param_b,
-                                                        const LaunchKnobs& knobs, OutputInit init, Launch&& launch) {
+                                                        const c10::optional<at::Tensor>& cu_seqlens, double param_a,
+                                                        double param_b, bool with_loss_mat, const LaunchKnobs& knobs,
+                                                        OutputInit init, Launch&& launch) {
   const SeqLayout layout = seq_layout(log_prob, cu_seqlens);  // first: names a layout mistake as such
   check_policy_loss_inputs(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
                            loss_kind, param_a, param_b);
   const auto opts = log_prob.options().dtype(policy_acc_dtype(log_prob.scalar_type()));
-  auto loss_mat = new_output(log_prob.sizes(), opts, init);
+  auto loss_mat = with_loss_mat ? new_output(log_prob.sizes(), opts, init) : at::empty({0}, opts);
   auto rows = new_output({layout.rows, kPgRowCols}, opts, init);
   if (layout.rows == 0) return {loss_mat, rows};
   const at::Tensor w = defined_or_empty(weights);

@@ -271,17 +271,20 @@ RC_HD RC_FORCEINLINE bool policy_loss_undefined(acc_t lp, acc_t old_lp, acc_t ad
   return bad || !(lp - lp == acc_t(0)) || !(old_lp - old_lp == acc_t(0)) || !(loss - loss == acc_t(0));
 }
 
-// The forward of one token: reads the inputs, writes loss_mat, folds the token into the row partials.
+// The forward of one token: reads the inputs, writes loss_mat (when wanted), folds the token into the row partials.
 template <typename scalar_t, typename acc_t>
 RC_HD RC_FORCEINLINE void policy_loss_forward_token(const PolicyLossParams<scalar_t, acc_t>& p, int64_t row,
                                                     int64_t col, PolicyRowPartials<acc_t>& partials) {
+  const acc_t m = view_load<acc_t>(p.mask, row, col);
+  // Without loss_mat a masked token contributes nothing (its partials are multiplied by 0, its values are not
+  // checked): nothing else of it is read.
+  if (p.loss_mat == nullptr && m == acc_t(0)) return;
   const acc_t lp = static_cast<acc_t>(RC_LDG(p.log_prob + row * p.lp_row_stride + col * p.lp_col_stride));
   const acc_t old_lp = view_load<acc_t>(p.old_log_prob, row, col);
   const acc_t adv = view_load<acc_t>(p.advantages, row, col);
   const acc_t w = view_load_or<acc_t>(p.weights, row, col, acc_t(1));
-  const acc_t m = view_load<acc_t>(p.mask, row, col);
   const PolicyTokenResult<acc_t> t = policy_loss_token(lp, old_lp, adv, w, p.cfg);
-  RC_STG(p.loss_mat + row * p.cols + col, t.loss);
+  if (p.loss_mat != nullptr) RC_STG(p.loss_mat + row * p.cols + col, t.loss);
   policy_row_partials_add(partials, t, m);
   if (policy_loss_undefined(lp, old_lp, adv, w, m, p.cfg.kind, t.loss)) RC_STG(p.undefined, 1);  // any writer: same value
 }

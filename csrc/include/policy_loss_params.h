@@ -47,7 +47,7 @@ struct PolicyLossParams {
   TokenView advantages;
   TokenView mask;
   TokenView weights;  // data == nullptr: no rollout IS weights
-  acc_t* loss_mat;    // [rows, cols] contiguous
+  acc_t* loss_mat;    // [rows, cols] contiguous; nullptr: not wanted (the row partials only)
   acc_t* row_partials;  // [rows, kPgRowCols] contiguous (one row per sequence)
   const int64_t* row_offsets;  // packed (1-D views, THD): [rows + 1] cu_seqlens; nullptr: padded [rows, cols]
   int32_t* undefined;   // set to 1 when a response token's loss is undefined (policy_loss_undefined)

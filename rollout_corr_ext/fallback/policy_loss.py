@@ -131,6 +131,7 @@ def policy_loss_rows(
     cu_seqlens: Optional[torch.Tensor] = None,
     param_a: float = 0.0,
     param_b: float = 0.0,
+    with_loss_mat: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token policy loss and the per-row partials every aggregation mode and metric is built from.
 
@@ -145,6 +146,8 @@ def policy_loss_rows(
     Returns ``loss_mat [B, T]`` (differentiable in ``log_prob``; masked positions hold the raw value, the
     mask is applied by the aggregation) and ``rows [B, 5]`` (columns ``PG_ROW_*``; only the loss column
     carries a gradient). One pass over the inputs: this is the contract of the fused loss kernel.
+    ``with_loss_mat=False``: ``loss_mat`` is an empty ``[0]`` tensor (callers that aggregate the rows only; the
+    kernels then skip the masked tokens' reads).
     """
     acc = _acc_dtype(log_prob.dtype)
     if not (isinstance(loss_kind, int) and 0 <= loss_kind < LY.KIND_COUNT):
@@ -181,4 +184,4 @@ def policy_loss_rows(
         stats = torch.stack(
             [row_sum(m), row_sum(_masked(clip, m)), row_sum(_masked(clip_lower, m)), row_sum(_masked(kl, m))], dim=-1)
     rows = torch.cat([row_sum(_masked(loss_v, m)).unsqueeze(-1), stats], dim=-1)
-    return loss, rows
+    return (loss if with_loss_mat else loss.new_empty((0,))), rows

@@ -29,10 +29,11 @@ std::tuple<at::Tensor, at::Tensor> policy_loss_rows_emu(const at::Tensor& log_pr
                                                         const at::Tensor& advantages, const at::Tensor& response_mask,
                                                         const c10::optional<at::Tensor>& weights, double clip_low,
                                                         double clip_high, double clip_c, int64_t loss_kind,
-                                                        const c10::optional<at::Tensor>& cu_seqlens, double param_a, double param_b, int64_t threads,
+                                                        const c10::optional<at::Tensor>& cu_seqlens, double param_a,
+                                                        double param_b, bool with_loss_mat, int64_t threads,
                                                         int64_t schedule, int64_t max_blocks) {
   return run_policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
-                              loss_kind, cu_seqlens, param_a, param_b, emu_knobs(threads, schedule, max_blocks), OutputInit::kPoisoned,
+                              loss_kind, cu_seqlens, param_a, param_b, with_loss_mat, emu_knobs(threads, schedule, max_blocks), OutputInit::kPoisoned,
                               EmuLaunch{});
 }
 
@@ -55,7 +56,8 @@ TORCH_LIBRARY_FRAGMENT(rollout_corr_emu, m) {
   m.def(
       "policy_loss_rows(Tensor log_prob, Tensor old_log_prob, Tensor advantages, Tensor response_mask, "
       "Tensor? weights, float clip_low, float clip_high, float clip_c, int loss_kind, Tensor? cu_seqlens=None, "
-      "float param_a=0., float param_b=0., int threads=0, int schedule=0, int max_blocks=0) -> (Tensor, Tensor)");
+      "float param_a=0., float param_b=0., bool with_loss_mat=True, int threads=0, int schedule=0, "
+      "int max_blocks=0) -> (Tensor, Tensor)");
   m.def(
       "policy_loss_backward(Tensor? grad_loss_mat, Tensor? grad_rows_loss, Tensor log_prob, Tensor old_log_prob, "
       "Tensor advantages, Tensor response_mask, Tensor? weights, float clip_low, float clip_high, float clip_c, "
