@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -144,35 +143,34 @@ ROW_TRAILING = {"logprob_kernels.cuh": "the warp_* slots are rewritten for the n
 
 
 @pytest.mark.slow
-def test_every_syncthreads_is_necessary(tmp_path):
-    """Each __syncthreads() of csrc/cuda/*_kernels.cuh, removed alone from a copy of the kernels, makes the
-    emulator's checks fail (checks.py: racecheck, the reference values, schedule invariance; each a failure of the
-    regular emulator tests too). racecheck must catch every one; the row-trailing barriers of the log-prob and
-    policy-loss kernels must also change the values in the warp-major schedule. One build per barrier, two in
-    parallel, each in its own process."""
+def test_every_syncthreads_is_necessary():
+    """Each __syncthreads() of csrc/cuda/*_kernels.cuh, disabled alone (the emulator's ``skip_barrier``: the
+    statement runs as if removed from the source), makes the emulator's checks fail (checks.py: racecheck, the
+    reference values, schedule invariance; each a failure of the regular emulator tests too). racecheck must catch
+    every one; the row-trailing barriers of the log-prob and policy-loss kernels must also change the values in the
+    warp-major schedule. One build per family, one process per barrier, two in parallel."""
     if os.environ.get("ROLLOUT_CORR_EMU_ASAN") == "1":
         pytest.skip(reason="racecheck is left out of the AddressSanitizer build; the regular test run checks the barriers")
     barriers = _barriers()
     assert len(barriers) >= 8, barriers
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
+    checks = [sys.executable, "-m", "rollout_corr_testing.cuda_emulator.checks"]
+
+    def build(family):
+        return subprocess.run(checks + [family, "--build-only"], cwd=str(ROOT), env=env, capture_output=True,
+                              text=True, timeout=1200)
+
     def run(barrier):
         name, line = barrier
-        d = tmp_path / f"{name}_{line}"
-        d.mkdir()
-        for src in (ROOT / "csrc" / "cuda").glob("*.cuh"):
-            shutil.copy(src, d / src.name)
-        lines = (d / name).read_text().splitlines(keepends=True)
-        assert "__syncthreads();" in lines[line - 1]
-        lines[line - 1] = lines[line - 1].replace("__syncthreads();", "/* __syncthreads(); removed */", 1)
-        (d / name).write_text("".join(lines))
         t0 = time.time()
-        proc = subprocess.run([sys.executable, "-m", "rollout_corr_testing.cuda_emulator.checks",
-                               FAMILY_OF_FILE[name], str(d)], cwd=str(ROOT), env=env, capture_output=True, text=True,
-                              timeout=1200)
+        proc = subprocess.run(checks + [FAMILY_OF_FILE[name], "--skip-barrier", f"{name}:{line}"], cwd=str(ROOT),
+                              env=env, capture_output=True, text=True, timeout=1200)
         return barrier, proc, time.time() - t0
 
     with ThreadPoolExecutor(max_workers=2) as pool:
+        for proc in pool.map(build, sorted({FAMILY_OF_FILE[name] for name, _ in barriers})):
+            assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
         results = list(pool.map(run, barriers))
     failures = []
     for (name, line), proc, seconds in results:
@@ -181,6 +179,9 @@ def test_every_syncthreads_is_necessary(tmp_path):
             failures.append(f"{name}:{line}: the check did not run:\n{(proc.stdout + proc.stderr)[-2000:]}")
             continue
         report = json.loads(out[-1][len("REPORT "):])
+        if report["barriers"].get(f"{name}:{line}", 0):
+            failures.append(f"{name}:{line}: still released the block: the skip did not apply")
+            continue
         found = detected(report)
         print(f"{name}:{line} removed ({seconds:.0f} s): " + ("; ".join(found) if found else "NOT DETECTED"))
         if not any(report["hazards"].values()):

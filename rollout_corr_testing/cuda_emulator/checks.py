@@ -248,13 +248,25 @@ def detected(report: dict) -> List[str]:
 
 
 def main(argv) -> int:
-    family = argv[1]
-    override = argv[2] if len(argv) > 2 else None
+    """``checks.py FAMILY [KERNEL_DIR] [--skip-barrier FILE.cuh:LINE] [--build-only]``: build (or reuse) the family's
+    emulator, on the kernels of KERNEL_DIR when given, and print the REPORT line of :func:`check_family`, with the
+    named __syncthreads running as if removed."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("family")
+    ap.add_argument("kernel_dir", nargs="?", default=None)
+    ap.add_argument("--skip-barrier", default="")
+    ap.add_argument("--build-only", action="store_true")
+    args = ap.parse_args(argv[1:])
     sys.path.insert(0, str(ROOT))
     from rollout_corr_testing.cuda_emulator.loader import load_emulator
 
-    load_emulator(kernel_override_dir=override, sources=[f"emu_{family}.cpp"])
-    print("REPORT " + json.dumps(check_family(family)))
+    load_emulator(kernel_override_dir=args.kernel_dir, sources=[f"emu_{args.family}.cpp"])
+    if args.build_only:
+        return 0
+    torch.ops.rollout_corr_emu.skip_barrier(args.skip_barrier)
+    print("REPORT " + json.dumps(check_family(args.family)))
     return 0
 
 

@@ -7,6 +7,8 @@
 //                                  barrier releases per __syncthreads statement and the racecheck hazards
 //   set_racecheck(int mode) -> int 0 off, 1 record hazards, 2 record and fail the launch (default); returns the old one
 //   racecheck_available() -> bool  false in the AddressSanitizer build (see cuda_emu.h)
+//   skip_barrier(str site) -> str   the __syncthreads at "file.cuh:line" runs as if removed ("": none); returns the
+//                                  old site
 // Always compiled into the emulator extension (loader.py), whichever kernel families are built.
 #include "cuda_emu.h"
 
@@ -204,6 +206,12 @@ int64_t set_racecheck(int64_t mode) {
 
 bool racecheck_available() { return emu::racecheck_available(); }
 
+std::string skip_barrier(const std::string& site) {
+  std::string old = emu::skipped_barrier();
+  emu::skipped_barrier() = site;
+  return old;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(rollout_corr_emu, m) {
@@ -212,6 +220,7 @@ TORCH_LIBRARY_FRAGMENT(rollout_corr_emu, m) {
   m.def("launch_records(Tensor[] buffers) -> str", &launch_records);
   m.def("set_racecheck(int mode) -> int", &set_racecheck);
   m.def("racecheck_available() -> bool", &racecheck_available);
+  m.def("skip_barrier(str site) -> str", &skip_barrier);
 }
 
 }  // namespace rollout_corr
