@@ -247,6 +247,8 @@ def test_opcheck_both_ops(compiled_backend, device):
                 args = (lp, inp["old"], inp["adv"], inp["mask"], inp["w"], clip["clip_low"], clip["clip_high"],
                         clip["clip_c"], kind)
                 torch.library.opcheck(torch.ops.rollout_corr.policy_loss_rows.default, args)
+                torch.library.opcheck(torch.ops.rollout_corr.policy_loss_rows.default,
+                                      args + (None, 0.0, 0.0, False))  # with_loss_mat=False
                 g_mat, g_row = (g.to(device) for g in _upstream(inp, 0))
                 bargs = (g_mat.to(_acc(dtype)), g_row.to(_acc(dtype)), inp["lp"], *args[1:])
                 torch.library.opcheck(torch.ops.rollout_corr.policy_loss_backward.default, bargs)
@@ -505,17 +507,6 @@ def test_emulated_rows_without_loss_mat_equal_the_full_pass(emu, dtype):
         for kind in ALL_KINDS:
             _rows_only_matches_full(ops.policy_loss_rows, "cpu", dtype, kind)
 
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_without_loss_mat(compiled_backend, device):
-    for dtype in (torch.float32, torch.bfloat16, torch.float64):
-        for name, inp, clip in list(sample_inputs(dtype))[:2]:
-            inp = _to(inp, device)
-            for kind in KINDS:
-                lp = inp["lp"].clone().requires_grad_(True)
-                args = (lp, inp["old"], inp["adv"], inp["mask"], inp["w"], clip["clip_low"], clip["clip_high"],
-                        clip["clip_c"], kind, None, 0.0, 0.0, False)
-                torch.library.opcheck(torch.ops.rollout_corr.policy_loss_rows.default, args)
 
 
 def test_emulated_rows_only_pass_reads_masked_tokens_mask_only(emu):
