@@ -150,6 +150,7 @@ MASKED_MEAN_EPS: float = float(_PG_CONST["MASKED_MEAN_EPS"])
 GSPO_LOG_RATIO_MAX: float = float(_PG_CONST["GSPO_LOG_RATIO_MAX"])
 BERNOULLI_KL_EPS: float = float(_PG_CONST["BERNOULLI_KL_EPS"])
 KIND_COUNT: int = int(_PG_CONST["KIND_COUNT"])
+SCRATCH_SLOTS: int = int(_PG_CONST["SCRATCH_SLOTS"])
 if sorted(int(c) for _, c in _PG["RC_PG_KIND"]) != list(range(KIND_COUNT)):
     raise RuntimeError(f"{POLICY_LOSS_LAYOUT_FILE}: the RC_PG_KIND codes must be 0 .. KindCount - 1")
 

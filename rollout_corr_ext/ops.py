@@ -220,7 +220,8 @@ def cpu_cache_bytes(release: bool = False) -> int:
 
 def scratch_empty(shape, dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
     """An uninitialised contiguous tensor for a temporary that never leaves its call. On the CPU (compiled kernels,
-    eager) its storage is the reused block of scratch ``slot`` (0 to 7; one per temporary alive at the same time):
+    eager) its storage is the reused block of scratch ``slot`` (0 to ``LY.SCRATCH_SLOTS - 1``; one per temporary
+    alive at the same time):
     a step that frees it and asks again at the same size writes into pages already mapped instead of faulting in
     fresh ones (csrc/cpu/reused_buffer.h; a block is handed out again only once the tensor holding it is freed).
     Elsewhere ``torch.empty``."""

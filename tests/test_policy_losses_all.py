@@ -19,6 +19,7 @@ import warnings
 import pytest
 import torch
 
+from rollout_corr_ext import _layout as LY
 from rollout_corr_ext import losses, ops
 from rollout_corr_ext import verl as rv
 from rollout_corr_testing.backends import policy_loss_backend
@@ -826,7 +827,11 @@ def test_scratch_blocks_are_reused_never_shared():
     assert ops.cpu_cache_bytes() >= 64 * 1000 * 5
     assert rc.empty_cpu_cache() >= 64 * 1000 * 5 and ops.cpu_cache_bytes() == 0
     with pytest.raises(RuntimeError, match="slot must be in"):
-        ops.scratch_empty((4,), torch.float32, cpu, 8)
+        ops.scratch_empty((4,), torch.float32, cpu, LY.SCRATCH_SLOTS)  # the count policy_loss_layout.def declares
+    ops.scratch_empty((4,), torch.float32, cpu, LY.SCRATCH_SLOTS - 1)
+    # the slots losses.py hands out exist
+    slots = [v for k, v in vars(losses).items() if k.startswith("_SLOT_")]
+    assert slots and max(slots) < LY.SCRATCH_SLOTS and min(slots) >= 2  # 0 and 1: the accumulation-dtype pair
 
 
 @pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])

@@ -28,6 +28,7 @@
 #include <mutex>
 #include <utility>
 
+#include "policy_loss_params.h"
 #include "switches.h"
 
 namespace rollout_corr {
@@ -36,7 +37,7 @@ namespace cpu {
 // What a cache serves: one block is kept per use. kPolicyLossMat: the policy loss's per-token loss, which most
 // callers drop at once. kScratch0 + slot: the policy losses' whole-batch temporaries (clip_cov / kl_cov's
 // covariance, its masks and masked sums: rollout_corr_ext/losses.py), which never leave the call.
-constexpr int kScratchSlots = 8;
+constexpr int kScratchSlots = static_cast<int>(::rollout_corr::kScratchSlots);  // policy_loss_layout.def
 enum class ReusedUse : int {
   kLogprobGrad = 0,
   kRolloutWeights = 1,
