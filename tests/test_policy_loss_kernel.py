@@ -536,3 +536,34 @@ def test_emulated_rows_only_pass_reads_masked_tokens_mask_only(emu):
     record_sectors = rows * 5 * 4 // 32 + 2  # the [rows, 5] fp32 records, however they straddle sectors
     assert rows * cols * 4 <= full_write <= rows * cols * 4 + 32 * record_sectors  # loss_mat + the records
     assert rows_write <= 32 * record_sectors  # the records only: no loss_mat
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_undefined_token_rule_matches_the_fallback(compiled_backend, kind):
+    """The CPU lane kernel screens each row with one running sum of its response tokens' inputs and losses and checks
+    a row exactly only when that sum is not finite: every non-finite input value (and a finite one that overflows the
+    screen) at a response token must give the fallback's verdict, the same named token, and nothing at a masked
+    one."""
+    base = _case(3, 70, torch.float32, 21, extremes=False)
+    row, col = 2, 5  # row 2 is all response tokens
+    for key in ("lp", "old", "adv", "w"):
+        for value in (float("nan"), float("inf"), float("-inf"), -3e38):
+            for masked in (False, True):
+                inp = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in base.items()}
+                inp["mask"][row, col] = not masked
+                inp[key][row, col] = value
+                if key == "lp" and value == -3e38:
+                    inp["old"][row, col] = -3e38  # lp + old overflows the screen; x = 0 is defined
+                args = (inp["lp"], inp["old"], inp["adv"], inp["mask"], inp["w"], 0.2, 0.28, 3.0, kind, None,
+                        *KIND_PARAMS, False)
+                verdicts = []
+                for fn in (fallback.policy_loss_rows, ops.policy_loss_rows):
+                    try:
+                        fn(*args)
+                        verdicts.append("ok")
+                    except ValueError as e:
+                        verdicts.append(str(e).split(":")[0] + (" @ (2, 5)" if "(2, 5)" in str(e) else " @ ?"))
+                msg = f"kind={kind} {key}={value} masked={masked}"
+                assert verdicts[0] == verdicts[1], (msg, verdicts)
+                if masked:
+                    assert verdicts[1] == "ok", msg

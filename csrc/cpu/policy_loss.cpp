@@ -412,11 +412,14 @@ struct Inputs {
 
 // One chunk of a row as fp32: inputs already fp32 with unit stride are read in place (full chunks); anything else,
 // and the last partial chunk (padded past n with mask 0 and finite values), is converted into the buffers.
+// start_row finds the in-place rows once per row, so a full chunk of such inputs costs no call at all.
 struct Chunk {
   alignas(64) float buf[5][kChunk];
-  const float* v[5];  // lp, old, adv, mask, w
+  const float* v[5];       // lp, old, adv, mask, w
+  const float* direct[5];  // the row's first element of each input read in place (nullptr: converted)
+  int64_t row_col0 = 0;
 
-  // Out of line (compiled once, not in every copy and kind): a call per input and chunk of 64 tokens.
+  // Out of line (compiled once, not in every copy and kind): a call per converted input and chunk of 64 tokens.
   __attribute__((noinline)) static const float* load(const TokenView& view, int64_t row, int64_t col0, int n,
                                                     float* buf, float pad) {
     if (n == kChunk) {
@@ -431,21 +434,33 @@ struct Chunk {
     for (int k = n; k < kChunk; ++k) buf[k] = pad;
     return buf;
   }
+  RC_FORCEINLINE void start_row(const Inputs& in, int64_t row, int64_t col0) {
+    const TokenView* views[5] = {&in.lp, &in.old, &in.adv, &in.mask, &in.w};
+    for (int i = 0; i < 5; ++i) {
+      direct[i] = views[i]->data == nullptr ? nullptr : view_row_ptr<float>(*views[i], row, col0);
+    }
+    row_col0 = col0;
+  }
+  RC_FORCEINLINE const float* get(int i, const TokenView& view, int64_t row, int64_t col0, int n, float pad) {
+    if (direct[i] != nullptr && n == kChunk) return direct[i] + (col0 - row_col0);
+    return load(view, row, col0, n, buf[i], pad);
+  }
+  // (start_row first, for the same row.)
   RC_FORCEINLINE const float* load_mask(const Inputs& in, int64_t row, int64_t col0, int n) {
-    return v[3] = load(in.mask, row, col0, n, buf[3], 0.0f);
+    return v[3] = get(3, in.mask, row, col0, n, 0.0f);
   }
   // The other inputs (the mask was loaded first). Absent weights read as 1. Without log_probs (REINFORCE's
   // gradient, -A w, reads neither log-prob) the lp / old lanes alias the advantages' and are not read from memory.
   RC_FORCEINLINE void load_rest(const Inputs& in, int64_t row, int64_t col0, int n, bool log_probs = true) {
-    v[2] = load(in.adv, row, col0, n, buf[2], 0.0f);
+    v[2] = get(2, in.adv, row, col0, n, 0.0f);
     if (log_probs) {
-      v[0] = load(in.lp, row, col0, n, buf[0], 0.0f);
-      v[1] = load(in.old, row, col0, n, buf[1], 0.0f);
+      v[0] = get(0, in.lp, row, col0, n, 0.0f);
+      v[1] = get(1, in.old, row, col0, n, 0.0f);
     } else {
       v[0] = v[1] = v[2];
     }
     if (in.w.data != nullptr) {
-      v[4] = load(in.w, row, col0, n, buf[4], 1.0f);
+      v[4] = get(4, in.w, row, col0, n, 1.0f);
     } else {
       for (int k = 0; k < kChunk; ++k) buf[4][k] = 1.0f;
       v[4] = buf[4];
@@ -471,6 +486,37 @@ struct FwdArgs {
   PolicyLossConfig<float> cfg;
 };
 
+// Which row partials a kind can make nonzero (token<K> leaves the others at 0): the lane loop skips the rest.
+template <int K>
+constexpr bool kind_has_clip() {
+  return K == kPolicyLossPpoClip || K == kPolicyLossGspo || K == kPolicyLossPpoUnbounded || K == kPolicyLossDppoTv ||
+         K == kPolicyLossDppoKl || K == kPolicyLossCispo || K == kPolicyLossGeoMean;
+}
+template <int K>
+constexpr bool kind_has_clip_lower() {
+  return K == kPolicyLossPpoClip || K == kPolicyLossDppoTv || K == kPolicyLossDppoKl || K == kPolicyLossGeoMean;
+}
+
+// policy_loss_undefined over one row, chunk by chunk (the exact rule): run only for a row whose cheap screen below
+// saw a non-finite value.
+template <typename VF, int K>
+RC_FORCEINLINE bool row_undefined(const FwdArgs& p, const SeqSpan& sp, Chunk& ch, const Cfg<VF>& cfg) {
+  using L = Lanes<VF>;
+  typename L::VI bad{};
+  ch.start_row(p.in, sp.row, sp.col0);
+  for (int64_t t0 = 0; t0 < sp.len; t0 += kChunk) {
+    const int n = static_cast<int>(std::min<int64_t>(kChunk, sp.len - t0));
+    ch.load_mask(p.in, sp.row, sp.col0 + t0, n);
+    ch.load_rest(p.in, sp.row, sp.col0 + t0, n);
+    for (int k = 0; k < kChunk; k += L::kWidth) {
+      const VF lp = L::load(ch.v[0] + k), old = L::load(ch.v[1] + k), adv = L::load(ch.v[2] + k);
+      const VF m = L::load(ch.v[3] + k), w = L::load(ch.v[4] + k);
+      bad = L::lor(bad, undefined<K>(lp, old, adv, w, m, token<K>(lp, old, adv, w, cfg).loss));
+    }
+  }
+  return L::any(bad);
+}
+
 template <typename VF, int K>
 RC_FORCEINLINE void forward_rows(const FwdArgs& p, int64_t begin, int64_t end) {
   using L = Lanes<VF>;
@@ -482,10 +528,14 @@ RC_FORCEINLINE void forward_rows(const FwdArgs& p, int64_t begin, int64_t end) {
   bool any_undefined = false;
   for (int64_t r = begin; r < end; ++r) {
     const SeqSpan sp = seq_span(p.row_offsets, p.cols, r);
+    ch.start_row(p.in, sp.row, sp.col0);
     float* out = p.loss_mat == nullptr ? nullptr : p.loss_mat + sp.row * p.cols + sp.col0;
     double row[kPgRowCols] = {};
     VF s_tokens{}, s_loss{}, s_clip{}, s_lower{}, s_kl{};
-    VI bad{};
+    // The undefined-loss screen: every input and the loss of each response token summed into lanes, which stay
+    // finite unless one of them is NaN or +-inf (or the sum overflows). policy_loss_undefined needs one of those, so
+    // a row whose screen stays finite has no undefined token; any other row is checked exactly (row_undefined).
+    VF screen{};
     int chunks = 0;
     for (int64_t t0 = 0; t0 < sp.len; t0 += kChunk) {
       const int n = static_cast<int>(std::min<int64_t>(kChunk, sp.len - t0));
@@ -502,10 +552,10 @@ RC_FORCEINLINE void forward_rows(const FwdArgs& p, int64_t begin, int64_t end) {
         const VI nz = m != VF{};
         s_tokens += m;
         s_loss += L::keep_if(nz, t.loss * m);
-        s_clip += L::keep_if(nz, t.clip * m);
-        s_lower += L::keep_if(nz, t.clip_lower * m);
+        if constexpr (kind_has_clip<K>()) s_clip += L::keep_if(nz, t.clip * m);
+        if constexpr (kind_has_clip_lower<K>()) s_lower += L::keep_if(nz, t.clip_lower * m);
         s_kl += L::keep_if(nz, t.kl * m);
-        bad = L::lor(bad, undefined<K>(lp, old, adv, w, m, t.loss));
+        screen += L::keep_if(nz, ((lp + old) + (adv + w)) + t.loss);
       }
       if (out != nullptr && n < kChunk) std::memcpy(out + t0, tail, sizeof(float) * n);
       if (++chunks == kFoldChunks || t0 + kChunk >= sp.len) {
@@ -519,7 +569,7 @@ RC_FORCEINLINE void forward_rows(const FwdArgs& p, int64_t begin, int64_t end) {
       }
     }
     for (int k = 0; k < kPgRowCols; ++k) p.row_partials[r * kPgRowCols + k] = static_cast<float>(row[k]);
-    any_undefined |= L::any(bad);
+    if (__builtin_expect(L::any(L::not_finite(screen)), 0)) any_undefined |= row_undefined<VF, K>(p, sp, ch, cfg);
   }
   if (any_undefined) *p.undefined = 1;  // any writer: same value
 }
@@ -565,6 +615,7 @@ RC_FORCEINLINE void backward_rows(const BwdArgs& p, int64_t begin, int64_t end) 
   alignas(64) float res[kChunk];
   for (int64_t r = begin; r < end; ++r) {
     const SeqSpan sp = seq_span(p.row_offsets, p.cols, r);
+    ch.start_row(p.in, sp.row, sp.col0);
     const int64_t base = sp.row * p.cols + sp.col0;
     const VF g_row = L::splat(view_load_or<float>(p.grad_rows_loss, r, 0, 0.0f));
     for (int64_t t0 = 0; t0 < sp.len; t0 += kChunk) {
