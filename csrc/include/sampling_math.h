@@ -28,51 +28,24 @@ namespace rollout_corr {
 #define RC_FMA(a, b, c) ((a) * (b) + (c))
 #endif
 
-RC_HD RC_FORCEINLINE int32_t float_bits(float v) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_int(v);
-#else
-  int32_t b;
-  std::memcpy(&b, &v, sizeof b);
-  return b;
-#endif
-}
-RC_HD RC_FORCEINLINE float bits_float(uint32_t b) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(b);
-#else
-  float v;
-  std::memcpy(&v, &b, sizeof v);
-  return v;
-#endif
-}
-RC_HD RC_FORCEINLINE int64_t double_bits(double v) {
-#if defined(__CUDA_ARCH__)
-  return __double_as_longlong(v);
-#else
-  int64_t b;
-  std::memcpy(&b, &v, sizeof b);
-  return b;
-#endif
-}
-RC_HD RC_FORCEINLINE double bits_double(int64_t b) {
-#if defined(__CUDA_ARCH__)
-  return __longlong_as_double(b);
-#else
-  double v;
-  std::memcpy(&v, &b, sizeof v);
-  return v;
-#endif
+// The bits of a value read as another type of the same size: a memcpy, which host and device compilers turn into a
+// register move (no aliasing through a reinterpreted pointer).
+template <typename To, typename From>
+RC_HD RC_FORCEINLINE To bits_as(From v) {
+  static_assert(sizeof(To) == sizeof(From), "bits_as: the two types must have the same size");
+  To out;
+  memcpy(&out, &v, sizeof out);
+  return out;
 }
 
 // The order-preserving integer key of a value (-0.0 as 0.0): sampling.py's _ordered_key. The negative values' bits
 // are flipped so that integer order is value order; NaN patterns land above +inf (positive NaN) or below -inf.
 RC_HD RC_FORCEINLINE int64_t ordered_key(float z) {
-  const int32_t bits = float_bits(z + 0.0f);
+  const int32_t bits = bits_as<int32_t>(z + 0.0f);
   return bits < 0 ? static_cast<int64_t>(bits ^ 0x7FFFFFFF) : static_cast<int64_t>(bits);
 }
 RC_HD RC_FORCEINLINE int64_t ordered_key(double z) {
-  const int64_t bits = double_bits(z + 0.0);
+  const int64_t bits = bits_as<int64_t>(z + 0.0);
   return bits < 0 ? (bits ^ 0x7FFFFFFFFFFFFFFFLL) : bits;
 }
 
@@ -82,11 +55,11 @@ RC_HD RC_FORCEINLINE uint64_t ordered_u64(double v) {
   return static_cast<uint64_t>(ordered_key(v)) + 0x8000000000000000ull;
 }
 RC_HD RC_FORCEINLINE float from_ordered_u32(uint32_t u) {
-  return bits_float((u & 0x80000000u) ? (u & 0x7FFFFFFFu) : ~u);
+  return bits_as<float>((u & 0x80000000u) ? (u & 0x7FFFFFFFu) : ~u);
 }
 RC_HD RC_FORCEINLINE double from_ordered_u64(uint64_t u) {
   const uint64_t b = (u & 0x8000000000000000ull) ? (u & 0x7FFFFFFFFFFFFFFFull) : ~u;
-  return bits_double(static_cast<int64_t>(b));
+  return bits_as<double>(static_cast<int64_t>(b));
 }
 
 // A candidate's sort key: value descending, then column ascending, as one descending integer order.
@@ -119,7 +92,7 @@ RC_HD RC_FORCEINLINE double exp_nonpositive(double x) {
   p = RC_FMA(p, r, 0.5);
   p = RC_FMA(p, r, 1.0);
   p = RC_FMA(p, r, 1.0);
-  const double scale = bits_double((static_cast<int64_t>(kf) + 1023) << 52);
+  const double scale = bits_as<double>((static_cast<int64_t>(kf) + 1023) << 52);
   return p * scale;
 }
 
