@@ -9,7 +9,10 @@ ours through the same verl-signature adapter, ``rollout_corr_ext.verl.POLICY_LOS
 Rows: one per loss of verl's registry except ``bypass_mode`` (which needs a rollout-correction config and is the
 vanilla / reinforce kernel plus the rollout-correction op, measured in bench_rollout_corr.py). Columns: median wall
 time of ``--repeats`` runs after one warm-up, ours and verl's interleaved repeat by repeat on the same inputs;
-speed-up; host reads of one call, metrics included (``.item()`` / ``float()`` of a tensor and ``tolist()``; ours:
+speed-up; then the same in each function's own steady state ("alone": ``--repeats`` calls of one function back to
+back, after its warm-up; the best case for both, where neither's temporaries page-fault after the other's call); the
+median of the minor page faults of one interleaved call (``getrusage``: what the process pays for fresh memory from
+the kernel, which is most of the run-to-run swing of an interleaved time); host reads of one call, metrics included (``.item()`` / ``float()`` of a tensor and ``tolist()``; ours:
 the adapter's one ``tolist`` of all metrics at the end; verl: one ``.item()`` per metric, and clip_cov / kl_cov read
 sizes mid-call), with, in parentheses, ops whose output shape depends on the data (each a sync on a GPU). Run::
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -59,6 +63,14 @@ def _call(fn, old, lp, adv, mask, cfg, w):
     return {k: float(v) for k, v in metrics.items()}
 
 
+def _timed(fn, *args):
+    """(wall seconds, minor page faults) of one :func:`_call`."""
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t0 = time.perf_counter()
+    _call(fn, *args)
+    return time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+
+
 def _syncs(fn, *args):
     """Host reads of one call (bench_rollout_corr.count_syncs: ``_local_scalar_dense`` dispatches plus ``tolist``),
     and data-dependent-shape ops (syncs on a GPU)."""
@@ -86,9 +98,10 @@ def main(argv=None):
     print(f"# policy losses fwd+bwd, B x T = {args.b} x {args.t}, fp32, token-mean, IS weights; torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
           f"commit {commit}")
-    print("| loss | ours ms | verl 0.9.1 ms | speed-up | host reads (shape ops) ours / verl |")
-    print("|---|---:|---:|---:|---:|")
-    bar = progress_bar(len(args.losses) * (args.repeats + 1), "policy losses", args.no_progress)
+    print("| loss | ours ms | verl 0.9.1 ms | speed-up | alone: ours ms | alone: verl ms | alone: speed-up "
+          "| page faults / call ours / verl | host reads (shape ops) ours / verl |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    bar = progress_bar(len(args.losses) * (2 * args.repeats + 1), "policy losses", args.no_progress)
     for name in args.losses:
         bar.set_postfix_str(name)
         actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=4,
@@ -97,18 +110,29 @@ def main(argv=None):
         fns = {"ours": rv.POLICY_LOSSES[name], "verl": core.get_policy_loss_fn(name)}
         cfgs = {"ours": losses.PolicyLossConfig.from_dict(actor), "verl": actor}
         times = {k: [] for k in fns}
+        faults = {k: [] for k in fns}
+        alone = {k: [] for k in fns}
         for k in fns:
             _call(fns[k], old, lp, adv, mask, cfgs[k], w)  # warm-up
         bar.update()
         for _ in range(args.repeats):
             for k in fns:
-                t0 = time.perf_counter()
-                _call(fns[k], old, lp, adv, mask, cfgs[k], w)
-                times[k].append(time.perf_counter() - t0)
+                dt, nf = _timed(fns[k], old, lp, adv, mask, cfgs[k], w)
+                times[k].append(dt)
+                faults[k].append(nf)
             bar.update()
+        for k in fns:  # each alone: a warm-up, then back to back
+            _call(fns[k], old, lp, adv, mask, cfgs[k], w)
+            for _ in range(args.repeats):
+                alone[k].append(_timed(fns[k], old, lp, adv, mask, cfgs[k], w)[0])
+                bar.update()
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        med_alone = {k: statistics.median(v) * 1e3 for k, v in alone.items()}
+        nf = {k: int(statistics.median(v)) for k, v in faults.items()}
         syncs = {k: _syncs(fns[k], old, lp, adv, mask, cfgs[k], w) for k in fns}
         bar.write(f"| {name} | {med['ours']:.1f} | {med['verl']:.1f} | {med['verl'] / med['ours']:.2f}x | "
+                  f"{med_alone['ours']:.1f} | {med_alone['verl']:.1f} | "
+                  f"{med_alone['verl'] / med_alone['ours']:.2f}x | {nf['ours']} / {nf['verl']} | "
                   f"{syncs['ours'][0]} ({syncs['ours'][1]}) / {syncs['verl'][0]} ({syncs['verl'][1]}) |")
     bar.close()
 
