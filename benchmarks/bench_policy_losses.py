@@ -9,10 +9,13 @@ ours through the same verl-signature adapter, ``rollout_corr_ext.verl.POLICY_LOS
 Rows: one per loss of verl's registry except ``bypass_mode`` (which needs a rollout-correction config and is the
 vanilla / reinforce kernel plus the rollout-correction op, measured in bench_rollout_corr.py). Columns: median wall
 time of ``--repeats`` runs after one warm-up, ours and verl's interleaved repeat by repeat on the same inputs;
-speed-up; then the same in each function's own steady state ("alone": ``--repeats`` calls of one function back to
-back, after its warm-up; the best case for both, where neither's temporaries page-fault after the other's call); the
-median of the minor page faults of one interleaved call (``getrusage``: what the process pays for fresh memory from
-the kernel, which is most of the run-to-run swing of an interleaved time); host reads of one call, metrics included (``.item()`` / ``float()`` of a tensor and ``tolist()``; ours:
+speed-up. Before each of those calls a 64 MiB buffer (twice this VM's last-level cache) is zeroed, untimed, as
+``triton.testing.do_bench`` does: every call starts from the same cold cache full of dirty lines, instead of from
+what the other function left behind (verl's temporaries, dirty; our gradient, streamed past the cache). Then the same
+in each function's own steady state ("alone": ``--repeats`` calls of one function back to back after its warm-up, no
+flush: the best case for both, inputs partly cached, no page faults for temporaries the allocator kept); the median
+of the minor page faults of one interleaved call (``getrusage``: what the process pays for fresh memory from the
+kernel, most of the run-to-run swing of a time); host reads of one call, metrics included (``.item()`` / ``float()`` of a tensor and ``tolist()``; ours:
 the adapter's one ``tolist`` of all metrics at the end; verl: one ``.item()`` per metric, and clip_cov / kl_cov read
 sizes mid-call), with, in parentheses, ops whose output shape depends on the data (each a sync on a GPU). Run::
 
@@ -63,8 +66,14 @@ def _call(fn, old, lp, adv, mask, cfg, w):
     return {k: float(v) for k, v in metrics.items()}
 
 
-def _timed(fn, *args):
-    """(wall seconds, minor page faults) of one :func:`_call`."""
+#: Zeroed before each interleaved call (``--flush-mib``; 0: no flush).
+_FLUSH = {"buf": None}
+
+
+def _timed(fn, *args, flush=False):
+    """(wall seconds, minor page faults) of one :func:`_call`, after the cache flush when ``flush``."""
+    if flush and _FLUSH["buf"] is not None:
+        _FLUSH["buf"].zero_()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter()
     _call(fn, *args)
@@ -86,8 +95,11 @@ def main(argv=None):
     ap.add_argument("--t", type=int, default=8192, help="response length (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (default: %(default)s)")
     ap.add_argument("--losses", nargs="+", default=NAMES, choices=NAMES, help="losses to run (default: all)")
+    ap.add_argument("--flush-mib", type=int, default=64,
+                    help="MiB zeroed before each interleaved call, untimed (0: none) (default: %(default)s)")
     add_progress_flag(ap)
     args = ap.parse_args(argv)
+    _FLUSH["buf"] = torch.empty(args.flush_mib << 18) if args.flush_mib > 0 else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import verl.trainer.ppo.core_algos as core
@@ -95,7 +107,8 @@ def main(argv=None):
     old, lp, adv, mask, w = _inputs(args.b, args.t)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    print(f"# policy losses fwd+bwd, B x T = {args.b} x {args.t}, fp32, token-mean, IS weights; torch "
+    print(f"# policy losses fwd+bwd, B x T = {args.b} x {args.t}, fp32, token-mean, IS weights, "
+          f"{args.flush_mib} MiB flushed before each interleaved call; torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
           f"commit {commit}")
     print("| loss | ours ms | verl 0.9.1 ms | speed-up | alone: ours ms | alone: verl ms | alone: speed-up "
@@ -117,7 +130,7 @@ def main(argv=None):
         bar.update()
         for _ in range(args.repeats):
             for k in fns:
-                dt, nf = _timed(fns[k], old, lp, adv, mask, cfgs[k], w)
+                dt, nf = _timed(fns[k], old, lp, adv, mask, cfgs[k], w, flush=True)
                 times[k].append(dt)
                 faults[k].append(nf)
             bar.update()

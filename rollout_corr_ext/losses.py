@@ -389,6 +389,11 @@ def check_loss_agg_mode(loss_agg_mode: str) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _times_dp(loss: torch.Tensor, dp_size: int) -> torch.Tensor:
+    """``loss * dp_size``, with no op (no autograd node) for the common ``dp_size == 1``."""
+    return loss if dp_size == 1 else loss * dp_size
+
+
 def aggregate_rows(
     row_loss_sum: torch.Tensor,
     row_tokens: torch.Tensor,
@@ -421,10 +426,10 @@ def aggregate_rows(
             if dp_size > 1:
                 raise ValueError("batch_num_tokens (the global count of valid tokens) is required when dp_size > 1")
             batch_num_tokens = row_tokens.sum()
-        return safe_div(row_loss_sum.sum(), batch_num_tokens) * dp_size
+        return _times_dp(safe_div(row_loss_sum.sum(), batch_num_tokens), dp_size)
     if loss_agg_mode == "token-sum":
         # Data-parallel gradient averaging divides by dp_size; multiplying by it makes the result the global sum.
-        return row_loss_sum.sum() * dp_size
+        return _times_dp(row_loss_sum.sum(), dp_size)
     seq_valid = (row_tokens > 0).to(row_loss_sum.dtype)  # rows RS rejected entirely do not count
     if global_batch_size is None:
         if dp_size > 1:
@@ -437,7 +442,7 @@ def aggregate_rows(
     # A row without tokens is left out by a select, not by a product: its 0 / (0 + eps) is NaN wherever eps rounds
     # away (16-bit rows), and NaN * 0 would still be NaN.
     seq_loss = torch.where(seq_valid != 0, seq_loss, torch.zeros_like(seq_loss))
-    loss = safe_div(seq_loss.sum(), global_batch_size) * dp_size
+    loss = _times_dp(safe_div(seq_loss.sum(), global_batch_size), dp_size)
     if loss_agg_mode == "seq-mean-token-sum-norm":  # horizon 0: an empty response dimension, nothing to normalise
         loss = safe_div(loss, horizon if loss_scale_factor is None else loss_scale_factor)
     return loss
@@ -515,12 +520,11 @@ def policy_loss_step(kind: int, old_log_prob, log_prob, advantages, response_mas
                  old_name: str = "old_log_prob", cu_seqlens=None, fn: str = "policy loss",
                  weights_name: str = "rollout_is_weights", params=(0.0, 0.0), metric_keys=None, clip=None):
     refuse_grad(fn, **{old_name: old_log_prob, "advantages": advantages, weights_name: weights})
-    log_prob = ops.first_order_only(log_prob, fn)
     clip_low, clip_high = (cfg.clip_low, cfg.clip_high) if clip is None else clip
     # An undefined loss at a response token (NaN / +inf log-probs, ...) is an error raised by the op itself (CPU: a
     # ValueError naming the token; CUDA: an asynchronous device assert), so nothing here reads a value on the host.
     _, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high,
-                                   cfg.clip_ratio_c, kind, cu_seqlens, *params, with_loss_mat=False)
+                                   cfg.clip_ratio_c, kind, cu_seqlens, *params, with_loss_mat=False, first_order=fn)
     loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM], rows[:, LY.PG_ROW_TOKENS], loss_agg_mode,
                           padded_horizon(log_prob, cu_seqlens),
                           **cfg.global_batch_info)
@@ -1826,9 +1830,9 @@ def calculate_grpo_loss(
     # Megatron's per-token form has no mask: every token is a response token unless response_mask says otherwise
     # (the op raises on an undefined loss at a response token; masked tokens are not inspected).
     token_mask = response_mask if response_mask is not None else torch.ones_like(lp, dtype=torch.bool)
-    pg_loss, _ = ops.policy_loss_rows(ops.first_order_only(lp, "calculate_grpo_loss"), old_logprobs, adv, token_mask,
-                                      weights, float(clamp_eps_lower),
-                                      float(clamp_eps_upper), math.inf, LY.PG_KIND_PPO_CLIP)
+    pg_loss, _ = ops.policy_loss_rows(lp, old_logprobs, adv, token_mask, weights, float(clamp_eps_lower),
+                                      float(clamp_eps_upper), math.inf, LY.PG_KIND_PPO_CLIP,
+                                      first_order="calculate_grpo_loss")
     lp_acc = lp.to(acc)
     ref_diff = ref_logprobs.to(acc) - lp_acc
     kl_term = ref_diff.exp() - ref_diff - 1

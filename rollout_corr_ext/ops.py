@@ -359,32 +359,12 @@ def register_policy_loss_autograd(namespace: str) -> None:
         return
     backward_op = getattr(torch.ops, namespace).policy_loss_backward.default
 
-    def setup_context(ctx, inputs, output):
-        (log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind,
-         cu_seqlens, param_a, param_b, with_loss_mat, *knobs) = inputs
-        ctx.save_for_backward(log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens)
-        # An output nothing differentiates (most callers use only the row sums) arrives as None, not as a zero
-        # [B, T] tensor autograd would fill and the kernel read.
-        ctx.set_materialize_grads(False)
-        ctx.scalars = (clip_low, clip_high, clip_c, loss_kind)
-        ctx.params = (param_a, param_b)
-        ctx.with_loss_mat = with_loss_mat
-        ctx.knobs = tuple(knobs)
-
     def backward(ctx, grad_loss_mat, grad_rows):
-        log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens = ctx.saved_tensors
-        if not ctx.with_loss_mat:
-            grad_loss_mat = None  # the gradient of an empty loss_mat
-        grad_log_prob = None
-        if ctx.needs_input_grad[0] and (grad_loss_mat is not None or grad_rows is not None):
-            # Only the loss column of rows carries a gradient (the others are detached metric partials).
-            grad_rows_loss = None if grad_rows is None else grad_rows[:, LY.PG_ROW_LOSS_SUM]
-            grad_log_prob = backward_op(grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages,
-                                        response_mask, weights, *ctx.scalars, cu_seqlens, *ctx.params, *ctx.knobs)
-        # advantages and weights are constants of the loss (callers detach the weights).
+        grad_log_prob = _policy_loss_rows_grad(ctx, backward_op, grad_loss_mat, grad_rows)
         return (grad_log_prob,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
-    torch.library.register_autograd(f"{namespace}::policy_loss_rows", backward, setup_context=setup_context)
+    torch.library.register_autograd(f"{namespace}::policy_loss_rows", backward,
+                                    setup_context=_policy_loss_rows_setup_context)
     _POLICY_LOSS_AUTOGRAD.add(namespace)
 
 
@@ -428,6 +408,59 @@ def first_order_only(x: torch.Tensor, what: str) -> torch.Tensor:
     return _FirstOrderOnly.apply(x, what)
 
 
+def _policy_loss_rows_setup_context(ctx, inputs, output):
+    """setup_context of ``policy_loss_rows``' autograd formula (the registered one and :class:`_PolicyLossRowsEager`):
+    ``inputs`` the op's arguments, the emulator's trailing launch knobs included."""
+    (log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind,
+     cu_seqlens, param_a, param_b, with_loss_mat, *knobs) = inputs
+    ctx.save_for_backward(log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens)
+    # An output nothing differentiates (most callers use only the row sums) arrives as None, not as a zero
+    # [B, T] tensor autograd would fill and the kernel read.
+    ctx.set_materialize_grads(False)
+    ctx.scalars = (clip_low, clip_high, clip_c, loss_kind)
+    ctx.params = (param_a, param_b)
+    ctx.with_loss_mat = with_loss_mat
+    ctx.knobs = tuple(knobs)
+
+
+def _policy_loss_rows_grad(ctx, backward_op, grad_loss_mat, grad_rows):
+    """The gradient in ``log_prob`` of ``policy_loss_rows`` (None when nothing needs it): through ``backward_op``."""
+    log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens = ctx.saved_tensors
+    if not ctx.with_loss_mat:
+        grad_loss_mat = None  # the gradient of an empty loss_mat
+    if not ctx.needs_input_grad[0] or (grad_loss_mat is None and grad_rows is None):
+        return None
+    # Only the loss column of rows carries a gradient (the others are detached metric partials); advantages and
+    # weights are constants of the loss (callers detach the weights).
+    grad_rows_loss = None if grad_rows is None else grad_rows[:, LY.PG_ROW_LOSS_SUM]
+    return backward_op(grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights,
+                       *ctx.scalars, cu_seqlens, *ctx.params, *ctx.knobs)
+
+
+class _PolicyLossRowsEager(torch.autograd.Function):
+    """``policy_loss_rows`` with its registered autograd formula as one eager node whose gradient cannot be
+    differentiated again (:func:`first_order_only`'s error): torch's ``register_autograd`` wrapper re-binds the
+    op's 13-argument schema on every call (about 45 us here), and first_order_only would add a second node; at a
+    micro-batch's size that overhead is most of a call. ``torch.compile`` keeps the registered path."""
+
+    @staticmethod
+    def forward(ctx, what, *inputs):
+        # Grad mode is off inside forward: the op's autograd kernel hands straight to the backend.
+        output = torch.ops.rollout_corr.policy_loss_rows.default(*inputs)
+        _policy_loss_rows_setup_context(ctx, inputs, output)
+        ctx.what = what
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_loss_mat, grad_rows):
+        ctx.needs_input_grad = ctx.needs_input_grad[1:]  # as the op's own formula sees it: log_prob first
+        grad = _policy_loss_rows_grad(ctx, torch.ops.rollout_corr.policy_loss_backward.default, grad_loss_mat,
+                                      grad_rows)
+        if grad is not None and torch.is_grad_enabled():  # create_graph=True
+            grad = NoDoubleBackward.apply(grad, ctx.what, ctx.saved_tensors[0])
+        return (None, grad) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
 def policy_loss_backward(grad_rows_loss: torch.Tensor, log_prob: torch.Tensor, old_log_prob: torch.Tensor,
                          advantages: torch.Tensor, response_mask: torch.Tensor, weights: Optional[torch.Tensor],
                          clip_low: float, clip_high: float, clip_c: float, loss_kind: int,
@@ -461,6 +494,8 @@ def policy_loss_rows(
     param_a: float = 0.0,
     param_b: float = 0.0,
     with_loss_mat: bool = True,
+    *,
+    first_order: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per-token policy loss (``[B, T]``, or ``[T]`` packed with ``cu_seqlens``) and per-sequence partials
     ``[B, 5]`` (``LY.PG_ROW_*``) in one pass; ``loss_kind`` a ``LY.PG_KIND_*`` (``param_a`` / ``param_b``: SAPO's
@@ -468,13 +503,21 @@ def policy_loss_rows(
 
     Same contract as :func:`rollout_corr_ext.fallback.policy_loss_rows`: ``loss_mat`` and the loss column of
     ``rows`` are differentiable in ``log_prob`` only: ``advantages`` and ``weights`` (may be None) are constants.
+    ``first_order``: the gradient cannot be differentiated again, an error naming ``first_order`` says so
+    (:func:`first_order_only`).
     """
     if _has_kernel(log_prob.device):
         if weights is not None:
             weights = weights.detach()
-        return torch.ops.rollout_corr.policy_loss_rows.default(
-            log_prob, old_log_prob, advantages, response_mask, weights, float(clip_low), float(clip_high),
-            float(clip_c), int(loss_kind), cu_seqlens, float(param_a), float(param_b), bool(with_loss_mat))
+        args = (log_prob, old_log_prob, advantages, response_mask, weights, float(clip_low), float(clip_high),
+                float(clip_c), int(loss_kind), cu_seqlens, float(param_a), float(param_b), bool(with_loss_mat))
+        if first_order is None:
+            return torch.ops.rollout_corr.policy_loss_rows.default(*args)
+        if torch.is_grad_enabled() and log_prob.requires_grad and not torch.compiler.is_compiling():
+            return _PolicyLossRowsEager.apply(first_order, *args)
+        return torch.ops.rollout_corr.policy_loss_rows.default(first_order_only(log_prob, first_order), *args[1:])
+    if first_order is not None:
+        log_prob = first_order_only(log_prob, first_order)
     return fallback.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
                                       clip_high, clip_c, loss_kind, cu_seqlens, param_a, param_b, with_loss_mat)
 

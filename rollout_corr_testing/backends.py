@@ -204,6 +204,17 @@ def device_params(*names: str, emulated_reason: str = None, cuda_reason: str = N
     return out
 
 
+def _first_order(impl):
+    """``impl`` with ``ops.policy_loss_rows``' keyword ``first_order`` (through :func:`ops.first_order_only`)."""
+
+    def rows(log_prob, *args, first_order=None, **kwargs):
+        if first_order is not None:
+            log_prob = ops.first_order_only(log_prob, first_order)
+        return impl(log_prob, *args, **kwargs)
+
+    return rows
+
+
 def _emulated_policy_loss_rows(knobs, log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
                                clip_high, clip_c, loss_kind, cu_seqlens=None, param_a=0.0, param_b=0.0,
                                with_loss_mat=True):
@@ -226,13 +237,13 @@ def policy_loss_backend(name: str, **knobs) -> Iterator[str]:
         yield name
         return
     if name == "fallback":
-        impl = {"policy_loss_rows": fallback.policy_loss_rows}  # differentiable torch ops
+        impl = {"policy_loss_rows": _first_order(fallback.policy_loss_rows)}  # differentiable torch ops
     elif name == "emulated":
         from rollout_corr_testing.cuda_emulator.loader import load_emulator
 
         load_emulator()
         ops.register_policy_loss_autograd("rollout_corr_emu")
-        impl = {"policy_loss_rows": functools.partial(_emulated_policy_loss_rows, dict(knobs))}
+        impl = {"policy_loss_rows": _first_order(functools.partial(_emulated_policy_loss_rows, dict(knobs)))}
     else:
         raise ValueError(f"unknown backend {name!r}")
     with _swapped_ops(impl) as device:
