@@ -80,6 +80,10 @@ def _timed(fn, *args, flush=False):
     return time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
 
+def _ms(x: float) -> str:
+    return f"{x:.1f}" if x >= 1 else f"{x:.3f}"  # small problems: the per-call overhead, in microseconds' digits
+
+
 def _syncs(fn, *args):
     """Host reads of one call (bench_rollout_corr.count_syncs: ``_local_scalar_dense`` dispatches plus ``tolist``),
     and data-dependent-shape ops (syncs on a GPU)."""
@@ -143,8 +147,8 @@ def main(argv=None):
         med_alone = {k: statistics.median(v) * 1e3 for k, v in alone.items()}
         nf = {k: int(statistics.median(v)) for k, v in faults.items()}
         syncs = {k: _syncs(fns[k], old, lp, adv, mask, cfgs[k], w) for k in fns}
-        bar.write(f"| {name} | {med['ours']:.1f} | {med['verl']:.1f} | {med['verl'] / med['ours']:.2f}x | "
-                  f"{med_alone['ours']:.1f} | {med_alone['verl']:.1f} | "
+        bar.write(f"| {name} | {_ms(med['ours'])} | {_ms(med['verl'])} | {med['verl'] / med['ours']:.2f}x | "
+                  f"{_ms(med_alone['ours'])} | {_ms(med_alone['verl'])} | "
                   f"{med_alone['verl'] / med_alone['ours']:.2f}x | {nf['ours']} / {nf['verl']} | "
                   f"{syncs['ours'][0]} ({syncs['ours'][1]}) / {syncs['verl'][0]} ({syncs['verl'][1]}) |")
     bar.close()
