@@ -440,12 +440,28 @@ class SampledLogProbs(NamedTuple):
     in_support: torch.Tensor
 
 
-def _logits_entry(logits, target, ignore_index, tp_group):
-    """The checks of a logits entry point (dtype, shape, targets, ignore_index) and its sizes: (ignore_index, world,
-    rank, V_local, leading shape, rows)."""
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether ``t``'s work would be recorded into a CUDA graph being captured on the current stream."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_capture(t: torch.Tensor, fn: str) -> None:
+    """The replay reads per-row values on the host (parameter checks, the candidate width, whether a candidate list
+    overflowed, the general search's rounds): inside a CUDA-graph capture those reads fail with an opaque CUDA
+    error and spoil the capture. Refused up front instead, naming the call."""
+    if _capturing(t):
+        raise RuntimeError(f"{fn}: the sampling replay cannot be captured in a CUDA graph (it reads per-row values "
+                           f"on the host between its passes; docs/sampling_replay.md, \"Cost\"): call it outside "
+                           f"the captured region")
+
+
+def _logits_entry(logits, target, ignore_index, tp_group, fn: str):
+    """The checks of a logits entry point (dtype, shape, targets, ignore_index, no CUDA-graph capture) and its sizes:
+    (ignore_index, world, rank, V_local, leading shape, rows)."""
     if not isinstance(logits, torch.Tensor) or logits.dtype not in _lp.FLOAT_DTYPES:
         raise TypeError(f"logits must be a float16/bfloat16/float32/float64 tensor, got "
                         f"{getattr(logits, 'dtype', type(logits))}")
+    _refuse_capture(logits, fn)
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have a non-empty last (vocab) dimension, got shape {tuple(logits.shape)}")
     _lp.check_target(target, logits, "logits")
@@ -475,7 +491,8 @@ def sampled_log_probs(
     """
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")  # before reading it
-    ignore_index, world, rank, local_vocab, lead, n = _logits_entry(logits, target, ignore_index, tp_group)
+    ignore_index, world, rank, local_vocab, lead, n = _logits_entry(logits, target, ignore_index, tp_group,
+                                                                    "sampled_log_probs")
     _check_entry(sampling, n, lead, tp_group, vocab_size, "these logits are")
     vocab_start, vocab_size = _lp.vocab_layout(vocab_start, vocab_size, rank, world, local_vocab)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -836,7 +853,8 @@ def kept_log_probs(
     (the renormalised softmax's gradient over the kept ids, exactly 0 elsewhere)."""
     if not isinstance(kept, KeptTokens):
         raise TypeError(f"kept must be a KeptTokens, got {type(kept).__name__}")
-    ignore_index, world, rank, local_vocab, lead, n = _logits_entry(logits, target, ignore_index, tp_group)
+    ignore_index, world, rank, local_vocab, lead, n = _logits_entry(logits, target, ignore_index, tp_group,
+                                                                    "kept_log_probs")
     if kept.rows != n:
         raise ValueError(f"kept has {kept.rows} rows (offsets of {kept.offsets.numel()} entries), but the logits have "
                          f"{n} = {tuple(lead)} positions")
@@ -937,6 +955,8 @@ def sampled_linear_log_probs(
     if isinstance(sampling.temperature, torch.Tensor):
         raise ValueError("sampled_linear_log_probs: SamplingParams.temperature must be one number (per-row "
                          "temperatures: compute the logits and use sampled_log_probs)")
+    if isinstance(hidden, torch.Tensor):
+        _refuse_capture(hidden, "sampled_linear_log_probs")
     a = _linear.prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, sampling.temperature,
                          ignore_index, chunk_rows, chunk_cols, check_group, sequence_parallel, batch_invariant)
     whole = _linear.gather_sequence(a.hidden2d.detach(), tp_group, a.world) if a.sequence_parallel else None

@@ -361,6 +361,24 @@ def test_capture_safe_cases_do_not_sync_the_host(name):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@needs_cuda
+@pytest.mark.cuda
+def test_sampling_replay_refuses_capture_by_name():
+    """The sampling replay is not capturable (it reads per-row values on the host): inside a real capture it raises
+    its own error before any work, and the graph can be ended and the stream used again."""
+    logits = torch.randn(4, 32, device="cuda")
+    target = torch.randint(0, 32, (4,), device="cuda")
+    sp = rc.SamplingParams(top_k=8, top_p=0.9)
+    rc.sampled_log_probs(logits, target, sp, vocab_size=32)  # warm-up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="sampled_log_probs: the sampling replay cannot be captured"):
+        with torch.cuda.graph(graph):
+            rc.sampled_log_probs(logits, target, sp, vocab_size=32)
+    torch.cuda.synchronize()
+    assert torch.isfinite(rc.sampled_log_probs(logits, target, sp, vocab_size=32).log_prob).all()
+
+
 @pytest.mark.parametrize("device", device_params("cpu", "cuda"))
 @pytest.mark.parametrize("name", list(CASES))
 def test_bitwise_deterministic_under_deterministic_algorithms(name, device):

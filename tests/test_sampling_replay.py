@@ -621,6 +621,30 @@ def test_edge_batches_and_refusals():
         sampled_linear_log_probs(h, torch.randn(6, 4), torch.tensor([1, -100, 3]), sp, vocab_size=6)
 
 
+def test_cuda_graph_capture_is_refused_by_name(monkeypatch):
+    """The replay reads per-row values on the host, which a CUDA-graph capture cannot do: every entry point refuses
+    it up front with an error naming the call (not an opaque CUDA error half-way through the capture). The capture
+    state is faked here (tests/test_cuda_graphs_determinism.py runs a real capture on a GPU); the check runs before
+    anything is read, so nothing else runs."""
+    from rollout_corr_ext import sampling
+    from rollout_corr_ext.sampling import KeptTokens, kept_log_probs, sampled_linear_log_probs
+
+    assert not sampling._capturing(torch.randn(2, 3))  # a CPU tensor is never captured
+    monkeypatch.setattr(sampling, "_capturing", lambda t: True)
+    sp = SamplingParams(top_k=3, top_p=0.8)
+    logits, target = torch.randn(2, 6), torch.tensor([0, 1])
+    kept = KeptTokens(ids=torch.tensor([0, 1, 2, 0, 1, 3]), offsets=torch.tensor([0, 3, 6]))
+    calls = {
+        "sampled_log_probs": lambda: sampled_log_probs(logits, target, sp, vocab_size=6),
+        "kept_log_probs": lambda: kept_log_probs(logits, target, kept, vocab_size=6),
+        "sampled_linear_log_probs": lambda: sampled_linear_log_probs(torch.randn(2, 4), torch.randn(6, 4), target,
+                                                                     sp, vocab_size=6),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=f"{name}: the sampling replay cannot be captured in a CUDA graph"):
+            call()
+
+
 @pytest.mark.parametrize("top_k", [None, 4], ids=["general", "candidates"])
 @pytest.mark.parametrize("linear", [False, True], ids=["logits", "hidden"])
 def test_double_backward_is_refused(linear, top_k):
