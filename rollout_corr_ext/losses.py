@@ -1052,6 +1052,28 @@ def _nonzero_mask(response_mask: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return ops.scratch_empty(m.shape, torch.bool, m.device, _SLOT_NZ).copy_(m)
 
 
+# torch's CPU comparisons write a float 0 / 1 about four times faster than a bool, and the float-to-bool copy is cheap
+# (per 2 M fp32 elements on the bench VM: 0.10 + 0.06 ms against 0.44 ms); counting the float flags is cheaper than
+# counting the bools (0.05 against 0.22 ms). The whole-batch losses' CPU path takes those roads; on a GPU the ops stay
+# as they are.
+
+
+def _flag(op, x: torch.Tensor, other, out: torch.Tensor, tmp: Optional[torch.Tensor]) -> torch.Tensor:
+    """``op(x, other)`` (a torch comparison) into the bool ``out``; on the CPU through the float ``[B, T]`` ``tmp``
+    (may be ``x`` itself, then overwritten)."""
+    if tmp is None or x.device.type != "cpu":
+        return op(x, other, out=out)
+    return out.copy_(op(x, other, out=tmp))
+
+
+def _count(flags: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``count_nonzero(valid)`` (int64) from its float 0 / 1 copy ``flags``: an fp32 sum of ones is exact below
+    2^24 elements (every partial sum an integer under 2^24), and far cheaper on the CPU than counting the bools."""
+    if flags.dtype == torch.float32 and flags.numel() >= 2 ** 24:
+        return torch.count_nonzero(valid)
+    return flags.sum().to(torch.int64)
+
+
 def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
                    rollout_is_weights=None, *, cu_seqlens=None, seq_group=None):
     """Clip-Cov (arXiv:2505.22617, verl ``clip_cov``): PPO clip (log-ratio unbounded, no dual clip) whose tokens
@@ -1081,8 +1103,8 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         shape, dev = log_prob.shape, log_prob.device
         m = _in_dtype(response_mask, acc, _SLOT_MASK)
         nz = _nonzero_mask(response_mask, m)
-        valid = torch.gt(m, 0, out=ops.scratch_empty(shape, torch.bool, dev, _SLOT_VALID))
         s0, s1 = ops.scratch_empty(shape, acc, dev, 0), ops.scratch_empty(shape, acc, dev, 1)
+        valid = _flag(torch.gt, m, 0, ops.scratch_empty(shape, torch.bool, dev, _SLOT_VALID), s0)
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
         m_sum = m.sum()
         adv_sum, lp_sum = _masked_by(adv, nz, m, out=s0).sum(), _masked_by(lp, nz, m, out=s1).sum()
@@ -1097,14 +1119,15 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         ratio = torch.sub(lp, old_log_prob.to(acc), out=s0).exp_()
         adv_r = torch.mul(adv, ratio, out=s1)
         eligible = ops.scratch_empty(shape, torch.bool, dev, _SLOT_ELIGIBLE)
-        torch.lt(ratio.clamp_(1 - cfg.clip_low, 1 + cfg.clip_high).mul_(adv), adv_r, out=eligible)  # clipped
-        del ratio, adv_r
+        clipped = ratio.clamp_(1 - cfg.clip_low, 1 + cfg.clip_high).mul_(adv)
+        _flag(torch.lt, clipped, adv_r, eligible, clipped)  # clipped (its float flags over the products)
+        del ratio, adv_r, clipped
         cov = torch.sub(adv, adv_sum / den, out=s0).mul_(torch.sub(lp, lp_sum / den, out=s1))
         # (cov < ub) & (cov > lb) & valid & ~(clipped & valid), without the repeated mask
         test = ops.scratch_empty(shape, torch.bool, dev, _SLOT_TEST)
         eligible.logical_not_().logical_and_(valid)
-        eligible.logical_and_(torch.lt(cov, cfg.clip_cov_ub, out=test))
-        eligible.logical_and_(torch.gt(cov, cfg.clip_cov_lb, out=test))
+        eligible.logical_and_(_flag(torch.lt, cov, cfg.clip_cov_ub, test, s1))
+        eligible.logical_and_(_flag(torch.gt, cov, cfg.clip_cov_lb, test, s1))
         del test
         count = (cfg.clip_cov_ratio * m_sum).floor().clamp(min=1)
         if cp > 1:  # the global cap, the same int on every rank (the records' length)
@@ -1183,10 +1206,11 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
         # masked sums, then the covariance (its top-k masking in place) and the |log-ratio| metric; the masks.
         shape, dev = log_prob.shape, log_prob.device
         m = _in_dtype(response_mask, acc, _SLOT_MASK)
-        valid = torch.gt(m, 0, out=ops.scratch_empty(shape, torch.bool, dev, _SLOT_VALID))
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
-        n = torch.count_nonzero(valid)  # valid.sum(), without the cast to int64
         s0, s1 = ops.scratch_empty(shape, acc, dev, 0), ops.scratch_empty(shape, acc, dev, 1)
+        valid = _flag(torch.gt, m, 0, ops.scratch_empty(shape, torch.bool, dev, _SLOT_VALID), s0)
+        # valid.sum() without the cast to int64 (on the CPU from valid's float flags, still in s0)
+        n = _count(s0, valid) if dev.type == "cpu" else torch.count_nonzero(valid)
         zero = s0.new_zeros(())
 
         def abs_kl_sum(out):  # actor/ppo_kl's numerator: masked_sum(|lp - lp_old|, m), in ``out``

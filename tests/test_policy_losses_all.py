@@ -109,6 +109,27 @@ def _equals_verl(core, name, mode, weights):
         assert type(got[1][k]) is float and math.isclose(got[1][k], v, rel_tol=2e-5, abs_tol=2e-6), (k, got[1][k], v)
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool], ids=["float_mask", "bool_mask"])
+@pytest.mark.parametrize("junk", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("name", NAMES)
+def test_non_finite_values_at_masked_tokens_never_reach_a_loss(name, junk, mask_dtype, backend):
+    """NaN / +-inf in every input at tokens the mask excludes: the loss, the gradient and the metrics are those of
+    the same batch with finite values there (the whole-batch losses' CPU sums take products of the mask first and
+    fall back to selects exactly when a dropped value is not finite; the per-token kernel never reads them)."""
+    old, lp, adv, mask, w = _inputs(seed=11)
+    mask = mask.to(mask_dtype)
+    drop = mask == 0
+    value = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[junk]
+    dirty = [t.clone().masked_fill_(drop, value) for t in (old, lp, adv, w)]
+    cfg = losses.PolicyLossConfig.from_dict(_actor(name))
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        want = _run(rv.POLICY_LOSSES[name], old, lp, adv, mask, mode, cfg, w)
+        got = _run(rv.POLICY_LOSSES[name], dirty[0], dirty[1], dirty[2], mask, mode, cfg, dirty[3])
+        assert torch.equal(got[0], want[0]), (mode, got[0], want[0])
+        assert torch.equal(got[2], want[2]), (mode, (got[2] - want[2]).abs().max())
+        assert got[1] == want[1], (mode, got[1], want[1])
+
+
 def test_clip_cov_cuts_tokens_and_matches_verl_exactly_there():
     """The comparison above is only meaningful if clip_cov removed some tokens: it did (metric > 0)."""
     old, lp, adv, mask, _ = _inputs(seed=5)
