@@ -1036,20 +1036,12 @@ def _top_positions(score: torch.Tensor, eligible: torch.Tensor, count: torch.Ten
 
 #: Scratch slots (ops.scratch_empty) of the whole-batch losses' [B, T] temporaries: 0 and 1 are two of the
 #: accumulation dtype; one slot per other temporary that is alive at the same time as another.
-_SLOT_WEIGHTS, _SLOT_MASK, _SLOT_NZ, _SLOT_VALID, _SLOT_ELIGIBLE, _SLOT_TEST = 2, 3, 4, 5, 6, 7
+_SLOT_WEIGHTS, _SLOT_MASK, _SLOT_VALID, _SLOT_ELIGIBLE, _SLOT_TEST = 2, 3, 4, 5, 6
 
 
 def _in_dtype(x: torch.Tensor, dtype: torch.dtype, slot: int) -> torch.Tensor:
     """``x.to(dtype)``: ``x`` itself when it has that dtype, else a copy in scratch ``slot``."""
     return x if x.dtype == dtype else ops.scratch_empty(x.shape, dtype, x.device, slot).copy_(x)
-
-
-def _nonzero_mask(response_mask: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``m != 0`` for ``m = response_mask`` in the accumulation dtype: a bool mask itself, else ``m`` cast to bool
-    (:func:`_nonzero`) in scratch slot ``_SLOT_NZ``."""
-    if response_mask.dtype == torch.bool:
-        return response_mask
-    return ops.scratch_empty(m.shape, torch.bool, m.device, _SLOT_NZ).copy_(m)
 
 
 # torch's CPU comparisons write a float 0 / 1 about four times faster than a bool, and the float-to-bool copy is cheap
@@ -1064,6 +1056,16 @@ def _flag(op, x: torch.Tensor, other, out: torch.Tensor, tmp: Optional[torch.Ten
     if tmp is None or x.device.type != "cpu":
         return op(x, other, out=out)
     return out.copy_(op(x, other, out=tmp))
+
+
+def _masked_total(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The masked sum of the whole-batch statistics, ``sum(where(w != 0, x, 0) * w)``, as ``nansum(x * w)`` into
+    ``out`` (may be ``x``): a value the mask drops (w = 0) is x * 0, which is 0, or NaN for a NaN / inf x and then
+    skipped, so nothing it holds reaches the sum; a kept value enters as the select's would (an inf stays inf). They
+    part only at a NaN the mask keeps, which the select would carry into the sum and nansum skips: the policy-loss
+    op that follows raises for that same response token, so that sum is never used. On the CPU a third of the
+    select's cost (0.24 against 0.65 ms per 2 M fp32 elements on the bench VM)."""
+    return torch.mul(x, w, out=out).nansum()
 
 
 def _count(flags: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -1102,14 +1104,13 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         # kernel's weights; the masks.
         shape, dev = log_prob.shape, log_prob.device
         m = _in_dtype(response_mask, acc, _SLOT_MASK)
-        nz = _nonzero_mask(response_mask, m)
         s0, s1 = ops.scratch_empty(shape, acc, dev, 0), ops.scratch_empty(shape, acc, dev, 1)
         valid = _flag(torch.gt, m, 0, ops.scratch_empty(shape, torch.bool, dev, _SLOT_VALID), s0)
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
         m_sum = m.sum()
-        adv_sum, lp_sum = _masked_by(adv, nz, m, out=s0).sum(), _masked_by(lp, nz, m, out=s1).sum()
+        adv_sum, lp_sum = _masked_total(adv, m, s0), _masked_total(lp, m, s1)
         if cp > 1:  # the micro-batch's sums over every rank's tokens, and the kernel's ppo_kl numerator (unclamped)
-            kl_sum = _masked_by(torch.sub(old_log_prob.to(acc), lp, out=s0), nz, m, out=s0).sum()
+            kl_sum = _masked_total(torch.sub(old_log_prob.to(acc), lp, out=s0), m, s0)
             whole = _whole_sums((m_sum, adv_sum, lp_sum, kl_sum), m, log_prob, cu_seqlens, loss_agg_mode, cfg,
                                 seq_group)
             m_sum, adv_sum, lp_sum, kl_sum = whole.sums
@@ -1214,11 +1215,13 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
         zero = s0.new_zeros(())
 
         def abs_kl_sum(out):  # actor/ppo_kl's numerator: masked_sum(|lp - lp_old|, m), in ``out``
-            abs_kl = torch.sub(lp, old_log_prob.to(acc), out=out).abs_()
-            return _masked_by(abs_kl, _nonzero_mask(response_mask, m), m, out=abs_kl).sum()
+            return _masked_total(torch.sub(lp, old_log_prob.to(acc), out=out).abs_(), m, out)
 
-        # sums, for now
-        mean_a, mean_lp = torch.where(valid, adv, zero, out=s0).sum(), torch.where(valid, lp, zero, out=s1).sum()
+        # sums, for now: over the tokens with m > 0, unweighted (on the CPU weighted by valid's float flags in s0)
+        if dev.type == "cpu":
+            mean_a, mean_lp = _masked_total(adv, s0, s1), _masked_total(lp, s0, s1)
+        else:
+            mean_a, mean_lp = torch.where(valid, adv, zero, out=s0).sum(), torch.where(valid, lp, zero, out=s1).sum()
         if cp > 1:  # the micro-batch's sums over every rank's tokens
             whole = _whole_sums((n.to(acc), mean_a, mean_lp, abs_kl_sum(s0), m.sum()), m, log_prob, cu_seqlens,
                                 loss_agg_mode, cfg, seq_group)

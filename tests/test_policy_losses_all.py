@@ -130,6 +130,24 @@ def test_non_finite_values_at_masked_tokens_never_reach_a_loss(name, junk, mask_
         assert got[1] == want[1], (mode, got[1], want[1])
 
 
+@pytest.mark.parametrize("which", ["log_prob", "old_log_prob", "advantages"])
+@pytest.mark.parametrize("name", NAMES)
+def test_nan_at_a_response_token_is_an_error_naming_it(name, which, backend):
+    """A NaN the mask keeps: every loss raises naming the token, before any value it would poison is returned (the
+    whole-batch losses' masked sums skip a NaN, which is safe because of this). gpg never reads old_log_prob."""
+    old, lp, adv, mask, w = _inputs(seed=12)
+    inputs = {"old_log_prob": old, "log_prob": lp, "advantages": adv}
+    r, c = 1, 0  # a response token of every seed's first rows
+    assert mask[r, c] != 0
+    inputs[which][r, c] = math.nan
+    cfg = losses.PolicyLossConfig.from_dict(_actor(name))
+    if name == "gpg" and which == "old_log_prob":
+        assert torch.isfinite(_run(rv.POLICY_LOSSES[name], old, lp, adv, mask, "token-mean", cfg, w)[0])
+        return
+    with pytest.raises(ValueError, match=rf"response token \({r}, {c}\)"):
+        _run(rv.POLICY_LOSSES[name], old, lp, adv, mask, "token-mean", cfg, w)
+
+
 def test_clip_cov_cuts_tokens_and_matches_verl_exactly_there():
     """The comparison above is only meaningful if clip_cov removed some tokens: it did (metric > 0)."""
     old, lp, adv, mask, _ = _inputs(seed=5)
