@@ -541,6 +541,8 @@ _PPO_METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 
 def _row_metrics(rows, keys, zero=()) -> Dict[str, torch.Tensor]:
     """verl's ``masked_mean`` of each metric's token values, from the row partials (``zero``: keys verl logs as 0)."""
+    if not keys:
+        return {}
     tokens = rows[:, LY.PG_ROW_TOKENS].sum() + LY.MASKED_MEAN_EPS  # verl's masked_mean denominator
     out = {}
     for k in keys:
