@@ -1046,10 +1046,9 @@ def _in_dtype(x: torch.Tensor, dtype: torch.dtype, slot: int) -> torch.Tensor:
     return x if x.dtype == dtype else ops.scratch_empty(x.shape, dtype, x.device, slot).copy_(x)
 
 
-# torch's CPU comparisons write a float 0 / 1 about four times faster than a bool, and the float-to-bool copy is cheap
-# (per 2 M fp32 elements on the bench VM: 0.10 + 0.06 ms against 0.44 ms); counting the float flags is cheaper than
-# counting the bools (0.05 against 0.22 ms). The whole-batch losses' CPU path takes those roads; on a GPU the ops stay
-# as they are.
+# torch's CPU comparisons write a float 0 / 1 about four times faster than a bool, and the float-to-bool copy is cheap;
+# counting the float flags is four times cheaper than counting the bools (benchmarks/bench_torch_masks.py). The
+# whole-batch losses' CPU path takes those roads; on a GPU the ops stay as they are.
 
 
 def _flag(op, x: torch.Tensor, other, out: torch.Tensor, tmp: Optional[torch.Tensor]) -> torch.Tensor:
@@ -1065,8 +1064,8 @@ def _masked_total(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.
     ``out`` (may be ``x``): a value the mask drops (w = 0) is x * 0, which is 0, or NaN for a NaN / inf x and then
     skipped, so nothing it holds reaches the sum; a kept value enters as the select's would (an inf stays inf). They
     part only at a NaN the mask keeps, which the select would carry into the sum and nansum skips: the policy-loss
-    op that follows raises for that same response token, so that sum is never used. On the CPU a third of the
-    select's cost (0.24 against 0.65 ms per 2 M fp32 elements on the bench VM)."""
+    op that follows raises for that same response token, so that sum is never used. On the CPU about half the
+    select's cost (benchmarks/bench_torch_masks.py)."""
     return torch.mul(x, w, out=out).nansum()
 
 
