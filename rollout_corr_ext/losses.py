@@ -1047,15 +1047,13 @@ def _in_dtype(x: torch.Tensor, dtype: torch.dtype, slot: int) -> torch.Tensor:
 
 
 # torch's CPU comparisons write a float 0 / 1 about four times faster than a bool, and the float-to-bool copy is cheap;
-# counting the float flags is four times cheaper than counting the bools (benchmarks/bench_torch_masks.py). The
-# whole-batch losses' CPU path takes those roads; on a GPU the ops stay as they are.
+# counting the float flags is four times cheaper than counting the bools (benchmarks/bench_torch_masks.py). On a GPU
+# the float flags cost a few bytes per token more: one path for every device.
 
 
-def _flag(op, x: torch.Tensor, other, out: torch.Tensor, tmp: Optional[torch.Tensor]) -> torch.Tensor:
-    """``op(x, other)`` (a torch comparison) into the bool ``out``; on the CPU through the float ``[B, T]`` ``tmp``
-    (may be ``x`` itself, then overwritten)."""
-    if tmp is None or x.device.type != "cpu":
-        return op(x, other, out=out)
+def _flag(op, x: torch.Tensor, other, out: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """``op(x, other)`` (a torch comparison) into the bool ``out``, through its float 0 / 1 in the ``[B, T]`` ``tmp``
+    (may be ``x`` itself, then overwritten; it holds the flags afterwards)."""
     return out.copy_(op(x, other, out=tmp))
 
 
@@ -1071,7 +1069,8 @@ def _masked_total(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.
 
 def _count(flags: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``count_nonzero(valid)`` (int64) from its float 0 / 1 copy ``flags``: an fp32 sum of ones is exact below
-    2^24 elements (every partial sum an integer under 2^24), and far cheaper on the CPU than counting the bools."""
+    2^24 elements (every partial sum an integer under 2^24; the size is known without reading data), and far
+    cheaper on the CPU than counting the bools."""
     if flags.dtype == torch.float32 and flags.numel() >= 2 ** 24:
         return torch.count_nonzero(valid)
     return flags.sum().to(torch.int64)
@@ -1211,18 +1210,13 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
         s0, s1 = ops.scratch_empty(shape, acc, dev, 0), ops.scratch_empty(shape, acc, dev, 1)
         valid = _flag(torch.gt, m, 0, ops.scratch_empty(shape, torch.bool, dev, _SLOT_VALID), s0)
-        # valid.sum() without the cast to int64 (on the CPU from valid's float flags, still in s0)
-        n = _count(s0, valid) if dev.type == "cpu" else torch.count_nonzero(valid)
-        zero = s0.new_zeros(())
+        n = _count(s0, valid)  # valid.sum() as int64, from valid's float flags (still in s0)
 
         def abs_kl_sum(out):  # actor/ppo_kl's numerator: masked_sum(|lp - lp_old|, m), in ``out``
             return _masked_total(torch.sub(lp, old_log_prob.to(acc), out=out).abs_(), m, out)
 
-        # sums, for now: over the tokens with m > 0, unweighted (on the CPU weighted by valid's float flags in s0)
-        if dev.type == "cpu":
-            mean_a, mean_lp = _masked_total(adv, s0, s1), _masked_total(lp, s0, s1)
-        else:
-            mean_a, mean_lp = torch.where(valid, adv, zero, out=s0).sum(), torch.where(valid, lp, zero, out=s1).sum()
+        # sums, for now: over the tokens with m > 0, unweighted (valid's float flags, in s0, as the weights)
+        mean_a, mean_lp = _masked_total(adv, s0, s1), _masked_total(lp, s0, s1)
         if cp > 1:  # the micro-batch's sums over every rank's tokens
             whole = _whole_sums((n.to(acc), mean_a, mean_lp, abs_kl_sum(s0), m.sum()), m, log_prob, cu_seqlens,
                                 loss_agg_mode, cfg, seq_group)

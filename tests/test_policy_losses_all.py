@@ -148,6 +148,37 @@ def test_nan_at_a_response_token_is_an_error_naming_it(name, which, backend):
         _run(rv.POLICY_LOSSES[name], old, lp, adv, mask, "token-mean", cfg, w)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_empty_and_all_masked_batches_give_zero(name, backend):
+    """[0, T], [B, 0] and an all-masked batch: every loss is 0 (not verl's 0 / 0 NaN), every gradient exactly 0 and
+    every metric finite, in every aggregation mode."""
+    cfg = losses.PolicyLossConfig.from_dict(_actor(name))
+    for b, t, keep in ((0, 8, 1.0), (3, 0, 1.0), (3, 8, 0.0)):
+        g = torch.Generator().manual_seed(b + t)
+        old = -torch.rand(b, t, generator=g) - 0.1
+        lp = old + 0.1 * torch.randn(b, t, generator=g)
+        adv = torch.randn(b, t, generator=g)
+        mask, w = torch.full((b, t), keep), torch.ones(b, t)
+        for mode in MODES:
+            loss, metrics, grad = _run(rv.POLICY_LOSSES[name], old, lp, adv, mask, mode, cfg, w)
+            assert float(loss) == 0.0, (b, t, keep, mode, loss)
+            assert grad.shape == lp.shape and bool((grad == 0).all()), (b, t, keep, mode)
+            assert all(math.isfinite(v) for v in metrics.values()), (b, t, keep, mode, metrics)
+
+
+def test_the_valid_count_is_exact_past_fp32_integers():
+    """kl_cov counts its valid tokens from float 0 / 1 flags: above 2^24 an fp32 sum of ones is not exact (2^24 + 3
+    sums to 2^24 + 4), so the count comes from the bools there, as count_nonzero gives it."""
+    n = 2 ** 24 + 4
+    flags = torch.ones(n)
+    flags[5] = 0.0  # n - 1 = 2^24 + 3 ones
+    assert int(flags.sum()) != n - 1  # what the float sum alone would give
+    got = losses._count(flags, flags.bool())
+    assert got.dtype == torch.int64 and int(got) == n - 1
+    small = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)
+    assert int(losses._count(small, small.bool())) == 2
+
+
 def test_clip_cov_cuts_tokens_and_matches_verl_exactly_there():
     """The comparison above is only meaningful if clip_cov removed some tokens: it did (metric > 0)."""
     old, lp, adv, mask, _ = _inputs(seed=5)
