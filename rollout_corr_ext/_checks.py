@@ -41,6 +41,8 @@ def safe_div(num: torch.Tensor, den) -> torch.Tensor:
     if not isinstance(den, torch.Tensor):
         # A Python number stays a scalar operand: no host-to-device copy (CUDA-graph capturable, no sync).
         return num / den if den != 0 else num * 0.0
-    den = den.to(dtype=num.dtype, device=num.device)
+    if den.dtype != num.dtype or den.device != num.device:
+        den = den.to(dtype=num.dtype, device=num.device)
     nonzero = den != 0
-    return torch.where(nonzero, num / torch.where(nonzero, den, torch.ones_like(den)), torch.zeros_like(num))
+    # Both selects: the divisor too, so that the gradient at den == 0 is 0 / 1, not 0 / 0.
+    return torch.where(nonzero, num / torch.where(nonzero, den, 1), 0)

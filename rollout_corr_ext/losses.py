@@ -394,6 +394,99 @@ def _times_dp(loss: torch.Tensor, dp_size: int) -> torch.Tensor:
     return loss if dp_size == 1 else loss * dp_size
 
 
+class RowAggregation:
+    """verl's ``agg_loss`` over per-row partials, for one ``loss_agg_mode`` and its normalisers (checked here):
+    :meth:`value` is the loss, a function of ``row_loss_sum[b] = sum_t m*L`` and ``row_tokens[b] = sum_t m`` (and the
+    padded length ``horizon`` for ``seq-mean-token-sum-norm``), which is what lets the fused kernel emit ``[B, K]``
+    partials instead of a ``[B, T]`` loss matrix. The loss is linear in ``row_loss_sum``; :meth:`grad` is its
+    gradient there, the ops autograd runs through :meth:`value`, in the same order (the same bits:
+    tests/test_policy_losses_all.py), so that the kernel and its aggregation can be one autograd node
+    (:func:`ops.policy_loss`)."""
+
+    __slots__ = ("mode", "horizon", "dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")
+
+    def __init__(self, loss_agg_mode: str, horizon, *, dp_size: int = 1, batch_num_tokens: Optional[Number] = None,
+                 global_batch_size: Optional[Number] = None, loss_scale_factor: Optional[Number] = None):
+        check_loss_agg_mode(loss_agg_mode)
+        if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
+            raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
+        _positive_or_none("batch_num_tokens", batch_num_tokens)
+        _positive_or_none("global_batch_size", global_batch_size)
+        _positive_or_none("loss_scale_factor", loss_scale_factor)
+        # A one-element tensor normaliser must not broadcast the scalar loss to shape [1].
+        batch_num_tokens, global_batch_size, loss_scale_factor = (
+            x.reshape(()) if isinstance(x, torch.Tensor) else x
+            for x in (batch_num_tokens, global_batch_size, loss_scale_factor))
+        if dp_size > 1 and loss_agg_mode == "token-mean" and batch_num_tokens is None:
+            raise ValueError("batch_num_tokens (the global count of valid tokens) is required when dp_size > 1")
+        if dp_size > 1 and loss_agg_mode.startswith("seq-") and global_batch_size is None:
+            raise ValueError("global_batch_size (the global count of sequences) is required when dp_size > 1")
+        self.mode, self.horizon, self.dp_size = loss_agg_mode, horizon, dp_size
+        self.batch_num_tokens, self.global_batch_size, self.loss_scale_factor = (
+            batch_num_tokens, global_batch_size, loss_scale_factor)
+
+    def terms(self, row_tokens: torch.Tensor, dtype) -> Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """What the loss needs of the token counts: (the divisor of the summed loss or None, the rows kept or None,
+        each row's divisor or None), for :meth:`value` and :meth:`grad`."""
+        if self.mode == "token-mean":
+            return (row_tokens.sum() if self.batch_num_tokens is None else self.batch_num_tokens), None, None
+        if self.mode == "token-sum":
+            return None, None, None
+        valid = row_tokens > 0  # rows RS rejected entirely do not count
+        den = valid.to(dtype).sum() if self.global_batch_size is None else self.global_batch_size
+        # verl's per-sequence token-mean
+        row_div = row_tokens + LY.MASKED_MEAN_EPS if self.mode == "seq-mean-token-mean" else None
+        return den, valid, row_div
+
+    def _norm(self):
+        if self.mode != "seq-mean-token-sum-norm":
+            return None
+        return self.horizon if self.loss_scale_factor is None else self.loss_scale_factor
+
+    def value(self, row_loss_sum: torch.Tensor, row_tokens: torch.Tensor, terms=None) -> torch.Tensor:
+        """The loss (``terms``: :meth:`terms` of ``row_tokens``, when already computed)."""
+        den, keep, row_div = self.terms(row_tokens, row_loss_sum.dtype) if terms is None else terms
+        x = row_loss_sum if row_div is None else row_loss_sum / row_div
+        if keep is not None:
+            # A row without tokens is left out by a select, not by a product: its 0 / (0 + eps) is NaN wherever eps
+            # rounds away (16-bit rows), and NaN * 0 would still be NaN.
+            x = torch.where(keep, x, 0)
+        loss = x.sum()
+        if den is not None:
+            loss = safe_div(loss, den)
+        # Data-parallel gradient averaging divides by dp_size; multiplying by it makes the result the global mean.
+        loss = _times_dp(loss, self.dp_size)
+        norm = self._norm()  # horizon 0: an empty response dimension, nothing to normalise
+        return loss if norm is None else safe_div(loss, norm)
+
+    def grad(self, grad_loss: torch.Tensor, row_tokens: torch.Tensor, terms=None) -> torch.Tensor:
+        """d(loss)/d(row_loss_sum) times ``grad_loss`` ([B]; stride 0 for the token modes): :meth:`value`'s ops
+        differentiated in reverse, each as autograd's formula computes it."""
+        den, keep, row_div = self.terms(row_tokens, grad_loss.dtype) if terms is None else terms
+        g = grad_loss
+        norm = self._norm()
+        if norm is not None:
+            g = _safe_div_grad(g, norm)
+        if self.dp_size != 1:
+            g = g * self.dp_size
+        if den is not None:
+            g = _safe_div_grad(g, den)
+        g = g.expand(row_tokens.shape)  # sum
+        if keep is not None:
+            g = torch.where(keep, g, 0)
+        return g if row_div is None else g / row_div
+
+
+def _safe_div_grad(grad: torch.Tensor, den) -> torch.Tensor:
+    """The gradient in ``num`` of :func:`safe_div`'s ``num / den`` (0 where den == 0), as autograd computes it."""
+    if not isinstance(den, torch.Tensor):
+        return grad / den if den != 0 else grad * 0.0
+    if den.dtype != grad.dtype or den.device != grad.device:
+        den = den.to(dtype=grad.dtype, device=grad.device)
+    nonzero = den != 0
+    return torch.where(nonzero, grad, 0) / torch.where(nonzero, den, 1)
+
+
 def aggregate_rows(
     row_loss_sum: torch.Tensor,
     row_tokens: torch.Tensor,
@@ -405,47 +498,11 @@ def aggregate_rows(
     global_batch_size: Optional[Number] = None,
     loss_scale_factor: Optional[Number] = None,
 ) -> torch.Tensor:
-    """:func:`agg_loss` from per-row partials: ``row_loss_sum[b] = sum_t m*L``, ``row_tokens[b] = sum_t m``.
-
-    Every verl mode is a function of these two ``[B]`` vectors (and the padded length ``horizon`` for
-    ``seq-mean-token-sum-norm``), which is what lets the fused kernel emit ``[B, K]`` partials instead of a
-    ``[B, T]`` loss matrix.
-    """
-    check_loss_agg_mode(loss_agg_mode)
-    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
-        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
-    _positive_or_none("batch_num_tokens", batch_num_tokens)
-    _positive_or_none("global_batch_size", global_batch_size)
-    _positive_or_none("loss_scale_factor", loss_scale_factor)
-    # A one-element tensor normaliser must not broadcast the scalar loss to shape [1].
-    batch_num_tokens, global_batch_size, loss_scale_factor = (
-        x.reshape(()) if isinstance(x, torch.Tensor) else x
-        for x in (batch_num_tokens, global_batch_size, loss_scale_factor))
-    if loss_agg_mode == "token-mean":
-        if batch_num_tokens is None:
-            if dp_size > 1:
-                raise ValueError("batch_num_tokens (the global count of valid tokens) is required when dp_size > 1")
-            batch_num_tokens = row_tokens.sum()
-        return _times_dp(safe_div(row_loss_sum.sum(), batch_num_tokens), dp_size)
-    if loss_agg_mode == "token-sum":
-        # Data-parallel gradient averaging divides by dp_size; multiplying by it makes the result the global sum.
-        return _times_dp(row_loss_sum.sum(), dp_size)
-    seq_valid = (row_tokens > 0).to(row_loss_sum.dtype)  # rows RS rejected entirely do not count
-    if global_batch_size is None:
-        if dp_size > 1:
-            raise ValueError("global_batch_size (the global count of sequences) is required when dp_size > 1")
-        global_batch_size = seq_valid.sum()
-    if loss_agg_mode == "seq-mean-token-mean":
-        seq_loss = row_loss_sum / (row_tokens + LY.MASKED_MEAN_EPS)  # verl's per-sequence token-mean
-    else:
-        seq_loss = row_loss_sum
-    # A row without tokens is left out by a select, not by a product: its 0 / (0 + eps) is NaN wherever eps rounds
-    # away (16-bit rows), and NaN * 0 would still be NaN.
-    seq_loss = torch.where(seq_valid != 0, seq_loss, torch.zeros_like(seq_loss))
-    loss = _times_dp(safe_div(seq_loss.sum(), global_batch_size), dp_size)
-    if loss_agg_mode == "seq-mean-token-sum-norm":  # horizon 0: an empty response dimension, nothing to normalise
-        loss = safe_div(loss, horizon if loss_scale_factor is None else loss_scale_factor)
-    return loss
+    """:func:`agg_loss` from per-row partials: ``row_loss_sum[b] = sum_t m*L``, ``row_tokens[b] = sum_t m``
+    (:class:`RowAggregation`)."""
+    return RowAggregation(loss_agg_mode, horizon, dp_size=dp_size, batch_num_tokens=batch_num_tokens,
+                          global_batch_size=global_batch_size, loss_scale_factor=loss_scale_factor).value(
+                              row_loss_sum, row_tokens)
 
 
 def agg_loss(
@@ -518,16 +575,24 @@ def refuse_grad(fn: str, **named) -> None:
 
 def policy_loss_step(kind: int, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, cfg, weights,
                  old_name: str = "old_log_prob", cu_seqlens=None, fn: str = "policy loss",
-                 weights_name: str = "rollout_is_weights", params=(0.0, 0.0), metric_keys=None, clip=None):
+                 weights_name: str = "rollout_is_weights", params=(0.0, 0.0), metric_keys=None, clip=None,
+                 rows_grad: bool = True):
+    """``(loss, metrics, rows)`` of the fused kind ``kind``. ``rows_grad=False`` (a caller that reads ``rows`` for
+    metrics only): ``rows`` comes back detached and the kernel and the aggregation are one autograd node
+    (:func:`ops.policy_loss`); otherwise its loss column is differentiable, for a caller that aggregates it again."""
     refuse_grad(fn, **{old_name: old_log_prob, "advantages": advantages, weights_name: weights})
     clip_low, clip_high = (cfg.clip_low, cfg.clip_high) if clip is None else clip
+    aggregation = RowAggregation(loss_agg_mode, padded_horizon(log_prob, cu_seqlens), **cfg.global_batch_info)
     # An undefined loss at a response token (NaN / +inf log-probs, ...) is an error raised by the op itself (CPU: a
     # ValueError naming the token; CUDA: an asynchronous device assert), so nothing here reads a value on the host.
-    _, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high,
-                                   cfg.clip_ratio_c, kind, cu_seqlens, *params, with_loss_mat=False, first_order=fn)
-    loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM], rows[:, LY.PG_ROW_TOKENS], loss_agg_mode,
-                          padded_horizon(log_prob, cu_seqlens),
-                          **cfg.global_batch_info)
+    if rows_grad:
+        _, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
+                                       clip_high, cfg.clip_ratio_c, kind, cu_seqlens, *params, with_loss_mat=False,
+                                       first_order=fn)
+        loss = aggregation.value(rows[:, LY.PG_ROW_LOSS_SUM], rows[:, LY.PG_ROW_TOKENS])
+    else:
+        loss, rows = ops.policy_loss(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high,
+                                     cfg.clip_ratio_c, kind, aggregation, cu_seqlens, *params, first_order=fn)
     if metric_keys is None:
         metric_keys = _PPO_METRICS if kind == LY.PG_KIND_PPO_CLIP else ("actor/ppo_kl",)
     return loss, _row_metrics(rows, metric_keys), rows
@@ -575,8 +640,8 @@ def compute_policy_loss_vanilla(
     check_loss_agg_mode(loss_agg_mode)
     cfg = as_policy_config(config)
     loss, metrics, _ = policy_loss_step(LY.PG_KIND_PPO_CLIP, old_log_prob, log_prob, advantages, response_mask,
-                                    loss_agg_mode, cfg, rollout_is_weights, cu_seqlens=cu_seqlens,
-                                    fn="compute_policy_loss_vanilla")
+                                        loss_agg_mode, cfg, rollout_is_weights, cu_seqlens=cu_seqlens,
+                                        fn="compute_policy_loss_vanilla", rows_grad=False)
     return loss, metrics
 
 
@@ -600,8 +665,8 @@ def compute_policy_loss_reinforce(
     check_loss_agg_mode(loss_agg_mode)
     cfg = as_policy_config(config)
     loss, metrics, _ = policy_loss_step(LY.PG_KIND_REINFORCE, rollout_log_prob, log_prob, advantages, response_mask,
-                                    loss_agg_mode, cfg, rollout_is_weights, old_name="rollout_log_prob",
-                                    cu_seqlens=cu_seqlens, fn="compute_policy_loss_reinforce")
+                                        loss_agg_mode, cfg, rollout_is_weights, old_name="rollout_log_prob",
+                                        cu_seqlens=cu_seqlens, fn="compute_policy_loss_reinforce", rows_grad=False)
     return loss, metrics
 
 
@@ -738,7 +803,8 @@ def _per_token_loss(mode):
         kind, params = _kind_params(mode, cfg)
         loss, _, rows = policy_loss_step(kind, old_log_prob, log_prob, advantages, response_mask,
                                          _FORCED_AGG.get(mode, loss_agg_mode), cfg, rollout_is_weights,
-                                         cu_seqlens=cu_seqlens, fn=name, params=params, metric_keys=())
+                                         cu_seqlens=cu_seqlens, fn=name, params=params, metric_keys=(),
+                                         rows_grad=False)
         return loss, _token_metrics(mode, rows)
 
     loss_fn.__name__ = loss_fn.__qualname__ = name
@@ -782,7 +848,7 @@ def compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask, l
     # place (the same memory, read once) and the unused kl column is 0.
     loss, _, _ = policy_loss_step(LY.PG_KIND_REINFORCE, log_prob.detach(), log_prob, advantages, response_mask,
                                   loss_agg_mode, cfg, rollout_is_weights, cu_seqlens=cu_seqlens,
-                                  fn="compute_policy_loss_gpg", metric_keys=())
+                                  fn="compute_policy_loss_gpg", metric_keys=(), rows_grad=False)
     return loss, {}
 
 
@@ -799,7 +865,8 @@ def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, 
     seq_log_ratio, x_sum = gspo_sequence_log_ratio(log_prob, old_log_prob, response_mask, cu_seqlens=cu_seqlens,
                                                    seq_group=seq_group)
     loss, _, rows = policy_loss_step(LY.PG_KIND_GSPO, seq_log_ratio, log_prob, advantages, response_mask, loss_agg_mode,
-                                 cfg, rollout_is_weights, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
+                                     cfg, rollout_is_weights, cu_seqlens=cu_seqlens, fn=fn, metric_keys=(),
+                                     rows_grad=False)
     return loss, _token_metrics("gspo", rows, x_sum)
 
 

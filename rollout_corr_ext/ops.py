@@ -360,7 +360,7 @@ def register_policy_loss_autograd(namespace: str) -> None:
     backward_op = getattr(torch.ops, namespace).policy_loss_backward.default
 
     def backward(ctx, grad_loss_mat, grad_rows):
-        grad_log_prob = _policy_loss_rows_grad(ctx, backward_op, grad_loss_mat, grad_rows)
+        grad_log_prob = _policy_loss_rows_grad(ctx, backward_op, grad_loss_mat, _loss_column(grad_rows))
         return (grad_log_prob,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
     torch.library.register_autograd(f"{namespace}::policy_loss_rows", backward,
@@ -423,18 +423,28 @@ def _policy_loss_rows_setup_context(ctx, inputs, output):
     ctx.knobs = tuple(knobs)
 
 
-def _policy_loss_rows_grad(ctx, backward_op, grad_loss_mat, grad_rows):
-    """The gradient in ``log_prob`` of ``policy_loss_rows`` (None when nothing needs it): through ``backward_op``."""
+def _policy_loss_rows_grad(ctx, backward_op, grad_loss_mat, grad_rows_loss):
+    """The gradient in ``log_prob`` of ``policy_loss_rows`` (None when nothing needs it): through ``backward_op``.
+    ``grad_rows_loss``: the gradient of the rows' loss column (only it carries one: the others are detached metric
+    partials), or None."""
     log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens = ctx.saved_tensors
     if not ctx.with_loss_mat:
         grad_loss_mat = None  # the gradient of an empty loss_mat
-    if not ctx.needs_input_grad[0] or (grad_loss_mat is None and grad_rows is None):
+    if not ctx.needs_input_grad[0] or (grad_loss_mat is None and grad_rows_loss is None):
         return None
-    # Only the loss column of rows carries a gradient (the others are detached metric partials); advantages and
-    # weights are constants of the loss (callers detach the weights).
-    grad_rows_loss = None if grad_rows is None else grad_rows[:, LY.PG_ROW_LOSS_SUM]
+    # advantages and weights are constants of the loss (callers detach the weights).
     return backward_op(grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights,
                        *ctx.scalars, cu_seqlens, *ctx.params, *ctx.knobs)
+
+
+def _loss_column(grad_rows):
+    return None if grad_rows is None else grad_rows[:, LY.PG_ROW_LOSS_SUM]
+
+
+def _no_double_backward(grad, ctx):
+    if grad is not None and torch.is_grad_enabled():  # create_graph=True
+        grad = NoDoubleBackward.apply(grad, ctx.what, ctx.saved_tensors[0])
+    return grad
 
 
 class _PolicyLossRowsEager(torch.autograd.Function):
@@ -445,8 +455,10 @@ class _PolicyLossRowsEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, what, *inputs):
-        # Grad mode is off inside forward: the op's autograd kernel hands straight to the backend.
-        output = torch.ops.rollout_corr.policy_loss_rows.default(*inputs)
+        # Straight to the backend: below autograd, not through the registered formula's wrapper (which, grad mode
+        # being off inside forward, would only redispatch).
+        with torch._C._AutoDispatchBelowAutograd():
+            output = torch.ops.rollout_corr.policy_loss_rows.default(*inputs)
         _policy_loss_rows_setup_context(ctx, inputs, output)
         ctx.what = what
         return output
@@ -455,10 +467,33 @@ class _PolicyLossRowsEager(torch.autograd.Function):
     def backward(ctx, grad_loss_mat, grad_rows):
         ctx.needs_input_grad = ctx.needs_input_grad[1:]  # as the op's own formula sees it: log_prob first
         grad = _policy_loss_rows_grad(ctx, torch.ops.rollout_corr.policy_loss_backward.default, grad_loss_mat,
-                                      grad_rows)
-        if grad is not None and torch.is_grad_enabled():  # create_graph=True
-            grad = NoDoubleBackward.apply(grad, ctx.what, ctx.saved_tensors[0])
-        return (None, grad) + (None,) * (len(ctx.needs_input_grad) - 1)
+                                      _loss_column(grad_rows))
+        return (None, _no_double_backward(grad, ctx)) + (None,) * (len(ctx.needs_input_grad) - 1)
+
+
+class _PolicyLossEager(torch.autograd.Function):
+    """``policy_loss_rows`` and the aggregation of its loss column into the loss, one eager node (first-order only,
+    as :class:`_PolicyLossRowsEager`): the aggregation's handful of ops on ``[B]`` vectors, each an autograd node
+    forward and backward, cost most of a micro-batch's call, and twice that from a cold cache. ``rows`` comes back
+    detached (metrics only)."""
+
+    @staticmethod
+    def forward(ctx, what, aggregation, forward_op, backward_op, *inputs):
+        with torch._C._AutoDispatchBelowAutograd():  # straight to the backend: no pass through the op's autograd
+            loss_mat, rows = forward_op(*inputs)
+        _policy_loss_rows_setup_context(ctx, inputs, (loss_mat, rows))
+        row_tokens = rows[:, LY.PG_ROW_TOKENS]
+        ctx.mark_non_differentiable(rows)  # so what ctx keeps of it makes no reference cycle
+        ctx.what, ctx.aggregation, ctx.backward_op, ctx.row_tokens = what, aggregation, backward_op, row_tokens
+        ctx.terms = aggregation.terms(row_tokens, rows.dtype)
+        return aggregation.value(rows[:, LY.PG_ROW_LOSS_SUM], row_tokens, ctx.terms), rows
+
+    @staticmethod
+    def backward(ctx, grad_loss, unused_grad_rows):
+        ctx.needs_input_grad = ctx.needs_input_grad[4:]
+        grad_rows_loss = None if grad_loss is None else ctx.aggregation.grad(grad_loss, ctx.row_tokens, ctx.terms)
+        grad = _policy_loss_rows_grad(ctx, ctx.backward_op, None, grad_rows_loss)
+        return (None,) * 4 + (_no_double_backward(grad, ctx),) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
 def policy_loss_backward(grad_rows_loss: torch.Tensor, log_prob: torch.Tensor, old_log_prob: torch.Tensor,
@@ -521,6 +556,46 @@ def policy_loss_rows(
     return fallback.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
                                       clip_high, clip_c, loss_kind, cu_seqlens, param_a, param_b, with_loss_mat)
 
+
+
+def policy_loss(log_prob, old_log_prob, advantages, response_mask, weights, clip_low: float, clip_high: float,
+                clip_c: float, loss_kind: int, aggregation, cu_seqlens: Optional[torch.Tensor] = None,
+                param_a: float = 0.0, param_b: float = 0.0, *, first_order: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, rows)``: :func:`policy_loss_rows` (no loss matrix) with its loss column aggregated by
+    ``aggregation`` (:class:`rollout_corr_ext.losses.RowAggregation`: ``value(row_loss_sum, row_tokens)`` and its
+    gradient ``grad(grad_loss, row_tokens)``); ``rows`` detached, for metrics. Eager on the kernels with a gradient
+    wanted: one autograd node (:class:`_PolicyLossEager`); otherwise (compile, the fallback backend, no grad) the op
+    and ``aggregation.value`` through autograd, the same values (:func:`policy_loss_composed`)."""
+    if _has_kernel(log_prob.device) and not torch.compiler.is_compiling():
+        return policy_loss_node(torch.ops.rollout_corr.policy_loss_rows.default,
+                                torch.ops.rollout_corr.policy_loss_backward.default, log_prob, old_log_prob,
+                                advantages, response_mask, weights, clip_low, clip_high, clip_c, loss_kind,
+                                aggregation, cu_seqlens, param_a, param_b, first_order=first_order)
+    return policy_loss_composed(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high,
+                                clip_c, loss_kind, aggregation, cu_seqlens, param_a, param_b, first_order=first_order)
+
+
+def policy_loss_node(forward_op, backward_op, log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
+                     clip_high, clip_c, loss_kind, aggregation, cu_seqlens=None, param_a=0.0, param_b=0.0, *,
+                     first_order: str):
+    """:func:`policy_loss` as one autograd node over ``forward_op`` / ``backward_op`` (``policy_loss_rows`` and
+    ``policy_loss_backward`` of a namespace: the compiled ops, or the CUDA emulator's in tests) when a gradient is
+    wanted; the forward op alone otherwise."""
+    args = (log_prob, old_log_prob, advantages, response_mask, None if weights is None else weights.detach(),
+            float(clip_low), float(clip_high), float(clip_c), int(loss_kind), cu_seqlens, float(param_a),
+            float(param_b), False)
+    if torch.is_grad_enabled() and log_prob.requires_grad:
+        return _PolicyLossEager.apply(first_order, aggregation, forward_op, backward_op, *args)
+    _, rows = forward_op(*args)
+    return aggregation.value(rows[:, LY.PG_ROW_LOSS_SUM], rows[:, LY.PG_ROW_TOKENS]), rows
+
+
+def policy_loss_composed(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high, clip_c,
+                         loss_kind, aggregation, cu_seqlens=None, param_a=0.0, param_b=0.0, *, first_order: str):
+    """:func:`policy_loss` as :func:`policy_loss_rows` and ``aggregation.value`` under autograd."""
+    _, rows = policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high,
+                               clip_c, loss_kind, cu_seqlens, param_a, param_b, False, first_order=first_order)
+    return aggregation.value(rows[:, LY.PG_ROW_LOSS_SUM], rows[:, LY.PG_ROW_TOKENS]), rows.detach()
 
 # ---------------------------------------------------------------------------------------------------------
 # §5 sampling replay: the per-shard candidates of the threshold search (CPU and CUDA kernels)

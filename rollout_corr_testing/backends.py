@@ -237,13 +237,19 @@ def policy_loss_backend(name: str, **knobs) -> Iterator[str]:
         yield name
         return
     if name == "fallback":
-        impl = {"policy_loss_rows": _first_order(fallback.policy_loss_rows)}  # differentiable torch ops
+        # differentiable torch ops; the loss through autograd over them
+        impl = {"policy_loss_rows": _first_order(fallback.policy_loss_rows), "policy_loss": ops.policy_loss_composed}
     elif name == "emulated":
         from rollout_corr_testing.cuda_emulator.loader import load_emulator
 
         load_emulator()
         ops.register_policy_loss_autograd("rollout_corr_emu")
-        impl = {"policy_loss_rows": _first_order(functools.partial(_emulated_policy_loss_rows, dict(knobs)))}
+        emu = torch.ops.rollout_corr_emu
+        impl = {"policy_loss_rows": _first_order(functools.partial(_emulated_policy_loss_rows, dict(knobs))),
+                # the compiled ops' one-node loss, over the emulated kernels
+                "policy_loss": functools.partial(ops.policy_loss_node,
+                                                 functools.partial(emu.policy_loss_rows.default, **knobs),
+                                                 functools.partial(emu.policy_loss_backward.default, **knobs))}
     else:
         raise ValueError(f"unknown backend {name!r}")
     with _swapped_ops(impl) as device:

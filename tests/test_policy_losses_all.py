@@ -923,3 +923,93 @@ def test_whole_batch_losses_repeat_exactly(name):
     assert {k: float(v) for k, v in first[1].items()} == {k: float(v) for k, v in again[1].items()}
     for t, s in zip((old, lp, adv, mask, w), saved):
         assert torch.equal(t, s)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The loss as one autograd node: ops.policy_loss (the kernel and its aggregation), losses.RowAggregation.grad
+# ------------------------------------------------------------------------------------------------------------------
+
+#: Normalisers of RowAggregation: the local counts; Python numbers; one-element tensors (verl passes 0-dim ones);
+#: data-parallel (dp_size 2, global numbers); a padded length of 0 (an empty response dimension).
+_NORMS = {
+    "local": dict(),
+    "numbers": dict(batch_num_tokens=37.0, global_batch_size=5, loss_scale_factor=3.0),
+    "tensors": dict(batch_num_tokens=torch.tensor([37.0]), global_batch_size=torch.tensor(5.0),
+                    loss_scale_factor=torch.tensor(3.0)),
+    "dp2": dict(dp_size=2, batch_num_tokens=37, global_batch_size=9),
+}
+
+
+@pytest.mark.parametrize("tokens", ["some_empty", "all_empty"])
+@pytest.mark.parametrize("horizon", [24, 0, "tensor"])
+@pytest.mark.parametrize("norms", sorted(_NORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", MODES)
+def test_row_aggregation_grad_is_autograd_bit_for_bit(mode, dtype, norms, horizon, tokens):
+    """RowAggregation.grad, the one-node loss's backward, is the gradient autograd takes through RowAggregation.value
+    (the composed path's, the registered op's under torch.compile), to the bit: every mode, local / number / tensor /
+    data-parallel normalisers, rows without tokens, a batch without any, a padded length of 0."""
+    g = torch.Generator().manual_seed(hash((mode, norms, str(horizon), tokens)) % 2 ** 31)
+    row_tokens = (torch.rand(7, generator=g) * 9).round().to(dtype) / 2  # fractional mask sums too
+    row_tokens[[1, 4]] = 0.0
+    if tokens == "all_empty":
+        row_tokens.zero_()
+    row_loss = torch.randn(7, generator=g, dtype=dtype) * (row_tokens != 0)
+    h = torch.tensor(24) if horizon == "tensor" else horizon
+    agg = losses.RowAggregation(mode, h, **_NORMS[norms])
+    x = row_loss.clone().requires_grad_(True)
+    loss = agg.value(x, row_tokens)
+    upstream = torch.randn((), generator=g, dtype=dtype)
+    want, = torch.autograd.grad(loss, x, upstream)
+    got = agg.grad(upstream, row_tokens)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got, want), (got, want)
+    assert torch.equal(loss.detach(), losses.aggregate_rows(row_loss, row_tokens, mode, h, **_NORMS[norms]))
+
+
+#: The losses whose kernel and aggregation are one node (rows read for metrics only).
+ONE_NODE = ["vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "dro", "cispo"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ONE_NODE)
+def test_one_node_loss_equals_the_composed_one_bit_for_bit(backend, name, mode, dtype, monkeypatch):
+    """On the kernels (compiled CPU, emulated CUDA) the loss is one autograd node (ops.policy_loss); its loss,
+    metrics and gradient are those of the op and the aggregation under autograd (ops.policy_loss_composed, what
+    torch.compile and the fallback run), to the bit; create_graph=True still raises by name."""
+    core, _, _ = _verl()
+    cfg = losses.PolicyLossConfig.from_dict(_actor(name))
+    fn = getattr(losses, "compute_policy_loss_" + name)
+    old, lp, adv, mask, w = _inputs(seed=len(name) + len(mode), dtype=dtype)
+    x = lp.detach().clone().requires_grad_(True)
+    loss, metrics = fn(old, x, adv, mask, mode, cfg, w)
+    if backend != "fallback":
+        assert type(loss.grad_fn).__name__ == "_PolicyLossEagerBackward"
+    grad, = torch.autograd.grad(loss, x)
+    monkeypatch.setattr(ops, "policy_loss", ops.policy_loss_composed)
+    x2 = lp.detach().clone().requires_grad_(True)
+    loss2, metrics2 = fn(old, x2, adv, mask, mode, cfg, w)
+    assert type(loss2.grad_fn).__name__ != "_PolicyLossEagerBackward"
+    grad2, = torch.autograd.grad(loss2, x2)
+    assert torch.equal(loss, loss2) and torch.equal(grad, grad2), ((loss, loss2), (grad - grad2).abs().max())
+    assert {k: float(v) for k, v in metrics.items()} == {k: float(v) for k, v in metrics2.items()}
+    loss3, _ = fn(old, x, adv, mask, mode, cfg, w)
+    g3, = torch.autograd.grad(loss3, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="compute_policy_loss_" + name):
+        g3.sum().backward()
+
+
+def test_one_node_loss_without_grad_and_under_no_grad(backend):
+    """No gradient wanted (log_prob without requires_grad, or no_grad): the same loss and metrics, no node."""
+    core, _, _ = _verl()
+    cfg = losses.PolicyLossConfig.from_dict(_actor("vanilla"))
+    old, lp, adv, mask, w = _inputs(seed=5)
+    x = lp.detach().clone().requires_grad_(True)
+    want = losses.compute_policy_loss_vanilla(old, x, adv, mask, "seq-mean-token-mean", cfg, w)
+    for got in (losses.compute_policy_loss_vanilla(old, lp, adv, mask, "seq-mean-token-mean", cfg, w),):
+        assert got[0].grad_fn is None and torch.equal(got[0], want[0].detach())
+    with torch.no_grad():
+        got = losses.compute_policy_loss_vanilla(old, x, adv, mask, "seq-mean-token-mean", cfg, w)
+    assert got[0].grad_fn is None and torch.equal(got[0], want[0].detach())
+    assert {k: float(v) for k, v in got[1].items()} == {k: float(v) for k, v in want[1].items()}
