@@ -9,11 +9,13 @@ ours through the same verl-signature adapter, ``rollout_corr_ext.verl.POLICY_LOS
 Rows: one per loss of verl's registry except ``bypass_mode`` (which needs a rollout-correction config and is the
 vanilla / reinforce kernel plus the rollout-correction op, measured in bench_rollout_corr.py). Columns: median wall
 time of ``--repeats`` runs after one warm-up, ours and verl's interleaved repeat by repeat on the same inputs;
-speed-up. Before each of those calls a 64 MiB buffer (twice this VM's last-level cache) is zeroed, untimed, as
-``triton.testing.do_bench`` does: every call starts from the same cold cache full of dirty lines, instead of from
-what the other function left behind (verl's temporaries, dirty; our gradient, streamed past the cache). Then the same
-in each function's own steady state ("alone": ``--repeats`` calls of one function back to back after its warm-up, no
-flush: the best case for both, inputs partly cached, no page faults for temporaries the allocator kept); the median
+speed-up. Before each of those calls a 256 MiB buffer is zeroed, untimed, as ``triton.testing.do_bench`` does:
+every call starts from the same cold cache full of dirty lines, instead of from what the other function left behind
+(both read the same inputs, so each would find them cached by the other). 256 MiB, not twice the 32 MiB last-level
+cache this VM reports: timed alone after zeroing 64 or 128 MiB, our gpg forward still found its inputs in cache
+(0.67-0.69 ms, against 1.13-1.18 ms after 192 or 256 MiB or after a call of verl's; a scratch timing of the op on
+2026-11-27, not this script), so the VM's cache is larger than it says. Then the same in each function's own steady state ("alone": ``--repeats`` calls of one function back to
+back after its warm-up, no flush: the best case for both, inputs partly cached, no page faults for temporaries the allocator kept); the median
 of the minor page faults of one interleaved call (``getrusage``: what the process pays for fresh memory from the
 kernel, most of the run-to-run swing of a time); host reads of one call, metrics included (``.item()`` / ``float()`` of a tensor and ``tolist()``; ours:
 the adapter's one ``tolist`` of all metrics at the end; verl: one ``.item()`` per metric, and clip_cov / kl_cov read
@@ -99,7 +101,7 @@ def main(argv=None):
     ap.add_argument("--t", type=int, default=8192, help="response length (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per row (default: %(default)s)")
     ap.add_argument("--losses", nargs="+", default=NAMES, choices=NAMES, help="losses to run (default: all)")
-    ap.add_argument("--flush-mib", type=int, default=64,
+    ap.add_argument("--flush-mib", type=int, default=256,
                     help="MiB zeroed before each interleaved call, untimed (0: none) (default: %(default)s)")
     add_progress_flag(ap)
     args = ap.parse_args(argv)
