@@ -246,6 +246,16 @@ def _oracle(name, old, lp, adv, mask, cfg):
             d = torch.exp(x.detach()) - torch.exp(o)
             keep = torch.where(a > 0, d <= hi, d >= -lo).double()
             tok = -a * torch.clamp(_ratio(x.detach(), o), max=cfg.clip_ratio_c) * x * keep
+        elif name == "dppo_kl":  # the same with the Bernoulli KL(p_old || p) <= eps as the trust region; a token
+            # moving against the advantage's push is always kept (arXiv:2602.04879)
+            p, q = torch.exp(x.detach()), torch.exp(o)
+            kl = q * torch.log(q / p) + (1 - q) * torch.log((1 - q) / (1 - p))
+            keep = torch.where(a > 0, (kl <= hi) | (p <= q), (kl <= lo) | (p >= q)).double()
+            tok = -a * torch.clamp(_ratio(x.detach(), o), max=cfg.clip_ratio_c) * x * keep
+        elif name == "vanilla":  # PPO's clipped surrogate (arXiv:1707.06347), the dual clip for A < 0 (1912.09729)
+            r = _ratio(x, o)
+            tok = torch.maximum(-a * r, -a * torch.clamp(r, 1 - lo, 1 + hi))
+            tok = torch.where(a < 0, torch.minimum(tok, -a * cfg.clip_ratio_c), tok)
         elif name == "dro":
             tok = -(x * a) + cfg.dro_beta / 2 * (x - o) ** 2
         elif name in ("gpg",):
@@ -262,7 +272,7 @@ def _oracle(name, old, lp, adv, mask, cfg):
     return tok_sum / n_tok
 
 
-@pytest.mark.parametrize("name", ["gspo", "geo_mean", "sapo", "cispo", "dppo_tv", "dro", "gpg"])
+@pytest.mark.parametrize("name", ["vanilla", "gspo", "geo_mean", "sapo", "cispo", "dppo_tv", "dppo_kl", "dro", "gpg"])
 def test_equals_paper_oracle_fp64(backend, name):
     old, lp, adv, mask, _ = (x.double() for x in _inputs(seed=11))
     cfg = losses.PolicyLossConfig(clip_ratio=0.2, clip_ratio_high=0.28, loss_mode=name, **KNOBS)
