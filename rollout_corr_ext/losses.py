@@ -1225,8 +1225,10 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
             cut_sum = cut.sum()
         del s0, s1
         clipfrac = cut_sum.to(acc) / den
+    # Under context parallelism the loss is aggregated again below, over the whole sequences' token counts.
     loss, _, rows = policy_loss_step(LY.PG_KIND_PPO_UNBOUNDED, old_log_prob, log_prob, advantages, response_mask,
-                                 loss_agg_mode, cfg, w, cu_seqlens=cu_seqlens, fn=fn, metric_keys=())
+                                     loss_agg_mode, cfg, w, cu_seqlens=cu_seqlens, fn=fn, metric_keys=(),
+                                     rows_grad=whole is not None)
     if whole is None:
         ppo_kl = _row_metrics(rows, ("actor/ppo_kl",))["actor/ppo_kl"]
     else:

@@ -978,7 +978,7 @@ def test_row_aggregation_grad_is_autograd_bit_for_bit(mode, dtype, norms, horizo
 
 
 #: The losses whose kernel and aggregation are one node (rows read for metrics only).
-ONE_NODE = ["vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "dro", "cispo"]
+ONE_NODE = ["vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "dro", "cispo", "clip_cov"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
