@@ -11,10 +11,10 @@ vanilla / reinforce kernel plus the rollout-correction op, measured in bench_rol
 time of ``--repeats`` runs after one warm-up, ours and verl's interleaved repeat by repeat on the same inputs;
 speed-up. Before each of those calls a 256 MiB buffer is zeroed, untimed, as ``triton.testing.do_bench`` does:
 every call starts from the same cold cache full of dirty lines, instead of from what the other function left behind
-(both read the same inputs, so each would find them cached by the other). 256 MiB, not twice the 32 MiB last-level
-cache this VM reports: timed alone after zeroing 64 or 128 MiB, our gpg forward still found its inputs in cache
-(0.67-0.69 ms, against 1.13-1.18 ms after 192 or 256 MiB or after a call of verl's; a scratch timing of the op on
-2026-11-27, not this script), so the VM's cache is larger than it says. Then the same in each function's own steady state ("alone": ``--repeats`` calls of one function back to
+(both read the same inputs, so each could find them cached by the other). ``--flush-probe 64 128 192 256`` times
+our gpg forward alone after zeroing each size and after a call of verl's gpg; on this VM, whose cache is not the
+32 MiB it reports, a scratch timing once found 64 and 128 MiB leaving the inputs cached, so the default is 256 MiB
+(docs/benchmarks.md). Then the same in each function's own steady state ("alone": ``--repeats`` calls of one function back to
 back after its warm-up, no flush: the best case for both, inputs partly cached, no page faults for temporaries the allocator kept); the median
 of the minor page faults of one interleaved call (``getrusage``: what the process pays for fresh memory from the
 kernel, most of the run-to-run swing of a time); host reads of one call, metrics included (``.item()`` / ``float()`` of a tensor and ``tolist()``; ours:
@@ -22,6 +22,7 @@ the adapter's one ``tolist`` of all metrics at the end; verl: one ``.item()`` pe
 sizes mid-call), with, in parentheses, ops whose output shape depends on the data (each a sync on a GPU). Run::
 
     python benchmarks/bench_policy_losses.py [--b 256 --t 8192 --repeats 3 --losses gspo cispo ...]
+    python benchmarks/bench_policy_losses.py --flush-probe 64 128 192 256 [--repeats 15]
 """
 
 from __future__ import annotations
@@ -95,6 +96,38 @@ def _syncs(fn, *args):
     return count_syncs(lambda: _call(fn, *args))
 
 
+def _flush_probe(sizes_mib, repeats, inputs, verl_call):
+    """Which flush evicts the inputs: our gpg forward (the op alone, no autograd) timed with nothing before it, after
+    zeroing each size, and after a call of verl's gpg (which reads the same inputs and writes its temporaries), the
+    conditions interleaved repeat by repeat. A flush that evicts the inputs gives about the time after verl's call."""
+    from rollout_corr_ext import _layout as LY
+    from rollout_corr_ext import ops
+
+    old, lp, adv, mask, w = inputs
+
+    def forward():
+        with torch.no_grad():
+            ops.policy_loss_rows(lp, lp, adv, mask, w, 0.2, 0.28, 3.0, LY.PG_KIND_REINFORCE, with_loss_mat=False)
+
+    bufs = {m: torch.zeros(m << 18) for m in sizes_mib}
+    before = {"nothing": lambda: None}
+    before.update({f"zeroing {m} MiB": (lambda b=bufs[m]: b.zero_()) for m in sizes_mib})
+    before["a call of verl's gpg"] = verl_call
+    times = {k: [] for k in before}
+    forward()
+    verl_call()
+    for _ in range(repeats):
+        for k, fn in before.items():
+            fn()
+            t0 = time.perf_counter()
+            forward()
+            times[k].append(time.perf_counter() - t0)
+    print("| before the timed gpg forward | ours ms (median) |")
+    print("|---|---:|")
+    for k, v in times.items():
+        print(f"| {k} | {_ms(statistics.median(v) * 1e3)} |")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--b", type=int, default=256, help="sequences (default: %(default)s)")
@@ -103,9 +136,10 @@ def main(argv=None):
     ap.add_argument("--losses", nargs="+", default=NAMES, choices=NAMES, help="losses to run (default: all)")
     ap.add_argument("--flush-mib", type=int, default=256,
                     help="MiB zeroed before each interleaved call, untimed (0: none) (default: %(default)s)")
+    ap.add_argument("--flush-probe", type=int, nargs="+", metavar="MIB",
+                    help="only time our gpg forward after zeroing each of these sizes (and after verl's gpg)")
     add_progress_flag(ap)
     args = ap.parse_args(argv)
-    _FLUSH["buf"] = torch.empty(args.flush_mib << 18) if args.flush_mib > 0 else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import verl.trainer.ppo.core_algos as core
@@ -113,19 +147,30 @@ def main(argv=None):
     old, lp, adv, mask, w = _inputs(args.b, args.t)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
+    machine = (f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+               f"{platform.processor() or platform.machine()}, commit {commit}")
+
+    def actor_config(name):
+        return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=4,
+                           clip_ratio=0.2, clip_ratio_high=0.28,
+                           policy_loss=PolicyLossConfig(loss_mode=name, dro_beta=0.5))
+
+    if args.flush_probe:
+        print(f"# which flush evicts the inputs, B x T = {args.b} x {args.t}, fp32; {machine}")
+        verl_gpg, gpg_actor = core.get_policy_loss_fn("gpg"), actor_config("gpg")
+        _flush_probe(args.flush_probe, args.repeats, (old, lp, adv, mask, w),
+                     lambda: _call(verl_gpg, old, lp, adv, mask, gpg_actor, w))
+        return
+    _FLUSH["buf"] = torch.empty(args.flush_mib << 18) if args.flush_mib > 0 else None
     print(f"# policy losses fwd+bwd, B x T = {args.b} x {args.t}, fp32, token-mean, IS weights, "
-          f"{args.flush_mib} MiB flushed before each interleaved call; torch "
-          f"{torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}, "
-          f"commit {commit}")
+          f"{args.flush_mib} MiB flushed before each interleaved call; {machine}")
     print("| loss | ours ms | verl 0.9.1 ms | speed-up | alone: ours ms | alone: verl ms | alone: speed-up "
           "| page faults / call ours / verl | host reads (shape ops) ours / verl |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     bar = progress_bar(len(args.losses) * (2 * args.repeats + 1), "policy losses", args.no_progress)
     for name in args.losses:
         bar.set_postfix_str(name)
-        actor = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=2, ppo_mini_batch_size=4,
-                            clip_ratio=0.2, clip_ratio_high=0.28,
-                            policy_loss=PolicyLossConfig(loss_mode=name, dro_beta=0.5))
+        actor = actor_config(name)
         fns = {"ours": rv.POLICY_LOSSES[name], "verl": core.get_policy_loss_fn(name)}
         cfgs = {"ours": losses.PolicyLossConfig.from_dict(actor), "verl": actor}
         times = {k: [] for k in fns}

@@ -30,6 +30,8 @@ RUNS = {
     "policy_losses": ["bench_policy_losses.py", "--b", "4", "--t", "64", "--repeats", "1"],
     "policy_losses_options": ["bench_policy_losses.py", "--b", "4", "--t", "64", "--repeats", "1", "--flush-mib", "0",
                               "--losses", "gpg", "kl_cov", "--no-progress"],
+    "policy_losses_flush_probe": ["bench_policy_losses.py", "--b", "4", "--t", "64", "--repeats", "1",
+                                  "--flush-probe", "1", "2"],
     "torch_masks": ["bench_torch_masks.py", "--b", "4", "--t", "64", "--repeats", "1"],
     "sampling_ties": ["bench_sampling.py", "--ties", "--n", "8", "--vocab", "256"],
     "linear_logprob": ["bench_linear_logprob.py", "--hidden", "16", "--vocab", "300", "--n", "64", "--n-time", "96",
