@@ -425,27 +425,30 @@ class RowAggregation:
         self.batch_num_tokens, self.global_batch_size, self.loss_scale_factor = (
             batch_num_tokens, global_batch_size, loss_scale_factor)
 
-    def terms(self, row_tokens: torch.Tensor, dtype) -> Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def terms(self, row_tokens: torch.Tensor, dtype) -> tuple:
         """What the loss needs of the token counts: (the divisor of the summed loss or None, the rows kept or None,
-        each row's divisor or None), for :meth:`value` and :meth:`grad`."""
+        each row's divisor or None, the final divisor or None), tensor normalisers already in ``dtype`` on the rows'
+        device, for :meth:`value` and :meth:`grad` (one copy for both)."""
+        def like_rows(x):
+            return x.to(dtype=dtype, device=row_tokens.device) if isinstance(x, torch.Tensor) else x
+
+        norm = None
+        if self.mode == "seq-mean-token-sum-norm":
+            norm = like_rows(self.horizon if self.loss_scale_factor is None else self.loss_scale_factor)
         if self.mode == "token-mean":
-            return (row_tokens.sum() if self.batch_num_tokens is None else self.batch_num_tokens), None, None
+            return (row_tokens.sum() if self.batch_num_tokens is None else like_rows(self.batch_num_tokens)), None, \
+                None, None
         if self.mode == "token-sum":
-            return None, None, None
+            return None, None, None, None
         valid = row_tokens > 0  # rows RS rejected entirely do not count
-        den = valid.to(dtype).sum() if self.global_batch_size is None else self.global_batch_size
+        den = valid.to(dtype).sum() if self.global_batch_size is None else like_rows(self.global_batch_size)
         # verl's per-sequence token-mean
         row_div = row_tokens + LY.MASKED_MEAN_EPS if self.mode == "seq-mean-token-mean" else None
-        return den, valid, row_div
-
-    def _norm(self):
-        if self.mode != "seq-mean-token-sum-norm":
-            return None
-        return self.horizon if self.loss_scale_factor is None else self.loss_scale_factor
+        return den, valid, row_div, norm
 
     def value(self, row_loss_sum: torch.Tensor, row_tokens: torch.Tensor, terms=None) -> torch.Tensor:
         """The loss (``terms``: :meth:`terms` of ``row_tokens``, when already computed)."""
-        den, keep, row_div = self.terms(row_tokens, row_loss_sum.dtype) if terms is None else terms
+        den, keep, row_div, norm = self.terms(row_tokens, row_loss_sum.dtype) if terms is None else terms
         x = row_loss_sum if row_div is None else row_loss_sum / row_div
         if keep is not None:
             # A row without tokens is left out by a select, not by a product: its 0 / (0 + eps) is NaN wherever eps
@@ -456,15 +459,13 @@ class RowAggregation:
             loss = safe_div(loss, den)
         # Data-parallel gradient averaging divides by dp_size; multiplying by it makes the result the global mean.
         loss = _times_dp(loss, self.dp_size)
-        norm = self._norm()  # horizon 0: an empty response dimension, nothing to normalise
-        return loss if norm is None else safe_div(loss, norm)
+        return loss if norm is None else safe_div(loss, norm)  # horizon 0: an empty response dimension
 
     def grad(self, grad_loss: torch.Tensor, row_tokens: torch.Tensor, terms=None) -> torch.Tensor:
         """d(loss)/d(row_loss_sum) times ``grad_loss`` ([B]; stride 0 for the token modes): :meth:`value`'s ops
         differentiated in reverse, each as autograd's formula computes it."""
-        den, keep, row_div = self.terms(row_tokens, grad_loss.dtype) if terms is None else terms
+        den, keep, row_div, norm = self.terms(row_tokens, grad_loss.dtype) if terms is None else terms
         g = grad_loss
-        norm = self._norm()
         if norm is not None:
             g = _safe_div_grad(g, norm)
         if self.dp_size != 1:

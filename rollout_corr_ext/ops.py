@@ -360,7 +360,8 @@ def register_policy_loss_autograd(namespace: str) -> None:
     backward_op = getattr(torch.ops, namespace).policy_loss_backward.default
 
     def backward(ctx, grad_loss_mat, grad_rows):
-        grad_log_prob = _policy_loss_rows_grad(ctx, backward_op, grad_loss_mat, _loss_column(grad_rows))
+        grad_log_prob = _policy_loss_rows_grad(ctx, backward_op, grad_loss_mat, _loss_column(grad_rows),
+                                               ctx.needs_input_grad[0])
         return (grad_log_prob,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
     torch.library.register_autograd(f"{namespace}::policy_loss_rows", backward,
@@ -423,14 +424,14 @@ def _policy_loss_rows_setup_context(ctx, inputs, output):
     ctx.knobs = tuple(knobs)
 
 
-def _policy_loss_rows_grad(ctx, backward_op, grad_loss_mat, grad_rows_loss):
-    """The gradient in ``log_prob`` of ``policy_loss_rows`` (None when nothing needs it): through ``backward_op``.
-    ``grad_rows_loss``: the gradient of the rows' loss column (only it carries one: the others are detached metric
-    partials), or None."""
+def _policy_loss_rows_grad(ctx, backward_op, grad_loss_mat, grad_rows_loss, needed: bool):
+    """The gradient in ``log_prob`` of ``policy_loss_rows`` (None when nothing needs it: ``needed``, whether
+    ``log_prob`` wants one): through ``backward_op``. ``grad_rows_loss``: the gradient of the rows' loss column (only
+    it carries one: the others are detached metric partials), or None."""
     log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens = ctx.saved_tensors
     if not ctx.with_loss_mat:
         grad_loss_mat = None  # the gradient of an empty loss_mat
-    if not ctx.needs_input_grad[0] or (grad_loss_mat is None and grad_rows_loss is None):
+    if not needed or (grad_loss_mat is None and grad_rows_loss is None):
         return None
     # advantages and weights are constants of the loss (callers detach the weights).
     return backward_op(grad_loss_mat, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights,
@@ -465,10 +466,9 @@ class _PolicyLossRowsEager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss_mat, grad_rows):
-        ctx.needs_input_grad = ctx.needs_input_grad[1:]  # as the op's own formula sees it: log_prob first
         grad = _policy_loss_rows_grad(ctx, torch.ops.rollout_corr.policy_loss_backward.default, grad_loss_mat,
-                                      _loss_column(grad_rows))
-        return (None, _no_double_backward(grad, ctx)) + (None,) * (len(ctx.needs_input_grad) - 1)
+                                      _loss_column(grad_rows), ctx.needs_input_grad[1])
+        return (None, _no_double_backward(grad, ctx)) + (None,) * (len(ctx.needs_input_grad) - 2)
 
 
 class _PolicyLossEager(torch.autograd.Function):
@@ -490,10 +490,9 @@ class _PolicyLossEager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, unused_grad_rows):
-        ctx.needs_input_grad = ctx.needs_input_grad[4:]
         grad_rows_loss = None if grad_loss is None else ctx.aggregation.grad(grad_loss, ctx.row_tokens, ctx.terms)
-        grad = _policy_loss_rows_grad(ctx, ctx.backward_op, None, grad_rows_loss)
-        return (None,) * 4 + (_no_double_backward(grad, ctx),) + (None,) * (len(ctx.needs_input_grad) - 1)
+        grad = _policy_loss_rows_grad(ctx, ctx.backward_op, None, grad_rows_loss, ctx.needs_input_grad[4])
+        return (None,) * 4 + (_no_double_backward(grad, ctx),) + (None,) * (len(ctx.needs_input_grad) - 5)
 
 
 def policy_loss_backward(grad_rows_loss: torch.Tensor, log_prob: torch.Tensor, old_log_prob: torch.Tensor,
@@ -555,7 +554,6 @@ def policy_loss_rows(
         log_prob = first_order_only(log_prob, first_order)
     return fallback.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
                                       clip_high, clip_c, loss_kind, cu_seqlens, param_a, param_b, with_loss_mat)
-
 
 
 def policy_loss(log_prob, old_log_prob, advantages, response_mask, weights, clip_low: float, clip_high: float,
