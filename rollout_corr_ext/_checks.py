@@ -36,13 +36,27 @@ def check_cu_seqlens(log_prob: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
     return cu
 
 
+def _nonzero_divisor(den: torch.Tensor, like: torch.Tensor):
+    """``(den != 0, den with 1 where it is 0)``, ``den`` in ``like``'s dtype and device: both selects of
+    :func:`safe_div`, the divisor's too, so that the gradient at den == 0 is 0 / 1, not 0 / 0."""
+    if den.dtype != like.dtype or den.device != like.device:
+        den = den.to(dtype=like.dtype, device=like.device)
+    nonzero = den != 0
+    return nonzero, torch.where(nonzero, den, 1)
+
+
 def safe_div(num: torch.Tensor, den) -> torch.Tensor:
     """num / den, and 0 where den == 0 (verl gives NaN there; see :func:`agg_loss`). Gradient-safe."""
     if not isinstance(den, torch.Tensor):
         # A Python number stays a scalar operand: no host-to-device copy (CUDA-graph capturable, no sync).
         return num / den if den != 0 else num * 0.0
-    if den.dtype != num.dtype or den.device != num.device:
-        den = den.to(dtype=num.dtype, device=num.device)
-    nonzero = den != 0
-    # Both selects: the divisor too, so that the gradient at den == 0 is 0 / 1, not 0 / 0.
-    return torch.where(nonzero, num / torch.where(nonzero, den, 1), 0)
+    nonzero, den = _nonzero_divisor(den, num)
+    return torch.where(nonzero, num / den, 0)
+
+
+def safe_div_grad(grad: torch.Tensor, den) -> torch.Tensor:
+    """The gradient in ``num`` of :func:`safe_div` ``(num, den)``, ``grad`` the output's, as autograd computes it."""
+    if not isinstance(den, torch.Tensor):
+        return grad / den if den != 0 else grad * 0.0
+    nonzero, den = _nonzero_divisor(den, grad)
+    return torch.where(nonzero, grad, 0) / den

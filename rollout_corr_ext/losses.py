@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, NamedTuple, Optional, Tupl
 import torch
 
 from . import _checks, _layout as LY, ops
-from ._checks import safe_div
+from ._checks import safe_div, safe_div_grad
 from .logprobs import all_gather, as_real
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -467,25 +467,15 @@ class RowAggregation:
         den, keep, row_div, norm = self.terms(row_tokens, grad_loss.dtype) if terms is None else terms
         g = grad_loss
         if norm is not None:
-            g = _safe_div_grad(g, norm)
+            g = safe_div_grad(g, norm)
         if self.dp_size != 1:
             g = g * self.dp_size
         if den is not None:
-            g = _safe_div_grad(g, den)
+            g = safe_div_grad(g, den)
         g = g.expand(row_tokens.shape)  # sum
         if keep is not None:
             g = torch.where(keep, g, 0)
         return g if row_div is None else g / row_div
-
-
-def _safe_div_grad(grad: torch.Tensor, den) -> torch.Tensor:
-    """The gradient in ``num`` of :func:`safe_div`'s ``num / den`` (0 where den == 0), as autograd computes it."""
-    if not isinstance(den, torch.Tensor):
-        return grad / den if den != 0 else grad * 0.0
-    if den.dtype != grad.dtype or den.device != grad.device:
-        den = den.to(dtype=grad.dtype, device=grad.device)
-    nonzero = den != 0
-    return torch.where(nonzero, grad, 0) / torch.where(nonzero, den, 1)
 
 
 def aggregate_rows(
