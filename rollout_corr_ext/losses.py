@@ -1410,7 +1410,7 @@ def compute_policy_loss_bypass(
     refuse_grad(fn, old_log_prob=old_log_prob)  # by this function's name for it (the step's: rollout_log_prob)
     step = policy_step(config, None, log_prob, advantages, response_mask, loss_agg_mode,
                        rollout_log_prob=old_log_prob, dp_group=dp_group, seq_group=seq_group, cu_seqlens=cu_seqlens,
-                       flow="bypass", fn=fn)
+                       flow="bypass", rows_grad=False, fn=fn)
     return step.loss, step.metrics
 
 
@@ -1562,6 +1562,7 @@ def policy_step(
     nonfinite: str = "error",
     flow: Optional[str] = None,
     loss_share: bool = True,
+    rows_grad: bool = True,
     fn: str = "policy_step",
 ) -> PolicyStep:
     """The policy step every entry point runs (:func:`compute_policy_loss`, megatron's ``loss_func``, the verl
@@ -1587,7 +1588,9 @@ def policy_step(
        tokens; the per-token loss's metrics stay this rank's. ``loss_share=False``: this rank's own aggregate, no
        collective, for a caller that combines the ranks' row sums itself (megatron's ``loss_func``).
 
-    ``fn`` names the caller in error messages. Returns a :class:`PolicyStep`.
+    ``rows_grad=False``: the caller reads ``rows`` for metrics only (a per-token loss's ``rows`` is then detached, its
+    kernel and aggregation one autograd node: :func:`policy_loss_step`). ``fn`` names the caller in error messages.
+    Returns a :class:`PolicyStep`.
     """
     cfg = as_policy_config(config)
     rc = cfg.rollout_correction
@@ -1635,6 +1638,8 @@ def policy_step(
         mask, opsm_frac = off_policy_sequence_mask(log_prob, behaviour, advantages, mask, cfg.opsm_delta,
                                                    cu_seqlens=cu_seqlens, seq_group=seq_group)
     gspo_x_sum = None
+    share = not whole and loss_share and _seq_world(seq_group) > 1  # the loss aggregated again from the rows, below
+    rows_grad = rows_grad or share
     if whole:
         loss, loss_metrics, rows = _WHOLE_BATCH_STEPS[cfg.loss_mode](old, log_prob, advantages, mask, loss_agg_mode,
                                                                      cfg, weights, cu_seqlens=cu_seqlens,
@@ -1642,7 +1647,8 @@ def policy_step(
     elif flow == "bypass":
         kind = LY.PG_KIND_REINFORCE if rc.loss_type == "reinforce" else LY.PG_KIND_PPO_CLIP
         loss, loss_metrics, rows = policy_loss_step(kind, old, log_prob, advantages, mask, loss_agg_mode, cfg, weights,
-                                                    old_name=old_name, cu_seqlens=cu_seqlens, fn=fn)
+                                                    old_name=old_name, cu_seqlens=cu_seqlens, fn=fn,
+                                                    rows_grad=rows_grad)
     else:
         kind, params = _kind_params(cfg.loss_mode, cfg)
         if kind == LY.PG_KIND_GSPO:  # the sequence ratio is a constant computed here: pi_old must be one too
@@ -1651,9 +1657,9 @@ def policy_step(
         loss_agg_mode = _FORCED_AGG.get(cfg.loss_mode, loss_agg_mode)
         loss, _, rows = policy_loss_step(kind, old, log_prob, advantages, mask, loss_agg_mode, cfg, weights,
                                          old_name=old_name, cu_seqlens=cu_seqlens, fn=fn, params=params,
-                                         metric_keys=())
+                                         metric_keys=(), rows_grad=rows_grad)
         loss_metrics = _token_metrics(cfg.loss_mode, rows, gspo_x_sum)
-    if not whole and loss_share and _seq_world(seq_group) > 1:  # this rank's share of the one-process loss
+    if share:  # this rank's share of the one-process loss
         with torch.no_grad():
             counts = _whole_sums((), mask.to(rows.dtype), log_prob, cu_seqlens, loss_agg_mode, cfg, seq_group)
         loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM], counts.row_tokens, loss_agg_mode,
@@ -1695,7 +1701,8 @@ def compute_policy_loss_decoupled(
     # without a correction this is the plain flow, whose behaviour policy (OPSM's) is then pi_old
     step = policy_step(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                        rollout_log_prob=None if rc is None else rollout_log_prob, dp_group=dp_group,
-                       seq_group=seq_group, cu_seqlens=cu_seqlens, fn="compute_policy_loss_decoupled")
+                       seq_group=seq_group, cu_seqlens=cu_seqlens, rows_grad=False,
+                       fn="compute_policy_loss_decoupled")
     return step.loss, step.metrics
 
 
@@ -1753,7 +1760,7 @@ def compute_policy_loss(
     step = policy_step(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                        rollout_log_prob=rollout_log_prob, dp_group=dp_group, seq_group=seq_group,
                        cu_seqlens=cu_seqlens, versions=versions, current_version=current_version, proximal=proximal,
-                       fn="compute_policy_loss")
+                       rows_grad=False, fn="compute_policy_loss")
     metrics = step.metrics
     metrics.update(staleness)
     return step.loss, metrics

@@ -629,7 +629,7 @@ def compute_policy_loss_bypass_mode(
     # the bypass flow whatever rc.bypass_mode says: verl's bypass loss reads only the correction's fields
     step = _losses.policy_step(cfg, None, log_prob, advantages, response_mask, loss_agg_mode,
                                rollout_log_prob=old_log_prob, dp_group=dp, seq_group=seq,
-                               nonfinite=_SETTINGS["nonfinite"], flow="bypass", fn=fn)
+                               nonfinite=_SETTINGS["nonfinite"], flow="bypass", rows_grad=False, fn=fn)
     corr = dict(step.correction_metrics)
     if frac is not None:
         corr[PREFIX + "sampling_out_of_support_fraction"] = frac

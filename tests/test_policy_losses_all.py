@@ -1034,3 +1034,34 @@ def test_one_node_loss_without_grad_and_under_no_grad(backend):
         got = losses.compute_policy_loss_vanilla(old, x, adv, mask, "seq-mean-token-mean", cfg, w)
     assert got[0].grad_fn is None and torch.equal(got[0], want[0].detach())
     assert {k: float(v) for k, v in got[1].items()} == {k: float(v) for k, v in want[1].items()}
+
+
+@pytest.mark.parametrize("flow, loss_type", [("plain", None), ("decoupled", "ppo_clip"), ("bypass", "ppo_clip"),
+                                             ("bypass", "reinforce")])
+def test_policy_step_flows_take_the_one_node_loss(backend, flow, loss_type, monkeypatch):
+    """compute_policy_loss's flows (plain, decoupled, bypass; IS weights and RS from the correction) run the
+    one-node loss on the kernels, with the composed path's loss, metrics and gradient to the bit."""
+    from rollout_corr_ext.config import RolloutCorrectionConfig
+
+    old, lp, adv, mask, _ = _inputs(seed=9)
+    g = torch.Generator().manual_seed(19)
+    rlp = old + torch.round(torch.randn(old.shape, generator=g) * 0.05 * 4096) / 4096
+    rc = None if flow == "plain" else RolloutCorrectionConfig(
+        rollout_is="token", rollout_is_threshold=1.5, rollout_rs="token", rollout_rs_threshold="0.7_1.4",
+        bypass_mode=flow == "bypass", loss_type=loss_type)
+    cfg = losses.PolicyLossConfig(rollout_correction=rc)
+
+    def run():
+        x = lp.detach().clone().requires_grad_(True)
+        loss, metrics = losses.compute_policy_loss(old, x, adv, mask, "seq-mean-token-mean", cfg,
+                                                   rollout_log_prob=rlp)
+        grad, = torch.autograd.grad(loss, x)
+        return loss.detach(), {k: float(v) for k, v in metrics.items()}, grad, type(loss.grad_fn).__name__
+
+    got = run()
+    if backend != "fallback":
+        assert got[3] == "_PolicyLossEagerBackward"
+    monkeypatch.setattr(ops, "policy_loss", ops.policy_loss_composed)
+    want = run()
+    assert want[3] != "_PolicyLossEagerBackward"
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]) and got[1] == want[1]
