@@ -595,6 +595,7 @@ def policy_loss_composed(log_prob, old_log_prob, advantages, response_mask, weig
                                clip_c, loss_kind, cu_seqlens, param_a, param_b, False, first_order=first_order)
     return aggregation.value(rows[:, LY.PG_ROW_LOSS_SUM], rows[:, LY.PG_ROW_TOKENS]), rows.detach()
 
+
 # ---------------------------------------------------------------------------------------------------------
 # §5 sampling replay: the per-shard candidates of the threshold search (CPU and CUDA kernels)
 # ---------------------------------------------------------------------------------------------------------
