@@ -1341,7 +1341,21 @@ class _RowsWithPenalty(torch.autograd.Function):
         grad = ops.policy_loss_backward(grad_sums, log_prob, old_log_prob, advantages, response_mask, weights,
                                         math.inf, math.inf, math.inf, LY.PG_KIND_PPO_UNBOUNDED, cu_seqlens)
         # d(scale |x|)/dx = scale sgn(x) (0 at x = 0, as torch's abs), times the row's gradient
-        grad.view(-1).index_add_(0, idx, (grad_sums[row_idx] * scale * torch.sgn(x)).to(grad.dtype))
+        pen = grad_sums[row_idx] * scale * torch.sgn(x)
+        if grad.dtype not in (torch.float16, torch.bfloat16):
+            grad.view(-1).index_add_(0, idx, pen.to(grad.dtype))
+            return (grad,) + (None,) * 8
+        # 16-bit: the k selected tokens' kernel gradient again in fp32 (each token a row of one, with its row's
+        # gradient), the penalty's added to it there, then one rounding, as every other token's gradient has
+        def sel(t):
+            t = t.detach().expand(log_prob.shape).reshape(-1)[idx].unsqueeze(1)
+            return t.to(torch.float32) if t.dtype in (torch.float16, torch.bfloat16) else t
+
+        g32 = ops.policy_loss_backward(grad_sums[row_idx].to(torch.float32).contiguous(), sel(log_prob),
+                                       sel(old_log_prob), sel(advantages), sel(response_mask),
+                                       None if weights is None else sel(weights), math.inf, math.inf, math.inf,
+                                       LY.PG_KIND_PPO_UNBOUNDED, None)
+        grad.view(-1).index_copy_(0, idx, (g32.reshape(-1).to(pen.dtype) + pen).to(grad.dtype))
         return (grad,) + (None,) * 8
 
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from . import _layout as LY
 from . import logprobs as _lp
 from . import ops
+from .fallback import logprob as _fallback_lp  # the targets' fingerprint, as the log-prob record headers hold it
 
 Number = Union[int, float]
 #: fixed-point scale of the top-p masses (2^-40 of the top token's probability; sums stay < 2^63 for V < 2^22)
@@ -173,8 +174,9 @@ def _midpoint(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     return (lo >> 1) + (hi >> 1) + (lo & hi & 1)
 
 
-def _probes(lo: torch.Tensor, hi: torch.Tensor, levels: int = 4) -> torch.Tensor:
-    """``2^levels - 1`` sorted points of each row's ``[lo, hi]`` by repeated bisection: ``[rows, 2^levels - 1]``."""
+def _bisection_probes(lo: torch.Tensor, hi: torch.Tensor, levels: int) -> torch.Tensor:
+    """``2^levels - 1`` sorted points of each row's ``[lo, hi]`` by repeated bisection (no product that could overflow:
+    fp64 keys span more than int64)."""
     points = [lo, hi]
     for _ in range(levels):
         nxt = [points[0]]
@@ -182,6 +184,16 @@ def _probes(lo: torch.Tensor, hi: torch.Tensor, levels: int = 4) -> torch.Tensor
             nxt += [_midpoint(a, b), b]
         points = nxt
     return torch.stack(points[1:-1], dim=1)
+
+
+def _probes(lo: torch.Tensor, hi: torch.Tensor, levels: int, acc: torch.dtype) -> torch.Tensor:
+    """``2^levels - 1`` ascending points of each row's ``[lo, hi]`` (keys of ``acc`` values): ``[rows, 2^levels - 1]``.
+    32-bit keys: the grid ``lo + floor(j (hi - lo) / 2^levels)`` (``j (hi - lo) < 2^(levels + 33)``), whose bucket
+    the CPU kernel computes without a search; 64-bit keys: bisection."""
+    if acc == torch.float64:
+        return _bisection_probes(lo, hi, levels)
+    j = torch.arange(1, 2 ** levels, dtype=torch.int64, device=lo.device)
+    return lo.unsqueeze(1) + (((hi - lo).unsqueeze(1) * j) >> levels)
 
 
 def _all_reduce(t: torch.Tensor, op, group, world: int) -> torch.Tensor:
@@ -312,11 +324,13 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
             del zs
         else:
             z_max[r0:r1] = _row_max(parts(r0, r1), r1 - r0, acc, device)
-    bad = torch.isnan(z_max) | (z_max == math.inf)  # amax propagates NaN
+    # amax propagates NaN; NaN goes into the MAX as +inf, so every rank sees a bad row of any shard and raises alike
+    z_max = _all_reduce(torch.where(torch.isnan(z_max), torch.full_like(z_max, math.inf), z_max), dist.ReduceOp.MAX,
+                        group, world)
+    bad = (z_max == math.inf) & rows_active
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"sampled_log_probs: NaN or +inf {what.format(i if row_id is None else row_id(i))}")
-    z_max = _all_reduce(z_max, dist.ReduceOp.MAX, group, world)
     z_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))  # an all -inf row is refused later
 
     # min-p: p_u >= min_p * p_max, i.e. z_u >= z_max + log(min_p) (in fp64; as a threshold in z's dtype)
@@ -385,7 +399,7 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
             base = torch.zeros(n, dtype=torch.int64, device=device)
             c = None
             while c is None or bool((hi > lo + 1).any()):  # not hi - lo: fp64 keys span more than int64
-                probes = _probes(lo, hi, levels)  # [n, 2^levels - 1], ascending
+                probes = _probes(lo, hi, levels, acc)  # [n, 2^levels - 1], ascending
                 hist = torch.zeros((n, probes.shape[1] + 1), dtype=torch.int64, device=device)
                 for r0, r1 in chunks:
                     args = (z_max[r0:r1].contiguous(), tau[r0:r1].contiguous(), lo[r0:r1].contiguous(),
@@ -471,6 +485,50 @@ def _logits_entry(logits, target, ignore_index, tp_group, fn: str):
     return ignore_index, world, rank, logits.shape[-1], lead, int(torch.Size(lead).numel())
 
 
+def _check_targets(target1d: torch.Tensor, active: torch.Tensor, world: int, vocab_start: int, vocab_size: int,
+                   local_vocab: int, fn: str) -> None:
+    """What the plain log-prob kernels refuse, refused on every path of the replay (the candidate path never reaches
+    them): a scored target outside ``[0, vocab_size)`` (it would come back as an out-of-support token and leave the
+    loss silently) and, in one process, logits that do not hold the whole vocabulary."""
+    _lp.check_single_shard(world, vocab_start, vocab_size, local_vocab, "the logits", "logits.shape[-1]")
+    bad = active & ((target1d < 0) | (target1d >= vocab_size))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{fn}: target holds an id outside [0, vocab_size={vocab_size}) that is not ignore_index: "
+                         f"{int(target1d[i])} at flattened position {i}")
+
+
+def _refuse_non_finite(z_max: torch.Tensor, active: torch.Tensor, group, world: int, fn: str) -> torch.Tensor:
+    """The all-reduce MAX of each row's max, raising on every rank alike when a scored row holds NaN or +inf on any
+    shard (a NaN goes in as +inf: MAX keeps it, and no rank is left waiting in a collective another one skipped)."""
+    z_max = torch.where(torch.isnan(z_max), torch.full_like(z_max, math.inf), z_max)
+    z_max = _all_reduce(z_max, dist.ReduceOp.MAX, group, world)
+    bad = (z_max == math.inf) & active
+    if bool(bad.any()):
+        raise ValueError(f"{fn}: NaN or +inf logit in row {int(bad.nonzero()[0, 0])} of the flattened logits, whose "
+                         f"target is not ignore_index")
+    return z_max
+
+
+#: shard facts each rank appends to the candidate path's all-gather: rows, vocab_start, local columns, columns below
+#: vocab_size, vocab_size, the targets' fingerprint (as the log-prob records' headers carry them)
+_LAYOUT_FACTS = 6
+_PIECES = 4  # an int64 in four 16-bit pieces, each exact in fp32
+
+
+def _facts_encode(values, dtype, device) -> torch.Tensor:
+    return torch.tensor([((v & (2 ** 64 - 1)) >> (16 * j)) & 0xFFFF for v in values for j in range(_PIECES)],
+                        dtype=dtype, device=device)
+
+
+def _facts_decode(pieces: torch.Tensor) -> list:
+    out = []
+    for row in pieces.to(torch.int64).cpu().reshape(-1, _LAYOUT_FACTS, _PIECES).tolist():
+        facts = [sum(p << (16 * j) for j, p in enumerate(v)) for v in row]
+        out.append([f - 2 ** 64 if f >= 2 ** 63 else f for f in facts])
+    return out
+
+
 def sampled_log_probs(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -497,8 +555,9 @@ def sampled_log_probs(
     vocab_start, vocab_size = _lp.vocab_layout(vocab_start, vocab_size, rank, world, local_vocab)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits2d = logits.reshape(n, local_vocab)
-    target1d = target.reshape(n)
+    target1d = target.reshape(n).to(torch.int64)  # int32 ids as the plain path takes them
     active = target1d != ignore_index  # ignored rows are never inspected (they may hold junk)
+    _check_targets(target1d, active, world, vocab_start, vocab_size, local_vocab, "sampled_log_probs")
     _check_temperature(sampling.temperature, logits.dtype)
     temperature = _per_row("temperature", sampling.temperature, n, lead, acc, logits.device)
     temperature = torch.where(active, temperature, torch.ones_like(temperature))
@@ -597,7 +656,21 @@ def _candidate_log_probs(logits2d, target1d, sampling, active, lead, n, tp_group
         over = count > width
         if world > 1:  # one all-gather of [candidates, max, sum, target value, overflow] per row, in acc's dtype
             record = torch.cat([vals, stats.to(acc), over.to(acc).unsqueeze(1)], 1)
-            g = _lp.all_gather(record.reshape(-1).contiguous(), tp_group, world).reshape(world, n, width + 4)
+            # and, once per rank, the shard facts that the plain log-probs' record headers check (their rules)
+            facts = [n, vocab_start, v_local, valid_cols, vocab_size, _fallback_lp.target_fingerprint(target1d)]
+            flat = torch.cat([record.reshape(-1), _facts_encode(facts, acc, dev)])
+            g = _lp.all_gather(flat, tp_group, world)
+            headers = []
+            for f in _facts_decode(g[:, n * (width + 4):]):
+                h = [0] * LY.HEADER_SLOTS
+                h[LY.HDR_MAGIC] = LY.SHARD_MAGIC
+                (h[LY.HDR_ROWS], h[LY.HDR_VOCAB_START], h[LY.HDR_LOCAL_VOCAB], h[LY.HDR_VALID_COLS],
+                 h[LY.HDR_VOCAB_SIZE], h[LY.HDR_TARGET_HASH]) = f
+                headers.append(h)
+            why = LY.layout_error(headers, vocab_size)
+            if why is not None:
+                raise ValueError("sampled_log_probs: the tensor-parallel shards do not fit together: " + why)
+            g = g[:, :n * (width + 4)].reshape(world, n, width + 4)
             cand = g[:, :, :width].permute(1, 0, 2).reshape(n, world * width)  # the decision sorts each row
             z_max_r, sum_r, z_t_r, over_r = (g[:, :, width + j].t() for j in range(4))
         else:  # the kernel's lists are sorted already
@@ -866,8 +939,9 @@ def kept_log_probs(
     _check_temperature(kept.temperature, logits.dtype)
     temperature = _per_row("temperature", kept.temperature, n, lead, acc, device)
     logits2d = logits.reshape(n, local_vocab)
-    target1d = target.reshape(n)
+    target1d = target.reshape(n).to(torch.int64)
     active = target1d != ignore_index
+    _check_targets(target1d, active, world, vocab_start, vocab_size, local_vocab, "kept_log_probs")
     temperature = torch.where(active, temperature, torch.ones_like(temperature))
     off = kept.offsets.to(device=device, dtype=torch.int64)
     ids = kept.ids.to(device=device, dtype=torch.int64)
@@ -901,7 +975,8 @@ def kept_log_probs(
             r1 = min(r0 + CHUNK_ROWS, n)
             z = logits2d[r0:r1, :valid_cols].detach().to(acc) / temperature[r0:r1].unsqueeze(1)
             z_max[r0:r1] = torch.where(active[r0:r1], z.amax(-1) if valid_cols else z_max[r0:r1], 0.0)
-        z_max = _all_reduce(z_max, dist.ReduceOp.MAX, tp_group, world)
+        # NaN / +inf anywhere in a scored row (kept id or not) would poison log S's total: refused on every rank
+        z_max = _refuse_non_finite(z_max, active, tp_group, world, "kept_log_probs")
         finite_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))
         sums = torch.zeros((n, 3), dtype=torch.float64, device=device)  # total mass, kept mass, finite kept ids
         for r0 in range(0, n, CHUNK_ROWS):

@@ -196,7 +196,7 @@ def test_sampling_mass_histogram_matches_the_cpu_kernel(dtype):
     floor = torch.full((256,), -math.inf, dtype=dtype)
     hi, lo = _ordered_key(z_max), _ordered_key(z_max - 64) - 1
     for levels in (4, 8, 12):
-        probes = _probes(lo, hi, levels)
+        probes = _probes(lo, hi, levels, torch.float64 if dtype == torch.float64 else torch.float32)
         want = ops.mass_histogram(z, z_max, floor, lo, hi, probes)
         got = ops.mass_histogram(*(t.cuda() for t in (z, z_max, floor, lo, hi, probes))).cpu()
         if torch.ops.rollout_corr.cpu_isa() == "baseline":

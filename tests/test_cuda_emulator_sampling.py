@@ -173,7 +173,7 @@ def _mass_inputs(dtype, levels, seed):
     hi = _ordered_key(z_max)
     lo = _ordered_key(z_max - 64) - 1
     lo[3], hi[3] = _ordered_key(torch.tensor(-1.0, dtype=acc)), _ordered_key(torch.tensor(2.5, dtype=acc))
-    return z, za, z_max, floor, lo, hi, _probes(lo, hi, levels)
+    return z, za, z_max, floor, lo, hi, _probes(lo, hi, levels, acc)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -203,7 +203,7 @@ def test_masses_are_the_cpu_kernels_bit_for_bit(emu, dtype):
     floor = torch.full((32,), -math.inf, dtype=dtype)
     hi = _ordered_key(z_max)
     lo = _ordered_key(z_max - 64) - 1
-    probes = _probes(lo, hi, 8)
+    probes = _probes(lo, hi, 8, dtype)
     assert torch.equal(emu.mass_histogram(z, z_max, floor, lo, hi, probes), ops.mass_histogram(z, z_max, floor, lo, hi,
                                                                                                 probes))
 

@@ -383,7 +383,7 @@ def test_sampling_mass_histogram_reads_once(emu, dtype):
     z_max = z.to(acc_dtype).amax(1)
     floor = torch.full((rows,), -1.0, dtype=acc_dtype)
     hi, lo = _ordered_key(z_max), _ordered_key(z_max - 64) - 1
-    probes = _probes(lo, hi, 8)
+    probes = _probes(lo, hi, 8, acc_dtype)
     with recorded_launches() as rec:
         hist = emu.mass_histogram(z, z_max, floor, lo, hi, probes, threads=128)
     stats = _one(rec, "mass_histogram_kernel", z=z, probes=probes, hist=hist, z_max=z_max, floor=floor, lo=lo, hi=hi)

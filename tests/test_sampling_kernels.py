@@ -78,8 +78,11 @@ def test_floor_fill(impl, dtype, temperature):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("levels", [4, 8])
-def test_mass_histogram(impl, dtype, levels):
-    from rollout_corr_ext.sampling import _ordered_key, _probes
+@pytest.mark.parametrize("probe_kind", ["search", "bisection"])
+def test_mass_histogram(impl, dtype, levels, probe_kind):
+    """Against the oracle, with the search's own probes (for 32-bit keys the grid whose buckets the CPU kernel
+    computes by a formula) and with bisection points (any ascending probes: the kernel's stepping search)."""
+    from rollout_corr_ext.sampling import _bisection_probes, _ordered_key, _probes
 
     fn = _impl(impl, "mass_histogram")
     acc = _acc(dtype)
@@ -91,7 +94,7 @@ def test_mass_histogram(impl, dtype, levels):
     hi = _ordered_key(z_max)
     lo = _ordered_key(z_max - 64) - 1
     lo[3], hi[3] = _ordered_key(torch.tensor(-1.0, dtype=acc)), _ordered_key(torch.tensor(2.5, dtype=acc))  # a narrow bracket
-    probes = _probes(lo, hi, levels)
+    probes = _probes(lo, hi, levels, acc) if probe_kind == "search" else _bisection_probes(lo, hi, levels)
     got = fn(z, z_max, floor, lo, hi, probes)
     want = _mass_oracle(za, z_max, floor, lo, hi, probes)
     assert got.dtype == torch.int64 and got.shape == (5, 2 ** levels)
@@ -99,6 +102,38 @@ def test_mass_histogram(impl, dtype, levels):
     # at most 1 per value, rarely
     diff = (got - want).abs()
     assert int(diff.sum()) <= 3 and int(got.sum()) > 0, diff
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mass_histogram_over_the_search_brackets(impl, dtype):
+    """Long rows (several of the CPU kernel's 256-value blocks) in the brackets a search meets: the whole first one
+    (every value inside: the dense path), one holding about a tenth of each row (a few per block: the compacted
+    path), one of a few dozen keys (probes repeat: buckets of 0 or 1 key) and one where blocks are mostly empty;
+    with the search's probes and with bisection points."""
+    from rollout_corr_ext.sampling import _bisection_probes, _ordered_key, _probes
+
+    fn = _impl(impl, "mass_histogram")
+    acc = _acc(dtype)
+    g = torch.Generator().manual_seed(7)
+    z = (torch.randn(6, 1500, generator=g, dtype=torch.float64) * 3).to(dtype)
+    z[0, 700:] = -math.inf
+    za = z.to(acc)
+    z_max = za.amax(1)
+    floor = torch.full((6,), -math.inf, dtype=acc)
+    floor[5] = z_max[5] - 4
+    keys = _ordered_key(za).sort(1).values
+    first = (_ordered_key(z_max - 64) - 1, _ordered_key(z_max))
+    tenth = (keys[:, 1200] - 1, keys[:, 1350])
+    narrow = (keys[:, 1400] - 1, keys[:, 1400] + 40)
+    sparse = (keys[:, 1490] - 1, keys[:, 1499])
+    for lo, hi in (first, tenth, narrow, sparse):
+        for levels in (4, 8):
+            for probes in (_probes(lo, hi, levels, acc), _bisection_probes(lo, hi, levels)):
+                got = fn(z, z_max, floor, lo, hi, probes)
+                want = _mass_oracle(za, z_max, floor, lo, hi, probes)
+                diff = (got - want).abs()
+                assert int(diff.sum()) <= 3 and int(got.sum()) > 0, (levels, diff)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

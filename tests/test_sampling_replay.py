@@ -345,6 +345,46 @@ def test_tensor_parallel_equals_one_process(world):
     run_workers(_tp_worker, world)
 
 
+def _refusal_tp_worker(rank, world):
+    """Every rank raises alike (none is left waiting in a collective another skipped), naming the fault."""
+    from rollout_corr_ext.sampling import KeptTokens, kept_log_probs
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 40, generator=g)
+    target = torch.tensor([1, 12, 25, 39])
+    v_local = 40 // world
+    shard = x[:, rank * v_local:(rank + 1) * v_local].clone()
+    cand = SamplingParams(top_k=4, top_p=0.9)
+
+    def refused(match, fn):
+        with pytest.raises(ValueError, match=match):
+            fn()
+
+    # the candidate path checks the shards as the plain log-probs' headers do
+    refused("do not fit together.*overlap", lambda: sampled_log_probs(shard, target, cand, group, vocab_start=0,
+                                                                          vocab_size=40))
+    refused("do not fit together.*different targets",
+            lambda: sampled_log_probs(shard, target.roll(rank), cand, group, vocab_size=40))
+    refused("do not fit together.*vocab_size", lambda: sampled_log_probs(shard, target, cand, group,
+                                                                          vocab_size=40 + rank))
+    # NaN / +inf on one rank's shard only: every path, and the kept ids, raise on every rank
+    bad = shard.clone()
+    if rank == world - 1:
+        bad[2, 3] = float("nan")
+        bad[3, 0] = math.inf
+    for sp in (cand, SamplingParams(top_p=0.9), SamplingParams(min_p=0.1)):
+        refused("NaN or \\+inf logit in row 2", lambda: sampled_log_probs(bad, target, sp, group, vocab_size=40))
+    kept = KeptTokens.from_lists([[1], [12], [25], [39]])
+    refused("NaN or \\+inf logit in row 2", lambda: kept_log_probs(bad, target, kept, group, vocab_size=40))
+    # and the same inputs, fixed, still run
+    sampled_log_probs(shard, target, cand, group, vocab_size=40)
+
+
+def test_tensor_parallel_refusals_are_raised_on_every_rank():
+    run_workers(_refusal_tp_worker, 2)
+
+
 def test_sampling_metrics_over_valid_tokens():
     from rollout_corr_ext.sampling import sampling_metrics
 
@@ -619,6 +659,71 @@ def test_edge_batches_and_refusals():
     h[2, 0] = float("nan")
     with pytest.raises(ValueError, match="row 2 of the flattened hidden states"):
         sampled_linear_log_probs(h, torch.randn(6, 4), torch.tensor([1, -100, 3]), sp, vocab_size=6)
+
+
+PATH_CASES = {"candidates": dict(top_k=5, top_p=0.9), "general": dict(top_p=0.9),
+              "per-row temperature": dict(top_k=5, temperature=torch.tensor([1.0, 0.5, 2.0])), "none": dict()}
+
+
+@pytest.mark.parametrize("path", sorted(PATH_CASES))
+def test_bad_targets_and_layouts_are_refused_on_every_path(path):
+    """What the plain log-probs refuse, every path of the replay refuses (the candidate path never reaches their
+    kernels): a target outside [0, vocab_size) (past the end, in the vocab padding, a -1 pad with the default
+    ignore_index) and a single shard short of vocab_size. Before, the candidate path returned such a target as an
+    out-of-support token (-inf, in_support False), which the losses then leave out silently."""
+    from rollout_corr_ext.sampling import KeptTokens, kept_log_probs
+
+    sp = SamplingParams(**PATH_CASES[path])
+    x = torch.randn(3, 50)
+    for bad, vocab_size in ((50, 50), (10 ** 6, 50), (48, 45), (-1, 50)):
+        with pytest.raises(ValueError, match=f"outside \\[0, vocab_size={vocab_size}\\).*{bad} at flattened position 2"):
+            sampled_log_probs(x, torch.tensor([1, 2, bad]), sp, vocab_size=vocab_size)
+    with pytest.raises(ValueError, match="must hold the whole vocab"):
+        sampled_log_probs(x, torch.tensor([1, 2, 3]), sp, vocab_size=60)
+    kept = KeptTokens.from_lists([[1, 4], [2], [3, 0]])
+    with pytest.raises(ValueError, match="outside \\[0, vocab_size=50\\)"):
+        kept_log_probs(x, torch.tensor([1, 2, -1]), kept, vocab_size=50)
+    # int32 ids are taken as the plain path takes them, with the int64 results
+    t = torch.tensor([1, 2, 3])
+    want = sampled_log_probs(x, t, sp, vocab_size=50)
+    got = sampled_log_probs(x, t.to(torch.int32), sp, vocab_size=50)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_kept_tokens_refuse_nan_or_inf_outside_the_kept_ids():
+    """A NaN or +inf logit at an id the engine did not keep still enters log S's total: refused, naming the row
+    (before: log S NaN, or -inf, with in_support True)."""
+    from rollout_corr_ext.sampling import KeptTokens, kept_log_probs
+
+    for bad in (float("nan"), math.inf):
+        x = torch.tensor([[0.0, 1.0, 2.0], [0.0, bad, 1.0]])
+        with pytest.raises(ValueError, match="NaN or \\+inf logit in row 1"):
+            kept_log_probs(x, torch.tensor([0, 0]), KeptTokens.from_lists([[0, 1], [0, 2]]), vocab_size=3)
+        ignored = kept_log_probs(x, torch.tensor([0, -100]), KeptTokens.from_lists([[0, 1], [0, 2]]), vocab_size=3)
+        assert bool(torch.isfinite(ignored.log_kept_mass).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_candidate_log_kept_mass_is_exact_at_large_logits(dtype):
+    """log S on the candidate path against fp64 at large logit maxima (the row max's product with log2(e) / T once
+    put its rounding error, up to 1e-4 relative, into every term of the sum): a row whose other logits are far below
+    its max has log S = 0 exactly, and peaked rows at T = 0.1 match the oracle to fp32 precision."""
+    for a in (50.0, 2558.0, 60000.0):
+        x = torch.zeros(2, 64, dtype=dtype)
+        x[:, 5] = a
+        out = sampled_log_probs(x, torch.tensor([5, 5]), SamplingParams(top_k=1), vocab_size=64)
+        assert bool((out.log_kept_mass == 0).all()), (a, out.log_kept_mass)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(16, 3000, generator=g) * 3)
+    x[:, 7] += 12
+    x = (x * 10).to(dtype)  # maxima near 1800 in z at T = 0.1
+    T = 0.1
+    out = sampled_log_probs(x, x.float().argmax(-1), SamplingParams(temperature=T, top_k=50), vocab_size=3000)
+    z = x.double() / T
+    kth = z.sort(-1, descending=True).values[:, 49:50]
+    want = torch.logsumexp(z.masked_fill(z < kth, -math.inf), -1) - torch.logsumexp(z, -1)
+    torch.testing.assert_close(out.log_kept_mass.double(), want, rtol=0, atol=2e-6)
 
 
 def test_cuda_graph_capture_is_refused_by_name(monkeypatch):

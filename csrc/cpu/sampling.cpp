@@ -303,21 +303,31 @@ void floor_fill_cpu(const at::Tensor& x, const at::Tensor& floor, double tempera
   });
 }
 
-constexpr int64_t kMassBlock = 64;
+constexpr int64_t kMassBlock = 256;
 
 // hist[r, b] = sum of the masses of row r's values z with z >= floor[r], z > -inf and lo[r] < key(z) <= hi[r], in
 // bucket b = #{j : probes[r, j] < key(z)} (probes ascending, 2^L - 1 of them). Per block of 64 values: a count of
-// those inside the bracket (after the first round of the search, most blocks have none and are skipped), then
-// their masses, vectorised, and the bucket search for each of them.
+// those inside the bracket (after the first round of the search, most blocks have none and are skipped; where a
+// few are, they are compacted first), then their masses, vectorised, then their buckets.
+//
+// Buckets: sampling.py's probes for 32-bit keys are the grid p_j = lo + floor(j D / 2^L), D = hi - lo, on which
+// #{j : p_j < key} = floor((off 2^L - 1) / D), off = key - lo in [1, D] (floor(j D / 2^L) < off iff j D < off 2^L).
+// A row whose probes are that grid (checked) takes the formula: one exact double division (numerator and D below
+// 2^52, and a quotient within 2^L of a fraction 1 / D >= 2^-52 2^L from the next integer), vectorised. Other probes
+// (the 64-bit keys' bisection points) take a proportional guess and step to the exact bucket.
 template <typename scalar_t, typename acc_t>
 RC_FORCEINLINE void mass_histogram_rows(const scalar_t* z, int64_t ld, int64_t cols, const acc_t* z_max,
                                         const acc_t* floor, const int64_t* lo, const int64_t* hi,
                                         const int64_t* probes, int64_t n_probes, int64_t* hist, int64_t b, int64_t e) {
   const acc_t ninf = -std::numeric_limits<acc_t>::infinity();
   alignas(64) double mass[kMassBlock];
+  alignas(64) double rel[kMassBlock];
   alignas(64) int64_t keys[kMassBlock];
+  alignas(64) int64_t bucket[kMassBlock];
   alignas(64) unsigned char in[kMassBlock];
   const int64_t stride = n_probes + 1;
+  int levels = 0;
+  while ((int64_t{1} << levels) < stride) ++levels;
   std::vector<int64_t> part(static_cast<size_t>(4 * stride));
   for (int64_t r = b; r < e; ++r) {
     const scalar_t* x = z + r * ld;
@@ -326,9 +336,14 @@ RC_FORCEINLINE void mass_histogram_rows(const scalar_t* z, int64_t ld, int64_t c
     const int64_t l = lo[r], u = hi[r];
     const acc_t f = floor[r];
     const double m = static_cast<double>(z_max[r]);
-    // buckets per key: hi - lo as unsigned (fp64 keys may span more than int64); the guess needs no exactness
-    const double scale = u > l ? static_cast<double>(n_probes + 1) /
-                                     static_cast<double>(static_cast<uint64_t>(u) - static_cast<uint64_t>(l)) : 0.0;
+    // hi - lo as unsigned (fp64 keys may span more than int64)
+    const uint64_t span = u > l ? static_cast<uint64_t>(u) - static_cast<uint64_t>(l) : 0;
+    bool grid = span > 0 && levels <= 40 && span <= (uint64_t{1} << (52 - levels));
+    for (int64_t j = 1; grid && j <= n_probes; ++j) {
+      grid = pr[j - 1] == static_cast<int64_t>(static_cast<uint64_t>(l) + ((span * static_cast<uint64_t>(j)) >> levels));
+    }
+    const double dspan = static_cast<double>(span);
+    const double scale = span ? static_cast<double>(stride) / dspan : 0.0;  // the guess needs no exactness
     std::fill(part.begin(), part.end(), 0);
     for (int64_t c0 = 0; c0 < cols; c0 += kMassBlock) {
       const int64_t len = std::min(kMassBlock, cols - c0);
@@ -342,18 +357,50 @@ RC_FORCEINLINE void mass_histogram_rows(const scalar_t* z, int64_t ld, int64_t c
         any += ok;
       }
       if (any == 0) continue;
-      for (int64_t i = 0; i < len; ++i) mass[i] = top_p_mass(static_cast<double>(static_cast<acc_t>(x[c0 + i])) - m);
-      for (int64_t i = 0; i < len; ++i) {
-        if (!in[i]) continue;
-        // The probes split (lo, hi] into near-equal parts: start at the proportional bucket, then step to the
-        // exact one (#{probes < key}), usually no step at all.
-        const double off = static_cast<double>(static_cast<uint64_t>(keys[i]) - static_cast<uint64_t>(l) - 1);
-        int64_t bucket = std::min<int64_t>(n_probes, static_cast<int64_t>(off * scale));
-        while (bucket > 0 && pr[bucket - 1] >= keys[i]) --bucket;
-        while (bucket < n_probes && pr[bucket] < keys[i]) ++bucket;
-        // four interleaved copies: consecutive values often land in one bucket, and one copy would chain the adds
-        part[(i & 3) * stride + bucket] += static_cast<int64_t>(mass[i]);
+      int64_t cnt = len;
+      if (4 * any < len) {  // a few inside (the rounds after the first): compact them, an exp for those only
+        cnt = 0;
+        for (int64_t i = len; i < kMassBlock; ++i) in[i] = 0;
+        for (int64_t w0 = 0; w0 < len; w0 += 8) {  // the flags 8 at a time, one step per value inside
+          uint64_t w;
+          std::memcpy(&w, in + w0, sizeof w);
+          for (; w; w &= w - 1) {  // each flag is one byte, 0 or 1: its lowest set bit marks one value
+            const int64_t i = w0 + (__builtin_ctzll(w) >> 3);
+            keys[cnt] = keys[i];
+            rel[cnt] = static_cast<double>(static_cast<acc_t>(x[c0 + i])) - m;
+            ++cnt;
+          }
+        }
+        for (int64_t i = 0; i < cnt; ++i) mass[i] = top_p_mass(rel[i]);
+        for (int64_t i = 0; i < cnt; ++i) in[i] = 1;
+      } else {
+        for (int64_t i = 0; i < len; ++i) {
+          const double v = top_p_mass(static_cast<double>(static_cast<acc_t>(x[c0 + i])) - m);
+          mass[i] = in[i] ? v : 0.0;
+        }
       }
+      if (grid) {
+        for (int64_t i = 0; i < cnt; ++i) {
+          // off in [1, D] inside the bracket; clamped there for the values outside it (their mass is 0)
+          uint64_t off = static_cast<uint64_t>(keys[i]) - static_cast<uint64_t>(l);
+          off = off < 1 ? 1 : (off > span ? span : off);
+          bucket[i] = static_cast<int64_t>((static_cast<double>(off << levels) - 1.0) / dspan);
+        }
+      } else {
+        for (int64_t i = 0; i < cnt; ++i) {
+          if (!in[i]) {
+            bucket[i] = 0;
+            continue;
+          }
+          const double off = static_cast<double>(static_cast<uint64_t>(keys[i]) - static_cast<uint64_t>(l) - 1);
+          int64_t g = std::min<int64_t>(n_probes, static_cast<int64_t>(off * scale));
+          while (g > 0 && pr[g - 1] >= keys[i]) --g;
+          while (g < n_probes && pr[g] < keys[i]) ++g;
+          bucket[i] = g;
+        }
+      }
+      // four interleaved copies: consecutive values often land in one bucket, and one copy would chain the adds
+      for (int64_t i = 0; i < cnt; ++i) part[(i & 3) * stride + bucket[i]] += static_cast<int64_t>(mass[i]);
     }
     for (int64_t j = 0; j < stride; ++j) h[j] += part[j] + part[stride + j] + part[2 * stride + j] + part[3 * stride + j];
   }
@@ -745,14 +792,17 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
         continue;
       }
       if (cm > m) {
-        if (m > ninf) s *= std::exp2(static_cast<double>((m - cm) * c2));
+        if (m > ninf) s *= std::exp2((static_cast<double>(m) - static_cast<double>(cm)) * static_cast<double>(c2));
         m = cm;
       }
       if (m == inf) {
         bad = true;
         break;
       }
-      const VF mc = VF{} + m * c2;
+      // (x - m) c2, two roundings but exact at x = m (and for every x within a factor 2 of m): x c2 - fl(m c2),
+      // which the FMA copies would fuse, puts the product's rounding error into every term, up to ulp(m c2) / 2 of
+      // an exponent (1e-4 relative at |m c2| ~ 4000), and the baseline copy a different one into each
+      const VF mv = VF{} + m;
       VF s0 = VF{}, s1 = VF{};
       for (int64_t cb = c0; cb < c1; cb += B) {
         for (int64_t line = 0; line < B * static_cast<int64_t>(sizeof(scalar_t)); line += 64) {
@@ -761,8 +811,8 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
         VF v[kV];
         block_lanes<VF>(x + cb, v);
         for (int q = 0; q < kV; q += 2) {
-          s0 += exp2_lanes(v[q] * c2 - mc);
-          s1 += exp2_lanes(v[q + 1] * c2 - mc);
+          s0 += exp2_lanes((v[q] - mv) * c2);
+          s1 += exp2_lanes((v[q + 1] - mv) * c2);
         }
       }
       const VF s01 = s0 + s1;
@@ -777,7 +827,7 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
       }
       bmax_p[nb++] = bm;
       if (bm > m) {
-        if (m > ninf) s *= std::exp2(static_cast<double>((m - bm) * c2));
+        if (m > ninf) s *= std::exp2((static_cast<double>(m) - static_cast<double>(bm)) * static_cast<double>(c2));
         m = bm;
       }
       bad |= m == inf;
