@@ -306,7 +306,7 @@ void floor_fill_cpu(const at::Tensor& x, const at::Tensor& floor, double tempera
 constexpr int64_t kMassBlock = 256;
 
 // hist[r, b] = sum of the masses of row r's values z with z >= floor[r], z > -inf and lo[r] < key(z) <= hi[r], in
-// bucket b = #{j : probes[r, j] < key(z)} (probes ascending, 2^L - 1 of them). Per block of 64 values: a count of
+// bucket b = #{j : probes[r, j] < key(z)} (probes ascending, 2^L - 1 of them). Per block of 256 values: a count of
 // those inside the bracket (after the first round of the search, most blocks have none and are skipped; where a
 // few are, they are compacted first), then their masses, vectorised, then their buckets.
 //
