@@ -398,7 +398,8 @@ def _backward(hidden, weight, bias, target, row_state, valid, keep, grad_logp, g
     hilo_h = need_h and not exact and sp is None
     lo_h = torch.zeros(hidden.shape, dtype=torch.bfloat16, device=hidden.device) if hilo_h else None
     grad_h = torch.zeros(hidden.shape, dtype=hidden.dtype if hilo_h else acc, device=hidden.device) if need_h else None
-    grad_w = torch.empty_like(weight) if need_w else None
+    # row-major whatever the weight's layout (a transposed / tied-embedding view): hilo_add_ needs unit column stride
+    grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
     grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b else None
     rows = row_chunks(hidden.shape[0], valid, chunk_rows)
     tiles = [(c0, c1) for c0, c1 in vocab_tiles(weight.shape[0], real_cols, chunk_cols) if c1 > c0]

@@ -110,6 +110,33 @@ def test_values_and_gradients_match_the_full_product(dtype, device):
                 assert err <= 1.5 * err_m + 2e-3, (name, err, err_m)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_input_layout_gives_the_contiguous_inputs_results(dtype):
+    """A column-major weight (a transposed or tied-embedding view), a transposed hidden, a row-strided slice: the
+    values and gradients of the contiguous copies, to the GEMMs' own rounding (their summation order may follow the
+    layout), and gradients in the inputs' dtype and shape (the 16-bit backward once raised from an internal op on a
+    column-major weight: its grad_weight took the weight's strides)."""
+    hidden, weight, bias = _inputs(10, 24, 70, dtype, 3, True)
+    target = torch.randint(0, 70, (10,), generator=torch.Generator().manual_seed(4))
+    target[2] = -100
+
+    def run(h, w, b):
+        h, w, b = (x.detach().requires_grad_(True) for x in (h, w, b))
+        logp, ent = rc.linear_log_probs(h, w, target, bias=b, return_entropy=True, chunk_rows=4, chunk_cols=32)
+        (logp.sum() + 0.5 * ent.sum()).backward()
+        return logp, ent, h.grad, w.grad, b.grad
+
+    want = run(hidden, weight, bias)
+    layouts = [(hidden, weight.t().contiguous().t(), bias), (hidden.t().contiguous().t(), weight, bias),
+               (torch.stack([hidden, hidden], 2)[:, :, 0], torch.stack([weight, weight], 2)[:, :, 1],
+                torch.stack([bias, bias], 1)[:, 0])]
+    for h, w, b in layouts:
+        assert torch.equal(h, hidden) and torch.equal(w, weight)
+        for got, ref in zip(run(h, w, b), want):
+            assert got.dtype == ref.dtype and got.shape == ref.shape
+            torch.testing.assert_close(got, ref, **linear_tol(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sixteen_bit_inputs_at_scale_match_the_exact_product(dtype):
     """bf16 / fp16 hidden states and weights at a production H (2048) and logits of std ~4: the fused log-probs and
