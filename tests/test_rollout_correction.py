@@ -279,6 +279,22 @@ def test_offpolicy_metrics_alone(device):
     assert set(only) == {PREFIX + "training_ppl", PREFIX + "training_log_ppl"}
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_perplexities_past_fp32_range_of_a_row_stay_finite(device, dtype):
+    """A row whose mean log-prob is below -88 (e^88 past fp32) in fp32 / bf16 inputs: the perplexities are fp64
+    sums of fp64 exps, so they equal the fp64 oracle (an fp32 exp per row made them inf)."""
+    lp, rlp, mask = make_inputs(8, 16, seed=21)
+    lp[0], rlp[0], rlp[1] = -90.0, -90.5, -100.0
+    lp, rlp = lp.to(dtype), rlp.to(dtype)
+    with ops_on(device) as dev:
+        got = {k: v.cpu() for k, v in compute_offpolicy_metrics(lp.to(dev), rlp.to(dev), mask.to(dev)).items()}
+    _, _, met = oracle_for_config(lp.double(), rlp.double(), mask, Cfg.disabled())
+    for k in ("training_ppl", "rollout_ppl", "ppl_ratio"):
+        assert math.isfinite(float(got[PREFIX + k])), k
+        assert math.isclose(float(got[PREFIX + k]), float(met[PREFIX + k]), rel_tol=1e-5), k
+
+
 class _CountSyncs(TorchDispatchMode):
     """Counts device->host scalar reads (what .item(), bool(), float(), .tolist() lower to)."""
 

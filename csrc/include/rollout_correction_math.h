@@ -506,13 +506,14 @@ RC_HD inline void add_row_partials(const Config<acc_t>& c, const acc_t* st, cons
   const acc_t mean_lp = RC_LDG(st + seq::log_prob) / (r.n + eps), mean_rlp = RC_LDG(st + seq::rollout_log_prob) / (r.n + eps);
   const acc_t lpd = -r.lr_sum / (r.n + eps);
   add_to(S[sum_slot::log_ratio], r.lr_sum);
-  add_to(S[sum_slot::training_ppl], rc_exp(-mean_lp));
+  // the perplexities' exps in fp64, as their sums: a row mean below -88 overflows fp32's exp (not fp64's)
+  add_to(S[sum_slot::training_ppl], rc_exp(-static_cast<double>(mean_lp)));
   add_to(S[sum_slot::training_log_ppl], -mean_lp);
-  add_to(S[sum_slot::rollout_ppl], rc_exp(-mean_rlp));
+  add_to(S[sum_slot::rollout_ppl], rc_exp(-static_cast<double>(mean_rlp)));
   add_to(S[sum_slot::rollout_log_ppl], -mean_rlp);
   add_to(S[sum_slot::log_ppl_diff], lpd);
   add_to(S[sum_slot::log_ppl_abs_diff], (lpd < acc_t(0) ? -lpd : lpd));
-  add_to(S[sum_slot::ppl_ratio], rc_exp(lpd));
+  add_to(S[sum_slot::ppl_ratio], rc_exp(static_cast<double>(lpd)));
   add_to(S[sum_slot::chi2_seq], rc_exp(acc_t(2) * clamp20(r.lr_sum)));
   upd_max(M[max_slot::log_ppl_diff], lpd);
   upd_max(M[max_slot::neg_log_ppl_diff], -lpd);
