@@ -317,7 +317,8 @@ def _metric_formulas(sums, maxes, config: RolloutCorrectionConfig, exclude_nonfi
             met["rollout_is_ratio_fraction_low"] = S.seq_is_low / rows
             oob = S.seq_is_out_of_band
         met["rollout_is_std"] = std_of_sums(wc_sum, wc_sq)
-        met["rollout_is_eff_sample_size"] = ne * (wc_sum / ne + LY.EPS) ** 2 / wc_sq
+        # every clamped weight 0 (IcePop dropping the whole batch): no sample counts, 0 (the formula gives eps^2 / 0)
+        met["rollout_is_eff_sample_size"] = F.where(wc_sq > 0, ne * (wc_sum / ne + LY.EPS) ** 2 / wc_sq, zero)
         met["rollout_is_seq_mean"] = S.is_seq_mean / rows
         met["rollout_is_seq_std"] = _std_from_sums(S.is_seq_mean, S.is_seq_mean_sq, rows, F)
         met["rollout_is_seq_max"] = M.is_seq_mean

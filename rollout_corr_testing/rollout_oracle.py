@@ -312,7 +312,8 @@ def rollout_correction_oracle(
         wc = w.clamp(min=0.0, max=U)
         met["rollout_is_std"] = clamped_std(w, 0.0, U)
         wc_norm = wc / (tmean(wc) + EPS)
-        met["rollout_is_eff_sample_size"] = 1.0 / tmean(wc_norm * wc_norm)
+        sq = tmean(wc_norm * wc_norm)  # 0 when every clamped weight is 0: no sample counts (the documented 0)
+        met["rollout_is_eff_sample_size"] = 1.0 / sq if sq > 0 else 0.0
         x_b = rmean(w)  # per-row mean applied weight, all B rows (padding rows: 0)
         met["rollout_is_seq_mean"] = float(x_b.mean())
         met["rollout_is_seq_std"] = std_unbiased(x_b)
