@@ -847,7 +847,9 @@ def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, 
                              config=None, rollout_is_weights=None, *, cu_seqlens=None, seq_group=None):
     """GSPO (arXiv:2507.18071, verl ``gspo``): the sequence ratio s = exp(mean_t (log pi - log pi_old)) (capped at
     e^10) in PPO's clip, with each token's gradient s d log pi. The mean is over the whole sequence: exact for
-    packed rows and, with ``seq_group``, for sequences split across context-parallel ranks. Metrics:
+    packed rows and, with ``seq_group``, for sequences split across context-parallel ranks, where each rank returns
+    its share of the one-process loss (its rows aggregated with the whole sequences' token counts: the shares add up
+    to the loss, each rank's gradient is the one-process gradient on its tokens). Metrics:
     ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` (0, as in verl)."""
     fn = "compute_policy_loss_gspo"
     cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
@@ -855,9 +857,15 @@ def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, 
     refuse_grad(fn, old_log_prob=old_log_prob)  # the sequence ratio below is a constant built from it
     seq_log_ratio, x_sum = gspo_sequence_log_ratio(log_prob, old_log_prob, response_mask, cu_seqlens=cu_seqlens,
                                                    seq_group=seq_group)
+    share = _seq_world(seq_group) > 1
     loss, _, rows = policy_loss_step(LY.PG_KIND_GSPO, seq_log_ratio, log_prob, advantages, response_mask, loss_agg_mode,
                                      cfg, rollout_is_weights, cu_seqlens=cu_seqlens, fn=fn, metric_keys=(),
-                                     rows_grad=False)
+                                     rows_grad=share)
+    if share:  # this rank's share of the one-process loss: its rows with the whole sequences' counts (policy_step's)
+        with torch.no_grad():
+            counts = _whole_sums((), response_mask.to(rows.dtype), log_prob, cu_seqlens, loss_agg_mode, cfg, seq_group)
+        loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM], counts.row_tokens, loss_agg_mode,
+                              _horizon(counts, log_prob, cu_seqlens), **cfg.global_batch_info)
     return loss, _token_metrics("gspo", rows, x_sum)
 
 

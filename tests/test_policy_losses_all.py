@@ -346,21 +346,23 @@ def test_geo_mean_global_batch_size_is_exact_over_dp():
 
 
 def _gspo_cp_worker(rank, world, old, lp, adv, mask):
-    """Each sequence split over two ranks (first half / second half of its tokens); token-sum: the ranks' losses add
-    up to one process's, and each rank's token gradients are its share of one process's."""
+    """Each sequence split over two ranks (first half / second half of its tokens), every mode: the ranks' losses
+    add up to one process's, and each rank's token gradients are one process's on its tokens (the direct call once
+    returned its own aggregate, right only for token-sum, where local and shared aggregation agree)."""
     import torch.distributed as dist
 
     t = lp.shape[1]
     cols = slice(0, t // 2) if rank == 0 else slice(t // 2, t)
     cfg = losses.PolicyLossConfig(clip_ratio=0.2, loss_mode="gspo")
-    want = _run(losses.compute_policy_loss_gspo, old, lp, adv, mask, "token-sum", cfg, None)
-    got = _run(losses.compute_policy_loss_gspo, old[:, cols].contiguous(), lp[:, cols].contiguous(),
-               adv[:, cols].contiguous(), mask[:, cols].contiguous(), "token-sum", cfg, None,
-               seq_group=dist.group.WORLD)
-    total = got[0].clone()
-    dist.all_reduce(total)
-    assert torch.allclose(total, want[0], rtol=1e-12), (total, want[0])
-    assert torch.allclose(got[2], want[2][:, cols], rtol=1e-12, atol=1e-15)
+    for mode in MODES:
+        want = _run(losses.compute_policy_loss_gspo, old, lp, adv, mask, mode, cfg, None)
+        got = _run(losses.compute_policy_loss_gspo, old[:, cols].contiguous(), lp[:, cols].contiguous(),
+                   adv[:, cols].contiguous(), mask[:, cols].contiguous(), mode, cfg, None,
+                   seq_group=dist.group.WORLD)
+        total = got[0].clone()
+        dist.all_reduce(total)
+        assert torch.allclose(total, want[0], rtol=1e-12), (mode, total, want[0])
+        assert torch.allclose(got[2], want[2][:, cols], rtol=1e-12, atol=1e-15), mode
 
 
 @pytest.mark.parametrize("device", dist_params(2))
