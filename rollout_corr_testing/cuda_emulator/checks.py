@@ -150,7 +150,7 @@ def _sampling_run(schedule: int):
     why.append("count_at_least: mismatch" if not torch.equal(counts, want) else "")
     z_max = z.amax(1)
     hi, lo = _ordered_key(z_max), _ordered_key(z_max - 64) - 1
-    probes = _probes(lo, hi, 8)  # 255 per row: the shared-memory buckets
+    probes = _probes(lo, hi, 8, torch.float32)  # 255 per row: the shared-memory buckets
     hist = emu.mass_histogram(z, z_max, floor, lo, hi, probes, **knobs)
     diff = int((hist - mass_histogram_oracle(z, z_max, floor, lo, hi, probes)).abs().sum())
     why.append(f"mass_histogram: off by {diff}" if diff > 3 else "")

@@ -156,7 +156,7 @@ def mass_histogram(rows: int, cols: int) -> Measured:
     z = torch.randn(rows, cols) * 3
     z_max = z.amax(1)
     hi, lo = _ordered_key(z_max), _ordered_key(z_max - 64) - 1
-    probes = _probes(lo, hi, 8)
+    probes = _probes(lo, hi, 8, torch.float32)
     with recorded_launches() as rec:
         torch.ops.rollout_corr_emu.mass_histogram(z, z_max, torch.full((rows,), -1.0), lo, hi, probes)
     return _stats(rec, "mass_histogram_kernel", rows * cols * 4 + rows * (255 * 8 + 256 * 8 + 4 + 4 + 8 + 8))
