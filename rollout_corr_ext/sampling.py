@@ -324,13 +324,7 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
             del zs
         else:
             z_max[r0:r1] = _row_max(parts(r0, r1), r1 - r0, acc, device)
-    # amax propagates NaN; NaN goes into the MAX as +inf, so every rank sees a bad row of any shard and raises alike
-    z_max = _all_reduce(torch.where(torch.isnan(z_max), torch.full_like(z_max, math.inf), z_max), dist.ReduceOp.MAX,
-                        group, world)
-    bad = (z_max == math.inf) & rows_active
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(f"sampled_log_probs: NaN or +inf {what.format(i if row_id is None else row_id(i))}")
+    z_max = _refuse_non_finite(z_max, rows_active, group, world, "sampled_log_probs", what, row_id)
     z_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))  # an all -inf row is refused later
 
     # min-p: p_u >= min_p * p_max, i.e. z_u >= z_max + log(min_p) (in fp64; as a threshold in z's dtype)
@@ -498,15 +492,18 @@ def _check_targets(target1d: torch.Tensor, active: torch.Tensor, world: int, voc
                          f"{int(target1d[i])} at flattened position {i}")
 
 
-def _refuse_non_finite(z_max: torch.Tensor, active: torch.Tensor, group, world: int, fn: str) -> torch.Tensor:
+def _refuse_non_finite(z_max: torch.Tensor, active: torch.Tensor, group, world: int, fn: str,
+                       what: str = "logit in row {} of the flattened logits", row_id=None) -> torch.Tensor:
     """The all-reduce MAX of each row's max, raising on every rank alike when a scored row holds NaN or +inf on any
-    shard (a NaN goes in as +inf: MAX keeps it, and no rank is left waiting in a collective another one skipped)."""
+    shard (amax propagates NaN, which goes in as +inf: MAX keeps it, and no rank is left waiting in a collective
+    another one skipped). ``what`` names the row (``row_id(i)``: the caller's row of row ``i``)."""
     z_max = torch.where(torch.isnan(z_max), torch.full_like(z_max, math.inf), z_max)
     z_max = _all_reduce(z_max, dist.ReduceOp.MAX, group, world)
     bad = (z_max == math.inf) & active
     if bool(bad.any()):
-        raise ValueError(f"{fn}: NaN or +inf logit in row {int(bad.nonzero()[0, 0])} of the flattened logits, whose "
-                         f"target is not ignore_index")
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{fn}: NaN or +inf {what.format(i if row_id is None else row_id(i))} (its target is not "
+                         f"ignore_index)")
     return z_max
 
 
