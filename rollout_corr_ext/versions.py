@@ -26,6 +26,8 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
+from ._checks import check_cu_seqlens
+
 __all__ = ["PROXIMAL_METHODS", "proximal_log_prob", "staleness_metrics", "proximal_error_metrics",
            "compute_rollout_correction_by_lag", "policy_lag"]
 
@@ -141,6 +143,12 @@ def proximal_error_metrics(approx_log_prob: torch.Tensor, old_log_prob: torch.Te
     """How far :func:`proximal_log_prob` is from the real pi_old, over the response tokens: ``abs_error`` =
     mean |log pi_approx - log pi_old|, ``imp_weight_error`` = mean |pi_approx / pi_old - 1| (the error of the IS
     weight the decoupled loss would use). 0-dim fp64; exact over ``dp_group`` (one SUM all-reduce)."""
+    for name, t in (("approx_log_prob", approx_log_prob), ("old_log_prob", old_log_prob)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {getattr(t, 'dtype', type(t))}")
+    if not isinstance(response_mask, torch.Tensor) or response_mask.is_complex():
+        raise TypeError(f"response_mask must be a bool, integer or float tensor, got "
+                        f"{getattr(response_mask, 'dtype', type(response_mask))}")
     if approx_log_prob.shape != old_log_prob.shape or response_mask.shape != old_log_prob.shape:
         raise ValueError(f"approx_log_prob {tuple(approx_log_prob.shape)}, old_log_prob {tuple(old_log_prob.shape)} "
                          f"and response_mask {tuple(response_mask.shape)} must have one shape")
@@ -151,8 +159,10 @@ def proximal_error_metrics(approx_log_prob: torch.Tensor, old_log_prob: torch.Te
         sums = torch.stack([valid.sum().double(), d.abs().sum(), torch.expm1(d).abs().sum()])
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
             dist.all_reduce(sums, group=dp_group)
-        n = sums[0].clamp(min=1)
-        return {prefix + "abs_error": sums[1] / n, prefix + "imp_weight_error": sums[2] / n}
+        n = sums[0]
+        nan = torch.full((), math.nan, dtype=torch.float64, device=sums.device)  # a mean of nothing, as elsewhere
+        return {prefix + "abs_error": torch.where(n > 0, sums[1] / n.clamp(min=1), nan),
+                prefix + "imp_weight_error": torch.where(n > 0, sums[2] / n.clamp(min=1), nan)}
 
 
 def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
@@ -169,11 +179,13 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
 
     Each bucket's correction sees only the sequences with a response token in that bucket (a sequence of another
     bucket must not enter its sequence-level statistics as an empty row; a sequence without response tokens is in
-    no bucket). A sequence-level IS level or RS criterion, or batch normalisation, judges a sequence by the tokens of
-    its bucket: with such a config ``versions`` must be one per row (``[B]``), so a sequence falls into one bucket
-    whole; so must they under context parallelism. ``rollout_corr/lag_<...>/tokens`` counts each bucket's response
-    tokens; an empty bucket (over the whole batch) has no other metrics. Costs one small all-reduce and one host
-    read (the bucket counts), then one correction (its passes and collectives) per non-empty bucket.
+    no bucket, on every context-parallel rank). A sequence-level IS level or RS criterion, the token veto or batch
+    normalisation judges a sequence by the tokens of its bucket: with such a config ``versions`` must be one per row
+    (``[B]``, or one per packed sequence), so a sequence falls into one bucket whole; so must they under context
+    parallelism. ``rollout_corr/lag_<...>/tokens`` counts each bucket's response tokens; an empty bucket (over the
+    whole batch) has no other metrics. Costs one small all-reduce (two under CP with ``dp_group``) and one host
+    read (the bucket counts, and whether any response token is newer than the trainer: every rank raises alike),
+    then one correction (its passes and collectives) per non-empty bucket.
 
     Returns a :class:`~rollout_corr_ext.RolloutCorrectionResult`: weights (0 where no bucket has IS or at a
     rejected token, 1 in a bucket without IS; None when no bucket has IS), the response mask with every bucket's
@@ -202,48 +214,81 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
         raise ValueError(f"lag_configs: the lags must start at 0 and increase strictly, got {lags}")
     if not isinstance(response_mask, torch.Tensor):
         raise TypeError(f"response_mask must be a torch.Tensor, got {type(response_mask).__name__}")
-    per_row = isinstance(versions, torch.Tensor) and response_mask.dim() == 2 and cu_seqlens is None and \
+    packed = cu_seqlens is not None
+    cp = seq_group is not None and dist.get_world_size(seq_group) > 1
+    if packed:
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise TypeError(f"cu_seqlens must be an int32 or int64 tensor, got {type(cu_seqlens).__name__}")
+        # the layout compute_rollout_correction takes (no tokens after the last sequence), checked before it is read
+        cu = check_cu_seqlens(response_mask.reshape(-1), cu_seqlens.to(response_mask.device))
+        n_seq = cu.shape[0] - 1
+        seg = torch.searchsorted(cu[1:], torch.arange(response_mask.numel(), device=cu.device), right=True)
+    per_row = isinstance(versions, torch.Tensor) and response_mask.dim() == 2 and not packed and \
         tuple(versions.shape) == (response_mask.shape[0],)
-    per_seq = isinstance(versions, torch.Tensor) and cu_seqlens is not None and versions.dim() == 1 and \
-        versions.shape[0] == cu_seqlens.shape[0] - 1 != response_mask.reshape(-1).shape[0]
+    per_seq = False
+    if packed and isinstance(versions, torch.Tensor) and versions.dim() == 1 and versions.shape[0] == n_seq:
+        per_seq = True
+        if tuple(versions.shape) == tuple(response_mask.shape):
+            # as many sequences as tokens: one version per sequence and one per token read alike only when every
+            # sequence is one token long and they cover the stream; otherwise the two readings differ
+            lengths = cu[1:] - cu[:-1]
+            if not (bool((lengths == 1).all()) and int(cu[-1]) == response_mask.numel()):
+                raise ValueError(f"versions: {n_seq} values for {n_seq} packed sequences and as many tokens, so one "
+                                 f"per sequence and one per token are both possible and differ here; give the stream "
+                                 f"as [1, T] (log-probs, response_mask and per-token versions) to say which")
+    # the token veto rejects a whole sequence for any token under it: a sequence-level decision too
     whole = [c for c in cfgs if (c.is_spec is not None and c.is_spec.level != "token") or c.rollout_is_batch_normalize
-             or any(r.level != "token" for r in c.rs_criteria)]
+             or any(r.level != "token" for r in c.rs_criteria) or c.rollout_token_veto_threshold is not None]
     if whole and not (per_row or per_seq):
-        raise ValueError("lag_configs: a sequence-level IS level, RS criterion or batch normalisation needs one "
-                         "version per sequence (versions [B]), so that each sequence falls into one lag bucket whole")
-    if per_seq:
-        cu = cu_seqlens.to(device=versions.device, dtype=torch.int64)
+        raise ValueError("lag_configs: a sequence-level IS level, RS criterion, token veto or batch normalisation "
+                         "needs one version per sequence (versions [B], or one per packed sequence), so that each "
+                         "sequence falls into one lag bucket whole")
+    if cp and not (per_row or per_seq):
+        raise ValueError("lag_configs under context parallelism (seq_group) need one version per sequence "
+                         "(versions [B]): the ranks must agree on which sequences each bucket holds")
+    unit_versions = None
+    if per_row or per_seq:  # the per-row / per-sequence versions, checked as the per-token ones are below
+        unit_versions = _versions(versions, versions)
+    if per_seq:  # per token
         versions = torch.repeat_interleave(versions, cu[1:] - cu[:-1], output_size=int(response_mask.numel()))
         versions = versions.reshape(response_mask.shape)
     v = _versions(versions, response_mask)
     valid = response_mask != 0
-    lag = policy_lag(v, v_theta, valid)
-    if seq_group is not None and dist.get_world_size(seq_group) > 1 and not (per_row or per_seq):
-        raise ValueError("lag_configs under context parallelism (seq_group) need one version per sequence "
-                         "(versions [B]): the ranks must agree on which sequences each bucket holds")
+    lag = v_theta - v.to(torch.int64)
     any_is = any(c.is_spec is not None for c in cfgs)
     wdtype = torch.float64 if torch.float64 in (log_prob.dtype, rollout_log_prob.dtype) else torch.float32
     weights = torch.zeros(response_mask.shape, dtype=wdtype, device=response_mask.device) if any_is else None
     mask_out = torch.zeros_like(response_mask)
     metrics: Dict[str, torch.Tensor] = {}
-    packed = cu_seqlens is not None
-    if packed:
-        cu = cu_seqlens.to(device=response_mask.device, dtype=torch.int64)
-        n_seq = cu.shape[0] - 1
-        seg = torch.searchsorted(cu[1:], torch.arange(response_mask.numel(), device=cu.device), right=True)
     insides, counts = [], []
     for i, lo in enumerate(lags):
         hi = lags[i + 1] if i + 1 < len(lags) else None
         inside = (lag >= lo) if hi is None else (lag >= lo) & (lag < hi)
         insides.append(inside)
         counts.append((inside & valid).sum())
-    # which buckets hold response tokens anywhere in the batch: one small all-reduce and one host read, so that
-    # every rank runs the same corrections (an empty bucket has nothing to correct)
-    counts = torch.stack(counts).to(torch.float64)
-    group = dp_group if dp_group is not None else seq_group
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(counts, group=group)
+    # which buckets hold response tokens anywhere in the batch (and how many), and whether a response token anywhere
+    # is newer than the trainer: small all-reduces and one host read, so that every rank runs the same corrections
+    # (an empty bucket has nothing to correct) or raises alike. Under context parallelism each sequence's response
+    # tokens are counted over the ranks too: a sequence without any is in no bucket on every rank.
+    newer = (valid & (lag < 0)).sum()
+    counts = torch.stack(counts + [newer]).to(torch.float64)
+    unit_tokens = None
+    dp = dp_group is not None and dist.get_world_size(dp_group) > 1
+    if cp:  # dp_group, when given, holds the context-parallel ranks too (as compute_rollout_correction's)
+        unit_tokens = (valid.sum(1) if not packed else torch.zeros(n_seq + 1, dtype=torch.int64, device=cu.device)
+                       .index_add_(0, seg, valid.reshape(-1).to(torch.int64))[:n_seq]).to(torch.float64)
+        both = torch.cat([unit_tokens.to(counts.device)] + ([] if dp else [counts]))
+        dist.all_reduce(both, group=seq_group)
+        unit_tokens = both[:unit_tokens.numel()]
+        if not dp:
+            counts = both[unit_tokens.numel():]
+    if dp:
+        dist.all_reduce(counts, group=dp_group)
     totals = counts.tolist()
+    if totals[-1]:
+        policy_lag(v, v_theta, valid)  # names the token where this rank holds it
+        raise ValueError(f"versions: a response token on another rank is newer than current_version {v_theta}")
+    counts = counts[:-1]
     for i, (lo, cfg) in enumerate(zip(lags, cfgs)):
         hi = lags[i + 1] if i + 1 < len(lags) else None
         tag = PREFIX + (f"lag_{lo}-{hi - 1}/" if hi is not None else f"lag_{lo}+/")
@@ -254,11 +299,13 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
         part = torch.where(inside, response_mask, torch.zeros_like(response_mask))
         # the bucket's correction sees the sequences with a response token in it, and only those: a sequence of
         # another bucket must not enter its sequence-level statistics as an empty row
+        unit_in = None
+        if cp:  # by the sequence's version and its response tokens over the ranks: every rank picks the same ones
+            unit_lag = v_theta - unit_versions.to(device=response_mask.device, dtype=torch.int64)
+            unit_in = (unit_lag >= lo) & ((unit_lag < hi) if hi is not None else True) & \
+                (unit_tokens.to(response_mask.device) > 0)
         if not packed:
-            rows = (part != 0).any(1)
-            if seq_group is not None and dist.get_world_size(seq_group) > 1 and lag.shape[1]:
-                row_lag = lag[:, 0]  # one version per row: every context-parallel rank picks the same rows
-                rows = (row_lag >= lo) & ((row_lag < hi) if hi is not None else True)
+            rows = (part != 0).any(1) if unit_in is None else unit_in
             sel = rows.nonzero().squeeze(1)
             res = compute_rollout_correction(log_prob[sel], rollout_log_prob[sel], part[sel], cfg,
                                              dp_group=dp_group, seq_group=seq_group, nonfinite=nonfinite)
@@ -272,9 +319,8 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
             flat_part = part.reshape(-1)
             has = torch.zeros(n_seq + 1, dtype=torch.int64, device=cu.device).index_add_(
                 0, seg, (flat_part != 0).to(torch.int64))[:n_seq] > 0
-            if seq_group is not None and dist.get_world_size(seq_group) > 1:
-                seq_lag = lag.reshape(-1)[cu[:-1].clamp(max=max(lag.numel() - 1, 0))] if lag.numel() else lag
-                has = (seq_lag >= lo) & ((seq_lag < hi) if hi is not None else True) & (cu[1:] > cu[:-1])
+            if unit_in is not None:
+                has = unit_in.to(cu.device)
             tok = torch.cat([has, has.new_zeros(1)])[seg]
             idx = tok.nonzero().squeeze(1)
             lengths = (cu[1:] - cu[:-1])[has]

@@ -313,6 +313,114 @@ def test_lag_thresholds_exact_over_cp(device):
     run_workers(_lag_cp_worker, 2, lp, rlp, mask, torch.tensor([10, 9, 7, 10, 6, 8]), device=device)
 
 
+def _lag_dp_cp_inputs():
+    """Sequence-level configs, one version per row; row 1 has no response token, row 3 has its response tokens in
+    the second half of its columns only (the first context-parallel rank holds none of them)."""
+    lp, rlp, mask, _ = _lag_inputs(seed=5, b=8)
+    mask[1] = 0
+    mask[3, :8] = 0
+    return lp, rlp, mask, torch.tensor([10, 9, 7, 10, 6, 8, 10, 9])
+
+
+_SEQ_LAG_CFGS = [(0, dict(rollout_is="sequence", rollout_is_threshold=2.0)),
+                 (2, dict(rollout_is="token", rollout_is_threshold=1.3, rollout_rs="seq_mean_k3",
+                          rollout_rs_threshold=0.02, rollout_token_veto_threshold=0.3))]
+
+
+def _lag_dp_cp_worker(rank, world, lp, rlp, mask, rows_v):
+    """DP = 2 x CP = 2 (and CP = 2 alone): each rank its rows (DP) and half of their columns (CP), against one
+    process over the whole batch. The bucket token counts must be the whole batch's on every rank, and a sequence
+    with no response token (here, or on one CP rank only) must stay out of every bucket's statistics."""
+    import torch.distributed as dist
+
+    want = compute_rollout_correction_by_lag(lp, rlp, mask, _SEQ_LAG_CFGS, rows_v, 10)
+    t = lp.shape[1]
+    if world == 4:
+        cp_pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        # dp_group: the data-parallel group with the context-parallel ranks (megatron's with_context_parallel=True)
+        seq_group, dp_group, cp_rank, dp_rank = cp_pairs[rank // 2], dist.group.WORLD, rank % 2, rank // 2
+        rows = slice(0, 4) if dp_rank == 0 else slice(4, None)
+    else:
+        seq_group, dp_group, cp_rank, rows = dist.group.WORLD, None, rank, slice(None)
+    cols = slice(0, t // 2) if cp_rank == 0 else slice(t // 2, None)
+
+    def part(x):
+        return x[rows, cols].contiguous()
+
+    got = compute_rollout_correction_by_lag(part(lp), part(rlp), part(mask), _SEQ_LAG_CFGS, rows_v[rows], 10,
+                                            seq_group=seq_group, dp_group=dp_group)
+    assert torch.allclose(got.weights, want.weights[rows, cols], rtol=1e-12, atol=0)
+    assert torch.equal(got.response_mask, want.response_mask[rows, cols])
+    assert set(got.metrics) == set(want.metrics)
+    for k, v in want.metrics.items():
+        g = float(got.metrics[k])
+        assert (math.isnan(g) and math.isnan(float(v))) or g == pytest.approx(float(v), rel=1e-9, abs=1e-12), k
+    # a response token newer than the trainer on one rank only: every rank raises (none waits in a collective)
+    newer = rows_v[rows].clone()
+    if rank == world - 1:
+        newer[-1] = 11
+    with pytest.raises(ValueError, match="newer than current_version 10"):
+        compute_rollout_correction_by_lag(part(lp), part(rlp), part(mask), _SEQ_LAG_CFGS, newer, 10,
+                                          seq_group=seq_group, dp_group=dp_group)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_lag_buckets_exact_over_dp_x_cp_with_empty_rows(world):
+    run_workers(_lag_dp_cp_worker, world, *_lag_dp_cp_inputs())
+
+
+def test_lag_buckets_packed_layouts_and_the_token_veto():
+    """Per-sequence versions of a packed stream: the [1, T] stream equals the padded batch; as many sequences as
+    tokens with one-token sequences is unambiguous, otherwise refused; padding after the last sequence is refused as
+    compute_rollout_correction refuses it; the token veto (a whole-sequence rejection) needs per-sequence versions."""
+    lp, rlp, mask, rows_v = _lag_dp_cp_inputs()
+    lengths = [16, 9, 12, 16, 5, 14, 3, 1]
+    for i, n in enumerate(lengths):
+        mask[i, n:] = 0
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    want = compute_rollout_correction_by_lag(lp, rlp, mask, _SEQ_LAG_CFGS, rows_v, 10)
+    got = compute_rollout_correction_by_lag(_pack(lp, lengths)[None], _pack(rlp, lengths)[None],
+                                            _pack(mask, lengths)[None], _SEQ_LAG_CFGS, rows_v, 10, cu_seqlens=cu)
+    assert torch.allclose(got.weights[0], _pack(want.weights, lengths), rtol=1e-12, atol=0)
+    assert torch.equal(got.response_mask[0], _pack(want.response_mask, lengths))
+    for k, v in want.metrics.items():
+        g = float(got.metrics[k])
+        assert (math.isnan(g) and math.isnan(float(v))) or g == pytest.approx(float(v), rel=1e-12, abs=1e-15), k
+
+    cfg = [(0, dict(rollout_is=None, rollout_rs=None)), (1, dict(rollout_is=None, rollout_rs=None))]
+    one = torch.full((4,), -1.0, dtype=torch.float64)
+    with pytest.raises(ValueError, match="one per sequence and one per token are both possible"):
+        compute_rollout_correction_by_lag(one, one, torch.ones(4), cfg, torch.tensor([10, 8, 8, 9]), 10,
+                                          cu_seqlens=torch.tensor([0, 2, 2, 2, 4]))
+    single = compute_rollout_correction_by_lag(one, one, torch.ones(4), cfg, torch.tensor([10, 8, 8, 9]), 10,
+                                               cu_seqlens=torch.tensor([0, 1, 2, 3, 4]))
+    assert float(single.metrics["rollout_corr/staleness_mean"]) == pytest.approx(5 / 4)
+    with pytest.raises(ValueError, match="end at the number of packed tokens"):
+        compute_rollout_correction_by_lag(one, one, torch.ones(4), cfg, torch.tensor([10, 9]), 10,
+                                          cu_seqlens=torch.tensor([0, 2, 3]))
+
+    veto = [(0, dict(rollout_is="token", rollout_is_threshold=2.0, rollout_token_veto_threshold=0.5))] * 1 + \
+        [(1, dict(rollout_is="token", rollout_is_threshold=2.0, rollout_token_veto_threshold=0.5))]
+    x = torch.tensor([[-1.0, -1.0, -1.0, -1.0]], dtype=torch.float64)
+    y = torch.tensor([[-1.0, -1.0, -1.0, 0.0]], dtype=torch.float64)  # the last token's ratio e^-1 < 0.5: vetoed
+    with pytest.raises(ValueError, match="token veto"):
+        compute_rollout_correction_by_lag(x, y, torch.ones(1, 4), veto, torch.tensor([[10, 10, 9, 9]]), 10)
+    res = compute_rollout_correction_by_lag(x, y, torch.ones(1, 4), veto, torch.tensor([9]), 10)
+    assert res.response_mask.sum() == 0  # the whole sequence, as compute_rollout_correction rejects it
+
+
+def test_proximal_error_metrics_of_no_tokens_is_nan():
+    """A mean over no response tokens is NaN, as staleness_metrics and debug_metrics give (it read 0.0: a perfect
+    approximation); non-float inputs are refused by name."""
+    lb, lt, _, mask = _inputs()
+    out = proximal_error_metrics(lb, lt, torch.zeros_like(mask))
+    assert all(math.isnan(float(v)) for v in out.values())
+    with pytest.raises(TypeError, match="old_log_prob"):
+        proximal_error_metrics(lb, lt.long(), mask)
+    with pytest.raises(TypeError, match="approx_log_prob"):
+        proximal_error_metrics(lb.tolist(), lt, mask)
+
+
 def test_megatron_loss_func_reports_diagnostics():
     """make_policy_loss_func(diagnostics=...): the diagnostics' metrics (by lag with the loss's versions) equal
     compute_rollout_correction's on the same tensors, padded and packed."""
