@@ -27,7 +27,9 @@ decision is the same at every tensor-parallel size.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import struct
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -324,7 +326,8 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
             del zs
         else:
             z_max[r0:r1] = _row_max(parts(r0, r1), r1 - r0, acc, device)
-    z_max = _refuse_non_finite(z_max, rows_active, group, world, "sampled_log_probs", what, row_id)
+    z_max = _refuse_non_finite(z_max, rows_active, group, world, "sampled_log_probs", what, row_id,
+                               settings=lambda: _sampling_settings(params, acc))
     z_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))  # an all -inf row is refused later
 
     # min-p: p_u >= min_p * p_max, i.e. z_u >= z_max + log(min_p) (in fp64; as a threshold in z's dtype)
@@ -492,13 +495,50 @@ def _check_targets(target1d: torch.Tensor, active: torch.Tensor, world: int, voc
                          f"{int(target1d[i])} at flattened position {i}")
 
 
+def _settings_fingerprint(*items) -> int:
+    """A signed 64-bit fingerprint of a call's settings (numbers, None, dtypes, per-row tensors by value), the same
+    in every process for the same settings: the ranks of a tensor-parallel group compare theirs."""
+    h = hashlib.blake2b(digest_size=8)
+    for x in items:
+        if isinstance(x, torch.Tensor):
+            x = x.detach().to("cpu", torch.float64 if x.is_floating_point() else torch.int64).contiguous()
+            h.update(f"T{tuple(x.shape)}".encode() + x.numpy().tobytes())
+        elif isinstance(x, bool) or x is None or isinstance(x, torch.dtype):
+            h.update(repr(x).encode())
+        elif isinstance(x, int):
+            h.update(b"i" + struct.pack("<q", x))
+        else:
+            h.update(b"f" + struct.pack("<d", float(x)))
+        h.update(b";")
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def _sampling_settings(sampling: "SamplingParams", *more) -> int:
+    return _settings_fingerprint(sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, *more)
+
+
+_SETTINGS_MISMATCH = ("the tensor-parallel ranks were given different settings (temperature, top_k, top_p, min_p, "
+                      "the kept ids, ignore_index and the logits' dtype must agree across the group)")
+
+
 def _refuse_non_finite(z_max: torch.Tensor, active: torch.Tensor, group, world: int, fn: str,
-                       what: str = "logit in row {} of the flattened logits", row_id=None) -> torch.Tensor:
+                       what: str = "logit in row {} of the flattened logits", row_id=None,
+                       settings=None) -> torch.Tensor:
     """The all-reduce MAX of each row's max, raising on every rank alike when a scored row holds NaN or +inf on any
     shard (amax propagates NaN, which goes in as +inf: MAX keeps it, and no rank is left waiting in a collective
-    another one skipped). ``what`` names the row (``row_id(i)``: the caller's row of row ``i``)."""
+    another one skipped). ``what`` names the row (``row_id(i)``: the caller's row of row ``i``). ``settings()``:
+    this rank's settings fingerprint, carried in the same MAX as its pieces and their negatives (equal on every
+    rank exactly when MAX(pieces) = -MAX(-pieces)), so a rank given other settings fails every rank alike."""
     z_max = torch.where(torch.isnan(z_max), torch.full_like(z_max, math.inf), z_max)
-    z_max = _all_reduce(z_max, dist.ReduceOp.MAX, group, world)
+    if world > 1 and settings is not None:
+        pieces = _facts_encode([settings()], z_max.dtype, z_max.device)
+        both = _all_reduce(torch.cat([z_max, pieces, -pieces]), dist.ReduceOp.MAX, group, world)
+        n = z_max.shape[0]
+        z_max, top, low = both[:n], both[n:n + _PIECES], both[n + _PIECES:]
+        if not torch.equal(top, -low):
+            raise ValueError(f"{fn}: {_SETTINGS_MISMATCH}")
+    else:
+        z_max = _all_reduce(z_max, dist.ReduceOp.MAX, group, world)
     bad = (z_max == math.inf) & active
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
@@ -508,8 +548,9 @@ def _refuse_non_finite(z_max: torch.Tensor, active: torch.Tensor, group, world: 
 
 
 #: shard facts each rank appends to the candidate path's all-gather: rows, vocab_start, local columns, columns below
-#: vocab_size, vocab_size, the targets' fingerprint (as the log-prob records' headers carry them)
-_LAYOUT_FACTS = 6
+#: vocab_size, vocab_size, the targets' fingerprint (as the log-prob records' headers carry them), and the settings'
+#: fingerprint (temperature, top_k, top_p, min_p, ignore_index, the logits' dtype)
+_LAYOUT_FACTS = 7
 _PIECES = 4  # an int64 in four 16-bit pieces, each exact in fp32
 
 
@@ -585,7 +626,7 @@ def sampled_log_probs(
     scalar_t = not isinstance(sampling.temperature, torch.Tensor)
     if scalar_t:  # top-k on every row: one read of the logits and a few candidates per row (None: not this case)
         res = _candidate_log_probs(logits2d, target1d, sampling, active, lead, n, tp_group, world, vocab_start,
-                                   vocab_size, valid_cols, acc)
+                                   vocab_size, valid_cols, acc, ignore_index)
         if res is not None:
             return res
     with torch.no_grad():
@@ -621,7 +662,7 @@ def _candidate_width(k_max: int) -> int:
 
 
 def _candidate_log_probs(logits2d, target1d, sampling, active, lead, n, tp_group, world, vocab_start, vocab_size,
-                         valid_cols, acc) -> Optional[SampledLogProbs]:
+                         valid_cols, acc, ignore_index) -> Optional[SampledLogProbs]:
     """The replay when every scored row has a top-k (below the vocabulary) and the temperature is one number: each
     shard's values at or above its own k-th largest (``ops.row_candidates``: one read of the logits, which also
     gives the row max and sum of exps) hold every value the sampler could keep, since the global k-th largest is
@@ -654,15 +695,19 @@ def _candidate_log_probs(logits2d, target1d, sampling, active, lead, n, tp_group
         if world > 1:  # one all-gather of [candidates, max, sum, target value, overflow] per row, in acc's dtype
             record = torch.cat([vals, stats.to(acc), over.to(acc).unsqueeze(1)], 1)
             # and, once per rank, the shard facts that the plain log-probs' record headers check (their rules)
-            facts = [n, vocab_start, v_local, valid_cols, vocab_size, _fallback_lp.target_fingerprint(target1d)]
+            facts = [n, vocab_start, v_local, valid_cols, vocab_size, _fallback_lp.target_fingerprint(target1d),
+                     _sampling_settings(sampling, ignore_index, logits2d.dtype)]
             flat = torch.cat([record.reshape(-1), _facts_encode(facts, acc, dev)])
             g = _lp.all_gather(flat, tp_group, world)
             headers = []
-            for f in _facts_decode(g[:, n * (width + 4):]):
+            all_facts = _facts_decode(g[:, n * (width + 4):])
+            if any(f[-1] != all_facts[0][-1] for f in all_facts):
+                raise ValueError("sampled_log_probs: " + _SETTINGS_MISMATCH)
+            for f in all_facts:
                 h = [0] * LY.HEADER_SLOTS
                 h[LY.HDR_MAGIC] = LY.SHARD_MAGIC
                 (h[LY.HDR_ROWS], h[LY.HDR_VOCAB_START], h[LY.HDR_LOCAL_VOCAB], h[LY.HDR_VALID_COLS],
-                 h[LY.HDR_VOCAB_SIZE], h[LY.HDR_TARGET_HASH]) = f
+                 h[LY.HDR_VOCAB_SIZE], h[LY.HDR_TARGET_HASH]) = f[:-1]
                 headers.append(h)
             why = LY.layout_error(headers, vocab_size)
             if why is not None:
@@ -973,7 +1018,9 @@ def kept_log_probs(
             z = logits2d[r0:r1, :valid_cols].detach().to(acc) / temperature[r0:r1].unsqueeze(1)
             z_max[r0:r1] = torch.where(active[r0:r1], z.amax(-1) if valid_cols else z_max[r0:r1], 0.0)
         # NaN / +inf anywhere in a scored row (kept id or not) would poison log S's total: refused on every rank
-        z_max = _refuse_non_finite(z_max, active, tp_group, world, "kept_log_probs")
+        z_max = _refuse_non_finite(z_max, active, tp_group, world, "kept_log_probs", settings=lambda: (
+            _settings_fingerprint(kept.temperature, ignore_index, logits.dtype, _fallback_lp.target_fingerprint(off),
+                                  _fallback_lp.target_fingerprint(ids))))
         finite_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))
         sums = torch.zeros((n, 3), dtype=torch.float64, device=device)  # total mass, kept mass, finite kept ids
         for r0 in range(0, n, CHUNK_ROWS):

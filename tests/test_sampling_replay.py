@@ -377,6 +377,24 @@ def _refusal_tp_worker(rank, world):
         refused("NaN or \\+inf logit in row 2", lambda: sampled_log_probs(bad, target, sp, group, vocab_size=40))
     kept = KeptTokens.from_lists([[1], [12], [25], [39]])
     refused("NaN or \\+inf logit in row 2", lambda: kept_log_probs(bad, target, kept, group, vocab_size=40))
+    # different settings on one rank (before: silent wrong values, e.g. -inf at a target top-k always keeps): every
+    # path and the kept ids raise on every rank
+    other = rank == world - 1
+    for sp, odd in ((cand, SamplingParams(temperature=0.5, top_k=4, top_p=0.9)),  # the candidate path
+                    (cand, SamplingParams(top_k=4, top_p=0.8)),
+                    (SamplingParams(top_p=0.9), SamplingParams(top_p=0.5)),  # the general search
+                    (SamplingParams(min_p=0.1), SamplingParams(min_p=0.2)),
+                    (SamplingParams(top_k=4, min_p=0.1), SamplingParams(top_k=4, min_p=0.1, top_p=0.9)),
+                    # (a different largest top-k changes the exchange's size: the collective's own error then)
+                    (SamplingParams(top_k=torch.full((4,), 4)), SamplingParams(top_k=torch.tensor([4, 4, 3, 4]))),
+                    (SamplingParams(top_p=torch.full((4,), 0.9)),
+                     SamplingParams(top_p=torch.tensor([0.9, 0.9, 0.9, 0.8])))):
+        refused("different settings", lambda: sampled_log_probs(shard, target, odd if other else sp, group,
+                                                                 vocab_size=40))
+    refused("different settings", lambda: sampled_log_probs(shard, target, cand, group, vocab_size=40,
+                                                             ignore_index=12 if other else -100))
+    odd_kept = KeptTokens.from_lists([[1], [12], [25, 3 if other else 4], [39]])
+    refused("different settings", lambda: kept_log_probs(shard, target, odd_kept, group, vocab_size=40))
     # and the same inputs, fixed, still run
     sampled_log_probs(shard, target, cand, group, vocab_size=40)
 
