@@ -59,28 +59,36 @@ def debug_metrics(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, respon
     with torch.no_grad():
         valid = response_mask != 0
         zero = torch.zeros((), dtype=torch.float64, device=log_prob.device)
-        p = torch.where(valid, log_prob.detach().double().exp(), zero)
-        q = torch.where(valid, rollout_log_prob.detach().double().exp(), zero)
+        # p - 1 and q - 1 (expm1: exact for confident tokens, p near 1), then each statistic from sums centred on
+        # this rank's means plus the rank's between-means term: one-pass sums of p p, q q, p q cancel to nothing
+        # when the probabilities spread little (a Pearson correlation outside [-1, 1]); verl centres too
+        # (torch.std, torch.corrcoef). Combining ranks by SUM (Chan, Golub & LeVeque 1979): M2 = sum_r [M2_r +
+        # S_r^2 / n_r] - S^2 / N, whose bracketed second part is exactly S^2 / N on one rank.
+        p = torch.where(valid, torch.expm1(log_prob.detach().double()), zero)
+        q = torch.where(valid, torch.expm1(rollout_log_prob.detach().double()), zero)
         d = (p - q).abs()
         n = valid.sum().double()
-        sums = torch.stack([n, d.sum(), (d * d).sum(), p.sum(), q.sum(), (p * p).sum(), (q * q).sum(),
-                            (p * q).sum()])
+        n1 = n.clamp(min=1)
+        sd, sp, sq = d.sum(), p.sum(), q.sum()
+        dc, pc, qc = (torch.where(valid, x - s / n1, zero) for x, s in ((d, sd), (p, sp), (q, sq)))
+        sums = torch.stack([n, sd, sp, sq, (dc * dc).sum(), (pc * pc).sum(), (qc * qc).sum(), (pc * qc).sum(),
+                            sd * sd / n1, sp * sp / n1, sq * sq / n1, sp * sq / n1])
         dmax = torch.where(valid, d, torch.full_like(d, -math.inf)).amax() if d.numel() else zero - math.inf
         dmax = dmax.reshape(1)
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
             dist.all_reduce(sums, group=dp_group)
             dist.all_reduce(dmax, op=dist.ReduceOp.MAX, group=dp_group)
-        n, sd, sdd, sp, sq, spp, sqq, spq = sums.unbind()
+        n, sd, sp, sq, cdd, cpp, cqq, cpq, bdd, bpp, bqq, bpq = sums.unbind()
         nan = torch.full((), math.nan, dtype=torch.float64, device=log_prob.device)
         has = n > 0
-        mean = sd / n.clamp(min=1)
-        # Bessel-corrected variance from the sums (fp64: |p - q| <= 1, so the sums stay well conditioned)
-        var = (sdd - n * mean * mean) / (n - 1).clamp(min=1)
+        n1 = n.clamp(min=1)
+        mean = sd / n1
+        var = (cdd + (bdd - sd * sd / n1)) / (n - 1).clamp(min=1)  # Bessel-corrected, as torch.std
         std = torch.where(n > 1, var.clamp(min=0).sqrt(), nan)
-        cov = spq - sp * sq / n.clamp(min=1)
-        vp = spp - sp * sp / n.clamp(min=1)
-        vq = sqq - sq * sq / n.clamp(min=1)
-        corr = cov / (vp * vq).sqrt()
+        cov = cpq + (bpq - sp * sq / n1)
+        vp = (cpp + (bpp - sp * sp / n1)).clamp(min=0)
+        vq = (cqq + (bqq - sq * sq / n1)).clamp(min=0)
+        corr = (cov / (vp * vq).sqrt()).clamp(-1.0, 1.0)  # NaN stays NaN (a constant side: undefined, as verl)
         out = {
             DEBUG_METRIC_KEYS[0]: has.double(),
             DEBUG_METRIC_KEYS[1]: torch.where(has, dmax[0], nan),

@@ -45,6 +45,34 @@ def test_debug_metrics_equal_oracle_and_keys():
         assert float(got[k]) == pytest.approx(want, rel=1e-10, abs=1e-14), k
 
 
+def _confident(n=4096, spread=1e-7, seed=7):
+    """Log-probs within ``spread`` of 0 (confident tokens): one-pass sums of p p, q q, p q cancel to nothing here."""
+    g = torch.Generator().manual_seed(seed)
+    rlp = -spread * torch.rand(2, n // 2, generator=g, dtype=torch.float64)
+    lp = rlp + 0.05 * spread * torch.randn(2, n // 2, generator=g, dtype=torch.float64)
+    return lp, rlp, torch.ones(2, n // 2, dtype=torch.long)
+
+
+def _centred_oracle(lp, rlp, mask):
+    """Two-pass fp64 over the response tokens, on p - 1 = expm1(log p) (exact near 1)."""
+    v = mask.bool()
+    p, q = torch.expm1(lp[v]), torch.expm1(rlp[v])
+    d = (p - q).abs()
+    pc, qc = p - p.mean(), q - q.mean()
+    return [1.0, float(d.max()), float(d.mean()), float(d.std()), float((pc * qc).sum() / (pc.norm() * qc.norm()))]
+
+
+@pytest.mark.parametrize("spread", [1e-6, 1e-7, 1e-8])
+def test_debug_metrics_confident_tokens(spread):
+    """Pearson and std from centred sums (before: one-pass sums gave a correlation of 1.1, or inf, at spread 1e-8)."""
+    lp, rlp, mask = _confident(spread=spread)
+    got = debug_metrics(lp, rlp, mask)
+    corr = float(got[DEBUG_METRIC_KEYS[4]])
+    assert -1.0 <= corr <= 1.0
+    for k, want in zip(DEBUG_METRIC_KEYS, _centred_oracle(lp, rlp, mask)):
+        assert float(got[k]) == pytest.approx(want, rel=1e-9, abs=0), k
+
+
 def test_debug_metrics_empty_and_single_token():
     lp, rlp, mask = _inputs()
     got = debug_metrics(lp, rlp, torch.zeros_like(mask))
@@ -87,6 +115,11 @@ def _dp_worker(rank, world, lp, rlp, mask):
     got = debug_metrics(lp[rows], rlp[rows], mask[rows], dp_group=dist.group.WORLD)
     for k in DEBUG_METRIC_KEYS:
         assert float(got[k]) == pytest.approx(float(want[k]), rel=1e-12, abs=1e-15), k
+    lp, rlp, mask = _confident(spread=1e-8)  # the ranks' means differ: the between-ranks term is exact too
+    want = _centred_oracle(lp, rlp, mask)
+    got = debug_metrics(lp[rank:rank + 1], rlp[rank:rank + 1], mask[rank:rank + 1], dp_group=dist.group.WORLD)
+    for k, w in zip(DEBUG_METRIC_KEYS, want):
+        assert float(got[k]) == pytest.approx(w, rel=1e-9, abs=0), k
 
 
 @pytest.mark.parametrize("device", dist_params(2))
