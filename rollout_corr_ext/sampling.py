@@ -1022,7 +1022,9 @@ def kept_log_probs(
             _settings_fingerprint(kept.temperature, ignore_index, logits.dtype, _fallback_lp.target_fingerprint(off),
                                   _fallback_lp.target_fingerprint(ids))))
         finite_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))
-        sums = torch.zeros((n, 3), dtype=torch.float64, device=device)  # total mass, kept mass, finite kept ids
+        # kept mass, total mass, finite kept ids, kept ids this shard holds (over the ranks: each id once, exactly
+        # when the shards tile the vocabulary)
+        sums = torch.zeros((n, 4), dtype=torch.float64, device=device)
         for r0 in range(0, n, CHUNK_ROWS):
             r1 = min(r0 + CHUNK_ROWS, n)
             z = logits2d[r0:r1, :valid_cols].detach().to(acc) / temperature[r0:r1].unsqueeze(1)
@@ -1031,7 +1033,14 @@ def kept_log_probs(
         zk = logits2d.detach()[row[local], ids[local] - vocab_start].to(acc) / temperature[row[local]]
         sums[:, 0].index_add_(0, row[local], torch.exp(zk.double() - finite_max[row[local]].double()))
         sums[:, 2].index_add_(0, row[local], (zk != -math.inf).double())
+        sums[:, 3].index_add_(0, row[local], torch.ones_like(zk, dtype=torch.float64))
         sums = _all_reduce(sums, dist.ReduceOp.SUM, tp_group, world)
+        torn = active & (sums[:, 3] != counts.to(torch.float64))
+        if bool(torn.any()):
+            i = int(torn.nonzero()[0, 0])
+            raise ValueError(f"kept_log_probs: the tensor-parallel shards hold {int(sums[i, 3])} of row {i}'s "
+                             f"{int(counts[i])} kept ids (each must be on exactly one shard): the vocab ranges overlap "
+                             f"or leave gaps (check vocab_start / vocab_size)")
         dead = active & (sums[:, 2] == 0)
         if bool(dead.any()):
             raise ValueError(f"kept: every kept id of row {int(dead.nonzero()[0, 0])} has a -inf logit here, so the "

@@ -393,6 +393,9 @@ def _refusal_tp_worker(rank, world):
                                                                  vocab_size=40))
     refused("different settings", lambda: sampled_log_probs(shard, target, cand, group, vocab_size=40,
                                                              ignore_index=12 if other else -100))
+    # shards that overlap or leave a gap: named as such (before: "every kept id ... has a -inf logit")
+    refused("hold .* kept ids .* overlap or leave gaps", lambda: kept_log_probs(shard, target, kept, group,
+                                                                                vocab_start=0, vocab_size=40))
     odd_kept = KeptTokens.from_lists([[1], [12], [25, 3 if other else 4], [39]])
     refused("different settings", lambda: kept_log_probs(shard, target, odd_kept, group, vocab_size=40))
     # and the same inputs, fixed, still run
