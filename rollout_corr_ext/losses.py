@@ -1810,7 +1810,8 @@ def _grpo_packed(lp, advantages, seq_starts, seq_lengths):
     if not isinstance(advantages, torch.Tensor) or advantages.numel() != n:
         raise ValueError(f"advantages must be a tensor of one value per packed sequence ({n}), got "
                          f"{getattr(advantages, 'shape', type(advantages))}")
-    ends = [min(s + ln - 1, size) for s, ln in zip(starts, lengths)]
+    # a sequence of length 0 (or 1) owns no log-prob: its end is its start (s - 1 would cut the one before it)
+    ends = [min(max(s + ln - 1, s), size) for s, ln in zip(starts, lengths)]
     for i, (s, ln) in enumerate(zip(starts, lengths)):
         if s < 0 or ln < 0:
             raise ValueError(f"seq_starts[{i}] = {s} and seq_lengths[{i}] = {ln} must be >= 0")
@@ -1866,11 +1867,15 @@ def calculate_grpo_loss(
     pi_old vs pi_inference instead of the TIS line (``is_truncation_coef`` must then be None), tokens its RS
     rejects get loss 0, and a 7th item is returned: the :class:`RolloutCorrectionResult` (its
     ``response_mask`` is the mask to normalise the loss by, its ``metrics`` the ``rollout_corr/*`` values).
-    ``response_mask`` ([B, T], default all valid) is then the mask the correction starts from.
+    ``response_mask`` ([B, T], default all valid) is then the mask the correction starts from. A token that is not
+    live (``response_mask`` 0, outside every packed sequence, rejected by the RS) is never read: its loss, KL and
+    entropy terms are 0 and its gradient exactly 0, whatever its log-probs hold (-inf, NaN); Megatron computes them
+    everywhere and leaves the masking to its caller, which reads the same sums.
 
     Packed, as Megatron-LM passes it: ``seq_starts`` / ``seq_lengths`` (lists or 1-D integer tensors, one entry per
     sequence) with ``[1, bin_size]`` log-probs and ``advantages`` ``[num_sequences]``; sequence i owns the tokens
-    ``[start_i, min(start_i + len_i - 1, bin_size))`` (log-probs are one shorter than the sequence) and every other
+    ``[start_i, min(start_i + len_i - 1, bin_size))`` (log-probs are one shorter than the sequence; none for a
+    length of 0 or 1) and every other
     position gets advantage 0, as in Megatron. Overlapping sequences are an error (Megatron's later one would
     silently overwrite). With ``rollout_correction`` the correction sees each sequence as one segment (sequence-level
     IS / RS exact per sequence, not per bin), positions outside every sequence masked out, and the returned
@@ -1945,17 +1950,23 @@ def calculate_grpo_loss(
                                       float(clamp_eps_upper), math.inf, LY.PG_KIND_PPO_CLIP,
                                       first_order="calculate_grpo_loss")
     lp_acc = lp.to(acc)
-    ref_diff = ref_logprobs.to(acc) - lp_acc
+    # the KL and entropy terms at the live tokens only (response tokens the correction kept): a masked token's
+    # values (-inf, NaN) are never read, so they reach neither the loss nor the gradient (0 there)
+    live = token_mask != 0
+    if result is not None:
+        live = live & (result.response_mask != 0).reshape(lp.shape)
+    zero = torch.zeros((), dtype=acc, device=lp.device)
+    lp_live = torch.where(live, lp_acc, zero)
+    ref_diff = torch.where(live, ref_logprobs.to(acc), zero) - lp_live
     kl_term = ref_diff.exp() - ref_diff - 1
     if kl_is_correction:
         # DeepSeek-V3.2 technical report ("unbiased KL estimate"): the k3 estimate weighted by pi_theta / pi_old,
         # the tokens being drawn from pi_old; the ratio is differentiated too, so the gradient is that of
         # KL(pi_theta || pi_ref) itself (E_old[grad(r k3)] = grad E_theta[k3]).
-        kl_term = torch.exp(torch.clamp(lp_acc - old_logprobs.to(acc), -20.0, 20.0)) * kl_term
-    entropy_term = lp_acc.exp() * lp_acc
-    loss = pg_loss + kl_beta * kl_term + entropy_weight * entropy_term
-    if result is not None:
-        loss = loss * (result.response_mask != 0).to(acc).reshape(lp.shape)
+        old_live = torch.where(live, old_logprobs.detach().to(acc), zero)
+        kl_term = torch.exp(torch.clamp(lp_live - old_live, -20.0, 20.0)) * kl_term
+    entropy_term = lp_live.exp() * lp_live
+    loss = torch.where(live, pg_loss + kl_beta * kl_term + entropy_weight * entropy_term, zero)
     with torch.no_grad():
         ratios = torch.exp(torch.clamp(lp_acc - old_logprobs.to(acc), -20.0, 20.0))
     above, below = ratios > 1 + clamp_eps_upper, ratios < 1 - clamp_eps_lower

@@ -499,7 +499,8 @@ def test_grpo_packed_signature_equals_unpacked(correction):
     import rollout_corr_ext as rc
 
     g = torch.Generator().manual_seed(3)
-    lengths = [6, 2, 9, 4]  # sequence lengths; each has length - 1 log-probs
+    # sequence lengths; each has length - 1 log-probs (none for 0 and 1: a 0 once cut the sequence before it)
+    lengths = [6, 0, 2, 9, 1, 4]
     starts, pos = [], 1
     for ln in lengths:
         starts.append(pos)
@@ -511,9 +512,10 @@ def test_grpo_packed_signature_equals_unpacked(correction):
     pad = {k: torch.zeros(n, t, dtype=torch.float64) for k in ("cur", "old", "ref", "inf")}
     mask = torch.zeros(n, t, dtype=torch.bool)
     for i, (s, ln) in enumerate(zip(starts, lengths)):
+        m = max(ln - 1, 0)
         for k, v in (("cur", cur), ("old", old), ("ref", ref), ("inf", inf)):
-            pad[k][i, :ln - 1] = v[0, s:s + ln - 1]
-        mask[i, :ln - 1] = True
+            pad[k][i, :m] = v[0, s:s + m]
+        mask[i, :m] = True
     kw = {}
     if correction:
         kw = dict(rollout_correction=rc.RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=3.0,
@@ -527,20 +529,54 @@ def test_grpo_packed_signature_equals_unpacked(correction):
                                       pad["inf"] if correction else None, None, response_mask=mask, **kw)
     (want[0] * mask).sum().backward()
     for i, (s, ln) in enumerate(zip(starts, lengths)):
-        sl = slice(s, s + ln - 1)
+        m = max(ln - 1, 0)
+        sl = slice(s, s + m)
         for k in (0, 1, 2, 3):
-            assert torch.allclose(got[k][0, sl], want[k][i, :ln - 1], rtol=1e-12, atol=1e-14), (k, i)
-        assert torch.allclose(x.grad[0, sl], y.grad[i, :ln - 1], rtol=1e-12, atol=1e-14)
+            assert torch.allclose(got[k][0, sl], want[k][i, :m], rtol=1e-12, atol=1e-14), (k, i)
+        assert torch.allclose(x.grad[0, sl], y.grad[i, :m], rtol=1e-12, atol=1e-14)
         if correction:
-            assert torch.equal(got[6].response_mask[sl] != 0, want[6].response_mask[i, :ln - 1] != 0)
-            assert torch.allclose(got[6].weights[sl], want[6].weights[i, :ln - 1].to(got[6].weights.dtype))
+            assert torch.equal(got[6].response_mask[sl] != 0, want[6].response_mask[i, :m] != 0)
+            assert torch.allclose(got[6].weights[sl], want[6].weights[i, :m].to(got[6].weights.dtype))
+    outside = torch.ones(size, dtype=torch.bool)
+    for s, ln in zip(starts, lengths):
+        outside[s:s + max(ln - 1, 0)] = False
+    assert (got[0][0, outside] == 0).all() and (x.grad[0, outside] == 0).all()  # outside every sequence
     if correction:  # the sequence-level RS decided per sequence, some kept and some not
-        kept = [bool(want[6].response_mask[i, 0]) for i in range(n)]
+        kept = [bool(want[6].response_mask[i, 0]) for i in range(n) if lengths[i] > 1]
         assert any(kept) and not all(kept), kept
-        outside = torch.ones(size, dtype=torch.bool)
-        for s, ln in zip(starts, lengths):
-            outside[s:s + ln - 1] = False
-        assert (got[0][0, outside] == 0).all()  # positions outside every sequence: masked out by the correction
+
+
+@pytest.mark.parametrize("kl_is_correction", [False, True])
+@pytest.mark.parametrize("correction", [None, "token"])
+def test_grpo_masked_tokens_are_never_read(correction, kl_is_correction):
+    """-inf / NaN in current_logprobs or ref_logprobs at a masked token (response_mask 0, outside every packed
+    sequence) reaches neither the loss nor the gradient: 0 there, and every other token as in the clean call
+    (before: NaN in both, through the KL and entropy terms)."""
+    import rollout_corr_ext as rc
+
+    g = torch.Generator().manual_seed(9)
+    lp, old, ref, inf = (torch.randn(3, 7, generator=g, dtype=torch.float64) * 0.2 - 1.2 for _ in range(4))
+    adv = torch.randn(3, generator=g, dtype=torch.float64)
+    mask = torch.rand(3, 7, generator=g) > 0.3
+    kw = dict(response_mask=mask, kl_is_correction=kl_is_correction)
+    if correction:
+        kw["rollout_correction"] = rc.RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)
+
+    def run(cur, ref_):
+        x = cur.clone().requires_grad_(True)
+        out = losses.calculate_grpo_loss(x, old, ref_, adv, 0.2, 0.28, 0.05, 0.01, inf, None, **kw)
+        out[0].sum().backward()
+        return out, x.grad
+
+    clean, clean_grad = run(lp, ref)
+    for bad in (-math.inf, math.nan):
+        for which in ("cur", "ref"):
+            cur, ref_ = lp.clone(), ref.clone()
+            (cur if which == "cur" else ref_)[~mask] = bad
+            out, grad = run(cur, ref_)
+            assert torch.equal(out[0], clean[0]) and torch.equal(grad, clean_grad), (bad, which)
+            assert bool((out[0][~mask] == 0).all()) and bool((grad[~mask] == 0).all())
+            assert torch.equal(out[1], clean[1]) and torch.equal(out[3], clean[3])  # kl, entropy terms: 0 there
 
 
 def test_grpo_packed_refuses_overlap_and_mismatch():
