@@ -565,13 +565,13 @@ def compute_rollout_correction(
                                                       exclude, cu_seqlens, num_rows)
     if seq_world > 1:
         ns = LY.SEQ_NUM_SUMS
-        part = stats[:, :ns] if row_abs is None else torch.cat([stats[:, :ns], row_abs.to(stats.dtype)[:, None]], 1)
+        part = stats[:, :ns] if row_abs is None else torch.cat([stats[:, :ns], row_abs.to(stats.dtype)], 1)
         part = part.contiguous()
         dist.all_reduce(part, op=dist.ReduceOp.SUM, group=seq_group)
         top = stats[:, ns:].contiguous()
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=seq_group)
         if row_abs is not None:
-            part, row_abs = part[:, :ns], part[:, ns]
+            part, row_abs = part[:, :ns], part[:, ns:]
         stats = torch.cat([part, top], dim=1)
 
     weights, mask_out, sums, maxes = ops.rollout_token_pass(
@@ -655,9 +655,10 @@ def _diagnostics_second_half(spec, state, row_abs, stats, args, log_prob, weight
     for i, hit in enumerate(row_rejections(stats, args)):
         bits = bits | (hit.to(torch.int64) << i)
     lr_sum = stats[:, LY.SEQ["log_ratio"]].to(f64)
+    # kl and k3_kl of the unclamped log-ratio, as the batch's metrics (the RS statistics clamp it to +-20)
     row_values = {"tokens": n.to(torch.int64), "log_ratio_sum": lr_sum, "log_ratio_mean": mean(lr_sum),
-                  "abs_log_ratio_mean": mean(row_abs), "kl": mean(stats[:, LY.SEQ["k1"]]),
-                  "k3_kl": mean(stats[:, LY.SEQ["k3"]]), "reject_bits": bits}
+                  "abs_log_ratio_mean": mean(row_abs[:, 0]), "kl": mean(-lr_sum),
+                  "k3_kl": mean(row_abs[:, 1]), "reject_bits": bits}
     wire = diagnostics_partials(spec, state, log_prob, weights, mask_out, n, seq_rank, world, rank, seq_world > 1,
                                 cu_seqlens, row_values)
     return wire, row_values

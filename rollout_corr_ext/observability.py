@@ -103,14 +103,15 @@ def debug_metrics(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, respon
 #
 # ``compute_rollout_correction(..., diagnostics=MismatchDiagnostics(...))``: one more pass over the tokens (torch
 # ops, no host sync) whose fp64 partials ride on the correction's own SUM / MAX all-reduce (no extra collective).
-# Estimators, per response token with lr = log pi_theta - log pi_rollout, r = exp(clamp(lr, -20, 20)) and the token
-# drawn from pi_rollout (so E_rollout[f(r)] is the f-divergence D_f(pi_theta || pi_rollout) of the next-token
+# Estimators, per response token with lr = log pi_theta - log pi_rollout, l = clamp(lr, -20, 20), r = e^l and the
+# token drawn from pi_rollout (so E_rollout[f(r)] is the f-divergence D_f(pi_theta || pi_rollout) of the next-token
 # distributions, averaged over the contexts the batch visits; Csiszar's f-divergences, e.g. Liese & Vajda 2006):
-#   reverse KL(pi_theta || pi_rollout) = E[r lr - (r - 1)]          f(r) = r log r - (r - 1): >= 0 per token, the
+#   reverse KL(pi_theta || pi_rollout) = E[r l - (r - 1)]          f(r) = r log r - (r - 1): >= 0 per token, the
 #       E[r - 1] = 0 control variate of Schulman's "Approximating KL divergence" (2020) k3, in the other direction;
-#   Jensen-Shannon JS(pi_theta, pi_rollout) = E[(r lr - (1 + r) log((1 + r) / 2)) / 2]   (Lin 1991; in nats,
+#   Jensen-Shannon JS(pi_theta, pi_rollout) = E[(r l - (1 + r) log((1 + r) / 2)) / 2]   (Lin 1991; in nats,
 #       <= log 2; f(r) >= 0 per token);
-#   the forward KL(pi_rollout || pi_theta) is rollout_corr/kl (k1) and k3_kl (k3), as verl logs them.
+#   the forward KL(pi_rollout || pi_theta) is rollout_corr/kl (k1) and k3_kl (k3) on the unclamped lr, as verl logs
+#   them; the breakdowns' and the rows' kl / k3_kl are the same terms, so the buckets add up to the batch's.
 
 #: The scalar keys the diagnostics add (besides the ``by_<breakdown>/...`` keys), without the prefix.
 DIAGNOSTICS_SCALAR_KEYS = ("abs_log_ratio_mean", "abs_log_ratio_max", "abs_log_ratio_std", "reverse_kl",
@@ -173,6 +174,9 @@ class MismatchDiagnostics:
                     or any(b <= a for a, b in zip(v, v[1:])):
                 raise ValueError(f"diagnostics.{name} must be strictly increasing finite numbers, got {v!r}")
             object.__setattr__(self, name, v)
+        if any(isinstance(x, float) for x in self.position_buckets) or any(x < 1 for x in self.position_buckets):
+            raise ValueError(f"diagnostics.position_buckets must be ints >= 1 (token positions), got "
+                             f"{self.position_buckets!r}")
         if (self.versions is None) != (self.current_version is None):
             raise ValueError("diagnostics.versions and diagnostics.current_version go together (one is missing)")
         if self.current_version is not None and (isinstance(self.current_version, bool)
@@ -185,10 +189,12 @@ class MismatchDiagnostics:
         pos = [f"{a}-{b - 1}" for a, b in zip((0,) + pb, pb)] + [f"{pb[-1]}+" if pb else "0+"]
         n = self.probability_bins
         eh = self.entropy_edges
+        pe = _distinct([i / n for i in range(n + 1)], 3)
         out = {"position_decile": [f"d{i}" for i in range(10)], "position": pos,
-               "probability": [f"{i / n:.3g}-{(i + 1) / n:.3g}" for i in range(n)]}
+               "probability": [f"{a}-{b}" for a, b in zip(pe, pe[1:])]}
         if self.entropy is not None:
-            out["entropy"] = [f"{a:g}-{b:g}" for a, b in zip((0.0,) + eh, eh)] + [f"{eh[-1]:g}+" if eh else "0+"]
+            ee = _distinct((0.0,) + eh, 6)
+            out["entropy"] = [f"{a}-{b}" for a, b in zip(ee, ee[1:])] + [f"{ee[-1]}+" if eh else "0+"]
         if self.turn_ids is not None:
             out["turn"] = [str(i) for i in range(self.max_turns)] + [f"{self.max_turns}+"]
         if self.versions is not None:
@@ -199,6 +205,17 @@ class MismatchDiagnostics:
         """What every data-parallel rank must agree on (the wire layout)."""
         return (self.position_buckets, self.entropy_edges, self.probability_bins, self.max_turns, self.max_lag,
                 self.top_k, self.entropy is None, self.turn_ids is None, self.versions is None, self.current_version)
+
+
+def _distinct(edges, digits: int) -> List[str]:
+    """The increasing ``edges`` printed at the fewest significant digits d >= ``digits`` that tells them all apart:
+    the bucket labels built from them name metric keys (two equal labels would overwrite each other's metrics, and a
+    label ``0.5-0.5`` would hide its bucket's width). 17 digits tell any two doubles apart."""
+    for d in range(digits, 18):
+        text = [f"{e:.{d}g}" for e in edges]
+        if len(set(text)) == len(text):
+            return text
+    return text
 
 
 @dataclass(eq=False)
@@ -356,7 +373,9 @@ def diagnostics_pass(spec: MismatchDiagnostics, log_prob, rollout_log_prob, vali
         from .versions import policy_lag
 
         state["lag"] = policy_lag(v, spec.current_version, valid, "diagnostics.versions")
-    return state, _row_sum(lr.abs(), row, num_rows)
+    # each row's sums of |lr| and of the unclamped k3 (as the batch's k3_kl), summed over the context-parallel group
+    # with the correction's row statistics
+    return state, torch.stack([_row_sum(lr.abs(), row, num_rows), _row_sum(torch.expm1(lr) - lr, row, num_rows)], 1)
 
 
 def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, mask_out, row_tokens,
@@ -379,7 +398,8 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
     r = rm1 + 1.0
     rl = r * l20
     abs_lr = lr.abs()
-    cols = [valid.to(f64), abs_lr, -lr, rm1 - l20]  # count, |lr|, k1, k3
+    # count, |lr|, k1, k3: on the unclamped lr, as the batch's kl and k3_kl (so the buckets add up to them)
+    cols = [valid.to(f64), abs_lr, -lr, torch.expm1(lr) - lr]
     cols.append((valid & ~kept).to(f64))  # rejected: the RS criteria or the veto dropped it
     if weights is not None:
         cols += [kept.to(f64), torch.where(kept, weights.to(f64), zero)]
@@ -387,8 +407,12 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
     rev = rl - rm1
     js = 0.5 * (rl - (1.0 + r) * (torch.nn.functional.softplus(l20) - _LN2))
     w = _Wire()
-    w.sum_parts.append(("scalars", torch.stack([stats[:, 0].sum(), stats[:, 1].sum(), (abs_lr * abs_lr).sum(),
-                                                rev.sum(), js.sum()])))
+    # |lr|'s spread from sums centred on this rank's mean, plus the rank's S^2 / n (Chan, Golub & LeVeque 1979):
+    # M2 = sum_r [M2_r + S_r^2 / n_r] - S^2 / N, no cancellation of a small spread against a large mean
+    n_loc, s_loc = stats[:, 0].sum(), stats[:, 1].sum()
+    centred = torch.where(valid, abs_lr - s_loc / n_loc.clamp(min=1), zero)
+    w.sum_parts.append(("scalars", torch.stack([n_loc, s_loc, (centred * centred).sum(),
+                                                s_loc * s_loc / n_loc.clamp(min=1), rev.sum(), js.sum()])))
     w.max_parts.append(("abs_max", (torch.where(valid, abs_lr, ninf).amax() if n_tok else ninf).reshape(1)))
 
     # ---- breakdowns: a bucket index per token and breakdown (the spare last bucket takes tokens not counted)
@@ -519,11 +543,11 @@ def finalize_diagnostics(spec: MismatchDiagnostics, wire: _Wire, sums: torch.Ten
     f64 = torch.float64
     dev = sums.device
     nan = torch.full((), math.nan, dtype=f64, device=dev)
-    n, s_abs, s_abs2, s_rev, s_js = p["scalars"].unbind()
+    n, s_abs, m2_abs, b_abs, s_rev, s_js = p["scalars"].unbind()
     has = n > 0
     n1 = n.clamp(min=1)
     mean_abs = s_abs / n1
-    var = (s_abs2 - n * mean_abs * mean_abs) / (n - 1).clamp(min=1)
+    var = (m2_abs + (b_abs - s_abs * s_abs / n1)) / (n - 1).clamp(min=1)
     m = {prefix + "abs_log_ratio_mean": torch.where(has, mean_abs, nan),
          prefix + "abs_log_ratio_max": torch.where(has, p["abs_max"][0], nan),
          prefix + "abs_log_ratio_std": torch.where(n > 1, var.clamp(min=0).sqrt(), nan),

@@ -104,7 +104,7 @@ def _oracle(lp, rlp, mask, entropy, turns, versions, spec, out_mask=None, weight
             if sel:
                 out[key + "abs_log_ratio"] = sum(abs(x[2]) for x in sel) / len(sel)
                 out[key + "kl"] = sum(-x[2] for x in sel) / len(sel)
-                out[key + "k3_kl"] = sum(math.exp(c20(x[2])) - 1 - c20(x[2]) for x in sel) / len(sel)
+                out[key + "k3_kl"] = sum(math.expm1(x[2]) - x[2] for x in sel) / len(sel)  # unclamped, as k3_kl
                 out[key + "rejected"] = sum(1 for x in sel if not x[7]) / len(sel)
             else:
                 for s in ("abs_log_ratio", "kl", "k3_kl", "rejected"):
@@ -118,8 +118,8 @@ def _oracle(lp, rlp, mask, entropy, turns, versions, spec, out_mask=None, weight
         rows["log_ratio_sum"].append(sum(sel))
         nb = len(sel)
         rows["abs_log_ratio_mean"].append(sum(abs(x) for x in sel) / nb if nb else math.nan)
-        rows["kl"].append(sum(-c20(x) for x in sel) / nb if nb else math.nan)
-        rows["k3_kl"].append(sum(math.exp(c20(x)) - 1 - c20(x) for x in sel) / nb if nb else math.nan)
+        rows["kl"].append(sum(-x for x in sel) / nb if nb else math.nan)
+        rows["k3_kl"].append(sum(math.expm1(x) - x for x in sel) / nb if nb else math.nan)
     return out, rows
 
 
@@ -156,6 +156,64 @@ def test_metrics_and_rows_equal_loop_oracle(dtype):
     assert d.worst["global_row"].tolist() == order[:4]
     for k in ("tokens", "log_ratio_sum", "kl", "k3_kl", "reject_bits"):
         assert torch.equal(d.worst[k], d.rows[k][order[:4]].to(d.worst[k].dtype)), k
+
+
+def test_large_log_ratios_keep_rows_and_buckets_equal_to_the_batch():
+    """|lr| > 20: the breakdowns' and the rows' kl / k3_kl are the batch's terms on the unclamped lr, so one
+    probability bucket over the whole batch equals the batch metrics, and a row's kl is -log_ratio_mean (before:
+    the RS statistics' clamp to +-20 gave k3 2.4e8 against 5.3e12); the loop oracle checks the rest."""
+    lp = torch.tensor([[-1.0, -1.0, -2.0], [-0.5, -3.0, -1.0]], dtype=torch.float64)
+    rlp = torch.tensor([[-31.0, -1.0, -2.5], [-0.2, 22.0, -1.0]], dtype=torch.float64)  # lr = 30 and -25
+    mask = torch.ones(2, 3, dtype=torch.long)
+    spec = MismatchDiagnostics(probability_bins=1, position_buckets=(), top_k=2)
+    res = rc.compute_rollout_correction(lp, rlp, mask, rc.RolloutCorrectionConfig(rollout_is=None, rollout_rs=None),
+                                        diagnostics=spec)
+    m, rows = res.as_floats(), res.diagnostics.rows
+    lr = (lp - rlp).reshape(-1).tolist()
+    for key, term in (("kl", lambda x: -x), ("k3_kl", lambda x: math.expm1(x) - x)):
+        want = sum(term(x) for x in lr) / len(lr)
+        assert m["rollout_corr/" + key] == pytest.approx(want, rel=1e-6)
+        assert m[f"rollout_corr/by_probability/0-1/{key}"] == pytest.approx(want, rel=1e-12)
+        for i in range(2):
+            assert float(rows[key][i]) == pytest.approx(sum(term(x) for x in lr[3 * i:3 * i + 3]) / 3, rel=1e-12)
+    assert torch.equal(rows["kl"], -rows["log_ratio_mean"])
+
+
+def test_abs_log_ratio_std_of_a_small_spread():
+    """|lr| = 12 +- 1e-7 and a constant |lr|: the std from sums centred per rank (before: one-pass sums gave 0.0
+    against 9.95e-8, and 5.3e-9 for a constant)."""
+    g = torch.Generator().manual_seed(2)
+    rlp = -torch.rand(8, 64, generator=g, dtype=torch.float64) - 13.0
+    mask = torch.ones(8, 64, dtype=torch.long)
+    spec = MismatchDiagnostics(top_k=0)
+    cfg = rc.RolloutCorrectionConfig(rollout_is=None, rollout_rs=None)
+    for lr in (12.0 + 1e-7 * torch.randn(8, 64, generator=g, dtype=torch.float64),
+               torch.full((8, 64), 0.3, dtype=torch.float64)):
+        res = rc.compute_rollout_correction(rlp + lr, rlp, mask, cfg, diagnostics=spec)
+        want = float(((rlp + lr) - rlp).abs().std())
+        got = float(res.metrics["rollout_corr/abs_log_ratio_std"])
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-15), (got, want)
+
+
+def test_bucket_labels_are_distinct():
+    """Labels name metric keys: fine probability bins or close entropy edges get more digits (before: 1987 keys for
+    2000 buckets, their tokens summing to more than the batch); the default labels are unchanged; position edges
+    are token positions (ints)."""
+    spec = MismatchDiagnostics(probability_bins=2000, entropy=torch.zeros(1), entropy_edges=(0.5, 0.5000001, 0.6))
+    labels = spec.bucket_labels()
+    for fam in ("probability", "entropy"):
+        assert len(set(labels[fam])) == len(labels[fam]), fam
+    assert labels["entropy"][:2] == ["0-0.5", "0.5-0.5000001"]
+    default = MismatchDiagnostics(entropy=torch.zeros(1)).bucket_labels()
+    assert default["probability"][:2] == ["0-0.1", "0.1-0.2"] and default["entropy"][:2] == ["0-0.1", "0.1-0.5"]
+    lp, rlp, mask, *_ = _inputs()
+    res = rc.compute_rollout_correction(lp, rlp, mask, rc.RolloutCorrectionConfig(rollout_is=None, rollout_rs=None),
+                                        diagnostics=MismatchDiagnostics(probability_bins=2000, top_k=0))
+    counts = [v for k, v in res.as_floats().items() if k.startswith("rollout_corr/by_probability/") and
+              k.endswith("/tokens")]
+    assert len(counts) == 2000 and sum(counts) == int(mask.sum())
+    with pytest.raises(ValueError, match="position_buckets must be ints"):
+        MismatchDiagnostics(position_buckets=(10.5, 20))
 
 
 def test_estimators_converge_to_the_exact_divergences():
