@@ -447,7 +447,8 @@ def make_policy_loss_func(
 
     **Sampling replay** (``sampling``, a :class:`rollout_corr_ext.SamplingParams`; docs/sampling_replay.md): pi_theta's
     log-probs are those of the truncated, renormalised distribution the engine sampled from (its temperature
-    replaces ``temperature``, which must then stay 1.0). Tokens outside the replayed kept set leave the loss (and the
+    replaces ``temperature``, which must then stay 1.0; a per-position tensor field is in ``target``'s row-major
+    order, whatever ``logits_layout``). Tokens outside the replayed kept set leave the loss (and the
     rollout correction) and are counted in ``rollout_corr/sampling_out_of_support_fraction``; so do tokens where a
     (replayed) ``old_log_prob`` is -inf (outside pi_old's kept set), except in bypass mode, which does not read it;
     ``rollout_corr/sampling_kept_mass_mean`` and ``rollout_corr/sampling_log_kept_mass_mean`` report S and log S
@@ -648,6 +649,21 @@ def make_policy_loss_func(
             b_, s_ = target.shape
             kept_tokens = kept_tokens.permute_rows(
                 torch.arange(b_ * s_, device=kept_tokens.offsets.device).reshape(b_, s_).t().reshape(-1))
+
+    if sampling is not None and kept_tokens is None and cu is None and logits_layout == "sbv":
+        # per-position fields follow target's row-major [b, s] order, as every batch tensor; the logits' rows are
+        # [s, b] here, so they are transposed with them (as KeptTokens' rows above)
+        import dataclasses
+
+        b_, s_ = target.shape
+
+        def _sb(v):
+            if isinstance(v, torch.Tensor) and v.dim() and v.numel() == b_ * s_:
+                return v.reshape(b_, s_).t().reshape(-1)
+            return v
+
+        sampling = dataclasses.replace(sampling, **{f: _sb(getattr(sampling, f))
+                                                    for f in ("temperature", "top_k", "top_p", "min_p")})
 
     # MTP head k's targets and weights: target / response_mask k positions further within each sequence. Under CP
     # the next positions may sit on other CP ranks: found on the first loss_func call (one all-gather over seq_group

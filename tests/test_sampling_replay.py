@@ -650,6 +650,40 @@ def test_make_policy_loss_func_replay_from_hidden_states_equals_the_logits_path(
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_make_policy_loss_func_per_position_params_follow_target_order(fused):
+    """Per-position SamplingParams tensors are in target's row-major [b, s] order, as every batch tensor, in either
+    logits layout and on the fused path: the log-probs equal the dense oracle's with each position's own settings
+    (before: at "sbv" they were read in the logits' [s, b] order, silently mixing the positions' settings)."""
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    b, s, h, v = 2, 3, 8, 16
+    g = torch.Generator().manual_seed(61)
+    hidden = torch.randn(b, s, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64)
+    logits = hidden @ weight.t()
+    target = logits.argmax(-1)
+    target[1, 2] = logits[1, 2].argmin()  # outside its kept set
+    temp = 0.7 if fused else torch.tensor([0.3, 0.5, 0.7, 3.0, 2.0, 1.0], dtype=torch.float64)  # fused: one number
+    sp = SamplingParams(temperature=temp, top_k=torch.tensor([1, 2, 3, 8, 6, 4]),
+                        top_p=torch.tensor([1.0, 0.9, 0.8, 0.95, 0.7, 0.6]))
+    want = sampled_log_probs_dense(logits.reshape(-1, v), target.reshape(-1), sp.temperature, sp.top_k,
+                                   sp.top_p)[0].detach().reshape(b, s)
+
+    class Layer:
+        pass
+    layer = Layer()
+    layer.weight, layer.bias = weight, None
+    for layout in ("bsv", "sbv"):
+        x = hidden if fused else logits
+        x = x if layout == "bsv" else x.transpose(0, 1).contiguous()
+        fn = make_policy_loss_func(target, torch.ones(b, s, dtype=torch.float64), torch.ones(b, s, dtype=torch.bool),
+                                   logits_layout=layout, vocab_size=v, sampling=sp,
+                                   output_layer=layer if fused else None)
+        got = fn(x, non_loss_data=True)["log_prob"]
+        assert torch.allclose(got, want, rtol=1e-12, atol=0) and bool(torch.isneginf(got[1, 2])), layout
+
+
 # --------------------------------------------------------------------------------------------- edges, backends
 
 
