@@ -107,6 +107,11 @@ VERL_ACTOR_FIELDS = frozenset((
 ))
 
 
+#: verl 0.9.1's defaults for a missing ``clip_ratio_c``: PPO's dual clip, DPPO's ratio truncation
+DUAL_CLIP_C = 3.0
+DPPO_RATIO_CAP = 20.0
+
+
 @dataclass(frozen=True)
 class PolicyLossConfig:
     """What verl's ``ActorConfig`` carries for the policy loss, validated when built.
@@ -114,7 +119,9 @@ class PolicyLossConfig:
     Args:
         clip_ratio: PPO epsilon, used for both sides unless ``clip_ratio_low`` / ``clip_ratio_high`` are set.
         clip_ratio_low, clip_ratio_high: asymmetric clip ("clip-higher"): r is clipped to [1 - low, 1 + high].
-        clip_ratio_c: dual-clip bound c (> 1): for A < 0 the loss is capped at -A c (arXiv:1912.09729).
+        clip_ratio_c: dual-clip bound c (> 1): for A < 0 the loss is capped at -A c (arXiv:1912.09729); DPPO's
+            truncation of the ratio. None: the loss's own default, as verl's losses read a missing key: 3.0 for
+            PPO's dual clip, 20.0 for ``dppo_tv`` / ``dppo_kl``.
         dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: verl's ``global_batch_info``, the global
             normalisers of :func:`agg_loss` (None: local micro-batch values; ``dp_size > 1`` needs the matching
             global count). Set them per step with :meth:`with_global_batch` (the config is immutable).
@@ -133,7 +140,7 @@ class PolicyLossConfig:
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None
-    clip_ratio_c: float = 3.0
+    clip_ratio_c: Optional[float] = None
     dp_size: int = 1
     batch_num_tokens: Optional[Number] = None
     global_batch_size: Optional[Number] = None
@@ -158,7 +165,7 @@ class PolicyLossConfig:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite float >= 0, got {v!r}")
         c = self.clip_ratio_c
-        if not isinstance(c, (int, float)) or isinstance(c, bool) or not c > 1.0:
+        if c is not None and (not isinstance(c, (int, float)) or isinstance(c, bool) or not c > 1.0):
             raise ValueError(f"clip_ratio_c (the dual-clip bound c) must be > 1.0, got {c!r}")
         if not isinstance(self.dp_size, int) or isinstance(self.dp_size, bool) or self.dp_size < 1:
             raise ValueError(f"dp_size must be an int >= 1, got {self.dp_size!r}")
@@ -204,6 +211,14 @@ class PolicyLossConfig:
     def clip_high(self) -> float:
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
+    def ratio_cap(self, kind: int) -> float:
+        """``clip_ratio_c`` for the fused kind ``kind``, or, when None, that loss's default in verl 0.9.1
+        (``config.get("clip_ratio_c", ...)``: 20.0 in ``compute_policy_loss_dppo_tv`` / ``_dppo_kl``, 3.0 in
+        ``compute_policy_loss_vanilla``)."""
+        if self.clip_ratio_c is not None:
+            return float(self.clip_ratio_c)
+        return DPPO_RATIO_CAP if kind in (LY.PG_KIND_DPPO_TV, LY.PG_KIND_DPPO_KL) else DUAL_CLIP_C
+
     @property
     def global_batch_info(self) -> Dict[str, Any]:
         """The keyword arguments of :func:`agg_loss` (verl's ``config.global_batch_info``)."""
@@ -217,8 +232,9 @@ class PolicyLossConfig:
         verl's ``ActorConfig`` (a dataclass with attribute access and ``.get``), its ``DictConfig`` form (Hydra
         ``_target_``) and a dict carrying verl's ``global_batch_info`` / ``policy_loss`` are read as verl reads them
         in its policy losses: ``clip_ratio``, ``clip_ratio_low`` / ``clip_ratio_high`` (None: ``clip_ratio``),
-        ``clip_ratio_c`` (default 3.0); the normalisers only from ``global_batch_info`` (``dp_size``,
-        ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``; verl's trainer copies the top-level
+        ``clip_ratio_c`` (absent: the loss's own default, as in verl: see :meth:`ratio_cap`); the normalisers only
+        from ``global_batch_info`` (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
+        ``loss_scale_factor``; verl's trainer copies the top-level
         ``loss_scale_factor`` there); ``policy_loss.rollout_correction`` only when ``policy_loss.loss_mode`` is
         ``"bypass_mode"`` (the only loss of verl that reads it). Every other verl field is ignored.
 
@@ -578,12 +594,12 @@ def policy_loss_step(kind: int, old_log_prob, log_prob, advantages, response_mas
     # ValueError naming the token; CUDA: an asynchronous device assert), so nothing here reads a value on the host.
     if rows_grad:
         _, rows = ops.policy_loss_rows(log_prob, old_log_prob, advantages, response_mask, weights, clip_low,
-                                       clip_high, cfg.clip_ratio_c, kind, cu_seqlens, *params, with_loss_mat=False,
+                                       clip_high, cfg.ratio_cap(kind), kind, cu_seqlens, *params, with_loss_mat=False,
                                        first_order=fn)
         loss = aggregation.value(rows[:, LY.PG_ROW_LOSS_SUM], rows[:, LY.PG_ROW_TOKENS])
     else:
         loss, rows = ops.policy_loss(log_prob, old_log_prob, advantages, response_mask, weights, clip_low, clip_high,
-                                     cfg.clip_ratio_c, kind, aggregation, cu_seqlens, *params, first_order=fn)
+                                     cfg.ratio_cap(kind), kind, aggregation, cu_seqlens, *params, first_order=fn)
     if metric_keys is None:
         metric_keys = _PPO_METRICS if kind == LY.PG_KIND_PPO_CLIP else ("actor/ppo_kl",)
     return loss, _row_metrics(rows, metric_keys), rows

@@ -682,7 +682,8 @@ def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optiona
     :func:`logprobs_from_logits` are the raw ones and the replay divides them.
 
     Raises ``ValueError`` when the engine's log-probs are not those of the distribution it drew from (verl's
-    ``logprobs_mode`` other than ``processed_logprobs``, e.g. vLLM's ``raw_logprobs``): the rollout log-probs are
+    ``logprobs_mode`` other than ``processed_logprobs``, e.g. vLLM's ``raw_logprobs``, or None, which leaves vLLM at
+    its default ``raw_logprobs``; an absent key is verl's default, ``processed_logprobs``): the rollout log-probs are
     then of the untruncated distribution, and replaying the truncation on the trainer's side would compare two
     different distributions."""
     rollout = config
@@ -694,8 +695,10 @@ def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optiona
     top_k, top_p = sp.top_k, sp.top_p
     if top_k is None and top_p == 1.0 and sp.min_p == 0.0:
         return None
-    mode = _get(rollout, "logprobs_mode", "processed_logprobs")
-    if mode is not None and mode not in _PROCESSED:
+    mode = _get(rollout, "logprobs_mode", "processed_logprobs")  # an absent key: verl's default
+    if mode is None:  # verl then passes nothing to the engine, which keeps its own default: vLLM's raw_logprobs
+        mode = "None (the engine's default, vLLM's raw_logprobs)"
+    if mode not in _PROCESSED:
         raise ValueError(f"rollout.logprobs_mode={mode!r}: the engine reports the log-probs of its untruncated "
                          f"distribution, but draws from the truncated one (top_k={top_k}, top_p={top_p}), so "
                          f"rollout_log_probs are not the sampling probabilities and replaying the truncation would "

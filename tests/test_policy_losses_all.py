@@ -227,6 +227,11 @@ def test_clip_cov_cap_counts_mask_weights_as_verl_does(mask_dtype):
 # ----------------------------------------------------------------------------------------- fp64 paper oracles
 
 
+def _cap(cfg, verl_default):
+    """clip_ratio_c, or verl 0.9.1's default of that loss for a missing key (config.get("clip_ratio_c", ...))."""
+    return verl_default if cfg.clip_ratio_c is None else cfg.clip_ratio_c
+
+
 def _ratio(lp, old):
     return torch.exp(lp - old)
 
@@ -263,7 +268,7 @@ def _oracle(name, old, lp, adv, mask, cfg):
         elif name == "dppo_tv":  # binary TV trust region |p - p_old| on the advantage's side
             d = torch.exp(x.detach()) - torch.exp(o)
             keep = torch.where(a > 0, d <= hi, d >= -lo).double()
-            tok = -a * torch.clamp(_ratio(x.detach(), o), max=cfg.clip_ratio_c) * x * keep
+            tok = -a * torch.clamp(_ratio(x.detach(), o), max=_cap(cfg, 20.0)) * x * keep
         elif name == "dppo_kl":  # the same with the Bernoulli KL(p_old || p) <= eps as the trust region; a token
             # moving against the advantage's push is always kept (arXiv:2602.04879)
             # (verl adds 1e-8 to both 1 - p's in the log, as the kernel does; the paper does not: no token of these
@@ -271,11 +276,11 @@ def _oracle(name, old, lp, adv, mask, cfg):
             p, q = torch.exp(x.detach()), torch.exp(o)
             kl = q * torch.log(q / p) + (1 - q) * torch.log((1 - q) / (1 - p))
             keep = torch.where(a > 0, (kl <= hi) | (p <= q), (kl <= lo) | (p >= q)).double()
-            tok = -a * torch.clamp(_ratio(x.detach(), o), max=cfg.clip_ratio_c) * x * keep
+            tok = -a * torch.clamp(_ratio(x.detach(), o), max=_cap(cfg, 20.0)) * x * keep
         elif name == "vanilla":  # PPO's clipped surrogate (arXiv:1707.06347), the dual clip for A < 0 (1912.09729)
             r = _ratio(x, o)
             tok = torch.maximum(-a * r, -a * torch.clamp(r, 1 - lo, 1 + hi))
-            tok = torch.where(a < 0, torch.minimum(tok, -a * cfg.clip_ratio_c), tok)
+            tok = torch.where(a < 0, torch.minimum(tok, -a * _cap(cfg, 3.0)), tok)
         elif name == "dro":
             tok = -(x * a) + cfg.dro_beta / 2 * (x - o) ** 2
         elif name in ("gpg",):

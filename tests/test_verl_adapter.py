@@ -680,6 +680,27 @@ def test_register_policy_losses(V):
     assert registry == before
 
 
+@pytest.mark.parametrize("name", ["vanilla", "dppo_tv", "dppo_kl"])
+def test_missing_clip_ratio_c_takes_each_losss_verl_default(V, name):
+    """A config without clip_ratio_c (a DictConfig or dict): each loss falls back to verl's own default for it
+    (config.get("clip_ratio_c", ...): 3.0 in vanilla, 20.0 in dppo_tv / dppo_kl; before: 3.0 everywhere, a
+    different loss and pg_clipfrac_lower for ratios in (3, 20])."""
+    from omegaconf import OmegaConf
+
+    old = torch.tensor([[-2.0, -2.0, -1.0, -1.0]], dtype=torch.float64)
+    lp = torch.tensor([[-0.5, -3.0, -1.0, -1.0]], dtype=torch.float64)  # ratios e^1.5 = 4.48, e^-1, 1, 1
+    adv = torch.tensor([[1.0, -1.0, 1.0, 1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    # wide trust-region bounds: the first token stays in, its ratio between 3 and 20
+    keys = {"clip_ratio": 0.99, "clip_ratio_low": None, "clip_ratio_high": None, "global_batch_info": {}}
+    for cfg in (OmegaConf.create(keys), keys):
+        got = getattr(rv, "compute_policy_loss_" + name)(old, lp, adv, mask, "token-mean", cfg)
+        want = getattr(V.core, "compute_policy_loss_" + name)(old, lp, adv, mask, "token-mean",
+                                                             OmegaConf.create(keys))
+        assert math.isclose(got[0].item(), want[0].item(), rel_tol=1e-12), (name, got[0].item(), want[0].item())
+        assert_metrics(got[1], want[1])
+
+
 # --------------------------------------------------------------------------------------------------- configs
 
 
@@ -800,6 +821,12 @@ def test_sampling_params_from_verl_configs(V):
     assert rv.sampling_params(RolloutConfig(name="vllm", temperature=0.7)) is None  # top_k=-1, top_p=1: no truncation
     with pytest.raises(ValueError, match="logprobs_mode='raw_logprobs'.*processed_logprobs"):
         rv.sampling_params(RolloutConfig(name="vllm", top_p=0.9, logprobs_mode="raw_logprobs"))
+    # None: verl passes no flag and vLLM keeps its default, raw_logprobs (before: accepted, a replay against
+    # untruncated rollout log-probs); an absent key is verl's default, processed_logprobs
+    for cfg in (RolloutConfig(name="vllm", top_p=0.9, logprobs_mode=None), {"top_p": 0.9, "logprobs_mode": None}):
+        with pytest.raises(ValueError, match="logprobs_mode=.*raw_logprobs"):
+            rv.sampling_params(cfg)
+    assert rv.sampling_params({"top_p": 0.9}) == SamplingParams(top_p=0.9)
     with pytest.raises(ValueError, match="SamplingParams.top_p"):
         rv.sampling_params({"top_p": 1.5})
     with pytest.raises(TypeError, match="SamplingParams"):
