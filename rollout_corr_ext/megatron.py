@@ -653,8 +653,6 @@ def make_policy_loss_func(
     if sampling is not None and kept_tokens is None and cu is None and logits_layout == "sbv":
         # per-position fields follow target's row-major [b, s] order, as every batch tensor; the logits' rows are
         # [s, b] here, so they are transposed with them (as KeptTokens' rows above)
-        import dataclasses
-
         b_, s_ = target.shape
 
         def _sb(v):
