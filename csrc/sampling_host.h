@@ -4,12 +4,19 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <initializer_list>
 
 namespace rollout_corr {
 
 inline at::ScalarType sampling_acc_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// The distance between rows of a [rows, cols] tensor whose rows are each contiguous (any stride(1) when cols <= 1):
+// stride(0), which a one-column view (x[:, :1]) keeps too; only a single row has no meaningful one.
+inline int64_t sampling_row_stride(const at::Tensor& t) {
+  return t.size(0) <= 1 ? std::max<int64_t>(1, t.size(1)) : t.stride(0);
+}
 
 inline void check_row_topk(const at::Tensor& values, int64_t k) {
   TORCH_CHECK(values.dim() == 2, "row_topk: values must be 2-D [rows, cols], got ", values.dim(), "-D");

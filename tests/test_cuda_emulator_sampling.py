@@ -128,6 +128,41 @@ def test_scatter_rows(emu, dtype):
     assert emu.scatter_rows(values[:0], index[:0], 9, dtype).shape == (0, 9)
 
 
+@pytest.mark.parametrize("impl", ["emulated", "cpu"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_one_column_views_keep_their_row_stride(emu, impl, dtype):
+    """A one-column view of wider rows (x[:, :1], stride (2, 1): a one-column vocab shard as a view) is read and
+    written at its row stride by every op (before: the stride was taken as 1 for one column, so row r read element r
+    of the storage, and floor_fill / floor_zero_ wrote into the hidden column)."""
+    lib = emu if impl == "emulated" else torch.ops.rollout_corr
+    acc = acc_dtype(dtype)
+    base = torch.tensor([[1.0, 100.0], [2.0, 100.0], [3.0, 100.0]], dtype=dtype)
+    x = base[:, :1]
+    col = x.contiguous()
+    assert torch.equal(lib.row_topk(x, 1), col.to(acc))
+    k, tcol = torch.ones(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)
+    if dtype != torch.float64:  # (fp64 takes the torch path, not this op)
+        got, want = lib.row_candidates(x, k, tcol, 1, 1.0, 1), lib.row_candidates(col, k, tcol, 1, 1.0, 1)
+        assert torch.equal(got[0].reshape(-1), col.reshape(-1).to(got[0].dtype))
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    assert lib.count_at_least(x, torch.full((3,), 50.0, dtype=acc)).tolist() == [0, 0, 0]
+    floor = torch.full((3,), 1.5, dtype=acc)
+    out_base = torch.full((3, 2), 7.0, dtype=dtype)
+    lib.floor_fill(x, floor, 1.0, out_base[:, :1])
+    assert out_base[:, 0].tolist() == [-math.inf, 2.0, 3.0] and out_base[:, 1].tolist() == [7.0] * 3
+    grad_base = torch.full((3, 2), 5.0, dtype=dtype)
+    lib.floor_zero_(grad_base[:, :1], x, floor, 1.0)
+    assert grad_base[:, 0].tolist() == [0.0, 5.0, 5.0] and grad_base[:, 1].tolist() == [5.0] * 3
+    z_max = col.reshape(-1).to(acc)
+    lo = _ordered_key(torch.full((3,), 0.5, dtype=acc))
+    hi = _ordered_key(torch.full((3,), 4.0, dtype=acc))
+    probes = _probes(lo, hi, 2, acc)
+    hist = lib.mass_histogram(x, z_max, torch.full((3,), -math.inf, dtype=acc), lo, hi, probes)
+    assert int(hist.sum()) > 0 and torch.equal(
+        hist, lib.mass_histogram(col, z_max, torch.full((3,), -math.inf, dtype=acc), lo, hi, probes))
+
+
 # ---- the general search: row_topk, mass_histogram ------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

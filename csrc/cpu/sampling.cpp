@@ -190,7 +190,7 @@ at::Tensor row_topk_cpu(const at::Tensor& values, int64_t k) {
   const at::Tensor v = values.stride(1) == 1 || values.size(1) <= 1 ? values : values.contiguous();
   const auto acc = values.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor out = at::empty({v.size(0), k}, v.options().dtype(acc));
-  const int64_t rows = v.size(0), cols = v.size(1), ld = v.size(1) <= 1 ? std::max<int64_t>(1, cols) : v.stride(0);
+  const int64_t rows = v.size(0), cols = v.size(1), ld = sampling_row_stride(v);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v.scalar_type(), "row_topk_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* src = v.data_ptr<scalar_t>();
@@ -958,8 +958,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> row_candidates_cpu(
   const at::Tensor xc = x.stride(1) == 1 || x.size(1) <= 1 ? x : x.contiguous();
   auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
-    CandidateParams<scalar_t> p{xc.data_ptr<scalar_t>(), xc.size(1) <= 1 ? std::max<int64_t>(1, xc.size(1))
-                                                                         : xc.stride(0),
+    CandidateParams<scalar_t> p{xc.data_ptr<scalar_t>(), sampling_row_stride(xc),
                                 valid_cols, kc.data_ptr<int64_t>(), tc.data_ptr<int64_t>(),
                                 static_cast<float>(temperature), temperature == 1.0, width,
                                 values.data_ptr<float>(), index.data_ptr<int64_t>(), count.data_ptr<int64_t>(),

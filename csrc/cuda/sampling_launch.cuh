@@ -53,11 +53,6 @@ inline void check_same_device(const at::Tensor& ref, std::initializer_list<const
   }
 }
 
-// A row stride for [rows, cols] with contiguous rows (a 0- or 1-column tensor may report any stride).
-inline int64_t row_stride(const at::Tensor& t) {
-  return t.size(1) <= 1 ? std::max<int64_t>(1, t.size(1)) : t.stride(0);
-}
-
 template <typename Launch>
 void run_floor_fill(const at::Tensor& x, const at::Tensor& floor, double temperature, const at::Tensor& out,
                     const LaunchKnobs& knobs, Launch&& launch) {
@@ -69,8 +64,9 @@ void run_floor_fill(const at::Tensor& x, const at::Tensor& floor, double tempera
   const SamplingLaunchPlan plan = plan_sampling_launch(rows, row_block_threads(cols, 1), knobs);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "floor_fill", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const FloorParams<scalar_t, acc_t> p{x.const_data_ptr<scalar_t>(), row_stride(x), out.data_ptr<scalar_t>(),
-                                         row_stride(out), f.const_data_ptr<acc_t>(), static_cast<acc_t>(temperature),
+    const FloorParams<scalar_t, acc_t> p{x.const_data_ptr<scalar_t>(), sampling_row_stride(x),
+                                         out.data_ptr<scalar_t>(), sampling_row_stride(out),
+                                         f.const_data_ptr<acc_t>(), static_cast<acc_t>(temperature),
                                          temperature == 1.0, rows, cols};
     launch(floor_fill_kernel<scalar_t, acc_t>, plan.grid, plan.block, p);
   });
@@ -87,8 +83,9 @@ void run_floor_zero(const at::Tensor& grad, const at::Tensor& x, const at::Tenso
   const SamplingLaunchPlan plan = plan_sampling_launch(rows, row_block_threads(cols, 1), knobs);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "floor_zero_", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const FloorParams<scalar_t, acc_t> p{x.const_data_ptr<scalar_t>(), row_stride(x), grad.data_ptr<scalar_t>(),
-                                         row_stride(grad), f.const_data_ptr<acc_t>(), static_cast<acc_t>(temperature),
+    const FloorParams<scalar_t, acc_t> p{x.const_data_ptr<scalar_t>(), sampling_row_stride(x),
+                                         grad.data_ptr<scalar_t>(), sampling_row_stride(grad),
+                                         f.const_data_ptr<acc_t>(), static_cast<acc_t>(temperature),
                                          temperature == 1.0, rows, cols};
     launch(floor_zero_kernel<scalar_t, acc_t>, plan.grid, plan.block, p);
   });
@@ -107,7 +104,7 @@ at::Tensor run_count_at_least(const at::Tensor& z, const at::Tensor& floor, cons
   const SamplingLaunchPlan plan = plan_sampling_launch(rows, row_block_threads(cols, 1), knobs);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "count_at_least", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const CountParams<scalar_t, acc_t> p{zc.const_data_ptr<scalar_t>(), row_stride(zc), rows, cols,
+    const CountParams<scalar_t, acc_t> p{zc.const_data_ptr<scalar_t>(), sampling_row_stride(zc), rows, cols,
                                          f.const_data_ptr<acc_t>(), counts.data_ptr<int64_t>()};
     launch(count_at_least_kernel<scalar_t, acc_t>, plan.grid, plan.block, p);
   });
@@ -161,7 +158,7 @@ at::Tensor run_mass_histogram(const at::Tensor& z, const at::Tensor& z_max, cons
   const SamplingLaunchPlan plan = plan_sampling_launch(rows, row_block_threads(cols, 1), knobs);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "mass_histogram", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const MassParams<scalar_t, acc_t> p{zc.const_data_ptr<scalar_t>(), row_stride(zc), rows, cols,
+    const MassParams<scalar_t, acc_t> p{zc.const_data_ptr<scalar_t>(), sampling_row_stride(zc), rows, cols,
                                         zm.const_data_ptr<acc_t>(), fl.const_data_ptr<acc_t>(),
                                         l.const_data_ptr<int64_t>(), u.const_data_ptr<int64_t>(),
                                         pr.const_data_ptr<int64_t>(), n_probes, hist.data_ptr<int64_t>()};
@@ -197,7 +194,7 @@ at::Tensor run_row_topk(const at::Tensor& values, int64_t k, const LaunchKnobs& 
   const SamplingLaunchPlan plan = plan_sampling_launch(rows, kTopkThreads, knobs);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v.scalar_type(), "row_topk", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const TopkParams<scalar_t, acc_t> p{v.const_data_ptr<scalar_t>(), row_stride(v), rows, v.size(1), k,
+    const TopkParams<scalar_t, acc_t> p{v.const_data_ptr<scalar_t>(), sampling_row_stride(v), rows, v.size(1), k,
                                         out.data_ptr<acc_t>()};
     launch(row_topk_kernel<scalar_t, acc_t>, plan.grid, plan.block, p);
   });
@@ -229,7 +226,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run_row_candidates(
   const SamplingLaunchPlan plan = plan_sampling_launch(rows, kCandidateThreads, knobs);
   auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
-    const CandidateParams<scalar_t> p{xc.const_data_ptr<scalar_t>(), row_stride(xc), rows, valid_cols,
+    const CandidateParams<scalar_t> p{xc.const_data_ptr<scalar_t>(), sampling_row_stride(xc), rows, valid_cols,
                                       kc.const_data_ptr<int64_t>(), tc.const_data_ptr<int64_t>(),
                                       static_cast<float>(temperature), temperature == 1.0, width,
                                       candidate_tile_steps(valid_cols), values.data_ptr<float>(),
