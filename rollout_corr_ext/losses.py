@@ -1472,6 +1472,13 @@ def off_policy_sequence_mask(
     Returns ``(mask, masked_frac)``: ``response_mask`` with the dropped sequences zeroed (its dtype; the input is
     not modified) and the fraction of sequences with tokens that were dropped (a 0-dim tensor; no host sync).
     """
+    mask, dropped, has = _opsm(log_prob, behaviour_log_prob, advantages, response_mask, delta, cu_seqlens, seq_group)
+    return mask, dropped / has.clamp(min=1)
+
+
+def _opsm(log_prob, behaviour_log_prob, advantages, response_mask, delta, cu_seqlens, seq_group):
+    """:func:`off_policy_sequence_mask`'s mask, and its counts of dropped sequences and of sequences with tokens (0-dim,
+    in the accumulation dtype): summed over micro-batches and ranks they give the pooled fraction."""
     check_policy_inputs(behaviour_log_prob, log_prob, advantages, response_mask, old_name="behaviour_log_prob",
                          cu_seqlens=cu_seqlens)
     d = _finite_real("delta", delta)
@@ -1489,8 +1496,7 @@ def off_policy_sequence_mask(
         dropped = has & (sums[1] / n < 0) & (sums[0] / n > d)
         keep = _per_token(~dropped, log_prob, cu_seqlens)
         mask = torch.where(keep, response_mask, torch.zeros((), dtype=response_mask.dtype, device=response_mask.device))
-        frac = dropped.sum().to(acc) / has.sum().clamp(min=1).to(acc)
-    return mask, frac
+    return mask, dropped.sum().to(acc), has.sum().to(acc)
 
 
 def _opsm_aware(fn):
@@ -1555,6 +1561,8 @@ class PolicyStep(NamedTuple):
         whole_batch: the loss is one of :data:`WHOLE_BATCH_LOSSES` (``loss`` and ``loss_metrics`` are its own).
         correction_metrics: the correction's ``rollout_corr/*`` metrics, exact over ``dp_group`` (empty: none ran).
         opsm_frac: ``actor/opsm_masked_frac`` (None: ``opsm_delta`` is off).
+        opsm_counts: its numerator and denominator (dropped sequences, sequences with tokens; None: off), for a
+            caller that sums metrics over micro-batches (megatron's ``[sum, count]`` pairs).
         gspo_x_sum: GSPO's sum of this rank's masked log-ratios, its ``actor/ppo_kl`` numerator (None: not GSPO).
         prox_error: the proximal approximation's error metrics (empty unless ``versions`` and pi_old both came).
     """
@@ -1569,6 +1577,7 @@ class PolicyStep(NamedTuple):
     opsm_frac: Optional[torch.Tensor]
     gspo_x_sum: Optional[torch.Tensor]
     prox_error: Dict[str, torch.Tensor]
+    opsm_counts: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def metrics(self) -> Dict[str, torch.Tensor]:
@@ -1670,11 +1679,11 @@ def policy_step(
         mask, correction_metrics = result.response_mask, result.metrics
         if flow == "decoupled" or rc.loss_type == "reinforce":  # bypass PPO clip: the clipped ratio is the IS ratio
             weights = result.weights
-    opsm_frac = None
+    opsm_frac = opsm_counts = None
     if cfg.opsm_delta is not None:  # DeepSeek-V3.2's off-policy sequence masking, per whole sequence
         behaviour = rollout_log_prob if rollout_log_prob is not None else old
-        mask, opsm_frac = off_policy_sequence_mask(log_prob, behaviour, advantages, mask, cfg.opsm_delta,
-                                                   cu_seqlens=cu_seqlens, seq_group=seq_group)
+        mask, dropped, has = _opsm(log_prob, behaviour, advantages, mask, cfg.opsm_delta, cu_seqlens, seq_group)
+        opsm_frac, opsm_counts = dropped / has.clamp(min=1), (dropped, has)
     gspo_x_sum = None
     share = not whole and loss_share and _seq_world(seq_group) > 1  # the loss aggregated again from the rows, below
     rows_grad = rows_grad or share
@@ -1703,7 +1712,7 @@ def policy_step(
         loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM], counts.row_tokens, loss_agg_mode,
                               _horizon(counts, log_prob, cu_seqlens), **cfg.global_batch_info)
     return PolicyStep(loss, loss_metrics, rows, mask, flow, whole, correction_metrics, opsm_frac, gspo_x_sum,
-                      prox_error)
+                      prox_error, opsm_counts)
 
 
 def compute_policy_loss_decoupled(

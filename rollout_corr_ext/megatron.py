@@ -577,6 +577,19 @@ def make_policy_loss_func(
         raise ValueError(f"target must be a [b, s] tensor of token ids, got {tuple(target.shape)}")
     shape = tuple(target.shape)
     check_mask("response_mask", response_mask, target, "target")
+    if loss_agg_mode == "token-mean" and response_mask.dtype != torch.bool:
+        # num_tokens is an integer count: sum(loss_sum) / sum(num_tokens) over micro-batches and ranks is the global
+        # token mean sum(m L) / sum(m) only for 0 / 1 weights (a fractional mask would weight each micro-batch by its
+        # token count, not by its mask's sum): refused, as megatron's own integer count cannot carry it either
+        frac = (response_mask != 0) & (response_mask != 1)
+        if frac.device.type == "cpu":
+            if bool(frac.any()):
+                at = tuple(int(i) for i in frac.nonzero()[0])
+                raise ValueError(f"response_mask at {at} is {float(response_mask[at])}: loss_agg_mode='token-mean' "
+                                 f"in megatron's loss_func contract needs 0 / 1 weights (num_tokens is a count); use "
+                                 f"a seq-mean-* mode for weighted tokens")
+        else:
+            torch._assert_async(~frac.any(), "response_mask: token-mean in the loss_func contract needs 0 / 1 weights")
     if cu is None and isinstance(advantages, torch.Tensor) and advantages.dim() == 1:
         if advantages.shape[0] != shape[0]:
             raise ValueError(f"advantages of shape [b] must have b = {shape[0]}, got {tuple(advantages.shape)}")
@@ -594,7 +607,17 @@ def make_policy_loss_func(
             raise ValueError(f"proximal must be one of {PROXIMAL_METHODS}, got {proximal!r}")
         if not isinstance(versions, torch.Tensor):
             raise TypeError(f"versions must be an integer tensor, got {type(versions).__name__}")
-        if cu is not None and versions.dim() == 1 and versions.shape[0] == cu.shape[0] - 1 != target.shape[0]:
+        per_seq = cu is not None and versions.dim() == 1 and versions.shape[0] == cu.shape[0] - 1
+        if per_seq and versions.shape[0] == target.shape[0]:
+            # as many sequences as tokens: one version per sequence and one per token read alike only when every
+            # sequence is one token long (and they cover the stream)
+            lengths = cu[1:] - cu[:-1]
+            if not (bool((lengths == 1).all()) and int(cu[-1]) == target.shape[0]):
+                raise ValueError(f"versions: {versions.shape[0]} values for as many packed sequences and tokens, so "
+                                 f"one per sequence and one per token are both possible and differ here; pass "
+                                 f"per-token versions as [1, T] (or [T, 1])")
+            per_seq = False
+        if per_seq:
             versions = torch.repeat_interleave(versions, cu[1:] - cu[:-1], output_size=target.shape[0])
         elif cu is not None and versions.dim() == 2 and 1 in tuple(versions.shape):
             versions = versions.reshape(-1)
@@ -852,9 +875,10 @@ def make_policy_loss_func(
             for i, key in ((1, "actor/pg_clipfrac"), (2, "actor/pg_clipfrac_lower"), (3, "actor/ppo_kl")):
                 v = step.loss_metrics.get(key)
                 pairs[i] = ((v.to(rows.dtype) * (tokens + LY.MASKED_MEAN_EPS)) if v is not None else zero, tokens)
-        if step.opsm_frac is not None:  # the fraction of this micro-batch's sequences dropped (exact over CP)
+        if step.opsm_counts is not None:  # dropped sequences over sequences with tokens (whole sequences, exact
+            # over CP): as a [sum, count] pair, so summing micro-batches and ranks gives the pooled fraction
             names.append("actor/opsm_masked_frac")
-            pairs.append((step.opsm_frac.detach().to(torch.float32), one))
+            pairs.append(tuple(c.detach().to(torch.float32) for c in step.opsm_counts))
         for k, v in step.correction_metrics.items():
             names.append(k)
             pairs.append((v.detach().to(torch.float32), one))

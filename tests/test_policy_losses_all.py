@@ -689,6 +689,38 @@ def test_opsm_context_parallel_equals_one_process(device):
     run_workers(_opsm_cp_worker, 2, lp, beh, adv, mask, device=device)
 
 
+def test_megatron_micro_batches_pool_opsm_and_refuse_weighted_token_mean():
+    """Over micro-batches (megatron sums each [sum, count] pair), actor/opsm_masked_frac is the pooled fraction of
+    dropped sequences (before: [frac, 1], the mean of the micro-batches' fractions); token-mean with a fractional
+    mask is refused by name (num_tokens is a count: the sum over micro-batches would weight each by its token count,
+    not its mask's sum), seq-mean modes take it."""
+    from rollout_corr_ext.megatron import make_policy_loss_func, reported_means
+
+    g = torch.Generator().manual_seed(4)
+    b, s, v = 4, 6, 9
+    logits = torch.randn(s, b, v, generator=g, dtype=torch.float64)
+    target = torch.randint(0, v, (b, s), generator=g)
+    with torch.no_grad():
+        lp = logits.transpose(0, 1).log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    beh = lp + torch.tensor([0.5, 0.0, 0.0, 0.0], dtype=torch.float64).unsqueeze(1)  # row 0 drifted
+    adv = torch.tensor([-1.0, 0.5, -0.3, 0.2], dtype=torch.float64)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    cfg = losses.PolicyLossConfig(opsm_delta=0.1)
+
+    def report(rows):  # pi_old = beh: the behaviour policy of OPSM
+        f = make_policy_loss_func(target[rows], adv[rows], mask[rows], old_log_prob=beh[rows], config=cfg)
+        return f(logits[:, rows])[2]
+
+    key = "actor/opsm_masked_frac"
+    assert reported_means(report(slice(None)))[key] == pytest.approx(0.25)  # 1 of 4 sequences
+    assert reported_means([report(slice(0, 1)), report(slice(1, None))])[key] == pytest.approx(0.25)  # not 0.5
+    weighted = torch.ones(b, s, dtype=torch.float64)
+    weighted[1] = 0.25
+    with pytest.raises(ValueError, match=r"response_mask at \(1, 0\) is 0.25.*token-mean"):
+        make_policy_loss_func(target, adv, weighted, old_log_prob=lp)
+    make_policy_loss_func(target, adv, weighted, old_log_prob=lp, loss_agg_mode="seq-mean-token-mean")(logits)
+
+
 # ----------------------------------------------------------------------------------------- megatron's loss_func
 
 

@@ -409,6 +409,28 @@ def test_lag_buckets_packed_layouts_and_the_token_veto():
     assert res.response_mask.sum() == 0  # the whole sequence, as compute_rollout_correction rejects it
 
 
+def test_megatron_packed_versions_that_could_be_per_sequence_or_per_token():
+    """make_policy_loss_func with packed versions of one value per sequence when there are as many sequences as
+    tokens: refused where the two readings differ (before: silently read as per-sequence), accepted for one-token
+    sequences, where they agree; [1, T] versions are per token."""
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    t, v = 4, 7
+    target = torch.randint(0, v, (t,), generator=torch.Generator().manual_seed(0))
+    lp = torch.full((t,), -1.0, dtype=torch.float64)
+    kw = dict(old_log_prob=lp, current_version=10)
+    versions = torch.tensor([10, 8, 8, 9])
+    with pytest.raises(ValueError, match="one per sequence and one per token are both possible"):
+        make_policy_loss_func(target, torch.ones(1, t), torch.ones(t, dtype=torch.bool), versions=versions,
+                              cu_seqlens=torch.tensor([0, 2, 2, 2, 4]), **kw)
+    logits = torch.randn(t, 1, v, dtype=torch.float64)
+    for cu, vs in ((torch.tensor([0, 1, 2, 3, 4]), versions), (torch.tensor([0, 2, 2, 2, 4]), versions[None])):
+        out = make_policy_loss_func(target, torch.ones(1, t), torch.ones(t, dtype=torch.bool), versions=vs,
+                                    cu_seqlens=cu, **kw)(logits)
+        pair = out[2]["rollout_corr/staleness_mean"]
+        assert float(pair[0] / pair[1]) == pytest.approx((0 + 2 + 2 + 1) / 4)
+
+
 def test_proximal_error_metrics_of_no_tokens_is_nan():
     """A mean over no response tokens is NaN, as staleness_metrics and debug_metrics give (it read 0.0: a perfect
     approximation); non-float inputs are refused by name."""
