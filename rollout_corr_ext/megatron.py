@@ -678,7 +678,7 @@ def make_policy_loss_func(
         # [s, b] here, so they are transposed with them (as KeptTokens' rows above)
         b_, s_ = target.shape
 
-        def _sb(v):
+        def _sb(v):  # SamplingParams takes 1-D tensors only: [b * s] in target's row-major order
             if isinstance(v, torch.Tensor) and v.dim() and v.numel() == b_ * s_:
                 return v.reshape(b_, s_).t().reshape(-1)
             return v
@@ -889,9 +889,9 @@ def make_policy_loss_func(
             pairs.append((torch.where(valid_t, lag, torch.zeros_like(lag)).sum().float(), valid_t.sum().float()))
         if step.prox_error:  # exact over dp_group already: weighted by this rank's tokens, its mean is unchanged
             n_given = (given != 0).sum().float()
-            for k, v in step.prox_error.items():
+            for k, v in step.prox_error.items():  # a micro-batch without tokens adds (0, 0), not its NaN mean
                 names.append(k)
-                pairs.append((v.float() * n_given, n_given))
+                pairs.append((torch.where(n_given > 0, v.float() * n_given, torch.zeros_like(n_given)), n_given))
         for k, pair in enumerate(mtp_pairs, 1):
             names.append(f"actor/mtp_{k}_loss")
             pairs.append(pair)

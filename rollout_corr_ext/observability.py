@@ -174,9 +174,10 @@ class MismatchDiagnostics:
                     or any(b <= a for a, b in zip(v, v[1:])):
                 raise ValueError(f"diagnostics.{name} must be strictly increasing finite numbers, got {v!r}")
             object.__setattr__(self, name, v)
-        if any(isinstance(x, float) for x in self.position_buckets) or any(x < 1 for x in self.position_buckets):
-            raise ValueError(f"diagnostics.position_buckets must be ints >= 1 (token positions), got "
-                             f"{self.position_buckets!r}")
+        pb = self.position_buckets
+        if any(x != int(x) or x < 1 for x in pb):  # integral floats (64.0, from a YAML / JSON config) are taken
+            raise ValueError(f"diagnostics.position_buckets must be whole numbers >= 1 (token positions), got {pb!r}")
+        object.__setattr__(self, "position_buckets", tuple(int(x) for x in pb))
         if (self.versions is None) != (self.current_version is None):
             raise ValueError("diagnostics.versions and diagnostics.current_version go together (one is missing)")
         if self.current_version is not None and (isinstance(self.current_version, bool)

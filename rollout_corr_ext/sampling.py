@@ -283,7 +283,8 @@ def _row_topk(pieces, width: int) -> torch.Tensor:
 
 def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, rows_active: torch.Tensor, lead,
              group, world: int, allow_fast_top_p: bool = True, chunks=None, pieces=None, row_id=None,
-             what: str = "logit in row {} of the flattened logits", with_log_s: bool = True) -> KeptSet:
+             what: str = "logit in row {} of the flattened logits", with_log_s: bool = True,
+             extra_settings=()) -> KeptSet:
     """Each row's threshold (the kept set is ``{u: z_u >= threshold}``) and the log of the kept set's mass under
     ``softmax(z)``; ``z_of(r0, r1)`` gives rows ``r0:r1`` of the scaled logits (-inf at excluded columns).
     Collective over ``group`` (every rank calls it with its shard). The local passes run ``CHUNK_ROWS`` rows at a
@@ -291,7 +292,8 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
     pieces instead of ``z_of``); the per-row decisions (max, k-th value, top-p threshold) are exchanged as small
     summaries. ``allow_fast_top_p=False`` forces the general top-p search (the tests hold the two to the same kept
     sets). ``row_id(i)``: the caller's row of row ``i``, ``what``: how an error names it. ``with_log_s=False``: no
-    log S (``log_kept_mass`` None), one pass over the logits less."""
+    log S (``log_kept_mass`` None), one pass over the logits less. ``extra_settings``: the caller's settings
+    (``ignore_index``, the logits' dtype, ...) that join ``params`` in the fingerprint every rank compares."""
     if chunks is None:
         chunks = [(r0, min(r0 + CHUNK_ROWS, n)) for r0 in range(0, n, CHUNK_ROWS)]
     if pieces is None:
@@ -327,7 +329,7 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
         else:
             z_max[r0:r1] = _row_max(parts(r0, r1), r1 - r0, acc, device)
     z_max = _refuse_non_finite(z_max, rows_active, group, world, "sampled_log_probs", what, row_id,
-                               settings=lambda: _sampling_settings(params, acc))
+                               settings=lambda: _sampling_settings(params, acc, *extra_settings))
     z_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))  # an all -inf row is refused later
 
     # min-p: p_u >= min_p * p_max, i.e. z_u >= z_max + log(min_p) (in fp64; as a threshold in z's dtype)
@@ -631,7 +633,7 @@ def sampled_log_probs(
             return res
     with torch.no_grad():
         th = kept_set(z_of, n, local_vocab, acc, logits.device, sampling, active, lead, tp_group, world,
-                      with_log_s=not scalar_t)
+                      with_log_s=not scalar_t, extra_settings=(ignore_index, logits.dtype))
         tau = torch.where(active, th.threshold, torch.full_like(th.threshold, -math.inf))  # ignored rows: untouched
     if scalar_t:  # the kernels' own chunked path: no masked copy of the logits, log S from their row states
         logp, entropy, log_s = _FlooredLogProbs.apply(logits2d, target1d, tau.contiguous(), tp_group, world,
@@ -1125,7 +1127,8 @@ def sampled_linear_log_probs(
         th = kept_set(None, m, v_local, acc, hidden.device, params, active, (m,), tp_group, a.world,
                       chunks=[(r0, r1) for r0, r1, _ in rows], pieces=pieces,
                       row_id=None if valid is None else (lambda i: int(valid[i])),
-                      what="logit from row {} of the flattened hidden states (hidden, weight or bias holds NaN / inf)")
+                      what="logit from row {} of the flattened hidden states (hidden, weight or bias holds NaN / inf)",
+                      extra_settings=(a.ignore_index, a.inv_temp, hidden.dtype, weight.dtype))
         floor = torch.full((n,), -math.inf, dtype=acc, device=hidden.device)
         log_s = torch.zeros(n, dtype=acc, device=hidden.device)
         th_floor = torch.where(active, th.threshold, torch.full_like(th.threshold, -math.inf))

@@ -250,6 +250,8 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     if per_row or per_seq:  # the per-row / per-sequence versions, checked as the per-token ones are below
         unit_versions = _versions(versions, versions)
     if per_seq:  # per token
+        if versions.device != response_mask.device:
+            raise ValueError(f"versions is on {versions.device} but the log-probs are on {response_mask.device}")
         versions = torch.repeat_interleave(versions, cu[1:] - cu[:-1], output_size=int(response_mask.numel()))
         versions = versions.reshape(response_mask.shape)
     v = _versions(versions, response_mask)

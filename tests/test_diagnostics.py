@@ -212,8 +212,9 @@ def test_bucket_labels_are_distinct():
     counts = [v for k, v in res.as_floats().items() if k.startswith("rollout_corr/by_probability/") and
               k.endswith("/tokens")]
     assert len(counts) == 2000 and sum(counts) == int(mask.sum())
-    with pytest.raises(ValueError, match="position_buckets must be ints"):
+    with pytest.raises(ValueError, match="position_buckets must be whole numbers"):
         MismatchDiagnostics(position_buckets=(10.5, 20))
+    assert MismatchDiagnostics(position_buckets=(64.0, 128)).bucket_labels()["position"] == ["0-63", "64-127", "128+"]
 
 
 def test_estimators_converge_to_the_exact_divergences():

@@ -391,8 +391,12 @@ def _refusal_tp_worker(rank, world):
                      SamplingParams(top_p=torch.tensor([0.9, 0.9, 0.9, 0.8])))):
         refused("different settings", lambda: sampled_log_probs(shard, target, odd if other else sp, group,
                                                                  vocab_size=40))
-    refused("different settings", lambda: sampled_log_probs(shard, target, cand, group, vocab_size=40,
-                                                             ignore_index=12 if other else -100))
+    for sp in (cand, SamplingParams(top_p=0.9), SamplingParams(temperature=torch.full((4,), 0.7), top_k=4)):
+        refused("different settings", lambda: sampled_log_probs(shard, target, sp, group, vocab_size=40,
+                                                                 ignore_index=12 if other else -100))
+    # (bf16 against fp32: the same fp32 exchange; fp64 against fp32 would change its size)
+    refused("different settings", lambda: sampled_log_probs(shard.bfloat16() if other else shard, target,
+                                                             SamplingParams(top_p=0.9), group, vocab_size=40))
     # shards that overlap or leave a gap: named as such (before: "every kept id ... has a -inf logit")
     refused("hold .* kept ids .* overlap or leave gaps", lambda: kept_log_probs(shard, target, kept, group,
                                                                                 vocab_start=0, vocab_size=40))
