@@ -36,6 +36,18 @@ def check_cu_seqlens(log_prob: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
     return cu
 
 
+def refuse_ambiguous_per_sequence(name: str, n_values: int, cu: torch.Tensor, num_tokens: int, fix: str) -> None:
+    """A packed [N] value with as many sequences as tokens reads as one per sequence or one per token; the two agree
+    only when every sequence is one token long and they cover the stream. Otherwise raise, naming ``name`` (a host
+    read, only in this case)."""
+    if n_values != cu.shape[0] - 1 or n_values != num_tokens:
+        return
+    if bool(((cu[1:] - cu[:-1]) == 1).all()) and int(cu[-1]) == num_tokens:
+        return
+    raise ValueError(f"{name} of shape [{n_values}] is ambiguous: {n_values} packed sequences (some empty) and as "
+                     f"many tokens, so one per sequence and one per token are both possible and differ here; {fix}")
+
+
 def _nonzero_divisor(den: torch.Tensor, like: torch.Tensor):
     """``(den != 0, den with 1 where it is 0)``, ``den`` in ``like``'s dtype and device: both selects of
     :func:`safe_div`, the divisor's too, so that the gradient at den == 0 is 0 / 1, not 0 / 0."""

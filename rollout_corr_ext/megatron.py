@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import _layout as LY
 from . import logprobs as _lp
-from ._checks import safe_div
+from ._checks import refuse_ambiguous_per_sequence, safe_div
 from .losses import (
     PolicyLossConfig,
     as_policy_config,
@@ -560,14 +560,11 @@ def make_policy_loss_func(
             cu = _zigzag_boundaries(cu, target.shape[0], seq_world, dist.get_rank(seq))
         cu = cu.to(target.device)
         num_seqs = cu.shape[0] - 1
-        if isinstance(advantages, torch.Tensor) and advantages.dim() == 1 and advantages.shape[0] == num_seqs \
-                and num_seqs == target.shape[0] and not bool(((cu[1:] - cu[:-1]) == 1).all()):
-            # As many sequences as tokens, with empty segments: [N] could be either, and they differ (a host read,
-            # only in this case).
-            raise ValueError(f"advantages of shape [{num_seqs}] is ambiguous: cu_seqlens has {num_seqs} sequences "
-                             f"(some empty) and the stream {num_seqs} tokens. Pass per-token advantages as "
-                             f"[1, {num_seqs}], or expand per-sequence ones to the tokens yourself "
-                             f"(torch.repeat_interleave(advantages, cu_seqlens.diff()))")
+        if isinstance(advantages, torch.Tensor) and advantages.dim() == 1:
+            refuse_ambiguous_per_sequence("advantages", advantages.shape[0], cu, target.shape[0],
+                                          f"pass per-token advantages as [1, {num_seqs}], or expand per-sequence "
+                                          f"ones to the tokens yourself (torch.repeat_interleave(advantages, "
+                                          f"cu_seqlens.diff()))")
         if isinstance(advantages, torch.Tensor) and advantages.dim() == 1 and advantages.shape[0] == num_seqs \
                 and num_seqs != target.shape[0]:
             advantages = torch.repeat_interleave(advantages, cu[1:] - cu[:-1], output_size=target.shape[0])
@@ -609,13 +606,8 @@ def make_policy_loss_func(
             raise TypeError(f"versions must be an integer tensor, got {type(versions).__name__}")
         per_seq = cu is not None and versions.dim() == 1 and versions.shape[0] == cu.shape[0] - 1
         if per_seq and versions.shape[0] == target.shape[0]:
-            # as many sequences as tokens: one version per sequence and one per token read alike only when every
-            # sequence is one token long (and they cover the stream)
-            lengths = cu[1:] - cu[:-1]
-            if not (bool((lengths == 1).all()) and int(cu[-1]) == target.shape[0]):
-                raise ValueError(f"versions: {versions.shape[0]} values for as many packed sequences and tokens, so "
-                                 f"one per sequence and one per token are both possible and differ here; pass "
-                                 f"per-token versions as [1, T] (or [T, 1])")
+            refuse_ambiguous_per_sequence("versions", versions.shape[0], cu, target.shape[0],
+                                          "pass per-token versions as [1, T] (or [T, 1])")
             per_seq = False
         if per_seq:
             versions = torch.repeat_interleave(versions, cu[1:] - cu[:-1], output_size=target.shape[0])

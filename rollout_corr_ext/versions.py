@@ -26,7 +26,7 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
-from ._checks import check_cu_seqlens
+from ._checks import check_cu_seqlens, refuse_ambiguous_per_sequence
 
 __all__ = ["PROXIMAL_METHODS", "proximal_log_prob", "staleness_metrics", "proximal_error_metrics",
            "compute_rollout_correction_by_lag", "policy_lag"]
@@ -228,14 +228,10 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     per_seq = False
     if packed and isinstance(versions, torch.Tensor) and versions.dim() == 1 and versions.shape[0] == n_seq:
         per_seq = True
-        if tuple(versions.shape) == tuple(response_mask.shape):
-            # as many sequences as tokens: one version per sequence and one per token read alike only when every
-            # sequence is one token long and they cover the stream; otherwise the two readings differ
-            lengths = cu[1:] - cu[:-1]
-            if not (bool((lengths == 1).all()) and int(cu[-1]) == response_mask.numel()):
-                raise ValueError(f"versions: {n_seq} values for {n_seq} packed sequences and as many tokens, so one "
-                                 f"per sequence and one per token are both possible and differ here; give the stream "
-                                 f"as [1, T] (log-probs, response_mask and per-token versions) to say which")
+        if response_mask.dim() == 1:
+            refuse_ambiguous_per_sequence("versions", n_seq, cu, response_mask.numel(),
+                                          "give the stream as [1, T] (log-probs, response_mask and per-token "
+                                          "versions) to say which")
     # the token veto rejects a whole sequence for any token under it: a sequence-level decision too
     whole = [c for c in cfgs if (c.is_spec is not None and c.is_spec.level != "token") or c.rollout_is_batch_normalize
              or any(r.level != "token" for r in c.rs_criteria) or c.rollout_token_veto_threshold is not None]
