@@ -43,6 +43,21 @@ def _check(name: str, t, ref: torch.Tensor) -> None:
         raise ValueError(f"{name} is on {t.device} but log_prob is on {ref.device}")
 
 
+def _centred(x: torch.Tensor, valid: torch.Tensor, total: torch.Tensor, n1: torch.Tensor,
+             zero: torch.Tensor) -> torch.Tensor:
+    """``x`` minus this rank's mean ``total / n1`` at valid tokens, 0 elsewhere: the summands of a rank's centred
+    (co)moments, which do not cancel when the values spread little around a large mean."""
+    return torch.where(valid, x - total / n1, zero)
+
+
+def _pooled_comoment(centred: torch.Tensor, between: torch.Tensor, sx: torch.Tensor, sy: torch.Tensor,
+                     n1: torch.Tensor) -> torch.Tensor:
+    """The co-moment ``sum (x - mean_x)(y - mean_y)`` of ranks combined by SUM (Chan, Golub & LeVeque 1979): each
+    rank sends its centred ``C_r`` and its between-means ``S_xr S_yr / n_r``; pooled, ``M = sum_r [C_r + S_xr S_yr
+    / n_r] - S_x S_y / N``, whose bracketed second part is exactly ``S_x S_y / N`` on one rank."""
+    return centred + (between - sx * sy / n1)
+
+
 def debug_metrics(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, *,
                   dp_group=None) -> Dict[str, torch.Tensor]:
     """verl's ``calculate_debug_metrics`` on tensors (any shape, e.g. ``[B, T]`` or a packed ``[T]`` stream):
@@ -59,18 +74,17 @@ def debug_metrics(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, respon
     with torch.no_grad():
         valid = response_mask != 0
         zero = torch.zeros((), dtype=torch.float64, device=log_prob.device)
-        # p - 1 and q - 1 (expm1: exact for confident tokens, p near 1), then each statistic from sums centred on
-        # this rank's means plus the rank's between-means term: one-pass sums of p p, q q, p q cancel to nothing
-        # when the probabilities spread little (a Pearson correlation outside [-1, 1]); verl centres too
-        # (torch.std, torch.corrcoef). Combining ranks by SUM (Chan, Golub & LeVeque 1979): M2 = sum_r [M2_r +
-        # S_r^2 / n_r] - S^2 / N, whose bracketed second part is exactly S^2 / N on one rank.
+        # p - 1 and q - 1 (expm1: exact for confident tokens, p near 1), then each statistic from centred sums
+        # pooled over ranks (_pooled_comoment): one-pass sums of p p, q q, p q cancel to nothing when the
+        # probabilities spread little (a Pearson correlation outside [-1, 1]); verl centres too (torch.std,
+        # torch.corrcoef).
         p = torch.where(valid, torch.expm1(log_prob.detach().double()), zero)
         q = torch.where(valid, torch.expm1(rollout_log_prob.detach().double()), zero)
         d = (p - q).abs()
         n = valid.sum().double()
         n1 = n.clamp(min=1)
         sd, sp, sq = d.sum(), p.sum(), q.sum()
-        dc, pc, qc = (torch.where(valid, x - s / n1, zero) for x, s in ((d, sd), (p, sp), (q, sq)))
+        dc, pc, qc = (_centred(x, valid, s, n1, zero) for x, s in ((d, sd), (p, sp), (q, sq)))
         sums = torch.stack([n, sd, sp, sq, (dc * dc).sum(), (pc * pc).sum(), (qc * qc).sum(), (pc * qc).sum(),
                             sd * sd / n1, sp * sp / n1, sq * sq / n1, sp * sq / n1])
         dmax = torch.where(valid, d, torch.full_like(d, -math.inf)).amax() if d.numel() else zero - math.inf
@@ -83,11 +97,11 @@ def debug_metrics(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, respon
         has = n > 0
         n1 = n.clamp(min=1)
         mean = sd / n1
-        var = (cdd + (bdd - sd * sd / n1)) / (n - 1).clamp(min=1)  # Bessel-corrected, as torch.std
+        var = _pooled_comoment(cdd, bdd, sd, sd, n1) / (n - 1).clamp(min=1)  # Bessel-corrected, as torch.std
         std = torch.where(n > 1, var.clamp(min=0).sqrt(), nan)
-        cov = cpq + (bpq - sp * sq / n1)
-        vp = (cpp + (bpp - sp * sp / n1)).clamp(min=0)
-        vq = (cqq + (bqq - sq * sq / n1)).clamp(min=0)
+        cov = _pooled_comoment(cpq, bpq, sp, sq, n1)
+        vp = _pooled_comoment(cpp, bpp, sp, sp, n1).clamp(min=0)
+        vq = _pooled_comoment(cqq, bqq, sq, sq, n1).clamp(min=0)
         corr = (cov / (vp * vq).sqrt()).clamp(-1.0, 1.0)  # NaN stays NaN (a constant side: undefined, as verl)
         out = {
             DEBUG_METRIC_KEYS[0]: has.double(),
@@ -408,10 +422,10 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
     rev = rl - rm1
     js = 0.5 * (rl - (1.0 + r) * (torch.nn.functional.softplus(l20) - _LN2))
     w = _Wire()
-    # |lr|'s spread from sums centred on this rank's mean, plus the rank's S^2 / n (Chan, Golub & LeVeque 1979):
-    # M2 = sum_r [M2_r + S_r^2 / n_r] - S^2 / N, no cancellation of a small spread against a large mean
+    # |lr|'s spread from centred sums pooled over ranks (_pooled_comoment): no cancellation of a small spread
+    # against a large mean
     n_loc, s_loc = stats[:, 0].sum(), stats[:, 1].sum()
-    centred = torch.where(valid, abs_lr - s_loc / n_loc.clamp(min=1), zero)
+    centred = _centred(abs_lr, valid, s_loc, n_loc.clamp(min=1), zero)
     w.sum_parts.append(("scalars", torch.stack([n_loc, s_loc, (centred * centred).sum(),
                                                 s_loc * s_loc / n_loc.clamp(min=1), rev.sum(), js.sum()])))
     w.max_parts.append(("abs_max", (torch.where(valid, abs_lr, ninf).amax() if n_tok else ninf).reshape(1)))
@@ -548,7 +562,7 @@ def finalize_diagnostics(spec: MismatchDiagnostics, wire: _Wire, sums: torch.Ten
     has = n > 0
     n1 = n.clamp(min=1)
     mean_abs = s_abs / n1
-    var = (m2_abs + (b_abs - s_abs * s_abs / n1)) / (n - 1).clamp(min=1)
+    var = _pooled_comoment(m2_abs, b_abs, s_abs, s_abs, n1) / (n - 1).clamp(min=1)
     m = {prefix + "abs_log_ratio_mean": torch.where(has, mean_abs, nan),
          prefix + "abs_log_ratio_max": torch.where(has, p["abs_max"][0], nan),
          prefix + "abs_log_ratio_std": torch.where(n > 1, var.clamp(min=0).sqrt(), nan),
