@@ -3,6 +3,8 @@ module, so that nothing but ``ops.py`` imports the fallback."""
 
 from __future__ import annotations
 
+from typing import Callable, Tuple
+
 import torch
 
 _CU_MSG = "cu_seqlens must start at 0, never decrease and end at the number of packed tokens"
@@ -34,6 +36,16 @@ def check_cu_seqlens(log_prob: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
     elif not bool(ok):
         raise ValueError(f"{_CU_MSG} ({log_prob.shape[0]}): got {cu.tolist()}")
     return cu
+
+
+def refuse_where(bad: torch.Tensor, describe: Callable[[Tuple[int, ...]], str], device_msg: str) -> None:
+    """A value check at the boundary: on CPU a ValueError ``describe(index)`` naming the first index where ``bad``
+    holds; on CUDA an asynchronous device assert with ``device_msg`` (no host sync)."""
+    if bad.device.type == "cpu":
+        if bool(bad.any()):
+            raise ValueError(describe(tuple(int(i) for i in bad.nonzero()[0])))
+    else:
+        torch._assert_async(~bad.any(), device_msg)
 
 
 def refuse_ambiguous_per_sequence(name: str, n_values: int, cu: torch.Tensor, num_tokens: int, fix: str) -> None:

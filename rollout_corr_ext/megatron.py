@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import _layout as LY
 from . import logprobs as _lp
-from ._checks import refuse_ambiguous_per_sequence, safe_div
+from ._checks import refuse_ambiguous_per_sequence, refuse_where, safe_div
 from .losses import (
     PolicyLossConfig,
     as_policy_config,
@@ -187,11 +187,7 @@ def _packed_boundaries(packed_seq_params, cu_seqlens, cp_size: int, per_sequence
     msg = (f"packed sequences under context parallelism ({cp_size} ranks): every padded sequence length "
            f"(cu_seqlens_q_padded) must be divisible by 2 * cp = {2 * cp_size} (megatron's per-document split); "
            f"a batch split with use_per_sequence_balancing needs make_policy_loss_func(use_per_sequence_balancing=True)")
-    if cu.device.type == "cpu":
-        if bool(uneven):
-            raise ValueError(msg)
-    else:  # no host sync on a GPU: a device-side assert
-        torch._assert_async(uneven.logical_not(), msg)
+    refuse_where(uneven, lambda at: msg, msg)
     return cu // cp_size
 
 
@@ -579,14 +575,10 @@ def make_policy_loss_func(
         # token mean sum(m L) / sum(m) only for 0 / 1 weights (a fractional mask would weight each micro-batch by its
         # token count, not by its mask's sum): refused, as megatron's own integer count cannot carry it either
         frac = (response_mask != 0) & (response_mask != 1)
-        if frac.device.type == "cpu":
-            if bool(frac.any()):
-                at = tuple(int(i) for i in frac.nonzero()[0])
-                raise ValueError(f"response_mask at {at} is {float(response_mask[at])}: loss_agg_mode='token-mean' "
-                                 f"in megatron's loss_func contract needs 0 / 1 weights (num_tokens is a count); use "
-                                 f"a seq-mean-* mode for weighted tokens")
-        else:
-            torch._assert_async(~frac.any(), "response_mask: token-mean in the loss_func contract needs 0 / 1 weights")
+        refuse_where(frac, lambda at: f"response_mask at {at} is {float(response_mask[at])}: loss_agg_mode="
+                                      f"'token-mean' in megatron's loss_func contract needs 0 / 1 weights (num_tokens "
+                                      f"is a count); use a seq-mean-* mode for weighted tokens",
+                     "response_mask: token-mean in the loss_func contract needs 0 / 1 weights")
     if cu is None and isinstance(advantages, torch.Tensor) and advantages.dim() == 1:
         if advantages.shape[0] != shape[0]:
             raise ValueError(f"advantages of shape [b] must have b = {shape[0]}, got {tuple(advantages.shape)}")

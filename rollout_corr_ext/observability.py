@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import _layout as LY
+from ._checks import refuse_where
 
 __all__ = ["DEBUG_METRIC_KEYS", "debug_metrics", "MismatchDiagnostics", "DiagnosticsOutput", "Histogram",
            "BREAKDOWNS", "BUCKET_STATS", "log_histograms"]
@@ -463,13 +464,8 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
             raise ValueError(f"diagnostics.entropy must have log_prob's shape {tuple(log_prob.shape)}, got "
                              f"{tuple(ent.shape)}")
         bad = valid & ~torch.isfinite(ent)  # a NaN would land in the first bucket unseen
-        if bad.device.type == "cpu":
-            if bool(bad.any()):
-                at = tuple(int(i) for i in bad.nonzero()[0])
-                raise ValueError(f"diagnostics.entropy at response token {at} is {float(ent[at])}: entropies must "
-                                 f"be finite")
-        else:
-            torch._assert_async(~bad.any(), "diagnostics.entropy must be finite at response tokens")
+        refuse_where(bad, lambda at: f"diagnostics.entropy at response token {at} is {float(ent[at])}: entropies "
+                                     f"must be finite", "diagnostics.entropy must be finite at response tokens")
         fam_idx["entropy"] = _count_at_least(ent.detach().to(f64), spec.entropy_edges)
     if spec.turn_ids is not None:
         tid = _like("turn_ids", spec.turn_ids, log_prob, True)

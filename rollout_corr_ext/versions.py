@@ -26,7 +26,7 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
-from ._checks import check_cu_seqlens, refuse_ambiguous_per_sequence
+from ._checks import check_cu_seqlens, refuse_ambiguous_per_sequence, refuse_where
 
 __all__ = ["PROXIMAL_METHODS", "proximal_log_prob", "staleness_metrics", "proximal_error_metrics",
            "compute_rollout_correction_by_lag", "policy_lag"]
@@ -62,13 +62,9 @@ def policy_lag(versions: torch.Tensor, current_version: int, valid: torch.Tensor
     a ValueError naming the first on CPU, an asynchronous device assert on CUDA (no host sync)."""
     lag = current_version - versions.to(torch.int64)
     bad = valid & (lag < 0)
-    if bad.device.type == "cpu":
-        if bool(bad.any()):
-            pos = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"{name} at response token {pos} is {int(versions[pos])}, newer than current_version "
-                             f"{current_version}")
-    else:
-        torch._assert_async(~bad.any(), "a response token's version is newer than current_version")
+    refuse_where(bad, lambda at: f"{name} at response token {at} is {int(versions[at])}, newer than "
+                                 f"current_version {current_version}",
+                 "a response token's version is newer than current_version")
     return lag
 
 
