@@ -13,7 +13,8 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _layout as LY
-from .._checks import acc_dtype as _acc_dtype, check_cu_seqlens as _check_cu_seqlens, masked as _masked
+from .._checks import (acc_dtype as _acc_dtype, check_cu_seqlens as _check_cu_seqlens, masked as _masked,
+                       refuse_where)
 
 
 def _policy_token_terms(lp, old, adv, w, clip_low, clip_high, clip_c, loss_kind, param_a=0.0, param_b=0.0):
@@ -109,13 +110,9 @@ def _check_defined_loss(kind: int, old_log_prob, log_prob, advantages, response_
     bad = _undefined_loss_tokens(kind, old_log_prob, log_prob, advantages, response_mask, weights, loss)
     what = ("log_prob / old_log_prob NaN or +inf, both -inf (PPO), log_prob -inf (REINFORCE), non-finite "
             "advantages / IS weights, or (the other kinds) a non-finite input or token loss")
-    if bad.device.type == "cpu":
-        if bool(bad.any()):
-            pos = tuple(int(i) for i in bad.nonzero()[0])
-            raise ValueError(f"policy loss undefined at response token {pos}: {what} (mask the token out, or fix the "
-                             f"log-probs; a target at a -inf logit has log-prob -inf)")
-    else:  # no host sync: an asynchronous device assert
-        torch._assert_async(~bad.any(), f"policy loss undefined at a response token: {what}")
+    refuse_where(bad, lambda at: f"policy loss undefined at response token {at}: {what} (mask the token out, or fix "
+                                 f"the log-probs; a target at a -inf logit has log-prob -inf)",
+                 f"policy loss undefined at a response token: {what}")
 
 
 def policy_loss_rows(
