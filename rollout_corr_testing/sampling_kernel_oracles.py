@@ -137,3 +137,19 @@ def candidate_decide_oracle(cand, z_max, z_t, sum_all, k, floor, top_p):
         out[r, 2] = min(lse - m - math.log(float(sum_all[r])), 0.0)
         out[r, 3] = lse
     return tau, out
+
+
+def scatter_rows_case(dtype):
+    """``(values [6, 5], index [6, 5], want [6, 40] fp64)`` for ``scatter_rows(values, index, 40, dtype)``: random
+    distinct columns per row, a partly and a wholly ignored row (index -1), the expected rows written one by one."""
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(6, 5, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    index = torch.stack([torch.randperm(40, generator=g)[:5] for _ in range(6)])
+    index[2, 3:] = -1
+    index[4] = -1
+    want = torch.zeros(6, 40, dtype=torch.float64)
+    for r in range(6):
+        for w in range(5):
+            if index[r, w] >= 0:
+                want[r, index[r, w]] = float(values[r, w])
+    return values, index, want

@@ -23,7 +23,7 @@ from rollout_corr_ext import ops
 from rollout_corr_ext.sampling import _ordered_key, _probes
 from rollout_corr_testing.cuda_emulator.loader import load_emulator
 from rollout_corr_testing.sampling_kernel_oracles import (acc_dtype, candidate_decide_oracle, mass_histogram_oracle,
-                                                          row_candidates_oracle, rows_with_edges)
+                                                          row_candidates_oracle, rows_with_edges, scatter_rows_case)
 
 pytestmark = pytest.mark.skipif(rc.backend() == "fallback", reason="the emulator and the CPU kernels it is compared "
                                 "with need the compiled extension (ROLLOUT_CORR_FORCE_FALLBACK=1 is set)")
@@ -110,16 +110,7 @@ def test_count_at_least(emu, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_scatter_rows(emu, dtype):
-    g = torch.Generator().manual_seed(3)
-    values = torch.randn(6, 5, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    index = torch.stack([torch.randperm(40, generator=g)[:5] for _ in range(6)])
-    index[2, 3:] = -1
-    index[4] = -1
-    want = torch.zeros(6, 40, dtype=torch.float64)
-    for r in range(6):
-        for w in range(5):
-            if index[r, w] >= 0:
-                want[r, index[r, w]] = float(values[r, w])
+    values, index, want = scatter_rows_case(dtype)
     for knobs in KNOBS:
         got = emu.scatter_rows(values, index, 40, dtype, **knobs)
         assert got.dtype == dtype and torch.equal(got, want.to(dtype)), _ids(knobs)

@@ -17,6 +17,7 @@ from rollout_corr_testing.sampling_kernel_oracles import candidate_decide_oracle
 from rollout_corr_testing.sampling_kernel_oracles import mass_histogram_oracle as _mass_oracle
 from rollout_corr_testing.sampling_kernel_oracles import row_candidates_oracle as _candidates_oracle
 from rollout_corr_testing.sampling_kernel_oracles import rows_with_edges as _rows
+from rollout_corr_testing.sampling_kernel_oracles import scatter_rows_case
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 #: the compiled CPU kernels exist only when the extension is loaded (not under ROLLOUT_CORR_FORCE_FALLBACK=1); the
@@ -291,16 +292,7 @@ def test_candidate_decide(impl, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scatter_rows(impl, dtype):
     fn = _impl(impl, "scatter_rows")
-    g = torch.Generator().manual_seed(3)
-    values = torch.randn(6, 5, generator=g, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    index = torch.stack([torch.randperm(40, generator=g)[:5] for _ in range(6)])
-    index[2, 3:] = -1
-    index[4] = -1
-    want = torch.zeros(6, 40, dtype=torch.float64)
-    for r in range(6):
-        for w in range(5):
-            if index[r, w] >= 0:
-                want[r, index[r, w]] = float(values[r, w])
+    values, index, want = scatter_rows_case(dtype)
     for _ in range(2):  # the CPU kernel reuses its block: a second call must not show the first one's values
         got = fn(values, index, 40, dtype)
         assert got.dtype == dtype and got.shape == (6, 40)
