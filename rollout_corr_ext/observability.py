@@ -452,6 +452,11 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
             start = torch.cat([c.new_zeros(1), c])[cu[:-1]] if num_rows else c.new_zeros(0)
             pos = c - 1 - (start[safe_row] if num_rows else 0)
     n_row = row_tokens.to(f64)[safe_row] if num_rows else torch.zeros_like(lr)
+    if spec.positions is not None:  # a position no bucket holds is an error, not a clamp into the edge buckets
+        refuse_where(valid & ((pos < 0) | (pos.to(f64) >= n_row)),
+                     lambda at: f"diagnostics.positions at response token {at} is {int(pos[at])}, outside [0, "
+                                f"{int(n_row[at])}) (its index among its sequence's {int(n_row[at])} response tokens)",
+                     "diagnostics.positions must lie in [0, the sequence's response tokens) at response tokens")
     fam_idx = {"position_decile": torch.where(n_row > 0, (pos.to(f64) * 10 / n_row.clamp(min=1)).floor(),
                                               zero).clamp(0, 9).long(),
                "position": _count_at_least(pos, spec.position_buckets),

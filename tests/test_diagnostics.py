@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 import warnings
 
@@ -494,6 +495,17 @@ def test_bad_inputs_raise_named_errors():
         run(turn_ids=turns.double())
     with pytest.raises(ValueError, match="diagnostics.positions must have log_prob's shape"):
         run(positions=turns[:2])
+    # a position outside [0, the row's response tokens) at a response token: no bucket holds it (it was clamped into
+    # the first or last decile and the first position bucket, silently)
+    derived = (torch.cumsum((mask != 0).long(), dim=1) - 1).clamp(min=0)
+    run(positions=derived)  # the positions the mask implies are accepted
+    at = tuple(mask.bool().nonzero()[0].tolist())
+    for wrong in (-1, int((mask[at[0]] != 0).sum())):
+        bad = derived.clone()
+        bad[at] = wrong
+        with pytest.raises(ValueError, match=rf"diagnostics.positions at response token {re.escape(str(at))} is "
+                                             rf"{wrong}, outside \[0, "):
+            run(positions=bad)
     with pytest.raises(ValueError, match=r"diagnostics.versions at response token .* newer than current_version 5"):
         run(versions=versions, current_version=5)
     with pytest.raises(ValueError, match="go together"):
