@@ -433,7 +433,9 @@ def make_policy_loss_func(
     (``target`` and ``response_mask`` rolled left by ``k`` within each sequence, the last ``k`` positions of a
     sequence left out), through the fused path, so no MTP head materializes its logits either. As megatron
     scales it: ``loss_sum / num_tokens`` gains ``mtp_loss_scaling_factor / L * sum_k mean_k`` (``mean_k``: head
-    ``k``'s cross-entropy over its rolled response mask, this micro-batch), and each head's value is reported as
+    ``k``'s cross-entropy over its rolled response mask, this micro-batch: megatron's per-micro-batch rule, so over
+    micro-batches and DP ranks the MTP part is the ``num_tokens``-weighted mean of their MTP means, and a micro-batch
+    with ``num_tokens`` 0 adds none; docs/megatron.md), and each head's value is reported as
     ``actor/mtp_{k}_loss``. Under context parallelism the positions must follow megatron's load-balanced split
     (each sequence, or each packed sequence, in ``2 * cp`` chunks, rank r holding chunks r and ``2 * cp - 1 - r``),
     as megatron's ``roll_tensor`` assumes: the first call all-gathers over ``seq_group`` the first ``min(L, chunk)``
@@ -541,7 +543,7 @@ def make_policy_loss_func(
     dp, seq = _loss_groups(dp_group, seq_group, pg_collection)
     seq_world = _size(seq)
     zigzag = use_per_sequence_balancing and seq_world > 1 and packed_seq_params is not None
-    if zigzag and mtp_num_layers:
+    if use_per_sequence_balancing and seq_world > 1 and mtp_num_layers:  # however the boundaries come
         raise ValueError("mtp_num_layers > 0 with use_per_sequence_balancing under context parallelism is not "
                          "supported (the MTP heads' shift follows megatron's per-document split)")
     cu = _packed_boundaries(packed_seq_params, cu_seqlens, seq_world, per_sequence=use_per_sequence_balancing)

@@ -59,6 +59,14 @@ def _batch(seed=7):
     return logits, target, mask, adv, old, rollout
 
 
+def _local_cu(cu, n, cp, rank):
+    """This rank's local boundaries of a stream split with use_per_sequence_balancing (each sequence's overlap with
+    chunks r and 2cp-1-r of the whole stream's 2cp), from the positions the rank holds."""
+    held = cp_token_index(n, cp, rank)
+    counts = [int(((held >= a) & (held < b)).sum()) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    return torch.tensor([0] + counts).cumsum(0)
+
+
 def _make(case, target, mask, adv, old, rollout, **kw):
     from rollout_corr_ext.losses import PolicyLossConfig
     from rollout_corr_ext.megatron import make_policy_loss_func
@@ -177,7 +185,20 @@ def _worker(rank, world, layout):
         params = types.SimpleNamespace(cu_seqlens_q=global_cu, cu_seqlens_q_padded=global_cu, qkv_format="thd")
         loss_sum, num_tokens, report = _make(case, tgt, mask, adv, old, rollout, packed_seq_params=params,
                                              tp_group=None, **groups)(plog)
-        if layout == "cp_per_sequence":  # the same batch without the flag: its lengths cannot be per-document
+        if layout == "cp_per_sequence":
+            # MTP heads' shift follows the per-document split: refused with the flag whichever way the boundaries come
+            # (packed_seq_params, or this rank's local cu_seqlens; before, the latter gave wrong MTP targets silently)
+            out_layer = types.SimpleNamespace(weight=torch.zeros(5, 3), bias=None, sequence_parallel=False,
+                                              skip_bias_add=False)
+            for route in (dict(packed_seq_params=params), dict(cu_seqlens=_local_cu(cu, int(cu[-1]), world, rank))):
+                try:
+                    _make(case, tgt, mask, adv, old, rollout, tp_group=None, output_layer=out_layer,
+                          mtp_num_layers=1, **route, **groups)
+                    failures.append(f"MTP with use_per_sequence_balancing under CP ({sorted(route)}): no error")
+                except ValueError as e:
+                    if "use_per_sequence_balancing" not in str(e):
+                        failures.append(f"the MTP error does not name use_per_sequence_balancing: {e}")
+            # the same batch without the flag: its lengths cannot be per-document
             uneven = types.SimpleNamespace(cu_seqlens_q=torch.tensor([0, 6, 20, 40]),
                                            cu_seqlens_q_padded=torch.tensor([0, 6, 20, 40]), qkv_format="thd")
             try:
