@@ -497,6 +497,13 @@ def _check_targets(target1d: torch.Tensor, active: torch.Tensor, world: int, voc
                          f"{int(target1d[i])} at flattened position {i}")
 
 
+def _vocab_contiguous(logits2d: torch.Tensor) -> torch.Tensor:
+    """Rows whose vocab dimension is unit-stride, as the kernels read them (and as vocab_parallel_log_probs takes
+    logits): a transposed buffer is copied once (clone, not contiguous(): an empty view counts as contiguous whatever
+    its strides); row-strided views stay views."""
+    return logits2d if logits2d.stride(-1) == 1 else logits2d.clone(memory_format=torch.contiguous_format)
+
+
 def _settings_fingerprint(*items) -> int:
     """A signed 64-bit fingerprint of a call's settings (numbers, None, dtypes, per-row tensors by value), the same
     in every process for the same settings: the ranks of a tensor-parallel group compare theirs."""
@@ -594,7 +601,7 @@ def sampled_log_probs(
     _check_entry(sampling, n, lead, tp_group, vocab_size, "these logits are")
     vocab_start, vocab_size = _lp.vocab_layout(vocab_start, vocab_size, rank, world, local_vocab)
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    logits2d = logits.reshape(n, local_vocab)
+    logits2d = _vocab_contiguous(logits.reshape(n, local_vocab))
     target1d = target.reshape(n).to(torch.int64)  # int32 ids as the plain path takes them
     active = target1d != ignore_index  # ignored rows are never inspected (they may hold junk)
     _check_targets(target1d, active, world, vocab_start, vocab_size, local_vocab, "sampled_log_probs")
@@ -982,7 +989,7 @@ def kept_log_probs(
     device = logits.device
     _check_temperature(kept.temperature, logits.dtype)
     temperature = _per_row("temperature", kept.temperature, n, lead, acc, device)
-    logits2d = logits.reshape(n, local_vocab)
+    logits2d = _vocab_contiguous(logits.reshape(n, local_vocab))
     target1d = target.reshape(n).to(torch.int64)
     active = target1d != ignore_index
     _check_targets(target1d, active, world, vocab_start, vocab_size, local_vocab, "kept_log_probs")

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import rollout_corr_ext as rc
-from rollout_corr_ext.sampling import SamplingParams, kept_set, sampled_log_probs
+from rollout_corr_ext.sampling import KeptTokens, SamplingParams, kept_log_probs, kept_set, sampled_log_probs
 from rollout_corr_testing.backends import device_params, ops_on
 from rollout_corr_testing.dist_utils import CollectiveCounter, run_workers
 from rollout_corr_testing.sampling_oracle import sampled_log_probs_dense
@@ -260,6 +260,33 @@ def test_bad_inputs_are_named_and_inputs_untouched():
         sampled_log_probs(x, target, SamplingParams(top_p=torch.tensor([0.9, 0.8])))
     with pytest.raises(TypeError, match="SamplingParams"):
         sampled_log_probs(x, target, dict(top_p=0.9))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_strided_along_the_vocab_equal_the_contiguous_ones(dtype):
+    """Logits whose vocab dimension is not unit-stride (a transposed buffer) give the contiguous logits' outputs and
+    gradient, bit for bit, on every path (temperature alone, top-p, min-p, top-k at or below the vocab, per-row
+    tensors, kept sets); before, several paths stopped in a kernel's unnamed layout check."""
+    n, v = 7, 9
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randn(v, n, generator=g).to(dtype)
+    target = torch.randint(0, v, (n,), generator=g)
+    settings = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_p=0.9),
+                SamplingParams(temperature=0.8, min_p=0.1), SamplingParams(temperature=0.8, top_k=3),
+                SamplingParams(temperature=0.8, top_k=v), SamplingParams(top_k=3, top_p=0.9),
+                SamplingParams(temperature=torch.linspace(0.5, 1.5, n), top_p=torch.linspace(0.5, 1.0, n))]
+    for sp in settings:
+        outs = []
+        for x in (buf.t(), buf.t().contiguous()):
+            x = x.detach().requires_grad_(True)
+            out = sampled_log_probs(x, target, sp)
+            out.log_prob.masked_fill(~out.in_support, 0).sum().backward()
+            outs.append((out.log_prob, out.entropy, out.log_kept_mass, out.in_support, x.grad))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), sp
+    kept = KeptTokens.from_lists([[0, 1, 2], [1, 2], [2, 3, 4], [3], [4, 0], [5, 6], [7, 8, 0]])
+    a, b = (kept_log_probs(x, target, kept) for x in (buf.t(), buf.t().contiguous()))
+    assert torch.equal(a.log_prob, b.log_prob) and torch.equal(a.log_kept_mass, b.log_kept_mass)
 
 
 def test_from_verl_rollout_config():
