@@ -164,21 +164,22 @@ RC_HD RC_FORCEINLINE PolicyTokenResult<acc_t> policy_loss_token(acc_t lp, acc_t 
 }
 
 // d loss / d lp of policy_loss_token, as torch autograd computes it through verl's function (and our fallback):
-//   PPO:  w * (-A) * r * 1[-20 <= lp - lp_old <= 20] * 1[L1 >= L2] * dual,
+//   PPO:  w * (-A) * r * 1[-20 < lp - lp_old < 20] * 1[L1 >= L2] * dual,
 //         dual = 1 for A >= 0, else 1 / 0.5 / 0 for max(L1, L2) < / == / > -A c.
 //   (L1 < L2 only when r lies outside the clip range, where clip() passes no gradient; on the tie L1 == L2
 //   with A != 0, r is inside the range and torch's two half-gradients add up to the whole.)
 //   REINFORCE: -A w.  DPPO: -A sg(min(r, c)) v w.  CISPO: -sg(clip(r)) A w.  DRO: -(A - beta x) w.
-//   GSPO: w (-A) q 1[s <= 10] 1[L1 >= L2] (the PPO rule on q).  PpoUnbounded: the PPO rule without bound and dual.
-//   SAPO: -A 4 sigma (1 - sigma) r 1[|x| <= 20] w.  GMPO: 1[A != 0] 1[sgn(A) x <= sgn(A) clamp(x)] (the token value's).
+//   GSPO: w (-A) q 1[s < 10] 1[L1 >= L2] (the PPO rule on q).  PpoUnbounded: the PPO rule without bound and dual.
+//   SAPO: -A 4 sigma (1 - sigma) r 1[|x| < 20] w.  GMPO: 1[A != 0] 1[sgn(A) x <= sgn(A) clamp(x)] (the token value's).
 template <typename acc_t>
 RC_HD RC_FORCEINLINE acc_t policy_loss_token_grad(acc_t lp, acc_t old_lp, acc_t adv, acc_t w,
                                                   const PolicyLossConfig<acc_t>& cfg) {
   const acc_t bound = static_cast<acc_t>(kPolicyLogRatioBound);
   const acc_t x = lp - old_lp;
   const acc_t neg_kl = clamp_keep_nan(x, -bound, bound);
-  // Outside the clamp (and for a NaN log-ratio) torch's clamp backward passes no gradient.
-  const bool ratio_live = x >= -bound && x <= bound;
+  // Outside the clamp, at its bounds themselves (torch 2.14's clamp backward) and for a NaN log-ratio, torch's
+  // clamp passes no gradient.
+  const bool ratio_live = x > -bound && x < bound;
   switch (cfg.kind) {
     case kPolicyLossPpoClip: {
       const acc_t ratio = rc_exp(neg_kl);
@@ -200,7 +201,7 @@ RC_HD RC_FORCEINLINE acc_t policy_loss_token_grad(acc_t lp, acc_t old_lp, acc_t 
       const acc_t cap = static_cast<acc_t>(kGspoLogRatioMax);
       const acc_t q = rc_exp(old_lp > cap ? cap : old_lp);
       const ClippedPair<acc_t> c = clipped_pair(q, adv, cfg);
-      return (old_lp <= cap && c.loss1 >= c.loss2) ? -adv * q * w : acc_t(0);
+      return (old_lp < cap && c.loss1 >= c.loss2) ? -adv * q * w : acc_t(0);
     }
     case kPolicyLossSapo: {
       if (!ratio_live) return acc_t(0);
