@@ -127,27 +127,32 @@ def _equals_verl(core, name, mode, weights):
         assert type(got[1][k]) is float and math.isclose(got[1][k], v, rel_tol=2e-5, abs_tol=2e-6), (k, got[1][k], v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("backend_name", ["cpu", "emulated", "fallback"])
 @pytest.mark.parametrize("name", NAMES)
-def test_gradient_at_the_exact_clamp_bounds_is_verls(backend_name, name):
-    """A log-ratio exactly at verl's +-20 clamp, and a GSPO sequence log-ratio exactly at its cap of 10: torch's clamp
-    passes no gradient at the bound itself (torch 2.14), so neither does verl's loss; the kernels passed the whole
-    gradient there (vanilla e^-20 A, GSPO e^10 A)."""
+def test_gradient_at_the_exact_bounds_is_verls(backend_name, name, dtype):
+    """Log-ratios exactly on a bound: verl's +-20 clamp, GSPO's sequence cap of 10, a clip bound (clip_ratio_low=0 on
+    policy: r = 1; GMPO's log-space bound 0.25). torch 2.14's clamp passes no gradient on its bound and
+    torch.maximum / torch.min split a tie evenly, so verl's loss gives half the slope on a clip bound and none on the
+    clamp's; the kernels passed the whole gradient at each (GSPO: e^10 A against 0), for fp32's lanes too."""
     core, _, _ = _verl()
-    f64 = torch.float64
-    old = torch.tensor([[-1.0, -21.0, -1.0, -1.5], [-1.0, -1.0, -2.0, -2.0], [-21.0, -1.0, -0.5, -3.0]], dtype=f64)
-    lp = torch.tensor([[-21.0, -1.0, -0.9, -1.75], [9.0, 9.0, -1.5, -2.25], [-1.0, -21.0, -0.25, -2.5]], dtype=f64)
-    adv = torch.tensor([[1.5], [-1.0], [-2.0]], dtype=f64).expand(3, 4).contiguous()
+    old = torch.tensor([[-1.0, -21.0, -1.0, -1.5, -1.0, -1.0], [-1.0, -1.0, -2.0, -2.0, -2.0, -2.0],
+                        [-21.0, -1.0, -0.5, -3.0, -1.0, -0.5], [-1.0, -2.0, -1.0, -3.0, -1.0, -2.0]], dtype=dtype)
+    lp = torch.tensor([[-21.0, -1.0, -0.9, -1.75, -1.0, -0.75], [9.0, 9.0, -1.5, -2.25, -2.0, -1.75],
+                       [-1.0, -21.0, -0.25, -2.5, -1.0, -0.25], [-1.0, -2.0, -0.75, -3.0, -1.25, -2.25]], dtype=dtype)
+    adv = torch.tensor([[1.5], [-1.0], [-2.0], [0.75]], dtype=dtype).expand(4, 6).contiguous()
     adv[0, 1] = -0.5
-    mask = torch.ones(3, 4, dtype=f64)
+    mask = torch.ones(4, 6, dtype=dtype)
     mask[1, 2:] = 0.0  # row 1: two tokens, each log-ratio 10, GSPO's s exactly 10
-    actor = _actor(name)
-    with policy_loss_backend(backend_name, threads=32, schedule=1, max_blocks=3):
-        for mode in ("token-mean", "seq-mean-token-mean"):
-            want = _run(core.get_policy_loss_fn(name), old, lp, adv, mask, mode, actor, None)
-            got = _run(rv.POLICY_LOSSES[name], old, lp, adv, mask, mode, actor, None)
-            assert torch.allclose(got[0], want[0], rtol=1e-9, atol=1e-12), (mode, got[0], want[0])
-            assert torch.allclose(got[2], want[2], rtol=1e-9, atol=1e-15), (mode, got[2], want[2])
+    for knobs in (dict(), dict(clip_ratio_low=0.0, clip_ratio_high=0.25)):  # bounds at r = 1 and at x = 0, 0.25
+        actor = _actor(name, **knobs)
+        with policy_loss_backend(backend_name, threads=32, schedule=1, max_blocks=3):
+            for mode in ("token-mean", "seq-mean-token-mean"):
+                want = _run(core.get_policy_loss_fn(name), old, lp, adv, mask, mode, actor, None)
+                got = _run(rv.POLICY_LOSSES[name], old, lp, adv, mask, mode, actor, None)
+                tol = dict(rtol=1e-9, atol=1e-15) if dtype == torch.float64 else dict(rtol=2e-6, atol=1e-9)
+                assert torch.allclose(got[0], want[0], **tol), (knobs, mode, got[0], want[0])
+                assert torch.allclose(got[2], want[2], **tol), (knobs, mode, got[2], want[2])
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool], ids=["float_mask", "bool_mask"])

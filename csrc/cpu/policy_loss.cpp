@@ -348,6 +348,14 @@ RC_FORCEINLINE typename Lanes<VF>::VI undefined(VF lp, VF old_lp, VF adv, VF w, 
   return L::land(bad, m != VF{});
 }
 
+// max_branch_weight (policy_loss_math.h) on lanes.
+template <typename VF>
+RC_FORCEINLINE VF branch_weight(VF first, VF second, typename Lanes<VF>::VI inside) {
+  using L = Lanes<VF>;
+  return L::one_if(first > second) +
+         L::keep_if(first == second, L::sel(inside, L::splat(1.0f), L::splat(0.5f)));
+}
+
 // policy_loss_token_grad on lanes, kind K.
 template <int K, typename VF>
 RC_FORCEINLINE VF token_grad(VF lp, VF old_lp, VF adv, VF w, const Cfg<VF>& c) {
@@ -355,7 +363,7 @@ RC_FORCEINLINE VF token_grad(VF lp, VF old_lp, VF adv, VF w, const Cfg<VF>& c) {
   const VF bound = L::splat(static_cast<float>(kPolicyLogRatioBound));
   const VF x = lp - old_lp;
   const VF neg_kl = L::clamp_keep_nan(x, -bound, bound);
-  const typename L::VI ratio_live = L::land(x >= -bound, x <= bound);
+  const typename L::VI ratio_live = L::land(x > -bound, x < bound);  // torch 2.14's clamp: no gradient on a bound
   if constexpr (K == kPolicyLossPpoClip || K == kPolicyLossGspo || K == kPolicyLossPpoUnbounded) {
     VF q;
     typename L::VI live = ratio_live;
@@ -364,15 +372,14 @@ RC_FORCEINLINE VF token_grad(VF lp, VF old_lp, VF adv, VF w, const Cfg<VF>& c) {
     } else if constexpr (K == kPolicyLossGspo) {
       const VF cap = L::splat(static_cast<float>(kGspoLogRatioMax));
       q = L::exp_any(L::sel(old_lp > cap, cap, old_lp));
-      live = old_lp <= cap;
+      live = old_lp < cap;
     } else {
       q = L::exp_any(x);
     }
     const VF loss1 = -adv * q;
     const VF loss2 = -adv * L::clamp_keep_nan(q, c.lower, c.upper);
-    typename L::VI keep = loss1 >= loss2;
-    if constexpr (K != kPolicyLossPpoUnbounded) keep = L::land(keep, live);  // PpoUnbounded: no bound on x
-    VF g = L::keep_if(keep, -adv * q);
+    VF g = -adv * q * branch_weight<VF>(loss1, loss2, L::land(q > c.lower, q < c.upper));
+    if constexpr (K != kPolicyLossPpoUnbounded) g = L::keep_if(live, g);  // PpoUnbounded: no bound on x
     if constexpr (K == kPolicyLossPpoClip) {
       const VF clipped1 = L::nan_max(loss1, loss2);
       const VF loss3 = -adv * c.c;
@@ -398,7 +405,8 @@ RC_FORCEINLINE VF token_grad(VF lp, VF old_lp, VF adv, VF w, const Cfg<VF>& c) {
   } else if constexpr (K == kPolicyLossGeoMean) {
     const auto pos = adv > VF{};
     const VF s = L::sel(pos, L::splat(1.0f), L::splat(-1.0f));
-    const VF g = L::one_if(s * x <= s * L::clamp_keep_nan(x, c.neg_eps_low, c.eps_high));
+    const VF g = branch_weight<VF>(-s * x, -s * L::clamp_keep_nan(x, c.neg_eps_low, c.eps_high),
+                                   L::land(x > c.neg_eps_low, x < c.eps_high));
     return L::keep_if(adv != VF{}, g);
   } else {  // kPolicyLossReinforce
     return -adv * w;

@@ -67,6 +67,15 @@ RC_HD RC_FORCEINLINE ClippedPair<acc_t> clipped_pair(acc_t q, acc_t adv, const P
   return c;
 }
 
+// d max(first, second) / d first, the factor of the unclipped branch's slope in torch.maximum's backward (verl's
+// PPO max and GMPO's min of sign-flipped values): 1 where first wins, 0 where second does, and on a tie half each;
+// the clipped branch's own slope is 1 strictly inside the clip range and 0 at its bounds (torch 2.14's clamp), so a
+// tie inside the range adds up to the whole and one at a bound to half. NaN: 0.
+template <typename acc_t>
+RC_HD RC_FORCEINLINE acc_t max_branch_weight(acc_t first, acc_t second, bool inside) {
+  return first > second ? acc_t(1) : (first == second ? (inside ? acc_t(1) : acc_t(0.5)) : acc_t(0));
+}
+
 // DPPO's trust-region mask (verl compute_policy_loss_dppo_tv / _kl): a token moves the policy only while the
 // divergence of its Bernoulli (p vs p_old) stays within eps on the side the advantage pushes.
 template <typename acc_t>
@@ -164,13 +173,14 @@ RC_HD RC_FORCEINLINE PolicyTokenResult<acc_t> policy_loss_token(acc_t lp, acc_t 
 }
 
 // d loss / d lp of policy_loss_token, as torch autograd computes it through verl's function (and our fallback):
-//   PPO:  w * (-A) * r * 1[-20 < lp - lp_old < 20] * 1[L1 >= L2] * dual,
+//   PPO:  w * (-A) * r * 1[-20 < lp - lp_old < 20] * b * dual, b = max_branch_weight(L1, L2, r inside the clip
+//         range): 1 for L1 > L2, 0 for L1 < L2 (r outside the range, where clip() passes no gradient), and on the
+//         tie (r inside the range or on a bound) torch's two half-gradients: the whole inside, half on a bound;
 //         dual = 1 for A >= 0, else 1 / 0.5 / 0 for max(L1, L2) < / == / > -A c.
-//   (L1 < L2 only when r lies outside the clip range, where clip() passes no gradient; on the tie L1 == L2
-//   with A != 0, r is inside the range and torch's two half-gradients add up to the whole.)
 //   REINFORCE: -A w.  DPPO: -A sg(min(r, c)) v w.  CISPO: -sg(clip(r)) A w.  DRO: -(A - beta x) w.
-//   GSPO: w (-A) q 1[s < 10] 1[L1 >= L2] (the PPO rule on q).  PpoUnbounded: the PPO rule without bound and dual.
-//   SAPO: -A 4 sigma (1 - sigma) r 1[|x| < 20] w.  GMPO: 1[A != 0] 1[sgn(A) x <= sgn(A) clamp(x)] (the token value's).
+//   GSPO: w (-A) q 1[s < 10] b (the PPO rule on q).  PpoUnbounded: the PPO rule without bound and dual.
+//   SAPO: -A 4 sigma (1 - sigma) r 1[|x| < 20] w.  GMPO: 1[A != 0] max_branch_weight(-sgn(A) x, -sgn(A) clamp(x), x inside
+//   [-eps_lo, eps_hi]) (the token value's: torch.min of the two).
 template <typename acc_t>
 RC_HD RC_FORCEINLINE acc_t policy_loss_token_grad(acc_t lp, acc_t old_lp, acc_t adv, acc_t w,
                                                   const PolicyLossConfig<acc_t>& cfg) {
@@ -184,7 +194,8 @@ RC_HD RC_FORCEINLINE acc_t policy_loss_token_grad(acc_t lp, acc_t old_lp, acc_t 
     case kPolicyLossPpoClip: {
       const acc_t ratio = rc_exp(neg_kl);
       const ClippedPair<acc_t> c = clipped_pair(ratio, adv, cfg);
-      acc_t g = (ratio_live && c.loss1 >= c.loss2) ? -adv * ratio : acc_t(0);
+      const bool inside = ratio > cfg.ratio_lower && ratio < cfg.ratio_upper;
+      acc_t g = ratio_live ? -adv * ratio * max_branch_weight(c.loss1, c.loss2, inside) : acc_t(0);
       if (adv < acc_t(0)) {
         const acc_t loss3 = -adv * cfg.clip_c;
         g = c.clipped1 < loss3 ? g : (c.clipped1 == loss3 ? acc_t(0.5) * g : acc_t(0));
@@ -201,7 +212,8 @@ RC_HD RC_FORCEINLINE acc_t policy_loss_token_grad(acc_t lp, acc_t old_lp, acc_t 
       const acc_t cap = static_cast<acc_t>(kGspoLogRatioMax);
       const acc_t q = rc_exp(old_lp > cap ? cap : old_lp);
       const ClippedPair<acc_t> c = clipped_pair(q, adv, cfg);
-      return (old_lp < cap && c.loss1 >= c.loss2) ? -adv * q * w : acc_t(0);
+      const bool inside = q > cfg.ratio_lower && q < cfg.ratio_upper;
+      return old_lp < cap ? -adv * q * max_branch_weight(c.loss1, c.loss2, inside) * w : acc_t(0);
     }
     case kPolicyLossSapo: {
       if (!ratio_live) return acc_t(0);
@@ -217,12 +229,14 @@ RC_HD RC_FORCEINLINE acc_t policy_loss_token_grad(acc_t lp, acc_t old_lp, acc_t 
     case kPolicyLossGeoMean: {
       if (adv == acc_t(0)) return acc_t(0);
       const acc_t s = adv > acc_t(0) ? acc_t(1) : acc_t(-1);
-      return s * x <= s * clamp_keep_nan(x, -cfg.eps_low, cfg.eps_high) ? acc_t(1) : acc_t(0);
+      const bool inside = x > -cfg.eps_low && x < cfg.eps_high;
+      return max_branch_weight(-s * x, -s * clamp_keep_nan(x, -cfg.eps_low, cfg.eps_high), inside);
     }
     case kPolicyLossPpoUnbounded: {
       const acc_t ratio = rc_exp(x);
       const ClippedPair<acc_t> c = clipped_pair(ratio, adv, cfg);
-      return c.loss1 >= c.loss2 ? -adv * ratio * w : acc_t(0);
+      const bool inside = ratio > cfg.ratio_lower && ratio < cfg.ratio_upper;
+      return -adv * ratio * max_branch_weight(c.loss1, c.loss2, inside) * w;
     }
     default:  // kPolicyLossReinforce
       return -adv * w;
