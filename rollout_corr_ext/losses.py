@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, NamedTuple, Optional, Tupl
 import torch
 
 from . import _checks, _layout as LY, ops
-from ._checks import safe_div, safe_div_grad
+from ._checks import refuse_where, safe_div, safe_div_grad
 from .logprobs import all_gather, as_real
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -958,6 +958,13 @@ def _geo_mean_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
     seq_loss = -(adv_sum / tokens) * torch.exp(g / tokens)
     if logw_sum is not None:
         seq_loss = seq_loss * torch.exp(logw_sum / tokens)
+    # finite inputs can still overflow exp (a mean clipped log-ratio past ~88 in fp32): an undefined loss, refused as
+    # the kernel refuses an undefined token loss (the same on every CP rank: the whole sequences' values)
+    refuse_where(~torch.isfinite(seq_loss.detach()),
+                 lambda at: f"{fn}: sequence {at[0]}'s value -mean(A) exp(mean clipped log-ratio) is not finite "
+                            f"({float(seq_loss[at])}): the mean clipped log-ratio ({float(g[at] / tokens[at])}) "
+                            f"overflows exp; mask the sequence out or fix its log-probs",
+                 f"{fn}: a sequence's value -mean(A) exp(mean clipped log-ratio) is not finite")
     if cfg.global_batch_size is None:
         if cfg.dp_size > 1:
             raise ValueError("geo_mean with dp_size > 1 needs global_batch_size (the global count of sequences)")

@@ -439,6 +439,24 @@ def test_undefined_token_is_a_named_error(name):
     assert torch.isfinite(got[0]) and torch.isfinite(got[2]).all() and got[2][1, 0] == 0
 
 
+@pytest.mark.parametrize("backend_name", ["cpu", "fallback"])
+@pytest.mark.parametrize("dtype, big", [(torch.float32, 200.0), (torch.float64, 1500.0)], ids=["fp32", "fp64"])
+def test_geo_mean_sequence_value_overflow_is_a_named_error(backend_name, dtype, big):
+    """Finite inputs whose GMPO sequence value exp(mean of the clipped log-ratios) overflows: a named error, as any
+    undefined token loss of the kinds after Reinforce (before: an inf loss and NaN gradients)."""
+    old = torch.tensor([[-1.0, -1.0], [-1.0, -2.0]], dtype=dtype)
+    lp = torch.tensor([[-1.0 + big, -1.5], [-1.25, -2.0]], dtype=dtype)  # row 0: x = [big, -0.5], A < 0: unclipped
+    adv = torch.tensor([[-1.0], [0.5]], dtype=dtype).expand(2, 2).contiguous()
+    mask = torch.ones(2, 2, dtype=dtype)
+    cfg = losses.PolicyLossConfig(loss_mode="geo_mean")
+    with policy_loss_backend(backend_name):
+        with pytest.raises(ValueError, match=r"geo_mean: sequence 0's value .*not finite"):
+            losses.compute_policy_loss_geo_mean(old, lp, adv, mask, "token-mean", cfg)
+        mask[0] = 0.0  # the row out of the loss: never read, a finite loss and gradient
+        got = _run(losses.compute_policy_loss_geo_mean, old, lp, adv, mask, "token-mean", cfg, None)
+        assert torch.isfinite(got[0]) and torch.isfinite(got[2]).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("name", NAMES)
 def test_every_dtype_matches_fp64(name, dtype):
