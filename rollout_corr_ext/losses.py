@@ -1056,8 +1056,8 @@ def _top_by_rule(flat: torch.Tensor, k: int) -> torch.Tensor:
     v = vals[k - 1:k]  # the k-th largest value, [1]
     if flat.device.type == "cpu" and not torch.compiler.is_compiling():
         vk = float(v)
-        if k == n or vk == -math.inf or float(vals[k]) < vk:
-            return idx[:k]
+        if k == n or vk == -math.inf or vk != vk or float(vals[k]) < vk:  # a NaN k-th value (undefined inputs,
+            return idx[:k]  # refused by the op after the selection): torch.topk's order, NaN first
         # the values above v, then the first positions holding v (no cumulative count)
         n_above = int((vals[:k] > v).sum())
         return torch.cat([idx[:n_above], _positions_of(flat, v)[:k - n_above]])

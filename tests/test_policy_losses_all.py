@@ -439,6 +439,20 @@ def test_undefined_token_is_a_named_error(name):
     assert torch.isfinite(got[0]) and torch.isfinite(got[2]).all() and got[2][1, 0] == 0
 
 
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("name", ["kl_cov", "clip_cov"])
+def test_cov_losses_with_every_advantage_undefined_name_the_token(name, bad):
+    """Every response token's advantage non-finite (so every covariance NaN): the named undefined-token error, not
+    an internal size mismatch from the covariance selection (kl_cov's top-k came back short on NaN scores)."""
+    old = torch.tensor([[-1.0, -1.25, -0.75], [-0.25, -2.0, -1.0]])
+    lp = torch.tensor([[-1.125, -1.0, -0.875], [-0.25, -2.125, -1.5]])
+    cfg = losses.PolicyLossConfig(loss_mode=name, kl_cov_ratio=0.5, clip_cov_ratio=0.5, clip_cov_lb=-1e30,
+                                  clip_cov_ub=1e30)
+    with pytest.raises(ValueError, match=r"undefined at response token \(0, 0\)"):
+        getattr(losses, "compute_policy_loss_" + name)(old, lp, torch.full((2, 3), bad), torch.ones(2, 3),
+                                                       "token-mean", cfg)
+
+
 @pytest.mark.parametrize("backend_name", ["cpu", "fallback"])
 @pytest.mark.parametrize("dtype, big", [(torch.float32, 200.0), (torch.float64, 1500.0)], ids=["fp32", "fp64"])
 def test_geo_mean_sequence_value_overflow_is_a_named_error(backend_name, dtype, big):
