@@ -1069,7 +1069,8 @@ def _top_by_rule(flat: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _top_positions(score: torch.Tensor, eligible: torch.Tensor, count: torch.Tensor, k_max: int, *,
-                   seq_group=None, cu_seqlens=None, weight: Optional[torch.Tensor] = None, overwrite: bool = False):
+                   seq_group=None, cu_seqlens=None, weight: Optional[torch.Tensor] = None, overwrite: bool = False,
+                   seq_positions: Optional[torch.Tensor] = None):
     """The ``count`` eligible positions with the largest score, as ``(idx, keep, weight_sum)``: the flat positions
     of this rank's top-k of k_max and which of them are selected, with no host sync on a GPU: ``count`` is a 0-dim
     tensor, ``k_max >= count`` a bound known without reading data (a top-k of k_max, not a sort of every token).
@@ -1080,9 +1081,10 @@ def _top_positions(score: torch.Tensor, eligible: torch.Tensor, count: torch.Ten
     segment) ascending, then context-parallel rank (in ``seq_group``) ascending, then position in this rank's piece
     ascending. In one process that is (score descending, position ascending in the row-major / packed stream), and
     under context parallelism it is the same order whenever rank r holds the r-th contiguous piece of every
-    sequence (with megatron's load-balanced chunks, two tokens of one sequence on different ranks that tie exactly
-    at the boundary are taken by rank). Eligible scores must be > -inf (clip_cov's lie in (lb, ub); kl_cov's are
-    finite where its op accepts the inputs).
+    sequence. ``seq_positions`` (each token's position in its whole sequence, or in the whole packed stream, as the
+    ranks split it: megatron's load-balanced chunks) replaces (rank, local position) by that position, so the order
+    is the one-process order whatever the split. Eligible scores must be > -inf (clip_cov's lie in (lb, ub);
+    kl_cov's are finite where its op accepts the inputs).
 
     ``seq_group`` with more than one rank: ``k_max`` must be the global ``count`` itself (the same int on every
     rank). Each rank's own top-``count`` under that order (a rank can hold no more of the selection) goes into one
@@ -1107,13 +1109,16 @@ def _top_positions(score: torch.Tensor, eligible: torch.Tensor, count: torch.Ten
     record[:, 3] = 0.0
     record[:k, 0] = flat[idx].double()
     record[:k, 1] = _row_of(idx, score, cu_seqlens).double()
-    record[:k, 2] = idx.double()
+    record[:k, 2] = (idx if seq_positions is None else seq_positions.reshape(-1)[idx]).double()
     if weight is not None:
         record[:k, 3] = torch.where(elig[idx], weight.reshape(-1)[idx], 0).double()
     got = all_gather(record.reshape(-1), seq_group, cp).view(cp * big, 4)
     rank = torch.arange(cp, device=flat.device, dtype=torch.float64).repeat_interleave(big)
-    order = torch.argsort(got[:, 2], stable=True)
-    for key in (rank, got[:, 1]):
+    # stable sorts, the last key primary: (score desc, sequence, rank, local position), or with seq_positions
+    # (score desc, sequence, position in the whole sequence)
+    keys = (got[:, 2], rank, got[:, 1]) if seq_positions is None else (rank, got[:, 2], got[:, 1])
+    order = torch.argsort(keys[0], stable=True)
+    for key in keys[1:]:
         order = order[torch.argsort(key[order], stable=True)]
     order = order[torch.argsort(got[order, 0], descending=True, stable=True)]
     place = torch.empty_like(order)
@@ -1166,7 +1171,7 @@ def _count(flags: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                   rollout_is_weights=None, *, cu_seqlens=None, seq_group=None):
+                   rollout_is_weights=None, *, cu_seqlens=None, seq_group=None, seq_positions=None):
     """Clip-Cov (arXiv:2505.22617, verl ``clip_cov``): PPO clip (log-ratio unbounded, no dual clip) whose tokens
     with covariance cov = (A - mean A)(log pi - mean log pi) in (``clip_cov_lb``, ``clip_cov_ub``), not already
     clipped, lose their gradient, at most max(1, int(``clip_cov_ratio`` * tokens)) of them. verl draws those at
@@ -1227,7 +1232,8 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         else:  # mask weights may exceed 1 (verl counts sum(mask)): read the count (a host sync on CUDA only)
             bound = int(count.item())
         idx, keep, cut_sum = _top_positions(cov, eligible, count, bound, seq_group=seq_group,
-                                            cu_seqlens=cu_seqlens, weight=m, overwrite=True)
+                                            cu_seqlens=cu_seqlens, weight=m, overwrite=True,
+                                            seq_positions=_seq_positions(seq_positions, log_prob, cp, fn))
         del cov, eligible
         # The kernel's weights (alive until the backward): the cut indicator's complement corr (1, 0 at the cut
         # tokens) times the IS weights, written only where a token is cut (1 * w == w).
@@ -1260,6 +1266,20 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
     return loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl}, rows
 
 
+def _seq_positions(seq_positions, log_prob: torch.Tensor, cp: int, fn: str) -> Optional[torch.Tensor]:
+    """The covariance losses' ``seq_positions`` checked (an integer tensor of log_prob's shape), or None; read only
+    under context parallelism (one process orders tokens by their own positions)."""
+    if seq_positions is None:
+        return None
+    if not isinstance(seq_positions, torch.Tensor) or seq_positions.is_floating_point() or \
+            seq_positions.dtype == torch.bool or tuple(seq_positions.shape) != tuple(log_prob.shape) or \
+            seq_positions.device != log_prob.device:
+        raise ValueError(f"{fn}: seq_positions must be an integer tensor of log_prob's shape {tuple(log_prob.shape)} "
+                         f"on {log_prob.device}, got {getattr(seq_positions, 'dtype', type(seq_positions))} "
+                         f"{tuple(getattr(seq_positions, 'shape', ()))}")
+    return seq_positions if cp > 1 else None
+
+
 def _horizon(whole: "_WholeSums", log_prob, cu_seqlens):
     """The padded length of :func:`aggregate_rows`: the whole sequences' when it was reduced (the local one is then
     not read)."""
@@ -1274,7 +1294,7 @@ def _row_of(idx: torch.Tensor, log_prob: torch.Tensor, cu_seqlens) -> torch.Tens
 
 
 def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                  rollout_is_weights=None, *, cu_seqlens=None, seq_group=None):
+                  rollout_is_weights=None, *, cu_seqlens=None, seq_group=None, seq_positions=None):
     """KL-Cov (arXiv:2505.22617, verl ``kl_cov``): L = -A r (log-ratio unbounded, no clip), plus
     ``ppo_kl_coef`` |log pi - log pi_old| on the max(1, int(``kl_cov_ratio`` * tokens)) valid tokens with the
     largest covariance (A - mean A)(log pi - mean log pi) (means over the valid tokens; equal covariances: the
@@ -1320,7 +1340,7 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
         # the global k under context parallelism (the same int on every rank), else a bound known without the data
         bound = int(count.item()) if cp > 1 else int(valid.numel() * cfg.kl_cov_ratio) + 1
         idx, keep, _ = _top_positions(cov, valid, count, bound, seq_group=seq_group, cu_seqlens=cu_seqlens,
-                                      overwrite=True)
+                                      overwrite=True, seq_positions=_seq_positions(seq_positions, log_prob, cp, fn))
         if whole is None:  # in cov's buffer
             kl_sum, m_sum = abs_kl_sum(cov), m.sum()
         ppo_kl = kl_sum / (m_sum + LY.MASKED_MEAN_EPS)
@@ -1617,6 +1637,7 @@ def policy_step(
     flow: Optional[str] = None,
     loss_share: bool = True,
     rows_grad: bool = True,
+    seq_positions: Optional[torch.Tensor] = None,
     fn: str = "policy_step",
 ) -> PolicyStep:
     """The policy step every entry point runs (:func:`compute_policy_loss`, megatron's ``loss_func``, the verl
@@ -1641,6 +1662,10 @@ def policy_step(
        numbers, B + 1 or 2B for ``seq-mean-token-sum-norm``), each rank's gradient the one-process gradient on its
        tokens; the per-token loss's metrics stay this rank's. ``loss_share=False``: this rank's own aggregate, no
        collective, for a caller that combines the ranks' row sums itself (megatron's ``loss_func``).
+
+    ``seq_positions`` (context parallelism, clip_cov / kl_cov): each token's position in its whole sequence (or the
+    whole packed stream), so that the covariance selection breaks exact ties in the one-process order whatever the
+    split (:func:`_top_positions`); without it, by rank then local position.
 
     ``rows_grad=False``: the caller reads ``rows`` for metrics only (a per-token loss's ``rows`` is then detached, its
     kernel and aggregation one autograd node: :func:`policy_loss_step`). ``fn`` names the caller in error messages.
@@ -1695,9 +1720,10 @@ def policy_step(
     share = not whole and loss_share and _seq_world(seq_group) > 1  # the loss aggregated again from the rows, below
     rows_grad = rows_grad or share
     if whole:
+        order = {} if cfg.loss_mode == "geo_mean" else {"seq_positions": seq_positions}  # the covariance selections'
         loss, loss_metrics, rows = _WHOLE_BATCH_STEPS[cfg.loss_mode](old, log_prob, advantages, mask, loss_agg_mode,
                                                                      cfg, weights, cu_seqlens=cu_seqlens,
-                                                                     seq_group=seq_group)
+                                                                     seq_group=seq_group, **order)
     elif flow == "bypass":
         kind = LY.PG_KIND_REINFORCE if rc.loss_type == "reinforce" else LY.PG_KIND_PPO_CLIP
         loss, loss_metrics, rows = policy_loss_step(kind, old, log_prob, advantages, mask, loss_agg_mode, cfg, weights,

@@ -191,6 +191,27 @@ def _packed_boundaries(packed_seq_params, cu_seqlens, cp_size: int, per_sequence
     return cu // cp_size
 
 
+def _cp_positions(target: torch.Tensor, cu: Optional[torch.Tensor], cp: int, rank: int,
+                  whole_stream: bool) -> torch.Tensor:
+    """Each local token's position in its whole sequence under megatron's load-balanced split (rank ``rank`` of
+    ``cp`` holds chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp``): of each padded row, of each packed sequence
+    (local boundaries ``cu``), or of the whole packed stream (``whole_stream``: use_per_sequence_balancing), in
+    ``target``'s shape. Another split gives other positions, still distinct: a valid order, not the one-process one."""
+    dev = target.device
+    n = target.shape[-1]
+    t = torch.arange(n, device=dev)
+    if cu is None or whole_stream or cu.shape[0] < 2:
+        h = n // 2
+        pos = torch.where(t < h, rank * h + t, (2 * cp - 1 - rank) * h + t - h)
+        return pos.expand(target.shape) if target.dim() == 2 else pos
+    cu = cu.to(device=dev, dtype=torch.int64)
+    seg = torch.searchsorted(cu[1:], t, right=True).clamp(max=cu.shape[0] - 2)
+    start = cu[seg]
+    h = (cu[seg + 1] - start) // 2  # the chunk length of the token's sequence
+    o = t - start
+    return torch.where(o < h, rank * h + o, (2 * cp - 1 - rank) * h + o - h)
+
+
 def _zigzag_boundaries(cu: torch.Tensor, n: int, cp: int, rank: int) -> torch.Tensor:
     """This CP rank's packed-sequence boundaries when the whole packed stream (boundaries ``cu``) was split as one
     sequence (megatron-core 0.19's ``use_per_sequence_balancing``: ``2 * cp`` equal chunks of the stream, rank r
@@ -672,6 +693,15 @@ def make_policy_loss_func(
         sampling = dataclasses.replace(sampling, **{f: _sb(getattr(sampling, f))
                                                     for f in ("temperature", "top_k", "top_p", "min_p")})
 
+    # clip_cov / kl_cov under CP: each token's position in its whole sequence, so that their covariance selections
+    # break exact ties in the one-process order (losses.policy_step's seq_positions), where the split is megatron's
+    # (padded rows, packed_seq_params, use_per_sequence_balancing); this rank's own cu_seqlens may come from any
+    # split: ties by rank then (exact for contiguous pieces)
+    seq_positions = None
+    if seq_world > 1 and cfg.loss_mode in ("clip_cov", "kl_cov") and (
+            cu is None or packed_seq_params is not None or use_per_sequence_balancing):
+        seq_positions = _cp_positions(target, cu, seq_world, dist.get_rank(seq), use_per_sequence_balancing)
+
     # MTP head k's targets and weights: target / response_mask k positions further within each sequence. Under CP
     # the next positions may sit on other CP ranks: found on the first loss_func call (one all-gather over seq_group
     # of the chunks' first L tokens, _mtp_shifted_cp) and kept for later calls
@@ -770,7 +800,7 @@ def make_policy_loss_func(
         step = policy_step(cfg, old_in, logp, advantages, given, loss_agg_mode, rollout_log_prob=rollout_in,
                            dp_group=dp, seq_group=seq, cu_seqlens=cu, versions=versions_in,
                            current_version=current_version, proximal=proximal, diagnostics=diag_spec,
-                           loss_share=False, fn="make_policy_loss_func")
+                           loss_share=False, seq_positions=seq_positions, fn="make_policy_loss_func")
         rows, mask = step.rows, step.mask
         m = mask.to(logp.dtype)
         ent_masked = torch.where(mask != 0, entropy, torch.zeros_like(entropy)).mul(m)

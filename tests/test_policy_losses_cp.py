@@ -501,3 +501,84 @@ def _megatron_dp_cp_worker(rank, world):
 
 def test_megatron_loss_func_whole_batch_losses_dp_x_cp():
     run_workers(_megatron_dp_cp_worker, 4)
+
+
+# ------------------------------------------------------------- exact ties across megatron's load-balanced chunks
+
+
+def _tie_batch():
+    """One response sequence whose tokens all tie exactly (a constant advantage: every covariance is 0), at
+    columns 5 (CP rank 1 under megatron's chunks at T = 16, cp = 2) and 14, 15 (rank 0): one process takes column 5
+    first, an order by rank then local position would take column 14. fp64 logits [T, B, V] and the loss inputs."""
+    g = torch.Generator().manual_seed(11)
+    logits = 2.0 * torch.randn(T, 2, V, generator=g, dtype=torch.float64)
+    target = torch.randint(0, V, (2, T), generator=g)
+    lp = logits.transpose(0, 1).log_softmax(-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    old = lp + 0.2 * torch.randn(2, T, generator=g, dtype=torch.float64)
+    adv = torch.tensor([0.5, 0.0], dtype=torch.float64)
+    mask = torch.zeros(2, T, dtype=torch.float64)
+    mask[0, [5, 14, 15]] = 1.0
+    cfg = {name: losses.PolicyLossConfig(loss_mode=name, kl_cov_ratio=0.05, clip_cov_ratio=0.05, clip_cov_lb=-5.0,
+                                         clip_cov_ub=5.0) for name in ("clip_cov", "kl_cov")}
+    return logits, target, lp, old, adv, mask, cfg
+
+
+def _tie_order_worker(rank, world):
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    logits, target, lp, old, adv, mask, cfgs = _tie_batch()
+    adv_bt = adv.unsqueeze(1).expand(2, T).contiguous()
+    cols = cp_token_index(T, world, rank)
+    singles = [dist.new_group([r]) for r in range(world)]
+    pgc = types.SimpleNamespace(tp=singles[rank], cp=dist.group.WORLD, dp=singles[rank], dp_cp=dist.group.WORLD)
+    failures = []
+    for name, cfg in cfgs.items():
+        # policy_step / compute_policy_loss_<name> with each token's position in its whole sequence
+        ref = _step(name, "token-mean", cfg, old, lp, adv_bt, mask, None)
+        got = _step(name, "token-mean", cfg, *(t[:, cols].contiguous() for t in (old, lp, adv_bt, mask)), None,
+                    seq_group=dist.group.WORLD, seq_positions=cols.expand(2, -1))
+        total = got[0].clone()
+        dist.all_reduce(total)
+        if not (_close(total, ref[0]) and _close(got[2], ref[2][:, cols])):
+            failures.append(f"{name} with seq_positions: loss {float(total)} vs one process {float(ref[0])}, "
+                            f"gradient max error {float((got[2] - ref[2][:, cols]).abs().max()):.3g}")
+        # megatron's loss_func on its load-balanced chunks: the positions are its own
+        x_ref = logits.clone().requires_grad_(True)
+        loss_sum, n, _ = make_policy_loss_func(target, adv, mask, old_log_prob=old, config=cfg)(x_ref)
+        (loss_sum / n).backward()
+        x = logits[cols].clone().requires_grad_(True)
+        local_sum, local_n, _ = make_policy_loss_func(target[:, cols], adv, mask[:, cols], old_log_prob=old[:, cols],
+                                                      config=cfg, pg_collection=pgc)(x)
+        totals = torch.stack([local_sum.detach(), local_n.double()])
+        dist.all_reduce(totals)  # calculate_per_token_loss=True: megatron sums over DP x CP
+        (local_sum / totals[1]).backward()
+        if not (_close(totals[0] / totals[1], loss_sum.detach() / n) and _close(x.grad, x_ref.grad[cols])):
+            failures.append(f"megatron {name}: loss {float(totals[0] / totals[1])} vs one process "
+                            f"{float(loss_sum / n)}, gradient max error {float((x.grad - x_ref.grad[cols]).abs().max()):.3g}")
+        # packed (packed_seq_params): the two rows as two sequences, each in megatron's per-document chunks
+        cu = torch.tensor([0, T, 2 * T])
+        params = types.SimpleNamespace(cu_seqlens_q=cu, cu_seqlens_q_padded=cu, qkv_format="thd")
+        flat = logits.transpose(0, 1).reshape(2 * T, 1, V)
+        stream = [t.reshape(-1) for t in (target, mask, old, adv_bt)]
+        x_ref = flat.clone().requires_grad_(True)
+        loss_sum, n, _ = make_policy_loss_func(stream[0], stream[3], stream[1], old_log_prob=stream[2], config=cfg,
+                                               packed_seq_params=params)(x_ref)
+        (loss_sum / n).backward()
+        pos = torch.cat([cols, cols + T])
+        x = flat[pos].clone().requires_grad_(True)
+        local_sum, local_n, _ = make_policy_loss_func(*(stream[i][pos] for i in (0, 3, 1)), old_log_prob=stream[2][pos],
+                                                      config=cfg, packed_seq_params=params, pg_collection=pgc)(x)
+        totals = torch.stack([local_sum.detach(), local_n.double()])
+        dist.all_reduce(totals)
+        (local_sum / totals[1]).backward()
+        if not (_close(totals[0] / totals[1], loss_sum.detach() / n) and _close(x.grad, x_ref.grad[pos])):
+            failures.append(f"megatron packed {name}: loss {float(totals[0] / totals[1])} vs one process "
+                            f"{float(loss_sum / n)}, gradient max error {float((x.grad - x_ref.grad[pos]).abs().max()):.3g}")
+    assert not failures, "\n".join(failures)
+
+
+def test_cov_selection_breaks_exact_ties_in_the_one_process_order_across_chunks():
+    """clip_cov / kl_cov under CP = 2 with megatron's load-balanced chunks, every covariance tied: the selected token
+    is the one-process one (the earliest in its sequence), given each token's position in its whole sequence
+    (``seq_positions``; megatron's loss_func computes them itself); before, ties were broken by rank."""
+    run_workers(_tie_order_worker, 2)
