@@ -1801,6 +1801,7 @@ def compute_policy_loss(
     versions: Optional[torch.Tensor] = None,
     current_version: Optional[int] = None,
     proximal: str = "loglinear",
+    seq_positions: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """The one entry point a trainer needs: :func:`policy_step`, which picks the flow from
     ``config.rollout_correction``, in verl's ``(loss, metrics)`` form. Padded ``[B, T]`` inputs, or packed ``[T]``
@@ -1823,6 +1824,8 @@ def compute_policy_loss(
     ``"linear"``, AReaL's) between the behaviour log-probs (``rollout_log_prob``) and pi_theta, with no forward
     pass; when ``old_log_prob`` is given too, the approximation's error against it is logged
     (``rollout_corr/prox_approx_abs_error``, ``_imp_weight_error``).
+
+    ``seq_group`` (context parallelism) with clip_cov / kl_cov: ``seq_positions`` as :func:`policy_step` takes it.
     """
     cfg = as_policy_config(config)
     staleness: Dict[str, torch.Tensor] = {}
@@ -1840,7 +1843,7 @@ def compute_policy_loss(
     step = policy_step(cfg, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                        rollout_log_prob=rollout_log_prob, dp_group=dp_group, seq_group=seq_group,
                        cu_seqlens=cu_seqlens, versions=versions, current_version=current_version, proximal=proximal,
-                       rows_grad=False, fn="compute_policy_loss")
+                       rows_grad=False, seq_positions=seq_positions, fn="compute_policy_loss")
     metrics = step.metrics
     metrics.update(staleness)
     return step.loss, metrics

@@ -537,11 +537,16 @@ def _tie_order_worker(rank, world):
         ref = _step(name, "token-mean", cfg, old, lp, adv_bt, mask, None)
         got = _step(name, "token-mean", cfg, *(t[:, cols].contiguous() for t in (old, lp, adv_bt, mask)), None,
                     seq_group=dist.group.WORLD, seq_positions=cols.expand(2, -1))
-        total = got[0].clone()
+        x = lp[:, cols].clone().requires_grad_(True)  # and through the front door
+        door, _ = losses.compute_policy_loss(old[:, cols], x, adv_bt[:, cols], mask[:, cols], "token-mean", cfg,
+                                             seq_group=dist.group.WORLD, seq_positions=cols.expand(2, -1))
+        door.backward()
+        total = torch.stack([got[0], door.detach()])
         dist.all_reduce(total)
-        if not (_close(total, ref[0]) and _close(got[2], ref[2][:, cols])):
-            failures.append(f"{name} with seq_positions: loss {float(total)} vs one process {float(ref[0])}, "
-                            f"gradient max error {float((got[2] - ref[2][:, cols]).abs().max()):.3g}")
+        for what, value, grad in (("step", total[0], got[2]), ("compute_policy_loss", total[1], x.grad)):
+            if not (_close(value, ref[0]) and _close(grad, ref[2][:, cols])):
+                failures.append(f"{name} {what} with seq_positions: loss {float(value)} vs one process "
+                                f"{float(ref[0])}, gradient max error {float((grad - ref[2][:, cols]).abs().max()):.3g}")
         # megatron's loss_func on its load-balanced chunks: the positions are its own
         x_ref = logits.clone().requires_grad_(True)
         loss_sum, n, _ = make_policy_loss_func(target, adv, mask, old_log_prob=old, config=cfg)(x_ref)
