@@ -684,6 +684,9 @@ def compute_policy_loss_reinforce(
 
 
 def _row_sums(x: torch.Tensor, cu_seqlens) -> torch.Tensor:
+    """Per-row (packed: per-segment) sums, in the row-major order whatever ``x``'s layout (a transposed input's
+    elementwise results keep its strides, and torch sums a strided row in another order: an ulp apart)."""
+    x = x.contiguous()
     return x.sum(-1) if cu_seqlens is None else segment_sum(x, cu_seqlens)
 
 
@@ -893,7 +896,7 @@ def gspo_sequence_log_ratio(log_prob, old_log_prob, response_mask, *, cu_seqlens
     acc = _checks.acc_dtype(log_prob.dtype)
     with torch.no_grad():
         m = response_mask.to(acc)
-        x = _checks.masked(log_prob.detach().to(acc) - old_log_prob.to(acc), m)
+        x = _checks.masked(log_prob.detach().to(acc) - old_log_prob.to(acc), m).contiguous()  # row-major sums
         sums = _seq_all_reduce(torch.stack([_row_sums(x, cu_seqlens), _row_sums(m, cu_seqlens)]), seq_group)
         seq = sums[0] / sums[1].clamp(min=1)
         return _per_token(seq, log_prob, cu_seqlens), x.sum()

@@ -439,6 +439,24 @@ def test_undefined_token_is_a_named_error(name):
     assert torch.isfinite(got[0]) and torch.isfinite(got[2]).all() and got[2][1, 0] == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name", NAMES)
+def test_transposed_inputs_give_the_contiguous_bits(name, dtype):
+    """Inputs that are transposed views ([T, B] buffers) give the loss, metrics and gradient of contiguous copies,
+    bit for bit (GSPO's sequence ratio was summed in the layout's order: an ulp off)."""
+    old, lp, adv, mask, w = (t.to(dtype) for t in _inputs(b=6, t=40, seed=12))
+    adv = adv + 0.01 * torch.arange(40, dtype=dtype)  # token-level, so a transpose reorders every input's reads
+    cfg = losses.PolicyLossConfig(loss_mode=name, **KNOBS)
+    fn = getattr(losses, "compute_policy_loss_" + name)
+    tr = lambda t: t.t().contiguous().t()  # noqa: E731 - the same values, column-major
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        want = _run(fn, old, lp, adv, mask, mode, cfg, w)
+        got = _run(fn, tr(old), tr(lp), tr(adv), tr(mask), mode, cfg, tr(w))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]), (mode, got[0] - want[0])
+        for k, v in want[1].items():
+            assert torch.equal(torch.as_tensor(got[1][k]), torch.as_tensor(v)), (mode, k)
+
+
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan], ids=["inf", "-inf", "nan"])
 @pytest.mark.parametrize("name", ["kl_cov", "clip_cov"])
 def test_cov_losses_with_every_advantage_undefined_name_the_token(name, bad):
