@@ -124,3 +124,20 @@ def test_packed_needs_a_1d_stream_and_padded_needs_2d():
     with pytest.raises(ValueError, match="packed token stream"):
         rc.compute_rollout_correction(lp.reshape(2, 11), rlp.reshape(2, 11), mask.reshape(2, 11),
                                       rc.RolloutCorrectionConfig(), cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "fallback"])
+@pytest.mark.parametrize("is_level", [None, "token", "sequence"])
+def test_ops_on_a_packed_stream_without_tokens(backend, is_level):
+    """The two passes on a packed stream of empty sequences (T = 0): empty weights (or the no-IS placeholder) and
+    mask, as on every backend (the fallback indexed its no-IS placeholder with the padded layout's mask)."""
+    from rollout_corr_ext import fallback
+    from rollout_corr_ext.correction import op_args
+
+    args = op_args(rc.RolloutCorrectionConfig(rollout_is=is_level, rollout_rs="token_k1",
+                                              rollout_rs_threshold="0.5_2.0"))
+    lp, mask, cu = torch.zeros(0), torch.zeros(0, dtype=torch.bool), torch.tensor([0, 0, 0, 0])
+    ops = torch.ops.rollout_corr if backend == "cpu" else fallback
+    stats = ops.rollout_seq_stats(lp, lp, mask, cu, *args)
+    w, m_out, _, _ = ops.rollout_token_pass(lp, lp, mask, cu, stats, *args, True)
+    assert w.shape == (0,) and m_out.shape == (0,)

@@ -190,7 +190,7 @@ def rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, 
         m_pad, inside = _padded(mask, cu)
         w, m_out, S, M = rollout_token_pass(_padded(log_prob, cu)[0], _padded(rollout_log_prob, cu)[0], m_pad, None,
                                             seq_stats, *a, row_partials)
-        return (w[inside] if w.numel() or inside.numel() == 0 else w, m_out[inside], S, M)
+        return (w[inside] if w.dim() == 2 else w, m_out[inside], S, M)  # 1-D: the no-IS placeholder [0]
     valid, _, _, lp, rlp, lr, l, rho = _token_values(log_prob, rollout_log_prob, mask, a.exclude_nonfinite)
     acc = lr.dtype
     dev = lr.device
