@@ -269,6 +269,8 @@ class PolicyLossConfig:
                 for k in ("dro_beta", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef"):
                     if pl.get(k) is not None:
                         out[k] = pl[k]
+                if "ppo_kl_coef" in pl and pl.get("ppo_kl_coef") is None:
+                    out["ppo_kl_coef"] = 1.0  # verl's kl_cov reads a None coefficient as 1.0 (not its default 0.1)
                 # verl's registry name; under register_policy_losses(replace=False) it carries a prefix. A name we do
                 # not know is verl's own choice of function (its registry picked the function being called).
                 mode = pl.get("loss_mode")

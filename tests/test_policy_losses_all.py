@@ -413,6 +413,20 @@ def test_config_reads_verl_actor_config():
     assert (cfg.clip_cov_ratio, cfg.clip_cov_lb, cfg.clip_cov_ub, cfg.kl_cov_ratio) == (0.5, 0.02, 40.0, 0.1)
 
 
+def test_none_knobs_read_as_verls_losses_read_them():
+    """A policy_loss knob set to None: verl's loss functions substitute their own value (kl_cov: ppo_kl_coef 1.0, not
+    the config's default 0.1; clip_cov / kl_cov ratios and bounds: the defaults), and so does the adapter: the same
+    loss as verl's own function."""
+    core, _, _ = _verl()
+    old, lp, adv, mask, _ = _inputs(seed=4)
+    for name, knobs in (("kl_cov", dict(ppo_kl_coef=None, kl_cov_ratio=0.2)), ("kl_cov", dict(kl_cov_ratio=None)),
+                        ("clip_cov", dict(clip_cov_ratio=None, clip_cov_lb=None, clip_cov_ub=None))):
+        actor = _actor(name, knobs=knobs)
+        want = _run(core.get_policy_loss_fn(name), old, lp, adv, mask, "token-mean", actor, None)
+        got = _run(rv.POLICY_LOSSES[name], old, lp, adv, mask, "token-mean", actor, None)
+        assert torch.allclose(got[0], want[0], rtol=2e-5, atol=2e-6), (name, knobs, got[0], want[0])
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(loss_mode="ppo"), "loss_mode must be one of"),
     (dict(loss_mode="dro"), "dro_beta"),
