@@ -257,7 +257,8 @@ class _Slots:
 
 
 def finalize_metrics(
-    sums: torch.Tensor, maxes: torch.Tensor, config: RolloutCorrectionConfig, exclude_nonfinite: bool = False
+    sums: torch.Tensor, maxes: torch.Tensor, config: RolloutCorrectionConfig, exclude_nonfinite: bool = False,
+    fp64_mask: bool = False,
 ) -> Dict[str, torch.Tensor]:
     """Turn the (globally reduced) partials into the ``rollout_corr/*`` metric dict (0-dim fp64 tensors on the
     partials' device).
@@ -265,30 +266,39 @@ def finalize_metrics(
     Each metric reads the slots of ``csrc/include/rollout_correction_layout.def`` by name (formulas: verl 0.9.1
     ``compute_is_metrics`` / ``compute_rs_metrics`` / ``compute_offpolicy_metrics``). The formulas run once, on
     torch ops (no host sync), or, for plain CPU tensors, on numpy fp64 scalars read in place, with the values
-    returned as 0-dim views of one new tensor."""
+    returned as 0-dim views of one new tensor. ``fp64_mask``: the response mask was fp64, whose count keeps
+    verl's + 1e-8 in the std metrics' means (any other mask dtype loses it to fp32 rounding in verl)."""
     host = _host_arrays(sums, maxes)
     if host is None:
-        return _metric_formulas(sums, maxes, config, exclude_nonfinite, _TensorMath)
+        return _metric_formulas(sums, maxes, config, exclude_nonfinite, _TensorMath, fp64_mask)
     with np.errstate(all="ignore"):
-        met = _metric_formulas(*host, config, exclude_nonfinite, _HostMath)
+        met = _metric_formulas(*host, config, exclude_nonfinite, _HostMath, fp64_mask)
     values = torch.from_numpy(np.array(list(met.values()), dtype=np.float64)).unbind()
     return dict(zip(met.keys(), values))
 
 
-def _metric_formulas(sums, maxes, config: RolloutCorrectionConfig, exclude_nonfinite: bool, F) -> Dict[str, object]:
+def _metric_formulas(sums, maxes, config: RolloutCorrectionConfig, exclude_nonfinite: bool, F,
+                     fp64_mask: bool = False) -> Dict[str, object]:
     """The metric formulas over the partials, with F (_TensorMath or _HostMath) for what is not arithmetic."""
     P = _Slots(sums, maxes)
     S, M = P.s, P.m
     met: Dict[str, object] = {}
     n = S.tokens
     ne = n + LY.EPS
+    n1 = F.clamp_min(n, 1.0)
     rows = S.rows
     sv = S.valid_rows
     zero = 0.0 * n
 
-    def std_of_sums(s, s2):  # verl: sqrt(clamp(E[x^2] - E[x]^2, 0)) over valid tokens when more than one,
-        # E = masked_mean (sum / (n + eps)), from sum x and sum x^2 (fp64)
-        return F.where(n > 1, F.sqrt(F.clamp_min(s2 / ne - (s / ne) ** 2, 0.0)), zero)
+    # verl's masked_mean is sum / (count + 1e-8) with the count in the mask's dtype: a bool / int mask's count
+    # (int64 + 1e-8 -> fp32) and an fp32 mask's lose the 1e-8 to rounding (count >= 1), an fp64 mask's keeps it. It
+    # changes a mean by 1e-8 / n relative, but a std from E[x^2] - E[x]^2 by up to |x| sqrt(1e-8 / n) (n equal values
+    # x: 0 against that), so the std metrics take verl's denominator for the mask's dtype
+    std_den = ne if fp64_mask else n1
+
+    def std_of_sums(s, s2):  # verl: sqrt(clamp(E[x^2] - E[x]^2, 0)) over valid tokens when more than one, from sum x
+        # and sum x^2 (fp64)
+        return F.where(n > 1, F.sqrt(F.clamp_min(s2 / std_den - (s / std_den) ** 2, 0.0)), zero)
 
     def masked_std(dev, dev_sq, centre):  # the kernels sum x - centre and (x - centre)^2 (no fp32 cancellation);
         # sum x and sum x^2 are rebuilt here in fp64, where the difference is harmless.
@@ -597,7 +607,7 @@ def compute_rollout_correction(
     # Every rank reaches the same verdict on the reduced sums (CPU: a ValueError; CUDA: device asserts, no sync).
     sums = ops.rollout_check(sums, agree, log_prob, rollout_log_prob, response_mask, exclude)
 
-    metrics = finalize_metrics(sums, maxes, config, exclude)
+    metrics = finalize_metrics(sums, maxes, config, exclude, fp64_mask=response_mask.dtype == torch.float64)
     diag_out = None
     if diagnostics is not None:
         from .observability import finalize_diagnostics

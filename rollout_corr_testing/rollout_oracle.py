@@ -271,11 +271,18 @@ def rollout_correction_oracle(
 
     def clamped_std(x: torch.Tensor, lo: float, hi: float) -> float:
         # verl compute_is_metrics / compute_rs_metrics: sqrt(max(E[c^2] - E[c]^2, 0)), c = clamp(x, lo, hi),
-        # over valid tokens, 0 when there are fewer than 2
+        # over valid tokens, 0 when there are fewer than 2; E = masked_mean, sum / (count + 1e-8), where the count
+        # has the mask's dtype: an fp64 float mask keeps the 1e-8; a bool / int mask's count (int64 + 1e-8 -> fp32)
+        # and an fp32 mask's lose it to fp32 rounding (count >= 1): sum / N
         if not N > 1:
             return 0.0
         c = x.clamp(min=lo, max=hi)
-        return math.sqrt(max(tmean(c * c) - tmean(c) ** 2, 0.0))
+        den = N + EPS if response_mask.dtype == torch.float64 else N
+
+        def mean_n(v):
+            return float(torch.where(valid, v, zero).sum() / den)
+
+        return math.sqrt(max(mean_n(c * c) - mean_n(c) ** 2, 0.0))
 
     met: Dict[str, float] = {}
     weights: Optional[torch.Tensor] = None

@@ -464,3 +464,30 @@ def test_package_equals_oracle_tiny_batches(shape, name, backend):
     fields, scale = RICH[name]
     lp, rlp, mask = make_inputs(b, t, seed=b * 7 + t, scale=scale, min_len=1, dtype=torch.float64)
     _check_against_oracle(lp.float(), rlp.float(), mask, fields)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("crit, threshold", [("seq_sum_k3", 100.0), ("token_k3", 50.0), ("seq_mean_k3", 0.01),
+                                             ("token_k2", 1e-3)])
+def test_std_of_clamped_statistics_is_verls_for_the_mask_dtype(crit, threshold, mask_dtype):
+    """Every token's RS statistic above the threshold, so clamped to it: n equal values. verl's masked_mean divides by
+    the count + 1e-8 in the mask's dtype, which keeps the 1e-8 only for an fp64 mask (then its std reads
+    |x| sqrt(1e-8 / n)); for a bool / int / fp32 mask it rounds away and the std is 0. The package gave the fp64-mask
+    value for every mask (9.3e-4 at a threshold of 100 where verl gives 0)."""
+    verl_fn = verl_rollout_correction_fn()
+    g = torch.Generator().manual_seed(0)
+    rlp = -torch.rand(4, 32, generator=g, dtype=torch.float64) * 4
+    lp = rlp + 8.0 + torch.rand(4, 32, generator=g, dtype=torch.float64)  # log-ratios in [8, 9]
+    mask = torch.ones(4, 32, dtype=torch.bool)
+    mask[1, 20:] = False
+    mask = mask.to(mask_dtype)
+    fields = dict(rollout_is=None, rollout_rs=crit, rollout_rs_threshold=threshold)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, _, v_met = verl_fn(lp, rlp, mask, **fields)
+    key = f"{PREFIX}rollout_rs_{crit}_std"
+    got = float(rollout_corr_ext.compute_rollout_correction(lp, rlp, mask, rollout_corr_ext.RolloutCorrectionConfig(
+        **fields)).metrics[key])
+    assert math.isclose(got, v_met[key], rel_tol=1e-6, abs_tol=1e-12), (got, v_met[key])
+    _, _, o_met = rollout_correction_oracle(lp, rlp, mask, **fields)
+    assert math.isclose(o_met[key], v_met[key], rel_tol=1e-6, abs_tol=1e-12), (o_met[key], v_met[key])
