@@ -109,9 +109,19 @@ class SamplingParams:
         """From verl's rollout config (``actor_rollout_ref.rollout``: ``temperature``, ``top_k`` (-1: disabled),
         ``top_p``); a mapping or an object with those attributes."""
         get = rollout_config.get if hasattr(rollout_config, "get") else lambda k, d: getattr(rollout_config, k, d)
+
+        def number(key, default):  # None or text is the config's mistake: named, never a bare float() error
+            value = get(key, default)
+            try:
+                if value is None or isinstance(value, bool):
+                    raise TypeError
+                return float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"rollout config: {key} must be a number, got {value!r}") from None
+
         top_k = get("top_k", -1)
-        return cls(temperature=float(get("temperature", 1.0)), top_k=None if top_k in (None, 0, -1) else int(top_k),
-                   top_p=float(get("top_p", 1.0)), min_p=float(get("min_p", 0.0) or 0.0))
+        return cls(temperature=number("temperature", 1.0), top_k=None if top_k in (None, 0, -1) else int(top_k),
+                   top_p=number("top_p", 1.0), min_p=float(get("min_p", 0.0) or 0.0))
 
 
 def _per_row(name: str, value, rows: int, lead, dtype, device) -> torch.Tensor:

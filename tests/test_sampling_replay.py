@@ -293,6 +293,10 @@ def test_from_verl_rollout_config():
     sp = SamplingParams.from_verl({"temperature": 0.8, "top_k": -1, "top_p": 0.95})
     assert (sp.temperature, sp.top_k, sp.top_p, sp.min_p) == (0.8, None, 0.95, 0.0)
     assert SamplingParams.from_verl({"top_k": 50}).top_k == 50
+    for key, bad in (("top_p", None), ("temperature", None), ("top_p", "high"), ("temperature", True)):
+        with pytest.raises(ValueError, match=rf"rollout config: {key} must be a number, got {bad!r}"):
+            SamplingParams.from_verl({key: bad})
+    assert SamplingParams.from_verl({"top_p": "0.9"}).top_p == 0.9  # a YAML string number reads as its value
 
 
 # --------------------------------------------------------------------------------------------- tensor parallel
