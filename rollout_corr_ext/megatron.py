@@ -191,6 +191,14 @@ def _packed_boundaries(packed_seq_params, cu_seqlens, cp_size: int, per_sequence
     return cu // cp_size
 
 
+def _zigzag_position(offset: torch.Tensor, chunk: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """The position in its whole sequence of a token at ``offset`` in CP rank ``rank``'s local piece of it, under
+    megatron's load-balanced split: the piece is chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp`` (each ``chunk``
+    long)."""
+    second = offset >= chunk
+    return torch.where(second, 2 * cp - 1 - rank, rank) * chunk + torch.where(second, offset - chunk, offset)
+
+
 def _cp_positions(target: torch.Tensor, cu: Optional[torch.Tensor], cp: int, rank: int,
                   whole_stream: bool) -> torch.Tensor:
     """Each local token's position in its whole sequence under megatron's load-balanced split (rank ``rank`` of
@@ -201,15 +209,12 @@ def _cp_positions(target: torch.Tensor, cu: Optional[torch.Tensor], cp: int, ran
     n = target.shape[-1]
     t = torch.arange(n, device=dev)
     if cu is None or whole_stream or cu.shape[0] < 2:
-        h = n // 2
-        pos = torch.where(t < h, rank * h + t, (2 * cp - 1 - rank) * h + t - h)
+        pos = _zigzag_position(t, torch.tensor(n // 2, device=dev), cp, rank)
         return pos.expand(target.shape) if target.dim() == 2 else pos
     cu = cu.to(device=dev, dtype=torch.int64)
     seg = torch.searchsorted(cu[1:], t, right=True).clamp(max=cu.shape[0] - 2)
     start = cu[seg]
-    h = (cu[seg + 1] - start) // 2  # the chunk length of the token's sequence
-    o = t - start
-    return torch.where(o < h, rank * h + o, (2 * cp - 1 - rank) * h + o - h)
+    return _zigzag_position(t - start, (cu[seg + 1] - start) // 2, cp, rank)
 
 
 def _zigzag_boundaries(cu: torch.Tensor, n: int, cp: int, rank: int) -> torch.Tensor:
@@ -305,12 +310,11 @@ def _mtp_shifted_cp(target: torch.Tensor, response_mask: torch.Tensor, num_layer
     start, end = cu_l[seg], cu_l[seg + 1]
     in_seq = t < cu_l[-1]
     half = (end - start) // 2  # the chunk length of the position's sequence
-    second = (t - start) >= half  # in the local piece's second chunk (2cp-1-r), else the first (r)
-    off = torch.where(second, t - start - half, t - start)  # offset within the chunk: the same on every rank
+    off = (t - start) % half.clamp(min=1)  # offset within its chunk: the same on every rank
     size = cp * n  # global positions of the whole sequences, plus one slot that takes the positions outside them
 
     def global_pos(r):  # where CP rank r's local positions sit in the whole sequences (sequence i starts at cp * cu[i])
-        pos = cp * start + torch.where(second, 2 * cp - 1 - r, r) * half + off
+        pos = cp * start + _zigzag_position(t - start, half, cp, r)
         return torch.where(in_seq, pos, torch.full_like(pos, size))
 
     vals = torch.stack([rows_t.double(), rows_m.double()], -1)  # [rows, n, 2]

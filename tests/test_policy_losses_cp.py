@@ -579,6 +579,27 @@ def _tie_order_worker(rank, world):
         if not (_close(totals[0] / totals[1], loss_sum.detach() / n) and _close(x.grad, x_ref.grad[pos])):
             failures.append(f"megatron packed {name}: loss {float(totals[0] / totals[1])} vs one process "
                             f"{float(loss_sum / n)}, gradient max error {float((x.grad - x_ref.grad[pos]).abs().max()):.3g}")
+        # packed with use_per_sequence_balancing (megatron-core 0.19): the whole stream in 2 * cp chunks. Row 1
+        # first, so the tied tokens sit at stream positions 21 (rank 1) and 30, 31 (rank 0): rank order takes 30
+        order = torch.tensor([1, 0])
+        stream = [t[order].reshape(-1) for t in (target, mask, old, adv_bt)]
+        flat = logits[:, order].transpose(0, 1).reshape(2 * T, 1, V)
+        x_ref = flat.clone().requires_grad_(True)
+        loss_sum, n, _ = make_policy_loss_func(stream[0], stream[3], stream[1], old_log_prob=stream[2], config=cfg,
+                                               packed_seq_params=params)(x_ref)
+        (loss_sum / n).backward()
+        pos = cp_token_index(2 * T, world, rank)
+        x = flat[pos].clone().requires_grad_(True)
+        local_sum, local_n, _ = make_policy_loss_func(*(stream[i][pos] for i in (0, 3, 1)), old_log_prob=stream[2][pos],
+                                                      config=cfg, packed_seq_params=params, pg_collection=pgc,
+                                                      use_per_sequence_balancing=True)(x)
+        totals = torch.stack([local_sum.detach(), local_n.double()])
+        dist.all_reduce(totals)
+        (local_sum / totals[1]).backward()
+        if not (_close(totals[0] / totals[1], loss_sum.detach() / n) and _close(x.grad, x_ref.grad[pos])):
+            failures.append(f"megatron packed, use_per_sequence_balancing, {name}: loss "
+                            f"{float(totals[0] / totals[1])} vs one process {float(loss_sum / n)}, gradient max "
+                            f"error {float((x.grad - x_ref.grad[pos]).abs().max()):.3g}")
     assert not failures, "\n".join(failures)
 
 
