@@ -485,6 +485,25 @@ def test_cov_losses_with_every_advantage_undefined_name_the_token(name, bad):
                                                        "token-mean", cfg)
 
 
+@pytest.mark.parametrize("bad", ["list", "float", "bool", "shape", "meta"])
+@pytest.mark.parametrize("entry", ["clip_cov", "kl_cov", "compute_policy_loss"])
+def test_seq_positions_of_the_wrong_kind_are_a_named_error(entry, bad):
+    """``seq_positions`` (the covariance losses' tie order under CP) is checked at every entry, with or without
+    CP: an integer tensor of log_prob's shape on its device, else a ValueError naming it."""
+    old = torch.tensor([[-1.0, -1.25, -0.75], [-0.25, -2.0, -1.0]])
+    lp, adv, mask = old + 0.125, torch.tensor([[0.5, -1.0, 2.0], [1.0, 0.25, -0.5]]), torch.ones(2, 3)
+    positions = torch.arange(3).expand(2, 3)
+    wrong = {"list": positions.tolist(), "float": positions.double(), "bool": positions > 0,
+             "shape": positions[:, :2], "meta": positions.to("meta")}[bad]
+    cfg = losses.PolicyLossConfig(loss_mode="kl_cov" if entry == "compute_policy_loss" else entry, kl_cov_ratio=0.5,
+                                  clip_cov_ratio=0.5)
+    fn = losses.compute_policy_loss if entry == "compute_policy_loss" else \
+        getattr(losses, "compute_policy_loss_" + entry)
+    with pytest.raises(ValueError, match="seq_positions must be an integer tensor"):
+        fn(old, lp, adv, mask, "token-mean", cfg, seq_positions=wrong)
+    fn(old, lp, adv, mask, "token-mean", cfg, seq_positions=positions)  # the right kind is taken
+
+
 @pytest.mark.parametrize("backend_name", ["cpu", "fallback"])
 @pytest.mark.parametrize("dtype, big", [(torch.float32, 200.0), (torch.float64, 1500.0)], ids=["fp32", "fp64"])
 def test_geo_mean_sequence_value_overflow_is_a_named_error(backend_name, dtype, big):
