@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 from . import _layout as LY
-from ._checks import refuse_where
 
 __all__ = ["DEBUG_METRIC_KEYS", "debug_metrics", "MismatchDiagnostics", "DiagnosticsOutput", "Histogram",
            "BREAKDOWNS", "BUCKET_STATS", "log_histograms"]
@@ -315,11 +314,30 @@ def _like(name: str, t, ref: torch.Tensor, integer: bool) -> torch.Tensor:
 
 
 class _Wire:
-    """Named fp64 segments of the extra SUM / MAX partials."""
+    """Named fp64 segments of the extra SUM / MAX partials, and the value checks whose verdict rides the SUM."""
 
     def __init__(self):
         self.sum_parts: List[Tuple[str, torch.Tensor]] = []
         self.max_parts: List[Tuple[str, torch.Tensor]] = []
+        self.refusals: list = []
+
+    def refuse(self, bad: torch.Tensor, describe, message: str) -> None:
+        """:func:`refuse_where`, decided on the reduced count of ``bad`` (:meth:`verdict`): every rank of the reduce
+        raises alike, where a check on one rank's tokens would leave the others waiting in a later collective."""
+        self.sum_parts.append((f"refused_{len(self.refusals)}", bad.sum().to(torch.float64).reshape(1)))
+        self.refusals.append((bad, describe, message))
+
+    def verdict(self, parts: Dict[str, torch.Tensor]) -> None:
+        """On CPU a ValueError naming this rank's first offending token (or the count on other ranks); on CUDA an
+        asynchronous device assert on every rank (no host sync)."""
+        for i, (bad, describe, message) in enumerate(self.refusals):
+            count = parts[f"refused_{i}"][0]
+            if count.device.type != "cpu":
+                torch._assert_async(count == 0, message)
+            elif float(count) > 0:
+                if bool(bad.any()):
+                    raise ValueError(describe(tuple(int(j) for j in bad.nonzero()[0])))
+                raise ValueError(f"{message} (at {int(count)} response tokens of other ranks)")
 
     def vectors(self):
         return (torch.cat([t.reshape(-1) for _, t in self.sum_parts]),
@@ -388,7 +406,9 @@ def diagnostics_pass(spec: MismatchDiagnostics, log_prob, rollout_log_prob, vali
                              f"({num_rows},), got {tuple(v.shape)}")
         from .versions import policy_lag
 
-        state["lag"] = policy_lag(v, spec.current_version, valid, "diagnostics.versions")
+        refusals = state["refusals"] = []  # made in the second half, on the wire (_Wire.refuse)
+        state["lag"] = policy_lag(v, spec.current_version, valid, "diagnostics.versions",
+                                  refuse=lambda *check: refusals.append(check))
     # each row's sums of |lr| and of the unclamped k3 (as the batch's k3_kl), summed over the context-parallel group
     # with the correction's row statistics
     return state, torch.stack([_row_sum(lr.abs(), row, num_rows), _row_sum(torch.expm1(lr) - lr, row, num_rows)], 1)
@@ -423,6 +443,8 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
     rev = rl - rm1
     js = 0.5 * (rl - (1.0 + r) * (torch.nn.functional.softplus(l20) - _LN2))
     w = _Wire()
+    for check in state.get("refusals", ()):
+        w.refuse(*check)
     # |lr|'s spread from centred sums pooled over ranks (_pooled_comoment): no cancellation of a small spread
     # against a large mean
     n_loc, s_loc = stats[:, 0].sum(), stats[:, 1].sum()
@@ -453,10 +475,10 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
             pos = c - 1 - (start[safe_row] if num_rows else 0)
     n_row = row_tokens.to(f64)[safe_row] if num_rows else torch.zeros_like(lr)
     if spec.positions is not None:  # a position no bucket holds is an error, not a clamp into the edge buckets
-        refuse_where(valid & ((pos < 0) | (pos.to(f64) >= n_row)),
-                     lambda at: f"diagnostics.positions at response token {at} is {int(pos[at])}, outside [0, "
-                                f"{int(n_row[at])}) (its index among its sequence's {int(n_row[at])} response tokens)",
-                     "diagnostics.positions must lie in [0, the sequence's response tokens) at response tokens")
+        w.refuse(valid & ((pos < 0) | (pos.to(f64) >= n_row)),
+                 lambda at: f"diagnostics.positions at response token {at} is {int(pos[at])}, outside [0, "
+                            f"{int(n_row[at])}) (its index among its sequence's {int(n_row[at])} response tokens)",
+                 "diagnostics.positions must lie in [0, the sequence's response tokens) at response tokens")
     fam_idx = {"position_decile": torch.where(n_row > 0, (pos.to(f64) * 10 / n_row.clamp(min=1)).floor(),
                                               zero).clamp(0, 9).long(),
                "position": _count_at_least(pos, spec.position_buckets),
@@ -469,8 +491,8 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
             raise ValueError(f"diagnostics.entropy must have log_prob's shape {tuple(log_prob.shape)}, got "
                              f"{tuple(ent.shape)}")
         bad = valid & ~torch.isfinite(ent)  # a NaN would land in the first bucket unseen
-        refuse_where(bad, lambda at: f"diagnostics.entropy at response token {at} is {float(ent[at])}: entropies "
-                                     f"must be finite", "diagnostics.entropy must be finite at response tokens")
+        w.refuse(bad, lambda at: f"diagnostics.entropy at response token {at} is {float(ent[at])}: entropies "
+                                 f"must be finite", "diagnostics.entropy must be finite at response tokens")
         fam_idx["entropy"] = _count_at_least(ent.detach().to(f64), spec.entropy_edges)
     if spec.turn_ids is not None:
         tid = _like("turn_ids", spec.turn_ids, log_prob, True)
@@ -556,6 +578,7 @@ def finalize_diagnostics(spec: MismatchDiagnostics, wire: _Wire, sums: torch.Ten
     the weight statistics (exactly: means, extrema and the histogram's edges scale; its counts do not move)."""
     ws = 1.0 if weight_scale is None else weight_scale.to(torch.float64)
     p = wire.split(sums, maxes)
+    wire.verdict(p)
     f64 = torch.float64
     dev = sums.device
     nan = torch.full((), math.nan, dtype=f64, device=dev)

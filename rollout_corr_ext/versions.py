@@ -57,14 +57,15 @@ def _current(current_version) -> int:
 
 
 def policy_lag(versions: torch.Tensor, current_version: int, valid: torch.Tensor,
-               name: str = "versions") -> torch.Tensor:
+               name: str = "versions", refuse=refuse_where) -> torch.Tensor:
     """The lag ``current_version - versions`` (int64), checking that no ``valid`` token is newer than the trainer:
-    a ValueError naming the first on CPU, an asynchronous device assert on CUDA (no host sync)."""
+    a ValueError naming the first on CPU, an asynchronous device assert on CUDA (no host sync). ``refuse``: how
+    the check is made (``refuse_where``'s signature; the diagnostics defer it to their reduce)."""
     lag = current_version - versions.to(torch.int64)
     bad = valid & (lag < 0)
-    refuse_where(bad, lambda at: f"{name} at response token {at} is {int(versions[at])}, newer than "
-                                 f"current_version {current_version}",
-                 "a response token's version is newer than current_version")
+    refuse(bad, lambda at: f"{name} at response token {at} is {int(versions[at])}, newer than "
+                           f"current_version {current_version}",
+           f"{name}: a response token's version is newer than current_version")
     return lag
 
 

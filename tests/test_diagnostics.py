@@ -549,3 +549,32 @@ def _dp_cp_worker(rank, world, lp, rlp, mask, ent, turns, versions):
 @pytest.mark.parametrize("device", dist_params(4))
 def test_dp2_cp2_equals_one_process(device):
     run_workers(_dp_cp_worker, 4, *_inputs(seed=9), device=device)
+
+
+def _one_rank_bad_worker(rank, world, lp, rlp, mask, ent, turns, versions):
+    """DP = 2, a bad value (an entropy, a position, a version) on rank 1's rows only: both ranks raise, rank 1
+    naming the token, rank 0 the count on the other rank; then both go on to the same next collective."""
+    import torch.distributed as dist
+
+    cfg = rc.RolloutCorrectionConfig(**CFG)
+    rows = slice(0, 3) if rank == 0 else slice(3, None)
+    sl = [x[rows].clone() for x in (lp, rlp, mask, ent, turns, versions)]
+    positions = (torch.cumsum((sl[2] != 0).long(), dim=1) - 1).clamp(min=0)
+    at = tuple(sl[2].bool().nonzero()[0].tolist())
+    for field, value, named in (("entropy", math.nan, "diagnostics.entropy at response token"),
+                                ("positions", -1, "diagnostics.positions at response token"),
+                                ("versions", 21, "diagnostics.versions at response token")):
+        spec = dict(entropy=sl[3], turn_ids=sl[4], versions=sl[5], positions=positions)
+        if rank == 1:
+            spec[field] = spec[field].clone()
+            spec[field][at] = value
+        with pytest.raises(ValueError, match=named if rank == 1 else "response tokens of other ranks"):
+            rc.compute_rollout_correction(sl[0], sl[1], sl[2], cfg, dp_group=dist.group.WORLD,
+                                          diagnostics=MismatchDiagnostics(current_version=20, **spec))
+        check = torch.tensor([float(rank + 1)])
+        dist.all_reduce(check)  # the ranks are still in step
+        assert float(check) == 3.0, field
+
+
+def test_a_bad_diagnostics_value_on_one_rank_is_refused_on_every_rank():
+    run_workers(_one_rank_bad_worker, 2, *_inputs(seed=4))
