@@ -572,7 +572,7 @@ def compute_rollout_correction(
     diag_state = row_abs = None
     if diagnostics is not None:
         diag_state, row_abs = _diagnostics_first_half(diagnostics, log_prob, rollout_log_prob, response_mask,
-                                                      exclude, cu_seqlens, num_rows)
+                                                      cu_seqlens, num_rows)
     if seq_world > 1:
         ns = LY.SEQ_NUM_SUMS
         part = stats[:, :ns] if row_abs is None else torch.cat([stats[:, :ns], row_abs.to(stats.dtype)], 1)
@@ -638,14 +638,14 @@ def _fold_fingerprint(fingerprint: int, extra) -> int:
     return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") % _FINGERPRINT_BUCKETS
 
 
-def _diagnostics_first_half(spec, log_prob, rollout_log_prob, response_mask, exclude, cu_seqlens, num_rows):
+def _diagnostics_first_half(spec, log_prob, rollout_log_prob, response_mask, cu_seqlens, num_rows):
     from .observability import MismatchDiagnostics, diagnostics_pass
 
     if not isinstance(spec, MismatchDiagnostics):
         raise TypeError(f"diagnostics must be a MismatchDiagnostics, got {type(spec).__name__}")
-    valid = response_mask != 0
-    if exclude:
-        valid = valid & torch.isfinite(log_prob) & torch.isfinite(rollout_log_prob)
+    # non-finite log-probs never count: excluded ("exclude"), or the call's own check refuses them ("error"), which
+    # comes after this stage, so they must not reach its bucket indices (a NaN cast to int64)
+    valid = (response_mask != 0) & torch.isfinite(log_prob) & torch.isfinite(rollout_log_prob)
     return diagnostics_pass(spec, log_prob, rollout_log_prob, valid, cu_seqlens, num_rows)
 
 

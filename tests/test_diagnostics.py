@@ -379,6 +379,20 @@ def test_nonfinite_excluded_tokens_do_not_leak():
     assert all(math.isfinite(v) or "by_" in k for k, v in g.items())
 
 
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("which", ["log_prob", "rollout_log_prob"])
+def test_nonfinite_valid_token_is_the_named_error_with_diagnostics(which, value):
+    """nonfinite='error' with diagnostics: the call's own named error, as without them (a NaN log-prob reached the
+    probability bucket's int64 cast first: an index out of bounds)."""
+    lp, rlp, mask, ent, turns, versions = _inputs(seed=3)
+    at = tuple(mask.bool().nonzero()[1].tolist())
+    inputs = {"log_prob": lp.clone(), "rollout_log_prob": rlp.clone()}
+    inputs[which][at] = value
+    with pytest.raises(ValueError, match=r"hold NaN or \+-inf at valid response_mask positions"):
+        rc.compute_rollout_correction(inputs["log_prob"], inputs["rollout_log_prob"], mask,
+                                      rc.RolloutCorrectionConfig(**CFG), diagnostics=_spec(ent, turns, versions))
+
+
 # ----------------------------------------------------------------------------------------------- histograms
 
 
