@@ -405,8 +405,10 @@ def _world(group, name: str) -> Tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _check_inputs(log_prob, rollout_log_prob, response_mask, config, nonfinite,
-                  cu_seqlens=None) -> RolloutCorrectionConfig:
+def check_correction_inputs(log_prob, rollout_log_prob, response_mask, config, nonfinite,
+                            cu_seqlens=None) -> RolloutCorrectionConfig:
+    """:func:`compute_rollout_correction`'s checks of its inputs (types, shapes, devices, ``nonfinite``); returns the
+    config as a :class:`RolloutCorrectionConfig`."""
     for name, t in (("log_prob", log_prob), ("rollout_log_prob", rollout_log_prob)):
         if not isinstance(t, torch.Tensor) or t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be a float16/bfloat16/float32/float64 tensor, got "
@@ -541,7 +543,7 @@ def compute_rollout_correction(
         :class:`RolloutCorrectionResult` (weights: float32, float64 when either log-prob input is float64; or None;
         mask; metrics as 0-dim tensors; no host sync on CUDA without seq_group).
     """
-    config = _check_inputs(log_prob, rollout_log_prob, response_mask, config, nonfinite, cu_seqlens)
+    config = check_correction_inputs(log_prob, rollout_log_prob, response_mask, config, nonfinite, cu_seqlens)
     out_shape = tuple(log_prob.shape)
     if cu_seqlens is not None:  # the kernels take the packed stream as 1-D views (no copy)
         log_prob, rollout_log_prob, response_mask = (t.reshape(-1) for t in (log_prob, rollout_log_prob,

@@ -62,7 +62,7 @@ def policy_lag(versions: torch.Tensor, current_version: int, valid: torch.Tensor
     a ValueError naming the first on CPU, an asynchronous device assert on CUDA (no host sync). ``refuse``: how
     the check is made (``refuse_where``'s signature; the diagnostics defer it to their reduce)."""
     lag = current_version - versions.to(torch.int64)
-    bad = valid & (lag < 0)
+    bad = (valid != 0) & (lag < 0)  # a mask of any dtype (an int mask of 2 & True would be 0)
     refuse(bad, lambda at: f"{name} at response token {at} is {int(versions[at])}, newer than "
                            f"current_version {current_version}",
            f"{name}: a response token's version is newer than current_version")
@@ -86,17 +86,18 @@ def proximal_log_prob(behaviour_log_prob: torch.Tensor, log_prob: torch.Tensor, 
     v = _versions(versions, log_prob)
     acc = torch.float64 if log_prob.dtype == torch.float64 else torch.float32
     with torch.no_grad():
-        vb = v.to(acc)
-        diff = float(v_theta) - vb
-        gap = float(v_theta - 1) - vb
-        live = (diff > 0) & (v >= 0)
-        alpha = torch.where(live, gap / torch.where(live, diff, torch.ones_like(diff)), torch.zeros_like(diff))
-        alpha = alpha.clamp(0.0, 1.0)
+        lag = v_theta - v.to(torch.int64)  # in integers: versions past 2^24 keep their lags in fp32 too
+        live = (lag > 0) & (v >= 0)
+        lag_f = torch.where(live, lag, torch.ones_like(lag)).to(torch.float64)
+        alpha = torch.where(live, (lag_f - 1.0) / lag_f, torch.zeros_like(lag_f)).to(acc)
         lb, lt = behaviour_log_prob.detach().to(acc), log_prob.detach().to(acc)
         if method == "loglinear":
-            return lb + alpha * (lt - lb)
-        # log((1 - a) e^lb + a e^lt), as a log-sum-exp (no underflow for very negative log-probs)
-        return torch.logaddexp(torch.log1p(-alpha) + lb, torch.log(alpha) + lt)
+            mixed = torch.where(torch.isfinite(lb) & torch.isfinite(lt), lb + alpha * (lt - lb),
+                                (1.0 - alpha) * lb + alpha * lt)  # lb = -inf: -inf, not -inf + inf
+        else:  # log((1 - a) e^lb + a e^lt), as a log-sum-exp (no underflow for very negative log-probs)
+            mixed = torch.logaddexp(torch.log1p(-alpha) + lb, torch.log(alpha) + lt)
+        # alpha 0 is pi_b and alpha 1 pi_theta exactly, whatever the other log-prob holds (NaN, +-inf)
+        return torch.where(alpha == 0, lb, torch.where(alpha == 1, lt, mixed))
 
 
 def staleness_metrics(versions: torch.Tensor, current_version: int, response_mask: torch.Tensor, *,
@@ -188,7 +189,7 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     rejected token, 1 in a bucket without IS; None when no bucket has IS), the response mask with every bucket's
     rejections, the metrics."""
     from .config import RolloutCorrectionConfig
-    from .correction import PREFIX, RolloutCorrectionResult, compute_rollout_correction
+    from .correction import PREFIX, RolloutCorrectionResult, check_correction_inputs, compute_rollout_correction
 
     v_theta = _current(current_version)
     if not isinstance(lag_configs, (list, tuple)) or not lag_configs:
@@ -209,8 +210,8 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
         cfgs.append(cfg)
     if lags[0] != 0 or any(b <= a for a, b in zip(lags, lags[1:])):
         raise ValueError(f"lag_configs: the lags must start at 0 and increase strictly, got {lags}")
-    if not isinstance(response_mask, torch.Tensor):
-        raise TypeError(f"response_mask must be a torch.Tensor, got {type(response_mask).__name__}")
+    # the inputs as compute_rollout_correction checks them, before any bucket's slice of them is taken
+    check_correction_inputs(log_prob, rollout_log_prob, response_mask, cfgs[0], nonfinite, cu_seqlens)
     packed = cu_seqlens is not None
     cp = seq_group is not None and dist.get_world_size(seq_group) > 1
     if packed:

@@ -37,6 +37,44 @@ def test_proximal_matches_formula_token_by_token(method):
         assert float(got[i, j]) == pytest.approx(want, rel=1e-12, abs=1e-12), (i, j, v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("method", ["loglinear", "linear"])
+def test_proximal_lags_of_large_versions_are_exact(method, dtype):
+    """The lag v_theta - v_b is taken in integers: versions past 2^24 (fp32's integers) keep their alpha in every
+    dtype (they were rounded to fp32 first: lag 2 became 0 or 4)."""
+    base = 2 ** 40
+    lb, lt = torch.tensor([-1.0, -1.0, -1.0], dtype=dtype), torch.tensor([-2.0, -2.0, -2.0], dtype=dtype)
+    got = proximal_log_prob(lb, lt, torch.tensor([base - 1, base - 2, base - 4]), base, method)
+    for i, lag in enumerate((1, 2, 4)):
+        a = (lag - 1) / lag
+        want = -1.0 - a if method == "loglinear" else math.log((1 - a) * math.exp(-1.0) + a * math.exp(-2.0))
+        assert float(got[i]) == pytest.approx(want, rel=1e-6), (lag, float(got[i]))
+
+
+@pytest.mark.parametrize("method", ["loglinear", "linear"])
+def test_proximal_at_alpha_0_and_1_is_the_endpoint_whatever_the_other_holds(method):
+    """alpha 0 (lag 1, a prompt token) is pi_b exactly, even where log pi_theta is NaN or +-inf (0 * NaN was NaN);
+    pi_b = 0 (log -inf) at 0 < alpha < 1 gives -inf in the log-linear mix (it was -inf + inf = NaN)."""
+    lb = torch.tensor([-1.0, -1.0, -1.0, -1.0], dtype=torch.float64)
+    lt = torch.tensor([math.nan, -math.inf, math.inf, math.nan], dtype=torch.float64)
+    got = proximal_log_prob(lb, lt, torch.tensor([9, 9, 9, -1]), 10, method)
+    assert got.tolist() == [-1.0] * 4
+    got = proximal_log_prob(torch.tensor([-math.inf]), torch.tensor([-1.0]), torch.tensor([8]), 10, method)
+    want = -math.inf if method == "loglinear" else math.log(0.5) - 1.0
+    assert float(got[0]) == pytest.approx(want)
+
+
+def test_policy_lag_reads_any_mask_dtype():
+    """A non-bool mask counts where it is not 0 (an int mask of 2 skipped the newer-than-trainer check; a float mask
+    raised an unnamed bitwise error)."""
+    from rollout_corr_ext.versions import policy_lag
+
+    for mask in (torch.tensor([2, 2]), torch.tensor([1.0, 0.5]), torch.tensor([True, True])):
+        with pytest.raises(ValueError, match=r"versions at response token \(1,\) is 9, newer than current_version 5"):
+            policy_lag(torch.tensor([3, 9]), 5, mask)
+    assert policy_lag(torch.tensor([3, 9]), 5, torch.tensor([2, 0])).tolist() == [2, -4]
+
+
 def test_proximal_is_exact_when_log_probs_move_linearly_in_versions():
     """If log pi_v moves linearly in v between the behaviour version and the current one, the log-linear
     approximation of pi_{current - 1} is exact, and its error metrics are 0; per-row versions broadcast."""
@@ -230,6 +268,15 @@ def test_lag_configs_bad_input():
         compute_rollout_correction_by_lag(lp, rlp, mask, LAG_CFGS, versions, 8)
     with pytest.raises(ValueError, match="non-empty list"):
         compute_rollout_correction_by_lag(lp, rlp, mask, [], versions, 10)
+    # the log-probs are checked against each other and the mask before any bucket slices them (more rows than the
+    # mask were cut down silently, fewer columns named the sliced shape)
+    with pytest.raises(ValueError, match=r"rollout_log_prob shape \(8, 16\) does not match log_prob shape"):
+        compute_rollout_correction_by_lag(lp, torch.cat([rlp, rlp[:2]]), mask, LAG_CFGS, versions, 10)
+    with pytest.raises(ValueError, match=r"response_mask shape .* does not match log_prob shape \(8, 16\)"):
+        compute_rollout_correction_by_lag(torch.cat([lp, lp[:2]]), torch.cat([rlp, rlp[:2]]), mask, LAG_CFGS,
+                                          versions, 10)
+    with pytest.raises(TypeError, match="log_prob must be a float16/bfloat16/float32/float64 tensor"):
+        compute_rollout_correction_by_lag(lp.tolist(), rlp, mask, LAG_CFGS, versions, 10)
 
 
 def _lag_dp_worker(rank, world, lp, rlp, mask, versions):
