@@ -900,7 +900,11 @@ def _masked_log_probs(logits2d, below, target1d, temperature_spec, temperature, 
     logp, entropy = _lp.vocab_parallel_log_probs(masked, target1d, tp_group, vocab_start=vocab_start,
                                                  vocab_size=vocab_size, temperature=scalar_t,
                                                  ignore_index=ignore_index, return_entropy=True)
-    in_support = (logp != -math.inf) | ~active
+    # a target outside the kept set has no gradient (the kernel's would be -p on the kept columns): its -inf
+    # log-prob is passed on detached, the same values
+    outside = logp == -math.inf
+    logp = torch.where(outside, logp.detach(), logp)
+    in_support = ~outside | ~active
     return SampledLogProbs(logp.reshape(lead), entropy.reshape(lead), log_s.reshape(lead), in_support.reshape(lead))
 
 
@@ -982,8 +986,8 @@ def kept_log_probs(
     thresholds replayed from sampling parameters: the target's log-prob under ``softmax(logits / T)`` renormalised
     over exactly those ids (-inf and ``in_support = False`` when the target is not among them), the entropy over
     them, and log S, their mass under the untruncated distribution. Under ``tp_group`` every rank passes the same
-    ``kept`` (global ids) and its own vocab shard; no rank holds more than its shard (log S: one all-reduce MAX and
-    one all-reduce SUM of three numbers per row, besides the log-probs' own collective). Differentiable in ``logits``
+    ``kept`` (global ids) and its own vocab shard; no rank holds more than its shard (log S: one all-reduce MAX of two
+    numbers and one all-reduce SUM of four per row, besides the log-probs' own collective). Differentiable in ``logits``
     (the renormalised softmax's gradient over the kept ids, exactly 0 elsewhere)."""
     if not isinstance(kept, KeptTokens):
         raise TypeError(f"kept must be a KeptTokens, got {type(kept).__name__}")
@@ -1036,11 +1040,18 @@ def kept_log_probs(
             r1 = min(r0 + CHUNK_ROWS, n)
             z = logits2d[r0:r1, :valid_cols].detach().to(acc) / temperature[r0:r1].unsqueeze(1)
             z_max[r0:r1] = torch.where(active[r0:r1], z.amax(-1) if valid_cols else z_max[r0:r1], 0.0)
+        zk = logits2d.detach()[row[local], ids[local] - vocab_start].to(acc) / temperature[row[local]]
+        # the kept ids' own max too (in the same MAX): their mass relative to it cannot underflow, where relative to
+        # the row max it does once they all lie ~745 nats below it
+        kept_max = torch.full((n,), -math.inf, dtype=acc, device=device).scatter_reduce(0, row[local], zk, "amax")
         # NaN / +inf anywhere in a scored row (kept id or not) would poison log S's total: refused on every rank
-        z_max = _refuse_non_finite(z_max, active, tp_group, world, "kept_log_probs", settings=lambda: (
+        maxes = _refuse_non_finite(torch.cat([z_max, kept_max]), active.repeat(2), tp_group, world, "kept_log_probs",
+                                   row_id=lambda i: i % max(n, 1), settings=lambda: (
             _settings_fingerprint(kept.temperature, ignore_index, logits.dtype, _fallback_lp.target_fingerprint(off),
                                   _fallback_lp.target_fingerprint(ids))))
+        z_max, kept_max = maxes[:n], maxes[n:]
         finite_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))
+        finite_kept = torch.where(torch.isfinite(kept_max), kept_max, torch.zeros_like(kept_max))
         # kept mass, total mass, finite kept ids, kept ids this shard holds (over the ranks: each id once, exactly
         # when the shards tile the vocabulary)
         sums = torch.zeros((n, 4), dtype=torch.float64, device=device)
@@ -1049,8 +1060,7 @@ def kept_log_probs(
             z = logits2d[r0:r1, :valid_cols].detach().to(acc) / temperature[r0:r1].unsqueeze(1)
             e = torch.exp(z - finite_max[r0:r1].unsqueeze(1))
             sums[r0:r1, 1] = torch.where(active[r0:r1], e.sum(-1).double(), 0.0)
-        zk = logits2d.detach()[row[local], ids[local] - vocab_start].to(acc) / temperature[row[local]]
-        sums[:, 0].index_add_(0, row[local], torch.exp(zk.double() - finite_max[row[local]].double()))
+        sums[:, 0].index_add_(0, row[local], torch.exp(zk.double() - finite_kept[row[local]].double()))
         sums[:, 2].index_add_(0, row[local], (zk != -math.inf).double())
         sums[:, 3].index_add_(0, row[local], torch.ones_like(zk, dtype=torch.float64))
         sums = _all_reduce(sums, dist.ReduceOp.SUM, tp_group, world)
@@ -1066,7 +1076,8 @@ def kept_log_probs(
                              f"distribution renormalised over them is undefined (the engine kept tokens this model "
                              f"gives probability 0: a different vocabulary mask?); give such positions target = "
                              f"ignore_index")
-        log_s = torch.where(active, (torch.log(sums[:, 0]) - torch.log(sums[:, 1])).to(acc), 0.0)
+        log_s = (finite_kept.double() - finite_max.double()) + torch.log(sums[:, 0]) - torch.log(sums[:, 1])
+        log_s = torch.where(active, log_s.to(acc), 0.0)
     return _masked_log_probs(logits2d, below, target1d, kept.temperature, temperature, active, log_s, lead,
                              tp_group, vocab_start, vocab_size, ignore_index)
 

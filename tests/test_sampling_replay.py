@@ -106,6 +106,26 @@ def test_gradient_is_the_renormalised_softmax_over_the_kept_set(dtype):
     assert bool((xs.grad[~use] == 0).all())
 
 
+@pytest.mark.parametrize("path", ["scalar_t", "per_row_t", "kept", "kept_per_row_t"])
+def test_a_target_outside_the_kept_set_passes_no_gradient(path):
+    """Its log-prob is -inf and its gradient exactly 0 on every path, even when the caller's upstream gradient there
+    is not 0 (the per-row-temperature and kept-id paths passed the kernel's -p / T on the kept columns)."""
+    from rollout_corr_ext import KeptTokens, kept_log_probs
+
+    x = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.25, 0.0, 3.0]])
+    target = torch.tensor([3, 3])  # row 0: outside {0}; row 1: inside
+    t = torch.tensor([1.0, 0.5]) if path.endswith("per_row_t") else 0.5
+    xg = x.clone().requires_grad_(True)
+    if path.startswith("kept"):
+        res = kept_log_probs(xg, target, KeptTokens.from_lists([[0], [3, 0]], temperature=t))
+    else:
+        res = sampled_log_probs(xg, target, SamplingParams(temperature=t, top_k=2))  # row 0 keeps {0, 1}
+    assert res.in_support.tolist() == [False, True] and float(res.log_prob[0]) == -math.inf
+    (grad,) = torch.autograd.grad(res.log_prob, xg, torch.ones(2))
+    assert bool((grad[0] == 0).all()), grad[0]
+    assert bool((grad[1] != 0).any())
+
+
 def test_no_truncation_is_the_plain_log_prob_bit_for_bit():
     x, target = _inputs(6, 128, torch.float32, seed=5)
     for kw in (dict(), dict(top_k=128, top_p=1.0, min_p=0.0), dict(top_k=None, temperature=0.7)):
@@ -935,6 +955,22 @@ def test_kept_tokens_match_the_dense_oracle(dtype, per_row_t):
             outside = torch.ones(50, dtype=torch.bool)
             outside[lists[i]] = False
             assert bool((xg.grad[i][outside] == 0).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kept_log_kept_mass_of_ids_far_below_the_row_max(dtype):
+    """Kept ids all ~800 nats (in z) below the row max: their mass relative to the row max underflows even in fp64;
+    log S is taken relative to their own max, finite and equal to the fp64 value (it was -inf)."""
+    from rollout_corr_ext import KeptTokens, kept_log_probs
+
+    x = torch.tensor([[0.0, -80.0, -81.0], [0.0, -1.0, -2.0]], dtype=dtype)
+    res = kept_log_probs(x, torch.tensor([1, 0]), KeptTokens.from_lists([[1, 2], [0, 1]], temperature=0.1))
+    z = x.double() / torch.tensor(0.1, dtype=dtype).double()
+    want = torch.stack([torch.logsumexp(z[0, 1:], 0), torch.logsumexp(z[1, :2], 0)]) - torch.logsumexp(z, 1)
+    torch.testing.assert_close(res.log_kept_mass.double(), want, rtol=1e-6, atol=1e-6)
+    # fp32: z = -80 / 0.1 rounds in the 5th digit of the tiny log-prob
+    assert float(res.log_prob[0]) == pytest.approx(-math.log1p(math.exp(-10.0)),
+                                                   rel=1e-3 if dtype == torch.float32 else 1e-9)
 
 
 def test_kept_tokens_equal_the_replayed_set_and_refusals():
