@@ -597,6 +597,13 @@ def make_policy_loss_func(
         raise ValueError(f"target must be a [b, s] tensor of token ids, got {tuple(target.shape)}")
     shape = tuple(target.shape)
     check_mask("response_mask", response_mask, target, "target")
+    # the log-prob kernels score a target at ignore_index (-100) as log-prob 0: at a response token it would enter
+    # the loss (and an MTP head's mean) as a certain token, silently
+    ignored = (target == -100) & (response_mask != 0)
+    refuse_where(ignored, lambda at: f"target at {at} is -100 (ignore_index) where response_mask is "
+                                     f"{response_mask[at].item()}: a response token needs its token id (mask it out "
+                                     f"to leave it out of the loss)",
+                 "target holds -100 (ignore_index) at a response token (response_mask != 0)")
     if loss_agg_mode == "token-mean" and response_mask.dtype != torch.bool:
         # num_tokens is an integer count: sum(loss_sum) / sum(num_tokens) over micro-batches and ranks is the global
         # token mean sum(m L) / sum(m) only for 0 / 1 weights (a fractional mask would weight each micro-batch by its

@@ -275,6 +275,18 @@ def test_make_policy_loss_func_bad_input():
     loss_func = make_policy_loss_func(tgt, adv, mask)
     with pytest.raises(ValueError, match="logits"):
         loss_func(torch.zeros(3, 2))
+    # a -100 target (ignore_index) at a response token would score log-prob 0 (probability 1) in the loss and an
+    # MTP head's mean: refused, padded and packed; at a masked token it is megatron's usual padding label
+    bad = tgt.clone()
+    bad[1, 2] = -100
+    for m in (mask, mask.float(), mask.long()):
+        with pytest.raises(ValueError, match=r"target at \(1, 2\) is -100 \(ignore_index\) where response_mask"):
+            make_policy_loss_func(bad, adv, m)
+    with pytest.raises(ValueError, match=r"target at \(5,\) is -100"):
+        make_policy_loss_func(bad.reshape(-1), torch.zeros(6), mask.reshape(-1), cu_seqlens=torch.tensor([0, 2, 6]))
+    masked = mask.clone()
+    masked[1, 2] = False
+    make_policy_loss_func(bad, adv, masked)
 
 
 def test_loss_func_single_process_bsv_layout_and_non_loss_data():
