@@ -9,6 +9,7 @@
 #include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -48,6 +49,17 @@ inline int64_t settings_fingerprint(double inv_temperature, int64_t ignore_index
   return static_cast<int64_t>(target_fingerprint(static_cast<int64_t>(bits), ignore_index) & 0x7FFFFFFFFFFF0000ull);
 }
 
+// 1 / temperature in the type the kernels compute in (fp32 unless the logits are fp64): outside [min normal, max]
+// it would overflow or flush there and every row fail or be flat. The Python entry points check the temperature
+// first; a torch.compile trace (a symbolic temperature) leaves it to this check, on the value.
+inline void check_inv_temperature_range(double inv_temperature, bool fp64) {
+  if (fp64) return;
+  constexpr double lo = std::numeric_limits<float>::min(), hi = std::numeric_limits<float>::max();
+  TORCH_CHECK(inv_temperature >= lo && inv_temperature <= hi, "temperature = ", 1.0 / inv_temperature,
+              " is out of range: the kernels compute in float32, where 1 / temperature must lie in [", lo, ", ", hi,
+              "]");
+}
+
 inline void check_logits_target(const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start,
                                 int64_t vocab_size, double inv_temperature) {
   TORCH_CHECK(logits.dim() == 2, "logits must be 2-D [rows, local_vocab], got ", logits.sizes());
@@ -63,6 +75,7 @@ inline void check_logits_target(const at::Tensor& logits, const at::Tensor& targ
   TORCH_CHECK(vocab_size > 0, "vocab_size must be > 0, got ", vocab_size);
   TORCH_CHECK(std::isfinite(inv_temperature) && inv_temperature > 0,
               "inv_temperature (1 / temperature) must be finite and > 0, got ", inv_temperature);
+  check_inv_temperature_range(inv_temperature, logits.scalar_type() == at::kDouble);
 }
 
 inline void check_row_state(const at::Tensor& row_state, const at::Tensor& logits) {
@@ -155,6 +168,7 @@ inline MergeIO prepare_merge(const at::Tensor& gathered, const at::Tensor& targe
   TORCH_CHECK(vocab_size > 0, "vocab_size must be > 0, got ", vocab_size);
   TORCH_CHECK(std::isfinite(inv_temperature) && inv_temperature > 0,
               "inv_temperature (1 / temperature) must be finite and > 0, got ", inv_temperature);
+  check_inv_temperature_range(inv_temperature, gathered.scalar_type() == at::kDouble);
   const int cols = stats_cols_for(with_sum_z);
   const int64_t rows = target.size(0);
   const int64_t expect = header_len_for(gathered.scalar_type()) + rows * cols;

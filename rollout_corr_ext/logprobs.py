@@ -71,7 +71,14 @@ def _positive_finite(name: str, value) -> float:
 def checked_inv_temperature(temperature, dtype: torch.dtype) -> float:
     """1 / temperature, checked against the type the kernels compute in for ``dtype`` inputs (fp64 for fp64, fp32
     otherwise): outside [tiny, max] of that type it would overflow to inf or flush to 0 there, so every row would
-    fail (or be flat) for a reason that is not in the inputs."""
+    fail (or be flat) for a reason that is not in the inputs.
+
+    Under torch.compile the temperature may be a symbol (``dynamic=True``, or a value that changed between calls:
+    torch 2.14 does not specialize floats), whose checks here would be guards (sympy takes symbols as finite, so
+    ``t < inf`` always holds) or graph breaks (``math.isfinite``): the kernels' boundary makes the same checks on
+    the value at run time (csrc/logprob_host.h)."""
+    if torch.compiler.is_compiling():
+        return 1.0 / temperature
     temperature = _positive_finite("temperature", temperature)
     acc = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32)
     inv = 1.0 / temperature

@@ -82,6 +82,36 @@ def test_fullgraph_compile_equals_eager(backend, device):
         torch.testing.assert_close(pg_c[k], pg_e[k], rtol=1e-6, atol=1e-9, msg=k)
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_temperature_that_changes_between_calls_compiles_whole(dynamic):
+    """torch 2.14 traces a float argument as a symbol once it changes between calls (or from the start with
+    dynamic=True): the log-prob entry points compile whole (fullgraph) with a symbolic temperature, equal to eager
+    in value and gradient, and a bad one is still refused, by the kernels' boundary at run time (their host check
+    called math.isfinite on the symbol: a graph break, so fullgraph failed on the second temperature)."""
+    logits, target = _inputs()[:2]
+
+    def step(x, t, temp):
+        lp, ent = rc.vocab_parallel_log_probs(x, t, temperature=temp, return_entropy=True)
+        nll = rc.vocab_parallel_cross_entropy(x, t, temperature=temp, label_smoothing=0.1)
+        return lp.sum() + 0.5 * ent.sum() - nll.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for temp in (0.9, 0.6, 1.7):
+        xc, xe = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+        got, want = compiled(xc, target, temp), step(xe, target, temp)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+        torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-6, atol=1e-7)
+    for bad, words in ((float("inf"), "1 / temperature) must be finite and > 0"),
+                       (-1.0, "1 / temperature) must be finite and > 0"),
+                       (float("nan"), "1 / temperature) must be finite and > 0"),
+                       (1e-39, "is out of range: the kernels compute in float32")):
+        with pytest.raises(RuntimeError, match=re.escape(words)):
+            compiled(logits, target, bad)
+
+
 @pytest.mark.parametrize("device", device_params("cpu", cuda_reason="on CUDA the check is an asynchronous device "
                                                                     "assert (tests/test_cuda.py, in a subprocess)"))
 def test_compiled_step_still_raises_clear_errors(device):
