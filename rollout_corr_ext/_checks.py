@@ -40,8 +40,9 @@ def check_cu_seqlens(log_prob: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
 
 def refuse_where(bad: torch.Tensor, describe: Callable[[Tuple[int, ...]], str], device_msg: str) -> None:
     """A value check at the boundary: on CPU a ValueError ``describe(index)`` naming the first index where ``bad``
-    holds; on CUDA an asynchronous device assert with ``device_msg`` (no host sync)."""
-    if bad.device.type == "cpu":
+    holds; on CUDA an asynchronous device assert with ``device_msg`` (no host sync). Traced by torch.compile, the
+    assert on every device (a RuntimeError with ``device_msg`` on CPU): the host read would break the graph."""
+    if bad.device.type == "cpu" and not torch.compiler.is_compiling():
         if bool(bad.any()):
             raise ValueError(describe(tuple(int(i) for i in bad.nonzero()[0])))
     else:

@@ -112,6 +112,36 @@ def test_a_temperature_that_changes_between_calls_compiles_whole(dynamic):
             compiled(logits, target, bad)
 
 
+@pytest.mark.parametrize("mode", [m for m in rc.losses.POLICY_LOSS_MODES if m != "bypass_mode"])
+def test_every_policy_loss_compiles_whole(mode):
+    """compute_policy_loss of every loss under torch.compile(fullgraph=True): value and gradient equal to eager.
+    geo_mean's check of its sequence values (an overflowing exp) read the host on CPU, a graph break; traced, it is
+    an assert, which still refuses the overflow (a RuntimeError naming it)."""
+    logits, target, old, rollout, mask, adv = _inputs()
+    lp0 = torch.log_softmax(logits, -1).gather(-1, target[..., None])[..., 0]
+    cfg = rc.losses.PolicyLossConfig(loss_mode=mode, clip_cov_ratio=0.2, kl_cov_ratio=0.2,
+                                     dro_beta=0.5 if mode == "dro" else None)
+
+    def loss(o, lp, a, m):
+        return rc.compute_policy_loss(o, lp, a, m, loss_agg_mode="token-mean", config=cfg)[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    xc, xe = lp0.clone().requires_grad_(True), lp0.clone().requires_grad_(True)
+    got, want = compiled(old, xc, adv, mask), loss(old, xe, adv, mask)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-6, atol=1e-8)
+    if mode == "geo_mean":  # a mean clipped log-ratio of 100 overflows exp in fp32
+        big = rc.losses.PolicyLossConfig(loss_mode=mode, clip_ratio_low=1e30, clip_ratio_high=1e30)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda o, lp, a, m: rc.compute_policy_loss(o, lp, a, m, config=big)[0],
+                                 backend="aot_eager", fullgraph=True)
+        with pytest.raises(RuntimeError, match="exp\\(mean clipped log-ratio\\) is not finite"):
+            compiled(old - 100.0, lp0, adv, mask)
+
+
 @pytest.mark.parametrize("device", device_params("cpu", cuda_reason="on CUDA the check is an asynchronous device "
                                                                     "assert (tests/test_cuda.py, in a subprocess)"))
 def test_compiled_step_still_raises_clear_errors(device):
