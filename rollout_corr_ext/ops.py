@@ -362,6 +362,10 @@ def register_policy_loss_autograd(namespace: str) -> None:
     def backward(ctx, grad_loss_mat, grad_rows):
         grad_log_prob = _policy_loss_rows_grad(ctx, backward_op, grad_loss_mat, _loss_column(grad_rows),
                                                ctx.needs_input_grad[0])
+        if grad_log_prob is not None and torch.is_grad_enabled():  # create_graph=True on the raw op: the backward
+            # op has no second-order formula, so differentiating its gradient again raises (it came back None)
+            grad_log_prob = NoDoubleBackward.apply(grad_log_prob, f"{namespace}::policy_loss_rows",
+                                                   ctx.saved_tensors[0])
         return (grad_log_prob,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
     torch.library.register_autograd(f"{namespace}::policy_loss_rows", backward,

@@ -19,6 +19,7 @@ import torch
 from rollout_corr_testing import dense_oracles as R
 from rollout_corr_testing.backends import device_params, ops_on
 from rollout_corr_testing.tolerances import LOSS_TOL
+from rollout_corr_ext import _layout as LY
 from rollout_corr_ext import losses
 from rollout_corr_ext.losses import (
     LOSS_AGG_MODES,
@@ -399,6 +400,19 @@ def test_double_backward_is_refused(device):
             assert g2.requires_grad, what
             with pytest.raises(RuntimeError, match=f"{what}: double backward"):
                 torch.autograd.grad(g2.sum(), lp)
+
+
+def test_double_backward_of_the_raw_op_is_refused():
+    """torch.ops.rollout_corr.policy_loss_rows itself (its registered autograd formula): the gradient of a
+    create_graph=True backward cannot be differentiated again (it came back None: a silent second derivative)."""
+    old, lp, adv, mask, _ = make_batch()
+    lp = lp.detach().requires_grad_(True)
+    loss_mat, rows = torch.ops.rollout_corr.policy_loss_rows(lp, old, adv, mask, None, 0.2, 0.28, 3.0,
+                                                             LY.PG_KIND_PPO_UNBOUNDED)
+    g1, = torch.autograd.grad(loss_mat.sum() + rows[:, LY.PG_ROW_LOSS_SUM].sum(), lp, create_graph=True)
+    assert g1.requires_grad
+    with pytest.raises(RuntimeError, match="rollout_corr::policy_loss_rows: double backward"):
+        torch.autograd.grad(g1.sum(), lp)
 
 
 @pytest.mark.parametrize("device", DEVICES)
