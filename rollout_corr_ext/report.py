@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import pickle
 import sys
 from typing import Any, Dict, List, Optional
 
@@ -37,6 +38,12 @@ HEALTHY_KL = 1e-3
 HEALTHY_RS_FRACTION = 0.05
 
 
+#: The largest policy lag and turn id the report's breakdowns hold one bucket each; larger ones share the last bucket
+#: (a batch from a run's first version would otherwise ask for one bucket per lag: millions).
+MAX_LAG_BUCKETS = 32
+MAX_TURN_BUCKETS = 64
+
+
 def _load(path: str) -> Dict[str, Any]:
     data = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values only: no pickled code
     if not isinstance(data, dict):
@@ -47,16 +54,46 @@ def _load(path: str) -> Dict[str, Any]:
     return data
 
 
+def _check_batch(batch: Dict[str, Any]) -> None:
+    """The batch's entries, each checked by name: the report's errors say which entry is wrong."""
+    def tensor(name, floating=None):
+        t = batch[name]
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"batch[{name!r}] must be a tensor, got {type(t).__name__}")
+        if floating is True and not t.is_floating_point():
+            raise TypeError(f"batch[{name!r}] must be a floating-point tensor, got {t.dtype}")
+        if floating is False and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+            raise TypeError(f"batch[{name!r}] must be an integer tensor, got {t.dtype}")
+        return t
+
+    tensor("log_prob", True)
+    tensor("rollout_log_prob", True)
+    tensor("response_mask")
+    for name, floating in (("versions", False), ("turn_ids", False), ("entropy", True)):
+        if batch.get(name) is not None:
+            tensor(name, floating)
+    current = batch.get("current_version")
+    if current is not None and (isinstance(current, bool) or not isinstance(current, int)):
+        raise TypeError(f"batch['current_version'] must be an int, got {type(current).__name__} {current!r}")
+    config = batch.get("config")
+    if config is not None and not isinstance(config, dict):
+        raise TypeError(f"batch['config'] must be a dict of RolloutCorrectionConfig fields, got "
+                        f"{type(config).__name__}")
+
+
 def build_report(batch: Dict[str, Any], worst: int = 5) -> Dict[str, Any]:
     """The numbers of the report (what ``PREFIX.json`` holds), from a batch dict (see the module docstring)."""
     from . import MismatchDiagnostics, RolloutCorrectionConfig, compute_rollout_correction
 
+    _check_batch(batch)
     lp = batch["log_prob"].double()
     rlp = batch["rollout_log_prob"].double()
     mask = batch["response_mask"] != 0
     if lp.dim() != 2 or lp.shape != rlp.shape or lp.shape != mask.shape:
         raise ValueError(f"log_prob, rollout_log_prob and response_mask must be [B, T] of one shape, got "
                          f"{tuple(lp.shape)}, {tuple(rlp.shape)}, {tuple(mask.shape)}")
+    if not bool(mask.any()):
+        raise ValueError("response_mask has no response token: nothing to report")
     cfg_fields = batch.get("config") or {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": None}
     cfg = RolloutCorrectionConfig.from_dict(cfg_fields)
     versions, current = batch.get("versions"), batch.get("current_version")
@@ -64,13 +101,16 @@ def build_report(batch: Dict[str, Any], worst: int = 5) -> Dict[str, Any]:
     if versions is not None:
         if current is None:
             raise ValueError("the batch has versions but no current_version")
+        if versions.shape != lp.shape and tuple(versions.shape) != (lp.shape[0],):
+            raise ValueError(f"versions must be per token {tuple(lp.shape)} or per row ({lp.shape[0]},), got "
+                             f"{tuple(versions.shape)}")
         v = versions if versions.shape == lp.shape else versions.reshape(-1, 1).expand(lp.shape)
-        lags = (int(current) - v.long())[mask]
-        max_lag = max(int(lags.max()), 0) if lags.numel() else 0
+        lags = (current - v.long())[mask]
+        max_lag = min(max(int(lags.max()), 0), MAX_LAG_BUCKETS)
     turns = batch.get("turn_ids")
-    max_turns = int(turns[mask].max()) + 1 if turns is not None and bool(mask.any()) else 1
+    max_turns = min(int(turns[mask].max()) + 1, MAX_TURN_BUCKETS) if turns is not None else 1
     dspec = MismatchDiagnostics(entropy=batch.get("entropy"), turn_ids=turns, versions=versions,
-                                current_version=None if versions is None else int(current), top_k=worst,
+                                current_version=current if versions is not None else None, top_k=worst,
                                 max_lag=max_lag, max_turns=max(max_turns, 1))
     diag = compute_rollout_correction(lp, rlp, batch["response_mask"], cfg, diagnostics=dspec)
     result = diag
@@ -106,10 +146,14 @@ def build_report(batch: Dict[str, Any], worst: int = 5) -> Dict[str, Any]:
     if "entropy" in labels:
         out["entropy_edges"] = list(dspec.entropy_edges)
         out["by_entropy_bin"] = series("entropy", labels["entropy"])
-    if "turn" in labels:
-        out["by_turn"] = series("turn", labels["turn"])[:-1]  # max_turns is the largest turn id: the last is empty
-    if "lag" in labels:
-        out["by_version_lag"] = series("lag", labels["lag"])[:-1]  # max_lag is the largest lag: the last is empty
+    # the last turn / lag bucket takes what lies past max_turns / max_lag: empty (dropped) unless the batch's went
+    # past the cap
+    for fam, key in (("turn", "turn"), ("lag", "version_lag")):
+        if fam in labels:
+            labs, vals = list(labels[fam]), series(fam, labels[fam])
+            if vals and vals[-1] is None:
+                labs, vals = labs[:-1], vals[:-1]
+            out[key + "_labels"], out["by_" + key] = labs, vals
     for k in ("reverse_kl", "js_divergence", "abs_log_ratio_mean", "abs_log_ratio_max"):
         out[k] = float(m["rollout_corr/" + k])
     names = d.reject_bit_names
@@ -136,16 +180,20 @@ def _verdicts(r: Dict[str, Any]) -> List[str]:
         lines.append("ratio: no response tokens")
     dec = [x for x in r["by_position_decile"] if x is not None]
     if len(dec) >= 2:
-        growth = dec[-1] / dec[0] if dec[0] > 0 else math.inf
+        if dec[0] > 0:
+            how = f"{'grows' if dec[-1] > 1.5 * dec[0] else 'flat'} along the response, x{dec[-1] / dec[0]:.2f}"
+        else:  # no mismatch in the first decile: flat only if none in the last either
+            how = "grows along the response, from 0" if dec[-1] > 0 else "flat along the response, 0 throughout"
         lines.append(f"position: mean |log-ratio| {dec[0]:.2e} in the first decile, {dec[-1]:.2e} in the last "
-                     f"({'grows' if growth > 1.5 else 'flat'} along the response, x{growth:.2f})")
+                     f"({how})")
     probs = [(i, x) for i, x in enumerate(r["by_probability_bin"]) if x is not None]
     if probs:
         i, x = max(probs, key=lambda t: t[1])
         lines.append(f"probability: the largest mismatch {x:.2e} is at pi in [{i / 10:.1f}, {(i + 1) / 10:.1f})")
     if r.get("by_version_lag"):
-        lags = [(i, x) for i, x in enumerate(r["by_version_lag"]) if x is not None]
-        lines.append("version lag: " + ", ".join(f"lag {i}: {x:.2e}" for i, x in lags))
+        lags = [(lab, x) for lab, x in zip(r["version_lag_labels"], r["by_version_lag"]) if x is not None]
+        if lags:
+            lines.append("version lag: " + ", ".join(f"lag {lab}: {x:.2e}" for lab, x in lags))
     if r.get("by_entropy_bin"):
         edges = [0.0] + r["entropy_edges"]
         ent = [(i, x) for i, x in enumerate(r["by_entropy_bin"]) if x is not None]
@@ -154,8 +202,9 @@ def _verdicts(r: Dict[str, Any]) -> List[str]:
             hi = f"{edges[i + 1]:g}" if i + 1 < len(edges) else "inf"
             lines.append(f"entropy: the largest mismatch {x:.2e} is at entropy in [{edges[i]:g}, {hi})")
     if r.get("by_turn"):
-        turns = [(i, x) for i, x in enumerate(r["by_turn"]) if x is not None]
-        lines.append("turn: " + ", ".join(f"turn {i}: {x:.2e}" for i, x in turns))
+        turns = [(lab, x) for lab, x in zip(r["turn_labels"], r["by_turn"]) if x is not None]
+        if turns:  # turn ids < 0 mark tokens of no turn
+            lines.append("turn: " + ", ".join(f"turn {lab}: {x:.2e}" for lab, x in turns))
     if "js_divergence" in r and not math.isnan(r["js_divergence"]):
         lines.append(f"divergence: Jensen-Shannon {r['js_divergence']:.2e}, reverse KL {r['reverse_kl']:.2e} nats "
                      f"per token")
@@ -251,6 +300,8 @@ def load_steps(path: str) -> List[Dict[str, Any]]:
             rec["setting"] = setting
             if "step" not in rec:
                 rec["step"] = seen.get(setting, 0)
+            elif isinstance(rec["step"], bool) or not isinstance(rec["step"], (int, float)):
+                raise ValueError(f"{path}:{n}: step must be a number, got {rec['step']!r}")
             seen[setting] = seen.get(setting, 0) + 1
             records.append(rec)
     if not records:
@@ -259,9 +310,10 @@ def load_steps(path: str) -> List[Dict[str, Any]]:
 
 
 def _value(rec: Dict[str, Any], keys) -> Optional[float]:
+    """The first of ``keys`` that holds a finite number (a NaN or inf metric is no reading: a step without tokens)."""
     for k in keys:
         v = rec.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
             return float(v)
     return None
 
@@ -324,6 +376,17 @@ def plot_steps_report(r: Dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def _json_safe(obj):
+    """``obj`` with every NaN / inf float as None (null): strict JSON has no NaN."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rollout_corr_ext.report", description=__doc__.split("\n")[0])
     ap.add_argument("batch", help="a torch.save-d dict: log_prob, rollout_log_prob, response_mask [B, T], optional "
@@ -333,14 +396,17 @@ def main(argv=None) -> int:
     ap.add_argument("--worst", type=int, default=5, help="worst sequences listed (default: %(default)s)")
     args = ap.parse_args(argv)
     prefix = args.out or os.path.splitext(args.batch)[0]
-    if args.batch.endswith(".jsonl"):
-        report = build_steps_report(load_steps(args.batch))
-        plot = plot_steps_report
-    else:
-        report = build_report(_load(args.batch), worst=args.worst)
-        plot = plot_report
+    try:  # a bad input is one line naming it, not a traceback
+        if args.batch.endswith(".jsonl"):
+            report = build_steps_report(load_steps(args.batch))
+            plot = plot_steps_report
+        else:
+            report = build_report(_load(args.batch), worst=args.worst)
+            plot = plot_report
+    except (ValueError, TypeError, OSError, pickle.UnpicklingError) as exc:
+        ap.exit(2, f"{ap.prog}: error: {exc}\n")
     with open(prefix + ".json", "w") as f:
-        json.dump(report, f, indent=1)
+        json.dump(_json_safe(report), f, indent=1, allow_nan=False)
     plot(report, prefix + ".png")
     for line in report["verdicts"]:
         print(line)

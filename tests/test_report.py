@@ -76,13 +76,67 @@ def test_report_cli_writes_page_and_numbers(tmp_path):
     assert "rollout_corr/rollout_rs_masked_fraction" in r["metrics"]
 
 
-def test_report_refuses_a_batch_without_its_tensors(tmp_path):
+def _bad(tmp_path, name, content, capsys):
+    """The CLI on a bad input: exit status 2 and one line naming what is wrong, no traceback."""
     from rollout_corr_ext.report import main
 
-    path = tmp_path / "bad.pt"
-    torch.save({"log_prob": torch.zeros(2, 3)}, path)
-    with pytest.raises(ValueError, match="missing"):
-        main([str(path)])
+    path = tmp_path / name
+    if name.endswith(".pt"):
+        torch.save(content, path)
+    else:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        main([str(path), "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m rollout_corr_ext.report: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_report_refuses_bad_batches_with_one_line_naming_the_entry(tmp_path, capsys):
+    g = torch.Generator().manual_seed(0)
+    rlp = -torch.rand(4, 6, generator=g, dtype=torch.float64)
+    base = dict(log_prob=rlp + 0.05, rollout_log_prob=rlp, response_mask=torch.ones(4, 6, dtype=torch.long))
+    cases = [({"log_prob": torch.zeros(2, 3)}, "missing"),
+             ([1, 2], "expected a dict of tensors"),
+             (dict(base, log_prob=base["log_prob"].tolist()), "batch['log_prob'] must be a tensor"),
+             (dict(base, log_prob=base["log_prob"].long()), "batch['log_prob'] must be a floating-point tensor"),
+             (dict(base, response_mask=torch.zeros(4, 6)), "no response token"),
+             (dict(base, versions=torch.tensor([3, 3, 3]), current_version=5), "versions must be per token"),
+             (dict(base, versions=torch.tensor([3., 3, 3, 3]), current_version=5), "must be an integer tensor"),
+             (dict(base, versions=torch.tensor([3, 3, 3, 3]), current_version="5"), "current_version'] must be an int"),
+             (dict(base, config=[1]), "batch['config'] must be a dict")]
+    for i, (content, words) in enumerate(cases):
+        assert words in _bad(tmp_path, f"bad{i}.pt", content, capsys), words
+    from rollout_corr_ext.report import main
+
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "gone.pt")])
+    assert "No such file or directory" in capsys.readouterr().err
+    assert "step must be a number" in _bad(tmp_path, "steps.jsonl", '{"step": [1], "rollout_corr/kl": 1}\n', capsys)
+
+
+def test_report_caps_its_lag_buckets_and_writes_strict_json(tmp_path):
+    """A batch from a run's first version (lags of a million) fills one capped bucket instead of a million; a batch
+    without mismatch reads flat (0 / 0 was "grows, xinf"); NaN metrics (a step without tokens) are no reading, and
+    the JSON written is strict (null, never NaN)."""
+    from rollout_corr_ext.report import MAX_LAG_BUCKETS, build_report, main
+
+    g = torch.Generator().manual_seed(0)
+    rlp = -torch.rand(4, 6, generator=g, dtype=torch.float64)
+    batch = dict(log_prob=rlp + 0.01, rollout_log_prob=rlp, response_mask=torch.ones(4, 6, dtype=torch.long),
+                 versions=torch.tensor([0, 0, 10 ** 6 - 1, 10 ** 6]), current_version=10 ** 6)
+    r = build_report(batch)
+    assert r["version_lag_labels"][-1] == f"{MAX_LAG_BUCKETS + 1}+" and len(r["by_version_lag"]) == MAX_LAG_BUCKETS + 2
+    assert [x is not None for x in r["by_version_lag"]] == [True, True] + [False] * (MAX_LAG_BUCKETS - 1) + [True]
+    flat = build_report(dict(batch, log_prob=rlp))
+    assert any("flat along the response, 0 throughout" in v for v in flat["verdicts"]), flat["verdicts"]
+    path = tmp_path / "nan.jsonl"
+    path.write_text('{"step": 0, "rollout_corr/kl": NaN, "rollout_corr/rollout_is_p5": NaN}\n'
+                    '{"step": 1, "rollout_corr/kl": 2e-4}\n')
+    assert main([str(path), "--out", str(tmp_path / "nan")]) == 0
+    text = (tmp_path / "nan.json").read_text()
+    assert "NaN" not in text and json.loads(text)["settings"]["run"]["series"]["kl"] == [None, 2e-4]
 
 
 def test_report_over_steps_from_a_metrics_jsonl(tmp_path):
