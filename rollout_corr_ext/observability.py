@@ -292,7 +292,8 @@ class DiagnosticsOutput:
     ``reject_bits`` (int64: bit i set when criterion ``reject_bit_names[i]`` dropped tokens of the row) and
     ``global_row`` (the row's index in the data-parallel batch: ranks in group order). ``worst``: the ``top_k``
     sequences of the whole batch with the largest ``abs_log_ratio_mean`` (the same on every rank), each field a
-    ``[K]`` tensor. ``histograms``: ``log_ratio`` (over the response tokens) and ``is_weight`` (the IS weights of
+    ``[K]`` tensor; rows without response tokens are never among them, and a slot no row fills has ``global_row``
+    -1, 0 tokens and reject bits, NaN values. ``histograms``: ``log_ratio`` (over the response tokens) and ``is_weight`` (the IS weights of
     the kept tokens; absent without IS), exact over the group."""
 
     rows: Dict[str, torch.Tensor]
@@ -644,8 +645,11 @@ def finalize_diagnostics(spec: MismatchDiagnostics, wire: _Wire, sums: torch.Ten
                  "abs_log_ratio_mean": top.values,
                  "tokens": f[:, 1].to(torch.int64), "log_ratio_sum": f[:, 2], "kl": f[:, 3], "k3_kl": f[:, 4],
                  "reject_bits": f[:, 5].to(torch.int64)}
-        # fewer rows than top_k in the whole batch: the empty slots say so (global_row -1; no host read)
-        worst["global_row"] = torch.where(live, worst["global_row"], torch.full_like(worst["global_row"], -1))
+        # fewer rows with response tokens than top_k in the whole batch: the empty slots say so (global_row -1, NaN
+        # values), alike in one process and over ranks (whose unwritten slots hold 0); no host read
+        for key, t in worst.items():
+            empty = -1 if key == "global_row" else (0 if key in ("tokens", "reject_bits") else math.nan)
+            worst[key] = torch.where(live, t, torch.full_like(t, empty))
     return m, DiagnosticsOutput(rows, worst, hists, reject_bit_names)
 
 

@@ -331,6 +331,17 @@ def _dp_worker(rank, world, lp, rlp, mask, ent, turns, versions):
         assert torch.allclose(d.worst[k].double(), v.double(), rtol=1e-12, equal_nan=True), k
     for k, h in e.histograms.items():
         assert torch.equal(d.histograms[k].counts, h.counts), k
+    # more worst slots than rows with response tokens (6 of 7): the empty slots read alike (global_row -1, 0 tokens,
+    # NaN values; over ranks they held 0 where one process held the empty row's NaN)
+    want = rc.compute_rollout_correction(lp, rlp, mask, cfg, diagnostics=_spec(ent, turns, versions, top_k=9))
+    got = rc.compute_rollout_correction(*(x[rows] for x in (lp, rlp, mask)), cfg, dp_group=dist.group.WORLD,
+                                        diagnostics=_spec(*(x[rows] for x in (ent, turns, versions)), top_k=9))
+    e, d = want.diagnostics.worst, got.diagnostics.worst
+    assert e["global_row"].tolist()[6:] == [-1] * 3 and 4 not in e["global_row"].tolist()
+    for k, v in e.items():
+        assert torch.equal(d[k].isnan(), v.isnan()) if v.is_floating_point() else True, k
+        assert torch.allclose(d[k].double(), v.double(), rtol=1e-12, equal_nan=True), k
+    assert bool(e["kl"][6:].isnan().all()) and e["tokens"][6:].tolist() == [0] * 3
 
 
 @pytest.mark.parametrize("device", dist_params(2))
