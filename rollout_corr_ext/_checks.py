@@ -38,6 +38,19 @@ def check_cu_seqlens(log_prob: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
     return cu
 
 
+def check_mask(name: str, mask, ref: torch.Tensor, ref_name: str = "log_prob") -> None:
+    """A mask (or any per-token tensor) at the boundary: a bool, integer or float tensor of ``ref``'s shape and
+    device, else an error naming ``name``."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype.is_complex:
+        raise TypeError(f"{name} must be a bool, integer or float tensor, got {mask.dtype}")
+    if tuple(mask.shape) != tuple(ref.shape):
+        raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(mask.shape)}")
+    if mask.device != ref.device:
+        raise ValueError(f"{name} is on {mask.device} but {ref_name} is on {ref.device}")
+
+
 def refuse_where(bad: torch.Tensor, describe: Callable[[Tuple[int, ...]], str], device_msg: str) -> None:
     """A value check at the boundary: on CPU a ValueError ``describe(index)`` naming the first index where ``bad``
     holds; on CUDA an asynchronous device assert with ``device_msg`` (no host sync). Traced by torch.compile, the

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, NamedTuple, Optional, Tupl
 import torch
 
 from . import _checks, _layout as LY, ops
-from ._checks import refuse_where, safe_div, safe_div_grad
+from ._checks import check_mask, refuse_where, safe_div, safe_div_grad
 from .logprobs import all_gather, as_real
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -335,17 +335,6 @@ def _check_float(name: str, t, ref: torch.Tensor) -> None:
         raise ValueError(f"{name} must have the shape of log_prob {tuple(ref.shape)}, got {tuple(t.shape)}")
     if t.device != ref.device:
         raise ValueError(f"{name} is on {t.device} but log_prob is on {ref.device}")
-
-
-def check_mask(name: str, mask, ref: torch.Tensor, ref_name: str = "log_prob") -> None:
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
-    if mask.dtype.is_complex:
-        raise TypeError(f"{name} must be a bool, integer or float tensor, got {mask.dtype}")
-    if tuple(mask.shape) != tuple(ref.shape):
-        raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(mask.shape)}")
-    if mask.device != ref.device:
-        raise ValueError(f"{name} is on {mask.device} but {ref_name} is on {ref.device}")
 
 
 def _check_cu_seqlens(cu_seqlens, log_prob: torch.Tensor, name: str = "log_prob") -> None:

@@ -20,12 +20,11 @@ import torch.distributed as dist
 
 from . import _layout as LY
 from . import logprobs as _lp
-from ._checks import refuse_ambiguous_per_sequence, refuse_where, safe_div
+from ._checks import check_mask, refuse_ambiguous_per_sequence, refuse_where, safe_div
 from .losses import (
     PolicyLossConfig,
     as_policy_config,
     check_loss_agg_mode,
-    check_mask,
     padded_horizon,
     policy_step,
     refuse_grad,

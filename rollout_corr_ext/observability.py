@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import _layout as LY
+from ._checks import check_mask
 
 __all__ = ["DEBUG_METRIC_KEYS", "debug_metrics", "MismatchDiagnostics", "DiagnosticsOutput", "Histogram",
            "BREAKDOWNS", "BUCKET_STATS", "log_histograms"]
@@ -32,15 +33,6 @@ __all__ = ["DEBUG_METRIC_KEYS", "debug_metrics", "MismatchDiagnostics", "Diagnos
 DEBUG_METRIC_KEYS = ("training/rollout_probs_diff_valid", "training/rollout_probs_diff_max",
                      "training/rollout_probs_diff_mean", "training/rollout_probs_diff_std",
                      "training/rollout_actor_probs_pearson_corr")
-
-
-def _check(name: str, t, ref: torch.Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != tuple(ref.shape):
-        raise ValueError(f"{name} must have the shape of log_prob {tuple(ref.shape)}, got {tuple(t.shape)}")
-    if t.device != ref.device:
-        raise ValueError(f"{name} is on {t.device} but log_prob is on {ref.device}")
 
 
 def _centred(x: torch.Tensor, valid: torch.Tensor, total: torch.Tensor, n1: torch.Tensor,
@@ -67,8 +59,8 @@ def debug_metrics(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, respon
     if not isinstance(log_prob, torch.Tensor) or not log_prob.is_floating_point():
         raise TypeError(f"log_prob must be a floating-point torch.Tensor, got "
                         f"{getattr(log_prob, 'dtype', type(log_prob))}")
-    _check("rollout_log_prob", rollout_log_prob, log_prob)
-    _check("response_mask", response_mask, log_prob)
+    check_mask("rollout_log_prob", rollout_log_prob, log_prob)
+    check_mask("response_mask", response_mask, log_prob)
     if not rollout_log_prob.is_floating_point():
         raise TypeError(f"rollout_log_prob must be floating point, got {rollout_log_prob.dtype}")
     with torch.no_grad():

@@ -125,3 +125,20 @@ def _dp_worker(rank, world, lp, rlp, mask):
 @pytest.mark.parametrize("device", dist_params(2))
 def test_debug_metrics_exact_over_dp(device):
     run_workers(_dp_worker, 2, *_inputs(seed=5), device=device)
+
+
+def test_debug_metrics_and_staleness_refuse_bad_masks_by_name():
+    """A complex mask, a mask of another shape or a non-tensor: a named error (a complex mask was read silently)."""
+    from rollout_corr_ext.versions import staleness_metrics
+
+    lp = torch.randn(2, 3, dtype=torch.float64)
+    for bad, exc, words in ((torch.ones(2, 3, dtype=torch.complex64), TypeError, "must be a bool, integer or float"),
+                            (torch.ones(3, 2), ValueError, "must have the shape of log_prob"),
+                            ([[1, 1, 1]] * 2, TypeError, "must be a torch.Tensor")):
+        with pytest.raises(exc, match=f"response_mask {words}"):
+            debug_metrics(lp, lp, bad)
+        if exc is not ValueError:
+            with pytest.raises(exc, match=f"response_mask {words}"):
+                staleness_metrics(torch.ones(2, 3, dtype=torch.long), 3, bad)
+    with pytest.raises(TypeError, match="rollout_log_prob must be a bool, integer or float tensor"):
+        debug_metrics(lp, lp.to(torch.complex128), torch.ones(2, 3))

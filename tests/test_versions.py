@@ -277,6 +277,9 @@ def test_lag_configs_bad_input():
                                           versions, 10)
     with pytest.raises(TypeError, match="log_prob must be a float16/bfloat16/float32/float64 tensor"):
         compute_rollout_correction_by_lag(lp.tolist(), rlp, mask, LAG_CFGS, versions, 10)
+    # no response token at all: compute_rollout_correction's error (it returned NaN metrics)
+    with pytest.raises(ValueError, match="response_mask has no valid token"):
+        compute_rollout_correction_by_lag(lp, rlp, torch.zeros_like(mask), LAG_CFGS, versions, 10)
 
 
 def _lag_dp_worker(rank, world, lp, rlp, mask, versions):
