@@ -75,9 +75,16 @@ def checked_inv_temperature(temperature, dtype: torch.dtype) -> float:
 
     Under torch.compile the temperature may be a symbol (``dynamic=True``, or a value that changed between calls:
     torch 2.14 does not specialize floats), whose checks here would be guards (sympy takes symbols as finite, so
-    ``t < inf`` always holds) or graph breaks (``math.isfinite``): the kernels' boundary makes the same checks on
-    the value at run time (csrc/logprob_host.h)."""
+    ``t < inf`` always holds) or graph breaks (``math.isfinite``): traced, the same checks are an assert on a
+    tensor of the value, made at run time (and the kernels' boundary checks 1 / temperature again,
+    csrc/logprob_host.h)."""
     if torch.compiler.is_compiling():
+        acc = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32)
+        t = torch.scalar_tensor(temperature, dtype=torch.float64)
+        inv = 1.0 / t
+        torch._assert_async(torch.isfinite(t) & (t > 0) & (inv >= acc.tiny) & (inv <= acc.max),
+                            f"temperature must be finite and > 0, and 1 / temperature in [{acc.tiny}, {acc.max}] "
+                            f"for {dtype} inputs")
         return 1.0 / temperature
     temperature = _positive_finite("temperature", temperature)
     acc = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32)

@@ -104,12 +104,23 @@ def test_a_temperature_that_changes_between_calls_compiles_whole(dynamic):
         want.backward()
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-6, atol=1e-7)
-    for bad, words in ((float("inf"), "1 / temperature) must be finite and > 0"),
-                       (-1.0, "1 / temperature) must be finite and > 0"),
-                       (float("nan"), "1 / temperature) must be finite and > 0"),
-                       (1e-39, "is out of range: the kernels compute in float32")):
-        with pytest.raises(RuntimeError, match=re.escape(words)):
+    for bad in (float("inf"), -1.0, float("nan"), 1e-39):
+        with pytest.raises(RuntimeError, match=re.escape("temperature must be finite and > 0, and 1 / temperature")):
             compiled(logits, target, bad)
+
+
+def test_per_row_temperatures_are_checked_under_compile():
+    """The replay's per-row temperatures run the kernels at temperature 1, so the kernels' boundary never sees them:
+    traced, their range check is the entry's own assert (a flat row at 1e300 came back silently)."""
+    x = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.5, 0.25, 0.0, 3.0]])
+    target = torch.tensor([0, 3])
+    sp = rc.SamplingParams(temperature=torch.tensor([1e300, 1.0], dtype=torch.float64), top_k=2)
+    with pytest.raises(ValueError, match="out of range"):
+        rc.sampled_log_probs(x, target, sp)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda a, b: rc.sampled_log_probs(a, b, sp).log_prob, backend="eager")
+    with pytest.raises(RuntimeError, match=re.escape("temperature must be finite and > 0, and 1 / temperature")):
+        compiled(x, target)
 
 
 @pytest.mark.parametrize("mode", [m for m in rc.losses.POLICY_LOSS_MODES if m != "bypass_mode"])
