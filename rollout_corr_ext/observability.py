@@ -211,7 +211,8 @@ class MismatchDiagnostics:
     def fingerprint(self) -> Tuple:
         """What every data-parallel rank must agree on (the wire layout)."""
         return (self.position_buckets, self.entropy_edges, self.probability_bins, self.max_turns, self.max_lag,
-                self.top_k, self.entropy is None, self.turn_ids is None, self.versions is None, self.current_version)
+                self.top_k, self.entropy is None, self.turn_ids is None, self.versions is None, self.current_version,
+                self.positions is None)
 
 
 def _distinct(edges, digits: int) -> List[str]:
@@ -309,28 +310,37 @@ def _like(name: str, t, ref: torch.Tensor, integer: bool) -> torch.Tensor:
 class _Wire:
     """Named fp64 segments of the extra SUM / MAX partials, and the value checks whose verdict rides the SUM."""
 
-    def __init__(self):
+    #: the value checks, each one fixed slot of the SUM whether its tensor was given or not (a rank that passes
+    #: ``positions`` and one that does not send partials of one size, and the config fingerprint tells them apart)
+    REFUSALS = ("diagnostics.versions", "diagnostics.positions", "diagnostics.entropy")
+
+    def __init__(self, device):
         self.sum_parts: List[Tuple[str, torch.Tensor]] = []
         self.max_parts: List[Tuple[str, torch.Tensor]] = []
-        self.refusals: list = []
+        self.refused = torch.zeros(len(self.REFUSALS), dtype=torch.float64, device=device)
+        self.sum_parts.append(("refused", self.refused))
+        self.refusals: Dict[int, tuple] = {}
 
-    def refuse(self, bad: torch.Tensor, describe, message: str) -> None:
-        """:func:`refuse_where`, decided on the reduced count of ``bad`` (:meth:`verdict`): every rank of the reduce
-        raises alike, where a check on one rank's tokens would leave the others waiting in a later collective."""
-        self.sum_parts.append((f"refused_{len(self.refusals)}", bad.sum().to(torch.float64).reshape(1)))
-        self.refusals.append((bad, describe, message))
+    def refuse(self, name: str, bad: torch.Tensor, describe, message: str) -> None:
+        """:func:`refuse_where` of the check ``name``, decided on the reduced count of ``bad`` (:meth:`verdict`):
+        every rank of the reduce raises alike, where a check on one rank's tokens would leave the others waiting in
+        a later collective."""
+        i = self.REFUSALS.index(name)
+        self.refused[i] = bad.sum()
+        self.refusals[i] = (bad, describe, message)
 
     def verdict(self, parts: Dict[str, torch.Tensor]) -> None:
         """On CPU a ValueError naming this rank's first offending token (or the count on other ranks); on CUDA an
         asynchronous device assert on every rank (no host sync)."""
-        for i, (bad, describe, message) in enumerate(self.refusals):
-            count = parts[f"refused_{i}"][0]
-            if count.device.type != "cpu":
-                torch._assert_async(count == 0, message)
-            elif float(count) > 0:
-                if bool(bad.any()):
+        counts = parts["refused"]
+        for i, name in enumerate(self.REFUSALS):
+            bad, describe, message = self.refusals.get(i, (None, None, f"{name} holds a bad value"))
+            if counts.device.type != "cpu":
+                torch._assert_async(counts[i] == 0, message)
+            elif float(counts[i]) > 0:
+                if bad is not None and bool(bad.any()):
                     raise ValueError(describe(tuple(int(j) for j in bad.nonzero()[0])))
-                raise ValueError(f"{message} (at {int(count)} response tokens of other ranks)")
+                raise ValueError(f"{message} (at {int(counts[i])} response tokens of other ranks)")
 
     def vectors(self):
         return (torch.cat([t.reshape(-1) for _, t in self.sum_parts]),
@@ -435,9 +445,9 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
     stats = torch.stack([c.reshape(-1) for c in cols], 1)  # [N, C]
     rev = rl - rm1
     js = 0.5 * (rl - (1.0 + r) * (torch.nn.functional.softplus(l20) - _LN2))
-    w = _Wire()
+    w = _Wire(dev)
     for check in state.get("refusals", ()):
-        w.refuse(*check)
+        w.refuse("diagnostics.versions", *check)
     # |lr|'s spread from centred sums pooled over ranks (_pooled_comoment): no cancellation of a small spread
     # against a large mean
     n_loc, s_loc = stats[:, 0].sum(), stats[:, 1].sum()
@@ -468,7 +478,7 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
             pos = c - 1 - (start[safe_row] if num_rows else 0)
     n_row = row_tokens.to(f64)[safe_row] if num_rows else torch.zeros_like(lr)
     if spec.positions is not None:  # a position no bucket holds is an error, not a clamp into the edge buckets
-        w.refuse(valid & ((pos < 0) | (pos.to(f64) >= n_row)),
+        w.refuse("diagnostics.positions", valid & ((pos < 0) | (pos.to(f64) >= n_row)),
                  lambda at: f"diagnostics.positions at response token {at} is {int(pos[at])}, outside [0, "
                             f"{int(n_row[at])}) (its index among its sequence's {int(n_row[at])} response tokens)",
                  "diagnostics.positions must lie in [0, the sequence's response tokens) at response tokens")
@@ -484,8 +494,9 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
             raise ValueError(f"diagnostics.entropy must have log_prob's shape {tuple(log_prob.shape)}, got "
                              f"{tuple(ent.shape)}")
         bad = valid & ~torch.isfinite(ent)  # a NaN would land in the first bucket unseen
-        w.refuse(bad, lambda at: f"diagnostics.entropy at response token {at} is {float(ent[at])}: entropies "
-                                 f"must be finite", "diagnostics.entropy must be finite at response tokens")
+        w.refuse("diagnostics.entropy", bad,
+                 lambda at: f"diagnostics.entropy at response token {at} is {float(ent[at])}: entropies must be "
+                            f"finite", "diagnostics.entropy must be finite at response tokens")
         fam_idx["entropy"] = _count_at_least(ent.detach().to(f64), spec.entropy_edges)
     if spec.turn_ids is not None:
         tid = _like("turn_ids", spec.turn_ids, log_prob, True)

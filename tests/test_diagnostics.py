@@ -599,6 +599,12 @@ def _one_rank_bad_worker(rank, world, lp, rlp, mask, ent, turns, versions):
         check = torch.tensor([float(rank + 1)])
         dist.all_reduce(check)  # the ranks are still in step
         assert float(check) == 3.0, field
+    # one rank passes positions, the other not: partials of one size, and both ranks refuse the mismatch (the extra
+    # check slot came with positions only: partials of two sizes in one collective)
+    spec = dict(entropy=sl[3], turn_ids=sl[4], versions=sl[5], positions=positions if rank == 0 else None)
+    with pytest.raises(ValueError, match="different rollout-correction settings"):
+        rc.compute_rollout_correction(sl[0], sl[1], sl[2], cfg, dp_group=dist.group.WORLD,
+                                      diagnostics=MismatchDiagnostics(current_version=20, **spec))
 
 
 def test_a_bad_diagnostics_value_on_one_rank_is_refused_on_every_rank():
