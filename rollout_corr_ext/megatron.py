@@ -190,7 +190,7 @@ def _packed_boundaries(packed_seq_params, cu_seqlens, cp_size: int, per_sequence
     return cu // cp_size
 
 
-def _zigzag_position(offset: torch.Tensor, chunk: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+def _zigzag_position(offset: torch.Tensor, chunk, cp: int, rank: int) -> torch.Tensor:
     """The position in its whole sequence of a token at ``offset`` in CP rank ``rank``'s local piece of it, under
     megatron's load-balanced split: the piece is chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp`` (each ``chunk``
     long)."""
@@ -208,7 +208,7 @@ def _cp_positions(target: torch.Tensor, cu: Optional[torch.Tensor], cp: int, ran
     n = target.shape[-1]
     t = torch.arange(n, device=dev)
     if cu is None or whole_stream or cu.shape[0] < 2:
-        pos = _zigzag_position(t, torch.tensor(n // 2, device=dev), cp, rank)
+        pos = _zigzag_position(t, n // 2, cp, rank)
         return pos.expand(target.shape) if target.dim() == 2 else pos
     cu = cu.to(device=dev, dtype=torch.int64)
     seg = torch.searchsorted(cu[1:], t, right=True).clamp(max=cu.shape[0] - 2)

@@ -38,14 +38,18 @@ HEALTHY_KL = 1e-3
 HEALTHY_RS_FRACTION = 0.05
 
 
-#: The largest policy lag and turn id the report's breakdowns hold one bucket each; larger ones share the last bucket
-#: (a batch from a run's first version would otherwise ask for one bucket per lag: millions).
+#: Policy lags 0 .. 32 and turn ids 0 .. 63 have a bucket each in the report's breakdowns; larger ones share the last
+#: bucket (a batch from a run's first version would otherwise ask for one bucket per lag: millions).
 MAX_LAG_BUCKETS = 32
 MAX_TURN_BUCKETS = 64
 
 
 def _load(path: str) -> Dict[str, Any]:
-    data = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values only: no pickled code
+    try:  # tensors and plain values only: no pickled code
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # truncated, not a torch.save file, code in it
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"{path}: not a readable torch.save file of tensors ({first})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a dict of tensors, got {type(data).__name__}")
     missing = [k for k in ("log_prob", "rollout_log_prob", "response_mask") if k not in data]
@@ -73,6 +77,9 @@ def _check_batch(batch: Dict[str, Any]) -> None:
         if batch.get(name) is not None:
             tensor(name, floating)
     current = batch.get("current_version")
+    if isinstance(current, torch.Tensor) and current.dim() == 0 and not current.is_floating_point() and \
+            current.dtype != torch.bool:
+        batch["current_version"] = current = int(current)  # a torch.save-d 0-dim integer tensor
     if current is not None and (isinstance(current, bool) or not isinstance(current, int)):
         raise TypeError(f"batch['current_version'] must be an int, got {type(current).__name__} {current!r}")
     config = batch.get("config")
@@ -108,6 +115,8 @@ def build_report(batch: Dict[str, Any], worst: int = 5) -> Dict[str, Any]:
         lags = (current - v.long())[mask]
         max_lag = min(max(int(lags.max()), 0), MAX_LAG_BUCKETS)
     turns = batch.get("turn_ids")
+    if turns is not None and turns.shape != lp.shape:
+        raise ValueError(f"turn_ids must be per token {tuple(lp.shape)}, got {tuple(turns.shape)}")
     max_turns = min(int(turns[mask].max()) + 1, MAX_TURN_BUCKETS) if turns is not None else 1
     dspec = MismatchDiagnostics(entropy=batch.get("entropy"), turn_ids=turns, versions=versions,
                                 current_version=current if versions is not None else None, top_k=worst,
@@ -300,8 +309,9 @@ def load_steps(path: str) -> List[Dict[str, Any]]:
             rec["setting"] = setting
             if "step" not in rec:
                 rec["step"] = seen.get(setting, 0)
-            elif isinstance(rec["step"], bool) or not isinstance(rec["step"], (int, float)):
-                raise ValueError(f"{path}:{n}: step must be a number, got {rec['step']!r}")
+            elif isinstance(rec["step"], bool) or not isinstance(rec["step"], (int, float)) or \
+                    not math.isfinite(rec["step"]):
+                raise ValueError(f"{path}:{n}: step must be a finite number, got {rec['step']!r}")
             seen[setting] = seen.get(setting, 0) + 1
             records.append(rec)
     if not records:
@@ -313,8 +323,13 @@ def _value(rec: Dict[str, Any], keys) -> Optional[float]:
     """The first of ``keys`` that holds a finite number (a NaN or inf metric is no reading: a step without tokens)."""
     for k in keys:
         v = rec.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            return float(v)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            try:
+                f = float(v)
+            except OverflowError:  # an integer past float's range
+                continue
+            if math.isfinite(f):
+                return f
     return None
 
 

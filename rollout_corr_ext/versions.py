@@ -210,7 +210,9 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     if lags[0] != 0 or any(b <= a for a, b in zip(lags, lags[1:])):
         raise ValueError(f"lag_configs: the lags must start at 0 and increase strictly, got {lags}")
     # the inputs as compute_rollout_correction checks them, before any bucket's slice of them is taken
-    check_correction_inputs(log_prob, rollout_log_prob, response_mask, cfgs[0], nonfinite, cu_seqlens)
+    check_correction_inputs(log_prob, rollout_log_prob, response_mask, cfgs[0], nonfinite,
+                            cu_seqlens.to(log_prob.device) if isinstance(cu_seqlens, torch.Tensor) and
+                            isinstance(log_prob, torch.Tensor) else cu_seqlens)  # host cu_seqlens are moved below
     packed = cu_seqlens is not None
     cp = seq_group is not None and dist.get_world_size(seq_group) > 1
     if packed:

@@ -105,7 +105,8 @@ def test_report_refuses_bad_batches_with_one_line_naming_the_entry(tmp_path, cap
              (dict(base, versions=torch.tensor([3, 3, 3]), current_version=5), "versions must be per token"),
              (dict(base, versions=torch.tensor([3., 3, 3, 3]), current_version=5), "must be an integer tensor"),
              (dict(base, versions=torch.tensor([3, 3, 3, 3]), current_version="5"), "current_version'] must be an int"),
-             (dict(base, config=[1]), "batch['config'] must be a dict")]
+             (dict(base, config=[1]), "batch['config'] must be a dict"),
+             (dict(base, turn_ids=torch.zeros(4, 5, dtype=torch.long)), "turn_ids must be per token")]
     for i, (content, words) in enumerate(cases):
         assert words in _bad(tmp_path, f"bad{i}.pt", content, capsys), words
     from rollout_corr_ext.report import main
@@ -113,7 +114,19 @@ def test_report_refuses_bad_batches_with_one_line_naming_the_entry(tmp_path, cap
     with pytest.raises(SystemExit):
         main([str(tmp_path / "gone.pt")])
     assert "No such file or directory" in capsys.readouterr().err
-    assert "step must be a number" in _bad(tmp_path, "steps.jsonl", '{"step": [1], "rollout_corr/kl": 1}\n', capsys)
+    assert "step must be a finite number" in _bad(tmp_path, "steps.jsonl", '{"step": [1], "rollout_corr/kl": 1}\n',
+                                                  capsys)
+    assert "step must be a finite number" in _bad(tmp_path, "nan.jsonl", '{"step": NaN, "rollout_corr/kl": 1}\n',
+                                                  capsys)
+    good = tmp_path / "good.pt"
+    torch.save(base, good)
+    (tmp_path / "cut.pt").write_bytes(good.read_bytes()[:100])  # a truncated file
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "cut.pt"), "--out", str(tmp_path / "cut")])
+    assert "not a readable torch.save file" in capsys.readouterr().err
+    # a torch.save-d 0-dim integer current_version is read as the int it holds
+    torch.save(dict(base, versions=torch.tensor([3, 3, 4, 5]), current_version=torch.tensor(5)), good)
+    assert main([str(good), "--out", str(tmp_path / "good")]) == 0
 
 
 def test_report_caps_its_lag_buckets_and_writes_strict_json(tmp_path):
