@@ -921,6 +921,16 @@ class KeptTokens:
     ids: torch.Tensor
     offsets: torch.Tensor
     temperature: Union[Number, torch.Tensor] = 1.0
+    #: for error messages only (set by :meth:`permute_rows`): the caller's row of each row and the caller's index of
+    #: each id, so that an error names what the caller built, not the reordered copy
+    source_rows: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
+    source_ids: Optional[torch.Tensor] = dataclasses.field(default=None, repr=False, compare=False)
+
+    def caller_row(self, i: int) -> int:
+        return i if self.source_rows is None else int(self.source_rows[i])
+
+    def caller_id_index(self, j: int) -> int:
+        return j if self.source_ids is None else int(self.source_ids[j])
 
     def __post_init__(self):
         for name in ("ids", "offsets"):
@@ -969,7 +979,9 @@ class KeptTokens:
         t = self.temperature
         if isinstance(t, torch.Tensor) and t.dim():
             t = t.reshape(-1)[order.to(t.device)]
-        return KeptTokens(self.ids[pos], new_off.to(self.offsets.dtype), t)
+        rows = order if self.source_rows is None else self.source_rows.to(order.device)[order]
+        ids = pos if self.source_ids is None else self.source_ids.to(pos.device)[pos]
+        return KeptTokens(self.ids[pos], new_off.to(self.offsets.dtype), t, rows, ids)
 
 
 def kept_log_probs(
@@ -1015,19 +1027,19 @@ def kept_log_probs(
     # the ids of every scored row: inside the vocabulary, no repeats, at least one (host checks, as for targets)
     if ids.numel() and int(ids.max()) >= vocab_size:
         bad = int((ids >= vocab_size).nonzero()[0, 0])
-        raise ValueError(f"kept.ids[{bad}] = {int(ids[bad])} (row {int(row[bad])}) is outside the vocabulary of "
-                         f"{vocab_size}")
+        raise ValueError(f"kept.ids[{kept.caller_id_index(bad)}] = {int(ids[bad])} (row "
+                         f"{kept.caller_row(int(row[bad]))}) is outside the vocabulary of {vocab_size}")
     empty = active & (counts == 0)
     if bool(empty.any()):
-        raise ValueError(f"kept: row {int(empty.nonzero()[0, 0])} is scored (its target is not ignore_index) but "
-                         f"has no kept ids; an engine always keeps at least its top token")
+        raise ValueError(f"kept: row {kept.caller_row(int(empty.nonzero()[0, 0]))} is scored (its target is not "
+                         f"ignore_index) but has no kept ids; an engine always keeps at least its top token")
     if ids.numel():
         key, _ = (row * vocab_size + ids).sort()
         rep = key[1:] == key[:-1]
         if bool(rep.any()):
             k = int(key[1:][rep][0])
-            raise ValueError(f"kept: row {k // vocab_size} lists id {k % vocab_size} twice (its mass would count "
-                             f"twice)")
+            raise ValueError(f"kept: row {kept.caller_row(k // vocab_size)} lists id {k % vocab_size} twice (its "
+                             f"mass would count twice)")
     valid_cols = max(0, min(local_vocab, vocab_size - vocab_start))
     local = (ids >= vocab_start) & (ids < vocab_start + valid_cols) & active[row]
     below = torch.ones((n, local_vocab), dtype=torch.bool, device=device)
@@ -1072,10 +1084,10 @@ def kept_log_probs(
                              f"or leave gaps (check vocab_start / vocab_size)")
         dead = active & (sums[:, 2] == 0)
         if bool(dead.any()):
-            raise ValueError(f"kept: every kept id of row {int(dead.nonzero()[0, 0])} has a -inf logit here, so the "
-                             f"distribution renormalised over them is undefined (the engine kept tokens this model "
-                             f"gives probability 0: a different vocabulary mask?); give such positions target = "
-                             f"ignore_index")
+            raise ValueError(f"kept: every kept id of row {kept.caller_row(int(dead.nonzero()[0, 0]))} has a -inf "
+                             f"logit here, so the distribution renormalised over them is undefined (the engine kept "
+                             f"tokens this model gives probability 0: a different vocabulary mask?); give such "
+                             f"positions target = ignore_index")
         log_s = (finite_kept.double() - finite_max.double()) + torch.log(sums[:, 0]) - torch.log(sums[:, 1])
         log_s = torch.where(active, log_s.to(acc), 0.0)
     return _masked_log_probs(logits2d, below, target1d, kept.temperature, temperature, active, log_s, lead,

@@ -1124,3 +1124,23 @@ def test_kept_tokens_on_every_backend(device):
     torch.testing.assert_close(res.log_kept_mass.double(), ls, **output_tol(torch.float32))
     ref_grad, = torch.autograd.grad(torch.where(use, lp, torch.zeros_like(lp)).sum(), xr)
     torch.testing.assert_close(grad.double()[use], ref_grad[use], **grad_tol(torch.float32))
+
+
+@pytest.mark.parametrize("layout", ["sbv", "bsv"])
+def test_kept_tokens_errors_name_the_callers_rows_in_every_layout(layout):
+    """megatron's loss_func reorders KeptTokens' rows into the logits' [s, b] order; an error about them still names
+    the row (and id index) the caller built, in target's row-major [b, s] order (it named the reordered row)."""
+    from rollout_corr_ext import KeptTokens, PolicyLossConfig
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    b, s, v = 2, 3, 8
+    target, adv, mask = torch.zeros(b, s, dtype=torch.long), torch.ones(b, s, dtype=torch.float64), \
+        torch.ones(b, s, dtype=torch.bool)
+    logits = torch.randn((s, b, v) if layout == "sbv" else (b, s, v), dtype=torch.float64)
+    for rows, words in (({1: []}, "kept: row 1 is scored"), ({1: [3, 3]}, "kept: row 1 lists id 3 twice"),
+                        ({1: [0, 9]}, r"kept.ids\[3\] = 9 \(row 1\) is outside the vocabulary")):
+        lists = [[0, 1]] * (b * s)
+        lists = [rows.get(i, r) for i, r in enumerate(lists)]
+        with pytest.raises(ValueError, match=words):
+            make_policy_loss_func(target, adv, mask, config=PolicyLossConfig(), vocab_size=v, logits_layout=layout,
+                                  sampling=KeptTokens.from_lists(lists))(logits)
