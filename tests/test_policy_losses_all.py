@@ -155,6 +155,35 @@ def test_gradient_at_the_exact_bounds_is_verls(backend_name, name, dtype):
                 assert torch.allclose(got[2], want[2], **tol), (knobs, mode, got[2], want[2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("backend_name", ["cpu", "emulated", "fallback"])
+@pytest.mark.parametrize("name", ["clip_cov"])
+def test_an_overflowing_ratio_on_the_clipped_branch_passes_no_gradient(backend_name, name, dtype):
+    """clip_cov's PPO has no bound on the log-ratio: at x = 96 with A > 0, exp(x) overflows fp32 but the clipped
+    branch wins, so the loss is finite and the token's gradient is 0 (the fp64 value). It was NaN, silently
+    (0 * inf; verl's fp32 loss gives the same NaN), on every backend. (kl_cov's loss is the unclipped -A r there:
+    undefined, the named error.)"""
+    old = torch.tensor([[-97.0, -1.0, -1.25, -0.5], [-1.0, -2.0, -0.75, -1.5]])
+    lp = torch.tensor([[-1.0, -1.0, -1.0, -0.5], [-1.25, -1.75, -1.0, -1.5]])
+    adv = torch.tensor([[1.0] * 4, [-0.5] * 4])
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    cfg = losses.PolicyLossConfig(loss_mode=name, clip_cov_ratio=0.25, kl_cov_ratio=0.25, clip_cov_lb=-1e30,
+                                  clip_cov_ub=1e30)
+    fn = getattr(losses, "compute_policy_loss_" + name)
+    x64 = lp.double().requires_grad_(True)
+    want, _ = fn(old.double(), x64, adv.double(), mask, "token-mean", cfg)
+    want.backward()
+    with policy_loss_backend(backend_name, threads=32, schedule=1, max_blocks=3):
+        x = lp.to(dtype).requires_grad_(True)
+        got, _ = fn(old.to(dtype), x, adv.to(dtype), mask, "token-mean", cfg)
+        got.backward()
+    assert bool(torch.isfinite(x.grad).all()), x.grad
+    assert float(x.grad[0, 0]) == 0.0 and float(x64.grad[0, 0]) == 0.0
+    tol = dict(rtol=1e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got.double(), want.detach(), **tol)
+    torch.testing.assert_close(x.grad.double(), x64.grad, **tol)
+
+
 @pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool], ids=["float_mask", "bool_mask"])
 @pytest.mark.parametrize("junk", ["nan", "inf", "-inf"])
 @pytest.mark.parametrize("name", NAMES)

@@ -378,8 +378,13 @@ RC_FORCEINLINE VF token_grad(VF lp, VF old_lp, VF adv, VF w, const Cfg<VF>& c) {
     }
     const VF loss1 = -adv * q;
     const VF loss2 = -adv * L::clamp_keep_nan(q, c.lower, c.upper);
-    VF g = -adv * q * branch_weight<VF>(loss1, loss2, L::land(q > c.lower, q < c.upper));
-    if constexpr (K != kPolicyLossPpoUnbounded) g = L::keep_if(live, g);  // PpoUnbounded: no bound on x
+    const VF bw = branch_weight<VF>(loss1, loss2, L::land(q > c.lower, q < c.upper));
+    VF g = -adv * q * bw;
+    if constexpr (K != kPolicyLossPpoUnbounded) {
+      g = L::keep_if(live, g);
+    } else {  // no bound on x: the clipped branch alone passes nothing, also where exp(x) overflowed (0 * inf)
+      g = L::keep_if(bw > VF{}, g);
+    }
     if constexpr (K == kPolicyLossPpoClip) {
       const VF clipped1 = L::nan_max(loss1, loss2);
       const VF loss3 = -adv * c.c;

@@ -236,7 +236,10 @@ RC_HD RC_FORCEINLINE acc_t policy_loss_token_grad(acc_t lp, acc_t old_lp, acc_t 
       const acc_t ratio = rc_exp(x);
       const ClippedPair<acc_t> c = clipped_pair(ratio, adv, cfg);
       const bool inside = ratio > cfg.ratio_lower && ratio < cfg.ratio_upper;
-      return -adv * ratio * max_branch_weight(c.loss1, c.loss2, inside) * w;
+      const acc_t b = max_branch_weight(c.loss1, c.loss2, inside);
+      // the clipped branch alone passes no gradient, also where exp(x) overflowed (0 * inf would be NaN; torch's
+      // autograd, and so verl's fp32 loss, gives that NaN)
+      return b > acc_t(0) ? -adv * ratio * b * w : acc_t(0);
     }
     default:  // kPolicyLossReinforce
       return -adv * w;

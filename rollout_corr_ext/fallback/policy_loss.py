@@ -8,6 +8,7 @@ replaces); the tests hold it to the textbook oracles of ``rollout_corr_testing/d
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -32,8 +33,10 @@ def _policy_token_terms(lp, old, adv, w, clip_low, clip_high, clip_c, loss_kind,
         elif loss_kind == LY.PG_KIND_GSPO:  # old is the row's mean log-ratio s: q = exp(min(s, 10)), dq/dlp = q
             ratio = torch.exp(torch.clamp(lp - lp.detach() + old, max=LY.GSPO_LOG_RATIO_MAX))
             kl = zeros
-        else:
-            ratio = torch.exp(x)
+        else:  # unbounded: where exp(x) overflows only the clipped branch can be defined, and it passes no gradient
+            # (autograd's 0 * inf would be NaN, as in verl's fp32 loss)
+            overflows = x > math.log(torch.finfo(acc).max)
+            ratio = torch.exp(torch.where(overflows, x.detach(), x))
             kl = -x
         loss1 = -adv * ratio
         loss2 = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
