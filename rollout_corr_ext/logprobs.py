@@ -78,8 +78,8 @@ def checked_inv_temperature(temperature, dtype: torch.dtype) -> float:
     ``t < inf`` always holds) or graph breaks (``math.isfinite``): traced, the same checks are an assert on a
     tensor of the value, made at run time (and the kernels' boundary checks 1 / temperature again,
     csrc/logprob_host.h)."""
+    acc = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32)
     if torch.compiler.is_compiling():
-        acc = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32)
         t = torch.scalar_tensor(temperature, dtype=torch.float64)
         inv = 1.0 / t
         torch._assert_async(torch.isfinite(t) & (t > 0) & (inv >= acc.tiny) & (inv <= acc.max),
@@ -87,7 +87,6 @@ def checked_inv_temperature(temperature, dtype: torch.dtype) -> float:
                             f"for {dtype} inputs")
         return 1.0 / temperature
     temperature = _positive_finite("temperature", temperature)
-    acc = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32)
     inv = 1.0 / temperature
     if not acc.tiny <= inv <= acc.max:
         raise ValueError(f"temperature={temperature!r} is out of range for {dtype} inputs: the kernels compute in "
