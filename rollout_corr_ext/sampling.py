@@ -1056,8 +1056,10 @@ def kept_log_probs(
         # the kept ids' own max too (in the same MAX): their mass relative to it cannot underflow, where relative to
         # the row max it does once they all lie ~745 nats below it
         kept_max = torch.full((n,), -math.inf, dtype=acc, device=device).scatter_reduce(0, row[local], zk, "amax")
-        # NaN / +inf anywhere in a scored row (kept id or not) would poison log S's total: refused on every rank
-        maxes = _refuse_non_finite(torch.cat([z_max, kept_max]), active.repeat(2), tp_group, world, "kept_log_probs",
+        # NaN / +inf anywhere in a scored row (kept id or not) would poison log S's total: refused on every rank by
+        # the row max (a kept id lies in its row, so the kept max needs no refusal of its own, only the MAX)
+        maxes = _refuse_non_finite(torch.cat([z_max, kept_max]), torch.cat([active, torch.zeros_like(active)]),
+                                   tp_group, world, "kept_log_probs",
                                    row_id=lambda i: i % max(n, 1), settings=lambda: (
             _settings_fingerprint(kept.temperature, ignore_index, logits.dtype, _fallback_lp.target_fingerprint(off),
                                   _fallback_lp.target_fingerprint(ids))))
