@@ -38,13 +38,19 @@ def check_cu_seqlens(log_prob: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.
     return cu
 
 
-def check_mask(name: str, mask, ref: torch.Tensor, ref_name: str = "log_prob") -> None:
-    """A mask (or any per-token tensor) at the boundary: a bool, integer or float tensor of ``ref``'s shape and
-    device, else an error naming ``name``."""
+def check_mask_kind(name: str, mask) -> None:
+    """A mask's kind alone (where nothing fixes its shape): a bool, integer or float tensor, else an error naming
+    ``name``."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dtype.is_complex:
         raise TypeError(f"{name} must be a bool, integer or float tensor, got {mask.dtype}")
+
+
+def check_mask(name: str, mask, ref: torch.Tensor, ref_name: str = "log_prob") -> None:
+    """A mask (or any per-token tensor) at the boundary: a bool, integer or float tensor of ``ref``'s shape and
+    device, else an error naming ``name``."""
+    check_mask_kind(name, mask)
     if tuple(mask.shape) != tuple(ref.shape):
         raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(mask.shape)}")
     if mask.device != ref.device:

@@ -26,7 +26,7 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
-from ._checks import check_cu_seqlens, check_mask, refuse_ambiguous_per_sequence, refuse_where
+from ._checks import check_cu_seqlens, check_mask_kind, refuse_ambiguous_per_sequence, refuse_where
 
 __all__ = ["PROXIMAL_METHODS", "proximal_log_prob", "staleness_metrics", "proximal_error_metrics",
            "compute_rollout_correction_by_lag", "policy_lag"]
@@ -110,7 +110,7 @@ def staleness_metrics(versions: torch.Tensor, current_version: int, response_mas
     v_theta = _current(current_version)
     if isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0:
         raise ValueError(f"max_lag must be an int >= 0, got {max_lag!r}")
-    check_mask("response_mask", response_mask, response_mask)
+    check_mask_kind("response_mask", response_mask)
     v = _versions(versions, response_mask)
     with torch.no_grad():
         valid = response_mask != 0
@@ -285,8 +285,10 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     if totals[-1]:
         policy_lag(v, v_theta, valid)  # names the token where this rank holds it
         raise ValueError(f"versions: a response token on another rank is newer than current_version {v_theta}")
-    if not any(totals[:-1]):  # as compute_rollout_correction refuses it, on every rank alike
-        raise ValueError("response_mask has no valid token (over the whole data-parallel batch); nothing to correct")
+    if not any(totals[:-1]):  # compute_rollout_correction's own error (one source for it), on every rank alike
+        compute_rollout_correction(log_prob, rollout_log_prob, response_mask, cfgs[0], dp_group=dp_group,
+                                   seq_group=seq_group, nonfinite=nonfinite, cu_seqlens=cu_seqlens)
+        raise AssertionError("compute_rollout_correction accepted a batch without response tokens")
     counts = counts[:-1]
     for i, (lo, cfg) in enumerate(zip(lags, cfgs)):
         hi = lags[i + 1] if i + 1 < len(lags) else None
