@@ -31,6 +31,9 @@ from .losses import (
     segment_sum,
 )
 
+#: megatron's padding label, the log-prob kernels' default ignore_index (scored as log-prob 0)
+_IGNORE_INDEX = -100
+
 
 def _parallel_state():
     try:
@@ -262,7 +265,7 @@ def _mtp_shifted(target: torch.Tensor, response_mask: torch.Tensor, k: int, cu: 
     mask = torch.where(inside, response_mask.gather(-1, idx) if cu is None else response_mask[idx],
                        torch.zeros((), dtype=response_mask.dtype, device=response_mask.device))
     shifted = target.gather(-1, idx) if cu is None else target[idx]
-    return torch.where(mask != 0, shifted, torch.full_like(shifted, -100)), mask
+    return torch.where(mask != 0, shifted, torch.full_like(shifted, _IGNORE_INDEX)), mask
 
 
 def _mtp_shifted_cp(target: torch.Tensor, response_mask: torch.Tensor, num_layers: int, cu: Optional[torch.Tensor],
@@ -302,7 +305,7 @@ def _mtp_shifted_cp(target: torch.Tensor, response_mask: torch.Tensor, num_layer
     n_heads_per_rank = sum(2 * min(num_layers, (b - a) // 2) for a, b in zip(bounds[:-1], bounds[1:]))
     if len(bounds) < 2 or n == 0:  # no sequence: every head weight is 0
         zero = torch.zeros_like(response_mask)
-        return [(torch.full_like(target, -100), zero) for _ in range(num_layers)]
+        return [(torch.full_like(target, _IGNORE_INDEX), zero) for _ in range(num_layers)]
     cu_l = torch.tensor(bounds, device=dev) if cu is None else cu.to(device=dev, dtype=torch.int64)
     t = torch.arange(n, device=dev)
     seg = torch.searchsorted(cu_l[1:], t, right=True).clamp(max=cu_l.shape[0] - 2)
@@ -331,7 +334,7 @@ def _mtp_shifted_cp(target: torch.Tensor, response_mask: torch.Tensor, num_layer
     for k in range(1, num_layers + 1):
         read = whole[:, torch.where(in_seq & (mine + k < cp * end), mine + k, torch.full_like(mine, size))]
         mask = read[..., 1].to(response_mask.dtype)
-        shifted = torch.where(mask != 0, read[..., 0].to(target.dtype), torch.full_like(rows_t, -100))
+        shifted = torch.where(mask != 0, read[..., 0].to(target.dtype), torch.full_like(rows_t, _IGNORE_INDEX))
         out.append((shifted.reshape(target.shape), mask.reshape(response_mask.shape)))
     return out
 
@@ -598,7 +601,7 @@ def make_policy_loss_func(
     check_mask("response_mask", response_mask, target, "target")
     # the log-prob kernels score a target at ignore_index (-100) as log-prob 0: at a response token it would enter
     # the loss (and an MTP head's mean) as a certain token, silently
-    ignored = (target == -100) & (response_mask != 0)
+    ignored = (target == _IGNORE_INDEX) & (response_mask != 0)
     refuse_where(ignored, lambda at: f"target at {at} is -100 (ignore_index) where response_mask is "
                                      f"{response_mask[at].item()}: a response token needs its token id (mask it out "
                                      f"to leave it out of the loss)",
