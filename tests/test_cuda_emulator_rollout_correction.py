@@ -178,7 +178,7 @@ _MUTANT_CHECK = r"""
 import sys, torch
 sys.path[:0] = [{root!r}]
 from rollout_corr_testing.cuda_emulator.loader import load_emulator
-load_emulator(kernel_override_dir={dir!r})
+load_emulator(kernel_override_dir={dir!r}, sources=["emu_rollout_correction.cpp"])  # the family the mutants touch
 from rollout_corr_testing.rc_testutil import make_inputs
 from rollout_corr_ext import RolloutCorrectionConfig as Cfg, fallback
 from rollout_corr_ext.correction import op_args
