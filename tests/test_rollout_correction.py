@@ -529,6 +529,46 @@ def test_compiled_passes_match_fallback_and_opcheck(cfg_kw, dtype, rlp_dtype, ma
 
 
 @pytest.mark.skipif(not _HAS_OPS, reason="the compiled rollout_corr ops are not loaded (the fallback has no op schemas)")
+@pytest.mark.parametrize("layout", ["strided", "expanded"])
+def test_rollout_check_reads_the_sums_view_not_its_storage(layout):
+    """rollout_check as a raw op on a strided or expanded (stride 0) ``sums``: the status slots are the view's
+    elements, as with a contiguous copy (its CPU kernel read them by offset from the storage: the wrong elements of
+    a strided view, past the storage of an expanded one)."""
+    lp = torch.zeros(2, 3)
+    n = LY.SUM_CRIT_BASE
+    slots = (LY.SUM["tokens"], LY.SUM["nonfinite"], LY.SUM["bad_mask"])
+    cases = [(t, f, b) for t in (0.0, 5.0) for f in (0.0, 1.0) for b in (0.0, 1.0)]
+    for values in cases:
+        if layout == "strided":  # the gaps between the view's elements hold the opposite status
+            base = torch.empty(2 * n, dtype=torch.float64)
+            view = base[::2]
+            view.zero_()
+            base[1::2] = 7.0
+            for slot, v in zip(slots, values):
+                view[slot] = v
+                base[2 * slot + 1] = 0.0 if v else 7.0
+        else:
+            if values[1] != values[2] or values[0] != values[1] * 5.0:
+                continue  # an expanded view holds one value in every slot
+            base = torch.full((n + 8,), 7.0, dtype=torch.float64)
+            base[0] = values[1]
+            view = base[:1].expand(n)
+        want = got = None
+        try:
+            want = torch.ops.rollout_corr.rollout_check(view.contiguous(), None, lp, lp, torch.ones(2, 3), False)
+        except (RuntimeError, ValueError) as e:
+            want = str(e).splitlines()[0]
+        try:
+            got = torch.ops.rollout_corr.rollout_check(view, None, lp, lp, torch.ones(2, 3), False)
+        except (RuntimeError, ValueError) as e:
+            got = str(e).splitlines()[0]
+        if isinstance(want, torch.Tensor):
+            assert isinstance(got, torch.Tensor) and torch.equal(got, want), (values, got)
+        else:
+            assert got == want, (values, got, want)
+
+
+@pytest.mark.skipif(not _HAS_OPS, reason="the compiled rollout_corr ops are not loaded (the fallback has no op schemas)")
 def test_fakes_work_on_meta_tensors_before_any_wrapper_ran():
     """register_fake at import: the ops trace on meta tensors (shapes and dtypes only)."""
     lp = torch.empty(3, 5, device="meta", dtype=torch.bfloat16)
