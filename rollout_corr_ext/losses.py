@@ -705,7 +705,7 @@ def _seq_world(seq_group) -> int:
 class _WholeSums(NamedTuple):
     """What a whole-batch loss needs of the whole sequences under context parallelism (:func:`_whole_sums`)."""
 
-    sums: torch.Tensor  # [S]: the batch sums the caller gave, over every rank's tokens
+    sums: Tuple[torch.Tensor, ...]  # the batch sums the caller gave, over every rank's tokens, each in its dtype
     row_tokens: torch.Tensor  # [B]: each sequence's sum of the mask, over all of its pieces
     horizon: Any  # the padded length seq-mean-token-sum-norm divides by (None: not needed)
 
@@ -714,7 +714,7 @@ def _whole_sums(sums, m, log_prob, cu_seqlens, loss_agg_mode, cfg, seq_group) ->
     """One SUM all-reduce over ``seq_group`` (fp64, so counts stay exact) of this rank's batch sums ``sums`` (0-dim
     tensors), its per-sequence mask sums and, for ``seq-mean-token-sum-norm`` without ``loss_scale_factor``, the
     parts of the padded length (padded: this rank's width, summed to the whole width; packed: each segment's length,
-    summed per sequence, the longest whole sequence taken). Returned in ``m``'s dtype: with them,
+    summed per sequence, the longest whole sequence taken). Returned in ``m``'s dtype (each batch sum in its own): with them,
     :func:`aggregate_rows` of this rank's row loss sums is this rank's share of the one-process loss (the shares of
     the ``seq_group`` ranks add up to it)."""
     acc = m.dtype
@@ -735,7 +735,7 @@ def _whole_sums(sums, m, log_prob, cu_seqlens, loss_agg_mode, cfg, seq_group) ->
     if with_horizon:
         rest = flat[n + b:]
         horizon = rest[0] if cu_seqlens is None else (rest.max().clamp(min=1) if rest.numel() else 1)
-    return _WholeSums(flat[:n].to(acc), flat[n:n + b].to(acc), horizon)
+    return _WholeSums(tuple(flat[i].to(x.dtype) for i, x in enumerate(sums)), flat[n:n + b].to(acc), horizon)
 
 
 def _share_of_whole(loss: torch.Tensor, seq_world: int) -> torch.Tensor:
@@ -1196,13 +1196,21 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         valid = _flag(torch.gt, m, 0, ops.scratch_empty(shape, torch.bool, dev, _SLOT_VALID), s0)
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
         m_sum = m.sum()
-        adv_sum, lp_sum = _masked_total(adv, m, s0), _masked_total(lp, m, s1)
+        # the means as verl_F.masked_mean types them: sum(x * mask) in x's and the mask's promoted type (fp64 with an
+        # fp64 mask), over mask.sum() + 1e-8 in that sum's type (fp32 for a bool / int / fp32 mask: the eps rounds
+        # away, and the mean of equal values is that value, so their covariances are 0, not the +-1e-9 a strict
+        # cov > clip_cov_lb = 0 would cut); the covariance in acc (verl subtracts the 0-dim mean in x's dtype)
+        if response_mask.dtype == torch.float64 and acc != torch.float64:
+            adv_sum, lp_sum = ((x.double() * response_mask).nansum() for x in (adv, lp))
+        else:
+            adv_sum, lp_sum = _masked_total(adv, m, s0), _masked_total(lp, m, s1)
         if cp > 1:  # the micro-batch's sums over every rank's tokens, and the kernel's ppo_kl numerator (unclamped)
             kl_sum = _masked_total(torch.sub(old_log_prob.to(acc), lp, out=s0), m, s0)
             whole = _whole_sums((m_sum, adv_sum, lp_sum, kl_sum), m, log_prob, cu_seqlens, loss_agg_mode, cfg,
                                 seq_group)
             m_sum, adv_sum, lp_sum, kl_sum = whole.sums
-        den = m_sum + LY.MASKED_MEAN_EPS  # verl_F.masked_mean's denominator
+        count_dtype = response_mask.dtype if response_mask.dtype.is_floating_point else torch.get_default_dtype()
+        den = m_sum.to(count_dtype) + LY.MASKED_MEAN_EPS  # verl_F.masked_mean's denominator, in verl's type
         # verl's clip_by_origin: -A clip(r) > -A r, i.e. A clip(r) < A r (negation is exact and flips the order;
         # NaN compares false either way)
         ratio = torch.sub(lp, old_log_prob.to(acc), out=s0).exp_()

@@ -262,6 +262,33 @@ def test_clip_cov_cuts_tokens_and_matches_verl_exactly_there():
     assert metrics["actor/pg_clipfrac"] > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_clip_cov_means_divide_by_verls_count_as_verl_types_it(mask_dtype, dtype):
+    """verl's masked means divide by mask.sum() + 1e-8 in the type torch gives that sum: fp32 for a bool / int / fp32
+    mask, where the eps rounds away, so the mean of one advantage over the micro-batch is that advantage exactly and
+    every covariance is 0: nothing passes clip_cov's strict cov > clip_cov_lb = 0, and nothing is cut. fp64 inputs
+    once added the eps in fp64 whatever the mask (mean A = A n / (n + 1e-8)): covariances of +-1e-9, and the tokens
+    with positive ones were cut (loss -0.32 against verl's -0.70; the verl fuzz). Every token is under the cap."""
+    core, _, _ = _verl()
+    old = torch.tensor([[-1.0, -2.0, -0.5, -1.5], [-0.25, -1.0, -3.0, -0.5]], dtype=dtype)
+    lp = torch.tensor([[-0.9, -2.05, -0.45, -1.6], [-0.3, -1.1, -2.9, -0.5]], dtype=dtype)
+    adv = torch.full((2, 4), 0.7, dtype=dtype)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]).to(mask_dtype)
+    actor = _actor("clip_cov", knobs=dict(clip_cov_ratio=1.0, clip_cov_lb=0.0, clip_cov_ub=5.0))
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        got = _run(rv.compute_policy_loss_clip_cov, old, lp, adv, mask, mode, actor, None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = _run(core.compute_policy_loss_clip_cov, old, lp, adv, mask, mode, actor, None)
+        # fp64: the aggregation's own + 1e-8 is added in fp64 (docs/from_verl.md: 1e-8 / n relative)
+        tol = dict(rtol=1e-8, atol=1e-14) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-7)
+        # (an fp64 mask promotes verl's fp32 loss to fp64; ours stays in the log-probs' dtype)
+        torch.testing.assert_close(got[0], want[0], check_dtype=False, **tol)
+        torch.testing.assert_close(got[2], want[2], check_dtype=False, **tol)
+        torch.testing.assert_close(float(got[1]["actor/pg_clipfrac"]), float(want[1]["actor/pg_clipfrac"]))
+
+
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32, torch.int64])
 def test_clip_cov_cap_counts_mask_weights_as_verl_does(mask_dtype):
     """verl cuts up to int(ratio * sum(mask)) tokens: with mask weights of 2 that is twice the token count, and no
