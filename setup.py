@@ -37,6 +37,24 @@ class BuildPyWithSources(build_py):
             shutil.copytree(HERE / "csrc", Path(self.build_lib) / "rollout_corr_ext" / "csrc", dirs_exist_ok=True)
 
 
+class BuildExtRecordingSources(BuildExtension.with_options(use_ninja=True)):
+    """Writes the hash of the sources it compiled beside each module it built (``<module file>.sources``, in the
+    build folder and, for in-place and editable builds, in the tree): the package refuses at import a module whose
+    sources differ from its csrc/ (rollout_corr_ext/__init__.py)."""
+
+    def run(self):
+        super().run()
+        digest = _build.source_hash(HERE / "csrc")
+        inplace, built = self.inplace, set()
+        for flag in {False, bool(inplace)}:
+            self.inplace = flag
+            built.update(Path(self.get_ext_fullpath(ext.name)) for ext in self.extensions)
+        self.inplace = inplace
+        for module in built:
+            if module.is_file():
+                module.with_name(module.name + _build.SOURCES_SUFFIX).write_text(digest + "\n")
+
+
 with_cuda = _build.want_cuda()
 if with_cuda:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _build.DEFAULT_CUDA_ARCHS)
@@ -47,5 +65,5 @@ print(f"rollout_corr_ext: building {'CPU + CUDA' if with_cuda else 'CPU'} kernel
 
 setup(
     ext_modules=[Extension("rollout_corr_ext._C", py_limited_api=False, **kwargs)],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True), "build_py": BuildPyWithSources},
+    cmdclass={"build_ext": BuildExtRecordingSources, "build_py": BuildPyWithSources},
 )

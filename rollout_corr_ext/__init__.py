@@ -30,16 +30,37 @@ def _activate(module_has_cuda: bool) -> None:
     _BACKEND = "cuda" if module_has_cuda and torch.cuda.is_available() else "cpu"
 
 
+def check_built_sources(module_file, csrc=None) -> None:
+    """Refuse a compiled module built from other sources than csrc/ holds (setup.py records their hash beside it,
+    ``<module file>.sources``): its op schemas or slot layouts may differ from the ones the Python side reads from
+    csrc/, which fails far from the cause or, for a layout, gives wrong values. Nothing to compare without the
+    record (a module built another way) or without csrc/."""
+    from . import _build
+
+    if not module_file:
+        return
+    record = module_file + _build.SOURCES_SUFFIX
+    if not os.path.isfile(record):
+        return
+    built, now = open(record).read().strip(), _build.source_hash(csrc)
+    if now is not None and built != now:
+        raise RuntimeError(f"rollout_corr_ext: the compiled extension {module_file} was built from other sources "
+                           f"than {csrc or _build.CSRC} holds now (a checkout updated without a rebuild): rebuild it "
+                           f"(`pip install --no-build-isolation -e .`, or `python setup.py build_ext --inplace`), or "
+                           f"set ROLLOUT_CORR_FORCE_FALLBACK=1 for the pure-PyTorch backend")
+
+
 def _try_prebuilt() -> bool:
     if _env.flag("ROLLOUT_CORR_FORCE_FALLBACK"):
         return False
     import torch  # first: _C links against libtorch/libc10, which importing torch loads
 
     try:
-        importlib.import_module(f"{__name__}._C")
+        module = importlib.import_module(f"{__name__}._C")
     except ImportError:
         return False
 
+    check_built_sources(getattr(module, "__file__", None))
     _activate(bool(torch.ops.rollout_corr.built_with_cuda()))
     return True
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 # setup.py loads this file by path, before the package is importable: load the switch table the same way.
 _env_spec = importlib.util.spec_from_file_location("_rc_env", Path(__file__).with_name("_env.py"))
@@ -93,3 +94,24 @@ def extension_kwargs(with_cuda: bool) -> Dict[str, object]:
     if with_cuda:
         kwargs["extra_compile_args"]["nvcc"] = list(NVCC_FLAGS) + ["-DRC_WITH_CUDA"]  # type: ignore[index]
     return kwargs
+
+
+#: What a build compiles from csrc/ (the sdist's MANIFEST.in and scripts/bootstrap.sh's build stamp take the same).
+SOURCE_SUFFIXES = (".h", ".cpp", ".cu", ".cuh", ".def")
+#: Beside each module setup.py builds, ``<module file>.sources`` holds :func:`source_hash` of what it compiled.
+SOURCES_SUFFIX = ".sources"
+
+
+def source_hash(csrc: Optional[Path] = None) -> Optional[str]:
+    """A hash of every source under ``csrc`` (names and contents; default: this package's csrc/), None without one.
+    setup.py writes it beside the module it builds; the package compares it at import (``__init__``), so that a
+    module built from other sources (a checkout updated without a rebuild) is refused rather than run with op
+    schemas and slot layouts other than the ones the Python side reads from csrc/."""
+    csrc = CSRC if csrc is None else Path(csrc)
+    if not csrc.is_dir():
+        return None
+    h = hashlib.sha256()
+    for path in sorted(p for p in csrc.rglob("*") if p.suffix in SOURCE_SUFFIXES and p.is_file()):
+        h.update(path.relative_to(csrc).as_posix().encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()

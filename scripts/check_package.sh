@@ -34,7 +34,9 @@ names = set(zipfile.ZipFile(sys.argv[1]).namelist())
 for need in ("rollout_corr_ext/csrc/ops.cpp", "rollout_corr_ext/csrc/include/logprob_math.h",
              "rollout_corr_ext/csrc/include/rollout_correction_layout.def", "rollout_corr_ext/py.typed"):
     assert need in names, f"wheel lacks {need}"
-assert any(n.startswith("rollout_corr_ext/_C") for n in names), "wheel lacks the compiled module"
+assert any(n.startswith("rollout_corr_ext/_C") and n.endswith(".so") for n in names), "wheel lacks the compiled module"
+# setup.py's record of the sources the module was built from (the package compares it with its csrc/ copy at import)
+assert any(n.startswith("rollout_corr_ext/_C") and n.endswith(".so.sources") for n in names), "wheel lacks the record"
 PY
 "${PYTHON:-python3}" -m venv "$out/venv"
 PIP_PYTHON="$out/venv/bin/python" pip_quiet "torch==2.14.1" numpy ninja
