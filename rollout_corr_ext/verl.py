@@ -265,16 +265,19 @@ def _groups(cfg: RolloutCorrectionConfig) -> Tuple[Any, Any]:
     return dp, seq
 
 
-def _replayed_mask(response_mask, *log_probs):
+def _replayed_mask(response_mask, *log_probs, log_ratio=None):
     """With sampling replay configured: ``response_mask`` without the tokens whose log-prob is -inf in any of
-    ``log_probs`` (outside a replayed kept set), and the fraction of response tokens that left (a 0-dim tensor);
-    otherwise ``(response_mask, None)``."""
+    ``log_probs`` (outside a replayed kept set), or whose ``log_ratio`` (log pi_old - log pi_rollout) is -inf or
+    +inf (either side's -inf; NaN stays an error: both sides, or a NaN), and the fraction of response tokens that
+    left (a 0-dim tensor); otherwise ``(response_mask, None)``."""
     if _SETTINGS["sampling"] is None:
         return response_mask, None
     out = torch.zeros_like(response_mask, dtype=torch.bool)
     for lp in log_probs:
         if isinstance(lp, torch.Tensor) and lp.shape == response_mask.shape:
             out |= lp.detach() == float("-inf")
+    if isinstance(log_ratio, torch.Tensor) and log_ratio.shape == response_mask.shape:
+        out |= log_ratio.detach().isinf()
     valid = response_mask != 0
     dp = _SETTINGS["dp_group"]
     counts = torch.stack([(valid & out).sum(), valid.sum()]).to(torch.float64)
@@ -291,9 +294,14 @@ def _with_replay_metric(metrics: Dict[str, Any], frac) -> Dict[str, Any]:
     return metrics
 
 
-def _correct(log_prob, rollout_log_prob, response_mask, cfg: RolloutCorrectionConfig, diagnostics=None):
+def _correct(log_prob, rollout_log_prob, response_mask, cfg: RolloutCorrectionConfig, diagnostics=None, *,
+             log_ratio: bool = False):
+    """The correction of the helpers; ``log_ratio``: ``log_prob`` is verl's log_ratio (``rollout_log_prob`` 0)."""
     dp, seq = _groups(cfg)
-    response_mask, frac = _replayed_mask(response_mask, log_prob, rollout_log_prob)
+    if log_ratio:
+        response_mask, frac = _replayed_mask(response_mask, log_ratio=log_prob)
+    else:
+        response_mask, frac = _replayed_mask(response_mask, log_prob, rollout_log_prob)
     with torch.no_grad():
         res = compute_rollout_correction(log_prob, rollout_log_prob, response_mask, cfg, dp_group=dp,
                                          seq_group=seq, nonfinite=_SETTINGS["nonfinite"], diagnostics=diagnostics)
@@ -379,7 +387,7 @@ def compute_rollout_rejection_mask(
         return response_mask, {}
     cfg = RolloutCorrectionConfig(rollout_is=None, rollout_is_threshold=None, rollout_rs=rollout_rs,
                                   rollout_rs_threshold=rollout_rs_threshold)
-    res = _correct(log_ratio, torch.zeros_like(log_ratio), response_mask, cfg)
+    res = _correct(log_ratio, torch.zeros_like(log_ratio), response_mask, cfg, log_ratio=True)
     return res.response_mask, _select(res.metrics, _rs_keys(cfg), extras=False, prefixed=False)
 
 
@@ -398,7 +406,7 @@ def compute_rollout_correction_weights(
         raise ValueError("rollout_is_threshold must be a number (TIS) or a 'L_U' string (IcePop), got None")
     cfg = RolloutCorrectionConfig(rollout_is=rollout_is, rollout_is_threshold=rollout_is_threshold,
                                   rollout_is_batch_normalize=bool(rollout_is_batch_normalize), rollout_rs=None)
-    res = _correct(log_ratio, torch.zeros_like(log_ratio), response_mask, cfg)
+    res = _correct(log_ratio, torch.zeros_like(log_ratio), response_mask, cfg, log_ratio=True)
     keys = _is_keys(cfg)
     if _SETTINGS["extra_metrics"]:  # the percentiles (the other additions are about the mask)
         keys += [k[len(PREFIX):] for k in res.metrics if k.startswith(PREFIX + "rollout_is_p")]

@@ -917,6 +917,41 @@ def test_losses_and_correction_leave_out_of_support_tokens_out_when_replaying(V)
         rv.compute_policy_loss_vanilla(old_inf, lp_inf, adv, mask, "token-mean", actor)
 
 
+def test_log_ratio_helpers_leave_either_side_out_of_support_when_replaying(V):
+    """The helpers that take log_ratio = log pi_old - log pi_rollout: with configure(sampling=...), -inf on either
+    side (log_ratio -inf: pi_old's; +inf: the rollout's, the engine's own kept set) leaves the mask, as the helpers
+    given both log-probs take it; the weights and the RS mask equal those with the token masked by hand. A +inf
+    log-ratio was a ValueError naming rollout_log_prob. NaN (both sides -inf, or a NaN) stays an error."""
+    from rollout_corr_ext import SamplingParams
+
+    g = torch.Generator().manual_seed(4)
+    b, s = 3, 7
+    old = -torch.rand(b, s, generator=g, dtype=torch.float64) * 2
+    rollout = old - 0.2 * torch.randn(b, s, generator=g, dtype=torch.float64)
+    mask = torch.ones(b, s, dtype=torch.float64)
+    mask[2, 5:] = 0
+    out_old = torch.zeros(b, s, dtype=torch.bool)
+    out_old[0, 1] = True
+    out_roll = torch.zeros(b, s, dtype=torch.bool)
+    out_roll[1, 3] = out_roll[0, 6] = True
+    old_inf, rollout_inf = old.masked_fill(out_old, -math.inf), rollout.masked_fill(out_roll, -math.inf)
+    hand = mask.masked_fill(out_old | out_roll, 0)
+    frac = (out_old | out_roll).sum().item() / mask.sum().item()
+    with rv.configured(sampling=SamplingParams(top_p=0.9)):
+        w1, m1 = rv.compute_rollout_correction_weights(old_inf - rollout_inf, mask, "token", 1.15)
+        r1, n1 = rv.compute_rollout_rejection_mask(old_inf - rollout_inf, mask, "token_k1", "0.9_1.1")
+        _, c1, _ = rv.compute_rollout_correction_and_rejection_mask(old_inf, rollout_inf, mask, None, None, False,
+                                                                    "token_k1", "0.9_1.1")
+        with pytest.raises(ValueError, match="NaN"):
+            rv.compute_rollout_correction_weights((old_inf - rollout_inf).masked_fill(out_old, math.nan), mask)
+    assert m1["sampling_out_of_support_fraction"] == pytest.approx(frac)
+    assert n1["sampling_out_of_support_fraction"] == pytest.approx(frac)
+    w2, _ = rv.compute_rollout_correction_weights(old - rollout, hand, "token", 1.15)
+    r2, _ = rv.compute_rollout_rejection_mask(old - rollout, hand, "token_k1", "0.9_1.1")
+    torch.testing.assert_close(w1 * hand, w2 * hand)
+    assert torch.equal(r1, r2) and torch.equal(c1, r2)
+
+
 @pytest.mark.parametrize("source", ["rollout_versions", "min_global_steps", "none"])
 def test_add_to_batch_with_diagnostics_and_versions(V, source):
     """configure(diagnostics=...): the returned metrics are verl's plus the diagnostics' (equal to
