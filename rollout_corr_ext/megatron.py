@@ -89,6 +89,12 @@ def _loss_groups(dp_group, seq_group, pg_collection):
     if seq_group is None:
         if pg_collection is not None:
             seq_group = _attr(pg_collection, "cp")
+            state = _parallel_state() if seq_group is None else None
+            if state is not None and state.get_context_parallel_world_size() > 1:
+                # a collection that left its CP group out would make every rank's half-sequences whole ones
+                raise ValueError(f"pg_collection has no .cp (absent or None), but megatron's parallel_state has "
+                                 f"context parallelism of size {state.get_context_parallel_world_size()}: set "
+                                 f"pg_collection.cp or pass seq_group (the context-parallel group)")
         elif ps is not None and ps.get_context_parallel_world_size() > 1:
             seq_group = ps.get_context_parallel_group()
     cp = _size(seq_group)

@@ -177,6 +177,15 @@ def _parallel_state_layout(tp: int, cp: int, seed: int, failures):
             _check_case(case, batch, ref, coords, dp_cp, ps.get_context_parallel_group(), failures)
         _expect_group_error("explicit dp_group without CP (parallel_state defaults for the rest)", batch,
                             dict(dp_group=ps.get_data_parallel_group()), failures)
+        # a pg_collection that leaves out .cp while parallel_state has CP (the 0.19.2 fuzz: accepted, and every
+        # sequence-level value computed on half-sequences): refused, whatever data-parallel group it carries
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        tp_g = ps.get_tensor_model_parallel_group()
+        for what, dp_g in (("dp", ps.get_data_parallel_group()),
+                           ("dp_cp", ps.get_data_parallel_group(with_context_parallel=True))):
+            _expect_group_error(f"pg_collection(tp, {what}) without .cp while parallel_state has CP", batch,
+                                dict(pg_collection=ProcessGroupCollection(tp=tp_g, **{what: dp_g})), failures)
     finally:
         ps.destroy_model_parallel()
 
