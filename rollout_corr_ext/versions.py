@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import check_cu_seqlens, check_mask_kind, refuse_ambiguous_per_sequence, refuse_where
+from .fallback.rollout_correction import MSG_NO_VALID_TOKEN
 
 __all__ = ["PROXIMAL_METHODS", "proximal_log_prob", "staleness_metrics", "proximal_error_metrics",
            "compute_rollout_correction_by_lag", "policy_lag"]
@@ -285,10 +286,8 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     if totals[-1]:
         policy_lag(v, v_theta, valid)  # names the token where this rank holds it
         raise ValueError(f"versions: a response token on another rank is newer than current_version {v_theta}")
-    if not any(totals[:-1]):  # compute_rollout_correction's own error (one source for it), on every rank alike
-        compute_rollout_correction(log_prob, rollout_log_prob, response_mask, cfgs[0], dp_group=dp_group,
-                                   seq_group=seq_group, nonfinite=nonfinite, cu_seqlens=cu_seqlens)
-        raise AssertionError("compute_rollout_correction accepted a batch without response tokens")
+    if not any(totals[:-1]):  # compute_rollout_correction's error (its text), on every rank alike, from the host
+        raise ValueError(MSG_NO_VALID_TOKEN)  # read above (its own is a device assert on CUDA)
     counts = counts[:-1]
     for i, (lo, cfg) in enumerate(zip(lags, cfgs)):
         hi = lags[i + 1] if i + 1 < len(lags) else None

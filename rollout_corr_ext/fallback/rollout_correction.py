@@ -375,7 +375,8 @@ _MSG_BAD_MASK = ("response_mask must hold only 0 and 1 (bool, integer or floatin
                  "tokens, which the rollout correction does not define")
 _MSG_NONFINITE = ("log_prob / rollout_log_prob hold NaN or +-inf at valid response_mask positions; fix the inputs "
                   "or pass nonfinite='exclude' to drop those tokens (counted in rollout_corr/nonfinite_token_fraction)")
-_MSG_NO_VALID = "response_mask has no valid token (over the whole data-parallel batch); nothing to correct"
+#: also raised from the host by versions.compute_rollout_correction_by_lag (its counts are read there anyway)
+MSG_NO_VALID_TOKEN = "response_mask has no valid token (over the whole data-parallel batch); nothing to correct"
 
 
 def _first(hit: torch.Tensor, name: str, values: torch.Tensor) -> str:
@@ -395,7 +396,7 @@ def rollout_check(sums: torch.Tensor, agree: Optional[torch.Tensor], log_prob: t
         torch._assert_async(sums[_SUM["bad_mask"]] == 0, _MSG_BAD_MASK)
         if not exclude_nonfinite:
             torch._assert_async(sums[_SUM["nonfinite"]] == 0, _MSG_NONFINITE)
-        torch._assert_async(sums[_SUM["tokens"]] > 0, _MSG_NO_VALID)
+        torch._assert_async(sums[_SUM["tokens"]] > 0, MSG_NO_VALID_TOKEN)
         return sums.clone()
     if agree is not None and not bool(agree):
         raise ValueError(_MSG_CONFIG_MISMATCH)
@@ -408,7 +409,7 @@ def rollout_check(sums: torch.Tensor, agree: Optional[torch.Tensor], log_prob: t
             where = _first(valid & ~torch.isfinite(rollout_log_prob), "rollout_log_prob", rollout_log_prob)
         raise ValueError(_MSG_NONFINITE + where)
     if not float(sums[_SUM["tokens"]]) > 0:
-        raise ValueError(_MSG_NO_VALID)
+        raise ValueError(MSG_NO_VALID_TOKEN)
     return sums.clone()
 
 
