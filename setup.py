@@ -34,7 +34,9 @@ class BuildPyWithSources(build_py):
     def run(self):
         super().run()
         if not getattr(self, "editable_mode", False):
-            shutil.copytree(HERE / "csrc", Path(self.build_lib) / "rollout_corr_ext" / "csrc", dirs_exist_ok=True)
+            dest = Path(self.build_lib) / "rollout_corr_ext" / "csrc"
+            shutil.rmtree(dest, ignore_errors=True)  # a file an earlier build copied must not outlive its source
+            shutil.copytree(HERE / "csrc", dest)
 
 
 class BuildExtRecordingSources(BuildExtension.with_options(use_ninja=True)):

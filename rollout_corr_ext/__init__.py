@@ -45,9 +45,10 @@ def check_built_sources(module_file, csrc=None) -> None:
     built, now = open(record).read().strip(), _build.source_hash(csrc)
     if now is not None and built != now:
         raise RuntimeError(f"rollout_corr_ext: the compiled extension {module_file} was built from other sources "
-                           f"than {csrc or _build.CSRC} holds now (a checkout updated without a rebuild): rebuild it "
-                           f"(`pip install --no-build-isolation -e .`, or `python setup.py build_ext --inplace`), or "
-                           f"set ROLLOUT_CORR_FORCE_FALLBACK=1 for the pure-PyTorch backend")
+                           f"than {csrc or _build.CSRC} holds now (in a source checkout: sources updated without a "
+                           f"rebuild): rebuild or reinstall the package (in a checkout `pip install "
+                           f"--no-build-isolation -e .` or `python setup.py build_ext --inplace`), or set "
+                           f"ROLLOUT_CORR_FORCE_FALLBACK=1 for the pure-PyTorch backend")
 
 
 def _try_prebuilt() -> bool:
