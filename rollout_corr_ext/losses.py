@@ -1856,6 +1856,33 @@ def compute_policy_loss(
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _int_list(name, values):
+    """Token offsets (a list / tuple of integers, or a 1-D integer torch or numpy array) as Python ints, else an
+    error naming ``name`` (int() would truncate 4.7 to 4 and read "4" as 4: another packed layout, silently)."""
+    def is_int(v):
+        if isinstance(v, torch.Tensor):
+            return v.numel() == 1 and not (v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool)
+        return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+    if isinstance(values, torch.Tensor):
+        bad = values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool
+    elif hasattr(values, "dtype") and hasattr(values, "ndim"):  # a numpy array
+        bad = getattr(values.dtype, "kind", "") not in ("i", "u")
+    else:
+        bad = None
+    if bad is not None:
+        if bad or values.ndim > 1:
+            raise ValueError(f"{name} must be a list or a 1-D integer tensor, got a {values.ndim}-D {values.dtype} "
+                             f"array")
+        return [int(v) for v in values.tolist()]
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"{name} must be a list or a 1-D integer tensor, got {type(values).__name__}")
+    for i, v in enumerate(values):
+        if not is_int(v):
+            raise ValueError(f"{name}[{i}] must be an int, got {v!r}")
+    return [int(v) for v in values]
+
+
 def _grpo_packed(lp, advantages, seq_starts, seq_lengths):
     """Megatron-LM's packed bin: (sequence id per position, [in a sequence], cu_seqlens of the segments), or None."""
     if seq_starts is None and seq_lengths is None:
@@ -1865,8 +1892,7 @@ def _grpo_packed(lp, advantages, seq_starts, seq_lengths):
     if lp.dim() != 2 or lp.shape[0] != 1:
         raise ValueError(f"with seq_starts / seq_lengths, current_logprobs must be the packed bin [1, bin_size], got "
                          f"shape {tuple(lp.shape)}")
-    starts = [int(v) for v in (seq_starts.tolist() if isinstance(seq_starts, torch.Tensor) else seq_starts)]
-    lengths = [int(v) for v in (seq_lengths.tolist() if isinstance(seq_lengths, torch.Tensor) else seq_lengths)]
+    starts, lengths = _int_list("seq_starts", seq_starts), _int_list("seq_lengths", seq_lengths)
     n, size = len(starts), lp.shape[1]
     if len(lengths) != n:
         raise ValueError(f"seq_starts has {n} entries but seq_lengths has {len(lengths)}")
@@ -1946,7 +1972,8 @@ def calculate_grpo_loss(
 
     ``kl_is_correction=True``: the IS-corrected KL of DeepSeek-V3.2, kl_term = (pi / pi_old) k3, an unbiased
     estimate of KL(pi || pi_ref) on tokens sampled from pi_old (plain k3 is unbiased only on-policy); the ratio is
-    part of the gradient.
+    part of the gradient, taken as the surrogate's, exp(clamp(log pi - log pi_old, -20, 20)) (so its part of the
+    gradient is 0 from |log-ratio| = 20 on).
     """
     lp = current_logprobs
     if not isinstance(kl_is_correction, bool):

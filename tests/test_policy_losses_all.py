@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import warnings
 import zlib
 
@@ -760,6 +761,16 @@ def test_grpo_packed_refuses_overlap_and_mismatch():
         losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, [0, 5])
     with pytest.raises(ValueError, match="one value per packed sequence"):
         losses.calculate_grpo_loss(lp, lp, lp, adv[:1], 0.2, 0.2, 0.0, 0.0, None, None, [0, 5], [4, 4])
+    # offsets that are not integers were truncated by int() (4.7 -> 4, "4" -> 4): another layout, silently
+    bad = {"seq_starts": ([0.5, 4.7], [3, 3]), "seq_lengths": (torch.tensor([0, 4]), torch.tensor([3.0, 3.9]))}
+    bad["seq_starts[1]"] = ([0, "4"], [3, 3])
+    bad["seq_starts must be a list or a 1-D"] = (torch.tensor([[0, 4]]), [3, 3])
+    for what, (starts, lengths) in bad.items():
+        with pytest.raises(ValueError, match=re.escape(what)):
+            losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, starts, lengths)
+    out = losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, torch.tensor([0, 5],
+                                     dtype=torch.int32), (5, 5))  # int32 tensors and tuples are integers
+    assert out[0].shape == (1, 10)
 
 
 # ----------------------------------------------------------------------------------------- off-policy sequence masking
