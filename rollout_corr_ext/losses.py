@@ -1959,7 +1959,10 @@ def calculate_grpo_loss(
     ``response_mask`` ([B, T], default all valid) is then the mask the correction starts from. A token that is not
     live (``response_mask`` 0, outside every packed sequence, rejected by the RS) is never read: its loss, KL and
     entropy terms are 0 and its gradient exactly 0, whatever its log-probs hold (-inf, NaN); Megatron computes them
-    everywhere and leaves the masking to its caller, which reads the same sums.
+    everywhere and leaves the masking to its caller, which reads the same sums. At a live token with
+    ``current_logprobs`` -inf the terms take their limits (surrogate ratio e^-20, entropy term 0, k3 +inf) and a
+    term with a 0 coefficient is left out (Megatron's 0 * NaN); an undefined KL (ref NaN / +inf, ref and current
+    both -inf) with ``kl_beta`` != 0 is refused.
 
     Packed, as Megatron-LM passes it: ``seq_starts`` / ``seq_lengths`` (lists or 1-D integer tensors, one entry per
     sequence) with ``[1, bin_size]`` log-probs and ``advantages`` ``[num_sequences]``; sequence i owns the tokens
@@ -2047,16 +2050,43 @@ def calculate_grpo_loss(
         live = live & (result.response_mask != 0).reshape(lp.shape)
     zero = torch.zeros((), dtype=acc, device=lp.device)
     lp_live = torch.where(live, lp_acc, zero)
-    ref_diff = torch.where(live, ref_logprobs.to(acc), zero) - lp_live
-    kl_term = ref_diff.exp() - ref_diff - 1
+    ref_live = torch.where(live, ref_logprobs.to(acc), zero)
+    if kl_beta != 0:
+        # k3 = pi_ref / pi - log(pi_ref / pi) - 1 is undefined where the ratio is: a NaN / +inf ref log-prob, or
+        # pi = pi_ref = 0 (0 / 0); with kl_beta = 0 the term is not in the loss and nothing is refused
+        undefined = ref_live.isnan() | (ref_live == math.inf) | ((ref_live == -math.inf) & (lp_live == -math.inf))
+        refuse_where(live & undefined,
+                     lambda at: f"calculate_grpo_loss: the KL term is undefined at response token {at}: ref_logprobs "
+                                f"NaN or +inf, or ref_logprobs and current_logprobs both -inf (0 / 0); mask the token "
+                                f"out or pass kl_beta=0",
+                     "calculate_grpo_loss: the KL term is undefined at a response token: ref_logprobs NaN or +inf, "
+                     "or ref_logprobs and current_logprobs both -inf")
+    ref_diff = ref_live - lp_live
+    # pi = 0 under a finite pi_ref (log-ratio +inf): k3 is +inf, its derivative in log pi -inf (the limits of
+    # e^x - x - 1 and of -(e^x - 1)); e^x - x alone would read inf - inf = NaN. The finite branch reads 0 there so
+    # that its backward stays finite.
+    at_inf = ref_diff == math.inf
+    finite_diff = torch.where(at_inf, zero, ref_diff)
+    kl_term = torch.where(at_inf, torch.where(at_inf, ref_diff, zero).exp(),
+                          finite_diff.exp() - finite_diff - 1)
     if kl_is_correction:
         # DeepSeek-V3.2 technical report ("unbiased KL estimate"): the k3 estimate weighted by pi_theta / pi_old,
         # the tokens being drawn from pi_old; the ratio is differentiated too, so the gradient is that of
         # KL(pi_theta || pi_ref) itself (E_old[grad(r k3)] = grad E_theta[k3]).
         old_live = torch.where(live, old_logprobs.detach().to(acc), zero)
         kl_term = torch.exp(torch.clamp(lp_live - old_live, -20.0, 20.0)) * kl_term
-    entropy_term = lp_live.exp() * lp_live
-    loss = torch.where(live, pg_loss + kl_beta * kl_term + entropy_weight * entropy_term, zero)
+    # p log p is 0 at p = 0 (its limit; so is that of its derivative, p (log p + 1)); -inf * 0 would read NaN
+    at_zero = lp_live == -math.inf
+    lp_finite = torch.where(at_zero, zero, lp_live)
+    entropy_term = torch.where(at_zero, zero, lp_finite.exp() * lp_finite)
+    # a term whose coefficient is 0 is left out, not multiplied by 0: an infinite KL at a token pi gives probability
+    # 0 must not turn a defined loss into NaN when the KL is off (Megatron's 0 * inf)
+    loss = pg_loss
+    if kl_beta != 0:
+        loss = loss + kl_beta * kl_term
+    if entropy_weight != 0:
+        loss = loss + entropy_weight * entropy_term
+    loss = torch.where(live, loss, zero)
     with torch.no_grad():
         ratios = torch.exp(torch.clamp(lp_acc - old_logprobs.to(acc), -20.0, 20.0))
     above, below = ratios > 1 + clamp_eps_upper, ratios < 1 - clamp_eps_lower

@@ -702,6 +702,59 @@ def test_neg_inf_log_prob_under_ppo_is_defined_by_the_clamp(device):
                 compute_policy_loss_reinforce(old, lp, adv, mask)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kl_beta, entropy_weight, kl_is_correction",
+                         [(0.0, 0.0, False), (0.0, 0.01, False), (0.05, 0.0, False), (0.05, 0.01, True)])
+def test_grpo_at_a_zero_probability_token(kl_beta, entropy_weight, kl_is_correction, device):
+    """calculate_grpo_loss at a live token the current policy gives probability 0 (log-prob -inf, finite old and ref):
+    the clipped surrogate is defined (ratio e^-20), p log p is 0 (its limit, gradient 0 too) and k3 is +inf (its
+    limit, derivative -inf). With kl_beta = 0 the loss there is the surrogate's, not 0 * inf = NaN; elsewhere the
+    fp64 Megatron-form oracle. An undefined KL (ref and current both -inf, or a NaN ref) is refused, unless
+    kl_beta = 0."""
+    with ops_on(device) as dev:
+        old, lp, _, _, _ = make_batch(reject_rows=(), device=dev)
+        g = torch.Generator().manual_seed(5)
+        ref = old + 0.2 * torch.randn(old.shape, generator=g, dtype=old.dtype).to(dev)
+        adv = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, 0.0], dtype=old.dtype, device=dev)
+        lp = lp.detach().clone()
+        lp[0, 2] = lp[1, 4] = float("-inf")
+        lp.requires_grad_(True)
+        out = calculate_grpo_loss(lp, old, ref, adv, 0.2, 0.28, kl_beta, entropy_weight,
+                                  kl_is_correction=kl_is_correction)
+        (grad,) = torch.autograd.grad(out[0].sum(), lp)
+        at = torch.zeros(lp.shape, dtype=torch.bool, device=dev)
+        at[0, 2] = at[1, 4] = True
+        def oracle(x):  # the fp64 Megatron form; kl_is_correction weights k3 by pi / pi_old
+            want = R.grpo_loss_dense(x, old, ref, adv, 0.2, 0.28, kl_beta, entropy_weight)
+            return want[0] + kl_beta * ((x - old).exp() - 1) * want[1] if kl_is_correction else want[0]
+
+        # the oracle on the finite tokens
+        torch.testing.assert_close(out[0].detach()[~at], oracle(lp.detach().masked_fill(at, -1.0))[~at])
+        # at the zero-probability tokens, by hand: r = e^-20 (the clamp); A > 0 keeps r A, A < 0 the clip 0.8 A
+        r = torch.exp(torch.tensor(-20.0, dtype=old.dtype))
+        surrogate = torch.stack([-r * adv[0], -(1 - 0.2) * adv[1]])
+        got = out[0].detach()[at]
+        if kl_beta == 0:
+            torch.testing.assert_close(got, surrogate.to(got.device))
+            assert (grad[at] == 0).all()
+        else:
+            assert (got == float("inf")).all() and (grad[at] == float("-inf")).all()
+        assert (out[1].detach()[at] == float("inf")).all() and (out[3].detach()[at] == 0).all()
+        assert torch.isfinite(grad[~at]).all()
+        (want_grad,) = torch.autograd.grad(oracle(lp.masked_fill(at, -1.0)).sum(), lp)
+        torch.testing.assert_close(grad[~at], want_grad[~at])
+        if dev != "cuda":  # CUDA asserts asynchronously
+            for bad_ref in (float("-inf"), float("nan")):
+                ref_bad = ref.clone()
+                ref_bad[1, 4] = bad_ref
+                if kl_beta != 0:
+                    with pytest.raises(ValueError, match=r"KL term is undefined at response token \(1, 4\)"):
+                        calculate_grpo_loss(lp, old, ref_bad, adv, 0.2, 0.28, kl_beta, entropy_weight)
+                else:
+                    assert torch.isfinite(calculate_grpo_loss(lp, old, ref_bad, adv, 0.2, 0.28, 0.0,
+                                                              entropy_weight)[0]).all()
+
+
 @pytest.mark.parametrize("device", ALL_BACKENDS)
 def test_megatron_loss_func_and_verl_adapter_refuse_constants_with_grad(device):
     """The same rules through megatron's loss_func (logits in, old / rollout log-probs and advantages bound at
