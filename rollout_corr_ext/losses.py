@@ -1197,10 +1197,12 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
         m_sum = m.sum()
         # the means as verl_F.masked_mean types them: sum(x * mask) in x's and the mask's promoted type (fp64 with an
-        # fp64 mask; fp32 for 16-bit x, as everywhere here), over mask.sum() + 1e-8 in that sum's type (fp32 for a bool / int / fp32 mask: the eps rounds
-        # away, and the mean of equal values is that value, so their covariances are 0, not the +-1e-9 a strict
-        # cov > clip_cov_lb = 0 would cut); the covariance in acc (verl subtracts the 0-dim mean in x's dtype)
+        # fp64 mask; fp32 for 16-bit x, as everywhere here), over mask.sum() + 1e-8 in that sum's type (fp32 for a
+        # bool / int / fp32 mask: the eps rounds away, and the mean of equal values is that value, so their
+        # covariances are 0, not the +-1e-9 a strict cov > clip_cov_lb = 0 would cut); the covariance in acc (verl
+        # subtracts the 0-dim mean in x's dtype)
         if response_mask.dtype == torch.float64 and acc != torch.float64:
+            m_sum = response_mask.sum()  # the cap and the count in fp64, too (10 weights of 0.1: 9.999999 in fp32)
             adv_sum, lp_sum = ((x.double() * response_mask).nansum() for x in (adv, lp))
         else:
             adv_sum, lp_sum = _masked_total(adv, m, s0), _masked_total(lp, m, s1)

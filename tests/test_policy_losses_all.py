@@ -290,6 +290,29 @@ def test_clip_cov_means_divide_by_verls_count_as_verl_types_it(mask_dtype, dtype
         torch.testing.assert_close(float(got[1]["actor/pg_clipfrac"]), float(want[1]["actor/pg_clipfrac"]))
 
 
+def test_clip_cov_cap_of_fp32_inputs_counts_an_fp64_mask_in_fp64():
+    """verl's cap int(clip_cov_ratio * mask.sum()) sums an fp64 mask in fp64 whatever the log-probs' dtype. 100 weights
+    of 0.1 sum to 10.0 in fp64 but 9.999999 once cast to fp32: at ratio 0.5 verl cuts 5 tokens, and an fp32 count
+    cut 4 (a different loss, silently). Every token is eligible here (ratio 1, no clip, the widest cov range), so
+    verl picks its 5 at random: the count is compared (the cut fraction, and the tokens whose gradient is 0), not
+    which tokens."""
+    core, _, _ = _verl()
+    g = torch.Generator().manual_seed(7)
+    b, t = 4, 25
+    lp = -torch.rand(b, t, generator=g) - 0.1
+    old = lp.clone()
+    adv = torch.randn(b, t, generator=g)
+    mask = torch.full((b, t), 0.1, dtype=torch.float64)
+    assert int(0.5 * float(mask.sum())) == 5 and int(0.5 * float(mask.float().sum())) == 4
+    actor = _actor("clip_cov", knobs=dict(clip_cov_ratio=0.5, clip_cov_lb=-1e9, clip_cov_ub=1e9))
+    got = _run(rv.compute_policy_loss_clip_cov, old, lp, adv, mask, "token-mean", actor, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = _run(core.compute_policy_loss_clip_cov, old, lp, adv, mask, "token-mean", actor, None)
+    torch.testing.assert_close(float(got[1]["actor/pg_clipfrac"]), float(want[1]["actor/pg_clipfrac"]))
+    assert int((got[2] == 0).sum()) == int((want[2] == 0).sum()) == 5
+
+
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32, torch.int64])
 def test_clip_cov_cap_counts_mask_weights_as_verl_does(mask_dtype):
     """verl cuts up to int(ratio * sum(mask)) tokens: with mask weights of 2 that is twice the token count, and no
