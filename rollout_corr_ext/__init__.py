@@ -42,7 +42,9 @@ def check_built_sources(module_file, csrc=None) -> None:
     record = module_file + _build.SOURCES_SUFFIX
     if not os.path.isfile(record):
         return
-    built, now = open(record).read().strip(), _build.source_hash(csrc)
+    with open(record) as f:
+        built = f.read().strip()
+    now = _build.source_hash(csrc)
     if now is not None and built != now:
         raise RuntimeError(f"rollout_corr_ext: the compiled extension {module_file} was built from other sources "
                            f"than {csrc or _build.CSRC} holds now (in a source checkout: sources updated without a "

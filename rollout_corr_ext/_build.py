@@ -96,7 +96,7 @@ def extension_kwargs(with_cuda: bool) -> Dict[str, object]:
     return kwargs
 
 
-#: What a build compiles from csrc/ (the sdist's MANIFEST.in and scripts/bootstrap.sh's build stamp take the same).
+#: What a build compiles from csrc/ (the sdist's MANIFEST.in takes the same; scripts/bootstrap.sh's stamp calls source_hash).
 SOURCE_SUFFIXES = (".h", ".cpp", ".cu", ".cuh", ".def")
 #: Beside each module setup.py builds, ``<module file>.sources`` holds :func:`source_hash` of what it compiled.
 SOURCES_SUFFIX = ".sources"
@@ -115,3 +115,7 @@ def source_hash(csrc: Optional[Path] = None) -> Optional[str]:
         h.update(path.relative_to(csrc).as_posix().encode() + b"\0")
         h.update(path.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+if __name__ == "__main__":  # scripts/bootstrap.sh's build stamp: the build record's own hash, one list of suffixes
+    print(source_hash())

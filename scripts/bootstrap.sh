@@ -19,8 +19,7 @@ export MAX_JOBS=${MAX_JOBS:-2}
 
 build_stamp() {
   {
-    find csrc -type f \( -name '*.h' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.def' \) \
-      -print0 | sort -z | xargs -0 sha256sum
+    python rollout_corr_ext/_build.py  # the sources' hash, as the build record takes it (stdlib only)
     sha256sum setup.py pyproject.toml rollout_corr_ext/_build.py
     echo "FORCE_CUDA=${FORCE_CUDA:-} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-}"
     python -c "import torch; print(torch.__version__)" 2>/dev/null || echo "no torch"
