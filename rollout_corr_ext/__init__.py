@@ -173,6 +173,7 @@ __all__ = [
     "POLICY_LOSS_MODES",
     "off_policy_sequence_mask",
     "calculate_grpo_loss",
+    "kl_penalty",
     "make_policy_loss_func",
 ]
 
@@ -187,6 +188,7 @@ from .losses import (  # noqa: E402
     compute_policy_loss_decoupled,
     compute_policy_loss_reinforce,
     compute_policy_loss_vanilla,
+    kl_penalty,
     off_policy_sequence_mask,
 )
 from .megatron import make_policy_loss_func  # noqa: E402  (megatron-core itself is imported lazily)

@@ -1920,6 +1920,56 @@ def _grpo_packed(lp, advantages, seq_starts, seq_lengths):
     return seq_id, in_seq, cu
 
 
+#: verl's ``kl_penalty`` estimators (``verl.trainer.ppo.core_algos.kl_penalty_forward``), by their names.
+KL_PENALTY_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str = "low_var_kl",
+               old_log_prob: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """verl's ``kl_penalty``: the per-token estimate of KL(pi_theta || pi_ref) (Schulman, "Approximating KL
+    divergence", 2020): ``kl`` / ``k1`` log pi - log pi_ref; ``abs`` its absolute value; ``mse`` / ``k2`` half its
+    square; ``low_var_kl`` / ``k3`` r - log r - 1 with r = pi_ref / pi, the log-ratio clamped to [-20, 20] and the
+    estimate to [-10, 10] (verl's bounds); a trailing ``+`` (``k1+``, ``k3+``) keeps the value and takes k2's gradient
+    (verl's straight-through, for an unbiased gradient on-policy).
+
+    ``old_log_prob``: the IS-corrected estimate of DeepSeek-V3.2 (its technical report, "unbiased KL estimate"), the
+    estimate times pi_theta / pi_old = exp(clamp(log pi - log pi_old, -20, 20)), unbiased for tokens drawn from pi_old
+    (the ratio is differentiated too: E_old[grad(r k)] = grad E_theta[k]). It already corrects the gradient, so a
+    ``+`` estimator with it is refused. Computed in fp32 for 16-bit inputs (rounded once to their dtype)."""
+    if not isinstance(kl_penalty, str):
+        raise TypeError(f"kl_penalty must be a str, got {type(kl_penalty).__name__}")
+    straight_through = kl_penalty.endswith("+")
+    base = kl_penalty[:-1] if straight_through else kl_penalty
+    if base not in KL_PENALTY_TYPES:
+        raise ValueError(f"kl_penalty must be one of {', '.join(KL_PENALTY_TYPES)} (optionally with a trailing '+'), "
+                         f"got {kl_penalty!r}")
+    _check_float("logprob", logprob, logprob)
+    _check_float("ref_logprob", ref_logprob, logprob)
+    if old_log_prob is not None:
+        _check_float("old_log_prob", old_log_prob, logprob)
+        if straight_through and base not in ("mse", "k2"):
+            raise ValueError(f"kl_penalty={kl_penalty!r} with old_log_prob: the IS correction already makes the "
+                             f"gradient unbiased; pass {base!r}")
+    out_dtype = torch.promote_types(logprob.dtype, ref_logprob.dtype)
+    acc = _checks.acc_dtype(out_dtype)
+    lp, ref = logprob.to(acc), ref_logprob.to(acc)
+    if base in ("kl", "k1"):
+        est = lp - ref
+    elif base == "abs":
+        est = (lp - ref).abs()
+    elif base in ("mse", "k2"):
+        est = 0.5 * (lp - ref).square()
+    else:
+        x = torch.clamp(ref - lp, min=-20.0, max=20.0)
+        est = torch.clamp(x.exp() - x - 1, min=-10.0, max=10.0)
+    if straight_through and base not in ("mse", "k2"):  # verl: "k2+" / "mse+" are k2 itself
+        st = 0.5 * (lp - ref).square()
+        est = st - st.detach() + est.detach()
+    if old_log_prob is not None:
+        est = torch.exp(torch.clamp(lp - old_log_prob.to(acc), -20.0, 20.0)) * est
+    return est.to(out_dtype)
+
+
 def calculate_grpo_loss(
     current_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

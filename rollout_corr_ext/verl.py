@@ -21,7 +21,8 @@ Covered (verl module -> name):
 * ``verl.trainer.ppo.core_algos``: :func:`agg_loss`, :func:`compute_policy_loss_vanilla`,
   :func:`compute_policy_loss_reinforce`, :func:`compute_policy_loss_bypass_mode`, :func:`compute_policy_loss`
   (verl's deprecated 4-tuple form), and the other ten registered losses (``compute_policy_loss_dppo_tv``,
-  ``_dppo_kl``, ``_gspo``, ``_sapo``, ``_gpg``, ``_clip_cov``, ``_kl_cov``, ``_geo_mean``, ``_dro``, ``_cispo``).
+  ``_dppo_kl``, ``_gspo``, ``_sapo``, ``_gpg``, ``_clip_cov``, ``_kl_cov``, ``_geo_mean``, ``_dro``, ``_cispo``),
+  :func:`kl_penalty` (with ``old_log_prob=``: DeepSeek-V3.2's IS-corrected KL).
 
 What verl's signatures cannot carry is set once with :func:`configure` (or :func:`configured`, a context manager):
 the process groups (``dp_group`` / ``seq_group``: metrics and batch normalisation exact over the global batch),
@@ -50,6 +51,7 @@ from .config import RolloutCorrectionConfig
 from .correction import OFFPOLICY_KEYS, PREFIX, compute_rollout_correction
 from .losses import PolicyLossConfig
 from .losses import agg_loss as _agg_loss
+from .losses import kl_penalty
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -69,6 +71,7 @@ __all__ = [
     "compute_rollout_corr_metrics_from_logprobs",
     "apply_bypass_mode",
     "agg_loss",
+    "kl_penalty",
     "compute_policy_loss",
     "compute_policy_loss_vanilla",
     "compute_policy_loss_reinforce",

@@ -684,6 +684,100 @@ def test_is_corrected_kl_is_unbiased_off_policy():
     assert abs(plain.item() - exact.item()) > 5 * abs(est.item() - exact.item())
 
 
+KL_TYPES = list(losses.KL_PENALTY_TYPES) + ["k1+", "k3+", "low_var_kl+", "k2+", "abs+"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("kind", KL_TYPES)
+def test_kl_penalty_matches_verl(kind, dtype):
+    """rollout_corr_ext.verl.kl_penalty is verl's kl_penalty, value and gradient (logprob and ref_logprob), every
+    estimator and its straight-through '+' form; log-ratios up to +-30 reach verl's clamps (20, and 10 on k3)."""
+    core, _, _ = _verl()
+    g = torch.Generator().manual_seed(zlib.crc32(kind.encode()))
+    lp = -torch.rand(5, 37, generator=g, dtype=torch.float64) * 3
+    ref = lp + torch.randn(5, 37, generator=g, dtype=torch.float64) * 2
+    ref[0, :4] = torch.tensor([lp[0, 0] + 30, lp[0, 1] - 30, lp[0, 2] + 3, lp[0, 3] - 25])
+    lp, ref = lp.to(dtype), ref.to(dtype)
+    x0, r0 = lp.clone(), ref.clone()
+    got_in = [t.clone().requires_grad_(True) for t in (lp, ref)]
+    want_in = [t.clone().requires_grad_(True) for t in (lp, ref)]
+    got = rv.kl_penalty(got_in[0], got_in[1], kind)
+    want = core.kl_penalty(want_in[0], want_in[1], kind)
+    assert got.dtype == want.dtype
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, want, **tol)
+    up = torch.randn(got.shape, generator=g, dtype=torch.float64).to(dtype)
+    for a, b in zip(torch.autograd.grad((got * up).sum(), got_in), torch.autograd.grad((want * up).sum(), want_in)):
+        torch.testing.assert_close(a, b, **tol)
+    assert torch.equal(lp, x0) and torch.equal(ref, r0)
+
+
+@pytest.mark.parametrize("kind", ["k1", "low_var_kl"])
+def test_kl_penalty_is_corrected_expectation_is_the_exact_kl(kind):
+    """kl_penalty(..., old_log_prob=): E_{pi_old}[(pi / pi_old) k] = E_pi[k] = KL(pi || pi_ref) for k1 and k3,
+    taken exactly over a small vocabulary (each token weighted by pi_old: no sampling), and its gradient is the
+    exact KL's (the ratio is differentiated); the uncorrected estimate's expectation under pi_old is not the KL."""
+    g = torch.Generator().manual_seed(1)
+    v = 7  # logits of scale 0.4: k3 below verl's clamp at 10, where the estimate is not the formula
+    logits, old_logits, ref_logits = (0.4 * torch.randn(v, generator=g, dtype=torch.float64) for _ in range(3))
+    old = old_logits.log_softmax(-1)
+    ref = ref_logits.log_softmax(-1)
+    z = logits.clone().requires_grad_(True)
+    lp = z.log_softmax(-1)
+    est = (old.exp() * rv.kl_penalty(lp, ref, kind, old_log_prob=old)).sum()
+    (g_est,) = torch.autograd.grad(est, z)
+    zz = logits.clone().requires_grad_(True)
+    p, q = zz.softmax(-1), ref_logits.softmax(-1)
+    exact = (p * (p.log() - q.log())).sum()
+    (g_exact,) = torch.autograd.grad(exact, zz)
+    torch.testing.assert_close(est, exact.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_est, g_exact, rtol=1e-10, atol=1e-12)
+    plain = (old.exp() * rv.kl_penalty(lp.detach(), ref, kind)).sum()
+    assert abs(plain.item() - exact.item()) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_kl_penalty_is_corrected_matches_the_formula(dtype):
+    """The IS-corrected value exp(clamp(lp - old, -20, 20)) * k against an fp64 oracle written from the formula
+    (Schulman's k3 with verl's clamps), the gradient too; 16-bit inputs are computed in fp32 and rounded once."""
+    g = torch.Generator().manual_seed(2)
+    lp = -torch.rand(4, 33, generator=g, dtype=torch.float64) * 4
+    old = lp + torch.randn(4, 33, generator=g, dtype=torch.float64)
+    ref = lp + torch.randn(4, 33, generator=g, dtype=torch.float64)
+    old[0, 0], ref[0, 1] = lp[0, 0] - 25, lp[0, 1] + 22  # the ratio's clamp, k3's clamps
+    lp, old, ref = (t.to(dtype).double() for t in (lp, old, ref))  # representable in dtype
+    x = lp.to(dtype).requires_grad_(True)
+    got = rv.kl_penalty(x, ref.to(dtype), "k3", old_log_prob=old.to(dtype))
+    xx = lp.clone().requires_grad_(True)
+    d = (ref - xx).clamp(-20, 20)
+    want = torch.exp((xx - old).clamp(-20, 20)) * (d.exp() - d - 1).clamp(-10, 10)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want.detach(), rtol=1e-6, atol=1e-6)
+    else:  # fp32 math rounded once
+        torch.testing.assert_close(got, want.detach().float().to(dtype), rtol=0, atol=0)
+    (g_got,) = torch.autograd.grad(got.float().sum(), x)
+    (g_want,) = torch.autograd.grad(want.sum(), xx)
+    torch.testing.assert_close(g_got.double(), g_want.to(dtype).double(), rtol=1e-6 if dtype == torch.float32 else 0,
+                               atol=1e-6 if dtype == torch.float32 else 0)
+
+
+def test_kl_penalty_bad_input():
+    lp = -torch.rand(2, 3)
+    with pytest.raises(ValueError, match="kl_penalty must be one of"):
+        rv.kl_penalty(lp, lp, "full")
+    with pytest.raises(TypeError, match="kl_penalty must be a str"):
+        rv.kl_penalty(lp, lp, 3)
+    with pytest.raises(ValueError, match="ref_logprob must have the shape"):
+        rv.kl_penalty(lp, lp[:, :2], "k3")
+    with pytest.raises(ValueError, match="old_log_prob must have the shape"):
+        rv.kl_penalty(lp, lp, "k3", old_log_prob=lp[:1])
+    with pytest.raises(TypeError, match="old_log_prob must be a floating-point"):
+        rv.kl_penalty(lp, lp, "k3", old_log_prob=torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="already makes the gradient unbiased; pass 'k3'"):
+        rv.kl_penalty(lp, lp, "k3+", old_log_prob=lp)
+
+
 # ----------------------------------------------------------------------------------------- Megatron-LM packed GRPO
 
 
