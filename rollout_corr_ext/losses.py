@@ -1621,6 +1621,19 @@ class PolicyStep(NamedTuple):
         return out
 
 
+def check_bypass_loss_mode(cfg: PolicyLossConfig, fn: str) -> None:
+    """A config whose rollout correction selects the bypass flow runs ``rollout_correction.loss_type`` (PPO clip or
+    REINFORCE against pi_rollout): a ``loss_mode`` naming another loss would be ignored, silently, so it is a
+    ValueError naming ``fn``. (The functions named for the bypass loss, verl's ``compute_policy_loss_bypass_mode``
+    and :func:`compute_policy_loss_bypass`, read only the correction's fields, as verl's does.)"""
+    rc = cfg.rollout_correction
+    if rc is not None and getattr(rc, "bypass_mode", False) and cfg.loss_mode not in ("vanilla", "bypass_mode"):
+        raise ValueError(f"{fn}: the bypass flow's loss is rollout_correction.loss_type (PPO clip or REINFORCE "
+                         f"against pi_rollout), not loss_mode={cfg.loss_mode!r}; set loss_mode='bypass_mode' (or "
+                         f"'vanilla'), or use the plain flow with old_log_prob = rollout_log_prob for "
+                         f"{cfg.loss_mode}")
+
+
 def policy_step(
     config,
     old_log_prob: Optional[torch.Tensor],
@@ -1655,7 +1668,8 @@ def policy_step(
        ``response_mask``; its IS weights multiply the loss in the decoupled flow and in bypass REINFORCE.
     3. ``config.opsm_delta``: :func:`off_policy_sequence_mask` (behaviour = ``rollout_log_prob`` when given, else
        pi_old).
-    4. The loss: bypass, ``rollout_correction.loss_type`` against pi_rollout (``config.loss_mode`` is not read);
+    4. The loss: bypass, ``rollout_correction.loss_type`` against pi_rollout (a ``config.loss_mode`` other than
+       ``vanilla`` / ``bypass_mode`` is refused when the flow comes from the config: :func:`check_bypass_loss_mode`);
        otherwise ``config.loss_mode``: a per-token loss in the fused kernel (GSPO with its sequence ratio over
        ``seq_group``), or a whole-batch loss's own function, exact over ``seq_group`` (each rank's ``loss`` is then
        its share of the one-process loss: the shares add up to it, and each rank's gradient is the one-process
@@ -1678,6 +1692,7 @@ def policy_step(
     cfg = as_policy_config(config)
     rc = cfg.rollout_correction
     if flow is None:
+        check_bypass_loss_mode(cfg, fn)
         flow = "plain" if rc is None else ("bypass" if getattr(rc, "bypass_mode", False) else "decoupled")
     elif flow not in POLICY_FLOWS:
         raise ValueError(f"flow must be one of {POLICY_FLOWS} or None, got {flow!r}")

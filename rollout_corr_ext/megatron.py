@@ -24,6 +24,7 @@ from ._checks import check_mask, refuse_ambiguous_per_sequence, refuse_where, sa
 from .losses import (
     PolicyLossConfig,
     as_policy_config,
+    check_bypass_loss_mode,
     check_loss_agg_mode,
     padded_horizon,
     policy_step,
@@ -524,11 +525,7 @@ def make_policy_loss_func(
     # the flow and the loss are policy_step's; refused here, at build time: a loss_mode the bypass flow would
     # ignore, and what the loss_sum / num_tokens contract cannot take
     if rc_cfg is not None and getattr(rc_cfg, "bypass_mode", False):
-        if cfg.loss_mode not in ("vanilla", "bypass_mode"):
-            raise ValueError(f"make_policy_loss_func: the bypass flow's loss is rollout_correction.loss_type "
-                             f"(PPO clip or REINFORCE against pi_rollout), not loss_mode={cfg.loss_mode!r}; set "
-                             f"loss_mode='bypass_mode' (or 'vanilla'), or use the plain flow with old_log_prob = "
-                             f"rollout_log_prob for {cfg.loss_mode}")
+        check_bypass_loss_mode(cfg, "make_policy_loss_func")
     else:
         if cfg.loss_mode == "bypass_mode":
             raise ValueError("loss_mode='bypass_mode' needs config.rollout_correction with bypass_mode=True")

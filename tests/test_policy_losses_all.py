@@ -684,6 +684,34 @@ def test_is_corrected_kl_is_unbiased_off_policy():
     assert abs(plain.item() - exact.item()) > 5 * abs(est.item() - exact.item())
 
 
+@pytest.mark.parametrize("name", [n for n in losses.POLICY_LOSS_MODES if n not in ("vanilla", "bypass_mode")])
+def test_front_door_refuses_a_loss_the_bypass_flow_would_ignore(name):
+    """compute_policy_loss picks the bypass flow from config.rollout_correction, whose loss is its loss_type: a
+    loss_mode naming another loss (gspo, cispo, ...) was run as PPO clip, silently (the same value for every name;
+    the docs audit). It is a ValueError naming the caller, as make_policy_loss_func's at build time; the functions
+    named for the bypass loss read the correction's fields only, as verl's does."""
+    from rollout_corr_ext import RolloutCorrectionConfig
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(3, 6, generator=g, dtype=torch.float64) - 0.1
+    lp = old + 0.1 * torch.randn(3, 6, generator=g, dtype=torch.float64)
+    ro = old + 0.1 * torch.randn(3, 6, generator=g, dtype=torch.float64)
+    adv = torch.randn(3, 6, generator=g, dtype=torch.float64)
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    cfg = losses.PolicyLossConfig(loss_mode=name, rollout_correction=RolloutCorrectionConfig.bypass_ppo_clip(),
+                                  **(dict(dro_beta=0.5) if name == "dro" else {}))
+    with pytest.raises(ValueError, match=rf"compute_policy_loss: the bypass flow's loss .* not loss_mode='{name}'"):
+        losses.compute_policy_loss(old, lp, adv, mask, "seq-mean-token-mean", cfg, rollout_log_prob=ro)
+    with pytest.raises(ValueError, match=rf"make_policy_loss_func: the bypass flow's loss .* not loss_mode='{name}'"):
+        make_policy_loss_func(torch.zeros(3, 6, dtype=torch.long), adv, mask, rollout_log_prob=ro, config=cfg,
+                              loss_agg_mode="seq-mean-token-mean")
+    vanilla = dataclasses.replace(cfg, loss_mode="bypass_mode")
+    want = losses.compute_policy_loss(old, lp, adv, mask, "seq-mean-token-mean", vanilla, rollout_log_prob=ro)
+    got = losses.compute_policy_loss_bypass(ro, lp, adv, mask, "seq-mean-token-mean", cfg)
+    assert torch.equal(got[0], want[0])
+
+
 KL_TYPES = list(losses.KL_PENALTY_TYPES) + ["k1+", "k3+", "low_var_kl+", "k2+", "abs+"]
 
 
