@@ -1939,7 +1939,7 @@ def _grpo_packed(lp, advantages, seq_starts, seq_lengths):
 KL_PENALTY_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
-def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str = "low_var_kl",
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str,
                old_log_prob: Optional[torch.Tensor] = None) -> torch.Tensor:
     """verl's ``kl_penalty``: the per-token estimate of KL(pi_theta || pi_ref) (Schulman, "Approximating KL
     divergence", 2020): ``kl`` / ``k1`` log pi - log pi_ref; ``abs`` its absolute value; ``mse`` / ``k2`` half its

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import numbers
 import struct
 from typing import NamedTuple, Optional, Union
 
@@ -107,7 +108,11 @@ class SamplingParams:
     @classmethod
     def from_verl(cls, rollout_config) -> "SamplingParams":
         """From verl's rollout config (``actor_rollout_ref.rollout``: ``temperature``, ``top_k`` (-1: disabled),
-        ``top_p``); a mapping or an object with those attributes."""
+        ``top_p``, ``min_p``); a mapping or an object with those attributes. The temperature is kept: these
+        parameters replay the sampler on **raw** logits (``make_policy_loss_func(sampling=)``, the log-prob entry
+        points). verl's actor divides its logits by the temperature itself and then needs the engine's processed
+        log-probs: in verl use :func:`rollout_corr_ext.verl.sampling_params`, which sets the temperature to 1 and
+        checks ``logprobs_mode``."""
         get = rollout_config.get if hasattr(rollout_config, "get") else lambda k, d: getattr(rollout_config, k, d)
 
         def number(key, default):  # None or text is the config's mistake: named, never a bare float() error
@@ -119,9 +124,20 @@ class SamplingParams:
             except (TypeError, ValueError):
                 raise ValueError(f"rollout config: {key} must be a number, got {value!r}") from None
 
+        def integer(key, value):  # an int, or a string / float that is one exactly (int() would truncate 4.7)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                return int(value)
+            if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+                return int(value)
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ValueError(f"rollout config: {key} must be an integer (-1 or 0: disabled), got {value!r}")
+
         top_k = get("top_k", -1)
+        top_k = None if top_k is None else integer("top_k", top_k)
+        min_p = get("min_p", 0.0)
         return cls(temperature=number("temperature", 1.0), top_k=None if top_k in (None, 0, -1) else int(top_k),
-                   top_p=number("top_p", 1.0), min_p=float(get("min_p", 0.0) or 0.0))
+                   top_p=number("top_p", 1.0), min_p=0.0 if min_p is None else number("min_p", 0.0))
 
 
 def _per_row(name: str, value, rows: int, lead, dtype, device) -> torch.Tensor:

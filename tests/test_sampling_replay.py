@@ -6,6 +6,7 @@ outside each row's kept set, ignored rows holding NaN, -inf logits, per-row para
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -317,6 +318,14 @@ def test_from_verl_rollout_config():
         with pytest.raises(ValueError, match=rf"rollout config: {key} must be a number, got {bad!r}"):
             SamplingParams.from_verl({key: bad})
     assert SamplingParams.from_verl({"top_p": "0.9"}).top_p == 0.9  # a YAML string number reads as its value
+    assert SamplingParams.from_verl({"top_k": "50", "min_p": "0.05"}).top_k == 50
+    assert SamplingParams.from_verl({"top_k": 50.0, "min_p": None}).min_p == 0.0
+    # an offset that is not an integer is another sampler, silently (int() read 4.7 as 4): named
+    for bad in (4.7, "4.7", True, "many", [4]):
+        with pytest.raises(ValueError, match=rf"rollout config: top_k must be an integer .*got {re.escape(repr(bad))}"):
+            SamplingParams.from_verl({"top_k": bad})
+    with pytest.raises(ValueError, match="rollout config: min_p must be a number, got 'low'"):
+        SamplingParams.from_verl({"min_p": "low"})
 
 
 # --------------------------------------------------------------------------------------------- tensor parallel

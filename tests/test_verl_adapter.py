@@ -214,6 +214,15 @@ def test_signature_equals_verl(V, name):
     assert _params(getattr(rv, name)) == _params(getattr(module, name))
 
 
+def test_signature_of_the_extended_functions_extends_verls(V):
+    """kl_penalty: verl's parameters, then old_log_prob=None (the IS correction); calculate_debug_metrics: verl's."""
+    import verl.utils.debug.metrics as debug
+
+    assert _params(rv.kl_penalty)[:3] == _params(V.core.kl_penalty)
+    assert _params(rv.kl_penalty)[3:] == [("old_log_prob", inspect.Parameter.POSITIONAL_OR_KEYWORD, None)]
+    assert _params(rv.calculate_debug_metrics) == _params(debug.calculate_debug_metrics)
+
+
 def test_constants_equal_verl(V):
     assert rv.SAFETY_BOUND == V.helper.SAFETY_BOUND
     assert set(rv.SUPPORTED_ROLLOUT_RS_OPTIONS) == set(V.helper.SUPPORTED_ROLLOUT_RS_OPTIONS)
