@@ -382,6 +382,11 @@ def check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollo
     _check_float(old_name, old_log_prob, log_prob)
     _check_float("advantages", advantages, log_prob)
     check_mask("response_mask", response_mask, log_prob)
+    if response_mask.is_floating_point():  # weights multiply the loss (verl): NaN / inf / negative define none
+        refuse_where(~(response_mask >= 0) | (response_mask == math.inf),
+                     lambda at: f"response_mask at {at} is {float(response_mask[at])}: a float mask weights its "
+                                f"token's loss and must be finite and >= 0",
+                     "response_mask: a float mask must be finite and >= 0")
     if rollout_is_weights is not None:
         _check_float("rollout_is_weights", rollout_is_weights, log_prob)
 
@@ -1691,6 +1696,10 @@ def policy_step(
     """
     cfg = as_policy_config(config)
     rc = cfg.rollout_correction
+    from .versions import PROXIMAL_METHODS
+
+    if proximal not in PROXIMAL_METHODS:  # checked with or without versions: a typo is named, not kept for later
+        raise ValueError(f"proximal must be one of {PROXIMAL_METHODS}, got {proximal!r}")
     if flow is None:
         check_bypass_loss_mode(cfg, fn)
         flow = "plain" if rc is None else ("bypass" if getattr(rc, "bypass_mode", False) else "decoupled")

@@ -54,19 +54,29 @@ def _versions(versions, like: torch.Tensor, name: str = "versions") -> torch.Ten
 def _current(current_version) -> int:
     if isinstance(current_version, bool) or not isinstance(current_version, int):
         raise TypeError(f"current_version must be an int, got {type(current_version).__name__}")
+    if not 0 <= current_version < 2 ** 63:  # the lags are int64
+        raise ValueError(f"current_version must be in [0, 2**63), got {current_version}")
     return current_version
 
 
 def policy_lag(versions: torch.Tensor, current_version: int, valid: torch.Tensor,
                name: str = "versions", refuse=refuse_where) -> torch.Tensor:
-    """The lag ``current_version - versions`` (int64), checking that no ``valid`` token is newer than the trainer:
-    a ValueError naming the first on CPU, an asynchronous device assert on CUDA (no host sync). ``refuse``: how
-    the check is made (``refuse_where``'s signature; the diagnostics defer it to their reduce)."""
-    lag = current_version - versions.to(torch.int64)
-    bad = (valid != 0) & (lag < 0)  # a mask of any dtype (an int mask of 2 & True would be 0)
-    refuse(bad, lambda at: f"{name} at response token {at} is {int(versions[at])}, newer than "
-                           f"current_version {current_version}",
-           f"{name}: a response token's version is newer than current_version")
+    """The lag ``current_version - versions`` (int64), checking that no ``valid`` token is newer than the trainer
+    or has a negative version (which marks a token the engine did not generate, :func:`proximal_log_prob`: a
+    response token has the version that drew it; counted, it would read as a lag past v_theta): a ValueError naming
+    the first on CPU, an asynchronous device assert on CUDA (no host sync). ``refuse``: how the check is made
+    (``refuse_where``'s signature; the diagnostics defer it to their reduce)."""
+    v64 = versions.to(torch.int64)
+    lag = current_version - v64
+    bad = (valid != 0) & ((lag < 0) | (v64 < 0))  # a mask of any dtype (an int mask of 2 & True would be 0)
+
+    def describe(at):
+        v = int(versions[at])
+        why = (f"negative (a token the engine did not generate; a response token needs the version that drew it)"
+               if v < 0 else f"newer than current_version {current_version}")
+        return f"{name} at response token {at} is {v}, {why}"
+
+    refuse(bad, describe, f"{name}: a response token's version is negative or newer than current_version")
     return lag
 
 
@@ -185,9 +195,10 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     read (the bucket counts, and whether any response token is newer than the trainer: every rank raises alike),
     then one correction (its passes and collectives) per non-empty bucket.
 
-    Returns a :class:`~rollout_corr_ext.RolloutCorrectionResult`: weights (0 where no bucket has IS or at a
-    rejected token, 1 in a bucket without IS; None when no bucket has IS), the response mask with every bucket's
-    rejections, the metrics."""
+    Returns a :class:`~rollout_corr_ext.RolloutCorrectionResult`: weights (None when no bucket has IS; else, at each
+    token, its bucket's: the IS weights as :func:`compute_rollout_correction` gives them, where a token the RS
+    rejects keeps its weight and leaves the mask, or 1 at the response tokens of a bucket without IS, 0 at its other
+    tokens), the response mask with every bucket's rejections, the metrics. Use the weights with the mask."""
     from .config import RolloutCorrectionConfig
     from .correction import PREFIX, RolloutCorrectionResult, check_correction_inputs, compute_rollout_correction
 
@@ -268,7 +279,7 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     # is newer than the trainer: small all-reduces and one host read, so that every rank runs the same corrections
     # (an empty bucket has nothing to correct) or raises alike. Under context parallelism each sequence's response
     # tokens are counted over the ranks too: a sequence without any is in no bucket on every rank.
-    newer = (valid & (lag < 0)).sum()
+    newer = (valid & ((lag < 0) | (v < 0))).sum()  # policy_lag's refusal: newer than the trainer, or negative
     counts = torch.stack(counts + [newer]).to(torch.float64)
     unit_tokens = None
     dp = dp_group is not None and dist.get_world_size(dp_group) > 1
@@ -285,7 +296,8 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     totals = counts.tolist()
     if totals[-1]:
         policy_lag(v, v_theta, valid)  # names the token where this rank holds it
-        raise ValueError(f"versions: a response token on another rank is newer than current_version {v_theta}")
+        raise ValueError(f"versions: a response token on another rank is negative or newer than current_version "
+                         f"{v_theta}")
     if not any(totals[:-1]):  # compute_rollout_correction's error (its text), on every rank alike, from the host
         raise ValueError(MSG_NO_VALID_TOKEN)  # read above (its own is a device assert on CUDA)
     counts = counts[:-1]

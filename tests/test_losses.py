@@ -755,6 +755,22 @@ def test_grpo_at_a_zero_probability_token(kl_beta, entropy_weight, kl_is_correct
                                                               entropy_weight)[0]).all()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_a_float_mask_must_be_finite_and_non_negative(bad):
+    """A float response_mask weights each token's loss (verl multiplies it in): a NaN one made the loss and every
+    metric NaN, silently (the versions fuzz); inf and negative weights define no loss either. Refused, naming the
+    position, in the front door and verl's drop-in alike; fractional weights stay accepted."""
+    from rollout_corr_ext import verl as rv
+
+    old, lp, adv, mask, _ = make_batch(reject_rows=())
+    w = mask.to(lp.dtype) * 0.5
+    assert torch.isfinite(compute_policy_loss(old, lp, adv, w, "token-mean", None)[0])
+    w[2, 3] = bad
+    for fn in (compute_policy_loss, rv.compute_policy_loss_vanilla):
+        with pytest.raises(ValueError, match=r"response_mask at \(2, 3\) is .*finite and >= 0"):
+            fn(old, lp, adv, w, "token-mean", None)
+
+
 @pytest.mark.parametrize("device", ALL_BACKENDS)
 def test_megatron_loss_func_and_verl_adapter_refuse_constants_with_grad(device):
     """The same rules through megatron's loss_func (logits in, old / rollout log-probs and advantages bound at

@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
-from rollout_corr_ext import losses
-from rollout_corr_ext.versions import proximal_error_metrics, proximal_log_prob, staleness_metrics
+from rollout_corr_ext import RolloutCorrectionConfig, losses
+from rollout_corr_ext.versions import (compute_rollout_correction_by_lag, proximal_error_metrics, proximal_log_prob,
+                                       staleness_metrics)
 from rollout_corr_testing.dist_utils import dist_params, run_workers
 
 
@@ -19,8 +20,9 @@ def _inputs(b=5, t=12, seed=0, current=10):
     lb = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
     lt = lb + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)
     versions = torch.randint(current - 5, current + 1, (b, t), generator=g)
-    versions[0, :3] = -1  # not generated (prompt) tokens
+    versions[0, :3] = -1  # not generated (prompt) tokens: not response tokens either
     mask = torch.rand(b, t, generator=g) > 0.2
+    mask[0, :3] = False
     return lb, lt, versions, mask
 
 
@@ -112,6 +114,32 @@ def test_staleness_refuses_a_token_newer_than_the_trainer():
     mask[1, 1] = True
     with pytest.raises(ValueError, match=r"response token \(1, 1\) is 11, newer than current_version 10"):
         staleness_metrics(versions, 10, mask)
+
+
+def test_staleness_refuses_a_negative_version_at_a_response_token():
+    """A negative version marks a token the engine did not generate (proximal_log_prob's alpha 0); at a response
+    token it was counted as a lag of current_version + 1 (max 11 here, the mean pulled up), silently. It is refused,
+    naming the token, in staleness_metrics and compute_rollout_correction_by_lag; elsewhere it is not read."""
+    lb, lt, versions, mask = _inputs(seed=2)
+    want = staleness_metrics(versions, 10, mask)
+    assert float(want["rollout_corr/staleness_max"]) <= 5
+    mask = mask.clone()
+    mask[0, 1] = True
+    with pytest.raises(ValueError, match=r"response token \(0, 1\) is -1, negative"):
+        staleness_metrics(versions, 10, mask)
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)
+    with pytest.raises(ValueError, match=r"response token \(0, 1\) is -1, negative"):
+        compute_rollout_correction_by_lag(lt, lb, mask, [(0, cfg)], versions, 10)
+    for bad in (-1, 2 ** 63):
+        with pytest.raises(ValueError, match=r"current_version must be in \[0, 2\*\*63\)"):
+            staleness_metrics(versions, bad, mask)
+
+
+def test_proximal_method_is_checked_without_versions_too():
+    lb, lt, _, mask = _inputs()
+    adv = torch.ones_like(lb)
+    with pytest.raises(ValueError, match=r"proximal must be one of \('loglinear', 'linear'\), got 'foo'"):
+        losses.compute_policy_loss(lb, lt, adv, mask, "token-mean", None, proximal="foo")
 
 
 def _dp_worker(rank, world, versions, mask):
