@@ -96,7 +96,7 @@ def extension_kwargs(with_cuda: bool) -> Dict[str, object]:
     return kwargs
 
 
-#: What a build compiles from csrc/ (the sdist's MANIFEST.in takes the same; scripts/bootstrap.sh's stamp calls source_hash).
+#: What a build compiles from csrc/ (the sdist's MANIFEST.in takes the same; bootstrap.sh's stamp calls source_hash).
 SOURCE_SUFFIXES = (".h", ".cpp", ".cu", ".cuh", ".def")
 #: Beside each module setup.py builds, ``<module file>.sources`` holds :func:`source_hash` of what it compiled.
 SOURCES_SUFFIX = ".sources"
