@@ -3,6 +3,7 @@ module, so that nothing but ``ops.py`` imports the fallback."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Tuple
 
 import torch
@@ -55,6 +56,17 @@ def check_mask(name: str, mask, ref: torch.Tensor, ref_name: str = "log_prob") -
         raise ValueError(f"{name} must have the shape of {ref_name} {tuple(ref.shape)}, got {tuple(mask.shape)}")
     if mask.device != ref.device:
         raise ValueError(f"{name} is on {mask.device} but {ref_name} is on {ref.device}")
+
+
+def check_weight_mask(name: str, mask: torch.Tensor) -> None:
+    """A float mask that weights each token's loss (verl multiplies it in): NaN, inf or a negative weight defines
+    no loss, so each is refused naming the position (:func:`refuse_where`; bool / integer masks have nothing to
+    check). A NaN weight made the loss NaN in token-mean and dropped its row in the seq-mean modes, silently."""
+    if mask.is_floating_point():
+        refuse_where(~(mask >= 0) | (mask == math.inf),
+                     lambda at: f"{name} at {at} is {float(mask[at])}: a float mask weights its token's loss and "
+                                f"must be finite and >= 0",
+                     f"{name}: a float mask must be finite and >= 0")
 
 
 def refuse_where(bad: torch.Tensor, describe: Callable[[Tuple[int, ...]], str], device_msg: str) -> None:

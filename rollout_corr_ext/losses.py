@@ -382,11 +382,7 @@ def check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollo
     _check_float(old_name, old_log_prob, log_prob)
     _check_float("advantages", advantages, log_prob)
     check_mask("response_mask", response_mask, log_prob)
-    if response_mask.is_floating_point():  # weights multiply the loss (verl): NaN / inf / negative define none
-        refuse_where(~(response_mask >= 0) | (response_mask == math.inf),
-                     lambda at: f"response_mask at {at} is {float(response_mask[at])}: a float mask weights its "
-                                f"token's loss and must be finite and >= 0",
-                     "response_mask: a float mask must be finite and >= 0")
+    _checks.check_weight_mask("response_mask", response_mask)
     if rollout_is_weights is not None:
         _check_float("rollout_is_weights", rollout_is_weights, log_prob)
 
@@ -542,6 +538,7 @@ def agg_loss(
     if cu_seqlens is not None:  # the values too (no op runs here to check them): a named error, a device assert on CUDA
         _checks.check_cu_seqlens(loss_mat, cu_seqlens)
     check_mask("loss_mask", loss_mask, loss_mat, "loss_mat")
+    _checks.check_weight_mask("loss_mask", loss_mask)
     check_loss_agg_mode(loss_agg_mode)
     # 16-bit losses are aggregated in fp32 (in fp16 the eps of a masked row's token-mean rounds away, and partial
     # sums round at every op), and the scalar comes back in the loss's dtype.

@@ -769,6 +769,10 @@ def test_a_float_mask_must_be_finite_and_non_negative(bad):
     for fn in (compute_policy_loss, rv.compute_policy_loss_vanilla):
         with pytest.raises(ValueError, match=r"response_mask at \(2, 3\) is .*finite and >= 0"):
             fn(old, lp, adv, w, "token-mean", None)
+    # agg_loss too: a NaN weight made token-mean NaN and dropped its row from the seq-mean modes (a finite value)
+    for mode in LOSS_AGG_MODES:
+        with pytest.raises(ValueError, match=r"loss_mask at \(2, 3\) is .*finite and >= 0"):
+            agg_loss(lp.detach(), w, mode)
 
 
 @pytest.mark.parametrize("device", ALL_BACKENDS)
