@@ -58,6 +58,14 @@ def check_mask(name: str, mask, ref: torch.Tensor, ref_name: str = "log_prob") -
         raise ValueError(f"{name} is on {mask.device} but {ref_name} is on {ref.device}")
 
 
+def assert_traced_number(value, ok: Callable[[torch.Tensor], torch.Tensor], msg: str) -> None:
+    """A check of a Python-number argument while torch.compile traces: the number may be a symbol (``dynamic=True``,
+    or a value that changed between calls: torch does not specialize floats), for which ``math.isfinite`` is a graph
+    break and a comparison a guard sympy decides on its own terms (it takes symbols as finite). So the check is
+    ``ok`` of a tensor of the value, an assert made at run time (a RuntimeError with ``msg``)."""
+    torch._assert_async(ok(torch.scalar_tensor(value, dtype=torch.float64)), msg)
+
+
 def check_weight_mask(name: str, mask: torch.Tensor) -> None:
     """A float mask that weights each token's loss (verl multiplies it in): NaN, inf or a negative weight defines
     no loss, so each is refused naming the position (:func:`refuse_where`; bool / integer masks have nothing to

@@ -49,11 +49,17 @@ Number = Union[int, float, torch.Tensor]
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _finite_real(name: str, value) -> float:
-    """A finite real-number argument (``as_real``'s types); NaN and inf are refused."""
+def _finite_real(name: str, value, minimum: Optional[float] = None) -> float:
+    """A finite real-number argument (``as_real``'s types), >= ``minimum`` when given; NaN and inf are refused (a
+    run-time assert while torch.compile traces: :func:`_checks.assert_traced_number`)."""
     v = as_real(name, value)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+    at_least = "" if minimum is None else f" and >= {minimum}"
+    if torch.compiler.is_compiling():
+        _checks.assert_traced_number(v, lambda t: torch.isfinite(t) & (t >= (-math.inf if minimum is None else minimum)),
+                                     f"{name} must be finite{at_least}")
+        return v
+    if not math.isfinite(v) or (minimum is not None and not v >= minimum):
+        raise ValueError(f"{name} must be finite{at_least}, got {value!r}")
     return v
 
 
@@ -70,7 +76,7 @@ def _positive_or_none(name: str, value) -> None:
         if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
             raise ValueError(f"{msg}: a tensor must be a one-element real tensor, got dtype {value.dtype} and "
                              f"shape {tuple(value.shape)}")
-        if value.device.type == "cpu":
+        if value.device.type == "cpu" and not torch.compiler.is_compiling():  # traced: the assert below
             v = value.detach().reshape(()).item()
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{msg}, got tensor({v})")
@@ -80,6 +86,9 @@ def _positive_or_none(name: str, value) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{msg}, got {type(value).__name__} {value!r}")
+    if torch.compiler.is_compiling():
+        _checks.assert_traced_number(value, lambda t: torch.isfinite(t) & (t > 0), msg)
+        return
     try:
         v = float(value)
     except OverflowError:
@@ -158,15 +167,25 @@ class PolicyLossConfig:
     opsm_delta: Optional[float] = None
 
     def __post_init__(self):
+        traced = torch.compiler.is_compiling()  # a config built while tracing: its numbers may be symbols
+
+        def number(name, v, ok, ok_tensor, requirement):
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise ValueError(f"{name} must be {requirement}, got {v!r}")
+            if traced:
+                _checks.assert_traced_number(v, ok_tensor, f"{name} must be {requirement}")
+            elif not ok(v):
+                raise ValueError(f"{name} must be {requirement}, got {v!r}")
+
         for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
             v = getattr(self, name)
             if v is None and name != "clip_ratio":
                 continue
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (v >= 0 and math.isfinite(v)):
-                raise ValueError(f"{name} must be a finite float >= 0, got {v!r}")
+            number(name, v, lambda x: x >= 0 and math.isfinite(x), lambda t: torch.isfinite(t) & (t >= 0),
+                   "a finite float >= 0")
         c = self.clip_ratio_c
-        if c is not None and (not isinstance(c, (int, float)) or isinstance(c, bool) or not c > 1.0):
-            raise ValueError(f"clip_ratio_c (the dual-clip bound c) must be > 1.0, got {c!r}")
+        if c is not None:
+            number("clip_ratio_c (the dual-clip bound c)", c, lambda x: x > 1.0, lambda t: t > 1.0, "> 1.0")
         if not isinstance(self.dp_size, int) or isinstance(self.dp_size, bool) or self.dp_size < 1:
             raise ValueError(f"dp_size must be an int >= 1, got {self.dp_size!r}")
         _positive_or_none("batch_num_tokens", self.batch_num_tokens)
@@ -174,20 +193,18 @@ class PolicyLossConfig:
         _positive_or_none("loss_scale_factor", self.loss_scale_factor)
         if self.loss_mode not in POLICY_LOSS_MODES:
             raise ValueError(f"loss_mode must be one of {POLICY_LOSS_MODES}, got {self.loss_mode!r}")
+        positive = (lambda x: x > 0 and math.isfinite(x), lambda t: torch.isfinite(t) & (t > 0))
         for name in ("tau_pos", "tau_neg", "clip_cov_ratio", "kl_cov_ratio"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
-                raise ValueError(f"{name} must be a finite float > 0, got {v!r}")
+            number(name, getattr(self, name), *positive, "a finite float > 0")
         for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"{name} must be a finite float, got {v!r}")
+            number(name, getattr(self, name), math.isfinite, torch.isfinite, "a finite float")
         b = self.dro_beta
-        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not (b > 0 and math.isfinite(b))):
-            raise ValueError(f"dro_beta must be a finite float > 0 (or None), got {b!r}")
+        if b is not None:
+            number("dro_beta", b, *positive, "a finite float > 0 (or None)")
         d = self.opsm_delta
-        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float)) or not (d >= 0 and math.isfinite(d))):
-            raise ValueError(f"opsm_delta must be a finite float >= 0 (or None), got {d!r}")
+        if d is not None:
+            number("opsm_delta", d, lambda x: x >= 0 and math.isfinite(x), lambda t: torch.isfinite(t) & (t >= 0),
+                   "a finite float >= 0 (or None)")
         if self.loss_mode == "dro" and b is None:
             raise ValueError("loss_mode='dro' needs dro_beta (a finite float > 0)")
         rc = self.rollout_correction
@@ -1514,9 +1531,7 @@ def _opsm(log_prob, behaviour_log_prob, advantages, response_mask, delta, cu_seq
     in the accumulation dtype): summed over micro-batches and ranks they give the pooled fraction."""
     check_policy_inputs(behaviour_log_prob, log_prob, advantages, response_mask, old_name="behaviour_log_prob",
                          cu_seqlens=cu_seqlens)
-    d = _finite_real("delta", delta)
-    if d < 0:
-        raise ValueError(f"delta must be >= 0, got {delta!r}")
+    d = _finite_real("delta", delta, minimum=0.0)
     acc = _checks.acc_dtype(log_prob.dtype)
     with torch.no_grad():
         m = response_mask.to(acc)
@@ -2062,12 +2077,10 @@ def calculate_grpo_loss(
     if packed is None and (not isinstance(advantages, torch.Tensor) or advantages.numel() != lp.shape[0]):
         raise ValueError(f"advantages must be a tensor of one value per sequence ({lp.shape[0]}), got "
                          f"{getattr(advantages, 'shape', type(advantages))}")
-    clamp_eps_lower, clamp_eps_upper, kl_beta, entropy_weight = (
-        _finite_real(name, v) for name, v in (("clamp_eps_lower", clamp_eps_lower), ("clamp_eps_upper", clamp_eps_upper),
-                                              ("kl_beta", kl_beta), ("entropy_weight", entropy_weight)))
-    for name, v in (("clamp_eps_lower", clamp_eps_lower), ("clamp_eps_upper", clamp_eps_upper)):
-        if v < 0:
-            raise ValueError(f"{name} must be a float >= 0, got {v!r}")
+    clamp_eps_lower, clamp_eps_upper = (_finite_real(name, v, minimum=0.0) for name, v in (
+        ("clamp_eps_lower", clamp_eps_lower), ("clamp_eps_upper", clamp_eps_upper)))
+    kl_beta, entropy_weight = (_finite_real(name, v) for name, v in (("kl_beta", kl_beta),
+                                                                     ("entropy_weight", entropy_weight)))
     if inference_logprobs is not None:
         _check_float("inference_logprobs", inference_logprobs, lp)
     if is_truncation_coef is not None and (isinstance(is_truncation_coef, bool) or not is_truncation_coef > 0):

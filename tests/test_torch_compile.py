@@ -109,6 +109,47 @@ def test_a_temperature_that_changes_between_calls_compiles_whole(dynamic):
             compiled(logits, target, bad)
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_number_arguments_that_change_between_calls_compile_whole(dynamic):
+    """As the temperature above: agg_loss's global normalisers (verl changes them every step; a 0-d CPU tensor too),
+    calculate_grpo_loss's clamps and coefficients, off_policy_sequence_mask's delta and a PolicyLossConfig built
+    inside the compiled function were checked with math.isfinite / .item() on the host: a graph break once the
+    number was a symbol, so fullgraph failed on the second value (the compile fuzz). Traced, each check is a
+    run-time assert: values equal eager's, and a bad number is still refused."""
+    logits, target, old, rollout, mask, adv = _inputs()
+    lp0 = torch.log_softmax(logits, -1).gather(-1, target[..., None])[..., 0]
+    adv_rows = adv[:, 0].contiguous()
+
+    def step(lp, n, clip, kl_beta, delta):
+        a = rc.agg_loss(lp, mask, "token-mean", 1, n) + rc.agg_loss(lp, mask, "seq-mean-token-mean", 1, None, n)
+        cfg = rc.losses.PolicyLossConfig(clip_ratio=clip, global_batch_size=n)
+        b = rc.compute_policy_loss(old, lp, adv, mask, "seq-mean-token-mean", cfg)[0]
+        c = rc.calculate_grpo_loss(lp, old, rollout, adv_rows, clip, clip + 0.05, kl_beta, 0.01)[0].sum()
+        keep, frac = rc.off_policy_sequence_mask(lp.detach(), rollout, adv, mask, delta)
+        return a + b + c + keep.sum() + frac
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for n, clip, kl_beta, delta in ((24.0, 0.2, 0.05, 0.1), (20.0, 0.25, 0.1, 0.3), (7, 0.15, 0.0, 0.0)):
+        xc, xe = lp0.clone().requires_grad_(True), lp0.clone().requires_grad_(True)
+        got, want = compiled(xc, n, clip, kl_beta, delta), step(xe, n, clip, kl_beta, delta)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-6, atol=1e-7)
+    tensor_n = torch.compile(lambda lp, n: rc.agg_loss(lp, mask, "token-mean", 1, n), backend="aot_eager",
+                             fullgraph=True, dynamic=dynamic)
+    torch.testing.assert_close(tensor_n(lp0, torch.tensor(24.0)), rc.agg_loss(lp0, mask, "token-mean", 1, 24.0))
+    for args, what in (((-1.0, 0.2, 0.05, 0.1), "batch_num_tokens must be a finite number > 0"),
+                       ((24.0, float("nan"), 0.05, 0.1), "clip_ratio must be a finite float >= 0"),
+                       ((24.0, 0.2, float("inf"), 0.1), "kl_beta must be finite"),
+                       ((24.0, 0.2, 0.05, -0.5), "delta must be finite and >= 0.0")):
+        with pytest.raises(RuntimeError, match=re.escape(what)):
+            compiled(lp0, *args)
+    with pytest.raises(RuntimeError, match=re.escape("batch_num_tokens must be a finite number > 0")):
+        tensor_n(lp0, torch.tensor(0.0))
+
+
 def test_per_row_temperatures_are_checked_under_compile():
     """The replay's per-row temperatures run the kernels at temperature 1, so the kernels' boundary never sees them:
     traced, their range check is the entry's own assert (a flat row at 1e300 came back silently)."""
