@@ -58,6 +58,31 @@ def check_mask(name: str, mask, ref: torch.Tensor, ref_name: str = "log_prob") -
         raise ValueError(f"{name} is on {mask.device} but {ref_name} is on {ref.device}")
 
 
+#: The block of :func:`ordered_sum`: ATen's CPU reductions split the reduced dimension over threads from its grain
+#: size (32768 elements) on, so a full sum above it depends on the thread count; a block below it never is split.
+ORDERED_SUM_BLOCK = 32768
+
+
+def ordered_sum(x: torch.Tensor, nan: bool = False) -> torch.Tensor:
+    """The sum (``nansum`` with ``nan``) of every element of ``x``, in an order that does not depend on the number of
+    threads: fixed blocks of :data:`ORDERED_SUM_BLOCK` elements, each reduced by one thread (a reduction along the
+    last dimension is split over its rows, never within one), then the block sums. ``x.sum()`` of a tensor past the
+    block size is split across threads by the thread count, and its last bits move with it: a mean that should
+    equal each of n equal values then differs from them by an ulp, and every covariance against it changes sign
+    (clip_cov / kl_cov cut other tokens at another thread count; the thread-count fuzz). At most one block: exactly
+    ``x.sum()`` (what verl's reductions give there)."""
+    red = torch.nansum if nan else torch.sum
+    flat = x.reshape(-1)
+    n = flat.numel()
+    if n <= ORDERED_SUM_BLOCK:
+        return red(flat)
+    r = n // ORDERED_SUM_BLOCK
+    blocks = red(flat[:r * ORDERED_SUM_BLOCK].reshape(r, ORDERED_SUM_BLOCK), -1)
+    if n % ORDERED_SUM_BLOCK:
+        blocks = torch.cat([blocks, red(flat[r * ORDERED_SUM_BLOCK:]).reshape(1)])
+    return red(blocks)
+
+
 def assert_traced_number(value, ok: Callable[[torch.Tensor], torch.Tensor], msg: str) -> None:
     """A check of a Python-number argument while torch.compile traces: the number may be a symbol (``dynamic=True``,
     or a value that changed between calls: torch does not specialize floats), for which ``math.isfinite`` is a graph

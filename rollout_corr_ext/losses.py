@@ -461,8 +461,8 @@ class RowAggregation:
         if self.mode == "seq-mean-token-sum-norm":
             norm = like_rows(self.horizon if self.loss_scale_factor is None else self.loss_scale_factor)
         if self.mode == "token-mean":
-            return (row_tokens.sum() if self.batch_num_tokens is None else like_rows(self.batch_num_tokens)), None, \
-                None, None
+            return (_checks.ordered_sum(row_tokens) if self.batch_num_tokens is None
+                    else like_rows(self.batch_num_tokens)), None, None, None
         if self.mode == "token-sum":
             return None, None, None, None
         valid = row_tokens > 0  # rows RS rejected entirely do not count
@@ -479,7 +479,7 @@ class RowAggregation:
             # A row without tokens is left out by a select, not by a product: its 0 / (0 + eps) is NaN wherever eps
             # rounds away (16-bit rows), and NaN * 0 would still be NaN.
             x = torch.where(keep, x, 0)
-        loss = x.sum()
+        loss = _checks.ordered_sum(x)  # rows past 32768 (packed): the same bits at any thread count
         if den is not None:
             loss = safe_div(loss, den)
         # Data-parallel gradient averaging divides by dp_size; multiplying by it makes the result the global mean.
@@ -625,11 +625,11 @@ def _row_metrics(rows, keys, zero=()) -> Dict[str, torch.Tensor]:
     """verl's ``masked_mean`` of each metric's token values, from the row partials (``zero``: keys verl logs as 0)."""
     if not keys:
         return {}
-    tokens = rows[:, LY.PG_ROW_TOKENS].sum() + LY.MASKED_MEAN_EPS  # verl's masked_mean denominator
+    tokens = _checks.ordered_sum(rows[:, LY.PG_ROW_TOKENS]) + LY.MASKED_MEAN_EPS  # verl's masked_mean denominator
     out = {}
     for k in keys:
         out[k] = torch.zeros((), dtype=rows.dtype, device=rows.device) if k in zero else (
-            rows[:, _METRIC_COLUMNS[k]].sum() / tokens)
+            _checks.ordered_sum(rows[:, _METRIC_COLUMNS[k]]) / tokens)
     return {k: v.detach() for k, v in out.items()}
 
 
@@ -808,7 +808,8 @@ def _token_metrics(mode: str, rows: torch.Tensor, gspo_x_sum=None) -> Dict[str, 
     keys, zero = _TOKEN_LOSS_METRICS[mode]
     metrics = _row_metrics(rows, keys, zero)
     if gspo_x_sum is not None:
-        metrics["actor/ppo_kl"] = (-gspo_x_sum / (rows[:, LY.PG_ROW_TOKENS].sum() + LY.MASKED_MEAN_EPS)).detach()
+        tokens = _checks.ordered_sum(rows[:, LY.PG_ROW_TOKENS]) + LY.MASKED_MEAN_EPS
+        metrics["actor/ppo_kl"] = (-gspo_x_sum / tokens).detach()
     return metrics
 
 
@@ -909,7 +910,7 @@ def gspo_sequence_log_ratio(log_prob, old_log_prob, response_mask, *, cu_seqlens
         x = _checks.masked(log_prob.detach().to(acc) - old_log_prob.to(acc), m).contiguous()  # row-major sums
         sums = _seq_all_reduce(torch.stack([_row_sums(x, cu_seqlens), _row_sums(m, cu_seqlens)]), seq_group)
         seq = sums[0] / sums[1].clamp(min=1)
-        return _per_token(seq, log_prob, cu_seqlens), x.sum()
+        return _per_token(seq, log_prob, cu_seqlens), _checks.ordered_sum(x)
 
 
 def _nonzero(m: torch.Tensor) -> torch.Tensor:
@@ -1171,7 +1172,7 @@ def _masked_total(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.
     part only at a NaN the mask keeps, which the select would carry into the sum and nansum skips: the policy-loss
     op that follows raises for that same response token, so that sum is never used. On the CPU about half the
     select's cost (benchmarks/bench_torch_masks.py)."""
-    return torch.mul(x, w, out=out).nansum()
+    return _checks.ordered_sum(torch.mul(x, w, out=out), nan=True)
 
 
 def _count(flags: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -1214,15 +1215,16 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         s0, s1 = ops.scratch_empty(shape, acc, dev, 0), ops.scratch_empty(shape, acc, dev, 1)
         valid = _flag(torch.gt, m, 0, ops.scratch_empty(shape, torch.bool, dev, _SLOT_VALID), s0)
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
-        m_sum = m.sum()
+        m_sum = _checks.ordered_sum(m)
         # the means as verl_F.masked_mean types them: sum(x * mask) in x's and the mask's promoted type (fp64 with an
         # fp64 mask; fp32 for 16-bit x, as everywhere here), over mask.sum() + 1e-8 in that sum's type (fp32 for a
         # bool / int / fp32 mask: the eps rounds away, and the mean of equal values is that value, so their
         # covariances are 0, not the +-1e-9 a strict cov > clip_cov_lb = 0 would cut); the covariance in acc (verl
         # subtracts the 0-dim mean in x's dtype)
         if response_mask.dtype == torch.float64 and acc != torch.float64:
-            m_sum = response_mask.sum()  # the cap and the count in fp64, too (10 weights of 0.1: 9.999999 in fp32)
-            adv_sum, lp_sum = ((x.double() * response_mask).nansum() for x in (adv, lp))
+            # the cap and the count in fp64, too (10 weights of 0.1: 9.999999 in fp32)
+            m_sum = _checks.ordered_sum(response_mask)
+            adv_sum, lp_sum = (_checks.ordered_sum(x.double() * response_mask, nan=True) for x in (adv, lp))
         else:
             adv_sum, lp_sum = _masked_total(adv, m, s0), _masked_total(lp, m, s1)
         if cp > 1:  # the micro-batch's sums over every rank's tokens, and the kernel's ppo_kl numerator (unclamped)
@@ -1273,7 +1275,7 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
             # masked_mean(corr == 0, m): the cut tokens' mask values, summed over the same dense [B, T] as before
             cut = s1.zero_()
             cut.view(-1)[idx] = torch.where(keep, m.reshape(-1)[idx], 0.0)
-            cut_sum = cut.sum()
+            cut_sum = _checks.ordered_sum(cut)
         del s0, s1
         clipfrac = cut_sum.to(acc) / den
     # Under context parallelism the loss is aggregated again below, over the whole sequences' token counts.
@@ -1352,7 +1354,8 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
         # sums, for now: over the tokens with m > 0, unweighted (valid's float flags, in s0, as the weights)
         mean_a, mean_lp = _masked_total(adv, s0, s1), _masked_total(lp, s0, s1)
         if cp > 1:  # the micro-batch's sums over every rank's tokens
-            whole = _whole_sums((n.to(acc), mean_a, mean_lp, abs_kl_sum(s0), m.sum()), m, log_prob, cu_seqlens,
+            whole = _whole_sums((n.to(acc), mean_a, mean_lp, abs_kl_sum(s0), _checks.ordered_sum(m)), m, log_prob,
+                                cu_seqlens,
                                 loss_agg_mode, cfg, seq_group)
             n, mean_a, mean_lp, kl_sum, m_sum = whole.sums
             n = n.round().to(torch.int64)  # the count in the dtype one process has (the cap is computed from it)
@@ -1365,7 +1368,7 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
         idx, keep, _ = _top_positions(cov, valid, count, bound, seq_group=seq_group, cu_seqlens=cu_seqlens,
                                       overwrite=True, seq_positions=_seq_positions(seq_positions, log_prob, cp, fn))
         if whole is None:  # in cov's buffer
-            kl_sum, m_sum = abs_kl_sum(cov), m.sum()
+            kl_sum, m_sum = abs_kl_sum(cov), _checks.ordered_sum(m)
         ppo_kl = kl_sum / (m_sum + LY.MASKED_MEAN_EPS)
         del cov, s0, s1
         # The penalty lives on the selected tokens only, masked as agg_loss masks every token (where(m != 0, v, 0) *

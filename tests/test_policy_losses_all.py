@@ -712,6 +712,43 @@ def test_front_door_refuses_a_loss_the_bypass_flow_would_ignore(name):
     assert torch.equal(got[0], want[0])
 
 
+def test_covariance_losses_do_not_depend_on_the_thread_count():
+    """clip_cov / kl_cov pick tokens by the sign and size of their covariances against the micro-batch means. Those
+    means were full fp32 sums, which ATen splits over threads past 32768 elements: with one advantage over the batch
+    its mean moved by an ulp between 1 and 2 threads, every covariance changed sign and other tokens were cut (loss
+    1.3377 against 1.3059, 3,276 gradients different; the thread-count fuzz). The sums run in fixed blocks now
+    (_checks.ordered_sum): loss, metrics and gradient are the same bits at every thread count."""
+    from rollout_corr_ext import _checks
+
+    g = torch.Generator().manual_seed(11)
+    b, t = 40, 4096
+    old = -torch.rand(b, t, generator=g) * 2 - 0.05
+    lp = old + 0.05 * torch.randn(b, t, generator=g)
+    adv = torch.full((b, t), -1.3)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    mask[3, 1000:] = False
+    threads = torch.get_num_threads()
+    runs = {}
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for name, knobs in (("clip_cov", dict(clip_cov_ratio=0.02, clip_cov_lb=0.0)),
+                                ("kl_cov", dict(kl_cov_ratio=0.02))):
+                cfg = losses.PolicyLossConfig(loss_mode=name, **knobs)
+                fn = getattr(losses, f"compute_policy_loss_{name}")
+                runs.setdefault(name, []).append(_run(fn, old, lp, adv, mask, "token-mean", cfg, None))
+            x = torch.randn(200_003, generator=torch.Generator().manual_seed(n)) if n == 1 else x
+            runs.setdefault("sum", []).append(_checks.ordered_sum(x))
+    finally:
+        torch.set_num_threads(threads)
+    for name in ("clip_cov", "kl_cov"):
+        first = runs[name][0]
+        for other in runs[name][1:]:
+            assert torch.equal(first[0], other[0]) and torch.equal(first[2], other[2]), name
+            assert all(torch.equal(first[1][k], other[1][k]) for k in first[1]), name
+    assert all(torch.equal(runs["sum"][0], v) for v in runs["sum"][1:])
+
+
 KL_TYPES = list(losses.KL_PENALTY_TYPES) + ["k1+", "k3+", "low_var_kl+", "k2+", "abs+"]
 
 
