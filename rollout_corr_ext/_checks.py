@@ -94,12 +94,20 @@ def assert_traced_number(value, ok: Callable[[torch.Tensor], torch.Tensor], msg:
 def check_weight_mask(name: str, mask: torch.Tensor) -> None:
     """A float mask that weights each token's loss (verl multiplies it in): NaN, inf or a negative weight defines
     no loss, so each is refused naming the position (:func:`refuse_where`; bool / integer masks have nothing to
-    check). A NaN weight made the loss NaN in token-mean and dropped its row in the seq-mean modes, silently."""
-    if mask.is_floating_point():
-        refuse_where(~(mask >= 0) | (mask == math.inf),
-                     lambda at: f"{name} at {at} is {float(mask[at])}: a float mask weights its token's loss and "
-                                f"must be finite and >= 0",
-                     f"{name}: a float mask must be finite and >= 0")
+    check). A NaN weight made the loss NaN in token-mean and dropped its row in the seq-mean modes, silently. One
+    read of the mask (its min and max, NaN propagating); the position is looked for only when one is bad. (The
+    policy-loss kernels make the same check on the values they read anyway, at no cost.)"""
+    if not mask.is_floating_point() or mask.numel() == 0:
+        return
+    lo, hi = torch.aminmax(mask)
+    ok = (lo >= 0) & (hi < math.inf)  # NaN fails both
+    if mask.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(ok):
+            refuse_where(~(mask >= 0) | (mask == math.inf),
+                         lambda at: f"{name} at {at} is {float(mask[at])}: a float mask weights its token's loss "
+                                    f"and must be finite and >= 0", "")
+    else:
+        torch._assert_async(ok, f"{name}: a float mask must be finite and >= 0")
 
 
 def refuse_where(bad: torch.Tensor, describe: Callable[[Tuple[int, ...]], str], device_msg: str) -> None:

@@ -398,8 +398,7 @@ def check_policy_inputs(old_log_prob, log_prob, advantages, response_mask, rollo
     _check_cu_seqlens(cu_seqlens, log_prob)
     _check_float(old_name, old_log_prob, log_prob)
     _check_float("advantages", advantages, log_prob)
-    check_mask("response_mask", response_mask, log_prob)
-    _checks.check_weight_mask("response_mask", response_mask)
+    check_mask("response_mask", response_mask, log_prob)  # its values: the policy-loss kernel, as it reads them
     if rollout_is_weights is not None:
         _check_float("rollout_is_weights", rollout_is_weights, log_prob)
 
@@ -1250,12 +1249,16 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         eligible.logical_and_(_flag(torch.gt, cov, cfg.clip_cov_lb, test, s1))
         del test
         count = (cfg.clip_cov_ratio * m_sum).floor().clamp(min=1)
-        if cp > 1:  # the global cap, the same int on every rank (the records' length)
-            bound = int(count.item())
-        elif response_mask.dtype == torch.bool:  # count <= ratio * numel: a bound known without reading data
+        if cp == 1 and response_mask.dtype == torch.bool:  # count <= ratio * numel: a bound known without the data
             bound = int(cfg.clip_cov_ratio * m.numel()) + 1
-        else:  # mask weights may exceed 1 (verl counts sum(mask)): read the count (a host sync on CUDA only)
-            bound = int(count.item())
+        else:  # CP: the global cap, the same int on every rank (the records' length); mask weights may exceed 1
+            # (verl counts sum(mask)): read the count (a host sync on CUDA only)
+            c = count.item()
+            if not math.isfinite(c):  # a NaN / inf mask weight: named here (this rank's), before int() fails on it
+                _checks.check_weight_mask("response_mask", response_mask)
+                raise ValueError("response_mask: a float mask weight is NaN or inf (on another rank); a weight must "
+                                 "be finite and >= 0")
+            bound = int(c)
         idx, keep, cut_sum = _top_positions(cov, eligible, count, bound, seq_group=seq_group,
                                             cu_seqlens=cu_seqlens, weight=m, overwrite=True,
                                             seq_positions=_seq_positions(seq_positions, log_prob, cp, fn))

@@ -755,20 +755,32 @@ def test_grpo_at_a_zero_probability_token(kl_beta, entropy_weight, kl_is_correct
                                                               entropy_weight)[0]).all()
 
 
+@pytest.mark.parametrize("device", device_params("cpu", "fallback", "emulated", cuda_reason="an asynchronous device "
+                                                 "assert on CUDA (poisons the context)"))
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
-def test_a_float_mask_must_be_finite_and_non_negative(bad):
+def test_a_float_mask_must_be_finite_and_non_negative(bad, device):
+    with ops_on(device):
+        _a_float_mask_must_be_finite_and_non_negative(bad)
+
+
+def _a_float_mask_must_be_finite_and_non_negative(bad):
     """A float response_mask weights each token's loss (verl multiplies it in): a NaN one made the loss and every
     metric NaN, silently (the versions fuzz); inf and negative weights define no loss either. Refused, naming the
-    position, in the front door and verl's drop-in alike; fractional weights stay accepted."""
+    position, in the front door and verl's drop-in alike (by the policy-loss kernel, on the values it reads anyway:
+    a separate pass over the mask doubled gpg's time); fractional weights stay accepted."""
     from rollout_corr_ext import verl as rv
 
     old, lp, adv, mask, _ = make_batch(reject_rows=())
     w = mask.to(lp.dtype) * 0.5
     assert torch.isfinite(compute_policy_loss(old, lp, adv, w, "token-mean", None)[0])
     w[2, 3] = bad
-    for fn in (compute_policy_loss, rv.compute_policy_loss_vanilla):
-        with pytest.raises(ValueError, match=r"response_mask at \(2, 3\) is .*finite and >= 0"):
+    for fn in (compute_policy_loss, rv.compute_policy_loss_vanilla, compute_policy_loss_reinforce):
+        with pytest.raises(ValueError, match=r"undefined at response token \(2, 3\): a response_mask weight NaN, inf "
+                                             r"or < 0"):
             fn(old, lp, adv, w, "token-mean", None)
+    for mode in ("gpg", "cispo", "kl_cov", "clip_cov", "geo_mean"):
+        with pytest.raises(ValueError, match=r"\(2, 3\)"):
+            compute_policy_loss(old, lp, adv, w, "token-mean", losses.PolicyLossConfig(loss_mode=mode))
     # agg_loss too: a NaN weight made token-mean NaN and dropped its row from the seq-mean modes (a finite value)
     for mode in LOSS_AGG_MODES:
         with pytest.raises(ValueError, match=r"loss_mask at \(2, 3\) is .*finite and >= 0"):

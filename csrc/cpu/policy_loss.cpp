@@ -333,7 +333,9 @@ RC_FORCEINLINE TokenOut<VF> token(VF lp, VF old_lp, VF adv, VF w, const Cfg<VF>&
 template <int K, typename VF>
 RC_FORCEINLINE typename Lanes<VF>::VI undefined(VF lp, VF old_lp, VF adv, VF w, VF m, VF loss) {
   using L = Lanes<VF>;
-  typename L::VI bad = L::lor(L::not_finite(adv), L::not_finite(w));
+  // the mask weight first (policy_loss_undefined): NaN, inf or < 0 at a token whose mask is not 0
+  typename L::VI bad = L::lor(L::lor(m != m, m < VF{}), m == L::splat(INFINITY));
+  bad = L::lor(bad, L::lor(L::not_finite(adv), L::not_finite(w)));
   if constexpr (K == kPolicyLossPpoClip || K == kPolicyLossReinforce) {
     const VF inf = L::splat(INFINITY);
     bad = L::lor(L::lor(bad, L::lor(lp != lp, lp == inf)), L::lor(old_lp != old_lp, old_lp == inf));
@@ -546,8 +548,9 @@ RC_FORCEINLINE void forward_rows(const FwdArgs& p, int64_t begin, int64_t end) {
     double row[kPgRowCols] = {};
     VF s_tokens{}, s_loss{}, s_clip{}, s_lower{}, s_kl{};
     // The undefined-loss screen: every input and the loss of each response token summed into lanes, which stay
-    // finite unless one of them is NaN or +-inf (or the sum overflows). policy_loss_undefined needs one of those, so
-    // a row whose screen stays finite has no undefined token; any other row is checked exactly (row_undefined).
+    // finite unless one of them is NaN or +-inf (or the sum overflows); a negative mask weight enters as +inf.
+    // policy_loss_undefined needs one of those, so a row whose screen stays finite has no undefined token; any
+    // other row is checked exactly (row_undefined).
     VF screen{};
     int chunks = 0;
     for (int64_t t0 = 0; t0 < sp.len; t0 += kChunk) {
@@ -568,7 +571,7 @@ RC_FORCEINLINE void forward_rows(const FwdArgs& p, int64_t begin, int64_t end) {
         if constexpr (kind_has_clip<K>()) s_clip += L::keep_if(nz, t.clip * m);
         if constexpr (kind_has_clip_lower<K>()) s_lower += L::keep_if(nz, t.clip_lower * m);
         s_kl += L::keep_if(nz, t.kl * m);
-        screen += L::keep_if(nz, ((lp + old) + (adv + w)) + t.loss);
+        screen += L::keep_if(nz, ((lp + old) + (adv + w)) + (t.loss + L::sel(m < VF{}, L::splat(INFINITY), m)));
       }
       if (out != nullptr && n < kChunk) std::memcpy(out + t0, tail, sizeof(float) * n);
       if (++chunks == kFoldChunks || t0 + kChunk >= sp.len) {

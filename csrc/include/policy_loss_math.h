@@ -281,7 +281,8 @@ RC_HD RC_FORCEINLINE bool policy_loss_undefined(acc_t lp, acc_t old_lp, acc_t ad
                                                 acc_t loss) {
   if (m == acc_t(0)) return false;
   const acc_t inf = static_cast<acc_t>(INFINITY);
-  bool bad = !(adv - adv == acc_t(0)) || !(w - w == acc_t(0));
+  // a float mask weights the token's loss (verl multiplies it in): NaN, inf or a negative weight defines none
+  bool bad = !(m > acc_t(0)) || m == inf || !(adv - adv == acc_t(0)) || !(w - w == acc_t(0));
   if (kind == kPolicyLossPpoClip || kind == kPolicyLossReinforce) {
     bad = bad || (lp != lp) || lp == inf || (old_lp != old_lp) || old_lp == inf;
     return bad || (kind == kPolicyLossPpoClip ? (lp == -inf && old_lp == -inf) : lp == -inf);

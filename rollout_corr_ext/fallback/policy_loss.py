@@ -98,7 +98,8 @@ def _undefined_loss_tokens(kind: int, old_log_prob, log_prob, advantages, respon
     inf = float("inf")
     lp, old = log_prob, old_log_prob
     adv = advantages if advantages.dim() == lp.dim() else advantages.unsqueeze(-1)
-    bad = ~torch.isfinite(adv)
+    # a float mask weights the token's loss (verl multiplies it in): NaN, inf or < 0 defines none
+    bad = ~(response_mask > 0) | (response_mask == inf) | ~torch.isfinite(adv)
     if weights is not None:
         bad = bad | ~torch.isfinite(weights)
     if kind in (LY.PG_KIND_PPO_CLIP, LY.PG_KIND_REINFORCE):
@@ -111,8 +112,9 @@ def _undefined_loss_tokens(kind: int, old_log_prob, log_prob, advantages, respon
 
 def _check_defined_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, weights, loss=None):
     bad = _undefined_loss_tokens(kind, old_log_prob, log_prob, advantages, response_mask, weights, loss)
-    what = ("log_prob / old_log_prob NaN or +inf, both -inf (PPO), log_prob -inf (REINFORCE), non-finite "
-            "advantages / IS weights, or (the other kinds) a non-finite input or token loss")
+    what = ("a response_mask weight NaN, inf or < 0, log_prob / old_log_prob NaN or +inf, both -inf (PPO), log_prob "
+            "-inf (REINFORCE), non-finite advantages / IS weights, or (the other kinds) a non-finite input or token "
+            "loss")
     refuse_where(bad, lambda at: f"policy loss undefined at response token {at}: {what} (mask the token out, or fix "
                                  f"the log-probs; a target at a -inf logit has log-prob -inf)",
                  f"policy loss undefined at a response token: {what}")
