@@ -83,6 +83,16 @@ def ordered_sum(x: torch.Tensor, nan: bool = False) -> torch.Tensor:
     return red(blocks)
 
 
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """``x.sum(-1)``, each row summed by one thread in one order whatever the thread count. ATen splits a reduction
+    over its rows when it has several, but a single row past one block (:data:`ORDERED_SUM_BLOCK`) over the threads
+    (its last bits then move with their number); such a row is summed as one of two identical rows (an expanded
+    view, no copy), which gives the bits it has in any batch of several rows."""
+    if x.dim() == 2 and x.shape[0] == 1 and x.shape[1] > ORDERED_SUM_BLOCK:
+        return x.expand(2, x.shape[1]).sum(-1)[:1]
+    return x.sum(-1)
+
+
 def assert_traced_number(value, ok: Callable[[torch.Tensor], torch.Tensor], msg: str) -> None:
     """A check of a Python-number argument while torch.compile traces: the number may be a symbol (``dynamic=True``,
     or a value that changed between calls: torch does not specialize floats), for which ``math.isfinite`` is a graph
@@ -92,22 +102,23 @@ def assert_traced_number(value, ok: Callable[[torch.Tensor], torch.Tensor], msg:
 
 
 def check_weight_mask(name: str, mask: torch.Tensor) -> None:
-    """A float mask that weights each token's loss (verl multiplies it in): NaN, inf or a negative weight defines
-    no loss, so each is refused naming the position (:func:`refuse_where`; bool / integer masks have nothing to
-    check). A NaN weight made the loss NaN in token-mean and dropped its row in the seq-mean modes, silently. One
+    """A mask that weights each token's loss (verl multiplies it in), as the loss reads it (``mask`` already in the
+    dtype the loss computes in: an fp64 1e300 is inf in fp32): NaN, inf or a negative weight defines no loss, so
+    each is refused naming the position (:func:`refuse_where`; a bool mask has nothing to check, an integer one its
+    sign). A NaN weight made the loss NaN in token-mean and dropped its row in the seq-mean modes, silently. One
     read of the mask (its min and max, NaN propagating); the position is looked for only when one is bad. (The
     policy-loss kernels make the same check on the values they read anyway, at no cost.)"""
-    if not mask.is_floating_point() or mask.numel() == 0:
+    if mask.dtype == torch.bool or mask.numel() == 0 or mask.is_complex():
         return
     lo, hi = torch.aminmax(mask)
-    ok = (lo >= 0) & (hi < math.inf)  # NaN fails both
+    ok = (lo >= 0) & (hi < math.inf) if mask.is_floating_point() else lo >= 0  # NaN fails both
     if mask.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(ok):
             refuse_where(~(mask >= 0) | (mask == math.inf),
-                         lambda at: f"{name} at {at} is {float(mask[at])}: a float mask weights its token's loss "
-                                    f"and must be finite and >= 0", "")
+                         lambda at: f"{name} at {at} is {float(mask[at])}: a mask weights its token's loss and "
+                                    f"must be finite and >= 0", "")
     else:
-        torch._assert_async(ok, f"{name}: a float mask must be finite and >= 0")
+        torch._assert_async(ok, f"{name}: a mask weight must be finite and >= 0")
 
 
 def refuse_where(bad: torch.Tensor, describe: Callable[[Tuple[int, ...]], str], device_msg: str) -> None:

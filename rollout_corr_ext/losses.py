@@ -554,15 +554,16 @@ def agg_loss(
     if cu_seqlens is not None:  # the values too (no op runs here to check them): a named error, a device assert on CUDA
         _checks.check_cu_seqlens(loss_mat, cu_seqlens)
     check_mask("loss_mask", loss_mask, loss_mat, "loss_mat")
-    _checks.check_weight_mask("loss_mask", loss_mask)
     check_loss_agg_mode(loss_agg_mode)
     # 16-bit losses are aggregated in fp32 (in fp16 the eps of a masked row's token-mean rounds away, and partial
     # sums round at every op), and the scalar comes back in the loss's dtype.
     acc = loss_mat.dtype if loss_mat.dtype in (torch.float32, torch.float64) else torch.float32
     x = loss_mat.to(acc)
     m = loss_mask.to(acc)
+    # its weights as the sums read them (a float mask in acc: fp64 1e300 is inf in fp32; an integer one its sign)
+    _checks.check_weight_mask("loss_mask", m if loss_mask.is_floating_point() else loss_mask)
     if cu_seqlens is None:
-        row_loss_sum, row_tokens = _checks.masked(x, m).sum(-1), m.sum(-1)
+        row_loss_sum, row_tokens = _checks.row_sums(_checks.masked(x, m)), _checks.row_sums(m)
     else:
         row_loss_sum, row_tokens = segment_sum(_checks.masked(x, m), cu_seqlens), segment_sum(m, cu_seqlens)
     loss = aggregate_rows(row_loss_sum, row_tokens, loss_agg_mode, padded_horizon(loss_mat, cu_seqlens), dp_size=dp_size,
@@ -696,7 +697,7 @@ def _row_sums(x: torch.Tensor, cu_seqlens) -> torch.Tensor:
     """Per-row (packed: per-segment) sums, in the row-major order whatever ``x``'s layout (a transposed input's
     elementwise results keep its strides, and torch sums a strided row in another order: an ulp apart)."""
     x = x.contiguous()
-    return x.sum(-1) if cu_seqlens is None else segment_sum(x, cu_seqlens)
+    return _checks.row_sums(x) if cu_seqlens is None else segment_sum(x, cu_seqlens)
 
 
 def _per_token(row_values: torch.Tensor, like: torch.Tensor, cu_seqlens) -> torch.Tensor:
@@ -1221,7 +1222,7 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         # covariances are 0, not the +-1e-9 a strict cov > clip_cov_lb = 0 would cut); the covariance in acc (verl
         # subtracts the 0-dim mean in x's dtype)
         if response_mask.dtype == torch.float64 and acc != torch.float64:
-            # the cap and the count in fp64, too (10 weights of 0.1: 9.999999 in fp32)
+            # the cap and the count in fp64, too (100 weights of 0.1: 9.999999 in fp32)
             m_sum = _checks.ordered_sum(response_mask)
             adv_sum, lp_sum = (_checks.ordered_sum(x.double() * response_mask, nan=True) for x in (adv, lp))
         else:
@@ -1255,9 +1256,9 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
             # (verl counts sum(mask)): read the count (a host sync on CUDA only)
             c = count.item()
             if not math.isfinite(c):  # a NaN / inf mask weight: named here (this rank's), before int() fails on it
-                _checks.check_weight_mask("response_mask", response_mask)
-                raise ValueError("response_mask: a float mask weight is NaN or inf (on another rank); a weight must "
-                                 "be finite and >= 0")
+                _checks.check_weight_mask("response_mask", m)  # as summed (in acc)
+                raise ValueError("response_mask: the mask weights' sum is NaN or inf (a weight NaN or inf on another "
+                                 "rank, or a sum past the dtype's range); a weight must be finite and >= 0")
             bound = int(c)
         idx, keep, cut_sum = _top_positions(cov, eligible, count, bound, seq_group=seq_group,
                                             cu_seqlens=cu_seqlens, weight=m, overwrite=True,
@@ -1989,6 +1990,9 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     _check_float("ref_logprob", ref_logprob, logprob)
     if old_log_prob is not None:
         _check_float("old_log_prob", old_log_prob, logprob)
+        # pi_old is the constant the tokens were drawn from: differentiated, the ratio's gradient would no longer be
+        # the KL's (old_log_prob=logprob on-policy: plain k3's gradient, silently)
+        refuse_grad("kl_penalty", old_log_prob=old_log_prob)
         if straight_through and base not in ("mse", "k2"):
             raise ValueError(f"kl_penalty={kl_penalty!r} with old_log_prob: the IS correction already makes the "
                              f"gradient unbiased; pass {base!r}")
@@ -2143,34 +2147,36 @@ def calculate_grpo_loss(
     zero = torch.zeros((), dtype=acc, device=lp.device)
     lp_live = torch.where(live, lp_acc, zero)
     ref_live = torch.where(live, ref_logprobs.to(acc), zero)
-    if kl_beta != 0:
-        # k3 = pi_ref / pi - log(pi_ref / pi) - 1 is undefined where the ratio is: a NaN / +inf ref log-prob, or
-        # pi = pi_ref = 0 (0 / 0); with kl_beta = 0 the term is not in the loss and nothing is refused
-        undefined = ref_live.isnan() | (ref_live == math.inf) | ((ref_live == -math.inf) & (lp_live == -math.inf))
-        refuse_where(live & undefined,
-                     lambda at: f"calculate_grpo_loss: the KL term is undefined at response token {at}: ref_logprobs "
-                                f"NaN or +inf, or ref_logprobs and current_logprobs both -inf (0 / 0); mask the token "
-                                f"out or pass kl_beta=0",
-                     "calculate_grpo_loss: the KL term is undefined at a response token: ref_logprobs NaN or +inf, "
-                     "or ref_logprobs and current_logprobs both -inf")
+    big = torch.finfo(acc).max
     ref_diff = ref_live - lp_live
-    # pi = 0 under a finite pi_ref (log-ratio +inf): k3 is +inf, its derivative in log pi -inf (the limits of
-    # e^x - x - 1 and of -(e^x - 1)); e^x - x alone would read inf - inf = NaN. The finite branch reads 0 there so
-    # that its backward stays finite.
-    at_inf = ref_diff == math.inf
-    finite_diff = torch.where(at_inf, zero, ref_diff)
-    kl_term = torch.where(at_inf, torch.where(at_inf, ref_diff, zero).exp(),
-                          finite_diff.exp() - finite_diff - 1)
+    # pi = 0 under a finite pi_ref (log-ratio x = +inf): k3 = e^x - x - 1 is +inf there and its derivative in log pi
+    # -inf (their limits), where e^x - x would read inf - inf = NaN. The linear term takes x clamped to the largest
+    # finite value: the same value everywhere else, inf - max = inf there, and the clamp passes it no gradient.
+    kl_term = ref_diff.exp() - ref_diff.clamp(max=big) - 1
+    if kl_beta != 0:
+        # k3 is undefined where pi_ref / pi is: a NaN / +inf ref log-prob, or pi = pi_ref = 0 (0 / 0, a NaN k3).
+        # Two reductions find out (no [B, T] temporaries); the token is looked for only then. With kl_beta = 0
+        # the term is not in the loss and nothing is refused.
+        bad = kl_term.sum().isnan() | (ref_live.amax() == math.inf) if kl_term.numel() else None
+        msg = ("calculate_grpo_loss: the KL term is undefined at a response token: ref_logprobs NaN or +inf, or "
+               "ref_logprobs and current_logprobs both -inf (0 / 0); mask the token out or pass kl_beta=0")
+        if bad is None:
+            pass
+        elif lp.device.type == "cpu" and not torch.compiler.is_compiling():
+            if bool(bad):
+                refuse_where(live & (kl_term.isnan() | (ref_live == math.inf)),
+                             lambda at: msg.replace("at a response token", f"at response token {at}"), msg)
+        else:
+            torch._assert_async(~bad, msg)
     if kl_is_correction:
         # DeepSeek-V3.2 technical report ("unbiased KL estimate"): the k3 estimate weighted by pi_theta / pi_old,
         # the tokens being drawn from pi_old; the ratio is differentiated too, so the gradient is that of
         # KL(pi_theta || pi_ref) itself (E_old[grad(r k3)] = grad E_theta[k3]).
         old_live = torch.where(live, old_logprobs.detach().to(acc), zero)
         kl_term = torch.exp(torch.clamp(lp_live - old_live, -20.0, 20.0)) * kl_term
-    # p log p is 0 at p = 0 (its limit; so is that of its derivative, p (log p + 1)); -inf * 0 would read NaN
-    at_zero = lp_live == -math.inf
-    lp_finite = torch.where(at_zero, zero, lp_live)
-    entropy_term = torch.where(at_zero, zero, lp_finite.exp() * lp_finite)
+    # p log p is 0 at p = 0 (its limit; so is that of its derivative, p (log p + 1)): log p clamped to the lowest
+    # finite value gives 0 * -max = -0 there (-inf * 0 would read NaN), and the clamp passes it no gradient
+    entropy_term = lp_live.exp() * lp_live.clamp(min=-big)
     # a term whose coefficient is 0 is left out, not multiplied by 0: an infinite KL at a token pi gives probability
     # 0 must not turn a defined loss into NaN when the KL is off (Megatron's 0 * inf)
     loss = pg_loss

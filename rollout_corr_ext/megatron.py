@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import _layout as LY
 from . import logprobs as _lp
-from ._checks import check_mask, refuse_ambiguous_per_sequence, refuse_where, safe_div
+from ._checks import check_mask, refuse_ambiguous_per_sequence, refuse_where, row_sums, safe_div
 from .losses import (
     PolicyLossConfig,
     as_policy_config,
@@ -820,7 +820,7 @@ def make_policy_loss_func(
         rows, mask = step.rows, step.mask
         m = mask.to(logp.dtype)
         ent_masked = torch.where(mask != 0, entropy, torch.zeros_like(entropy)).mul(m)
-        ent_rows = ent_masked.sum(-1) if cu is None else segment_sum(ent_masked, cu)
+        ent_rows = row_sums(ent_masked) if cu is None else segment_sum(ent_masked, cu)
         # Whole sequences: under CP the ranks of seq_group hold pieces of the same sequences, so the per-row token
         # counts, the padded length (packed: the B sequence lengths) and the valid-token count are summed over it
         # (one all-reduce of B + 2 numbers, 2B + 1 packed, fp64 so counts stay exact) and every CP rank reports the

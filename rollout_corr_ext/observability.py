@@ -186,9 +186,10 @@ class MismatchDiagnostics:
         object.__setattr__(self, "position_buckets", tuple(int(x) for x in pb))
         if (self.versions is None) != (self.current_version is None):
             raise ValueError("diagnostics.versions and diagnostics.current_version go together (one is missing)")
-        if self.current_version is not None and (isinstance(self.current_version, bool)
-                                                 or not isinstance(self.current_version, int)):
-            raise TypeError(f"diagnostics.current_version must be an int, got {type(self.current_version).__name__}")
+        if self.current_version is not None:
+            from .versions import check_current_version
+
+            check_current_version(self.current_version, "diagnostics.current_version")
 
     def bucket_labels(self) -> Dict[str, List[str]]:
         """Each breakdown's bucket labels (the metric keys' middle part), for the breakdowns this spec has."""

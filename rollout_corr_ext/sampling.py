@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import math
 import numbers
+import re
 import struct
 from typing import NamedTuple, Optional, Union
 
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from . import _layout as LY
 from . import logprobs as _lp
 from . import ops
+from ._checks import row_sums
 from .fallback import logprob as _fallback_lp  # the targets' fingerprint, as the log-prob record headers hold it
 
 Number = Union[int, float]
@@ -127,7 +129,7 @@ class SamplingParams:
         def integer(key, value):  # an int, or a string / float that is one exactly (int() would truncate 4.7)
             if isinstance(value, numbers.Integral) and not isinstance(value, bool):
                 return int(value)
-            if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            if isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9]+\s*", value):  # ASCII digits only
                 return int(value)
             if isinstance(value, float) and value.is_integer():
                 return int(value)
@@ -457,8 +459,8 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
         for z in parts(r0, r1):
             e = torch.exp(z - z_max[r0:r1].unsqueeze(1))
             if any_kept:
-                sums[r0:r1, 0] += torch.where(z >= t, e, torch.zeros_like(e)).sum(-1).double()
-            sums[r0:r1, 1] += e.sum(-1).double()
+                sums[r0:r1, 0] += row_sums(torch.where(z >= t, e, torch.zeros_like(e))).double()
+            sums[r0:r1, 1] += row_sums(e).double()  # a lone row of a wide vocab: one order at any thread count
     sums = _all_reduce(sums, dist.ReduceOp.SUM, group, world)
     if fast:
         kept_mass = torch.exp(cand.to(torch.float64) - z_max.to(torch.float64).unsqueeze(1))
@@ -1089,7 +1091,7 @@ def kept_log_probs(
             r1 = min(r0 + CHUNK_ROWS, n)
             z = logits2d[r0:r1, :valid_cols].detach().to(acc) / temperature[r0:r1].unsqueeze(1)
             e = torch.exp(z - finite_max[r0:r1].unsqueeze(1))
-            sums[r0:r1, 1] = torch.where(active[r0:r1], e.sum(-1).double(), 0.0)
+            sums[r0:r1, 1] = torch.where(active[r0:r1], row_sums(e).double(), 0.0)
         sums[:, 0].index_add_(0, row[local], torch.exp(zk.double() - finite_kept[row[local]].double()))
         sums[:, 2].index_add_(0, row[local], (zk != -math.inf).double())
         sums[:, 3].index_add_(0, row[local], torch.ones_like(zk, dtype=torch.float64))

@@ -30,7 +30,7 @@ from ._checks import check_cu_seqlens, check_mask_kind, refuse_ambiguous_per_seq
 from .fallback.rollout_correction import MSG_NO_VALID_TOKEN
 
 __all__ = ["PROXIMAL_METHODS", "proximal_log_prob", "staleness_metrics", "proximal_error_metrics",
-           "compute_rollout_correction_by_lag", "policy_lag"]
+           "compute_rollout_correction_by_lag", "policy_lag", "check_current_version"]
 
 PROXIMAL_METHODS = ("loglinear", "linear")
 
@@ -51,11 +51,12 @@ def _versions(versions, like: torch.Tensor, name: str = "versions") -> torch.Ten
                      f"{tuple(versions.shape)}")
 
 
-def _current(current_version) -> int:
+def check_current_version(current_version, name: str = "current_version") -> int:
+    """The trainer's policy version: an int in [0, 2**63) (the lags are int64), else an error naming ``name``."""
     if isinstance(current_version, bool) or not isinstance(current_version, int):
-        raise TypeError(f"current_version must be an int, got {type(current_version).__name__}")
-    if not 0 <= current_version < 2 ** 63:  # the lags are int64
-        raise ValueError(f"current_version must be in [0, 2**63), got {current_version}")
+        raise TypeError(f"{name} must be an int, got {type(current_version).__name__}")
+    if not 0 <= current_version < 2 ** 63:
+        raise ValueError(f"{name} must be in [0, 2**63), got {current_version}")
     return current_version
 
 
@@ -87,7 +88,7 @@ def proximal_log_prob(behaviour_log_prob: torch.Tensor, log_prob: torch.Tensor, 
     versions mark tokens the engine did not generate (alpha 0: pi_prox = pi_b)."""
     if method not in PROXIMAL_METHODS:
         raise ValueError(f"method must be one of {PROXIMAL_METHODS}, got {method!r}")
-    v_theta = _current(current_version)
+    v_theta = check_current_version(current_version)
     for name, t in (("behaviour_log_prob", behaviour_log_prob), ("log_prob", log_prob)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {getattr(t, 'dtype', type(t))}")
@@ -118,7 +119,7 @@ def staleness_metrics(versions: torch.Tensor, current_version: int, response_mas
     ``max``, ``min``, and ``hist`` (a ``[max_lag + 2]`` tensor of token counts for lag 0, 1, ..., max_lag and
     > max_lag; a negative lag, a token newer than the trainer, is an error). 0-dim fp64 tensors (no host sync);
     with ``dp_group`` the values of the whole data-parallel batch."""
-    v_theta = _current(current_version)
+    v_theta = check_current_version(current_version)
     if isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0:
         raise ValueError(f"max_lag must be an int >= 0, got {max_lag!r}")
     check_mask_kind("response_mask", response_mask)
@@ -202,7 +203,7 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     from .config import RolloutCorrectionConfig
     from .correction import PREFIX, RolloutCorrectionResult, check_correction_inputs, compute_rollout_correction
 
-    v_theta = _current(current_version)
+    v_theta = check_current_version(current_version)
     if not isinstance(lag_configs, (list, tuple)) or not lag_configs:
         raise ValueError("lag_configs must be a non-empty list of (lag, config) pairs, the first lag 0")
     lags, cfgs = [], []

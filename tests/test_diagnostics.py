@@ -535,6 +535,9 @@ def test_bad_inputs_raise_named_errors():
         run(versions=versions, current_version=5)
     with pytest.raises(ValueError, match="go together"):
         MismatchDiagnostics(versions=versions)
+    for wrong in (-1, 2 ** 63):  # 2**63 gave a staleness mean of 9.2e18, silently (the review)
+        with pytest.raises(ValueError, match=r"diagnostics.current_version must be in \[0, 2\*\*63\)"):
+            MismatchDiagnostics(versions=versions, current_version=wrong)
     with pytest.raises(ValueError, match="diagnostics.position_buckets must be strictly increasing"):
         MismatchDiagnostics(position_buckets=(8, 4))
     with pytest.raises(ValueError, match="diagnostics.top_k must be an int"):

@@ -785,6 +785,24 @@ def _a_float_mask_must_be_finite_and_non_negative(bad):
     for mode in LOSS_AGG_MODES:
         with pytest.raises(ValueError, match=r"loss_mask at \(2, 3\) is .*finite and >= 0"):
             agg_loss(lp.detach(), w, mode)
+    # the weights as the loss computes with them (the review): an fp64 1e300 is inf in fp32 (the fallback checked
+    # the fp64 value and returned NaN), -1e-50 is -0 there (accepted); a negative integer weight flips the sign
+    lp32, old32, adv32 = (t.float() for t in (lp.detach(), old, adv))
+    w64 = mask.to(torch.float64)
+    w64[2, 3] = 1e300
+    with pytest.raises(ValueError, match=r"\(2, 3\)"):
+        compute_policy_loss(old32, lp32, adv32, w64, "token-mean", None)
+    with pytest.raises(ValueError, match=r"loss_mask at \(2, 3\) is inf"):
+        agg_loss(lp32, w64, "token-mean")
+    w64[2, 3] = -1e-50
+    assert torch.isfinite(compute_policy_loss(old32, lp32, adv32, w64, "token-mean", None)[0])
+    assert torch.isfinite(agg_loss(lp32, w64, "token-mean"))
+    wi = mask.to(torch.int64)
+    wi[2, 3] = -1
+    with pytest.raises(ValueError, match=r"loss_mask at \(2, 3\) is -1"):
+        agg_loss(lp.detach(), wi, "token-mean")
+    with pytest.raises(ValueError, match=r"\(2, 3\)"):
+        compute_policy_loss(old, lp, adv, wi, "token-mean", None)
 
 
 @pytest.mark.parametrize("device", ALL_BACKENDS)

@@ -737,11 +737,17 @@ def test_covariance_losses_do_not_depend_on_the_thread_count():
                 cfg = losses.PolicyLossConfig(loss_mode=name, **knobs)
                 fn = getattr(losses, f"compute_policy_loss_{name}")
                 runs.setdefault(name, []).append(_run(fn, old, lp, adv, mask, "token-mean", cfg, None))
+            # one long row (micro-batch 1 at a long context): its row sums were split over the threads too
+            one = losses.PolicyLossConfig(loss_mode="kl_cov", kl_cov_ratio=0.02)
+            w = torch.rand(1, 40_000, generator=torch.Generator().manual_seed(5)) + 0.25
+            runs.setdefault("one_row", []).append(_run(losses.compute_policy_loss_kl_cov, old[:10].reshape(1, -1)[:, :40_000],
+                                                       lp[:10].reshape(1, -1)[:, :40_000], adv[:10].reshape(1, -1)[:, :40_000],
+                                                       w, "token-mean", one, None))
             x = torch.randn(200_003, generator=torch.Generator().manual_seed(n)) if n == 1 else x
             runs.setdefault("sum", []).append(_checks.ordered_sum(x))
     finally:
         torch.set_num_threads(threads)
-    for name in ("clip_cov", "kl_cov"):
+    for name in ("clip_cov", "kl_cov", "one_row"):
         first = runs[name][0]
         for other in runs[name][1:]:
             assert torch.equal(first[0], other[0]) and torch.equal(first[2], other[2]), name
@@ -841,6 +847,13 @@ def test_kl_penalty_bad_input():
         rv.kl_penalty(lp, lp, "k3", old_log_prob=torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="already makes the gradient unbiased; pass 'k3'"):
         rv.kl_penalty(lp, lp, "k3+", old_log_prob=lp)
+    # pi_old is a constant: old_log_prob=log_prob (on-policy) with its graph gave plain k3's gradient, silently
+    x = lp.clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="kl_penalty: old_log_prob requires grad"):
+        rv.kl_penalty(x, lp, "k3", old_log_prob=x)
+    (g,) = torch.autograd.grad(rv.kl_penalty(x, lp - 0.3, "k3", old_log_prob=x.detach()).sum(), x)
+    torch.testing.assert_close(g, 1 - torch.exp(torch.tensor(-0.3)) + (torch.exp(torch.tensor(-0.3)) + 0.3 - 1)
+                               * torch.ones_like(g))
 
 
 # ----------------------------------------------------------------------------------------- Megatron-LM packed GRPO

@@ -321,7 +321,7 @@ def test_from_verl_rollout_config():
     assert SamplingParams.from_verl({"top_k": "50", "min_p": "0.05"}).top_k == 50
     assert SamplingParams.from_verl({"top_k": 50.0, "min_p": None}).min_p == 0.0
     # an offset that is not an integer is another sampler, silently (int() read 4.7 as 4): named
-    for bad in (4.7, "4.7", True, "many", [4]):
+    for bad in (4.7, "4.7", True, "many", [4], "+-5", "\u00b2"):
         with pytest.raises(ValueError, match=rf"rollout config: top_k must be an integer .*got {re.escape(repr(bad))}"):
             SamplingParams.from_verl({"top_k": bad})
     with pytest.raises(ValueError, match="rollout config: min_p must be a number, got 'low'"):

@@ -164,8 +164,8 @@ def policy_loss_rows(
     m = response_mask.to(acc)
     terms = (clip_low, clip_high, clip_c, loss_kind, param_a, param_b)
     loss, clip, clip_lower, kl = _policy_token_terms(lp, old, adv, w, *terms)
-    _check_defined_loss(loss_kind, old_log_prob.detach(), log_prob.detach(), advantages.detach(), response_mask,
-                        None if weights is None else weights.detach(), loss.detach())
+    # checked as computed, in acc (as the kernels load them): an fp64 1e300 is inf in fp32, -1e-50 is -0
+    _check_defined_loss(loss_kind, old.detach(), lp.detach(), adv.detach(), m, w, loss.detach())
     # The row sums are built from inputs selected at the valid tokens, so that a masked-out token's NaN / -inf
     # never meets autograd's 0 * (local derivative) and the gradient there is exactly 0 (the kernels' rule).
     valid = m != 0
