@@ -982,10 +982,13 @@ def _geo_mean_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
     if cfg.global_batch_size is None:
         if cfg.dp_size > 1:
             raise ValueError("geo_mean with dp_size > 1 needs global_batch_size (the global count of sequences)")
-        loss = seq_loss.mean() if seq_loss.numel() else seq_loss.sum()
+        # past one block of sequences, in the fixed order (verl's torch.mean below it)
+        n_seq = seq_loss.numel()
+        loss = seq_loss.mean() if 0 < n_seq <= _checks.ORDERED_SUM_BLOCK else _checks.ordered_sum(seq_loss) / max(n_seq, 1)
     else:
         gbs = cfg.global_batch_size
-        loss = safe_div(seq_loss.sum(), gbs.reshape(()) if isinstance(gbs, torch.Tensor) else gbs) * cfg.dp_size
+        loss = safe_div(_checks.ordered_sum(seq_loss), gbs.reshape(()) if isinstance(gbs, torch.Tensor) else gbs) \
+            * cfg.dp_size
     return _share_of_whole(loss, cp), _row_metrics(whole_rows, _PPO_METRICS), rows
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import _layout as LY
 from . import logprobs as _lp
-from ._checks import check_mask, refuse_ambiguous_per_sequence, refuse_where, row_sums, safe_div
+from ._checks import check_mask, ordered_sum, refuse_ambiguous_per_sequence, refuse_where, row_sums, safe_div
 from .losses import (
     PolicyLossConfig,
     as_policy_config,
@@ -161,7 +161,7 @@ def _seq_numerator(row_sum, row_tokens, valid, mode, horizon, loss_scale_factor)
     padded length (reduced over CP), so the shares of the CP ranks add up to the single-process numerator."""
     if mode == "seq-mean-token-mean":
         row_sum = row_sum / (row_tokens.to(row_sum.dtype) + LY.MASKED_MEAN_EPS)
-    total = torch.where(valid, row_sum, torch.zeros_like(row_sum)).sum()
+    total = ordered_sum(torch.where(valid, row_sum, torch.zeros_like(row_sum)))
     if mode == "seq-mean-token-sum-norm":
         total = safe_div(total, horizon if loss_scale_factor is None else loss_scale_factor)  # horizon 0: T = 0
     return total
@@ -851,8 +851,8 @@ def make_policy_loss_func(
             # value * count is sum(m * L) for 0/1 masks; for fractional masks it keeps the micro-batch value exact
             count = valid_tokens.round().to(torch.int64)
             n = count.to(rows.dtype)
-            pg_sum = safe_div(rows[:, LY.PG_ROW_LOSS_SUM].sum(), row_tokens.sum()) * n
-            ent_sum = safe_div(ent_rows.sum(), row_tokens.sum().to(ent_rows.dtype)) * n.to(ent_rows.dtype)
+            pg_sum = safe_div(ordered_sum(rows[:, LY.PG_ROW_LOSS_SUM]), ordered_sum(row_tokens)) * n
+            ent_sum = safe_div(ordered_sum(ent_rows), ordered_sum(row_tokens).to(ent_rows.dtype)) * n.to(ent_rows.dtype)
         else:
             valid = row_tokens > 0  # rows RS rejected entirely (or without response tokens) do not count
             count = valid.sum()
@@ -885,22 +885,23 @@ def make_policy_loss_func(
                                         batch_invariant=batch_invariant)
                 lp_k = lp_k.reshape(-1) if cu is not None else lp_k.transpose(0, 1)
                 m_k = m_k.to(device=lp_k.device, dtype=lp_k.dtype)
-                ce_sum, n_k = -(lp_k * m_k).sum(), m_k.sum()  # this rank's: the metric's, summed over dp_group
+                # this rank's: the metric's, summed over dp_group
+                ce_sum, n_k = -ordered_sum(lp_k * m_k), ordered_sum(m_k)
                 n_all = mtp_totals[k].to(n_k.dtype) if seq_world > 1 else n_k
                 loss_sum = loss_sum + scale * safe_div(ce_sum, n_all) * n
                 mtp_pairs.append((ce_sum.detach(), n_k))
 
         rows = rows.detach()
-        tokens = rows[:, LY.PG_ROW_TOKENS].sum()
+        tokens = ordered_sum(rows[:, LY.PG_ROW_TOKENS])
         one = torch.ones((), dtype=torch.float32, device=logp.device)
         names = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy"]
         pairs = [
             (pg_sum.detach(), n),
-            (rows[:, LY.PG_ROW_CLIP].sum(), tokens),
-            (rows[:, LY.PG_ROW_CLIP_LOWER].sum(), tokens),
-            (rows[:, LY.PG_ROW_KL_SUM].sum() if step.gspo_x_sum is None else -step.gspo_x_sum.to(rows.dtype),
+            (ordered_sum(rows[:, LY.PG_ROW_CLIP]), tokens),
+            (ordered_sum(rows[:, LY.PG_ROW_CLIP_LOWER]), tokens),
+            (ordered_sum(rows[:, LY.PG_ROW_KL_SUM]) if step.gspo_x_sum is None else -step.gspo_x_sum.to(rows.dtype),
              tokens),
-            ((entropy.detach() * m).sum(), tokens),
+            (ordered_sum(entropy.detach() * m), tokens),
         ]
         if step.whole_batch:  # the loss's own metrics (verl's masked means), as sums over the same tokens
             zero = torch.zeros((), dtype=rows.dtype, device=rows.device)
@@ -934,8 +935,8 @@ def make_policy_loss_func(
             names += ["rollout_corr/sampling_out_of_support_fraction", "rollout_corr/sampling_kept_mass_mean",
                       "rollout_corr/sampling_log_kept_mass_mean"]
             pairs += [((valid & ~in_support).sum().float(), n_valid),
-                      (torch.where(valid, ls.exp(), torch.zeros_like(ls)).sum(), n_valid),
-                      (torch.where(valid, ls, torch.zeros_like(ls)).sum(), n_valid)]
+                      (ordered_sum(torch.where(valid, ls.exp(), torch.zeros_like(ls))), n_valid),
+                      (ordered_sum(torch.where(valid, ls, torch.zeros_like(ls))), n_valid)]
         report = torch.stack([torch.stack([a.float(), b.float()]) for a, b in pairs])
         if reduce_metrics and _size(metric_group) > 1:
             dist.all_reduce(report, group=metric_group)

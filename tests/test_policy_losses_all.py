@@ -743,11 +743,18 @@ def test_covariance_losses_do_not_depend_on_the_thread_count():
             runs.setdefault("one_row", []).append(_run(losses.compute_policy_loss_kl_cov, old[:10].reshape(1, -1)[:, :40_000],
                                                        lp[:10].reshape(1, -1)[:, :40_000], adv[:10].reshape(1, -1)[:, :40_000],
                                                        w, "token-mean", one, None))
+            # more sequences than one block: geo_mean's mean over them (the follow-up fuzz)
+            gl = lp[:, :3000].reshape(40_000, 3)
+            runs.setdefault("geo_mean", []).append(_run(
+                losses.compute_policy_loss_geo_mean, old[:, :3000].reshape(40_000, 3), gl,
+                torch.randn(40_000, 1, generator=torch.Generator().manual_seed(6)).expand(40_000, 3),
+                torch.ones(40_000, 3, dtype=torch.bool), "token-mean", losses.PolicyLossConfig(loss_mode="geo_mean"),
+                None))
             x = torch.randn(200_003, generator=torch.Generator().manual_seed(n)) if n == 1 else x
             runs.setdefault("sum", []).append(_checks.ordered_sum(x))
     finally:
         torch.set_num_threads(threads)
-    for name in ("clip_cov", "kl_cov", "one_row"):
+    for name in ("clip_cov", "kl_cov", "one_row", "geo_mean"):
         first = runs[name][0]
         for other in runs[name][1:]:
             assert torch.equal(first[0], other[0]) and torch.equal(first[2], other[2]), name
