@@ -111,14 +111,11 @@ def check_weight_mask(name: str, mask: torch.Tensor) -> None:
     if mask.dtype == torch.bool or mask.numel() == 0 or mask.is_complex():
         return
     lo, hi = torch.aminmax(mask)
-    ok = (lo >= 0) & (hi < math.inf) if mask.is_floating_point() else lo >= 0  # NaN fails both
-    if mask.device.type == "cpu" and not torch.compiler.is_compiling():
-        if not bool(ok):
-            refuse_where(~(mask >= 0) | (mask == math.inf),
-                         lambda at: f"{name} at {at} is {float(mask[at])}: a mask weights its token's loss and "
-                                    f"must be finite and >= 0", "")
-    else:
-        torch._assert_async(ok, f"{name}: a mask weight must be finite and >= 0")
+    refuse_unless((lo >= 0) & (hi < math.inf) if mask.is_floating_point() else lo >= 0,  # NaN fails both
+                  lambda: ~(mask >= 0) | (mask == math.inf),
+                  lambda at: f"{name} at {at} is {float(mask[at])}: a mask weights its token's loss and must be "
+                             f"finite and >= 0",
+                  f"{name}: a mask weight must be finite and >= 0")
 
 
 def refuse_where(bad: torch.Tensor, describe: Callable[[Tuple[int, ...]], str], device_msg: str) -> None:
@@ -130,6 +127,18 @@ def refuse_where(bad: torch.Tensor, describe: Callable[[Tuple[int, ...]], str], 
             raise ValueError(describe(tuple(int(i) for i in bad.nonzero()[0])))
     else:
         torch._assert_async(~bad.any(), device_msg)
+
+
+def refuse_unless(ok: torch.Tensor, bad: Callable[[], torch.Tensor], describe: Callable[[Tuple[int, ...]], str],
+                  device_msg: str) -> None:
+    """:func:`refuse_where` behind a cheap verdict: ``ok``, a 0-dim bool from a few reductions (no [B, T]
+    temporaries), is read on CPU, and only when it fails is ``bad()`` built to name the first offending index; on
+    CUDA, or traced, an asynchronous assert on ``ok`` (no host sync)."""
+    if ok.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not bool(ok):
+            refuse_where(bad(), describe, device_msg)
+    else:
+        torch._assert_async(ok, device_msg)
 
 
 def refuse_ambiguous_per_sequence(name: str, n_values: int, cu: torch.Tensor, num_tokens: int, fix: str) -> None:

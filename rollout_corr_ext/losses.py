@@ -984,7 +984,10 @@ def _geo_mean_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
             raise ValueError("geo_mean with dp_size > 1 needs global_batch_size (the global count of sequences)")
         # past one block of sequences, in the fixed order (verl's torch.mean below it)
         n_seq = seq_loss.numel()
-        loss = seq_loss.mean() if 0 < n_seq <= _checks.ORDERED_SUM_BLOCK else _checks.ordered_sum(seq_loss) / max(n_seq, 1)
+        if 0 < n_seq <= _checks.ORDERED_SUM_BLOCK:
+            loss = seq_loss.mean()
+        else:
+            loss = _checks.ordered_sum(seq_loss) / max(n_seq, 1)
     else:
         gbs = cfg.global_batch_size
         loss = safe_div(_checks.ordered_sum(seq_loss), gbs.reshape(()) if isinstance(gbs, torch.Tensor) else gbs) \
@@ -1218,7 +1221,6 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         s0, s1 = ops.scratch_empty(shape, acc, dev, 0), ops.scratch_empty(shape, acc, dev, 1)
         valid = _flag(torch.gt, m, 0, ops.scratch_empty(shape, torch.bool, dev, _SLOT_VALID), s0)
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
-        m_sum = _checks.ordered_sum(m)
         # the means as verl_F.masked_mean types them: sum(x * mask) in x's and the mask's promoted type (fp64 with an
         # fp64 mask; fp32 for 16-bit x, as everywhere here), over mask.sum() + 1e-8 in that sum's type (fp32 for a
         # bool / int / fp32 mask: the eps rounds away, and the mean of equal values is that value, so their
@@ -1229,6 +1231,7 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
             m_sum = _checks.ordered_sum(response_mask)
             adv_sum, lp_sum = (_checks.ordered_sum(x.double() * response_mask, nan=True) for x in (adv, lp))
         else:
+            m_sum = _checks.ordered_sum(m)
             adv_sum, lp_sum = _masked_total(adv, m, s0), _masked_total(lp, m, s1)
         if cp > 1:  # the micro-batch's sums over every rank's tokens, and the kernel's ppo_kl numerator (unclamped)
             kl_sum = _masked_total(torch.sub(old_log_prob.to(acc), lp, out=s0), m, s0)
@@ -1361,9 +1364,8 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
         # sums, for now: over the tokens with m > 0, unweighted (valid's float flags, in s0, as the weights)
         mean_a, mean_lp = _masked_total(adv, s0, s1), _masked_total(lp, s0, s1)
         if cp > 1:  # the micro-batch's sums over every rank's tokens
-            whole = _whole_sums((n.to(acc), mean_a, mean_lp, abs_kl_sum(s0), _checks.ordered_sum(m)), m, log_prob,
-                                cu_seqlens,
-                                loss_agg_mode, cfg, seq_group)
+            sums = (n.to(acc), mean_a, mean_lp, abs_kl_sum(s0), _checks.ordered_sum(m))
+            whole = _whole_sums(sums, m, log_prob, cu_seqlens, loss_agg_mode, cfg, seq_group)
             n, mean_a, mean_lp, kl_sum, m_sum = whole.sums
             n = n.round().to(torch.int64)  # the count in the dtype one process has (the cap is computed from it)
         mean_a = mean_a / n.clamp(min=1)
@@ -2160,17 +2162,12 @@ def calculate_grpo_loss(
         # k3 is undefined where pi_ref / pi is: a NaN / +inf ref log-prob, or pi = pi_ref = 0 (0 / 0, a NaN k3).
         # Two reductions find out (no [B, T] temporaries); the token is looked for only then. With kl_beta = 0
         # the term is not in the loss and nothing is refused.
-        bad = kl_term.sum().isnan() | (ref_live.amax() == math.inf) if kl_term.numel() else None
         msg = ("calculate_grpo_loss: the KL term is undefined at a response token: ref_logprobs NaN or +inf, or "
                "ref_logprobs and current_logprobs both -inf (0 / 0); mask the token out or pass kl_beta=0")
-        if bad is None:
-            pass
-        elif lp.device.type == "cpu" and not torch.compiler.is_compiling():
-            if bool(bad):
-                refuse_where(live & (kl_term.isnan() | (ref_live == math.inf)),
-                             lambda at: msg.replace("at a response token", f"at response token {at}"), msg)
-        else:
-            torch._assert_async(~bad, msg)
+        if kl_term.numel():
+            _checks.refuse_unless(~kl_term.sum().isnan() & (ref_live.amax() != math.inf),
+                                  lambda: live & (kl_term.isnan() | (ref_live == math.inf)),
+                                  lambda at: msg.replace("at a response token", f"at response token {at}"), msg)
     if kl_is_correction:
         # DeepSeek-V3.2 technical report ("unbiased KL estimate"): the k3 estimate weighted by pi_theta / pi_old,
         # the tokens being drawn from pi_old; the ratio is differentiated too, so the gradient is that of

@@ -60,6 +60,11 @@ def check_current_version(current_version, name: str = "current_version") -> int
     return current_version
 
 
+def _refused(lag: torch.Tensor, versions: torch.Tensor) -> torch.Tensor:
+    """The versions no response token may have: newer than the trainer (lag < 0), or negative (not generated)."""
+    return (lag < 0) | (versions < 0)
+
+
 def policy_lag(versions: torch.Tensor, current_version: int, valid: torch.Tensor,
                name: str = "versions", refuse=refuse_where) -> torch.Tensor:
     """The lag ``current_version - versions`` (int64), checking that no ``valid`` token is newer than the trainer
@@ -69,7 +74,7 @@ def policy_lag(versions: torch.Tensor, current_version: int, valid: torch.Tensor
     (``refuse_where``'s signature; the diagnostics defer it to their reduce)."""
     v64 = versions.to(torch.int64)
     lag = current_version - v64
-    bad = (valid != 0) & ((lag < 0) | (v64 < 0))  # a mask of any dtype (an int mask of 2 & True would be 0)
+    bad = (valid != 0) & _refused(lag, v64)  # a mask of any dtype (an int mask of 2 & True would be 0)
 
     def describe(at):
         v = int(versions[at])
@@ -280,7 +285,7 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     # is newer than the trainer: small all-reduces and one host read, so that every rank runs the same corrections
     # (an empty bucket has nothing to correct) or raises alike. Under context parallelism each sequence's response
     # tokens are counted over the ranks too: a sequence without any is in no bucket on every rank.
-    newer = (valid & ((lag < 0) | (v < 0))).sum()  # policy_lag's refusal: newer than the trainer, or negative
+    newer = (valid & _refused(lag, v)).sum()  # policy_lag's refusal, counted
     counts = torch.stack(counts + [newer]).to(torch.float64)
     unit_tokens = None
     dp = dp_group is not None and dist.get_world_size(dp_group) > 1
