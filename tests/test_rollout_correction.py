@@ -695,3 +695,47 @@ def test_reused_output_blocks_are_rewritten_everywhere(mask_dtype, packed):
     assert torch.equal(reused.weights, other.weights) and torch.equal(reused.response_mask, other.response_mask)
     assert torch.all(reused.weights[mask == 0] == 0) and torch.all(reused.response_mask[mask == 0] == 0)
     assert reused.response_mask.dtype == mask_dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_results_do_not_depend_on_the_thread_count(dtype, packed):
+    """The CPU kernel's fp64 metric sums merged per-thread partials in thread order, so every std / mean metric (and
+    fp64 batch-normalised weights) moved with the thread count (the `*_std` ones by up to 3.3e-10 relative; the
+    thread-count fuzz). Rows are summed in fixed blocks, merged in block order: the same bits at 1, 2 and 3 threads,
+    padded and packed, every metric of token IS + a token and a sequence RS criterion, and batch normalisation."""
+    if not _HAS_OPS:
+        skip_unless_ci("the compiled rollout_corr CPU kernels are not loaded (build the extension)")
+    g = torch.Generator().manual_seed(23)
+    b, t = 96, 1536  # 21 rows per block: five blocks, split differently by each thread count
+    rlp = (-torch.rand(b, t, generator=g) * 3).to(dtype)
+    lp = rlp + (torch.randn(b, t, generator=g) * 0.3).to(dtype)
+    mask = torch.rand(b, t, generator=g) < 0.9
+    cfgs = [Cfg(rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k3,seq_mean_k1",
+                rollout_rs_threshold="0.5,0.8_1.25", rollout_is_batch_normalize=True),
+            Cfg(rollout_is="sequence", rollout_is_threshold=1e4, rollout_rs="seq_max_k2",
+                rollout_rs_threshold=0.8)]
+    kw = {}
+    if packed:
+        lens = torch.randint(1, 2 * t, (b,), generator=g)
+        lens = lens * (b * t) // int(lens.sum()) + 1
+        cu = torch.zeros(b + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(lens, 0).clamp(max=b * t)
+        lp, rlp, mask = lp.reshape(-1)[: int(cu[-1])], rlp.reshape(-1)[: int(cu[-1])], mask.reshape(-1)[: int(cu[-1])]
+        kw = dict(cu_seqlens=cu)
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append([compute_rollout_correction(lp, rlp, mask, cfg, **kw) for cfg in cfgs]
+                        + [compute_offpolicy_metrics(lp, rlp, mask, **kw)])
+    finally:
+        torch.set_num_threads(threads)
+    first = runs[0]
+    for other in runs[1:]:
+        for a, o in zip(first[:-1], other[:-1]):
+            assert torch.equal(a.weights, o.weights) and torch.equal(a.response_mask, o.response_mask)
+            bad = [k for k in a.metrics if not torch.equal(a.metrics[k], o.metrics[k])]
+            assert not bad, bad
+        assert all(torch.equal(first[-1][k], other[-1][k]) for k in first[-1])

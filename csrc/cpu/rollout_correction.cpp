@@ -6,8 +6,9 @@
 // input views (one dtype switch per chunk, unit-stride conversion loops) and evaluated 8 at a time: the token
 // functions are instantiated with V = 8 x fp32 (GCC vector extensions, the project's SIMD exp of vec_math.h,
 // multiversioned for AVX2) for fp32 accumulation and with V = double for fp64 inputs. A chunk's tail is padded
-// with mask 0, which the token math neutralises, so there is no scalar tail loop. Each thread accumulates its
-// rows' metric partials in a private fp64 buffer, merged in thread order, so results do not depend on timing.
+// with mask 0, which the token math neutralises, so there is no scalar tail loop. The metric sums are fp64 partials
+// of fixed blocks of rows (a size set by the row length alone), merged in block order: the same bits at every thread
+// count and schedule. Maxima and the histogram (integer counts) are order-free and stay per thread.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -199,9 +200,10 @@ RC_FORCEINLINE void add_to_histogram(const rc::TokenOut<V>& o, uint32_t* hist) {
   }
 }
 
-// Per-thread partial buffers: SUM and MAX vectors, merged in thread order at the end.
-// The histogram counts in uint32 (16 KiB, L1-resident; exact up to 2^32 tokens per thread), folded into the fp64
-// SUM vector at the end.
+// Per-thread partial buffers: SUM and MAX vectors. The SUM vector's histogram bins (whole token counts, exact in
+// fp64) accumulate over the thread's rows; its other slots are a block's scratch (rows_block below). The token
+// histogram counts in uint32 (16 KiB, L1-resident; exact up to 2^32 tokens per thread), folded into the fp64 SUM
+// vector at the end.
 struct Partials {
   std::vector<double> sums, maxes;
   std::vector<uint32_t> hist;
@@ -331,6 +333,18 @@ inline void token_pass_range(const RolloutParams<double>& p, Partials& P, int64_
 inline int64_t rollout_grain(int64_t tokens_per_row) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(tokens_per_row, 1));
 }
+
+// The SUM slots other than the histogram bins (the per-block partials): [0, kHist) and [kCritBase, ns).
+constexpr int64_t kSlotsBeforeHist = rc::sum_slot::kHist;
+inline int64_t block_sum_slots(int64_t ns) { return ns - rc::kHistBins; }
+// Copy SUM's block slots into `out` and zero them in SUM (the histogram bins keep accumulating).
+inline void take_block_sums(double* S, int64_t ns, double* out) {
+  std::memcpy(out, S, kSlotsBeforeHist * sizeof(double));
+  std::memcpy(out + kSlotsBeforeHist, S + rc::sum_slot::kCritBase,
+              (ns - rc::sum_slot::kCritBase) * sizeof(double));
+  std::fill(S, S + kSlotsBeforeHist, 0.0);
+  std::fill(S + rc::sum_slot::kCritBase, S + ns, 0.0);
+}
 // Average tokens per sequence (packed batches: the stream over the segments).
 template <typename acc_t>
 int64_t tokens_per_row(const RolloutParams<acc_t>& p) {
@@ -374,20 +388,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cp
   const int nthreads = at::get_num_threads();
   parts.reserve(nthreads);
   for (int i = 0; i < nthreads; ++i) parts.emplace_back(ns, nm);
+  // Blocks of `grain` rows (set by the layout, never by the thread count), each summed in row order into its own
+  // slots of block_sums, then added in block order below.
+  const int64_t nb = block_sum_slots(ns);
+  std::vector<double> block_sums;
   RC_DISPATCH_ROLLOUT_ACC(acc, "rollout_token_pass", [&] {
     auto p = make_rollout_params<acc_t>(log_prob, rollout_log_prob, mask, layout, a);
     p.seq_stats = const_cast<acc_t*>(st.const_data_ptr<acc_t>());
     p.weights = o.weights.numel() > 0 ? o.weights.mutable_data_ptr<acc_t>() : nullptr;
     p.mask_out = mutable_token_view(o.mask_out);
     p.row_partials = row_partials;
-    at::parallel_for(0, p.rows, rollout_grain(tokens_per_row(p)),
-                     [&](int64_t b, int64_t e) { token_pass_range(p, parts[at::get_thread_num()], b, e); });
+    const int64_t grain = rollout_grain(tokens_per_row(p));
+    const int64_t blocks = (p.rows + grain - 1) / grain;
+    block_sums.assign(blocks * nb, 0.0);
+    at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+      Partials& P = parts[at::get_thread_num()];
+      for (int64_t blk = b; blk < e; ++blk) {
+        token_pass_range(p, P, blk * grain, std::min(p.rows, (blk + 1) * grain));
+        take_block_sums(P.sums.data(), ns, block_sums.data() + blk * nb);
+      }
+    });
   });
   double* S = o.sums.mutable_data_ptr<double>();
   double* M = o.maxes.mutable_data_ptr<double>();
-  for (const auto& P : parts) {
-    for (int k = 0; k < rc::kHistBins; ++k) S[rc::sum_slot::kHist + k] += static_cast<double>(P.hist[k]);
-    for (int64_t k = 0; k < ns; ++k) S[k] += P.sums[k];
+  for (size_t i = 0; i < block_sums.size(); i += nb) {
+    const double* B = block_sums.data() + i;
+    for (int64_t k = 0; k < kSlotsBeforeHist; ++k) S[k] += B[k];
+    for (int64_t k = rc::sum_slot::kCritBase; k < ns; ++k) S[k] += B[k - rc::kHistBins];
+  }
+  for (const auto& P : parts) {  // whole counts: exact in any order
+    for (int k = 0; k < rc::kHistBins; ++k)
+      S[rc::sum_slot::kHist + k] += static_cast<double>(P.hist[k]) + P.sums[rc::sum_slot::kHist + k];
     for (int64_t k = 0; k < nm; ++k) M[k] = std::max(M[k], P.maxes[k]);
   }
   return {o.weights, o.mask_out, o.sums, o.maxes};
