@@ -85,7 +85,8 @@ def checked_inv_temperature(temperature, dtype: torch.dtype) -> float:
         torch._assert_async(torch.isfinite(t) & (t > 0) & (inv >= acc.tiny) & (inv <= acc.max),
                             f"temperature must be finite and > 0, and 1 / temperature in [{acc.tiny}, {acc.max}] "
                             f"for {dtype} inputs")
-        return 1.0 / temperature
+        # traced at 0 (torch gives a zero float its own symbol), 1 / 0 fails in tracing before the assert can run
+        return 1.0 / (temperature if temperature != 0 else 1.0)
     temperature = _positive_finite("temperature", temperature)
     inv = 1.0 / temperature
     if not acc.tiny <= inv <= acc.max:

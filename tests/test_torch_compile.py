@@ -104,7 +104,9 @@ def test_a_temperature_that_changes_between_calls_compiles_whole(dynamic):
         want.backward()
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
         torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-6, atol=1e-7)
-    for bad in (float("inf"), -1.0, float("nan"), 1e-39):
+    # 0.0 gets a symbol of its own, with which 1 / temperature failed in tracing (a TorchRuntimeError on a
+    # ZeroDivisionError, the compile fuzz) before the assert could name the argument
+    for bad in (float("inf"), -1.0, float("nan"), 1e-39, 0.0, -0.0):
         with pytest.raises(RuntimeError, match=re.escape("temperature must be finite and > 0, and 1 / temperature")):
             compiled(logits, target, bad)
 
