@@ -1424,8 +1424,10 @@ class _RowsWithPenalty(torch.autograd.Function):
             return (None,) * 9
         log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens, idx, row_idx, scale, x = \
             ctx.saved_tensors
+        # idx counts row-major tokens: the gradient written there must be row-major (the fallback's follows the
+        # inputs' layout; a transposed mask made .view(-1) fail)
         grad = ops.policy_loss_backward(grad_sums, log_prob, old_log_prob, advantages, response_mask, weights,
-                                        math.inf, math.inf, math.inf, LY.PG_KIND_PPO_UNBOUNDED, cu_seqlens)
+                                        math.inf, math.inf, math.inf, LY.PG_KIND_PPO_UNBOUNDED, cu_seqlens).contiguous()
         # d(scale |x|)/dx = scale sgn(x) (0 at x = 0, as torch's abs), times the row's gradient
         pen = grad_sums[row_idx] * scale * torch.sgn(x)
         if grad.dtype not in (torch.float16, torch.bfloat16):

@@ -511,6 +511,14 @@ def policy_loss_backward(grad_rows_loss: torch.Tensor, log_prob: torch.Tensor, o
         return torch.ops.rollout_corr.policy_loss_backward.default(
             None, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights, float(clip_low),
             float(clip_high), float(clip_c), int(loss_kind), cu_seqlens, float(param_a), float(param_b))
+    return policy_loss_backward_composed(grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights,
+                                         clip_low, clip_high, clip_c, loss_kind, cu_seqlens, param_a, param_b)
+
+
+def policy_loss_backward_composed(grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights,
+                                  clip_low, clip_high, clip_c, loss_kind, cu_seqlens=None, param_a=0.0, param_b=0.0):
+    """:func:`policy_loss_backward` as autograd through the fallback's rows (any layout: the caller's to make
+    contiguous where it needs)."""
     with torch.enable_grad():
         x = log_prob.detach().requires_grad_(True)
         _, rows = fallback.policy_loss_rows(x, old_log_prob, advantages, response_mask, weights, clip_low, clip_high,

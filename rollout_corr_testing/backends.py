@@ -227,10 +227,19 @@ def _emulated_policy_loss_rows(knobs, log_prob, old_log_prob, advantages, respon
         float(clip_c), int(loss_kind), cu_seqlens, float(param_a), float(param_b), bool(with_loss_mat), **knobs)
 
 
+def _emulated_policy_loss_backward(knobs, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask,
+                                   weights, clip_low, clip_high, clip_c, loss_kind, cu_seqlens=None, param_a=0.0,
+                                   param_b=0.0):
+    """``ops.policy_loss_backward`` (kl_cov's own autograd node calls it) on the emulated kernel."""
+    return torch.ops.rollout_corr_emu.policy_loss_backward.default(
+        None, grad_rows_loss, log_prob, old_log_prob, advantages, response_mask, weights, float(clip_low),
+        float(clip_high), float(clip_c), int(loss_kind), cu_seqlens, float(param_a), float(param_b), **knobs)
+
+
 @contextlib.contextmanager
 def policy_loss_backend(name: str, **knobs) -> Iterator[str]:
-    """Within the block, ``rollout_corr_ext.ops.policy_loss_rows`` (and so every policy loss, ``calculate_grpo_loss``
-    and ``make_policy_loss_func``) runs on backend ``name``; yields the device the inputs must live on. ``knobs``
+    """Within the block, ``rollout_corr_ext.ops.policy_loss_rows`` / ``policy_loss`` / ``policy_loss_backward`` (and
+    so every policy loss, ``calculate_grpo_loss`` and ``make_policy_loss_func``) run on backend ``name``; yields the device the inputs must live on. ``knobs``
     (threads, schedule, max_blocks) tune the emulated launches."""
     _skip_unless_runnable(name)
     if name in ("cpu", "cuda"):
@@ -238,7 +247,8 @@ def policy_loss_backend(name: str, **knobs) -> Iterator[str]:
         return
     if name == "fallback":
         # differentiable torch ops; the loss through autograd over them
-        impl = {"policy_loss_rows": _first_order(fallback.policy_loss_rows), "policy_loss": ops.policy_loss_composed}
+        impl = {"policy_loss_rows": _first_order(fallback.policy_loss_rows), "policy_loss": ops.policy_loss_composed,
+                "policy_loss_backward": ops.policy_loss_backward_composed}
     elif name == "emulated":
         from rollout_corr_testing.cuda_emulator.loader import load_emulator
 
@@ -249,7 +259,8 @@ def policy_loss_backend(name: str, **knobs) -> Iterator[str]:
                 # the compiled ops' one-node loss, over the emulated kernels
                 "policy_loss": functools.partial(ops.policy_loss_node,
                                                  functools.partial(emu.policy_loss_rows.default, **knobs),
-                                                 functools.partial(emu.policy_loss_backward.default, **knobs))}
+                                                 functools.partial(emu.policy_loss_backward.default, **knobs)),
+                "policy_loss_backward": functools.partial(_emulated_policy_loss_backward, dict(knobs))}
     else:
         raise ValueError(f"unknown backend {name!r}")
     with _swapped_ops(impl) as device:

@@ -1537,3 +1537,37 @@ def test_policy_step_flows_take_the_one_node_loss(backend, flow, loss_type, monk
     want = run()
     assert want[3] != "_PolicyLossEagerBackward"
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]) and got[1] == want[1]
+
+
+def _strided(x: torch.Tensor) -> torch.Tensor:
+    """The values of ``x`` in a transposed layout (strides (1, B)): what ``x.t().contiguous().t()`` returns."""
+    return x.t().contiguous().t()
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32], ids=str)
+@pytest.mark.parametrize("backend_name", ["cpu", "fallback"])
+@pytest.mark.parametrize("name", NAMES)
+def test_every_loss_takes_every_input_in_any_layout(backend_name, name, mask_dtype):
+    """Each input (log-probs, advantages, mask, IS weights) in a transposed layout, and a step-2 slice: the same loss,
+    metrics and gradient as the contiguous call. The fallback's kl_cov added its penalty's gradient through
+    ``grad.view(-1)``, which the fallback's gradient, laid out like a transposed mask, refused (a raw view error in
+    backward; the layout fuzz); the compiled kernels are bitwise layout-invariant, the fallback sums in another
+    order (a few ulp)."""
+    actor = _actor(name)
+    old, lp, adv, mask, w = _inputs(seed=3)
+    mask = mask.to(mask_dtype)
+    with policy_loss_backend(backend_name):
+        want = _run(rv.POLICY_LOSSES[name], old, lp, adv, mask, "seq-mean-token-mean", actor, w)
+        cases = {"mask": (old, lp, adv, _strided(mask), w), "advantages": (old, lp, _strided(adv), mask, w),
+                 "old": (_strided(old), lp, adv, mask, w), "log_prob": (old, _strided(lp), adv, mask, w),
+                 "weights": (old, lp, adv, mask, _strided(w)),
+                 "all": tuple(_strided(x) for x in (old, lp, adv, mask, w)),
+                 "step2": tuple(torch.stack([x, torch.ones_like(x)], -1)[..., 0] for x in (old, lp, adv, mask, w))}
+        for what, (o, l, a, m, ww) in cases.items():
+            got = _run(rv.POLICY_LOSSES[name], o, l, a, m, "seq-mean-token-mean", actor, ww)
+            if backend_name == "cpu":
+                assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]), what
+            else:
+                torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7, msg=what)
+                torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-9, msg=what)
+            assert list(got[1]) == list(want[1]), what
