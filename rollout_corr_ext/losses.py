@@ -128,9 +128,10 @@ class PolicyLossConfig:
     Args:
         clip_ratio: PPO epsilon, used for both sides unless ``clip_ratio_low`` / ``clip_ratio_high`` are set.
         clip_ratio_low, clip_ratio_high: asymmetric clip ("clip-higher"): r is clipped to [1 - low, 1 + high].
-        clip_ratio_c: dual-clip bound c (> 1): for A < 0 the loss is capped at -A c (arXiv:1912.09729); DPPO's
-            truncation of the ratio. None: the loss's own default, as verl's losses read a missing key: 3.0 for
-            PPO's dual clip, 20.0 for ``dppo_tv`` / ``dppo_kl``.
+        clip_ratio_c: PPO's dual-clip bound c (> 1, checked when a PPO loss reads it, as verl asserts): for A < 0
+            the loss is capped at -A c (arXiv:1912.09729); DPPO's truncation of the ratio at c (any c > 0). None:
+            the loss's own default, as verl's losses read a missing key: 3.0 for PPO's dual clip, 20.0 for
+            ``dppo_tv`` / ``dppo_kl``.
         dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: verl's ``global_batch_info``, the global
             normalisers of :func:`agg_loss` (None: local micro-batch values; ``dp_size > 1`` needs the matching
             global count). Set them per step with :meth:`with_global_batch` (the config is immutable).
@@ -184,8 +185,8 @@ class PolicyLossConfig:
             number(name, v, lambda x: x >= 0 and math.isfinite(x), lambda t: torch.isfinite(t) & (t >= 0),
                    "a finite float >= 0")
         c = self.clip_ratio_c
-        if c is not None:
-            number("clip_ratio_c (the dual-clip bound c)", c, lambda x: x > 1.0, lambda t: t > 1.0, "> 1.0")
+        if c is not None:  # > 1 for PPO's dual clip: ratio_cap, where the loss is known
+            number("clip_ratio_c", c, lambda x: x > 0.0, lambda t: t > 0.0, "> 0")
         if not isinstance(self.dp_size, int) or isinstance(self.dp_size, bool) or self.dp_size < 1:
             raise ValueError(f"dp_size must be an int >= 1, got {self.dp_size!r}")
         _positive_or_none("batch_num_tokens", self.batch_num_tokens)
@@ -232,9 +233,17 @@ class PolicyLossConfig:
         """``clip_ratio_c`` for the fused kind ``kind``, or, when None, that loss's default in verl 0.9.1
         (``config.get("clip_ratio_c", ...)``: 20.0 in ``compute_policy_loss_dppo_tv`` / ``_dppo_kl``, 3.0 in
         ``compute_policy_loss_vanilla``)."""
-        if self.clip_ratio_c is not None:
-            return float(self.clip_ratio_c)
-        return DPPO_RATIO_CAP if kind in (LY.PG_KIND_DPPO_TV, LY.PG_KIND_DPPO_KL) else DUAL_CLIP_C
+        dppo = kind in (LY.PG_KIND_DPPO_TV, LY.PG_KIND_DPPO_KL)
+        c = self.clip_ratio_c
+        if c is None:
+            return DPPO_RATIO_CAP if dppo else DUAL_CLIP_C
+        if not dppo:  # PPO's dual clip: c > 1, as verl's compute_policy_loss_vanilla asserts; DPPO caps at any c > 0
+            msg = "clip_ratio_c (the dual-clip bound c of PPO's loss) must be > 1.0"
+            if torch.compiler.is_compiling():
+                _checks.assert_traced_number(c, lambda t: t > 1.0, msg)
+            elif not c > 1.0:
+                raise ValueError(f"{msg}, got {c!r} (DPPO's dppo_tv / dppo_kl take any cap c > 0)")
+        return float(c)
 
     @property
     def global_batch_info(self) -> Dict[str, Any]:

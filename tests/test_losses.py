@@ -422,8 +422,12 @@ def test_policy_loss_bad_input(device):
 
 
 def _policy_loss_bad_input(old, lp, adv, mask, w):
-    with pytest.raises(ValueError, match="clip_ratio_c"):
-        PolicyLossConfig(clip_ratio_c=1.0)
+    for c in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="clip_ratio_c must be > 0"):
+            PolicyLossConfig(clip_ratio_c=c)
+    # PPO's dual clip needs c > 1 (verl asserts it), refused where the loss reads it; DPPO caps at any c > 0
+    with pytest.raises(ValueError, match=r"clip_ratio_c \(the dual-clip bound c of PPO's loss\) must be > 1.0"):
+        compute_policy_loss_vanilla(old, lp, adv, mask, "token-mean", PolicyLossConfig(clip_ratio_c=1.0))
     with pytest.raises(ValueError, match="clip_ratio_low"):
         PolicyLossConfig(clip_ratio_low=-0.1)
     with pytest.raises(ValueError, match="dp_size"):

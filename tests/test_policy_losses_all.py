@@ -1571,3 +1571,23 @@ def test_every_loss_takes_every_input_in_any_layout(backend_name, name, mask_dty
                 torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7, msg=what)
                 torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-9, msg=what)
             assert list(got[1]) == list(want[1]), what
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "fallback"])
+@pytest.mark.parametrize("c", [1.0, 0.5, 1.1])
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
+def test_dppo_ratio_cap_at_or_below_one_equals_verl(name, c, backend_name):
+    """DPPO truncates the ratio at clip_ratio_c, which verl reads without a bound (only vanilla's dual clip asserts
+    c > 1): a cap at or below 1 (biased, but defined) is verl's value, gradient and metrics, where our config refused
+    anything <= 1 as a dual-clip bound (the verl config fuzz)."""
+    core, _, _ = _verl()
+    old, lp, adv, mask, w = _inputs(seed=17)
+    actor = _actor(name, clip_ratio_c=c)
+    with policy_loss_backend(backend_name):
+        want = _run(core.get_policy_loss_fn(name), old, lp, adv, mask, "token-mean", actor, w)
+        got = _run(rv.POLICY_LOSSES[name], old, lp, adv, mask, "token-mean", actor, w)
+    assert torch.allclose(got[0].double(), want[0].double(), rtol=2e-5, atol=2e-6), (got[0], want[0])
+    assert torch.allclose(got[2], want[2], rtol=2e-5, atol=1e-7)
+    for k, v in want[1].items():
+        assert math.isclose(got[1][k], v, rel_tol=2e-5, abs_tol=2e-6), (k, got[1][k], v)
+    assert want[1]["actor/pg_clipfrac_lower"] > 0  # the cap binds

@@ -756,7 +756,7 @@ def test_plain_dicts_validate_known_fields_and_ignore_verl_ones():
     with pytest.raises(ValueError, match=r"unknown PolicyLossConfig field\(s\) \['clip_ration'\]"):
         PolicyLossConfig.from_dict({"clip_ration": 0.3})
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        PolicyLossConfig.from_dict({"_target_": "x", "clip_ratio_c": 0.5})
+        PolicyLossConfig.from_dict({"_target_": "x", "clip_ratio_c": -0.5})
     with pytest.raises(ValueError, match="global_batch_info"):
         PolicyLossConfig.from_dict({"global_batch_info": {"dp": 2}})
     rc = RolloutCorrectionConfig.from_dict({"_target_": "verl.trainer.config.RolloutCorrectionConfig",
