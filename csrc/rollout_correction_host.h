@@ -197,6 +197,7 @@ RolloutParams<acc_t> make_rollout_params(const at::Tensor& log_prob, const at::T
   p.num_sums = rc::sum_size(static_cast<int>(a.rs_level.size()));
   p.num_maxes = rc::max_size(static_cast<int>(a.rs_level.size()));
   p.cfg = decode_rollout_config<acc_t>(a);
+  p.cfg.count_eps = mask.scalar_type() == at::kDouble ? static_cast<acc_t>(rc::k_eps) : acc_t(0);
   return p;
 }
 

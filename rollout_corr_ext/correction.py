@@ -267,7 +267,7 @@ def finalize_metrics(
     ``compute_is_metrics`` / ``compute_rs_metrics`` / ``compute_offpolicy_metrics``). The formulas run once, on
     torch ops (no host sync), or, for plain CPU tensors, on numpy fp64 scalars read in place, with the values
     returned as 0-dim views of one new tensor. ``fp64_mask``: the response mask was fp64, whose count keeps
-    verl's + 1e-8 in the std metrics' means (any other mask dtype loses it to fp32 rounding in verl)."""
+    verl's + 1e-8 in the means (any other mask dtype loses it to fp32 rounding in verl)."""
     host = _host_arrays(sums, maxes)
     if host is None:
         return _metric_formulas(sums, maxes, config, exclude_nonfinite, _TensorMath, fp64_mask)
@@ -284,7 +284,8 @@ def _metric_formulas(sums, maxes, config: RolloutCorrectionConfig, exclude_nonfi
     S, M = P.s, P.m
     met: Dict[str, object] = {}
     n = S.tokens
-    ne = n + LY.EPS
+    # verl's masked_mean: sum / (count + 1e-8), the count in the mask's dtype (below); 0 / eps = 0 without tokens
+    ne = n + LY.EPS if fp64_mask else F.clamp_min(n, LY.EPS)
     n1 = F.clamp_min(n, 1.0)
     rows = S.rows
     sv = S.valid_rows
@@ -293,7 +294,7 @@ def _metric_formulas(sums, maxes, config: RolloutCorrectionConfig, exclude_nonfi
     # verl's masked_mean is sum / (count + 1e-8) with the count in the mask's dtype: a bool / int mask's count
     # (int64 + 1e-8 -> fp32) and an fp32 mask's lose the 1e-8 to rounding (count >= 1), an fp64 mask's keeps it. It
     # changes a mean by 1e-8 / n relative, but a std from E[x^2] - E[x]^2 by up to |x| sqrt(1e-8 / n) (n equal values
-    # x: 0 against that), so the std metrics take verl's denominator for the mask's dtype
+    # x: 0 against that); every mean here (the kernels' row means too: Config::count_eps) takes verl's denominator
     std_den = ne if fp64_mask else n1
 
     def std_of_sums(s, s2):  # verl: sqrt(clamp(E[x^2] - E[x]^2, 0)) over valid tokens when more than one, from sum x
@@ -664,7 +665,7 @@ def _diagnostics_second_half(spec, state, row_abs, stats, args, log_prob, weight
         return torch.where(n > 0, s.to(f64) / n.clamp(min=1), nan)
 
     bits = torch.zeros(n.shape, dtype=torch.int64, device=n.device)
-    for i, hit in enumerate(row_rejections(stats, args)):
+    for i, hit in enumerate(row_rejections(stats, args, mask_out.dtype)):
         bits = bits | (hit.to(torch.int64) << i)
     lr_sum = stats[:, LY.SEQ["log_ratio"]].to(f64)
     # kl and k3_kl of the unclamped log-ratio, as the batch's metrics (the RS statistics clamp it to +-20)

@@ -251,11 +251,18 @@ def rollout_correction_oracle(
     row_ok = n_b > 0
     S = int(row_ok.sum())
 
+    # verl's masked_mean is sum / (count + 1e-8) with the count in the mask's dtype: an fp64 float mask keeps the
+    # 1e-8; a bool / int mask's count (int64 + 1e-8 -> fp32) and an fp32 (or 16-bit) mask's lose it to fp32 rounding
+    # (count >= 1; an empty row's sum is 0 whatever it is divided by)
+    keeps_eps = response_mask.dtype == torch.float64
+    den_N = N + EPS if keeps_eps else max(N, EPS)
+    den_b = n_b + EPS if keeps_eps else n_b.clamp(min=EPS)
+
     def tmean(x: torch.Tensor) -> float:  # verl masked_mean over all valid tokens
-        return float(torch.where(valid, x, zero).sum() / (N + EPS))
+        return float(torch.where(valid, x, zero).sum() / den_N)
 
     def rmean(x: torch.Tensor) -> torch.Tensor:  # verl masked_mean(axis=-1): per-row mean, 0 on padding rows
-        return torch.where(valid, x, zero).sum(1) / (n_b + EPS)
+        return torch.where(valid, x, zero).sum(1) / den_b
 
     def rsum(x: torch.Tensor) -> torch.Tensor:  # verl masked_sum(axis=-1)
         return torch.where(valid, x, zero).sum(1)
@@ -271,16 +278,13 @@ def rollout_correction_oracle(
 
     def clamped_std(x: torch.Tensor, lo: float, hi: float) -> float:
         # verl compute_is_metrics / compute_rs_metrics: sqrt(max(E[c^2] - E[c]^2, 0)), c = clamp(x, lo, hi),
-        # over valid tokens, 0 when there are fewer than 2; E = masked_mean, sum / (count + 1e-8), where the count
-        # has the mask's dtype: an fp64 float mask keeps the 1e-8; a bool / int mask's count (int64 + 1e-8 -> fp32)
-        # and an fp32 mask's lose it to fp32 rounding (count >= 1): sum / N
+        # over valid tokens, 0 when there are fewer than 2; E = masked_mean (den_N above)
         if not N > 1:
             return 0.0
         c = x.clamp(min=lo, max=hi)
-        den = N + EPS if response_mask.dtype == torch.float64 else N
 
         def mean_n(v):
-            return float(torch.where(valid, v, zero).sum() / den)
+            return float(torch.where(valid, v, zero).sum() / den_N)
 
         return math.sqrt(max(mean_n(c * c) - mean_n(c) ** 2, 0.0))
 
@@ -295,9 +299,9 @@ def rollout_correction_oracle(
         if rollout_is == "token":
             raw = torch.where(valid, torch.exp(lr_c), zero)
         else:
-            # sequence: log of prod rho_t; geometric (docs): the row's mean log-ratio, n_b + 1e-8 as verl's
+            # sequence: log of prod rho_t; geometric (docs): the row's mean log-ratio, over den_b as verl's
             # masked_mean. Padding rows: log weight 0.
-            seq_log = rsum(lr) if rollout_is == "sequence" else rsum(lr) / (n_b + EPS)
+            seq_log = rsum(lr) if rollout_is == "sequence" else rsum(lr) / den_b
             raw = torch.where(valid, torch.exp(seq_log.clamp(-CLAMP, CLAMP)).unsqueeze(1).expand_as(lr), zero)
         if icepop:
             w = torch.where((raw >= L) & (raw <= U), raw, zero)
@@ -370,8 +374,8 @@ def rollout_correction_oracle(
             else:
                 if stat == "ratio":
                     # docs: sequence exp(clamp20(sum lr)); geometric exp(clamp20(sum lr / n_b)), the row mean taken as
-                    # verl's masked_mean (n_b + 1e-8), like the geometric IS level and every seq_mean_* criterion
-                    s = rsum(lr) if level == "sum" else rsum(lr) / (n_b + EPS)
+                    # verl's masked_mean (den_b), like the geometric IS level and every seq_mean_* criterion
+                    s = rsum(lr) if level == "sum" else rsum(lr) / den_b
                     row_vals = torch.exp(s.clamp(-CLAMP, CLAMP))
                 elif level == "sum":
                     row_vals = rsum(tok[stat])
@@ -407,11 +411,11 @@ def rollout_correction_oracle(
             if has_lower:
                 met[f"{p}_seq_fraction_low"] = float((v_ok < lo).to(F64).mean())
             rejected = valid & ~keep
-            met[f"{p}_masked_fraction"] = float(rejected.sum()) / (N + EPS)
+            met[f"{p}_masked_fraction"] = float(rejected.sum()) / den_N
             met[f"{p}_seq_masked_fraction"] = float(rejected.any(1).sum()) / S
             keep_all = keep_all & keep
         rs_rejected = valid & ~keep_all
-        met["rollout_rs_masked_fraction"] = float(rs_rejected.sum()) / (N + EPS)
+        met["rollout_rs_masked_fraction"] = float(rs_rejected.sum()) / den_N
         met["rollout_rs_seq_masked_fraction"] = float(rs_rejected.any(1).to(F64).mean())  # over all B rows
 
     # ---- the per-token veto (docs): a row with a valid token of ratio < V (unclamped) leaves the mask
@@ -424,11 +428,11 @@ def rollout_correction_oracle(
         catastrophic = torch.zeros_like(valid)
     vetoed = catastrophic.any(1)
     met["rollout_is_veto_fraction"] = float(vetoed.sum()) / B
-    met["rollout_is_catastrophic_token_fraction"] = float(catastrophic.sum()) / (N + EPS)
+    met["rollout_is_catastrophic_token_fraction"] = float(catastrophic.sum()) / den_N
 
     final = valid & keep_all & ~vetoed.unsqueeze(1)
     removed = valid & ~final
-    met["masked_fraction"] = float(removed.sum()) / (N + EPS)
+    met["masked_fraction"] = float(removed.sum()) / den_N
     met["seq_masked_fraction"] = float(removed.any(1).sum()) / S
     if nonfinite == "exclude":
         met["nonfinite_token_fraction"] = float(bad.sum()) / float(given.sum())

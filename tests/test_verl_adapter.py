@@ -997,3 +997,35 @@ def test_add_to_batch_with_diagnostics_and_versions(V, source):
         rv.configure(diagnostics=True)
     with pytest.raises(ValueError, match="leave its tensors None"):
         rv.configure(diagnostics=MismatchDiagnostics(entropy=lp))
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32, torch.float64], ids=str)
+def test_fp64_row_means_divide_by_the_count_as_verl_does_for_the_mask_dtype(V, mask_dtype):
+    """verl's masked_mean is sum / (count + 1e-8) with the count in the mask's dtype: a bool / int mask's count
+    (int64 + 1e-8 -> fp32) and an fp32 mask's lose the 1e-8 to rounding, an fp64 mask's keeps it. With fp64
+    log-probs our row means added it in fp64 for every mask: a row of weights all exactly 1 had mean n / (n + 1e-8),
+    counted below a lower bound of 1.0 (rollout_is_seq_fraction_low 1.0 against verl's 0.0), and a row whose mean
+    k2 is exactly 0.125 was kept under a bound of 0.1249999999 that verl rejects it at (the verl config fuzz)."""
+    old = torch.tensor([[-1.0, -2.0, -0.5, -1.5], [-1.0, -2.0, -0.5, -1.5], [-0.3, -0.7, -1.1, -0.2]],
+                       dtype=torch.float64)
+    roll = old.clone()
+    roll[1] -= 0.5  # log-ratio 0.5 at every token: k2 = 0.125 exactly, its row mean too (verl's)
+    roll[2] += torch.tensor([0.01, -0.02, 0.03, 0.0], dtype=torch.float64)
+    mask = torch.ones(3, 4, dtype=mask_dtype)
+    mask[2, 3] = 0
+    for kw in (dict(rollout_is="token", rollout_is_threshold=1.0),
+               dict(rollout_is="token", rollout_is_threshold="1.0_2.0"),
+               dict(rollout_rs="seq_mean_k2", rollout_rs_threshold=0.1249999999),
+               dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_rs="seq_mean_k1,token_k2",
+                    rollout_rs_threshold="0.9_1.7,0.2")):
+        theirs = V.helper.compute_rollout_correction_and_rejection_mask(old, roll, mask.clone(), **kw)
+        ours = rv.compute_rollout_correction_and_rejection_mask(old, roll, mask.clone(), **kw)
+        assert_mask(ours[1], theirs[1])
+        if theirs[0] is not None:
+            torch.testing.assert_close(ours[0].batch["rollout_is_weights"], theirs[0].batch["rollout_is_weights"],
+                                       rtol=1e-15, atol=0)
+        assert list(ours[2]) == list(theirs[2])
+        for k, v in theirs[2].items():  # the IS means exactly; verl takes its fractions' means in fp32
+            tol = 0.0 if k in ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_seq_mean") else \
+                1e-7 if "fraction" in k or "ratio" in k else 1e-12
+            assert math.isclose(ours[2][k], v, rel_tol=tol, abs_tol=tol), (kw, k, ours[2][k], v)

@@ -222,12 +222,19 @@ struct RowValues {
   bool crit_keep[kMaxCriteria];      // sequence-level criteria: the row passes
 };
 
+// A row mean's denominator, verl's masked_mean(axis=-1) for the mask's dtype: n + c.count_eps, and eps for a row
+// without a valid token (whose sums are 0).
+template <typename acc_t>
+RC_HD RC_FORCEINLINE acc_t row_den(const Config<acc_t>& c, acc_t n) {
+  return n > acc_t(0) ? n + c.count_eps : static_cast<acc_t>(k_eps);
+}
+
 template <typename acc_t>
 RC_HD inline void row_values(const acc_t* st, const Config<acc_t>& c, RowValues<acc_t>& r) {
-  const acc_t eps = static_cast<acc_t>(k_eps);
   r.n = RC_LDG(st + seq::tokens);
+  const acc_t den = row_den(c, r.n);
   r.lr_sum = RC_LDG(st + seq::log_ratio);
-  r.log_w = c.is_level == is_level::sequence ? r.lr_sum : r.lr_sum / (r.n + eps);
+  r.log_w = c.is_level == is_level::sequence ? r.lr_sum : r.lr_sum / den;
   r.raw_w = rc_exp(clamp20(r.log_w));
   if (c.is_mask)
     r.w = (r.raw_w >= c.is_lower && r.raw_w <= c.is_upper) ? r.raw_w : acc_t(0);
@@ -245,15 +252,15 @@ RC_HD inline void row_values(const acc_t* st, const Config<acc_t>& c, RowValues<
     r.crit_keep[i] = true;
     if (level == rs_level::token) {  // per-row mean of the token statistic (verl masked_mean(axis=-1))
       const int col = stat == rs_stat::k1 ? seq::k1 : (stat == rs_stat::k2 ? seq::k2 : (stat == rs_stat::k3 ? seq::k3 : seq::rho));
-      v = RC_LDG(st + col) / (r.n + eps);
+      v = RC_LDG(st + col) / den;
     } else {
       if (stat == rs_stat::ratio) {
-        v = rc_exp(clamp20(level == rs_level::seq_sum ? r.lr_sum : r.lr_sum / (r.n + eps)));
+        v = rc_exp(clamp20(level == rs_level::seq_sum ? r.lr_sum : r.lr_sum / den));
       } else if (level == rs_level::seq_max) {  // verl: -inf (no valid token) -> 0
         v = r.n > 0 ? RC_LDG(st + (stat == rs_stat::k2 ? seq::max_k2 : seq::max_k3)) : acc_t(0);
       } else {
         const acc_t s = RC_LDG(st + (stat == rs_stat::k1 ? seq::k1 : (stat == rs_stat::k2 ? seq::k2 : seq::k3)));
-        v = level == rs_level::seq_sum ? s : s / (r.n + eps);
+        v = level == rs_level::seq_sum ? s : s / den;
       }
       r.crit_keep[i] = crit_keeps(v, c.crit_lower[i], c.crit_upper[i], c.crit_apply_lower[i]);
       r.seq_rejected |= !r.crit_keep[i];
@@ -415,7 +422,7 @@ RC_HD inline void fold_token_acc(const Config<acc_t>& c, const TokenAcc<T>& t, d
 template <typename acc_t>
 RC_HD inline void add_row_partials(const Config<acc_t>& c, const acc_t* st, const RowValues<acc_t>& r, double* S,
                                    double* M) {
-  const acc_t eps = static_cast<acc_t>(k_eps);
+  const acc_t den = row_den(c, r.n);
   const double nd = r.n;
   const bool sv = r.n > 0;
   add_to(S[sum_slot::tokens], nd);
@@ -426,8 +433,8 @@ RC_HD inline void add_row_partials(const Config<acc_t>& c, const acc_t* st, cons
   if (c.is_level != is_level::none) {
     acc_t x, raw_mean;  // the row's mean weight, and its mean raw (pre-truncation) weight
     if (c.is_level == is_level::token) {
-      x = RC_LDG(st + seq::token_weight) / (r.n + eps);
-      raw_mean = RC_LDG(st + seq::rho) / (r.n + eps);
+      x = RC_LDG(st + seq::token_weight) / den;
+      raw_mean = RC_LDG(st + seq::rho) / den;
       const double centre = r.wc_centre;
       add_to(S[sum_slot::is_wc_centre], nd * centre);
       add_to(S[sum_slot::is_wc_centre_sq], nd * centre * centre);
@@ -443,8 +450,8 @@ RC_HD inline void add_row_partials(const Config<acc_t>& c, const acc_t* st, cons
       upd_max(M[max_slot::is_log_weight], r.log_w);
       upd_max(M[max_slot::neg_is_log_weight], -r.log_w);
       add_to(S[sum_slot::kHist + hist_index(clamp20(r.log_w))], nd);
-      x = r.w * r.n / (r.n + eps);
-      raw_mean = r.raw_w * r.n / (r.n + eps);
+      x = r.w * r.n / den;
+      raw_mean = r.raw_w * r.n / den;
     }
     add_to(S[sum_slot::is_seq_mean], x);
     add_to(S[sum_slot::is_seq_mean_sq], static_cast<double>(x) * static_cast<double>(x));
@@ -503,8 +510,8 @@ RC_HD inline void add_row_partials(const Config<acc_t>& c, const acc_t* st, cons
   add_to(S[sum_slot::final_rejected_tokens], dropped ? nd : static_cast<double>(rejected_tokens));
   add_to(S[sum_slot::final_rejected_rows], sv && (dropped || rejected_tokens > 0));
   // Off-policy row terms (verl compute_offpolicy_metrics): per-sequence means, averaged over all rows.
-  const acc_t mean_lp = RC_LDG(st + seq::log_prob) / (r.n + eps), mean_rlp = RC_LDG(st + seq::rollout_log_prob) / (r.n + eps);
-  const acc_t lpd = -r.lr_sum / (r.n + eps);
+  const acc_t mean_lp = RC_LDG(st + seq::log_prob) / den, mean_rlp = RC_LDG(st + seq::rollout_log_prob) / den;
+  const acc_t lpd = -r.lr_sum / den;
   add_to(S[sum_slot::log_ratio], r.lr_sum);
   // the perplexities' exps in fp64, as their sums: a row mean below -88 overflows fp32's exp (not fp64's)
   add_to(S[sum_slot::training_ppl], rc_exp(-static_cast<double>(mean_lp)));

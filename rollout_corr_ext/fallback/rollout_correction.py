@@ -133,28 +133,39 @@ def rollout_seq_stats(log_prob, rollout_log_prob, mask, cu_seqlens, *config):
     return out
 
 
-def _row_values(st, a, crits):
+def _count_eps(mask_dtype: torch.dtype) -> float:
+    """The 1e-8 verl's masked_mean adds to a count in the mask's dtype: kept by an fp64 mask's, lost to fp32 rounding
+    by any other (a bool / int count is int64 + 1e-8 -> fp32; count >= 1). The kernels' ``Config::count_eps``."""
+    return LY.EPS if mask_dtype == torch.float64 else 0.0
+
+
+def _row_den(n, count_eps: float):
+    """A row mean's denominator (``row_den`` of rollout_correction_math.h): n + count_eps, eps for an empty row."""
+    return torch.where(n > 0, n + count_eps, torch.full_like(n, LY.EPS))
+
+
+def _row_values(st, a, crits, count_eps: float):
     n = st[:, _SEQ["tokens"]]
     lr_sum = st[:, _SEQ["log_ratio"]]
-    eps = LY.EPS
-    log_w = lr_sum if int(a.is_level) == LY.IS_LEVEL["sequence"] else lr_sum / (n + eps)
+    den = _row_den(n, count_eps)
+    log_w = lr_sum if int(a.is_level) == LY.IS_LEVEL["sequence"] else lr_sum / den
     raw = torch.exp(_clamp20(log_w))
     w = _token_is_weight(raw, a.is_mask, a.is_lower, a.is_upper)
     values, keeps = [], []
     seq_rejected = torch.zeros_like(n, dtype=torch.bool)
     for level, stat, lower, upper, apply_lower in crits:
         if level == _TOKEN:  # per-row mean of the token statistic (verl masked_mean(axis=-1))
-            v = st[:, _SEQ[_STAT_COL[stat]]] / (n + eps)
+            v = st[:, _SEQ[_STAT_COL[stat]]] / den
             keep = None
         else:
             if stat == LY.RS_STAT["ratio"]:
-                v = torch.exp(_clamp20(lr_sum if level == _SEQ_SUM else lr_sum / (n + eps)))
+                v = torch.exp(_clamp20(lr_sum if level == _SEQ_SUM else lr_sum / den))
             elif level == _SEQ_MAX:  # verl: -inf (no valid token) -> 0
                 m = st[:, _SEQ["max_k2" if stat == _K2 else "max_k3"]]
                 v = torch.where(n > 0, m, torch.zeros_like(m))
             else:
                 s = st[:, _SEQ[_STAT_COL[stat]]]
-                v = s if level == _SEQ_SUM else s / (n + eps)
+                v = s if level == _SEQ_SUM else s / den
             keep = _keep(v, lower, upper, apply_lower)
             seq_rejected |= ~keep
         values.append(v)
@@ -210,8 +221,8 @@ def rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, 
         return torch.where(valid, x, ninf).amax().to(torch.float64) if has_tokens else S.new_tensor(-math.inf)
 
     st = seq_stats.to(acc)
-    n, lr_sum, log_w, raw_b, w_b, values, keeps, seq_rejected, veto = _row_values(
-        st, a, crits)
+    count_eps = _count_eps(mask.dtype)
+    n, lr_sum, log_w, raw_b, w_b, values, keeps, seq_rejected, veto = _row_values(st, a, crits, count_eps)
 
     if level == LY.IS_LEVEL["none"]:
         weights = lr.new_zeros(0)
@@ -258,18 +269,19 @@ def rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, 
     if a.veto_threshold is not None:
         S[_SUM["catastrophic"]] += tsum((lr < math.log(a.veto_threshold)).to(acc))
     if row_partials:
-        _row_partials(S, M, st, a, crits, n, lr_sum, log_w, raw_b, w_b, values, keeps, seq_rejected, veto)
+        _row_partials(S, M, st, a, crits, n, lr_sum, log_w, raw_b, w_b, values, keeps, seq_rejected, veto, count_eps)
     return weights, mask_out, S, M
 
 
-def _row_partials(S, M, st, a, crits, n, lr_sum, log_w, raw_b, w_b, values, keeps, seq_rejected, veto) -> None:
+def _row_partials(S, M, st, a, crits, n, lr_sum, log_w, raw_b, w_b, values, keeps, seq_rejected, veto,
+                  count_eps: float) -> None:
     """The ROW terms of pass 2, once per sequence: per-row values in the stats dtype, sums in fp64."""
     f = lambda x: x.to(torch.float64)  # noqa: E731
     nd = f(n)
     sv = n > 0
     svd = f(sv)
     ninf = torch.tensor(-math.inf, dtype=torch.float64, device=n.device)
-    eps = LY.EPS
+    den = _row_den(n, count_eps)
     level = int(a.is_level)
 
     def rmax(x, where=None):
@@ -285,8 +297,8 @@ def _row_partials(S, M, st, a, crits, n, lr_sum, log_w, raw_b, w_b, values, keep
     S[_SUM["bad_mask"]] += f(st[:, _SEQ["bad_mask"]]).sum()
     if level != LY.IS_LEVEL["none"]:
         if level == LY.IS_LEVEL["token"]:
-            x = st[:, _SEQ["token_weight"]] / (n + eps)  # verl: masked_mean(weights, mask, axis=-1)
-            raw_mean = st[:, _SEQ["rho"]] / (n + eps)
+            x = st[:, _SEQ["token_weight"]] / den  # verl: masked_mean(weights, mask, axis=-1)
+            raw_mean = st[:, _SEQ["rho"]] / den
             centre = f(_wc_centre(st, a.is_upper))
             S[_SUM["is_wc_centre"]] += (nd * centre).sum()
             S[_SUM["is_wc_centre_sq"]] += (nd * centre * centre).sum()
@@ -302,8 +314,8 @@ def _row_partials(S, M, st, a, crits, n, lr_sum, log_w, raw_b, w_b, values, keep
             M[_MAX["is_log_weight"]] = torch.maximum(M[_MAX["is_log_weight"]], rmax(log_w))
             M[_MAX["neg_is_log_weight"]] = torch.maximum(M[_MAX["neg_is_log_weight"]], rmax(-log_w))
             S[LY.SUM_HIST:LY.SUM_CRIT_BASE].index_add_(0, _hist_index(_clamp20(log_w)), nd)
-            x = w_b * n / (n + eps)
-            raw_mean = raw_b * n / (n + eps)
+            x = w_b * n / den
+            raw_mean = raw_b * n / den
         S[_SUM["is_seq_mean"]] += f(x).sum()
         S[_SUM["is_seq_mean_sq"]] += (f(x) ** 2).sum()
         S[_SUM["is_seq_high"]] += f(raw_mean > a.is_upper).sum()
@@ -350,9 +362,9 @@ def _row_partials(S, M, st, a, crits, n, lr_sum, log_w, raw_b, w_b, values, keep
     S[_SUM["final_rejected_rows"]] += f(sv & (dropped | (rejected_tokens > 0))).sum()
 
     # Off-policy row terms (verl compute_offpolicy_metrics): per-sequence means, averaged over all rows.
-    mean_lp = st[:, _SEQ["log_prob"]] / (n + eps)
-    mean_rlp = st[:, _SEQ["rollout_log_prob"]] / (n + eps)
-    lpd = -lr_sum / (n + eps)  # mean rollout logp - mean training logp, without the cancellation
+    mean_lp = st[:, _SEQ["log_prob"]] / den
+    mean_rlp = st[:, _SEQ["rollout_log_prob"]] / den
+    lpd = -lr_sum / den  # mean rollout logp - mean training logp, without the cancellation
     S[_SUM["log_ratio"]] += f(lr_sum).sum()
     # the perplexities' exps in fp64, as their sums (a row mean below -88 overflows fp32's exp)
     S[_SUM["training_ppl"]] += torch.exp(-f(mean_lp)).sum()
@@ -413,13 +425,13 @@ def rollout_check(sums: torch.Tensor, agree: Optional[torch.Tensor], log_prob: t
     return sums.clone()
 
 
-def row_rejections(seq_stats: torch.Tensor, a):
+def row_rejections(seq_stats: torch.Tensor, a, mask_dtype: torch.dtype):
     """Which criterion dropped tokens of each row, from the (context-parallel reduced) row statistics: one bool
     ``[B]`` per RS criterion of ``a`` in order (a token-level criterion: the row lost at least one token to it),
-    then the veto. The rules the token pass applies (``_row_values``)."""
+    then the veto. The rules the token pass applies (``_row_values``) for a response mask of ``mask_dtype``."""
     st = seq_stats  # in the kernels' accumulation dtype, so the decisions are theirs
     crits = _criteria(a)
-    *_, keeps, _, veto = _row_values(st, a, crits)
+    *_, keeps, _, veto = _row_values(st, a, crits, _count_eps(mask_dtype))
     out = []
     for (level, stat, *_rest), keep in zip(crits, keeps):
         out.append(st[:, _SEQ[_REJECTED_COL[stat]]] > 0 if level == _TOKEN else ~keep)
