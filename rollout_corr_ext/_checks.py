@@ -87,7 +87,11 @@ def row_sums(x: torch.Tensor) -> torch.Tensor:
     """``x.sum(-1)``, each row summed by one thread in one order whatever the thread count. ATen splits a reduction
     over its rows when it has several, but a single row past one block (:data:`ORDERED_SUM_BLOCK`) over the threads
     (its last bits then move with their number); such a row is summed as one of two identical rows (an expanded
-    view, no copy), which gives the bits it has in any batch of several rows."""
+    view, no copy), which gives the bits it has in any batch of several rows. Rows not laid out row-major
+    (a transposed or strided mask makes the masked values so) are summed in another order: they are made row-major
+    first, so the same values give the same bits in any layout."""
+    if x.dim() >= 1 and x.shape[-1] > 1 and x.stride(-1) != 1:
+        x = x.contiguous()
     if x.dim() == 2 and x.shape[0] == 1 and x.shape[1] > ORDERED_SUM_BLOCK:
         return x.expand(2, x.shape[1]).sum(-1)[:1]
     return x.sum(-1)

@@ -15,6 +15,7 @@ import torch
 
 from .. import _layout as LY
 from .._checks import (acc_dtype as _acc_dtype, check_cu_seqlens as _check_cu_seqlens, masked as _masked,
+                       row_sums as _row_sums,
                        refuse_where)
 
 
@@ -174,8 +175,8 @@ def policy_loss_rows(
                                  torch.where(valid, adv, zero), None if w is None else torch.where(valid, w, one),
                                  *terms)[0]
     if cu_seqlens is None:
-        def row_sum(x):
-            return x.sum(-1)
+        def row_sum(x):  # in one order for any layout and thread count, as the kernels' rows
+            return _row_sums(x)
     else:
         cu = _check_cu_seqlens(log_prob, cu_seqlens)
         seg = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=cu.device), cu[1:] - cu[:-1])
