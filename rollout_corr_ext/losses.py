@@ -1218,6 +1218,8 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
     fn = "compute_policy_loss_clip_cov"
     cfg = _prologue(fn, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights,
                     cu_seqlens)
+    # the IS weights reach the kernel inside its own (detached) weights below: checked here, or dropped silently
+    refuse_grad(fn, old_log_prob=old_log_prob, advantages=advantages, rollout_is_weights=rollout_is_weights)
     acc = _checks.acc_dtype(log_prob.dtype)
     cp = _seq_world(seq_group)
     whole = None
@@ -1306,7 +1308,9 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
     else:
         loss = aggregate_rows(rows[:, LY.PG_ROW_LOSS_SUM], whole.row_tokens, loss_agg_mode,
                               _horizon(whole, log_prob, cu_seqlens), **cfg.global_batch_info)
-        ppo_kl = kl_sum / den
+        # as _row_metrics divides in one process (the count in the rows' type + 1e-8), not by den (the covariance
+        # means' count, in verl's type: without the 1e-8 for a bool mask)
+        ppo_kl = kl_sum / (m_sum.to(kl_sum.dtype) + LY.MASKED_MEAN_EPS)
     return loss, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl}, rows
 
 

@@ -1587,3 +1587,22 @@ def test_dppo_ratio_cap_at_or_below_one_equals_verl(name, c, backend_name):
     for k, v in want[1].items():
         assert math.isclose(got[1][k], v, rel_tol=2e-5, abs_tol=2e-6), (k, got[1][k], v)
     assert want[1]["actor/pg_clipfrac_lower"] > 0  # the cap binds
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_loss_refuses_a_constant_that_requires_grad(name):
+    """old_log_prob, advantages and the IS weights are constants of every policy loss: one that requires grad is a
+    ValueError naming it, never a gradient silently dropped. clip_cov multiplied its IS weights into the kernel's
+    weights detached and returned no gradient for them (w.grad None; the backend fuzz)."""
+    old, lp, adv, mask, w = _inputs(seed=4)
+    cfg = losses.PolicyLossConfig(loss_mode=name, **KNOBS)
+    fn = getattr(losses, f"compute_policy_loss_{name}")
+    for i, arg in ((0, "old_log_prob"), (2, "advantages"), (6, "rollout_is_weights")):
+        args = [old, lp, adv, mask, "token-mean", cfg, w]
+        args[i] = args[i].clone().requires_grad_(True)
+        if name == "gpg" and arg == "old_log_prob":
+            continue  # gpg does not read it (verl's gpg neither); checked by name all the same below
+        with pytest.raises(ValueError, match=f"{arg} requires grad"):
+            fn(*args)
+    with torch.no_grad():  # no gradient asked for: nothing to refuse
+        fn(old, lp, adv, mask, "token-mean", cfg, w.clone().requires_grad_(True))

@@ -339,10 +339,34 @@ def _cp_token_losses(seq_group, cp, rank, failures, seed=0):
                     failures.append(f"{what}: loss_share=False is not the rank's own aggregate")
 
 
+def _cp_few_tokens_metrics(seq_group, cp, rank, failures):
+    """The covariance losses' and geo_mean's metrics on micro-batches of a few tokens, where verl's + 1e-8 in a
+    masked mean is 1e-9 relative: under CP clip_cov's actor/ppo_kl divided by the count without it (Σ / n against
+    one process's Σ / (n + 1e-8); the distributed fuzz)."""
+    for b, t, mask_dtype in ((1, 4, torch.bool), (2, 6, torch.float64)):
+        g = torch.Generator().manual_seed(b * 10 + t)
+        old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
+        lp = old + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.5
+        adv = torch.randn(b, t, generator=g, dtype=torch.float64)
+        mask = torch.ones(b, t, dtype=mask_dtype)
+        cols = slice(rank * t // cp, (rank + 1) * t // cp)
+        for name, knobs in (("clip_cov", dict(clip_cov_ratio=0.3, clip_cov_lb=-1.0, clip_cov_ub=5.0)),
+                            ("kl_cov", dict(kl_cov_ratio=0.3)), ("geo_mean", {})):
+            cfg = losses.PolicyLossConfig(loss_mode=name, **knobs)
+            fn = getattr(losses, f"compute_policy_loss_{name}")
+            want = fn(old, lp, adv, mask, "token-mean", cfg)[1]
+            got = fn(old[:, cols], lp[:, cols], adv[:, cols], mask[:, cols], "token-mean", cfg, seq_group=seq_group)[1]
+            for k in want:
+                if not _close(got[k], want[k], rtol=1e-14, atol=0.0):
+                    failures.append(f"{name} B={b} T={t}: metric {k} = {float(got[k])!r}, one process "
+                                    f"{float(want[k])!r}")
+
+
 def _cp_worker(rank, world):
     failures = []
     _cp_losses(dist.group.WORLD, world, rank, failures)
     _cp_token_losses(dist.group.WORLD, world, rank, failures)
+    _cp_few_tokens_metrics(dist.group.WORLD, world, rank, failures)
     assert not failures, "\n".join(failures)
 
 
