@@ -61,11 +61,12 @@ inline void check_policy_loss_inputs(const at::Tensor& log_prob, const at::Tenso
     TORCH_CHECK(param_a > 0 && std::isfinite(param_a), "DRO's beta (param_a) must be finite and > 0, got ", param_a);
   TORCH_CHECK(clip_low >= 0 && clip_high >= 0, "clip_low and clip_high must be >= 0, got clip_low=", clip_low,
               ", clip_high=", clip_high);
-  // DPPO truncates the ratio at c (any cap > 0, as verl reads it); PPO's dual clip needs c > 1 (verl asserts it).
-  if (loss_kind == kPolicyLossDppoTv || loss_kind == kPolicyLossDppoKl) {
-    TORCH_CHECK(clip_c > 0.0, "clip_c (DPPO's ratio cap c) must be > 0, got ", clip_c);
-  } else {
+  // PPO's dual clip needs c > 1 (verl asserts it); DPPO truncates the ratio at c (any cap > 0, as verl reads it);
+  // the other kinds do not read it.
+  if (loss_kind == kPolicyLossPpoClip) {
     TORCH_CHECK(clip_c > 1.0, "clip_c (the dual-clip bound c) must be > 1 (inf disables the dual clip), got ", clip_c);
+  } else {
+    TORCH_CHECK(clip_c > 0.0, "clip_c (DPPO's ratio cap c; not read by the other kinds) must be > 0, got ", clip_c);
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
+#include <c10/core/DefaultDtype.h>
 
 #include <cmath>
 #include <string>
@@ -197,7 +198,11 @@ RolloutParams<acc_t> make_rollout_params(const at::Tensor& log_prob, const at::T
   p.num_sums = rc::sum_size(static_cast<int>(a.rs_level.size()));
   p.num_maxes = rc::max_size(static_cast<int>(a.rs_level.size()));
   p.cfg = decode_rollout_config<acc_t>(a);
-  p.cfg.count_eps = mask.scalar_type() == at::kDouble ? static_cast<acc_t>(rc::k_eps) : acc_t(0);
+  // verl's count has the mask's dtype (int / bool: int64 + 1e-8 -> torch's default dtype); only fp64 keeps the 1e-8
+  // (rollout_corr_ext/_layout.py count_keeps_eps)
+  const at::ScalarType count_dtype =
+      at::isFloatingType(mask.scalar_type()) ? mask.scalar_type() : c10::get_default_dtype_as_scalartype();
+  p.cfg.count_eps = count_dtype == at::kDouble ? static_cast<acc_t>(rc::k_eps) : acc_t(0);
   return p;
 }
 

@@ -91,6 +91,19 @@ RolloutOpArgs.__doc__ = ("The typed configuration arguments of the rollout ops, 
                          "RS_LEVEL / RS_STAT; one entry per RS criterion in the rs_* lists.")
 
 
+def count_keeps_eps(mask_dtype) -> bool:
+    """Whether verl's ``masked_mean`` (sum / (count + 1e-8)) keeps the 1e-8 for a mask of ``mask_dtype``: its
+    count has the mask's dtype (an int / bool count is int64, + 1e-8 promotes it to torch's default dtype), and
+    only an fp64 count keeps it (fp32 rounds n + 1e-8 to n for n >= 1). The kernels' ``Config::count_eps``
+    (csrc/rollout_correction_host.h) follows the same rule. A bf16 / fp16 count, which verl rounds (257 -> 256 in
+    bf16), is exact here (docs/from_verl.md)."""
+    import torch
+
+    if mask_dtype.is_floating_point:
+        return mask_dtype == torch.float64
+    return torch.get_default_dtype() == torch.float64
+
+
 def partial_sizes(num_rs: int) -> Tuple[int, int]:
     """Lengths of the SUM and MAX partial vectors for ``num_rs`` RS criteria."""
     return SUM_CRIT_BASE + num_rs * len(CRIT_SUM), MAX_CRIT_BASE + num_rs * len(CRIT_MAX)

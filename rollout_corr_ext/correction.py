@@ -266,8 +266,9 @@ def finalize_metrics(
     Each metric reads the slots of ``csrc/include/rollout_correction_layout.def`` by name (formulas: verl 0.9.1
     ``compute_is_metrics`` / ``compute_rs_metrics`` / ``compute_offpolicy_metrics``). The formulas run once, on
     torch ops (no host sync), or, for plain CPU tensors, on numpy fp64 scalars read in place, with the values
-    returned as 0-dim views of one new tensor. ``fp64_mask``: the response mask was fp64, whose count keeps
-    verl's + 1e-8 in the means (any other mask dtype loses it to fp32 rounding in verl)."""
+    returned as 0-dim views of one new tensor. ``fp64_mask``: verl's count of the response mask keeps its
+    + 1e-8 (an fp64 mask, or an int / bool one under an fp64 default dtype: ``_layout.count_keeps_eps``); any other
+    loses it to fp32 rounding in verl."""
     host = _host_arrays(sums, maxes)
     if host is None:
         return _metric_formulas(sums, maxes, config, exclude_nonfinite, _TensorMath, fp64_mask)
@@ -610,7 +611,7 @@ def compute_rollout_correction(
     # Every rank reaches the same verdict on the reduced sums (CPU: a ValueError; CUDA: device asserts, no sync).
     sums = ops.rollout_check(sums, agree, log_prob, rollout_log_prob, response_mask, exclude)
 
-    metrics = finalize_metrics(sums, maxes, config, exclude, fp64_mask=response_mask.dtype == torch.float64)
+    metrics = finalize_metrics(sums, maxes, config, exclude, fp64_mask=LY.count_keeps_eps(response_mask.dtype))
     diag_out = None
     if diagnostics is not None:
         from .observability import finalize_diagnostics

@@ -129,7 +129,8 @@ class PolicyLossConfig:
         clip_ratio: PPO epsilon, used for both sides unless ``clip_ratio_low`` / ``clip_ratio_high`` are set.
         clip_ratio_low, clip_ratio_high: asymmetric clip ("clip-higher"): r is clipped to [1 - low, 1 + high].
         clip_ratio_c: PPO's dual-clip bound c (> 1, checked when a PPO loss reads it, as verl asserts): for A < 0
-            the loss is capped at -A c (arXiv:1912.09729); DPPO's truncation of the ratio at c (any c > 0). None:
+            the loss is capped at -A c (arXiv:1912.09729); DPPO's truncation of the ratio at c (any c > 0); the
+            other losses do not read it (any c > 0). None:
             the loss's own default, as verl's losses read a missing key: 3.0 for PPO's dual clip, 20.0 for
             ``dppo_tv`` / ``dppo_kl``.
         dp_size, batch_num_tokens, global_batch_size, loss_scale_factor: verl's ``global_batch_info``, the global
@@ -237,12 +238,13 @@ class PolicyLossConfig:
         c = self.clip_ratio_c
         if c is None:
             return DPPO_RATIO_CAP if dppo else DUAL_CLIP_C
-        if not dppo:  # PPO's dual clip: c > 1, as verl's compute_policy_loss_vanilla asserts; DPPO caps at any c > 0
+        if kind == LY.PG_KIND_PPO_CLIP:  # PPO's dual clip: c > 1, as verl's compute_policy_loss_vanilla asserts;
+            # DPPO caps at any c > 0, and the other kinds do not read c (verl's gspo, cispo, ... accept any)
             msg = "clip_ratio_c (the dual-clip bound c of PPO's loss) must be > 1.0"
             if torch.compiler.is_compiling():
                 _checks.assert_traced_number(c, lambda t: t > 1.0, msg)
             elif not c > 1.0:
-                raise ValueError(f"{msg}, got {c!r} (DPPO's dppo_tv / dppo_kl take any cap c > 0)")
+                raise ValueError(f"{msg}, got {c!r} (only PPO's dual clip needs c > 1; DPPO caps at any c > 0)")
         return float(c)
 
     @property

@@ -254,7 +254,10 @@ def rollout_correction_oracle(
     # verl's masked_mean is sum / (count + 1e-8) with the count in the mask's dtype: an fp64 float mask keeps the
     # 1e-8; a bool / int mask's count (int64 + 1e-8 -> fp32) and an fp32 (or 16-bit) mask's lose it to fp32 rounding
     # (count >= 1; an empty row's sum is 0 whatever it is divided by)
-    keeps_eps = response_mask.dtype == torch.float64
+    # (a bool / int count is int64, + 1e-8 promotes it to torch's default dtype; a bf16 / fp16 count, which verl
+    # rounds, is taken exact as the package documents)
+    count_dtype = response_mask.dtype if response_mask.is_floating_point() else torch.get_default_dtype()
+    keeps_eps = count_dtype == torch.float64
     den_N = N + EPS if keeps_eps else max(N, EPS)
     den_b = n_b + EPS if keeps_eps else n_b.clamp(min=EPS)
 

@@ -283,8 +283,8 @@ _BAD = [
     (lambda a: dict(a, kind=LY.KIND_COUNT), "loss_kind must be a PG_KIND_"),
     (lambda a: dict(a, kind=-1), "loss_kind must be a PG_KIND_"),
     (lambda a: dict(a, clip_c=1.0), "clip_c .the dual-clip bound c. must be > 1"),
-    (lambda a: dict(a, clip_c=0.0, kind=LY.PG_KIND_DPPO_TV), "clip_c .DPPO's ratio cap c. must be > 0"),
-    (lambda a: dict(a, clip_c=float("nan"), kind=LY.PG_KIND_DPPO_KL), "clip_c .DPPO's ratio cap c. must be > 0"),
+    (lambda a: dict(a, clip_c=0.0, kind=LY.PG_KIND_DPPO_TV), "clip_c .DPPO's ratio cap c; not read by the other kinds. must be > 0"),
+    (lambda a: dict(a, clip_c=float("nan"), kind=LY.PG_KIND_DPPO_KL), "clip_c .DPPO's ratio cap c; not read by the other kinds. must be > 0"),
     (lambda a: dict(a, clip_low=-0.1), "clip_low and clip_high must be >= 0"),
 ]
 

@@ -1571,22 +1571,30 @@ def test_every_loss_takes_every_input_in_any_layout(backend_name, name, mask_dty
 
 @pytest.mark.parametrize("backend_name", ["cpu", "fallback"])
 @pytest.mark.parametrize("c", [1.0, 0.5, 1.1])
-@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
-def test_dppo_ratio_cap_at_or_below_one_equals_verl(name, c, backend_name):
-    """DPPO truncates the ratio at clip_ratio_c, which verl reads without a bound (only vanilla's dual clip asserts
-    c > 1): a cap at or below 1 (biased, but defined) is verl's value, gradient and metrics, where our config refused
-    anything <= 1 as a dual-clip bound (the verl config fuzz)."""
+@pytest.mark.parametrize("name", NAMES)
+def test_clip_ratio_c_at_or_below_one_equals_verl(name, c, backend_name):
+    """clip_ratio_c is PPO's dual-clip bound, which verl's vanilla asserts > 1; DPPO truncates the ratio at it
+    with no bound, and the other losses do not read it. Every loss but vanilla takes c <= 1 as verl does (value,
+    gradient, metrics; DPPO's cap binds), where our config refused anything <= 1 as a dual-clip bound (the verl
+    config fuzz, then the review for the losses that do not read c); vanilla refuses it, as verl does."""
     core, _, _ = _verl()
     old, lp, adv, mask, w = _inputs(seed=17)
     actor = _actor(name, clip_ratio_c=c)
     with policy_loss_backend(backend_name):
+        if name == "vanilla" and c <= 1:
+            with pytest.raises(AssertionError):
+                _run(core.get_policy_loss_fn(name), old, lp, adv, mask, "token-mean", actor, w)
+            with pytest.raises(ValueError, match=r"clip_ratio_c \(the dual-clip bound c of PPO's loss\) must be > 1"):
+                _run(rv.POLICY_LOSSES[name], old, lp, adv, mask, "token-mean", actor, w)
+            return
         want = _run(core.get_policy_loss_fn(name), old, lp, adv, mask, "token-mean", actor, w)
         got = _run(rv.POLICY_LOSSES[name], old, lp, adv, mask, "token-mean", actor, w)
     assert torch.allclose(got[0].double(), want[0].double(), rtol=2e-5, atol=2e-6), (got[0], want[0])
     assert torch.allclose(got[2], want[2], rtol=2e-5, atol=1e-7)
     for k, v in want[1].items():
         assert math.isclose(got[1][k], v, rel_tol=2e-5, abs_tol=2e-6), (k, got[1][k], v)
-    assert want[1]["actor/pg_clipfrac_lower"] > 0  # the cap binds
+    if name.startswith("dppo"):
+        assert want[1]["actor/pg_clipfrac_lower"] > 0  # the cap binds
 
 
 @pytest.mark.parametrize("name", NAMES)

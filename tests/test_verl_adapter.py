@@ -999,13 +999,24 @@ def test_add_to_batch_with_diagnostics_and_versions(V, source):
         rv.configure(diagnostics=MismatchDiagnostics(entropy=lp))
 
 
+@pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32, torch.float64], ids=str)
-def test_fp64_row_means_divide_by_the_count_as_verl_does_for_the_mask_dtype(V, mask_dtype):
+def test_fp64_row_means_divide_by_the_count_as_verl_does_for_the_mask_dtype(V, mask_dtype, default_dtype):
     """verl's masked_mean is sum / (count + 1e-8) with the count in the mask's dtype: a bool / int mask's count
-    (int64 + 1e-8 -> fp32) and an fp32 mask's lose the 1e-8 to rounding, an fp64 mask's keeps it. With fp64
-    log-probs our row means added it in fp64 for every mask: a row of weights all exactly 1 had mean n / (n + 1e-8),
-    counted below a lower bound of 1.0 (rollout_is_seq_fraction_low 1.0 against verl's 0.0), and a row whose mean
-    k2 is exactly 0.125 was kept under a bound of 0.1249999999 that verl rejects it at (the verl config fuzz)."""
+    (int64 + 1e-8 -> torch's default dtype) and an fp32 mask's lose the 1e-8 to fp32 rounding, an fp64 count keeps
+    it. With fp64 log-probs our row means added it in fp64 for every mask: a row of weights all exactly 1 had mean
+    n / (n + 1e-8), counted below a lower bound of 1.0 (rollout_is_seq_fraction_low 1.0 against verl's 0.0), and a
+    row whose mean k2 is exactly 0.125 was kept under a bound of 0.1249999999 that verl rejects it at (the verl
+    config fuzz); under an fp64 default dtype verl keeps the 1e-8 for a bool / int mask too (the review)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default_dtype)
+    try:
+        _row_means_as_verl(V, mask_dtype)
+    finally:
+        torch.set_default_dtype(before)
+
+
+def _row_means_as_verl(V, mask_dtype):
     old = torch.tensor([[-1.0, -2.0, -0.5, -1.5], [-1.0, -2.0, -0.5, -1.5], [-0.3, -0.7, -1.1, -0.2]],
                        dtype=torch.float64)
     roll = old.clone()

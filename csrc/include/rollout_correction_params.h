@@ -174,8 +174,8 @@ struct Config {
   // The token-level criteria in order (at most one per statistic), as indices into crit_*.
   int num_token_crit;
   int token_crit[kMaxTokenCriteria];
-  // verl's masked_mean divides by count + 1e-8 with the count in the mask's dtype: an fp64 mask keeps the 1e-8, a
-  // bool / int (int64 + 1e-8 -> fp32) or 16/32-bit mask loses it to fp32 rounding (count >= 1). k_eps or 0.
+  // verl's masked_mean divides by count + 1e-8 with the count in the mask's dtype (bool / int: int64 + 1e-8 ->
+  // torch's default dtype): an fp64 count keeps the 1e-8, any other loses it to rounding (count >= 1). k_eps or 0.
   acc_t count_eps;
 };
 

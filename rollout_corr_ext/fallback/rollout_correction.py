@@ -40,6 +40,8 @@ def _clamp20(x: torch.Tensor) -> torch.Tensor:
 
 
 def _token_values(log_prob, rollout_log_prob, mask, exclude_nonfinite):
+    # row-major first: torch's row sums follow the layout, and the kernels give the same bits in any layout
+    log_prob, rollout_log_prob, mask = (x.contiguous() for x in (log_prob, rollout_log_prob, mask))
     acc = _acc(log_prob, rollout_log_prob)
     lp = log_prob.detach().to(acc)
     rlp = rollout_log_prob.detach().to(acc)
@@ -134,9 +136,9 @@ def rollout_seq_stats(log_prob, rollout_log_prob, mask, cu_seqlens, *config):
 
 
 def _count_eps(mask_dtype: torch.dtype) -> float:
-    """The 1e-8 verl's masked_mean adds to a count in the mask's dtype: kept by an fp64 mask's, lost to fp32 rounding
-    by any other (a bool / int count is int64 + 1e-8 -> fp32; count >= 1). The kernels' ``Config::count_eps``."""
-    return LY.EPS if mask_dtype == torch.float64 else 0.0
+    """The 1e-8 verl's masked_mean adds to a count in the mask's dtype, where it survives (``LY.count_keeps_eps``);
+    the kernels' ``Config::count_eps``."""
+    return LY.EPS if LY.count_keeps_eps(mask_dtype) else 0.0
 
 
 def _row_den(n, count_eps: float):
@@ -192,7 +194,7 @@ def _hist_index(log_w: torch.Tensor) -> torch.Tensor:
 
 def rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, *config_and_row_partials):
     """Pass 2: (weights or ``[0]``, mask_out, SUM partials, MAX partials); slots: ``_layout.SUM`` / ``MAX``.
-    Weights and mask_out in the inputs' layout (packed: ``[T]``). ``config_and_row_partials``: the configuration
+    Weights and mask_out row-major in the inputs' shape (packed: ``[T]``). ``config_and_row_partials``: the configuration
     arguments (``_layout.RolloutOpArgs``, schema order), then ``row_partials``."""
     *config, row_partials = config_and_row_partials
     a = LY.RolloutOpArgs(*config)
