@@ -239,8 +239,8 @@ def _emulated_policy_loss_backward(knobs, grad_rows_loss, log_prob, old_log_prob
 @contextlib.contextmanager
 def policy_loss_backend(name: str, **knobs) -> Iterator[str]:
     """Within the block, ``rollout_corr_ext.ops.policy_loss_rows`` / ``policy_loss`` / ``policy_loss_backward`` (and
-    so every policy loss, ``calculate_grpo_loss`` and ``make_policy_loss_func``) run on backend ``name``; yields the device the inputs must live on. ``knobs``
-    (threads, schedule, max_blocks) tune the emulated launches."""
+    so every policy loss, ``calculate_grpo_loss`` and ``make_policy_loss_func``) run on backend ``name``; yields the
+    device the inputs must live on. ``knobs`` (threads, schedule, max_blocks) tune the emulated launches."""
     _skip_unless_runnable(name)
     if name in ("cpu", "cuda"):
         yield name

@@ -194,8 +194,8 @@ def _hist_index(log_w: torch.Tensor) -> torch.Tensor:
 
 def rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, *config_and_row_partials):
     """Pass 2: (weights or ``[0]``, mask_out, SUM partials, MAX partials); slots: ``_layout.SUM`` / ``MAX``.
-    Weights and mask_out row-major in the inputs' shape (packed: ``[T]``). ``config_and_row_partials``: the configuration
-    arguments (``_layout.RolloutOpArgs``, schema order), then ``row_partials``."""
+    Weights and mask_out row-major in the inputs' shape (packed: ``[T]``). ``config_and_row_partials``: the
+    configuration arguments (``_layout.RolloutOpArgs``, schema order), then ``row_partials``."""
     *config, row_partials = config_and_row_partials
     a = LY.RolloutOpArgs(*config)
     if cu_seqlens is not None:
