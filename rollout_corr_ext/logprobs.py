@@ -52,7 +52,11 @@ def as_real(name: str, value) -> float:
     """A real-number argument (int, float, numpy scalar); bools, strings and tensors are refused."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past the float range: named here, not a bare OverflowError at the first use
+        raise ValueError(f"{name} must be a finite real number, got an integer of {int(value).bit_length()} bits, "
+                         f"past the float range") from None
 
 
 def as_bool(name: str, value) -> bool:

@@ -1971,6 +1971,9 @@ def _grpo_packed(lp, advantages, seq_starts, seq_lengths):
     for i, (s, ln) in enumerate(zip(starts, lengths)):
         if s < 0 or ln < 0:
             raise ValueError(f"seq_starts[{i}] = {s} and seq_lengths[{i}] = {ln} must be >= 0")
+        if s + max(ln - 1, 0) > size:  # its log-probs would run past the bin: a sequence cut or dropped silently
+            raise ValueError(f"packed sequence {i} (seq_starts[{i}] = {s}, seq_lengths[{i}] = {ln}) runs past the "
+                             f"bin: its log-probs end at {s + max(ln - 1, 0)} > bin_size {size}")
         if i and s < max(starts[i - 1], ends[i - 1]):
             raise ValueError(f"packed sequence {i} (start {s}) overlaps sequence {i - 1} (tokens {starts[i - 1]} .. "
                              f"{ends[i - 1] - 1}), or seq_starts is not increasing")
@@ -2115,8 +2118,10 @@ def calculate_grpo_loss(
                                                                      ("entropy_weight", entropy_weight)))
     if inference_logprobs is not None:
         _check_float("inference_logprobs", inference_logprobs, lp)
-    if is_truncation_coef is not None and (isinstance(is_truncation_coef, bool) or not is_truncation_coef > 0):
-        raise ValueError(f"is_truncation_coef must be > 0 or None, got {is_truncation_coef}")
+    if is_truncation_coef is not None:  # a real number > 0 (inf: no truncation), as the other numbers are read
+        is_truncation_coef = as_real("is_truncation_coef", is_truncation_coef)
+        if not is_truncation_coef > 0:
+            raise ValueError(f"is_truncation_coef must be > 0 or None, got {is_truncation_coef!r}")
     if response_mask is not None:
         check_mask("response_mask", response_mask, lp)
 
@@ -2151,8 +2156,8 @@ def calculate_grpo_loss(
             weights = result.weights.reshape(lp.shape)
     elif inference_logprobs is not None:
         weights = (old_logprobs.detach().to(acc) - inference_logprobs.to(acc)).exp()
-        if is_truncation_coef is not None:
-            weights = weights.clamp(max=is_truncation_coef)
+        if is_truncation_coef is not None:  # a cap past the dtype's range truncates nothing finite (1e308 in fp32)
+            weights = weights.clamp(max=min(is_truncation_coef, torch.finfo(weights.dtype).max))
 
     # Megatron's per-token form has no mask: every token is a response token unless response_mask says otherwise
     # (the op raises on an undefined loss at a response token; masked tokens are not inspected).

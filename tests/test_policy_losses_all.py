@@ -973,6 +973,43 @@ def test_grpo_packed_refuses_overlap_and_mismatch():
     out = losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, torch.tensor([0, 5],
                                      dtype=torch.int32), (5, 5))  # int32 tensors and tuples are integers
     assert out[0].shape == (1, 10)
+    # a sequence whose log-probs run past the bin was cut short, one that starts past it dropped, silently (the
+    # config fuzz); one ending exactly at the bin's end is whole
+    for starts, lengths in (([0, 5], [5, 7]), ([0, 12], [5, 3]), ([0, 5], [5, 2 ** 62])):
+        with pytest.raises(ValueError, match=r"packed sequence 1 .* runs past the bin"):
+            losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, starts, lengths)
+    losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, [0, 5], [5, 6])
+
+
+def test_grpo_numbers_are_real_numbers_named():
+    """calculate_grpo_loss's numbers take what a real number is (int, float, numpy scalars, Fraction) and refuse the
+    rest naming the argument: is_truncation_coef read np.bool_(True) as 1, raised raw torch errors for 1e308 (a
+    cap past fp32), Decimal and str; an int past the float range was a bare OverflowError everywhere (the config
+    fuzz)."""
+    import fractions
+
+    import numpy as np
+
+    g = torch.Generator().manual_seed(2)
+    lp = -torch.rand(3, 5, generator=g)
+    inf_lp = lp - 0.3 * torch.rand(3, 5, generator=g)
+    adv = torch.randn(3, generator=g)
+
+    def run(**kw):
+        args = dict(clamp_eps_lower=0.2, clamp_eps_upper=0.2, kl_beta=0.0, entropy_weight=0.0,
+                    inference_logprobs=inf_lp)
+        args.update(kw)
+        return losses.calculate_grpo_loss(lp, lp + 0.01, lp, adv, **args)[0]
+
+    for bad in (True, np.bool_(True), "0.5", 0.0, -1.0, float("nan")):
+        with pytest.raises((TypeError, ValueError), match="is_truncation_coef"):
+            run(is_truncation_coef=bad)
+    for name in ("is_truncation_coef", "kl_beta", "clamp_eps_lower"):
+        with pytest.raises(ValueError, match=f"{name} must be a finite real number, got an integer of 1329 bits"):
+            run(**{name: 10 ** 400})
+    assert torch.equal(run(is_truncation_coef=np.float32(0.5)), run(is_truncation_coef=0.5))
+    assert torch.equal(run(is_truncation_coef=fractions.Fraction(1, 2)), run(is_truncation_coef=0.5))
+    assert torch.equal(run(is_truncation_coef=1e308), run(is_truncation_coef=math.inf))  # truncates nothing
 
 
 # ----------------------------------------------------------------------------------------- off-policy sequence masking
@@ -1614,3 +1651,25 @@ def test_every_loss_refuses_a_constant_that_requires_grad(name):
             fn(*args)
     with torch.no_grad():  # no gradient asked for: nothing to refuse
         fn(old, lp, adv, mask, "token-mean", cfg, w.clone().requires_grad_(True))
+
+
+@pytest.mark.parametrize("backend_name", ["cpu", "fallback"])
+@pytest.mark.parametrize("name", ["gpg", "vanilla"])
+def test_a_token_loss_past_the_float_range_is_refused(name, backend_name):
+    """Finite inputs whose token loss overflows the type (-A log pi w = 6e38 in fp32): gpg returned an inf loss (the
+    mean, 1.5e38, is finite, but not computable in fp32), where every kind after REINFORCE refused it (the extremes
+    fuzz). Every kind refuses it now, naming the token; a large loss that fits is computed."""
+    lp = torch.tensor([[-1.0, -3e38, -1.0, -1.0]])
+    adv = torch.full((1, 4), 2.0) if name == "gpg" else torch.tensor([[1.0, -3e38, 1.0, 1.0]])
+    old = lp.clone() if name == "gpg" else torch.tensor([[-1.0, -3e38 - 2e32, -1.0, -1.0]])
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    cfg = losses.PolicyLossConfig(loss_mode=name, clip_ratio_c=10.0)
+    fn = getattr(losses, f"compute_policy_loss_{name}")
+    with policy_loss_backend(backend_name):
+        with pytest.raises(ValueError, match=r"policy loss undefined at response token \(0, 1\)"):
+            fn(old, lp.clone().requires_grad_(True), adv, mask, "token-mean", cfg)
+        ok = lp.clone()
+        ok[0, 1] = -1e38
+        loss, _ = fn(old if name == "gpg" else lp, ok.requires_grad_(True), adv if name == "gpg" else adv.clamp(-1e37),
+                     mask, "token-mean", cfg)
+        assert torch.isfinite(loss)

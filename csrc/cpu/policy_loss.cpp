@@ -336,6 +336,7 @@ RC_FORCEINLINE typename Lanes<VF>::VI undefined(VF lp, VF old_lp, VF adv, VF w, 
   // the mask weight first (policy_loss_undefined): NaN, inf or < 0 at a token whose mask is not 0
   typename L::VI bad = L::lor(L::lor(m != m, m < VF{}), m == L::splat(INFINITY));
   bad = L::lor(bad, L::lor(L::not_finite(adv), L::not_finite(w)));
+  bad = L::lor(bad, L::not_finite(loss));
   if constexpr (K == kPolicyLossPpoClip || K == kPolicyLossReinforce) {
     const VF inf = L::splat(INFINITY);
     bad = L::lor(L::lor(bad, L::lor(lp != lp, lp == inf)), L::lor(old_lp != old_lp, old_lp == inf));
@@ -345,7 +346,7 @@ RC_FORCEINLINE typename Lanes<VF>::VI undefined(VF lp, VF old_lp, VF adv, VF w, 
       bad = L::lor(bad, lp == -inf);
     }
   } else {
-    bad = L::lor(L::lor(bad, L::not_finite(lp)), L::lor(L::not_finite(old_lp), L::not_finite(loss)));
+    bad = L::lor(L::lor(bad, L::not_finite(lp)), L::not_finite(old_lp));
   }
   return L::land(bad, m != VF{});
 }

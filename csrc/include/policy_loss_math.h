@@ -273,8 +273,9 @@ RC_HD RC_FORCEINLINE void policy_row_partials_add(PolicyRowPartials<acc_t>& p, c
 }
 
 // A response token (mask != 0) whose loss is undefined: NaN or +inf log-probs, a log-ratio -inf - (-inf) (PPO), a
-// -inf log-prob under REINFORCE (an infinite loss), non-finite advantages or IS weights. The kinds after
-// REINFORCE (policy_loss_layout.def) take stricter terms: every input finite and the token's value finite.
+// -inf log-prob under REINFORCE (an infinite loss), non-finite advantages or IS weights, a token loss past the
+// type's range (finite inputs whose product overflows: -A lp w = 6e38 in fp32 gave an inf loss where the mean is
+// finite). The kinds after REINFORCE (policy_loss_layout.def) take stricter terms: every input finite.
 // Masked tokens are never inspected (padding holds junk).
 template <typename acc_t>
 RC_HD RC_FORCEINLINE bool policy_loss_undefined(acc_t lp, acc_t old_lp, acc_t adv, acc_t w, acc_t m, int32_t kind,
@@ -283,11 +284,12 @@ RC_HD RC_FORCEINLINE bool policy_loss_undefined(acc_t lp, acc_t old_lp, acc_t ad
   const acc_t inf = static_cast<acc_t>(INFINITY);
   // a float mask weights the token's loss (verl multiplies it in): NaN, inf or a negative weight defines none
   bool bad = !(m > acc_t(0)) || m == inf || !(adv - adv == acc_t(0)) || !(w - w == acc_t(0));
+  bad = bad || !(loss - loss == acc_t(0));
   if (kind == kPolicyLossPpoClip || kind == kPolicyLossReinforce) {
     bad = bad || (lp != lp) || lp == inf || (old_lp != old_lp) || old_lp == inf;
     return bad || (kind == kPolicyLossPpoClip ? (lp == -inf && old_lp == -inf) : lp == -inf);
   }
-  return bad || !(lp - lp == acc_t(0)) || !(old_lp - old_lp == acc_t(0)) || !(loss - loss == acc_t(0));
+  return bad || !(lp - lp == acc_t(0)) || !(old_lp - old_lp == acc_t(0));
 }
 
 // The forward of one token: reads the inputs, writes loss_mat (when wanted), folds the token into the row partials.

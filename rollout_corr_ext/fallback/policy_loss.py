@@ -93,8 +93,8 @@ def _policy_token_terms(lp, old, adv, w, clip_low, clip_high, clip_c, loss_kind,
 
 def _undefined_loss_tokens(kind: int, old_log_prob, log_prob, advantages, response_mask, weights, loss=None):
     """Response tokens whose loss is undefined: NaN or +inf log-probs, a log-ratio -inf - (-inf) (PPO), a -inf
-    log-prob under REINFORCE (an infinite loss), non-finite advantages or IS weights; for the other kinds any
-    non-finite input or token loss. Masked-out tokens are not inspected. Elementwise over [b, s]: small next to the
+    log-prob under REINFORCE (an infinite loss), non-finite advantages or IS weights, a non-finite token loss; for
+    the other kinds any non-finite input. Masked-out tokens are not inspected. Elementwise over [b, s]: small next to the
     vocab-sized log-prob pass."""
     inf = float("inf")
     lp, old = log_prob, old_log_prob
@@ -103,19 +103,21 @@ def _undefined_loss_tokens(kind: int, old_log_prob, log_prob, advantages, respon
     bad = ~(response_mask > 0) | (response_mask == inf) | ~torch.isfinite(adv)
     if weights is not None:
         bad = bad | ~torch.isfinite(weights)
+    if loss is not None:  # a token loss past the type's range (finite inputs whose product overflows), every kind
+        bad = bad | ~torch.isfinite(loss)
     if kind in (LY.PG_KIND_PPO_CLIP, LY.PG_KIND_REINFORCE):
         bad = bad | lp.isnan() | (lp == inf) | old.isnan() | (old == inf)
         bad = bad | ((lp == -inf) & (old == -inf)) if kind == LY.PG_KIND_PPO_CLIP else bad | (lp == -inf)
     else:
-        bad = bad | ~torch.isfinite(lp) | ~torch.isfinite(old) | ~torch.isfinite(loss)
+        bad = bad | ~torch.isfinite(lp) | ~torch.isfinite(old)
     return bad & (response_mask != 0)
 
 
 def _check_defined_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, weights, loss=None):
     bad = _undefined_loss_tokens(kind, old_log_prob, log_prob, advantages, response_mask, weights, loss)
     what = ("a response_mask weight NaN, inf or < 0, log_prob / old_log_prob NaN or +inf, both -inf (PPO), log_prob "
-            "-inf (REINFORCE), non-finite advantages / IS weights, or (the other kinds) a non-finite input or token "
-            "loss")
+            "-inf (REINFORCE), non-finite advantages / IS weights, a token loss past the float range, or (the other "
+            "kinds) a non-finite input")
     refuse_where(bad, lambda at: f"policy loss undefined at response token {at}: {what} (mask the token out, or fix "
                                  f"the log-probs; a target at a -inf logit has log-prob -inf)",
                  f"policy loss undefined at a response token: {what}")
