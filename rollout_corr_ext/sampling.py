@@ -580,8 +580,14 @@ def _refuse_non_finite(z_max: torch.Tensor, active: torch.Tensor, group, world: 
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"{fn}: NaN or +inf {what.format(i if row_id is None else row_id(i))} (its target is not "
-                         f"ignore_index)")
+                         f"ignore_index){_OVERFLOW_HINT}")
     return z_max
+
+
+#: z = logits / T in fp32 (fp64 for fp64 logits) overflows for finite logits past max * T: the sampler's
+#: distribution is not defined there (vLLM divides its fp32 logits the same way), so such a row is refused too
+_OVERFLOW_HINT = (", or a finite logit there whose quotient by the temperature is past the float range (|logit| / "
+                  "temperature > the dtype's max; vLLM divides its fp32 logits the same way)")
 
 
 #: shard facts each rank appends to the candidate path's all-gather: rows, vocab_start, local columns, columns below
@@ -755,10 +761,13 @@ def _candidate_log_probs(logits2d, target1d, sampling, active, lead, n, tp_group
         else:  # the kernel's lists are sorted already
             cand = vals
             z_max_r, sum_r, z_t_r, over_r = stats[:, 0:1], stats[:, 1:2], stats[:, 2:3], over.unsqueeze(1)
-        bad = torch.isnan(z_max_r).any(1) & active
+        # NaN: a NaN / +inf logit; +inf: a finite one whose quotient by the temperature overflowed (the row's kept
+        # log-probs would read inf - inf)
+        bad = (torch.isnan(z_max_r) | (z_max_r == math.inf)).any(1) & active
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"sampled_log_probs: NaN or +inf logit in row {i} of the flattened logits")
+            raise ValueError(f"sampled_log_probs: NaN or +inf logit in row {i} of the flattened logits"
+                             f"{_OVERFLOW_HINT}")
         z_max = z_max_r.amax(1).to(torch.float64)
         empty = (z_max == ninf) & active
         if bool(empty.any()):

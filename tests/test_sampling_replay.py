@@ -1153,3 +1153,23 @@ def test_kept_tokens_errors_name_the_callers_rows_in_every_layout(layout):
         with pytest.raises(ValueError, match=words):
             make_policy_loss_func(target, adv, mask, config=PolicyLossConfig(), vocab_size=v, logits_layout=layout,
                                   sampling=KeptTokens.from_lists(lists))(logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_logits_whose_quotient_by_the_temperature_overflows_are_refused(dtype):
+    """Finite logits near the dtype's maximum at a small temperature: z = x / T overflows fp32 (vLLM's sampler
+    divides its fp32 logits the same way, so it cannot sample such a row). The top-k candidate path returned a NaN
+    log-prob with in_support True and NaN gradients; top-p / min-p refused it as a "NaN or +inf logit" (the
+    extremes fuzz). Every path refuses it naming the overflow; at temperature 1 the same row is exact."""
+    big = 0.9 * torch.finfo(dtype).max
+    x = torch.tensor([[0.5, big, -big, 1.0, 0.0, -1.0, 2.0, 0.25]], dtype=dtype)
+    t = torch.tensor([1])
+    for sp in (rc.SamplingParams(temperature=1e-3, top_k=5), rc.SamplingParams(temperature=1e-3, top_k=1),
+               rc.SamplingParams(temperature=1e-3, top_p=0.9), rc.SamplingParams(temperature=1e-3, min_p=0.1),
+               rc.SamplingParams(temperature=torch.tensor([1e-3]), top_k=5)):
+        with pytest.raises(ValueError, match="quotient by the temperature is past the float range"):
+            rc.sampled_log_probs(x.clone().requires_grad_(True), t, sp)
+    lg = x.clone().requires_grad_(True)
+    out = rc.sampled_log_probs(lg, t, rc.SamplingParams(temperature=1.0, top_k=5))
+    out.log_prob.sum().backward()
+    assert float(out.log_prob) == 0.0 and bool(out.in_support) and torch.equal(lg.grad, torch.zeros_like(lg))
