@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
@@ -257,6 +258,10 @@ class RolloutCorrectionConfig:
             if lower > upper:
                 raise ValueError(f"rollout_is_threshold: lower bound {lower} > upper bound {upper}")
         metric_lower = lower if lower is not None else (lower_opt if lower_opt is not None else 1.0 / upper)
+        if not math.isfinite(metric_lower):  # 1 / upper past the float range: every bound the kernels read is finite
+            raise ValueError(f"rollout_is_threshold: {upper!r} is too small, its reciprocal (the default lower "
+                             f"bound) overflows; give rollout_is_threshold_lower or a threshold >= "
+                             f"{1.0 / sys.float_info.max!r}")
         return ISSpec(self.rollout_is, mode, lower, float(upper), float(metric_lower))
 
     def _resolve_rs(self) -> List[RSCriterion]:

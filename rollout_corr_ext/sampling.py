@@ -104,8 +104,8 @@ class SamplingParams:
         elif k is not None and (isinstance(k, bool) or not isinstance(k, int)):
             raise TypeError(f"SamplingParams.top_k must be None, an int or a 1-D integer tensor, got "
                             f"{type(k).__name__}")
-        elif k is not None and k < -1:
-            raise ValueError(f"SamplingParams.top_k must be >= 1, or None / 0 / -1 (disabled), got {k}")
+        elif k is not None and not -1 <= k < 2 ** 63:
+            raise ValueError(f"SamplingParams.top_k must be >= 1 (below 2**63), or None / 0 / -1 (disabled), got {k}")
 
     @classmethod
     def from_verl(cls, rollout_config) -> "SamplingParams":
@@ -312,7 +312,7 @@ def _row_topk(pieces, width: int) -> torch.Tensor:
 def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, rows_active: torch.Tensor, lead,
              group, world: int, allow_fast_top_p: bool = True, chunks=None, pieces=None, row_id=None,
              what: str = "logit in row {} of the flattened logits", with_log_s: bool = True,
-             extra_settings=()) -> KeptSet:
+             extra_settings=(), vocab_size: Optional[int] = None) -> KeptSet:
     """Each row's threshold (the kept set is ``{u: z_u >= threshold}``) and the log of the kept set's mass under
     ``softmax(z)``; ``z_of(r0, r1)`` gives rows ``r0:r1`` of the scaled logits (-inf at excluded columns).
     Collective over ``group`` (every rank calls it with its shard). The local passes run ``CHUNK_ROWS`` rows at a
@@ -321,7 +321,9 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
     summaries. ``allow_fast_top_p=False`` forces the general top-p search (the tests hold the two to the same kept
     sets). ``row_id(i)``: the caller's row of row ``i``, ``what``: how an error names it. ``with_log_s=False``: no
     log S (``log_kept_mass`` None), one pass over the logits less. ``extra_settings``: the caller's settings
-    (``ignore_index``, the logits' dtype, ...) that join ``params`` in the fingerprint every rank compares."""
+    (``ignore_index``, the logits' dtype, ...) that join ``params`` in the fingerprint every rank compares.
+    ``vocab_size``: the whole vocabulary (the same on every rank); a row's top-k of at least that many keeps every
+    token, so it runs as top-k off (a top_k of 10**8 made every shard keep a list that long)."""
     if chunks is None:
         chunks = [(r0, min(r0 + CHUNK_ROWS, n)) for r0 in range(0, n, CHUNK_ROWS)]
     if pieces is None:
@@ -339,6 +341,8 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
     if params.top_k is not None:
         k = _per_row("top_k", params.top_k, n, lead, torch.int64, device)
         k_on = (k > 0) & rows_active
+        if vocab_size is not None:
+            k_on &= k < vocab_size
         k_max = min(int(k[k_on].max()), 2 ** 31) if bool(k_on.any()) else 0
         k_on &= k_max > 0
     early_topk = k_max > 0 and not bool(mp_on.any())  # top-k needs no max without min-p: one pass for both
@@ -674,7 +678,7 @@ def sampled_log_probs(
             return res
     with torch.no_grad():
         th = kept_set(z_of, n, local_vocab, acc, logits.device, sampling, active, lead, tp_group, world,
-                      with_log_s=not scalar_t, extra_settings=(ignore_index, logits.dtype))
+                      with_log_s=not scalar_t, extra_settings=(ignore_index, logits.dtype), vocab_size=vocab_size)
         tau = torch.where(active, th.threshold, torch.full_like(th.threshold, -math.inf))  # ignored rows: untouched
     if scalar_t:  # the kernels' own chunked path: no masked copy of the logits, log S from their row states
         logp, entropy, log_s = _FlooredLogProbs.apply(logits2d, target1d, tau.contiguous(), tp_group, world,
@@ -1197,7 +1201,7 @@ def sampled_linear_log_probs(
                       chunks=[(r0, r1) for r0, r1, _ in rows], pieces=pieces,
                       row_id=None if valid is None else (lambda i: int(valid[i])),
                       what="logit from row {} of the flattened hidden states (hidden, weight or bias holds NaN / inf)",
-                      extra_settings=(a.ignore_index, a.inv_temp, hidden.dtype, weight.dtype))
+                      extra_settings=(a.ignore_index, a.inv_temp, hidden.dtype, weight.dtype), vocab_size=a.vocab_size)
         floor = torch.full((n,), -math.inf, dtype=acc, device=hidden.device)
         log_s = torch.zeros(n, dtype=acc, device=hidden.device)
         th_floor = torch.where(active, th.threshold, torch.full_like(th.threshold, -math.inf))

@@ -298,3 +298,16 @@ def test_dict_round_trip_is_exactly_what_the_op_applies(i):
         assert a.metrics.keys() == b.metrics.keys()
         assert all(torch.equal(a.metrics[k], b.metrics[k]) or (a.metrics[k].isnan() and b.metrics[k].isnan())
                    for k in a.metrics)
+
+
+def test_an_is_threshold_whose_reciprocal_overflows_is_refused_naming_it():
+    """rollout_is_threshold=1e-320 was accepted, its default lower bound 1 / U = inf, and the kernel refused the call
+    with "is_metric_lower must be finite" (the config fuzz): refused when built, naming the field."""
+    import pytest as _pytest
+
+    from rollout_corr_ext import RolloutCorrectionConfig
+
+    with _pytest.raises(ValueError, match=r"rollout_is_threshold: 1e-320 is too small, its reciprocal"):
+        RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1e-320)
+    with _pytest.raises(ValueError, match=r"rollout_is_threshold: 1e-320 is too small"):
+        RolloutCorrectionConfig.decoupled_seq_is(1e-320)

@@ -235,9 +235,14 @@ def test_agg_loss_normalisers_accept_numbers_and_0d_tensors(kwarg, good, device)
 @pytest.mark.parametrize("device", AGG_DEVICES)
 def test_agg_loss_dp_size_validated(device):
     x, m = torch.randn(2, 3, device=device), torch.ones(2, 3, device=device)
-    for bad in (0, -1, 1.5, True, "2", None):
-        with pytest.raises(ValueError, match=r"^dp_size must be an int >= 1"):
+    for bad in (0, -1, 1.5, True, "2", None, 2 ** 63, 10 ** 400):  # 10**400: a bare OverflowError (config fuzz)
+        with pytest.raises(ValueError, match=r"^dp_size must be an int in \[1, 2\*\*63\)"):
             agg_loss(x, m, "token-sum", dp_size=bad)
+        with pytest.raises(ValueError, match=r"^dp_size must be an int in \[1, 2\*\*63\)"):
+            PolicyLossConfig(dp_size=bad)
+    for name in ("clip_ratio", "tau_pos", "ppo_kl_coef", "dro_beta"):  # ints past the float range, named
+        with pytest.raises(ValueError, match=f"^{name} must be .*, got an integer of 1329 bits"):
+            PolicyLossConfig(**{name: 10 ** 400})
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -1173,3 +1173,14 @@ def test_logits_whose_quotient_by_the_temperature_overflows_are_refused(dtype):
     out = rc.sampled_log_probs(lg, t, rc.SamplingParams(temperature=1.0, top_k=5))
     out.log_prob.sum().backward()
     assert float(out.log_prob) == 0.0 and bool(out.in_support) and torch.equal(lg.grad, torch.zeros_like(lg))
+
+
+def test_top_k_past_int64_is_refused_naming_it():
+    """top_k = 10**400 was accepted and failed later inside torch (the config fuzz); any k from the vocabulary's size
+    up keeps every token, so a k past int64 is refused naming the field."""
+    with pytest.raises(ValueError, match=r"SamplingParams.top_k must be >= 1 \(below 2\*\*63\)"):
+        SamplingParams(top_k=10 ** 400)
+    x = torch.randn(2, 7)
+    t = torch.tensor([1, 4])
+    assert torch.equal(sampled_log_probs(x, t, SamplingParams(top_k=2 ** 62)).log_prob,
+                       sampled_log_probs(x, t, SamplingParams()).log_prob)
