@@ -453,9 +453,11 @@ class RowAggregation:
         _positive_or_none("batch_num_tokens", batch_num_tokens)
         _positive_or_none("global_batch_size", global_batch_size)
         _positive_or_none("loss_scale_factor", loss_scale_factor)
-        # A one-element tensor normaliser must not broadcast the scalar loss to shape [1].
+        # A one-element tensor normaliser must not broadcast the scalar loss to shape [1]; a Fraction (a real
+        # number torch cannot divide by) is its float.
         batch_num_tokens, global_batch_size, loss_scale_factor = (
-            x.reshape(()) if isinstance(x, torch.Tensor) else x
+            x.reshape(()) if isinstance(x, torch.Tensor) else
+            float(x) if isinstance(x, numbers.Rational) and not isinstance(x, int) else x
             for x in (batch_num_tokens, global_batch_size, loss_scale_factor))
         if dp_size > 1 and loss_agg_mode == "token-mean" and batch_num_tokens is None:
             raise ValueError("batch_num_tokens (the global count of valid tokens) is required when dp_size > 1")

@@ -232,6 +232,17 @@ def test_agg_loss_normalisers_accept_numbers_and_0d_tensors(kwarg, good, device)
     assert PolicyLossConfig(**{kwarg: good}).global_batch_info[kwarg] is good
 
 
+def test_agg_loss_takes_a_fraction_normaliser_as_its_float():
+    """A Fraction passed the normalisers' check and failed in the division (TypeError; the config fuzz)."""
+    import fractions
+
+    x, m = torch.randn(2, 3), torch.ones(2, 3)
+    for name in ("batch_num_tokens", "global_batch_size", "loss_scale_factor"):
+        for mode in ("token-mean", "seq-mean-token-sum-norm"):
+            assert torch.equal(agg_loss(x, m, mode, **{name: fractions.Fraction(9, 2)}),
+                               agg_loss(x, m, mode, **{name: 4.5}))
+
+
 @pytest.mark.parametrize("device", AGG_DEVICES)
 def test_agg_loss_dp_size_validated(device):
     x, m = torch.randn(2, 3, device=device), torch.ones(2, 3, device=device)
