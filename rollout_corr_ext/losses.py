@@ -450,14 +450,16 @@ class RowAggregation:
         check_loss_agg_mode(loss_agg_mode)
         if not isinstance(dp_size, int) or isinstance(dp_size, bool) or not 1 <= dp_size < 2 ** 63:
             raise ValueError(f"dp_size must be an int in [1, 2**63), got {dp_size!r}")
+        # a Fraction (a real number torch cannot divide by, nor trace) is its float
+        batch_num_tokens, global_batch_size, loss_scale_factor = (
+            float(x) if isinstance(x, numbers.Rational) and not isinstance(x, int) else x
+            for x in (batch_num_tokens, global_batch_size, loss_scale_factor))
         _positive_or_none("batch_num_tokens", batch_num_tokens)
         _positive_or_none("global_batch_size", global_batch_size)
         _positive_or_none("loss_scale_factor", loss_scale_factor)
-        # A one-element tensor normaliser must not broadcast the scalar loss to shape [1]; a Fraction (a real
-        # number torch cannot divide by) is its float.
+        # A one-element tensor normaliser must not broadcast the scalar loss to shape [1].
         batch_num_tokens, global_batch_size, loss_scale_factor = (
-            x.reshape(()) if isinstance(x, torch.Tensor) else
-            float(x) if isinstance(x, numbers.Rational) and not isinstance(x, int) else x
+            x.reshape(()) if isinstance(x, torch.Tensor) else x
             for x in (batch_num_tokens, global_batch_size, loss_scale_factor))
         if dp_size > 1 and loss_agg_mode == "token-mean" and batch_num_tokens is None:
             raise ValueError("batch_num_tokens (the global count of valid tokens) is required when dp_size > 1")
@@ -1978,9 +1980,11 @@ def _grpo_packed(lp, advantages, seq_starts, seq_lengths):
     for i, (s, ln) in enumerate(zip(starts, lengths)):
         if s < 0 or ln < 0:
             raise ValueError(f"seq_starts[{i}] = {s} and seq_lengths[{i}] = {ln} must be >= 0")
-        if s + max(ln - 1, 0) > size:  # its log-probs would run past the bin: a sequence cut or dropped silently
+        # its tokens past the bin's (the log-probs and one more: Megatron's are [1, bin_size - 1]) would be cut or
+        # dropped silently; a sequence of length 0 may start where a full bin ends
+        if s + ln > size + 1:
             raise ValueError(f"packed sequence {i} (seq_starts[{i}] = {s}, seq_lengths[{i}] = {ln}) runs past the "
-                             f"bin: its log-probs end at {s + max(ln - 1, 0)} > bin_size {size}")
+                             f"bin: it ends at token {s + ln} > {size + 1} (the {size} log-probs' tokens and one more)")
         if i and s < max(starts[i - 1], ends[i - 1]):
             raise ValueError(f"packed sequence {i} (start {s}) overlaps sequence {i - 1} (tokens {starts[i - 1]} .. "
                              f"{ends[i - 1] - 1}), or seq_starts is not increasing")
@@ -2163,8 +2167,10 @@ def calculate_grpo_loss(
             weights = result.weights.reshape(lp.shape)
     elif inference_logprobs is not None:
         weights = (old_logprobs.detach().to(acc) - inference_logprobs.to(acc)).exp()
-        if is_truncation_coef is not None:  # a cap past the dtype's range truncates nothing finite (1e308 in fp32)
-            weights = weights.clamp(max=min(is_truncation_coef, torch.finfo(weights.dtype).max))
+        # a cap past the dtype's range truncates nothing (1e308 in fp32; inf): left out, so an overflowed weight
+        # stays inf and is refused as without a cap
+        if is_truncation_coef is not None and is_truncation_coef <= torch.finfo(weights.dtype).max:
+            weights = weights.clamp(max=is_truncation_coef)
 
     # Megatron's per-token form has no mask: every token is a response token unless response_mask says otherwise
     # (the op raises on an undefined loss at a response token; masked tokens are not inspected).

@@ -241,6 +241,10 @@ def test_agg_loss_takes_a_fraction_normaliser_as_its_float():
         for mode in ("token-mean", "seq-mean-token-sum-norm"):
             assert torch.equal(agg_loss(x, m, mode, **{name: fractions.Fraction(9, 2)}),
                                agg_loss(x, m, mode, **{name: 4.5}))
+    torch._dynamo.reset()  # traced too: the checks' tensor of the value could not hold a Fraction (the review)
+    f = torch.compile(lambda a, b: agg_loss(a, b, "token-mean", batch_num_tokens=fractions.Fraction(9, 2)),
+                      backend="eager", fullgraph=True)
+    assert torch.equal(f(x, m), agg_loss(x, m, "token-mean", batch_num_tokens=4.5))
 
 
 @pytest.mark.parametrize("device", AGG_DEVICES)

@@ -975,10 +975,14 @@ def test_grpo_packed_refuses_overlap_and_mismatch():
     assert out[0].shape == (1, 10)
     # a sequence whose log-probs run past the bin was cut short, one that starts past it dropped, silently (the
     # config fuzz); one ending exactly at the bin's end is whole
-    for starts, lengths in (([0, 5], [5, 7]), ([0, 12], [5, 3]), ([0, 5], [5, 2 ** 62])):
+    for starts, lengths in (([0, 5], [5, 7]), ([0, 12], [5, 3]), ([0, 5], [5, 2 ** 62]), ([0, 11], [5, 1])):
         with pytest.raises(ValueError, match=r"packed sequence 1 .* runs past the bin"):
             losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, starts, lengths)
+    # Megatron's log-probs are [1, bin_size - 1]: a sequence may end at token 11 of these 10 log-probs, and one of
+    # length 0 may start there (the review: a full bin followed by empty sequences)
     losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, [0, 5], [5, 6])
+    adv3 = torch.zeros(3, dtype=torch.float64)
+    losses.calculate_grpo_loss(lp, lp, lp, adv3, 0.2, 0.2, 0.0, 0.0, None, None, [0, 5, 11], [5, 6, 0])
 
 
 def test_grpo_numbers_are_real_numbers_named():
@@ -1010,6 +1014,13 @@ def test_grpo_numbers_are_real_numbers_named():
     assert torch.equal(run(is_truncation_coef=np.float32(0.5)), run(is_truncation_coef=0.5))
     assert torch.equal(run(is_truncation_coef=fractions.Fraction(1, 2)), run(is_truncation_coef=0.5))
     assert torch.equal(run(is_truncation_coef=1e308), run(is_truncation_coef=math.inf))  # truncates nothing
+    # an IS weight that overflows (inference log-prob -100 under an old one near 0) is refused with any cap past
+    # the dtype's range, as without a cap (a clamp to fp32's max had made it finite: the review)
+    far = inf_lp.clone()
+    far[0, 2] = -100.0
+    for coef in (None, math.inf, 1e308):
+        with pytest.raises(ValueError, match=r"policy loss undefined at response token \(0, 2\)"):
+            losses.calculate_grpo_loss(lp, lp + 0.01, lp, adv, 0.2, 0.2, 0.0, 0.0, far, coef)
 
 
 # ----------------------------------------------------------------------------------------- off-policy sequence masking
