@@ -63,6 +63,12 @@ def _finite_real(name: str, value, minimum: Optional[float] = None) -> float:
     return v
 
 
+def _check_dp_size(dp_size) -> None:
+    """verl's data-parallel size, a multiplier of the loss: an int in [1, 2**63)."""
+    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or not 1 <= dp_size < 2 ** 63:
+        raise ValueError(f"dp_size must be an int in [1, 2**63), got {dp_size!r}")
+
+
 def _positive_or_none(name: str, value) -> None:
     """A global normaliser: None, a finite real number > 0, or a one-element real tensor (verl passes 0-d tensors).
 
@@ -177,11 +183,7 @@ class PolicyLossConfig:
             if traced:
                 _checks.assert_traced_number(v, ok_tensor, f"{name} must be {requirement}")
                 return
-            try:
-                fv = float(v)
-            except OverflowError:  # an int past the float range
-                raise ValueError(f"{name} must be {requirement}, got an integer of {int(v).bit_length()} bits") from None
-            if not ok(fv):
+            if not ok(as_real(name, v)):  # as_real names an int past the float range
                 raise ValueError(f"{name} must be {requirement}, got {v!r}")
 
         for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
@@ -193,8 +195,7 @@ class PolicyLossConfig:
         c = self.clip_ratio_c
         if c is not None:  # > 1 for PPO's dual clip: ratio_cap, where the loss is known
             number("clip_ratio_c", c, lambda x: x > 0.0, lambda t: t > 0.0, "> 0")
-        if not isinstance(self.dp_size, int) or isinstance(self.dp_size, bool) or not 1 <= self.dp_size < 2 ** 63:
-            raise ValueError(f"dp_size must be an int in [1, 2**63), got {self.dp_size!r}")
+        _check_dp_size(self.dp_size)
         _positive_or_none("batch_num_tokens", self.batch_num_tokens)
         _positive_or_none("global_batch_size", self.global_batch_size)
         _positive_or_none("loss_scale_factor", self.loss_scale_factor)
@@ -448,8 +449,7 @@ class RowAggregation:
     def __init__(self, loss_agg_mode: str, horizon, *, dp_size: int = 1, batch_num_tokens: Optional[Number] = None,
                  global_batch_size: Optional[Number] = None, loss_scale_factor: Optional[Number] = None):
         check_loss_agg_mode(loss_agg_mode)
-        if not isinstance(dp_size, int) or isinstance(dp_size, bool) or not 1 <= dp_size < 2 ** 63:
-            raise ValueError(f"dp_size must be an int in [1, 2**63), got {dp_size!r}")
+        _check_dp_size(dp_size)
         # a Fraction (a real number torch cannot divide by, nor trace) is its float
         batch_num_tokens, global_batch_size, loss_scale_factor = (
             float(x) if isinstance(x, numbers.Rational) and not isinstance(x, int) else x
