@@ -1210,6 +1210,22 @@ def _count(flags: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return flags.sum().to(torch.int64)
 
 
+def _token_cap(ratio, total: torch.Tensor, most) -> torch.Tensor:
+    """The covariance losses' token cap, verl's ``max(1, int(ratio * total))`` (clip_cov: total = the mask sum,
+    kl_cov: the valid-token count), as an fp64 0-dim tensor: the product in fp64 as verl's Python floats form it (an
+    fp32 product rounds 100 * 0.29 up to 29 where verl takes 28), and at most ``most``, the tokens there are (a
+    larger cap selects them all; a ratio whose product overflows is such a cap, not an error)."""
+    prod = total.double() * ratio
+    most = torch.as_tensor(most, dtype=torch.float64, device=prod.device)
+    return torch.where(prod < most, prod.floor(), most).clamp(min=1)
+
+
+def _cap_bound(ratio, numel: int) -> int:
+    """A bound on :func:`_token_cap` known without the data: ``int(ratio * numel) + 1``, at most ``numel``."""
+    x = numel * ratio
+    return numel if not x < numel else int(x) + 1
+
+
 def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
                    rollout_is_weights=None, *, cu_seqlens=None, seq_group=None, seq_positions=None):
     """Clip-Cov (arXiv:2505.22617, verl ``clip_cov``): PPO clip (log-ratio unbounded, no dual clip) whose tokens
@@ -1221,7 +1237,7 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
     ``actor/pg_clipfrac`` (tokens cut), ``actor/ppo_kl``.
 
     ``seq_group`` (context parallelism): the means, the token count, the cap and the metrics are those of the whole
-    micro-batch (one all-reduce of B + 4 numbers, B + 5 or 2B + 4 for seq-mean-token-sum-norm), the tokens cut
+    micro-batch (one all-reduce of B + 5 numbers, B + 6 or 2B + 5 for seq-mean-token-sum-norm), the tokens cut
     are the global selection (one all-gather of ``[cap, 4]`` fp64 per rank; the cap is read on the host, a sync on
     CUDA) and each rank returns its share of the loss: :func:`aggregate_rows` of its own rows with the whole
     sequences' token counts, so the shares add up to the one-process loss and each rank's gradient is the
@@ -1257,9 +1273,10 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
             adv_sum, lp_sum = _masked_total(adv, m, s0), _masked_total(lp, m, s1)
         if cp > 1:  # the micro-batch's sums over every rank's tokens, and the kernel's ppo_kl numerator (unclamped)
             kl_sum = _masked_total(torch.sub(old_log_prob.to(acc), lp, out=s0), m, s0)
-            whole = _whole_sums((m_sum, adv_sum, lp_sum, kl_sum), m, log_prob, cu_seqlens, loss_agg_mode, cfg,
-                                seq_group)
-            m_sum, adv_sum, lp_sum, kl_sum = whole.sums
+            tokens = torch.tensor(float(m.numel()), dtype=torch.float64, device=dev)  # the cap's upper bound
+            whole = _whole_sums((m_sum, adv_sum, lp_sum, kl_sum, tokens), m, log_prob, cu_seqlens, loss_agg_mode,
+                                cfg, seq_group)
+            m_sum, adv_sum, lp_sum, kl_sum, tokens = whole.sums
         count_dtype = response_mask.dtype if response_mask.dtype.is_floating_point else torch.get_default_dtype()
         den = m_sum.to(count_dtype) + LY.MASKED_MEAN_EPS  # verl_F.masked_mean's denominator, in verl's type
         # verl's clip_by_origin: -A clip(r) > -A r, i.e. A clip(r) < A r (negation is exact and flips the order;
@@ -1277,17 +1294,17 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         eligible.logical_and_(_flag(torch.lt, cov, cfg.clip_cov_ub, test, s1))
         eligible.logical_and_(_flag(torch.gt, cov, cfg.clip_cov_lb, test, s1))
         del test
-        count = (cfg.clip_cov_ratio * m_sum).floor().clamp(min=1)
         if cp == 1 and response_mask.dtype == torch.bool:  # count <= ratio * numel: a bound known without the data
-            bound = int(cfg.clip_cov_ratio * m.numel()) + 1
+            count = _token_cap(cfg.clip_cov_ratio, m_sum, m.numel())
+            bound = _cap_bound(cfg.clip_cov_ratio, m.numel())
         else:  # CP: the global cap, the same int on every rank (the records' length); mask weights may exceed 1
-            # (verl counts sum(mask)): read the count (a host sync on CUDA only)
-            c = count.item()
-            if not math.isfinite(c):  # a NaN / inf mask weight: named here (this rank's), before int() fails on it
+            # (verl counts sum(mask)): read the mask sum (a host sync on CUDA only)
+            if not math.isfinite(m_sum.item()):  # a NaN / inf mask weight: named here (this rank's), before the cap
                 _checks.check_weight_mask("response_mask", m)  # as summed (in acc)
                 raise ValueError("response_mask: the mask weights' sum is NaN or inf (a weight NaN or inf on another "
                                  "rank, or a sum past the dtype's range); a weight must be finite and >= 0")
-            bound = int(c)
+            count = _token_cap(cfg.clip_cov_ratio, m_sum, m.numel() if whole is None else tokens)
+            bound = int(count.item())
         idx, keep, cut_sum = _top_positions(cov, eligible, count, bound, seq_group=seq_group,
                                             cu_seqlens=cu_seqlens, weight=m, overwrite=True,
                                             seq_positions=_seq_positions(seq_positions, log_prob, cp, fn))
@@ -1395,9 +1412,9 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
         mean_a = mean_a / n.clamp(min=1)
         mean_lp = mean_lp / n.clamp(min=1)
         cov = torch.sub(adv, mean_a, out=s0).mul_(torch.sub(lp, mean_lp, out=s1))
-        count = (n * cfg.kl_cov_ratio).floor().clamp(min=1)
+        count = _token_cap(cfg.kl_cov_ratio, n, n)
         # the global k under context parallelism (the same int on every rank), else a bound known without the data
-        bound = int(count.item()) if cp > 1 else int(valid.numel() * cfg.kl_cov_ratio) + 1
+        bound = int(count.item()) if cp > 1 else _cap_bound(cfg.kl_cov_ratio, valid.numel())
         idx, keep, _ = _top_positions(cov, valid, count, bound, seq_group=seq_group, cu_seqlens=cu_seqlens,
                                       overwrite=True, seq_positions=_seq_positions(seq_positions, log_prob, cp, fn))
         if whole is None:  # in cov's buffer

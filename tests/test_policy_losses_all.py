@@ -332,6 +332,64 @@ def test_clip_cov_cap_counts_mask_weights_as_verl_does(mask_dtype):
     assert round(cut) == want, (cut, want)
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32], ids=str)
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+def test_covariance_cap_is_verls_python_product(name, mask_dtype):
+    """verl's caps, int(clip_cov_ratio * mask.sum().item()) and int(len(valid) * kl_cov_ratio), multiply Python
+    floats (fp64). An fp32 product rounds 100 * 0.29 = 28.999999999999996 up to 29: one more token cut or penalised
+    than verl, silently (kl_cov's loss 0.048 against verl's 0.044; found by reading the cap's dtype). Every token is
+    eligible here, so the count of tokens cut (clip_cov, whose choice among them verl draws at random) or verl's
+    loss and gradient (kl_cov, deterministic) tell the cap."""
+    core, _, _ = _verl()
+    g = torch.Generator().manual_seed(11)
+    b, t = 4, 25
+    ratios = [0.29, 0.53, 0.57, 0.58, 0.59]
+    assert all(int(b * t * r) != int((torch.tensor(b * t) * r).floor()) for r in ratios)  # the fp32 product differs
+    for r in ratios:
+        lp = -torch.rand(b, t, generator=g) - 0.1
+        old = lp.clone() if name == "clip_cov" else lp - 0.2 * torch.randn(b, t, generator=g)
+        adv = torch.randn(b, t, generator=g)
+        mask = torch.ones(b, t, dtype=mask_dtype)
+        knob = "clip_cov_ratio" if name == "clip_cov" else "kl_cov_ratio"
+        actor = _actor(name, knobs={knob: r, "clip_cov_lb": -1e9, "clip_cov_ub": 1e9})
+        fn = getattr(rv, f"compute_policy_loss_{name}")
+        got = _run(fn, old, lp, adv, mask, "token-mean", actor, None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = _run(getattr(core, f"compute_policy_loss_{name}"), old, lp, adv, mask, "token-mean", actor, None)
+        if name == "clip_cov":
+            assert int((got[2] == 0).sum()) == int((want[2] == 0).sum()) == int(r * b * t), r
+        else:
+            torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("ratio", [1.0, 3.0, 1e300, 1e308])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32], ids=str)
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+def test_covariance_cap_past_the_token_count_takes_every_token(name, mask_dtype, ratio):
+    """A cap of at least every token (a ratio >= 1, or one whose product overflows: 1e308 * 100 is inf, where verl's
+    int() raised OverflowError and ours too, and clip_cov blamed the mask) selects every eligible token: the loss
+    of ratio 1."""
+    g = torch.Generator().manual_seed(12)
+    b, t = 4, 25
+    lp = -torch.rand(b, t, generator=g) - 0.1
+    old = lp - 0.05 * torch.randn(b, t, generator=g)
+    adv = torch.randn(b, t, generator=g)
+    mask = torch.ones(b, t, dtype=mask_dtype)
+    mask[1, 20:] = 0
+    knob = "clip_cov_ratio" if name == "clip_cov" else "kl_cov_ratio"
+    fn = getattr(losses, f"compute_policy_loss_{name}")
+
+    def run(r):
+        cfg = losses.PolicyLossConfig(loss_mode=name, clip_cov_lb=-1e9, clip_cov_ub=1e9, **{knob: r})
+        return _run(fn, old, lp, adv, mask, "token-mean", cfg, None)
+
+    got, want = run(ratio), run(1.0)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+    assert torch.isfinite(got[2]).all()
+
+
 # ----------------------------------------------------------------------------------------- fp64 paper oracles
 
 
