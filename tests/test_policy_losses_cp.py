@@ -350,8 +350,12 @@ def _cp_few_tokens_metrics(seq_group, cp, rank, failures):
         adv = torch.randn(b, t, generator=g, dtype=torch.float64)
         mask = torch.ones(b, t, dtype=mask_dtype)
         cols = slice(rank * t // cp, (rank + 1) * t // cp)
+        # a ratio whose cap overflows selects every token, the same on every rank (the cap's bound is the
+        # whole token count, in the all-reduce)
         for name, knobs in (("clip_cov", dict(clip_cov_ratio=0.3, clip_cov_lb=-1.0, clip_cov_ub=5.0)),
-                            ("kl_cov", dict(kl_cov_ratio=0.3)), ("geo_mean", {})):
+                            ("kl_cov", dict(kl_cov_ratio=0.3)), ("geo_mean", {}),
+                            ("clip_cov", dict(clip_cov_ratio=1e308, clip_cov_lb=-1e9, clip_cov_ub=1e9)),
+                            ("kl_cov", dict(kl_cov_ratio=1e308))):
             cfg = losses.PolicyLossConfig(loss_mode=name, **knobs)
             fn = getattr(losses, f"compute_policy_loss_{name}")
             want = fn(old, lp, adv, mask, "token-mean", cfg)[1]
