@@ -53,12 +53,23 @@ inline void check_policy_loss_inputs(const at::Tensor& log_prob, const at::Tenso
   TORCH_CHECK(loss_kind >= 0 && loss_kind < static_cast<int64_t>(kKindCount),
               "loss_kind must be a PG_KIND_* code, 0 .. ", static_cast<int64_t>(kKindCount) - 1, " (policy_loss_layout.def), got ",
               loss_kind);
+  // SAPO's gate sigma(tau (r - 1)) 4 / tau and DRO's beta are formed in the compute type (fp32 below fp64 inputs):
+  // a parameter past its range there (tau = 1e308 is inf in fp32), or a tau whose 4 / tau is, makes a loss or a
+  // gradient NaN / inf at every token it reaches.
+  const bool wide = log_prob.scalar_type() == at::kDouble;
+  const auto in_range = [wide](double v, double numerator) {
+    if (wide) return v > 0 && std::isfinite(v) && std::isfinite(numerator / v);
+    const float f = static_cast<float>(v);
+    return f > 0 && std::isfinite(f) && std::isfinite(static_cast<float>(numerator) / f);
+  };
   if (loss_kind == kPolicyLossSapo)
-    TORCH_CHECK(param_a > 0 && param_b > 0 && std::isfinite(param_a) && std::isfinite(param_b),
-                "SAPO's temperatures (param_a = tau_pos, param_b = tau_neg) must be finite and > 0, got ", param_a, ", ",
-                param_b);
+    TORCH_CHECK(in_range(param_a, 4.0) && in_range(param_b, 4.0),
+                "SAPO's temperatures (param_a = tau_pos, param_b = tau_neg) must be > 0 with tau and 4 / tau finite "
+                "in the compute type (fp32 below fp64 inputs), got ", param_a, ", ", param_b);
   if (loss_kind == kPolicyLossDro)
-    TORCH_CHECK(param_a > 0 && std::isfinite(param_a), "DRO's beta (param_a) must be finite and > 0, got ", param_a);
+    TORCH_CHECK(param_a > 0 && (wide ? std::isfinite(param_a) : std::isfinite(static_cast<float>(param_a))),
+                "DRO's beta (param_a) must be finite and > 0 in the compute type (fp32 below fp64 inputs), got ",
+                param_a);
   TORCH_CHECK(clip_low >= 0 && clip_high >= 0, "clip_low and clip_high must be >= 0, got clip_low=", clip_low,
               ", clip_high=", clip_high);
   // PPO's dual clip needs c > 1 (verl asserts it); DPPO truncates the ratio at c (any cap > 0, as verl reads it);

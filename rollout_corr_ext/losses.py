@@ -1423,7 +1423,10 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
         del cov, s0, s1
         # The penalty lives on the selected tokens only, masked as agg_loss masks every token (where(m != 0, v, 0) *
         # m): its per-token factor.
-        scale = cfg.ppo_kl_coef * keep.to(acc)
+        coef = torch.tensor(float(cfg.ppo_kl_coef), dtype=torch.float64).to(acc)
+        if not bool(torch.isfinite(coef)):  # 1e308 is inf in fp32: an inf loss (and NaN gradients), silently
+            raise ValueError(f"{fn}: ppo_kl_coef must be finite in the compute type ({acc}), got {cfg.ppo_kl_coef!r}")
+        scale = coef * keep.to(acc)
         if rollout_is_weights is not None:
             scale = scale * rollout_is_weights.detach().reshape(-1)[idx].to(acc)
         m_sel = m.reshape(-1)[idx]
@@ -1436,6 +1439,14 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
     horizon = padded_horizon(log_prob, cu_seqlens) if whole is None else _horizon(whole, log_prob, cu_seqlens)
     loss = aggregate_rows(loss_sums, row_tokens, loss_agg_mode, horizon, **cfg.global_batch_info)
     return loss, {"actor/ppo_kl": ppo_kl}, rows
+
+
+def _penalty_overflow(log_prob: torch.Tensor, cu_seqlens, idx: torch.Tensor, i: int) -> str:
+    """kl_cov's error for the ``i``-th selected token, whose penalty overflowed, named as the kernel names a token."""
+    flat = int(idx[i])
+    at = (flat,) if cu_seqlens is not None or log_prob.dim() == 1 else divmod(flat, max(1, log_prob.shape[-1]))
+    return (f"compute_policy_loss_kl_cov: the penalty ppo_kl_coef * |log_prob - old_log_prob| * weight at response "
+            f"token {tuple(at)} is past the float range (a token loss past it is refused by every loss)")
 
 
 class _RowsWithPenalty(torch.autograd.Function):
@@ -1451,8 +1462,12 @@ class _RowsWithPenalty(torch.autograd.Function):
                                        math.inf, LY.PG_KIND_PPO_UNBOUNDED, cu_seqlens, with_loss_mat=False)
         x = log_prob.reshape(-1)[idx].to(scale.dtype) - old_log_prob.reshape(-1)[idx].to(scale.dtype)
         x = torch.where(scale != 0, x, torch.zeros_like(x))  # a token that adds nothing: its x (maybe NaN) unread
-        penalty = torch.zeros(rows.shape[0], dtype=scale.dtype, device=rows.device).index_add(0, row_idx,
-                                                                                              scale * x.abs())
+        token = scale * x.abs()
+        # a penalty past the float range is a token loss past it, refused by every kind (the kernel's rule)
+        _checks.refuse_where(~torch.isfinite(token), lambda at: _penalty_overflow(log_prob, cu_seqlens, idx, at[0]),
+                             "compute_policy_loss_kl_cov: a selected token's penalty ppo_kl_coef * |log_prob - "
+                             "old_log_prob| * weight is past the float range")
+        penalty = torch.zeros(rows.shape[0], dtype=scale.dtype, device=rows.device).index_add(0, row_idx, token)
         ctx.save_for_backward(log_prob, old_log_prob, advantages, response_mask, weights, cu_seqlens, idx, row_idx,
                               scale, x)
         ctx.mark_non_differentiable(rows)

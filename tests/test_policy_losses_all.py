@@ -678,6 +678,12 @@ def test_every_dtype_matches_fp64(name, dtype):
     ("SAPO", (0.0, 1.0), "SAPO's temperatures"),
     ("SAPO", (1.0, float("inf")), "SAPO's temperatures"),
     ("DRO", (0.0, 0.0), "DRO's beta"),
+    # finite in fp64 but not in the fp32 the kernels compute in (or 4 / tau is not): tau_pos = 1e308 returned a
+    # finite loss with NaN gradients (0 * inf), DRO's beta = 1e308 and tau = 1e-320 blamed a token (the config fuzz)
+    ("SAPO", (1e308, 1.0), "SAPO's temperatures"),
+    ("SAPO", (1.0, 1e-320), "SAPO's temperatures"),
+    ("SAPO", (1e-38, 1.0), "SAPO's temperatures"),
+    ("DRO", (1e308, 0.0), "DRO's beta"),
 ])
 def test_op_refuses_bad_kind_parameters(backend, kind, params, match):
     from rollout_corr_ext import _layout as LY, ops
@@ -685,6 +691,55 @@ def test_op_refuses_bad_kind_parameters(backend, kind, params, match):
     old, lp, adv, mask, _ = _inputs(seed=1)
     with pytest.raises((RuntimeError, ValueError), match=match):
         ops.policy_loss_rows(lp, old, adv, mask, None, 0.2, 0.2, 3.0, getattr(LY, "PG_KIND_" + kind), None, *params)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_kl_cov_penalty_past_the_float_range_is_a_named_error(packed):
+    """kl_cov's penalty ppo_kl_coef |x| on its selected tokens is a token loss: past the float range it is refused as
+    the kernel refuses any other kind's (ppo_kl_coef = 1e308, inf in fp32, returned an inf loss and NaN gradients,
+    silently; the config fuzz). A coefficient the compute type holds, whose product with |x| overflows, names the
+    token."""
+    g = torch.Generator().manual_seed(0)
+    b, t = 3, 8
+    lp = -torch.rand(b, t, generator=g) - 0.1
+    old = lp - 2 * torch.randn(b, t, generator=g)
+    adv = torch.randn(b, t, generator=g)
+    mask = torch.ones(b, t)
+    kw = {}
+    if packed:
+        lp, old, adv, mask = (x.reshape(-1) for x in (lp, old, adv, mask))
+        kw = dict(cu_seqlens=torch.tensor([0, 8, 16, 24], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"ppo_kl_coef must be finite in the compute type \(torch.float32\)"):
+        cfg = losses.PolicyLossConfig(loss_mode="kl_cov", kl_cov_ratio=0.5, ppo_kl_coef=1e308)
+        losses.compute_policy_loss_kl_cov(old, lp, adv, mask, "token-mean", cfg, **kw)
+    cfg = losses.PolicyLossConfig(loss_mode="kl_cov", kl_cov_ratio=0.5, ppo_kl_coef=3e38)
+    at = r"\(\d+,\)" if packed else r"\(\d+, \d+\)"
+    with pytest.raises(ValueError, match=r"penalty ppo_kl_coef \* \|log_prob - old_log_prob\| \* weight at "
+                                         r"response token " + at + " is past the float range"):
+        losses.compute_policy_loss_kl_cov(old, lp, adv, mask, "token-mean", cfg, **kw)
+    # fp64 holds both: a finite loss and gradient
+    loss, _, grad = _run(losses.compute_policy_loss_kl_cov, old.double(), lp.double(), adv.double(), mask,
+                         "token-mean", cfg, None, **kw)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("dtype, tau", [(torch.float64, 1e308), (torch.float64, 1e-300), (torch.float32, 1e38),
+                                        (torch.float32, 2e-38), (torch.bfloat16, 1e38)], ids=str)
+def test_sapo_temperatures_at_the_compute_types_ends_give_finite_values(backend, dtype, tau):
+    """A temperature the compute type holds, with its 4 / tau: a finite loss and gradient (fp64 at tau = 1e308, which
+    fp32 refuses above), and the 32- / 16-bit ones those of the fp64 inputs."""
+    old, lp, adv, mask, _ = _inputs(seed=2, b=4, t=6)
+    adv = adv * 1e-30 if tau < 1 else adv  # a gate of 2 / tau times A stays in range
+    cfg = losses.PolicyLossConfig(loss_mode="sapo", tau_pos=tau, tau_neg=tau)
+    mode = "seq-mean-token-mean"
+    loss, _, grad = _run(losses.compute_policy_loss_sapo, *(x.to(dtype) for x in (old, lp, adv)), mask, mode, cfg,
+                         None)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    if dtype != torch.float64:
+        want = _run(losses.compute_policy_loss_sapo, old.double(), lp.double(), adv.double(), mask, mode, cfg, None)
+        rtol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(loss.double(), want[0], rtol=rtol, atol=rtol * float(want[0].abs()))
+        torch.testing.assert_close(grad.double(), want[2], rtol=rtol, atol=rtol * float(want[2].abs().max()))
 
 
 @pytest.mark.parametrize("name", NAMES)

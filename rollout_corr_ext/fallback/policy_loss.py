@@ -157,11 +157,21 @@ def policy_loss_rows(
     acc = _acc_dtype(log_prob.dtype)
     if not (isinstance(loss_kind, int) and 0 <= loss_kind < LY.KIND_COUNT):
         raise ValueError(f"loss_kind must be a LY.PG_KIND_* code (0 .. {LY.KIND_COUNT - 1}), got {loss_kind}")
-    if loss_kind == LY.PG_KIND_SAPO and not (0 < param_a < float("inf") and 0 < param_b < float("inf")):
-        raise ValueError(f"SAPO's temperatures (param_a = tau_pos, param_b = tau_neg) must be finite and > 0, got "
-                         f"{param_a}, {param_b}")
-    if loss_kind == LY.PG_KIND_DRO and not 0 < param_a < float("inf"):
-        raise ValueError(f"DRO's beta (param_a) must be finite and > 0, got {param_a}")
+    # formed in acc, as the kernels form them: a parameter past acc's range (1e308 in fp32), or a tau whose 4 / tau
+    # is, makes a loss or a gradient NaN / inf at every token it reaches
+    def in_acc(v):
+        return torch.tensor(float(v), dtype=torch.float64).to(acc)
+
+    def tau_ok(v):
+        t = in_acc(v)
+        return bool(t > 0) and bool(torch.isfinite(t)) and bool(torch.isfinite(4.0 / t))
+
+    if loss_kind == LY.PG_KIND_SAPO and not (tau_ok(param_a) and tau_ok(param_b)):
+        raise ValueError(f"SAPO's temperatures (param_a = tau_pos, param_b = tau_neg) must be > 0 with tau and 4 / tau "
+                         f"finite in the compute type (fp32 below fp64 inputs), got {param_a}, {param_b}")
+    if loss_kind == LY.PG_KIND_DRO and not (param_a > 0 and bool(torch.isfinite(in_acc(param_a)))):
+        raise ValueError(f"DRO's beta (param_a) must be finite and > 0 in the compute type (fp32 below fp64 inputs), "
+                         f"got {param_a}")
     lp, old, adv = log_prob.to(acc), old_log_prob.to(acc), advantages.to(acc)
     w = None if weights is None else weights.detach().to(acc)
     m = response_mask.to(acc)
