@@ -2169,6 +2169,10 @@ def calculate_grpo_loss(
         check_mask("response_mask", response_mask, lp)
 
     acc = _checks.acc_dtype(lp.dtype)
+    if not torch.compiler.is_compiling():  # the terms are formed in acc: 1e308 is inf in fp32 (an inf loss)
+        for name, v in (("kl_beta", kl_beta), ("entropy_weight", entropy_weight)):
+            if abs(v) > torch.finfo(acc).max:
+                raise ValueError(f"calculate_grpo_loss: {name} must be finite in the compute type ({acc}), got {v!r}")
     if packed is None:
         adv = advantages.to(device=lp.device, dtype=acc).reshape(-1, 1).expand(lp.shape)
     else:
@@ -2248,7 +2252,14 @@ def calculate_grpo_loss(
     # 0 must not turn a defined loss into NaN when the KL is off (Megatron's 0 * inf)
     loss = pg_loss
     if kl_beta != 0:
-        loss = loss + kl_beta * kl_term
+        kl_loss = kl_beta * kl_term
+        # a finite KL whose product with kl_beta overflows is a token loss past the float range, refused as the op
+        # refuses one (an infinite KL, pi = 0 under pi_ref > 0, is its limit and stays inf)
+        over = ("calculate_grpo_loss: kl_beta * the KL term is past the float range at a response token (a token "
+                "loss past it is refused)")
+        _checks.refuse_where(live & torch.isinf(kl_loss) & torch.isfinite(kl_term),
+                             lambda at: over.replace("at a response token", f"at response token {at}"), over)
+        loss = loss + kl_loss
     if entropy_weight != 0:
         loss = loss + entropy_weight * entropy_term
     loss = torch.where(live, loss, zero)

@@ -1136,6 +1136,30 @@ def test_grpo_numbers_are_real_numbers_named():
             losses.calculate_grpo_loss(lp, lp + 0.01, lp, adv, 0.2, 0.2, 0.0, 0.0, far, coef)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grpo_terms_past_the_compute_types_range_are_named(dtype):
+    """calculate_grpo_loss forms its KL and entropy terms in fp32 below fp64 inputs: kl_beta = 1e308 (inf there)
+    returned an inf loss, silently, and a finite kl_beta whose product with a finite KL overflows did too; both are
+    refused, naming the argument or the token. fp64 holds 1e308 itself; an infinite KL (pi = 0 under pi_ref > 0) is
+    its limit and stays inf (tests/test_losses.py)."""
+    g = torch.Generator().manual_seed(4)
+    lp = (-torch.rand(2, 6, generator=g) - 0.1).to(dtype)
+    old = lp + 0.05
+    ref = (lp.float() + 0.1 * torch.randn(2, 6, generator=g)).to(dtype)
+    adv = torch.randn(2, generator=g)
+    for name in ("kl_beta", "entropy_weight"):
+        args = dict(dict(kl_beta=0.0, entropy_weight=0.0), **{name: -1e308})
+        with pytest.raises(ValueError, match=rf"{name} must be finite in the compute type \(torch.float32\)"):
+            losses.calculate_grpo_loss(lp, old, ref, adv, 0.2, 0.2, **args)
+        out = losses.calculate_grpo_loss(lp.double(), old.double(), ref.double(), adv, 0.2, 0.2,
+                                         **dict(args, **{name: 1e300}))
+        assert torch.isfinite(out[0]).all()
+    far = ref.clone()
+    far[1, 3] = 30.0  # k3 = e^(30 - lp) - ...: about 1e13, finite; times 1e30 past fp32
+    with pytest.raises(ValueError, match=r"kl_beta \* the KL term is past the float range at response token \(1, 3\)"):
+        losses.calculate_grpo_loss(lp, old, far, adv, 0.2, 0.2, 1e30, 0.0)
+
+
 # ----------------------------------------------------------------------------------------- off-policy sequence masking
 
 
