@@ -79,25 +79,31 @@ def debug_metrics(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, respon
         dc, pc, qc = (_centred(x, valid, s, n1, zero) for x, s in ((d, sd), (p, sp), (q, sq)))
         sums = torch.stack([n, sd, sp, sq, (dc * dc).sum(), (pc * pc).sum(), (qc * qc).sum(), (pc * qc).sum(),
                             sd * sd / n1, sp * sp / n1, sq * sq / n1, sp * sq / n1])
-        dmax = torch.where(valid, d, torch.full_like(d, -math.inf)).amax() if d.numel() else zero - math.inf
-        dmax = dmax.reshape(1)
+        # each side's max and -min (one MAX all-reduce): a constant side has no correlation (NaN) and a constant
+        # difference a std of 0, which the centred sums miss by rounding (the mean sum / n is not exact: +-1 came out
+        # of noise / noise; the versions fuzz)
+        ends = [torch.where(valid, s * x, torch.full_like(x, -math.inf)).amax() if x.numel() else zero - math.inf
+                for x in (d, p, q) for s in (1.0, -1.0)]
+        ends = torch.stack(ends)
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
             dist.all_reduce(sums, group=dp_group)
-            dist.all_reduce(dmax, op=dist.ReduceOp.MAX, group=dp_group)
+            dist.all_reduce(ends, op=dist.ReduceOp.MAX, group=dp_group)
+        dmax, constant_d, constant_p, constant_q = ends[0], *(ends[i] == -ends[i + 1] for i in (0, 2, 4))
         n, sd, sp, sq, cdd, cpp, cqq, cpq, bdd, bpp, bqq, bpq = sums.unbind()
         nan = torch.full((), math.nan, dtype=torch.float64, device=log_prob.device)
         has = n > 0
         n1 = n.clamp(min=1)
         mean = sd / n1
         var = _pooled_comoment(cdd, bdd, sd, sd, n1) / (n - 1).clamp(min=1)  # Bessel-corrected, as torch.std
-        std = torch.where(n > 1, var.clamp(min=0).sqrt(), nan)
+        std = torch.where(n > 1, torch.where(constant_d, zero, var.clamp(min=0).sqrt()), nan)
         cov = _pooled_comoment(cpq, bpq, sp, sq, n1)
         vp = _pooled_comoment(cpp, bpp, sp, sp, n1).clamp(min=0)
         vq = _pooled_comoment(cqq, bqq, sq, sq, n1).clamp(min=0)
-        corr = (cov / (vp * vq).sqrt()).clamp(-1.0, 1.0)  # NaN stays NaN (a constant side: undefined, as verl)
+        corr = (cov / (vp * vq).sqrt()).clamp(-1.0, 1.0)  # NaN stays NaN
+        corr = torch.where(constant_p | constant_q, nan, corr)  # a constant side: undefined
         out = {
             DEBUG_METRIC_KEYS[0]: has.double(),
-            DEBUG_METRIC_KEYS[1]: torch.where(has, dmax[0], nan),
+            DEBUG_METRIC_KEYS[1]: torch.where(has, dmax, nan),
             DEBUG_METRIC_KEYS[2]: torch.where(has, mean, nan),
             DEBUG_METRIC_KEYS[3]: torch.where(has, std, nan),
             DEBUG_METRIC_KEYS[4]: torch.where(has, corr, nan),

@@ -84,6 +84,32 @@ def test_debug_metrics_empty_and_single_token():
     assert math.isnan(float(got[DEBUG_METRIC_KEYS[3]]))  # torch.std of one value
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [2, 29, 31, 300])
+def test_debug_metrics_constant_side_has_no_correlation(n, dtype):
+    """Pearson's r of a side whose values are all equal is 0 / 0: NaN, and the std of a constant |p - q| is 0. The
+    mean sum / n is not exact, so the centred sums were rounding noise and noise / noise read +-1 after the clamp
+    (n = 29: 1.0, n = 31: -1.0; a correlation of -1 reads as a severe mismatch; the versions fuzz). A side that
+    varies keeps its correlation."""
+    g = torch.Generator().manual_seed(n)
+    const = torch.full((n,), -0.1, dtype=dtype)
+    other = torch.full((n,), -0.3, dtype=dtype)
+    varied = (-torch.rand(n, generator=g, dtype=torch.float64)).to(dtype)
+    mask = torch.ones(n)
+    got = debug_metrics(const, other, mask)
+    assert math.isnan(float(got[DEBUG_METRIC_KEYS[4]]))
+    assert float(got[DEBUG_METRIC_KEYS[3]]) == 0.0
+    assert float(got[DEBUG_METRIC_KEYS[2]]) == pytest.approx(abs(math.exp(float(const[0])) - math.exp(float(other[0]))))
+    for a, b in ((const, varied), (varied, const)):
+        assert math.isnan(float(debug_metrics(a, b, mask)[DEBUG_METRIC_KEYS[4]]))
+    # masked tokens do not make a side vary
+    poisoned, pmask = torch.cat([const, torch.tensor([-5.0], dtype=dtype)]), torch.cat([mask, torch.zeros(1)])
+    assert math.isnan(float(debug_metrics(poisoned, torch.cat([varied, varied[:1]]), pmask)[DEBUG_METRIC_KEYS[4]]))
+    want = _centred_oracle(varied.double(), (varied.double() * 0.9).to(dtype).double(), mask)
+    got = debug_metrics(varied, (varied.double() * 0.9).to(dtype), mask)
+    assert float(got[DEBUG_METRIC_KEYS[4]]) == pytest.approx(want[4], rel=1e-9)
+
+
 def test_calculate_debug_metrics_equals_verl():
     try:
         with warnings.catch_warnings():
@@ -120,6 +146,15 @@ def _dp_worker(rank, world, lp, rlp, mask):
     got = debug_metrics(lp[rank:rank + 1], rlp[rank:rank + 1], mask[rank:rank + 1], dp_group=dist.group.WORLD)
     for k, w in zip(DEBUG_METRIC_KEYS, want):
         assert float(got[k]) == pytest.approx(w, rel=1e-9, abs=0), k
+    # one side constant over the whole batch (each rank's share constant too): NaN on every rank; a side constant
+    # on each rank but at two values across them varies, and has a correlation
+    n = 15 + 16 * rank
+    const = torch.full((n,), -0.1, dtype=torch.float64)
+    other = -torch.rand(n, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    got = debug_metrics(const, other, torch.ones(n), dp_group=dist.group.WORLD)
+    assert math.isnan(float(got[DEBUG_METRIC_KEYS[4]]))
+    got = debug_metrics(const - 0.1 * rank, other, torch.ones(n), dp_group=dist.group.WORLD)
+    assert not math.isnan(float(got[DEBUG_METRIC_KEYS[4]]))
 
 
 @pytest.mark.parametrize("device", dist_params(2))
