@@ -33,6 +33,8 @@ __all__ = ["PROXIMAL_METHODS", "proximal_log_prob", "staleness_metrics", "proxim
            "compute_rollout_correction_by_lag", "policy_lag", "check_current_version"]
 
 PROXIMAL_METHODS = ("loglinear", "linear")
+#: The largest ``max_lag`` of :func:`staleness_metrics` (its histogram is a tensor of max_lag + 2 fp64 counts).
+MAX_HISTOGRAM_LAG = 2 ** 24
 
 
 def _versions(versions, like: torch.Tensor, name: str = "versions") -> torch.Tensor:
@@ -106,15 +108,18 @@ def proximal_log_prob(behaviour_log_prob: torch.Tensor, log_prob: torch.Tensor, 
         lag = v_theta - v.to(torch.int64)  # in integers: versions past 2^24 keep their lags in fp32 too
         live = (lag > 0) & (v >= 0)
         lag_f = torch.where(live, lag, torch.ones_like(lag)).to(torch.float64)
-        alpha = torch.where(live, (lag_f - 1.0) / lag_f, torch.zeros_like(lag_f)).to(acc)
+        alpha64 = torch.where(live, (lag_f - 1.0) / lag_f, torch.zeros_like(lag_f))
+        alpha = alpha64.to(acc)
         lb, lt = behaviour_log_prob.detach().to(acc), log_prob.detach().to(acc)
         if method == "loglinear":
             mixed = torch.where(torch.isfinite(lb) & torch.isfinite(lt), lb + alpha * (lt - lb),
                                 (1.0 - alpha) * lb + alpha * lt)  # lb = -inf: -inf, not -inf + inf
-        else:  # log((1 - a) e^lb + a e^lt), as a log-sum-exp (no underflow for very negative log-probs)
-            mixed = torch.logaddexp(torch.log1p(-alpha) + lb, torch.log(alpha) + lt)
+        else:  # log((1 - a) e^lb + a e^lt), as a log-sum-exp (no underflow for very negative log-probs), with
+            # log(1 - a) = -log(lag) and log(a) = log1p(-1 / lag) from the integer lag in fp64: 1 - a of an fp32 a
+            # kept no digits at large lags (lag 1e6: 0.013 off; 2^25: a rounded to 1, pi_theta returned)
+            mixed = torch.logaddexp((-torch.log(lag_f)).to(acc) + lb, torch.log1p(-1.0 / lag_f).to(acc) + lt)
         # alpha 0 is pi_b and alpha 1 pi_theta exactly, whatever the other log-prob holds (NaN, +-inf)
-        return torch.where(alpha == 0, lb, torch.where(alpha == 1, lt, mixed))
+        return torch.where(alpha64 == 0, lb, torch.where(alpha64 == 1, lt, mixed))
 
 
 def staleness_metrics(versions: torch.Tensor, current_version: int, response_mask: torch.Tensor, *,
@@ -125,24 +130,37 @@ def staleness_metrics(versions: torch.Tensor, current_version: int, response_mas
     > max_lag; a negative lag, a token newer than the trainer, is an error). 0-dim fp64 tensors (no host sync);
     with ``dp_group`` the values of the whole data-parallel batch."""
     v_theta = check_current_version(current_version)
-    if isinstance(max_lag, bool) or not isinstance(max_lag, int) or max_lag < 0:
-        raise ValueError(f"max_lag must be an int >= 0, got {max_lag!r}")
+    if isinstance(max_lag, bool) or not isinstance(max_lag, int) or not 0 <= max_lag <= MAX_HISTOGRAM_LAG:
+        raise ValueError(f"max_lag must be an int in [0, {MAX_HISTOGRAM_LAG}] (the histogram has max_lag + 2 "
+                         f"buckets), got {max_lag!r}")
     check_mask_kind("response_mask", response_mask)
     v = _versions(versions, response_mask)
+    reduce = dp_group is not None and dist.get_world_size(dp_group) > 1
     with torch.no_grad():
         valid = response_mask != 0
-        lag = policy_lag(v, v_theta, valid)
+        refusal = []
+        # over ranks the refusal is counted into the reduce and decided on the sum: every rank raises alike (one
+        # rank raising alone left the others waiting in the all-reduce; the versions fuzz)
+        lag = policy_lag(v, v_theta, valid, refuse=(lambda *a: refusal.append(a)) if reduce else refuse_where)
         lagf = torch.where(valid, lag, torch.zeros_like(lag)).double()
         n = valid.sum().double()
         bucket = torch.where(valid, lag.clamp(0, max_lag + 1), torch.full_like(lag, max_lag + 2))
         hist = torch.bincount(bucket.reshape(-1), minlength=max_lag + 3)[:max_lag + 2].double()
-        sums = torch.cat([torch.stack([n, lagf.sum()]), hist])
+        refused = [refusal[0][0].sum().double()] if refusal else []
+        sums = torch.cat([torch.stack([n, lagf.sum()] + refused), hist])
         neg_inf = torch.full((), -math.inf, dtype=torch.float64, device=lagf.device)
         maxes = torch.stack([torch.where(valid, lag.double(), neg_inf).amax() if lag.numel() else neg_inf,
                              torch.where(valid, -lag.double(), neg_inf).amax() if lag.numel() else neg_inf])
-        if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        if reduce:
             dist.all_reduce(sums, group=dp_group)
             dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dp_group)
+            (bad, describe, message), count = refusal[0], sums[2]
+            if count.device.type != "cpu":
+                torch._assert_async(count == 0, message)
+            elif float(count) > 0:
+                refuse_where(bad, describe, message)  # this rank's first, if it holds one
+                raise ValueError(f"{message} (at {int(count)} response tokens of other ranks)")
+            sums = torch.cat([sums[:2], sums[3:]])
         n, total, hist = sums[0], sums[1], sums[2:]
         nan = torch.full((), math.nan, dtype=torch.float64, device=lagf.device)
         has = n > 0

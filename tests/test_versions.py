@@ -53,6 +53,26 @@ def test_proximal_lags_of_large_versions_are_exact(method, dtype):
         assert float(got[i]) == pytest.approx(want, rel=1e-6), (lag, float(got[i]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("method", ["loglinear", "linear"])
+def test_proximal_at_large_lags_keeps_its_digits(method, dtype):
+    """At lag L, alpha = (L - 1) / L and 1 - alpha = 1 / L. The linear mix took log1p(-alpha) of an fp32 alpha,
+    which keeps no digits of 1 / L: lag 1e6 was 0.013 off, and from 2^25 alpha rounded to 1 and pi_theta came back
+    (-100 for -17.3; the versions fuzz). Oracle: AReaL's formula in Python floats."""
+    lags = [2, 10, 1000, 10 ** 4, 10 ** 6, 10 ** 7, 2 ** 25, 2 ** 40]
+    lb = torch.full((len(lags),), -0.5, dtype=dtype)
+    lt = torch.full((len(lags),), -40.0, dtype=dtype)
+    v_theta = 2 ** 41
+    got = proximal_log_prob(lb, lt, torch.tensor([v_theta - lag for lag in lags]), v_theta, method)
+    b, t = float(lb[0]), float(lt[0])
+    for i, lag in enumerate(lags):
+        a = (lag - 1) / lag
+        want = b + a * (t - b) if method == "loglinear" else math.log(math.exp(b) / lag + a * math.exp(t))
+        # one rounding of the result in the accumulation dtype (fp32 below fp64), a few ulps of the operands
+        rel = 1e-13 if dtype == torch.float64 else 1e-6
+        assert float(got[i]) == pytest.approx(want, rel=rel), (lag, float(got[i]), want)
+
+
 @pytest.mark.parametrize("method", ["loglinear", "linear"])
 def test_proximal_at_alpha_0_and_1_is_the_endpoint_whatever_the_other_holds(method):
     """alpha 0 (lag 1, a prompt token) is pi_b exactly, even where log pi_theta is NaN or +-inf (0 * NaN was NaN);
@@ -156,6 +176,34 @@ def _dp_worker(rank, world, versions, mask):
 def test_staleness_exact_over_dp(device):
     _, _, versions, mask = _inputs(seed=3)
     run_workers(_dp_worker, 2, versions.clamp(min=0), mask, device=device)
+
+
+def _dp_refusal_worker(rank, world):
+    import torch.distributed as dist
+
+    versions = torch.tensor([[3, 4]]) if rank == 0 else torch.tensor([[3, 9]])
+    mask = torch.ones(1, 2)
+    want = (r"newer than current_version \(at 1 response tokens of other ranks\)" if rank == 0 else
+            r"versions at response token \(0, 1\) is 9, newer than current_version 5")
+    with pytest.raises(ValueError, match=want):
+        staleness_metrics(versions, 5, mask, dp_group=dist.group.WORLD)
+    # the ranks stay in step: the next collective is the same one on both
+    got = staleness_metrics(versions.clamp(max=5), 5, mask, dp_group=dist.group.WORLD)
+    assert float(got["rollout_corr/staleness_max"]) == 2.0
+
+
+@pytest.mark.parametrize("device", dist_params(2))
+def test_staleness_refusal_is_raised_on_every_rank(device):
+    """A version newer than the trainer on one rank: every rank raises, naming the token where it holds it (one
+    rank raised alone and the other waited in the all-reduce until gloo's timeout; the versions fuzz)."""
+    run_workers(_dp_refusal_worker, 2, device=device)
+
+
+def test_staleness_max_lag_is_bounded_by_name():
+    """max_lag sizes the histogram tensor: 2**40 was a raw allocator error."""
+    _, _, versions, mask = _inputs(seed=3)
+    with pytest.raises(ValueError, match=r"max_lag must be an int in \[0, 16777216\]"):
+        staleness_metrics(versions.clamp(min=0), 10, mask, max_lag=2 ** 40)
 
 
 def test_front_door_decoupled_without_an_old_forward():
