@@ -76,22 +76,32 @@ def _check_batch(batch: Dict[str, Any]) -> None:
     for name, floating in (("versions", False), ("turn_ids", False), ("entropy", True)):
         if batch.get(name) is not None:
             tensor(name, floating)
-    current = batch.get("current_version")
-    if isinstance(current, torch.Tensor) and current.dim() == 0 and not current.is_floating_point() and \
-            current.dtype != torch.bool:
-        batch["current_version"] = current = int(current)  # a torch.save-d 0-dim integer tensor
-    if current is not None and (isinstance(current, bool) or not isinstance(current, int)):
-        raise TypeError(f"batch['current_version'] must be an int, got {type(current).__name__} {current!r}")
+    _current_version(batch)
     config = batch.get("config")
     if config is not None and not isinstance(config, dict):
         raise TypeError(f"batch['config'] must be a dict of RolloutCorrectionConfig fields, got "
                         f"{type(config).__name__}")
 
 
+def _current_version(batch: Dict[str, Any]) -> Optional[int]:
+    """``batch['current_version']`` as an int (a torch.save-d 0-dim integer tensor read as its value; the batch
+    itself is not modified), or None."""
+    current = batch.get("current_version")
+    if isinstance(current, torch.Tensor) and current.dim() == 0 and not current.is_floating_point() and \
+            current.dtype != torch.bool:
+        current = int(current)
+    if current is not None and (isinstance(current, bool) or not isinstance(current, int)):
+        raise TypeError(f"batch['current_version'] must be an int, got {type(current).__name__} {current!r}")
+    return current
+
+
 def build_report(batch: Dict[str, Any], worst: int = 5) -> Dict[str, Any]:
-    """The numbers of the report (what ``PREFIX.json`` holds), from a batch dict (see the module docstring)."""
+    """The numbers of the report (what ``PREFIX.json`` holds), from a batch dict (see the module docstring; not
+    modified); ``worst``: how many of the worst sequences to list (0: none)."""
     from . import MismatchDiagnostics, RolloutCorrectionConfig, compute_rollout_correction
 
+    if isinstance(worst, bool) or not isinstance(worst, int) or worst < 0:
+        raise ValueError(f"worst (the number of worst sequences listed) must be an int >= 0, got {worst!r}")
     _check_batch(batch)
     lp = batch["log_prob"].double()
     rlp = batch["rollout_log_prob"].double()
@@ -103,7 +113,7 @@ def build_report(batch: Dict[str, Any], worst: int = 5) -> Dict[str, Any]:
         raise ValueError("response_mask has no response token: nothing to report")
     cfg_fields = batch.get("config") or {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": None}
     cfg = RolloutCorrectionConfig.from_dict(cfg_fields)
-    versions, current = batch.get("versions"), batch.get("current_version")
+    versions, current = batch.get("versions"), _current_version(batch)
     max_lag = 0
     if versions is not None:
         if current is None:
@@ -134,8 +144,12 @@ def build_report(batch: Dict[str, Any], worst: int = 5) -> Dict[str, Any]:
         q = torch.quantile(ratio, torch.tensor([0.05, 0.5, 0.95], dtype=torch.float64)).tolist()
         out["ratio_p5"], out["ratio_p50"], out["ratio_p95"] = q
         out["kl"] = float((-lr).mean())
-        edges = torch.linspace(-1.0, 1.0, 41, dtype=torch.float64) if lr.abs().max() < 1 else \
-            torch.linspace(float(lr.min()), float(lr.max()), 41, dtype=torch.float64)
+        lo, hi = float(lr.min()), float(lr.max())
+        if max(abs(lo), abs(hi)) < 1:
+            lo, hi = -1.0, 1.0
+        elif hi - lo < 1e-9 * abs(lo):  # one value (or a few ulps apart): 40 bins of width 0 drew nothing
+            lo, hi = lo - 0.5 * abs(lo), hi + 0.5 * abs(lo)
+        edges = torch.linspace(lo, hi, 41, dtype=torch.float64)
         out["log_ratio_hist"] = {"edges": edges.tolist(),
                                  "counts": torch.histogram(lr.clamp(float(edges[0]), float(edges[-1])),
                                                            bins=edges).hist.tolist()}
@@ -169,9 +183,9 @@ def build_report(batch: Dict[str, Any], worst: int = 5) -> Dict[str, Any]:
     out["worst_rows"] = [
         {"row": int(r), "tokens": int(n), "mean_abs_log_ratio": float(a), "seq_log_ratio": float(s),
          "rejected_by": [names[i] for i in range(len(names)) if int(bits) >> i & 1]}
-        for r, n, a, s, bits in zip(d.worst["global_row"].tolist(), d.worst["tokens"].tolist(),
-                                    d.worst["abs_log_ratio_mean"].tolist(), d.worst["log_ratio_sum"].tolist(),
-                                    d.worst["reject_bits"].tolist()) if r >= 0]
+        for r, n, a, s, bits in zip(*(d.worst[k].tolist() for k in ("global_row", "tokens", "abs_log_ratio_mean",
+                                                                       "log_ratio_sum", "reject_bits")))
+        if r >= 0] if worst else []  # top_k = 0: the diagnostics keep no rows
     out["verdicts"] = _verdicts(out)
     return out
 
@@ -310,8 +324,11 @@ def load_steps(path: str) -> List[Dict[str, Any]]:
             if "step" not in rec:
                 rec["step"] = seen.get(setting, 0)
             elif isinstance(rec["step"], bool) or not isinstance(rec["step"], (int, float)) or \
-                    not math.isfinite(rec["step"]):
-                raise ValueError(f"{path}:{n}: step must be a finite number, got {rec['step']!r}")
+                    _value(rec, ("step",)) is None:  # NaN, inf, or an int past float's range
+                step = rec["step"]
+                shown = f"an integer of {step.bit_length()} bits" if isinstance(step, int) and \
+                    not isinstance(step, bool) else repr(step)
+                raise ValueError(f"{path}:{n}: step must be a finite number, got {shown}")
             seen[setting] = seen.get(setting, 0) + 1
             records.append(rec)
     if not records:

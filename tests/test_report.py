@@ -179,3 +179,37 @@ def test_report_over_steps_from_a_metrics_jsonl(tmp_path):
     assert "bf16-level noise" in v["tis"] and "inside" in v["tis"] and "above 5 %" in v["tis"]
     assert "above 1e-3" in v["drift"] and "OUTSIDE" in v["drift"] and "grows" in v["drift"]
     assert all(line in out.stdout for line in r["verdicts"])
+
+
+def test_report_edges_of_its_own_arguments(tmp_path, capsys):
+    """The versions fuzz: ``worst=0`` raised a raw KeyError (the diagnostics keep no rows); a torch.save-d 0-dim
+    current_version was replaced in the caller's batch by an int; a log-ratio that is one value past 1 in magnitude
+    got 41 equal edges (bars of width 0, nothing drawn); a step past float's range in a .jsonl was a raw
+    OverflowError; ``--worst -1`` was blamed on ``diagnostics.top_k``."""
+    from rollout_corr_ext.report import build_report, load_steps, main
+
+    batch = _batch()
+    batch["current_version"] = torch.tensor(5)
+    keep = dict(batch)
+    got = build_report(batch, worst=0)
+    assert got["worst_rows"] == [] and batch.keys() == keep.keys()
+    assert all(batch[k] is keep[k] for k in batch) and isinstance(batch["current_version"], torch.Tensor)
+    assert len(build_report(batch, worst=2)["worst_rows"]) == 2
+    with pytest.raises(ValueError, match=r"worst \(the number of worst sequences listed\) must be an int >= 0"):
+        build_report(batch, worst=-1)
+    for shift in (2.0, -2.0, 1e6):
+        lp = torch.full((2, 3), -1.0, dtype=torch.float64)
+        hist = build_report({"log_prob": lp, "rollout_log_prob": lp - shift,
+                             "response_mask": torch.ones(2, 3)})["log_ratio_hist"]
+        edges = hist["edges"]
+        assert len(edges) == 41 and all(b > a for a, b in zip(edges, edges[1:])), edges
+        assert edges[0] < shift < edges[-1] and sum(hist["counts"]) == 6
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": %d}\n' % 10 ** 400)
+    with pytest.raises(ValueError, match=r"step must be a finite number, got an integer of 1329 bits"):
+        load_steps(str(path))
+    torch.save(_batch(), tmp_path / "b.pt")
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "b.pt"), "--out", str(tmp_path / "out"), "--worst", "-1"])
+    assert exc.value.code == 2 and "worst" in capsys.readouterr().err
+    assert main([str(tmp_path / "b.pt"), "--out", str(tmp_path / "out0"), "--worst", "0"]) in (0, None)
