@@ -258,7 +258,7 @@ class _Slots:
 
 def finalize_metrics(
     sums: torch.Tensor, maxes: torch.Tensor, config: RolloutCorrectionConfig, exclude_nonfinite: bool = False,
-    fp64_mask: bool = False,
+    count_keeps_eps: bool = False,
 ) -> Dict[str, torch.Tensor]:
     """Turn the (globally reduced) partials into the ``rollout_corr/*`` metric dict (0-dim fp64 tensors on the
     partials' device).
@@ -266,27 +266,27 @@ def finalize_metrics(
     Each metric reads the slots of ``csrc/include/rollout_correction_layout.def`` by name (formulas: verl 0.9.1
     ``compute_is_metrics`` / ``compute_rs_metrics`` / ``compute_offpolicy_metrics``). The formulas run once, on
     torch ops (no host sync), or, for plain CPU tensors, on numpy fp64 scalars read in place, with the values
-    returned as 0-dim views of one new tensor. ``fp64_mask``: verl's count of the response mask keeps its
+    returned as 0-dim views of one new tensor. ``count_keeps_eps``: verl's count of the response mask keeps its
     + 1e-8 (an fp64 mask, or an int / bool one under an fp64 default dtype: ``_layout.count_keeps_eps``); any other
     loses it to fp32 rounding in verl."""
     host = _host_arrays(sums, maxes)
     if host is None:
-        return _metric_formulas(sums, maxes, config, exclude_nonfinite, _TensorMath, fp64_mask)
+        return _metric_formulas(sums, maxes, config, exclude_nonfinite, _TensorMath, count_keeps_eps)
     with np.errstate(all="ignore"):
-        met = _metric_formulas(*host, config, exclude_nonfinite, _HostMath, fp64_mask)
+        met = _metric_formulas(*host, config, exclude_nonfinite, _HostMath, count_keeps_eps)
     values = torch.from_numpy(np.array(list(met.values()), dtype=np.float64)).unbind()
     return dict(zip(met.keys(), values))
 
 
 def _metric_formulas(sums, maxes, config: RolloutCorrectionConfig, exclude_nonfinite: bool, F,
-                     fp64_mask: bool = False) -> Dict[str, object]:
+                     count_keeps_eps: bool = False) -> Dict[str, object]:
     """The metric formulas over the partials, with F (_TensorMath or _HostMath) for what is not arithmetic."""
     P = _Slots(sums, maxes)
     S, M = P.s, P.m
     met: Dict[str, object] = {}
     n = S.tokens
     # verl's masked_mean: sum / (count + 1e-8), the count in the mask's dtype (below); 0 / eps = 0 without tokens
-    ne = n + LY.EPS if fp64_mask else F.clamp_min(n, LY.EPS)
+    ne = n + LY.EPS if count_keeps_eps else F.clamp_min(n, LY.EPS)
     n1 = F.clamp_min(n, 1.0)
     rows = S.rows
     sv = S.valid_rows
@@ -296,7 +296,7 @@ def _metric_formulas(sums, maxes, config: RolloutCorrectionConfig, exclude_nonfi
     # (int64 + 1e-8 -> fp32) and an fp32 mask's lose the 1e-8 to rounding (count >= 1), an fp64 mask's keeps it. It
     # changes a mean by 1e-8 / n relative, but a std from E[x^2] - E[x]^2 by up to |x| sqrt(1e-8 / n) (n equal values
     # x: 0 against that); every mean here (the kernels' row means too: Config::count_eps) takes verl's denominator
-    std_den = ne if fp64_mask else n1
+    std_den = ne if count_keeps_eps else n1
 
     def std_of_sums(s, s2):  # verl: sqrt(clamp(E[x^2] - E[x]^2, 0)) over valid tokens when more than one, from sum x
         # and sum x^2 (fp64)
@@ -611,7 +611,7 @@ def compute_rollout_correction(
     # Every rank reaches the same verdict on the reduced sums (CPU: a ValueError; CUDA: device asserts, no sync).
     sums = ops.rollout_check(sums, agree, log_prob, rollout_log_prob, response_mask, exclude)
 
-    metrics = finalize_metrics(sums, maxes, config, exclude, fp64_mask=LY.count_keeps_eps(response_mask.dtype))
+    metrics = finalize_metrics(sums, maxes, config, exclude, count_keeps_eps=LY.count_keeps_eps(response_mask.dtype))
     diag_out = None
     if diagnostics is not None:
         from .observability import finalize_diagnostics
