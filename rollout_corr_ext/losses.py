@@ -473,19 +473,38 @@ class RowAggregation:
         """What the loss needs of the token counts: (the divisor of the summed loss or None, the rows kept or None,
         each row's divisor or None, the final divisor or None), tensor normalisers already in ``dtype`` on the rows'
         device, for :meth:`value` and :meth:`grad` (one copy for both)."""
-        def like_rows(x):
-            return x.to(dtype=dtype, device=row_tokens.device) if isinstance(x, torch.Tensor) else x
+        tiny = torch.finfo(dtype).tiny
+
+        def like_rows(x, name):
+            """The normaliser ``name`` in ``dtype``: it must stay a normal number there (1e-300 is 0 in fp32, a
+            subnormal's reciprocal overflows: an inf loss and gradient, silently; the knob fuzz)."""
+            msg = (f"{name} must be at least {tiny:.4g}, the smallest normal {dtype} (the loss is divided by it in "
+                   f"that type)")
+            if isinstance(x, torch.Tensor):
+                x = x.to(dtype=dtype, device=row_tokens.device)
+                if x.device.type == "cpu" and not torch.compiler.is_compiling():
+                    if not float(x) >= tiny:
+                        raise ValueError(f"{msg}, got {float(x)!r} there")
+                else:
+                    torch._assert_async(x >= tiny, msg)
+            elif x is not None and not torch.compiler.is_compiling() and not x >= tiny:
+                raise ValueError(f"{msg}, got {x!r}")
+            return x
 
         norm = None
         if self.mode == "seq-mean-token-sum-norm":
-            norm = like_rows(self.horizon if self.loss_scale_factor is None else self.loss_scale_factor)
+            norm = self.horizon if self.loss_scale_factor is None else like_rows(self.loss_scale_factor,
+                                                                                  "loss_scale_factor")
+            if isinstance(norm, torch.Tensor):  # the whole sequences' horizon under context parallelism
+                norm = norm.to(dtype=dtype, device=row_tokens.device)
         if self.mode == "token-mean":
             return (_checks.ordered_sum(row_tokens) if self.batch_num_tokens is None
-                    else like_rows(self.batch_num_tokens)), None, None, None
+                    else like_rows(self.batch_num_tokens, "batch_num_tokens")), None, None, None
         if self.mode == "token-sum":
             return None, None, None, None
         valid = row_tokens > 0  # rows RS rejected entirely do not count
-        den = valid.to(dtype).sum() if self.global_batch_size is None else like_rows(self.global_batch_size)
+        den = valid.to(dtype).sum() if self.global_batch_size is None else like_rows(self.global_batch_size,
+                                                                                     "global_batch_size")
         # verl's per-sequence token-mean
         row_div = row_tokens + LY.MASKED_MEAN_EPS if self.mode == "seq-mean-token-mean" else None
         return den, valid, row_div, norm
@@ -1284,7 +1303,10 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         ratio = torch.sub(lp, old_log_prob.to(acc), out=s0).exp_()
         adv_r = torch.mul(adv, ratio, out=s1)
         eligible = ops.scratch_empty(shape, torch.bool, dev, _SLOT_ELIGIBLE)
-        clipped = ratio.clamp_(1 - cfg.clip_low, 1 + cfg.clip_high).mul_(adv)
+        # the bounds within acc's range (a clip_ratio of 1e39 is no bound; clamp_ refuses a bound past the dtype's
+        # range): the same clip for every ratio acc holds
+        big = torch.finfo(acc).max
+        clipped = ratio.clamp_(max(1 - cfg.clip_low, -big), min(1 + cfg.clip_high, big)).mul_(adv)
         _flag(torch.lt, clipped, adv_r, eligible, clipped)  # clipped (its float flags over the products)
         del ratio, adv_r, clipped
         cov = torch.sub(adv, adv_sum / den, out=s0).mul_(torch.sub(lp, lp_sum / den, out=s1))
@@ -2084,6 +2106,26 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     return est.to(out_dtype)
 
 
+class _WeightedPLogP(torch.autograd.Function):
+    """``w p log p`` of the log-probs ``lp`` (p = e^lp; 0 at p = 0, its limit) with its gradient ``w p (log p + 1)``
+    formed from ``w p``: autograd's chain through ``p`` forms ``w log p`` first, which overflowed fp32 at w = 1e38,
+    log p = -5 (a -inf gradient where the value is -2.7e36; the knob fuzz). Its values are autograd's where nothing
+    overflows: log p clamped to the lowest finite value (-max * 0 = -0 at p = 0), the clamp passing no gradient."""
+
+    @staticmethod
+    def forward(ctx, lp, w):
+        big = torch.finfo(lp.dtype).max
+        wp = w * lp.exp()
+        ctx.save_for_backward(lp, wp)
+        return wp * lp.clamp(min=-big)
+
+    @staticmethod
+    def backward(ctx, grad):
+        lp, wp = ctx.saved_tensors
+        big = torch.finfo(lp.dtype).max
+        return grad * (wp * lp.clamp(min=-big) + torch.where(lp > -big, wp, torch.zeros_like(wp))), None
+
+
 def calculate_grpo_loss(
     current_logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -2264,7 +2306,7 @@ def calculate_grpo_loss(
                                  lambda at: over.replace("at a response token", f"at response token {at}"), over)
         loss = loss + kl_loss
     if entropy_weight != 0:
-        loss = loss + entropy_weight * entropy_term
+        loss = loss + _WeightedPLogP.apply(lp_live, entropy_weight)
     loss = torch.where(live, loss, zero)
     with torch.no_grad():
         ratios = torch.exp(torch.clamp(lp_acc - old_logprobs.to(acc), -20.0, 20.0))

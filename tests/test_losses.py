@@ -232,6 +232,32 @@ def test_agg_loss_normalisers_accept_numbers_and_0d_tensors(kwarg, good, device)
     assert PolicyLossConfig(**{kwarg: good}).global_batch_info[kwarg] is good
 
 
+@pytest.mark.parametrize("kwarg", _NORMALISER_KWARGS)
+def test_normalisers_below_the_compute_types_range_are_named(kwarg):
+    """A normaliser the loss is divided by must be a normal number of the compute type: 1e-300 is 0 in fp32 and a
+    subnormal's reciprocal overflows (an inf loss and gradient, silently; the knob fuzz). fp64 holds 1e-300, and the
+    loss and gradient are the fp32 inputs' formula in fp64 (finite); a 0-dim fp64 tensor is judged as converted."""
+    mode = _mode_using(kwarg)
+    lp = torch.tensor([[-1.0, -2.0, -0.5]])
+    adv = torch.tensor([[1.0, -1.0, 0.5]])
+    m = torch.ones(1, 3, dtype=torch.bool)
+    for bad in (1e-300, 1e-40, 5e-324, torch.tensor(1e-300, dtype=torch.float64)):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = lp.to(dtype).clone().requires_grad_()
+            with pytest.raises(ValueError, match=rf"{kwarg} must be at least 1.175e-38, the smallest normal "
+                                                 rf"torch.float32"):
+                agg_loss(x, m, mode, **{kwarg: bad})
+            with pytest.raises(ValueError, match=rf"{kwarg} must be at least 1.175e-38"):
+                losses.compute_policy_loss_vanilla(lp.to(dtype) - 0.1, x, adv.to(dtype), m, mode,
+                                                   PolicyLossConfig(**{kwarg: bad}))
+    x = lp.double().requires_grad_()
+    got = agg_loss(x * adv.double(), m, mode, **{kwarg: 1e-300})
+    assert torch.isfinite(got) and torch.isfinite(_grad(got, x)).all()
+    x32 = lp.clone().requires_grad_()
+    ok = agg_loss(x32, m, mode, **{kwarg: torch.finfo(torch.float32).tiny * 4})  # a normal fp32 normaliser
+    assert torch.isfinite(_grad(ok, x32)).all()
+
+
 def test_agg_loss_takes_a_fraction_normaliser_as_its_float():
     """A Fraction passed the normalisers' check and failed in the division (TypeError; the config fuzz)."""
     import fractions

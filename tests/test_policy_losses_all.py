@@ -1160,6 +1160,39 @@ def test_grpo_terms_past_the_compute_types_range_are_named(dtype):
         losses.calculate_grpo_loss(lp, old, far, adv, 0.2, 0.2, 1e30, 0.0)
 
 
+def test_grpo_entropy_gradient_at_a_huge_weight_is_the_fp64_one():
+    """The entropy term's gradient w p (log p + 1) is formed from w p: autograd's chain through p formed w log p
+    first, -5e38 at w = 1e38 and log p = -5, so the fp32 gradient was -inf where fp64's is -2.7e36 (the knob
+    fuzz). Oracle: the formula in fp64; a masked-out -inf log-prob stays without gradient."""
+    lp = torch.tensor([[-5.0, -0.3, -1.7, -math.inf]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    for w in (1e38, -3e37, 0.01):
+        x = lp.clone().requires_grad_()
+        out = losses.calculate_grpo_loss(x, lp.clamp(min=-50), lp.clamp(min=-50), torch.tensor([0.0]), 0.2, 0.2, 0.0,
+                                         w, response_mask=mask)
+        out[0].sum().backward()
+        d = lp[0, :3].double()
+        want = w * d.exp() * (d + 1)  # d/dlp of w e^lp lp (the advantage is 0: no policy-gradient term)
+        torch.testing.assert_close(x.grad[0, :3].double(), want, rtol=1e-6, atol=0)
+        assert x.grad[0, 3] == 0
+        torch.testing.assert_close(out[0][0, :3].double(), w * d.exp() * d, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_clip_cov_clip_bounds_past_the_compute_types_range(dtype):
+    """clip_cov clamps its ratios in the compute type: a clip_ratio_high of 1e39 (no upper bound) raised torch's raw
+    "cannot be converted to type float without overflow" (the other losses run); it is the loss with a bound no
+    ratio reaches (the knob fuzz)."""
+    old, lp, adv, mask, _ = (x.to(dtype) if i < 3 else x for i, x in enumerate(_inputs(seed=3)))
+    knobs = dict(loss_mode="clip_cov", clip_cov_ratio=0.5, clip_cov_lb=-1e9, clip_cov_ub=1e9)
+    for name in ("clip_ratio_high", "clip_ratio_low", "clip_ratio"):
+        big = losses.PolicyLossConfig(**knobs, **{name: 1e39})
+        far = losses.PolicyLossConfig(**knobs, **{name: 1e30})
+        got = _run(losses.compute_policy_loss_clip_cov, old, lp, adv, mask, "token-mean", big, None)
+        want = _run(losses.compute_policy_loss_clip_cov, old, lp, adv, mask, "token-mean", far, None)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]), name
+
+
 # ----------------------------------------------------------------------------------------- off-policy sequence masking
 
 
