@@ -5,6 +5,10 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <iomanip>
+#include <sstream>
+#include <string>
 
 #include "policy_loss_math.h"
 #include "policy_loss_params.h"
@@ -37,6 +41,19 @@ inline void check_token_input(const at::Tensor& t, const at::Tensor& log_prob, c
   }
 }
 
+// A parameter in an error message with the digits that tell it apart (1 + 1e-8 printed as "1" would not say why it
+// was refused): the shortest form that reads back as v, as Python's repr.
+inline std::string all_digits(double v) {
+  std::string text;
+  for (int digits = 1; digits <= 17; ++digits) {
+    std::ostringstream out;
+    out << std::setprecision(digits) << v;
+    text = out.str();
+    if (std::strtod(text.c_str(), nullptr) == v) break;
+  }
+  return text;
+}
+
 inline void check_policy_loss_inputs(const at::Tensor& log_prob, const at::Tensor& old_log_prob,
                                      const at::Tensor& advantages, const at::Tensor& response_mask,
                                      const c10::optional<at::Tensor>& weights, double clip_low, double clip_high,
@@ -65,7 +82,7 @@ inline void check_policy_loss_inputs(const at::Tensor& log_prob, const at::Tenso
   if (loss_kind == kPolicyLossSapo)
     TORCH_CHECK(in_range(param_a, 4.0) && in_range(param_b, 4.0),
                 "SAPO's temperatures (param_a = tau_pos, param_b = tau_neg) must be > 0 with tau and 4 / tau finite "
-                "in the compute type (fp32 below fp64 inputs), got ", param_a, ", ", param_b);
+                "in the compute type (fp32 below fp64 inputs), got ", all_digits(param_a), ", ", all_digits(param_b));
   if (loss_kind == kPolicyLossDro)
     TORCH_CHECK(param_a > 0 && (wide ? std::isfinite(param_a) : std::isfinite(static_cast<float>(param_a))),
                 "DRO's beta (param_a) must be finite and > 0 in the compute type (fp32 below fp64 inputs), got ",
@@ -74,8 +91,10 @@ inline void check_policy_loss_inputs(const at::Tensor& log_prob, const at::Tenso
               ", clip_high=", clip_high);
   // PPO's dual clip needs c > 1 (verl asserts it); DPPO truncates the ratio at c (any cap > 0, as verl reads it);
   // the other kinds do not read it.
-  if (loss_kind == kPolicyLossPpoClip) {
-    TORCH_CHECK(clip_c > 1.0, "clip_c (the dual-clip bound c) must be > 1 (inf disables the dual clip), got ", clip_c);
+  if (loss_kind == kPolicyLossPpoClip) {  // > 1 as compared: 1 + 1e-8 is 1 in fp32, the degenerate clip refused
+    TORCH_CHECK(wide ? clip_c > 1.0 : static_cast<float>(clip_c) > 1.0f,
+                "clip_c (the dual-clip bound c) must be > 1 in the compute type (fp32 below fp64 inputs; inf disables "
+                "the dual clip), got ", all_digits(clip_c));
   } else {
     TORCH_CHECK(clip_c > 0.0, "clip_c (DPPO's ratio cap c; not read by the other kinds) must be > 0, got ", clip_c);
   }

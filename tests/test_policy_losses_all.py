@@ -723,6 +723,23 @@ def test_kl_cov_penalty_past_the_float_range_is_a_named_error(packed):
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
 
 
+def test_dual_clip_bound_that_rounds_to_1_is_refused_in_the_compute_type(backend):
+    """PPO's dual clip needs c > 1; 1 + 1e-8 passes that in Python but is exactly 1 in fp32, where an on-policy
+    token with A < 0 ties the two branches and loses half its gradient (the knob fuzz). Refused as compared, in the
+    compute type; fp64 inputs hold it (the full gradient)."""
+    from rollout_corr_ext import _layout as LY, ops
+
+    old, lp, adv, mask, _ = _inputs(seed=1)
+    with pytest.raises((RuntimeError, ValueError), match=r"must be > 1 in the compute type .* got 1\.00000001"):
+        ops.policy_loss_rows(lp, old, adv, mask, None, 0.2, 0.2, 1 + 1e-8, LY.PG_KIND_PPO_CLIP, None)
+    cfg = losses.PolicyLossConfig(clip_ratio_c=1 + 1e-8)
+    got = _run(losses.compute_policy_loss_vanilla, lp.double(), lp.double(), adv.double(), mask, "token-mean", cfg,
+               None)
+    want = _run(losses.compute_policy_loss_vanilla, lp.double(), lp.double(), adv.double(), mask, "token-mean",
+                losses.PolicyLossConfig(clip_ratio_c=3.0), None)
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=0)  # on-policy: no clip reached, the full gradient
+
+
 @pytest.mark.parametrize("dtype, tau", [(torch.float64, 1e308), (torch.float64, 1e-300), (torch.float32, 1e38),
                                         (torch.float32, 2e-38), (torch.bfloat16, 1e38)], ids=str)
 def test_sapo_temperatures_at_the_compute_types_ends_give_finite_values(backend, dtype, tau):

@@ -169,6 +169,9 @@ def policy_loss_rows(
     if loss_kind == LY.PG_KIND_SAPO and not (tau_ok(param_a) and tau_ok(param_b)):
         raise ValueError(f"SAPO's temperatures (param_a = tau_pos, param_b = tau_neg) must be > 0 with tau and 4 / tau "
                          f"finite in the compute type (fp32 below fp64 inputs), got {param_a}, {param_b}")
+    if loss_kind == LY.PG_KIND_PPO_CLIP and not bool(in_acc(clip_c) > 1):  # 1 + 1e-8 is 1 in fp32
+        raise ValueError(f"clip_c (the dual-clip bound c) must be > 1 in the compute type (fp32 below fp64 inputs; "
+                         f"inf disables the dual clip), got {clip_c}")
     if loss_kind == LY.PG_KIND_DRO and not (param_a > 0 and bool(torch.isfinite(in_acc(param_a)))):
         raise ValueError(f"DRO's beta (param_a) must be finite and > 0 in the compute type (fp32 below fp64 inputs), "
                          f"got {param_a}")
