@@ -99,6 +99,22 @@ def _finite_float(x: Union[int, float], field: str) -> float:
     return v
 
 
+#: The range of a ratio-space bound (the IS and RS thresholds but k1's, the token veto): a normal fp32 number
+#: whose square is finite there, since the kernels compare, clamp and square the bounds (the metrics' clamped
+#: statistics) in fp32 below fp64 inputs: 1e-300 is 0 in fp32 (every IS weight 0), a lower bound of 3.5e38 is inf
+#: and 1e38's square overflows (a NaN / inf ``*_std``; the knob fuzz). Log-ratios are clamped to +-20, so a ratio
+#: never leaves [2.1e-9, 4.9e8]: a bound past this range cannot mean more than one at its edge. k1's bounds are
+#: compared as logarithms (any finite bound > 0).
+RATIO_BOUND_RANGE = (2.0 ** -126, 2.0 ** 63)
+
+
+def _ratio_bound(v: float, field: str, zero_ok: bool = False) -> None:
+    lo, hi = RATIO_BOUND_RANGE
+    if not (lo <= v <= hi or (zero_ok and v == 0)):
+        raise ValueError(f"{field}: {v!r} is outside [{lo:.4g}, {hi:.4g}]{' (or 0)' if zero_ok else ''}: the kernels "
+                         f"compare, clamp and square the bounds in fp32 below fp64 inputs")
+
+
 def _optional_number(x: Any, field: str) -> Optional[float]:
     """None, or a finite number (named error otherwise)."""
     if x is None:
@@ -216,6 +232,8 @@ class RolloutCorrectionConfig:
         v = _optional_number(self.rollout_token_veto_threshold, "rollout_token_veto_threshold")
         if v is not None and not v > 0:
             raise ValueError(f"rollout_token_veto_threshold must be None or a finite number > 0, got {v!r}")
+        if v is not None:
+            _ratio_bound(v, "rollout_token_veto_threshold")
         # Resolving validates; kept so the op never re-parses strings. The config is frozen, so the resolved view
         # cannot go stale (dataclasses.replace runs __post_init__ again).
         object.__setattr__(self, "_is_spec", self._resolve_is())
@@ -262,6 +280,11 @@ class RolloutCorrectionConfig:
             raise ValueError(f"rollout_is_threshold: {upper!r} is too small, its reciprocal (the default lower "
                              f"bound) overflows; give rollout_is_threshold_lower or a threshold >= "
                              f"{1.0 / sys.float_info.max!r}")
+        _ratio_bound(upper, "rollout_is_threshold")
+        if lower_opt is not None:
+            _ratio_bound(lower_opt, "rollout_is_threshold_lower")
+        if lower is not None:  # an 'L_U' lower bound, or the lower bound given (or 1 / upper, in range)
+            _ratio_bound(lower, "rollout_is_threshold" if lower_opt is None else "rollout_is_threshold_lower")
         return ISSpec(self.rollout_is, mode, lower, float(upper), float(metric_lower))
 
     def _resolve_rs(self) -> List[RSCriterion]:
@@ -313,6 +336,7 @@ class RolloutCorrectionConfig:
                 if lower is not None:
                     raise ValueError(f"{field}: k2/k3 criteria take an upper bound only (a single number), "
                                      f"got {s!r}")
+                _ratio_bound(upper, field)
                 out.append(RSCriterion(name, level, stat, 0.0, float(upper), False))
                 continue
             if lower is None:
@@ -326,6 +350,8 @@ class RolloutCorrectionConfig:
             if stat == "k1":  # verl: keep log(L) <= -clamp20(lr) <= log(U)
                 out.append(RSCriterion(name, level, stat, math.log(lower), math.log(upper), True))
             else:
+                _ratio_bound(lower, field, zero_ok=True)
+                _ratio_bound(upper, field)
                 out.append(RSCriterion(name, level, stat, float(lower), float(upper), True))
         return out
 

@@ -311,3 +311,40 @@ def test_an_is_threshold_whose_reciprocal_overflows_is_refused_naming_it():
         RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=1e-320)
     with _pytest.raises(ValueError, match=r"rollout_is_threshold: 1e-320 is too small"):
         RolloutCorrectionConfig.decoupled_seq_is(1e-320)
+
+
+def test_ratio_bounds_outside_fp32s_range_are_refused_naming_them():
+    """The kernels compare, clamp and square ratio-space bounds in fp32 below fp64 inputs: rollout_is_threshold
+    1e-300 (0 in fp32) made every IS weight 0, an RS bound of 3.5e38 (inf) gave a NaN rollout_rs_token_std and the
+    fallback a raw overflow error, 1e38 an inf one (its square) (the knob fuzz). Each is named; k1's log-space
+    bounds and a ratio lower bound of 0 stay accepted, and so do bounds at the range's ends."""
+    import pytest as _pytest
+    import torch
+
+    from rollout_corr_ext import RolloutCorrectionConfig, compute_rollout_correction
+    from rollout_corr_ext.config import RATIO_BOUND_RANGE
+
+    lo, hi = RATIO_BOUND_RANGE
+    bad = [(dict(rollout_is="token", rollout_is_threshold=1e-300), r"rollout_is_threshold: 1e-300 is outside"),
+           (dict(rollout_is="token", rollout_is_threshold=3.5e38), r"rollout_is_threshold: 3.5e\+38 is outside"),
+           (dict(rollout_is="token", rollout_is_threshold="1e-40_2"), r"rollout_is_threshold: 1e-40 is outside"),
+           (dict(rollout_is="token", rollout_is_threshold=2.0, rollout_is_mode="two_sided",
+                 rollout_is_threshold_lower=1e-300), r"rollout_is_threshold_lower: 1e-300 is outside"),
+           (dict(rollout_is=None, rollout_rs="token", rollout_rs_threshold="3.5e38_3.5e38"),
+            r"rollout_rs_threshold \(criterion 'token'\): 3.5e\+38 is outside"),
+           (dict(rollout_is=None, rollout_rs="token", rollout_rs_threshold="1e38_1e38"), r"1e\+38 is outside"),
+           (dict(rollout_is=None, rollout_rs="seq_max_k2", rollout_rs_threshold=1e20), r"1e\+20 is outside"),
+           (dict(rollout_is="token", rollout_is_threshold=2.0, rollout_token_veto_threshold=1e-300),
+            r"rollout_token_veto_threshold: 1e-300 is outside")]
+    for kw, match in bad:
+        with _pytest.raises(ValueError, match=match):
+            RolloutCorrectionConfig(**kw)
+    lp = torch.tensor([[-1.0, -2.0, -0.5]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    for kw in (dict(rollout_is="token", rollout_is_threshold=hi), dict(rollout_is="token", rollout_is_threshold=lo),
+               dict(rollout_is=None, rollout_rs="token", rollout_rs_threshold=f"{lo!r}_{hi!r}"),
+               dict(rollout_is=None, rollout_rs="token", rollout_rs_threshold=f"{hi!r}_{hi!r}"),
+               dict(rollout_is=None, rollout_rs="token", rollout_rs_threshold="0_2"),
+               dict(rollout_is=None, rollout_rs="token_k1", rollout_rs_threshold="1e-300_1e300")):
+        res = compute_rollout_correction(lp, lp - 0.1, mask, RolloutCorrectionConfig(**kw))
+        assert all(bool(torch.isfinite(v).all()) for v in res.metrics.values()), kw
