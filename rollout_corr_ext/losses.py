@@ -1319,6 +1319,12 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         if cp == 1 and response_mask.dtype == torch.bool:  # count <= ratio * numel: a bound known without the data
             count = _token_cap(cfg.clip_cov_ratio, m_sum, m.numel())
             bound = _cap_bound(cfg.clip_cov_ratio, m.numel())
+        elif cp == 1 and torch.compiler.is_compiling():  # traced: no host read (it would break the graph); the
+            # mask sum asserted at run time, and every token a bound (mask weights may exceed 1)
+            torch._assert_async(torch.isfinite(m_sum), "response_mask: the mask weights' sum is NaN or inf (a "
+                                "weight NaN or inf, or a sum past the dtype's range); a weight must be finite and >= 0")
+            count = _token_cap(cfg.clip_cov_ratio, m_sum, m.numel())
+            bound = m.numel()
         else:  # CP: the global cap, the same int on every rank (the records' length); mask weights may exceed 1
             # (verl counts sum(mask)): read the mask sum (a host sync on CUDA only)
             if not math.isfinite(m_sum.item()):  # a NaN / inf mask weight: named here (this rank's), before the cap
@@ -1445,10 +1451,13 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
         del cov, s0, s1
         # The penalty lives on the selected tokens only, masked as agg_loss masks every token (where(m != 0, v, 0) *
         # m): its per-token factor.
-        coef = torch.tensor(float(cfg.ppo_kl_coef), dtype=torch.float64).to(acc)
-        if not bool(torch.isfinite(coef)):  # 1e308 is inf in fp32: an inf loss (and NaN gradients), silently
-            raise ValueError(f"{fn}: ppo_kl_coef must be finite in the compute type ({acc}), got {cfg.ppo_kl_coef!r}")
-        scale = coef * keep.to(acc)
+        coef_msg = f"{fn}: ppo_kl_coef must be finite in the compute type ({acc})"
+        if torch.compiler.is_compiling():  # a traced number: asserted at run time (a host read breaks the graph)
+            _checks.assert_traced_number(cfg.ppo_kl_coef, lambda t: torch.isfinite(t.to(acc)), coef_msg)
+        elif not math.isfinite(float(torch.tensor(float(cfg.ppo_kl_coef), dtype=torch.float64).to(acc))):
+            # 1e308 is inf in fp32: an inf loss (and NaN gradients), silently
+            raise ValueError(f"{coef_msg}, got {cfg.ppo_kl_coef!r}")
+        scale = cfg.ppo_kl_coef * keep.to(acc)
         if rollout_is_weights is not None:
             scale = scale * rollout_is_weights.detach().reshape(-1)[idx].to(acc)
         m_sel = m.reshape(-1)[idx]

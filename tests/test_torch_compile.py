@@ -152,6 +152,31 @@ def test_number_arguments_that_change_between_calls_compile_whole(dynamic):
         tensor_n(lp0, torch.tensor(0.0))
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_kl_cov_coefficient_that_changes_between_calls_compiles_whole(dynamic):
+    """kl_cov's check that ppo_kl_coef is finite in the compute type read a tensor of the traced number on the host:
+    "Could not guard on data-dependent expression" on the second value (the compile fuzz). Traced, it is a run-time
+    assert: values equal eager's, and 1e308 (inf in fp32) is still refused."""
+    logits, target, old, rollout, mask, adv = _inputs()
+    lp0 = torch.log_softmax(logits, -1).gather(-1, target[..., None])[..., 0]
+
+    def loss(lp, coef):
+        cfg = rc.losses.PolicyLossConfig(loss_mode="kl_cov", kl_cov_ratio=0.2, ppo_kl_coef=coef)
+        return rc.compute_policy_loss(old, lp, adv, mask, "token-mean", cfg)[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True, dynamic=dynamic)
+    for coef in (0.1, 1.0, 0.35):
+        xc, xe = lp0.clone().requires_grad_(True), lp0.clone().requires_grad_(True)
+        got, want = compiled(xc, coef), loss(xe, coef)
+        got.backward()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-6, atol=1e-8)
+    with pytest.raises(RuntimeError, match=re.escape("ppo_kl_coef must be finite in the compute type")):
+        compiled(lp0, 1e308)
+
+
 def test_per_row_temperatures_are_checked_under_compile():
     """The replay's per-row temperatures run the kernels at temperature 1, so the kernels' boundary never sees them:
     traced, their range check is the entry's own assert (a flat row at 1e300 came back silently)."""
@@ -166,12 +191,15 @@ def test_per_row_temperatures_are_checked_under_compile():
         compiled(x, target)
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32], ids=str)
 @pytest.mark.parametrize("mode", [m for m in rc.losses.POLICY_LOSS_MODES if m != "bypass_mode"])
-def test_every_policy_loss_compiles_whole(mode):
+def test_every_policy_loss_compiles_whole(mode, mask_dtype):
     """compute_policy_loss of every loss under torch.compile(fullgraph=True): value and gradient equal to eager.
     geo_mean's check of its sequence values (an overflowing exp) read the host on CPU, a graph break; traced, it is
-    an assert, which still refuses the overflow (a RuntimeError naming it)."""
+    an assert, which still refuses the overflow (a RuntimeError naming it). clip_cov read its cap from a non-bool
+    mask's sum on the host (the compile fuzz); traced, every token bounds it."""
     logits, target, old, rollout, mask, adv = _inputs()
+    mask = mask.to(mask_dtype)
     lp0 = torch.log_softmax(logits, -1).gather(-1, target[..., None])[..., 0]
     cfg = rc.losses.PolicyLossConfig(loss_mode=mode, clip_cov_ratio=0.2, kl_cov_ratio=0.2,
                                      dro_beta=0.5 if mode == "dro" else None)
