@@ -325,3 +325,53 @@ def test_candidate_ops_compile_fullgraph(backend):
     compiled = torch.compile(step, backend=backend, fullgraph=True)(*args)
     for a, b in zip(compiled, eager):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_op_of_a_replay_passes_opcheck(dtype):
+    """torch.library.opcheck (schema, fake kernel, autograd registration, AOT dispatch static and dynamic) on every
+    rollout_corr op a replay calls, with the arguments the entry points really pass (recorded below dispatch): the
+    top-k candidate path, the general top-p / min-p path, per-row temperatures and kept sets. merge_row_stats without
+    entropy returns a NaN entropy by contract, which opcheck's comparison reads as a difference (NaN != NaN): it is
+    checked with entropy (tests/test_logprob.py too)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.namespace == "rollout_corr":
+                keep = lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
+                calls.append((func, torch.utils._pytree.tree_map(keep, args), torch.utils._pytree.tree_map(keep, kwargs)))
+            return func(*args, **kwargs)
+
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 17, generator=g) * 2).to(dtype)
+    target = torch.randint(0, 17, (6,), generator=g)
+    target[2] = -100
+    kept = rc.KeptTokens.from_lists([sorted({0, 3, 5, 8, int(t) % 17}) for t in target.tolist()], temperature=0.9)
+    with Record():
+        for sp in (rc.SamplingParams(temperature=0.8, top_k=4), rc.SamplingParams(temperature=0.7, top_p=0.8, min_p=0.02),
+                   rc.SamplingParams(temperature=torch.linspace(0.5, 1.5, 6), top_k=5, top_p=0.9)):
+            x = logits.clone().requires_grad_(True)
+            out = rc.sampled_log_probs(x, target, sp)
+            out.log_prob.masked_fill(~out.in_support, 0).sum().backward()
+        x = logits.clone().requires_grad_(True)
+        rc.kept_log_probs(x, target, kept).log_prob.sum().backward()
+    seen, checked = set(), set()
+    for func, args, kwargs in calls:
+        name = func._schema.name
+        if name.endswith(("cpu_scratch", "cpu_cache_bytes", "cpu_isa", "built_with_cuda", "mm_f32_uses_mkl")):
+            continue
+        if name.endswith("merge_row_stats") and not args[-1]:
+            continue
+        key = (name, tuple((a.dtype, tuple(a.shape)) if isinstance(a, torch.Tensor) else repr(a) for a in args))
+        if key in seen:
+            continue
+        seen.add(key)
+        torch.library.opcheck(func, args, kwargs)
+        checked.add(name.split("::")[1])
+    assert {"row_candidates", "candidate_decide", "scatter_rows", "mass_histogram", "floor_fill", "floor_zero_",
+            "row_topk", "vocab_row_stats", "logprob_backward"} <= checked, checked
