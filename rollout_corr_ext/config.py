@@ -99,12 +99,13 @@ def _finite_float(x: Union[int, float], field: str) -> float:
     return v
 
 
-#: The range of a ratio-space bound (the IS and RS thresholds but k1's, the token veto): a normal fp32 number
+#: The range of a bound compared as a value (every IS bound, the token veto, the RS bounds of the ratio, k2 and k3
+#: criteria; k1's are compared as logarithms): a normal fp32 number
 #: whose square is finite there, since the kernels compare, clamp and square the bounds (the metrics' clamped
 #: statistics) in fp32 below fp64 inputs: 1e-300 is 0 in fp32 (every IS weight 0), a lower bound of 3.5e38 is inf
 #: and 1e38's square overflows (a NaN / inf ``*_std``; the knob fuzz). Log-ratios are clamped to +-20, so a ratio
-#: never leaves [2.1e-9, 4.9e8]: a bound past this range cannot mean more than one at its edge. k1's bounds are
-#: compared as logarithms (any finite bound > 0).
+#: never leaves [2.1e-9, 4.9e8] and k2 / k3 sums stay far below 2^63: a bound past this range cannot mean more than
+#: one at its edge. k1's bounds: any finite bound > 0.
 RATIO_BOUND_RANGE = (2.0 ** -126, 2.0 ** 63)
 
 

@@ -1326,13 +1326,16 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
             count = _token_cap(cfg.clip_cov_ratio, m_sum, m.numel())
             bound = m.numel()
         else:  # CP: the global cap, the same int on every rank (the records' length); mask weights may exceed 1
-            # (verl counts sum(mask)): read the mask sum (a host sync on CUDA only)
-            if not math.isfinite(m_sum.item()):  # a NaN / inf mask weight: named here (this rank's), before the cap
+            # (verl counts sum(mask)): read the mask sum and the token count (one host sync on CUDA only)
+            s, most = torch.stack([m_sum.double(), torch.as_tensor(m.numel() if whole is None else tokens,
+                                                                   dtype=torch.float64, device=dev)]).tolist()
+            if not math.isfinite(s):  # a NaN / inf mask weight: named here (this rank's), before the cap
                 _checks.check_weight_mask("response_mask", m)  # as summed (in acc)
                 raise ValueError("response_mask: the mask weights' sum is NaN or inf (a weight NaN or inf on another "
                                  "rank, or a sum past the dtype's range); a weight must be finite and >= 0")
-            count = _token_cap(cfg.clip_cov_ratio, m_sum, m.numel() if whole is None else tokens)
-            bound = int(count.item())
+            prod = s * float(cfg.clip_cov_ratio)  # _token_cap on the host
+            bound = int(max(1.0, math.floor(prod) if prod < most else most))
+            count = torch.tensor(float(bound), dtype=torch.float64, device=dev)
         idx, keep, cut_sum = _top_positions(cov, eligible, count, bound, seq_group=seq_group,
                                             cu_seqlens=cu_seqlens, weight=m, overwrite=True,
                                             seq_positions=_seq_positions(seq_positions, log_prob, cp, fn))
@@ -2116,17 +2119,19 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
 
 
 class _WeightedPLogP(torch.autograd.Function):
-    """``w p log p`` of the log-probs ``lp`` (p = e^lp; 0 at p = 0, its limit) with its gradient ``w p (log p + 1)``
-    formed from ``w p``: autograd's chain through ``p`` forms ``w log p`` first, which overflowed fp32 at w = 1e38,
-    log p = -5 (a -inf gradient where the value is -2.7e36; the knob fuzz). Its values are autograd's where nothing
-    overflows: log p clamped to the lowest finite value (-max * 0 = -0 at p = 0), the clamp passing no gradient."""
+    """``w (p log p)`` of the log-probs ``lp`` (p = e^lp; 0 at p = 0, its limit; the value is ``w *
+    entropy_term`` bit for bit) with its gradient ``w p (log p + 1)`` formed from ``w p``: autograd's chain through
+    ``p`` forms ``w log p`` first, which overflowed fp32 at w = 1e38, log p = -5 (a -inf gradient where the value is
+    -2.7e36; the knob fuzz). The gradient is autograd's up to rounding (log p + 1 is rounded once here, not in
+    autograd's order): log p clamped to the lowest finite value (-max * 0 = -0 at p = 0), the clamp passing no
+    gradient. First order only, as the policy-loss op it is added to."""
 
     @staticmethod
     def forward(ctx, lp, w):
         big = torch.finfo(lp.dtype).max
-        wp = w * lp.exp()
-        ctx.save_for_backward(lp, wp)
-        return wp * lp.clamp(min=-big)
+        p = lp.exp()
+        ctx.save_for_backward(lp, w * p)
+        return w * (p * lp.clamp(min=-big))
 
     @staticmethod
     def backward(ctx, grad):
@@ -2220,10 +2225,12 @@ def calculate_grpo_loss(
         check_mask("response_mask", response_mask, lp)
 
     acc = _checks.acc_dtype(lp.dtype)
-    if not torch.compiler.is_compiling():  # the terms are formed in acc: 1e308 is inf in fp32 (an inf loss)
-        for name, v in (("kl_beta", kl_beta), ("entropy_weight", entropy_weight)):
-            if abs(v) > torch.finfo(acc).max:
-                raise ValueError(f"calculate_grpo_loss: {name} must be finite in the compute type ({acc}), got {v!r}")
+    for name, v in (("kl_beta", kl_beta), ("entropy_weight", entropy_weight)):  # the terms are formed in acc: 1e308
+        msg = f"calculate_grpo_loss: {name} must be finite in the compute type ({acc})"  # is inf in fp32
+        if torch.compiler.is_compiling():  # a traced number: asserted at run time
+            _checks.assert_traced_number(v, lambda t: torch.isfinite(t.to(acc)), msg)
+        elif abs(v) > torch.finfo(acc).max:
+            raise ValueError(f"{msg}, got {v!r}")
     if packed is None:
         adv = advantages.to(device=lp.device, dtype=acc).reshape(-1, 1).expand(lp.shape)
     else:

@@ -111,9 +111,10 @@ def proximal_log_prob(behaviour_log_prob: torch.Tensor, log_prob: torch.Tensor, 
         alpha64 = torch.where(live, (lag_f - 1.0) / lag_f, torch.zeros_like(lag_f))
         alpha = alpha64.to(acc)
         lb, lt = behaviour_log_prob.detach().to(acc), log_prob.detach().to(acc)
-        if method == "loglinear":
+        if method == "loglinear":  # lb = -inf: -inf, not -inf + inf; 1 - alpha = 1 / lag, never the 0 of an fp32
+            # alpha rounded to 1 (lag >= 2^25: 0 * -inf was NaN; the review)
             mixed = torch.where(torch.isfinite(lb) & torch.isfinite(lt), lb + alpha * (lt - lb),
-                                (1.0 - alpha) * lb + alpha * lt)  # lb = -inf: -inf, not -inf + inf
+                                (1.0 / lag_f).to(acc) * lb + alpha * lt)
         else:  # log((1 - a) e^lb + a e^lt), as a log-sum-exp (no underflow for very negative log-probs), with
             # log(1 - a) = -log(lag) and log(a) = log1p(-1 / lag) from the integer lag in fp64: 1 - a of an fp32 a
             # kept no digits at large lags (lag 1e6: 0.013 off; 2^25: a rounded to 1, pi_theta returned)

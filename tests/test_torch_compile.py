@@ -177,6 +177,25 @@ def test_kl_cov_coefficient_that_changes_between_calls_compiles_whole(dynamic):
         compiled(lp0, 1e308)
 
 
+def test_grpo_coefficients_past_the_compute_type_are_refused_when_traced():
+    """calculate_grpo_loss refuses kl_beta / entropy_weight past fp32's range eagerly; traced, the check was skipped:
+    entropy_weight = -1e308 returned an inf loss, and kl_beta = 1e308 was blamed on a token (the review). Traced,
+    each is a run-time assert naming the argument."""
+    logits, target, old, rollout, mask, adv = _inputs()
+    lp0 = torch.log_softmax(logits, -1).gather(-1, target[..., None])[..., 0]
+    adv_rows = adv[:, 0].contiguous()
+
+    def grpo(lp, kb, ew):
+        return rc.calculate_grpo_loss(lp, old, rollout, adv_rows, 0.2, 0.2, kb, ew)[0].sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(grpo, backend="aot_eager", fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(lp0, 0.1, 0.01), grpo(lp0, 0.1, 0.01), rtol=1e-6, atol=1e-6)
+    for kb, ew, name in ((1e308, 0.01, "kl_beta"), (0.1, -1e308, "entropy_weight")):
+        with pytest.raises(RuntimeError, match=re.escape(f"{name} must be finite in the compute type")):
+            compiled(lp0, kb, ew)
+
+
 def test_per_row_temperatures_are_checked_under_compile():
     """The replay's per-row temperatures run the kernels at temperature 1, so the kernels' boundary never sees them:
     traced, their range check is the entry's own assert (a flat row at 1e300 came back silently)."""

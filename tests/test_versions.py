@@ -71,6 +71,14 @@ def test_proximal_at_large_lags_keeps_its_digits(method, dtype):
         # one rounding of the result in the accumulation dtype (fp32 below fp64), a few ulps of the operands
         rel = 1e-13 if dtype == torch.float64 else 1e-6
         assert float(got[i]) == pytest.approx(want, rel=rel), (lag, float(got[i]), want)
+    # pi_b = 0 (log -inf) at 0 < alpha < 1 is -inf at every lag: the fp32 alpha of a lag past 2^25 is 1, and the
+    # log-linear mix's (1 - alpha) * -inf read 0 * -inf = NaN (the review)
+    # (the linear mix is then log(alpha) + log pi_theta, finite)
+    got = proximal_log_prob(torch.full_like(lb, -math.inf), lt, torch.tensor([v_theta - lag for lag in lags]),
+                            v_theta, method)
+    for i, lag in enumerate(lags):
+        want = -math.inf if method == "loglinear" else t + math.log1p(-1 / lag)
+        assert float(got[i]) == pytest.approx(want, rel=1e-6), (lag, float(got[i]), want)
 
 
 @pytest.mark.parametrize("method", ["loglinear", "linear"])
