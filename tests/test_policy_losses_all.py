@@ -1193,6 +1193,8 @@ def test_grpo_entropy_gradient_at_a_huge_weight_is_the_fp64_one():
         torch.testing.assert_close(x.grad[0, :3].double(), want, rtol=1e-6, atol=0)
         assert x.grad[0, 3] == 0
         torch.testing.assert_close(out[0][0, :3].double(), w * d.exp() * d, rtol=1e-6, atol=0)
+        # the value is entropy_weight * entropy_term bit for bit (Megatron's form; A = 0: the PPO term is -0)
+        assert torch.equal(out[0][0, :3], (w * out[3])[0, :3])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
