@@ -80,7 +80,7 @@ def policy_lag(versions: torch.Tensor, current_version: int, valid: torch.Tensor
 
     def describe(at):
         v = int(versions[at])
-        why = (f"negative (a token the engine did not generate; a response token needs the version that drew it)"
+        why = ("negative (a token the engine did not generate; a response token needs the version that drew it)"
                if v < 0 else f"newer than current_version {current_version}")
         return f"{name} at response token {at} is {v}, {why}"
 
