@@ -105,6 +105,16 @@ def assert_traced_number(value, ok: Callable[[torch.Tensor], torch.Tensor], msg:
     torch._assert_async(ok(torch.scalar_tensor(value, dtype=torch.float64)), msg)
 
 
+def check_finite_in(value, dtype: torch.dtype, msg: str) -> None:
+    """A Python-number parameter the kernels use in ``dtype`` (the compute type) must be finite there (1e308 is inf
+    in fp32): a ValueError ``msg`` with the value; traced by torch.compile, an assert made at run time
+    (:func:`assert_traced_number`), since a host read of the traced number would break the graph."""
+    if torch.compiler.is_compiling():
+        assert_traced_number(value, lambda t: torch.isfinite(t.to(dtype)), msg)
+    elif not math.isfinite(float(torch.tensor(float(value), dtype=torch.float64).to(dtype))):
+        raise ValueError(f"{msg}, got {value!r}")
+
+
 def check_weight_mask(name: str, mask: torch.Tensor) -> None:
     """A mask that weights each token's loss (verl multiplies it in), as the loss reads it (``mask`` already in the
     dtype the loss computes in: an fp64 1e300 is inf in fp32): NaN, inf or a negative weight defines no loss, so

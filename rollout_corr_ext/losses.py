@@ -1327,15 +1327,13 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
             bound = m.numel()
         else:  # CP: the global cap, the same int on every rank (the records' length); mask weights may exceed 1
             # (verl counts sum(mask)): read the mask sum and the token count (one host sync on CUDA only)
-            s, most = torch.stack([m_sum.double(), torch.as_tensor(m.numel() if whole is None else tokens,
-                                                                   dtype=torch.float64, device=dev)]).tolist()
-            if not math.isfinite(s):  # a NaN / inf mask weight: named here (this rank's), before the cap
+            count = _token_cap(cfg.clip_cov_ratio, m_sum, m.numel() if whole is None else tokens)
+            s, c = torch.stack([m_sum.double(), count]).tolist()  # one read
+            if not math.isfinite(s):  # a NaN / inf mask weight: named here (this rank's), not taken as a cap
                 _checks.check_weight_mask("response_mask", m)  # as summed (in acc)
                 raise ValueError("response_mask: the mask weights' sum is NaN or inf (a weight NaN or inf on another "
                                  "rank, or a sum past the dtype's range); a weight must be finite and >= 0")
-            prod = s * float(cfg.clip_cov_ratio)  # _token_cap on the host
-            bound = int(max(1.0, math.floor(prod) if prod < most else most))
-            count = torch.tensor(float(bound), dtype=torch.float64, device=dev)
+            bound = int(c)
         idx, keep, cut_sum = _top_positions(cov, eligible, count, bound, seq_group=seq_group,
                                             cu_seqlens=cu_seqlens, weight=m, overwrite=True,
                                             seq_positions=_seq_positions(seq_positions, log_prob, cp, fn))
@@ -1454,12 +1452,8 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
         del cov, s0, s1
         # The penalty lives on the selected tokens only, masked as agg_loss masks every token (where(m != 0, v, 0) *
         # m): its per-token factor.
-        coef_msg = f"{fn}: ppo_kl_coef must be finite in the compute type ({acc})"
-        if torch.compiler.is_compiling():  # a traced number: asserted at run time (a host read breaks the graph)
-            _checks.assert_traced_number(cfg.ppo_kl_coef, lambda t: torch.isfinite(t.to(acc)), coef_msg)
-        elif not math.isfinite(float(torch.tensor(float(cfg.ppo_kl_coef), dtype=torch.float64).to(acc))):
-            # 1e308 is inf in fp32: an inf loss (and NaN gradients), silently
-            raise ValueError(f"{coef_msg}, got {cfg.ppo_kl_coef!r}")
+        # 1e308 is inf in fp32: an inf loss (and NaN gradients), silently
+        _checks.check_finite_in(cfg.ppo_kl_coef, acc, f"{fn}: ppo_kl_coef must be finite in the compute type ({acc})")
         scale = cfg.ppo_kl_coef * keep.to(acc)
         if rollout_is_weights is not None:
             scale = scale * rollout_is_weights.detach().reshape(-1)[idx].to(acc)
@@ -2225,12 +2219,8 @@ def calculate_grpo_loss(
         check_mask("response_mask", response_mask, lp)
 
     acc = _checks.acc_dtype(lp.dtype)
-    for name, v in (("kl_beta", kl_beta), ("entropy_weight", entropy_weight)):  # the terms are formed in acc: 1e308
-        msg = f"calculate_grpo_loss: {name} must be finite in the compute type ({acc})"  # is inf in fp32
-        if torch.compiler.is_compiling():  # a traced number: asserted at run time
-            _checks.assert_traced_number(v, lambda t: torch.isfinite(t.to(acc)), msg)
-        elif abs(v) > torch.finfo(acc).max:
-            raise ValueError(f"{msg}, got {v!r}")
+    for name, v in (("kl_beta", kl_beta), ("entropy_weight", entropy_weight)):  # the terms are formed in acc
+        _checks.check_finite_in(v, acc, f"calculate_grpo_loss: {name} must be finite in the compute type ({acc})")
     if packed is None:
         adv = advantages.to(device=lp.device, dtype=acc).reshape(-1, 1).expand(lp.shape)
     else:
