@@ -4,7 +4,7 @@ module, so that nothing but ``ops.py`` imports the fallback."""
 from __future__ import annotations
 
 import math
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -63,23 +63,23 @@ def check_mask(name: str, mask, ref: torch.Tensor, ref_name: str = "log_prob") -
 ORDERED_SUM_BLOCK = 32768
 
 
-def ordered_sum(x: torch.Tensor, nan: bool = False) -> torch.Tensor:
+def ordered_sum(x: torch.Tensor, nan: bool = False, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The sum (``nansum`` with ``nan``) of every element of ``x``, in an order that does not depend on the number of
     threads: fixed blocks of :data:`ORDERED_SUM_BLOCK` elements, each reduced by one thread (a reduction along the
     last dimension is split over its rows, never within one), then the block sums. ``x.sum()`` of a tensor past the
     block size is split across threads by the thread count, and its last bits move with it: a mean that should
     equal each of n equal values then differs from them by an ulp, and every covariance against it changes sign
     (clip_cov / kl_cov cut other tokens at another thread count; the thread-count fuzz). At most one block: exactly
-    ``x.sum()`` (what verl's reductions give there)."""
+    ``x.sum()`` (what verl's reductions give there). ``dtype``: accumulated (and returned) in that type."""
     red = torch.nansum if nan else torch.sum
     flat = x.reshape(-1)
     n = flat.numel()
     if n <= ORDERED_SUM_BLOCK:
-        return red(flat)
+        return red(flat, dtype=dtype)
     r = n // ORDERED_SUM_BLOCK
-    blocks = red(flat[:r * ORDERED_SUM_BLOCK].reshape(r, ORDERED_SUM_BLOCK), -1)
+    blocks = red(flat[:r * ORDERED_SUM_BLOCK].reshape(r, ORDERED_SUM_BLOCK), -1, dtype=dtype)
     if n % ORDERED_SUM_BLOCK:
-        blocks = torch.cat([blocks, red(flat[r * ORDERED_SUM_BLOCK:]).reshape(1)])
+        blocks = torch.cat([blocks, red(flat[r * ORDERED_SUM_BLOCK:], dtype=dtype).reshape(1)])
     return red(blocks)
 
 

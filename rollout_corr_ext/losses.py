@@ -1166,7 +1166,8 @@ def _top_positions(score: torch.Tensor, eligible: torch.Tensor, count: torch.Ten
     record = torch.full((big, 4), math.inf, dtype=torch.float64, device=flat.device)
     record[:, 0] = -math.inf
     record[:, 3] = 0.0
-    record[:k, 0] = flat[idx].double()
+    record[:k, 0] = flat[idx].double() + 0.0  # -0.0 as 0.0: they tie (a constant side's covariances), one GPU
+    # sort may order them
     record[:k, 1] = _row_of(idx, score, cu_seqlens).double()
     record[:k, 2] = (idx if seq_positions is None else seq_positions.reshape(-1)[idx]).double()
     if weight is not None:
@@ -1210,14 +1211,35 @@ def _flag(op, x: torch.Tensor, other, out: torch.Tensor, tmp: torch.Tensor) -> t
     return out.copy_(op(x, other, out=tmp))
 
 
-def _masked_total(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _masked_total(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dtype=None) -> torch.Tensor:
     """The masked sum of the whole-batch statistics, ``sum(where(w != 0, x, 0) * w)``, as ``nansum(x * w)`` into
     ``out`` (may be ``x``): a value the mask drops (w = 0) is x * 0, which is 0, or NaN for a NaN / inf x and then
     skipped, so nothing it holds reaches the sum; a kept value enters as the select's would (an inf stays inf). They
     part only at a NaN the mask keeps, which the select would carry into the sum and nansum skips: the policy-loss
     op that follows raises for that same response token, so that sum is never used. On the CPU about half the
-    select's cost (benchmarks/bench_torch_masks.py)."""
-    return _checks.ordered_sum(torch.mul(x, w, out=out), nan=True)
+    select's cost (benchmarks/bench_torch_masks.py). ``dtype``: summed in that type (the products in ``out``'s)."""
+    return _checks.ordered_sum(torch.mul(x, w, out=out), nan=True, dtype=dtype)
+
+
+def _mean_parts(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The covariance means' masked sum ``sum(x * w)`` (:func:`_masked_total`) as two fp64 parts, high and low:
+    ``hi / den + lo / den`` is the mean, and for equal values it is that value exactly, so a constant side's
+    covariances are 0 and the tie rule picks, in one process and under context parallelism alike (the parts of each
+    rank add up exactly). n copies of an fp32 value sum exactly in fp64 (below 2^29 of them); an fp64 value is split
+    into its fp32 rounding and the rest (each exact in an fp64 sum of up to 2^24 copies; a value past fp32's range
+    is its own high part). An fp32 sum, verl's, of n equal values is an ulp off: its covariances are rounding noise,
+    which picks tokens by the other side's order, and another noise under context parallelism. ``w``: 0 / 1 flags or
+    weights (a weight's product may round); ``out`` (x's dtype) is overwritten."""
+    if x.dtype != torch.float64:
+        return _masked_total(x, w, out, torch.float64), x.new_zeros((), dtype=torch.float64)
+    hi = x.to(torch.float32).to(torch.float64)
+    hi = torch.where(torch.isinf(hi), x, hi)
+    return _masked_total(hi, w, out), _masked_total(torch.sub(x, hi, out=out), w, out)
+
+
+def _mean(parts: Tuple[torch.Tensor, torch.Tensor], den: torch.Tensor) -> torch.Tensor:
+    """The mean of :func:`_mean_parts` over the count ``den`` (fp64)."""
+    return parts[0] / den + parts[1] / den
 
 
 def _count(flags: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -1278,24 +1300,25 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         s0, s1 = ops.scratch_empty(shape, acc, dev, 0), ops.scratch_empty(shape, acc, dev, 1)
         valid = _flag(torch.gt, m, 0, ops.scratch_empty(shape, torch.bool, dev, _SLOT_VALID), s0)
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
-        # the means as verl_F.masked_mean types them: sum(x * mask) in x's and the mask's promoted type (fp64 with an
-        # fp64 mask; fp32 for 16-bit x, as everywhere here), over mask.sum() + 1e-8 in that sum's type (fp32 for a
-        # bool / int / fp32 mask: the eps rounds away, and the mean of equal values is that value, so their
-        # covariances are 0, not the +-1e-9 a strict cov > clip_cov_lb = 0 would cut); the covariance in acc (verl
-        # subtracts the 0-dim mean in x's dtype)
+        # the means as verl_F.masked_mean forms them, sum(x * mask) / (mask.sum() + 1e-8), the denominator in verl's
+        # type (fp32 for a bool / int / fp32 mask: the eps rounds away, and with the sums below the mean of equal
+        # values is that value, so their covariances are 0, not the +-1e-9 a strict cov > clip_cov_lb = 0 would
+        # cut); the covariance in acc (verl subtracts the 0-dim mean in x's dtype)
         if response_mask.dtype == torch.float64 and acc != torch.float64:
             # the cap and the count in fp64, too (100 weights of 0.1: 9.999999 in fp32)
             m_sum = _checks.ordered_sum(response_mask)
-            adv_sum, lp_sum = (_checks.ordered_sum(x.double() * response_mask, nan=True) for x in (adv, lp))
+            adv_sum, lp_sum = ((_checks.ordered_sum(x.double() * response_mask, nan=True),
+                                x.new_zeros((), dtype=torch.float64)) for x in (adv, lp))
         else:
             m_sum = _checks.ordered_sum(m)
-            adv_sum, lp_sum = _masked_total(adv, m, s0), _masked_total(lp, m, s1)
+            adv_sum, lp_sum = _mean_parts(adv, m, s0), _mean_parts(lp, m, s1)  # (hi, lo): a constant side exact
         if cp > 1:  # the micro-batch's sums over every rank's tokens, and the kernel's ppo_kl numerator (unclamped)
             kl_sum = _masked_total(torch.sub(old_log_prob.to(acc), lp, out=s0), m, s0)
             tokens = torch.tensor(float(m.numel()), dtype=torch.float64, device=dev)  # the cap's upper bound
-            whole = _whole_sums((m_sum, adv_sum, lp_sum, kl_sum, tokens), m, log_prob, cu_seqlens, loss_agg_mode,
+            whole = _whole_sums((m_sum, *adv_sum, *lp_sum, kl_sum, tokens), m, log_prob, cu_seqlens, loss_agg_mode,
                                 cfg, seq_group)
-            m_sum, adv_sum, lp_sum, kl_sum, tokens = whole.sums
+            m_sum, kl_sum, tokens = whole.sums[0], whole.sums[5], whole.sums[6]
+            adv_sum, lp_sum = whole.sums[1:3], whole.sums[3:5]
         count_dtype = response_mask.dtype if response_mask.dtype.is_floating_point else torch.get_default_dtype()
         den = m_sum.to(count_dtype) + LY.MASKED_MEAN_EPS  # verl_F.masked_mean's denominator, in verl's type
         # verl's clip_by_origin: -A clip(r) > -A r, i.e. A clip(r) < A r (negation is exact and flips the order;
@@ -1309,7 +1332,7 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         clipped = ratio.clamp_(max(1 - cfg.clip_low, -big), min(1 + cfg.clip_high, big)).mul_(adv)
         _flag(torch.lt, clipped, adv_r, eligible, clipped)  # clipped (its float flags over the products)
         del ratio, adv_r, clipped
-        cov = torch.sub(adv, adv_sum / den, out=s0).mul_(torch.sub(lp, lp_sum / den, out=s1))
+        cov = torch.sub(adv, _mean(adv_sum, den), out=s0).mul_(torch.sub(lp, _mean(lp_sum, den), out=s1))
         # (cov < ub) & (cov > lb) & valid & ~(clipped & valid), without the repeated mask
         test = ops.scratch_empty(shape, torch.bool, dev, _SLOT_TEST)
         eligible.logical_not_().logical_and_(valid)
@@ -1431,15 +1454,17 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
         def abs_kl_sum(out):  # actor/ppo_kl's numerator: masked_sum(|lp - lp_old|, m), in ``out``
             return _masked_total(torch.sub(lp, old_log_prob.to(acc), out=out).abs_(), m, out)
 
-        # sums, for now: over the tokens with m > 0, unweighted (valid's float flags, in s0, as the weights)
-        mean_a, mean_lp = _masked_total(adv, s0, s1), _masked_total(lp, s0, s1)
+        # sums, for now: over the tokens with m > 0, unweighted (valid's float flags, in s0, as the weights), as
+        # (hi, lo) parts (a constant side's covariances are then 0)
+        mean_a, mean_lp = _mean_parts(adv, s0, s1), _mean_parts(lp, s0, s1)
         if cp > 1:  # the micro-batch's sums over every rank's tokens
-            sums = (n.to(acc), mean_a, mean_lp, abs_kl_sum(s0), _checks.ordered_sum(m))
+            sums = (n.to(acc), *mean_a, *mean_lp, abs_kl_sum(s0), _checks.ordered_sum(m))
             whole = _whole_sums(sums, m, log_prob, cu_seqlens, loss_agg_mode, cfg, seq_group)
-            n, mean_a, mean_lp, kl_sum, m_sum = whole.sums
+            n, kl_sum, m_sum = whole.sums[0], whole.sums[5], whole.sums[6]
+            mean_a, mean_lp = whole.sums[1:3], whole.sums[3:5]
             n = n.round().to(torch.int64)  # the count in the dtype one process has (the cap is computed from it)
-        mean_a = mean_a / n.clamp(min=1)
-        mean_lp = mean_lp / n.clamp(min=1)
+        mean_a = _mean(mean_a, n.clamp(min=1))
+        mean_lp = _mean(mean_lp, n.clamp(min=1))
         cov = torch.sub(adv, mean_a, out=s0).mul_(torch.sub(lp, mean_lp, out=s1))
         count = _token_cap(cfg.kl_cov_ratio, n, n)
         # the global k under context parallelism (the same int on every rank), else a bound known without the data

@@ -270,7 +270,13 @@ def test_clip_cov_means_divide_by_verls_count_as_verl_types_it(mask_dtype, dtype
     mask, where the eps rounds away, so the mean of one advantage over the micro-batch is that advantage exactly and
     every covariance is 0: nothing passes clip_cov's strict cov > clip_cov_lb = 0, and nothing is cut. fp64 inputs
     once added the eps in fp64 whatever the mask (mean A = A n / (n + 1e-8)): covariances of +-1e-9, and the tokens
-    with positive ones were cut (loss -0.32 against verl's -0.70; the verl fuzz). Every token is under the cap."""
+    with positive ones were cut (loss -0.32 against verl's -0.70; the verl fuzz). Every token is under the cap.
+
+    fp32 inputs (but for an fp64 mask, which promotes verl's sums) are compared with verl on the same numbers in
+    fp64: verl's fp32 sum of the seven 0.7s is an ulp short, its covariances rounding noise, and it cuts the three
+    tokens above the mean log-prob (-0.30); the means here are summed in fp64 (exact for equal values;
+    docs/policy_losses.md, "Equal covariances")."""
+    ref = torch.float64 if mask_dtype != torch.float64 else dtype  # verl's exact means
     core, _, _ = _verl()
     old = torch.tensor([[-1.0, -2.0, -0.5, -1.5], [-0.25, -1.0, -3.0, -0.5]], dtype=dtype)
     lp = torch.tensor([[-0.9, -2.05, -0.45, -1.6], [-0.3, -1.1, -2.9, -0.5]], dtype=dtype)
@@ -281,7 +287,8 @@ def test_clip_cov_means_divide_by_verls_count_as_verl_types_it(mask_dtype, dtype
         got = _run(rv.compute_policy_loss_clip_cov, old, lp, adv, mask, mode, actor, None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            want = _run(core.compute_policy_loss_clip_cov, old, lp, adv, mask, mode, actor, None)
+            want = _run(core.compute_policy_loss_clip_cov, *(x.to(ref) for x in (old, lp, adv)), mask, mode, actor,
+                        None)
         # fp64: the aggregation's own + 1e-8 is added in fp64 (docs/from_verl.md: 1e-8 / n relative)
         tol = dict(rtol=1e-8, atol=1e-14) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-7)
         # (an fp64 mask promotes verl's fp32 loss to fp64; ours stays in the log-probs' dtype)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from fractions import Fraction
 import types
 
 import pytest
@@ -93,10 +94,10 @@ def _config(name, old, lp, adv, mask, cut=TIE_CUT):
                                    clip_cov_ub=ub, clip_cov_ratio=(above + cut + 0.5) / float(mask.sum()))
 
 
-def _oracle_token_mean(name, cfg, old, lp, adv, mask, w):
+def _oracle_token_mean(name, cfg, old, lp, adv, mask, w, cov=None):
     """fp64 token-mean of clip_cov / kl_cov with the documented selection: the ``count`` tokens first in the order
-    (covariance descending, then row-major position)."""
-    cov = _cov(lp.detach(), adv, mask)
+    (covariance descending, then row-major position). ``cov``: the covariances given (else fp64's)."""
+    cov = _cov(lp.detach(), adv, mask) if cov is None else cov
     valid = mask > 0
     ratio = torch.exp(lp - old)
     if name == "kl_cov":
@@ -238,21 +239,21 @@ def _close(a, b, rtol=1e-10, atol=1e-13):
     return torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol)
 
 
-def _compare(what, got, want, pos, group, failures):
+def _compare(what, got, want, pos, group, failures, **tol):
     """``got`` = this rank's (loss share, metrics, gradient on its tokens); ``want`` = one process's on [B, T] (or
-    packed, then ``pos`` indexes the packed stream)."""
+    packed, then ``pos`` indexes the packed stream). ``tol``: :func:`_close`'s (fp64's by default)."""
     total = got[0].clone().reshape(1)
     dist.all_reduce(total, group=group)
-    if not _close(total[0], want[0]):
+    if not _close(total[0], want[0], **tol):
         failures.append(f"{what}: sum of the CP ranks' losses {float(total):.12g} != one process {float(want[0]):.12g}")
     g_want = want[2].reshape(-1)[pos]
-    if not _close(got[2].reshape(-1), g_want):
+    if not _close(got[2].reshape(-1), g_want, **tol):
         failures.append(f"{what}: gradient on this rank's tokens differs (max "
                         f"{float((got[2].reshape(-1) - g_want).abs().max()):.3g})")
     if set(got[1]) != set(want[1]):
         failures.append(f"{what}: metric keys {sorted(got[1])} != {sorted(want[1])}")
     for k in set(got[1]) & set(want[1]):
-        if not _close(got[1][k], want[1][k]):
+        if not _close(got[1][k], want[1][k], **tol):
             failures.append(f"{what}: metric {k} = {float(got[1][k]):.12g}, one process {float(want[1][k]):.12g}")
 
 
@@ -636,3 +637,100 @@ def test_cov_selection_breaks_exact_ties_in_the_one_process_order_across_chunks(
     is the one-process one (the earliest in its sequence), given each token's position in its whole sequence
     (``seq_positions``; megatron's loss_func computes them itself); before, ties were broken by rank."""
     run_workers(_tie_order_worker, 2)
+
+
+# ------------------------------------------- a constant side: every covariance is 0, whatever the rounding
+
+
+def _constant_side_batch(side: str, dtype: torch.dtype, t: int = 700, value: float = 0.7):
+    """Two response rows of ``t`` tokens (the second partly padded) in ``dtype`` where one side of the covariance is
+    one value on every valid token (``side`` = "adv": an outcome reward on a micro-batch of one group; "lp": equal
+    log-probs). n copies of 0.7 do not sum to n times 0.7 in fp32: the mean was an ulp off and every covariance
+    rounding noise (+-ulp (x - mean x)), which picked tokens by the other side's order, not by position, and under
+    context parallelism by other noise."""
+    g = torch.Generator().manual_seed(5)
+    old = -(torch.rand(2, t, generator=g, dtype=torch.float64) * 2.0 + 0.05)
+    lp = (old + 0.3 * torch.randn(2, t, generator=g, dtype=torch.float64)).clamp(max=-0.05)
+    adv = torch.randn(2, t, generator=g, dtype=torch.float64)
+    if side == "adv":
+        adv = torch.full_like(adv, value)
+    else:
+        lp = torch.full_like(lp, -value)
+    mask = torch.ones(2, t, dtype=torch.float64)
+    mask[1, t - t // 3:] = 0.0
+    return tuple(x.to(dtype) for x in (old, lp, adv)) + (mask,)
+
+
+def _constant_side_config(name):
+    # every token eligible (no clip; the widest covariance range), 1% of them selected
+    return losses.PolicyLossConfig(loss_mode=name, clip_ratio=50.0, clip_ratio_high=50.0, clip_cov_ratio=0.01,
+                                   clip_cov_lb=-5.0, clip_cov_ub=5.0, kl_cov_ratio=0.01, ppo_kl_coef=1.0)
+
+
+def _exact_cov(lp, adv, mask):
+    """The covariances of :func:`_cov` in exact rational arithmetic, rounded once (0 / 1 masks): an fp64 mean of n
+    copies of an fp64 value need not be that value."""
+    keep = (mask.reshape(-1) > 0).tolist()
+    a = [Fraction(v) for v in adv.double().reshape(-1).tolist()]
+    x = [Fraction(v) for v in lp.detach().double().reshape(-1).tolist()]
+    n = sum(keep)
+    mean_a = sum(v for v, k in zip(a, keep) if k) / n
+    mean_x = sum(v for v, k in zip(x, keep) if k) / n
+    return torch.tensor([float((u - mean_a) * (v - mean_x)) for u, v in zip(a, x)],
+                        dtype=torch.float64).view(mask.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("side", ["adv", "lp"])
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+def test_constant_side_covariances_are_zero_and_the_earliest_tokens_are_taken(name, side, dtype):
+    """One process, against the fp64 oracle of the documented rule on the same numbers (whose means of equal values
+    are exact, so every covariance is 0 and the first tokens by position are selected): loss and gradient. fp32
+    picked nine tokens far into the rows (the order of the log-probs) before the means were summed in fp64."""
+    old, lp, adv, mask = _constant_side_batch(side, dtype)
+    cfg = _constant_side_config(name)
+    x64 = lp.double().clone().requires_grad_(True)
+    want, sel = _oracle_token_mean(name, cfg, old.double(), x64, adv.double(), mask, None, _exact_cov(lp, adv, mask))
+    (g_want,) = torch.autograd.grad(want, x64)
+    first = torch.nonzero(mask.reshape(-1) > 0).reshape(-1)[:int(sel.sum())]
+    assert sorted(torch.nonzero(sel.reshape(-1)).reshape(-1).tolist()) == first.tolist()  # the oracle's own rule
+    # a bool mask but for fp32: verl's masked mean divides by the mask's sum in the mask's type, + 1e-8 (an fp64
+    # mask: A n / (n + 1e-8); a 16-bit one rounds n), so its mean of equal values is no longer that value
+    got, _, grad = _step(name, "token-mean", cfg, old, lp, adv, mask.float() if dtype == torch.float32 else mask > 0,
+                         None)
+    tol = dict(rtol=1e-10, atol=1e-13) if dtype == torch.float64 else \
+        dict(rtol=1e-5, atol=1e-9) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-7)
+    torch.testing.assert_close(got.double(), want.detach(), **tol)
+    torch.testing.assert_close(grad.double(), g_want, **tol)
+
+
+def _constant_side_cp_worker(rank, world):
+    failures = []
+    for side, value in (("adv", 0.3), ("adv", 1.3), ("lp", 0.3), ("lp", 0.55)):
+        # values whose fp32 sums over each rank's half (or chunks) rounded to another side of the value than one
+        # process's sum
+        old, lp, adv, mask = _constant_side_batch(side, torch.float32, value=value)
+        mask = mask.float()
+        for name in ("clip_cov", "kl_cov"):
+            cfg = _constant_side_config(name)
+            want = _step(name, "token-mean", cfg, old, lp, adv, mask, None)
+            t = old.shape[1]
+            # the ranks' halves, and megatron's load-balanced chunks with each token's position in its sequence
+            half = torch.arange(rank * t // world, (rank + 1) * t // world)
+            for what, cols, kw in (("halves", half, {}),
+                                   ("chunks", cp_token_index(t, world, rank), {"seq_positions": None})):
+                if "seq_positions" in kw:
+                    kw = {"seq_positions": cols.expand(2, -1)}
+                got = _step(name, "token-mean", cfg, *(x[:, cols].contiguous() for x in (old, lp, adv, mask)), None,
+                            seq_group=dist.group.WORLD, **kw)
+                pos = (torch.arange(2).unsqueeze(1) * t + cols.unsqueeze(0)).reshape(-1)
+                # fp32: the shares' sums round otherwise; one token more or less moves the loss by ~1e-4
+                _compare(f"{name}, constant {side} {value}, {what}", got, want, pos, dist.group.WORLD, failures, rtol=1e-6,
+                         atol=1e-9)
+    assert not failures, "\n".join(failures)
+
+
+def test_constant_side_context_parallel_equals_one_process():
+    """CP = 2 (the ranks' halves, and megatron's chunks with ``seq_positions``), fp32 with one side constant: the
+    same tokens as one process, so the same loss and gradient (each rank's partial sums rounded otherwise)."""
+    run_workers(_constant_side_cp_worker, 2)
