@@ -768,3 +768,21 @@ def test_results_are_the_same_bits_in_every_layout(backend, dtype):
             assert torch.equal(got.weights, want.weights) and torch.equal(got.response_mask, want.response_mask)
             bad = [k for k in want.metrics if not torch.equal(got.metrics[k], want.metrics[k])]
             assert not bad, bad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rs_std_far_from_its_centre_within_the_documented_error(device):
+    """docs/from_verl.md, "Accuracy of the spread metrics": every valid token's k2 clamped at the upper bound U (the
+    exact std 0, the values far from the criterion's centre 0) reads at most about U * 2^-12 in fp32 (the square
+    root of the lanes' rounding), far less in fp64."""
+    lr = torch.tensor([[0.599, 0.489, 1.318, 0.0], [0.0, 0.0, 0.0, 0.873]], dtype=torch.float64)  # k2 > 0.05
+    mask = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 1]], dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    wide = (torch.rand(64, 300, generator=g, dtype=torch.float64) + 0.4) * (torch.rand(64, 300, generator=g) < 0.5)
+    for lr_, mask_ in ((lr, mask), (wide, (wide != 0).float())):
+        for dtype, bound in ((torch.float32, 0.05 * 2.0 ** -11), (torch.float64, 0.05 * 2.0 ** -20)):
+            lp = -torch.ones_like(lr_)
+            cfg = Cfg(rollout_is=None, rollout_rs="token_k2", rollout_rs_threshold=0.05)
+            res = _run(device, lp.to(dtype), (lp - lr_).to(dtype), mask_, cfg)
+            std = float(res.metrics[PREFIX + "rollout_rs_token_k2_std"])
+            assert 0.0 <= std <= bound, (dtype, std)
