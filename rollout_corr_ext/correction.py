@@ -302,9 +302,9 @@ def _metric_formulas(sums, maxes, config: RolloutCorrectionConfig, exclude_nonfi
         # and sum x^2 (fp64)
         return F.where(n > 1, F.sqrt(F.clamp_min(s2 / std_den - (s / std_den) ** 2, 0.0)), zero)
 
-    def masked_std(dev, dev_sq, centre):  # the kernels sum x - centre and (x - centre)^2 (no fp32 cancellation);
-        # sum x and sum x^2 are rebuilt here in fp64, where the difference is harmless.
-        return std_of_sums(dev + centre * n, dev_sq + 2.0 * centre * dev + centre * centre * n)
+    def masked_std(Sc):  # the kernels sum each x's deviation from its row's centre c_b (no fp32 cancellation); sum x
+        # and sum x^2 are rebuilt here in fp64, where the difference is harmless
+        return std_of_sums(Sc.clamped_dev + Sc.centre, Sc.clamped_dev_sq + 2.0 * Sc.centre_dev + Sc.centre_sq)
 
     spec = config.is_spec
     if spec is not None:
@@ -357,7 +357,7 @@ def _metric_formulas(sums, maxes, config: RolloutCorrectionConfig, exclude_nonfi
         denom = ne if crit.level == "token" else svc
         met[f"{p}_fraction_high"] = Sc.high / denom
         met[f"{p}_fraction_low"] = Sc.low / denom if crit.apply_lower else zero
-        met[f"{p}_std"] = masked_std(Sc.clamped_dev, Sc.clamped_dev_sq, 1.0 if crit.stat == "ratio" else 0.0)
+        met[f"{p}_std"] = masked_std(Sc)
         met[f"{p}_seq_mean"] = Sc.seq / svc
         met[f"{p}_seq_std"] = _std_from_sums(Sc.seq, Sc.seq_sq, sv, F)
         met[f"{p}_seq_max"] = Mc.seq

@@ -106,10 +106,6 @@ RC_HD RC_FORCEINLINE auto crit_keeps(V s, acc_t lower, acc_t upper, bool apply_l
   return keep;
 }
 
-// The value the std sums of a criterion are centred on (its statistic's typical value): 1 for ratio statistics
-// (rho ~ 1), 0 for k1 / k2 / k3 (~ 0). Centred sums keep E[x^2] - E[x]^2 free of fp32 cancellation.
-RC_HD RC_FORCEINLINE double crit_centre(int stat) { return stat == rs_stat::ratio ? 1.0 : 0.0; }
-
 // Token-level IS weight: TIS clamp(rho, L, U) (L = 0, a no-op on a weight, unless two-sided), IcePop
 // rho * 1[L <= rho <= U].
 template <typename V, typename acc_t>
@@ -219,6 +215,9 @@ struct RowValues {
   acc_t wc_centre;                   // token-level IS: the row's mean clamped weight (pass 1), 0 without tokens
   bool seq_rejected, veto;           // some sequence-level criterion rejects the row; the veto fires
   acc_t crit_value[kMaxCriteria];    // each criterion's per-sequence value (token level: its mean over the row)
+  acc_t crit_centre[kMaxCriteria];   // token level: that mean clamped as the std clamps a token (its sums' centre:
+                                     // deviations near 0 keep E[x^2] - E[x]^2 free of fp32 cancellation), 0 without
+                                     // tokens
   bool crit_keep[kMaxCriteria];      // sequence-level criteria: the row passes
 };
 
@@ -266,6 +265,8 @@ RC_HD inline void row_values(const acc_t* st, const Config<acc_t>& c, RowValues<
       r.seq_rejected |= !r.crit_keep[i];
     }
     r.crit_value[i] = v;
+    const acc_t lo = c.crit_apply_lower[i] ? c.crit_lower[i] : acc_t(0), up = c.crit_upper[i];
+    r.crit_centre[i] = level == rs_level::token && r.n > acc_t(0) ? (v < lo ? lo : (v > up ? up : v)) : acc_t(0);
   }
   // Veto: a valid token with lr < log V  <=>  max(-lr) > -log V.
   r.veto = c.veto_on && RC_LDG(st + seq::neg_min_log_ratio) > -c.veto_log;
@@ -347,9 +348,11 @@ RC_HD RC_FORCEINLINE TokenOut<V> token_pass_token(const Config<acc_t>& c, const 
     V* cs = t.crit_sum[j];
     V* cm = t.crit_max[j];
     cs[tok_crit_sum::stat] += select(k.valid, s, zero);
-    const V dev = select(k.valid, sc - splat<V>(crit_centre(c.crit_stat[i])), zero);
+    const V centre = splat<V>(r.crit_centre[i]);
+    const V dev = select(k.valid, sc - centre, zero);
     cs[tok_crit_sum::clamped_dev] += dev;
     cs[tok_crit_sum::clamped_dev_sq] += dev * dev;
+    cs[tok_crit_sum::centre_dev] += centre * dev;
     cs[tok_crit_sum::high] += select(k.valid & (s > upper), one, zero);
     if (apply_lower) cs[tok_crit_sum::low] += select(k.valid & (s < lower), one, zero);
     cm[tok_crit_max::stat] = vmax(cm[tok_crit_max::stat], select(k.valid, s, neg_inf));
@@ -471,9 +474,9 @@ RC_HD inline void add_row_partials(const Config<acc_t>& c, const acc_t* st, cons
       const acc_t clamp_min = apply_lower ? lo : acc_t(0);
       const acc_t sc = v < clamp_min ? clamp_min : (v > up ? up : v);
       add_to(Sc[crit_sum_slot::stat], nd * static_cast<double>(v));
-      const double dev = static_cast<double>(sc) - crit_centre(c.crit_stat[i]);
-      add_to(Sc[crit_sum_slot::clamped_dev], nd * dev);
-      add_to(Sc[crit_sum_slot::clamped_dev_sq], nd * dev * dev);
+      const double scd = static_cast<double>(sc);  // the row's own value: its centre, no deviation
+      add_to(Sc[crit_sum_slot::centre], nd * scd);
+      add_to(Sc[crit_sum_slot::centre_sq], nd * scd * scd);
       add_to(Sc[crit_sum_slot::high], (v > up) && sv);
       if (apply_lower) add_to(Sc[crit_sum_slot::low], (v < lo) && sv);
       if (sv) {
@@ -490,6 +493,9 @@ RC_HD inline void add_row_partials(const Config<acc_t>& c, const acc_t* st, cons
                                                    : seq::rejected_ratio));
       add_to(Sc[crit_sum_slot::rejected_tokens], count);
       rejected_row = count > 0 && sv;
+      const double centre = r.crit_centre[i];
+      add_to(Sc[crit_sum_slot::centre], nd * centre);
+      add_to(Sc[crit_sum_slot::centre_sq], nd * centre * centre);
     }
     add_to(Sc[crit_sum_slot::rejected_rows], rejected_row);
     if (sv) {

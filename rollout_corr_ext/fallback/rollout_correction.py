@@ -68,9 +68,10 @@ def _token_stat(stat: int, l: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
     return rho
 
 
-def _crit_centre(stat: int) -> float:
-    """What a criterion's std sums are centred on: 1 for ratio statistics, 0 for k1 / k2 / k3."""
-    return 1.0 if stat == LY.RS_STAT["ratio"] else 0.0
+def _crit_centre(v: torch.Tensor, n: torch.Tensor, lower: float, upper: float, apply_lower: bool) -> torch.Tensor:
+    """A token criterion's per-row centre of its std sums: the row's mean statistic ``v`` clamped as the std clamps
+    a token (deviations near 0 keep E[x^2] - E[x]^2 free of fp32 cancellation), 0 for a row without tokens."""
+    return torch.where(n > 0, v.clamp(lower if apply_lower else 0.0, upper), torch.zeros_like(v))
 
 
 def _token_is_weight(rho, is_mask, is_lower, is_upper):
@@ -255,9 +256,10 @@ def rollout_token_pass(log_prob, rollout_log_prob, mask, cu_seqlens, seq_stats, 
         token_rejected |= ~_keep(s, lower, upper, apply_lower)
         sc = s.clamp(lower if apply_lower else 0.0, upper)
         S[LY.crit_sum(i, "stat")] += tsum(s)
-        centre = _crit_centre(stat)
+        centre = _crit_centre(values[i], n, lower, upper, apply_lower).unsqueeze(1)
         S[LY.crit_sum(i, "clamped_dev")] += tsum(sc - centre)
         S[LY.crit_sum(i, "clamped_dev_sq")] += tsum((sc - centre) ** 2)
+        S[LY.crit_sum(i, "centre_dev")] += tsum(centre * (sc - centre))
         S[LY.crit_sum(i, "high")] += tsum((s > upper).to(acc))
         if apply_lower:
             S[LY.crit_sum(i, "low")] += tsum((s < lower).to(acc))
@@ -331,9 +333,8 @@ def _row_partials(S, M, st, a, crits, n, lr_sum, log_w, raw_b, w_b, values, keep
         if lvl != _TOKEN:
             sc = v.clamp(lower if apply_lower else 0.0, upper)
             S[LY.crit_sum(i, "stat")] += (nd * f(v)).sum()
-            centre = _crit_centre(stat)
-            S[LY.crit_sum(i, "clamped_dev")] += (nd * (f(sc) - centre)).sum()
-            S[LY.crit_sum(i, "clamped_dev_sq")] += (nd * (f(sc) - centre) ** 2).sum()
+            S[LY.crit_sum(i, "centre")] += (nd * f(sc)).sum()  # the row's own value: its centre, no deviation
+            S[LY.crit_sum(i, "centre_sq")] += (nd * f(sc) ** 2).sum()
             S[LY.crit_sum(i, "high")] += f((v > upper) & sv).sum()
             if apply_lower:
                 S[LY.crit_sum(i, "low")] += f((v < lower) & sv).sum()
@@ -345,6 +346,9 @@ def _row_partials(S, M, st, a, crits, n, lr_sum, log_w, raw_b, w_b, values, keep
             count = st[:, _SEQ[_REJECTED_COL[stat]]]
             S[LY.crit_sum(i, "rejected_tokens")] += f(count).sum()
             rejected_rows = (count > 0) & sv
+            centre = f(_crit_centre(v, n, lower, upper, apply_lower))
+            S[LY.crit_sum(i, "centre")] += (nd * centre).sum()
+            S[LY.crit_sum(i, "centre_sq")] += (nd * centre * centre).sum()
         S[LY.crit_sum(i, "rejected_rows")] += f(rejected_rows).sum()
         S[LY.crit_sum(i, "seq")] += (f(v) * svd).sum()
         S[LY.crit_sum(i, "seq_sq")] += (f(v) ** 2 * svd).sum()
