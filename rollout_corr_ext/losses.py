@@ -1278,7 +1278,7 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
     ``actor/pg_clipfrac`` (tokens cut), ``actor/ppo_kl``.
 
     ``seq_group`` (context parallelism): the means, the token count, the cap and the metrics are those of the whole
-    micro-batch (one all-reduce of B + 5 numbers, B + 6 or 2B + 5 for seq-mean-token-sum-norm), the tokens cut
+    micro-batch (one all-reduce of B + 7 numbers, B + 8 or 2B + 7 for seq-mean-token-sum-norm), the tokens cut
     are the global selection (one all-gather of ``[cap, 4]`` fp64 per rank; the cap is read on the host, a sync on
     CUDA) and each rank returns its share of the loss: :func:`aggregate_rows` of its own rows with the whole
     sequences' token counts, so the shares add up to the one-process loss and each rank's gradient is the
@@ -1429,7 +1429,7 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
     earlier token, :func:`_top_positions`). Metric: ``actor/ppo_kl`` = mean |log pi - log pi_old|, as verl logs it.
 
     ``seq_group`` (context parallelism): the means, the token count, the metric and the sequences' token counts are
-    those of the whole micro-batch (one all-reduce of B + 5 numbers, B + 6 or 2B + 5 for
+    those of the whole micro-batch (one all-reduce of B + 7 numbers, B + 8 or 2B + 7 for
     seq-mean-token-sum-norm), the penalised tokens are the global top-k (one all-gather of ``[k, 4]`` fp64 per rank;
     k is read on the host, a sync on CUDA), and each rank returns its share of the loss (:func:`aggregate_rows` of
     its own rows with the whole sequences' token counts: the shares add up to the one-process loss, and each rank's
