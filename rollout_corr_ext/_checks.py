@@ -70,14 +70,21 @@ def ordered_sum(x: torch.Tensor, nan: bool = False, dtype: Optional[torch.dtype]
     block size is split across threads by the thread count, and its last bits move with it: a mean that should
     equal each of n equal values then differs from them by an ulp, and every covariance against it changes sign
     (clip_cov / kl_cov cut other tokens at another thread count; the thread-count fuzz). At most one block: exactly
-    ``x.sum()`` (what verl's reductions give there). ``dtype``: accumulated (and returned) in that type."""
+    ``x.sum()`` (what verl's reductions give there). ``dtype``: accumulated (and returned) in that type; past one
+    block the elements are converted 8 blocks at a time (2 MiB of fp64), then reduced natively: on the CPU about
+    half the time of a reduction that converts as it reads."""
     red = torch.nansum if nan else torch.sum
     flat = x.reshape(-1)
     n = flat.numel()
     if n <= ORDERED_SUM_BLOCK:
         return red(flat, dtype=dtype)
     r = n // ORDERED_SUM_BLOCK
-    blocks = red(flat[:r * ORDERED_SUM_BLOCK].reshape(r, ORDERED_SUM_BLOCK), -1, dtype=dtype)
+    if dtype is None or dtype == flat.dtype:
+        blocks = red(flat[:r * ORDERED_SUM_BLOCK].reshape(r, ORDERED_SUM_BLOCK), -1)
+    else:
+        step = 8 * ORDERED_SUM_BLOCK
+        blocks = torch.cat([red(flat[i:min(i + step, r * ORDERED_SUM_BLOCK)].to(dtype).view(-1, ORDERED_SUM_BLOCK),
+                                -1) for i in range(0, r * ORDERED_SUM_BLOCK, step)])
     if n % ORDERED_SUM_BLOCK:
         blocks = torch.cat([blocks, red(flat[r * ORDERED_SUM_BLOCK:], dtype=dtype).reshape(1)])
     return red(blocks)
