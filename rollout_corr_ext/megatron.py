@@ -584,15 +584,23 @@ def make_policy_loss_func(
         if target.dim() != 1:
             raise ValueError(f"with packed sequences target must be the packed token stream [T] (or [1, T] / "
                              f"[T, 1]), got shape {tuple(target.shape)}")
+        whole_cu = cu
         if zigzag:
             cu = _zigzag_boundaries(cu, target.shape[0], seq_world, dist.get_rank(seq))
         cu = cu.to(target.device)
         num_seqs = cu.shape[0] - 1
+
+        def refuse_ambiguous(name, n_values, fix):
+            # decided alike on every rank: with use_per_sequence_balancing each rank's pieces differ (one rank's
+            # refusal alone left the others waiting in the loss's all-reduce), so every rank's boundaries are read
+            for r in range(seq_world) if zigzag else (None,):
+                local = cu if r is None else _zigzag_boundaries(whole_cu, target.shape[0], seq_world, r)
+                refuse_ambiguous_per_sequence(name, n_values, local.to(target.device), target.shape[0], fix)
+
         if isinstance(advantages, torch.Tensor) and advantages.dim() == 1:
-            refuse_ambiguous_per_sequence("advantages", advantages.shape[0], cu, target.shape[0],
-                                          f"pass per-token advantages as [1, {num_seqs}], or expand per-sequence "
-                                          f"ones to the tokens yourself (torch.repeat_interleave(advantages, "
-                                          f"cu_seqlens.diff()))")
+            refuse_ambiguous("advantages", advantages.shape[0],
+                             f"pass per-token advantages as [1, {num_seqs}], or expand per-sequence ones to the tokens "
+                             f"yourself (torch.repeat_interleave(advantages, cu_seqlens.diff()))")
         if isinstance(advantages, torch.Tensor) and advantages.dim() == 1 and advantages.shape[0] == num_seqs \
                 and num_seqs != target.shape[0]:
             advantages = torch.repeat_interleave(advantages, cu[1:] - cu[:-1], output_size=target.shape[0])
@@ -637,8 +645,7 @@ def make_policy_loss_func(
             raise TypeError(f"versions must be an integer tensor, got {type(versions).__name__}")
         per_seq = cu is not None and versions.dim() == 1 and versions.shape[0] == cu.shape[0] - 1
         if per_seq and versions.shape[0] == target.shape[0]:
-            refuse_ambiguous_per_sequence("versions", versions.shape[0], cu, target.shape[0],
-                                          "pass per-token versions as [1, T] (or [T, 1])")
+            refuse_ambiguous("versions", versions.shape[0], "pass per-token versions as [1, T] (or [T, 1])")
             per_seq = False
         if per_seq:
             versions = torch.repeat_interleave(versions, cu[1:] - cu[:-1], output_size=target.shape[0])

@@ -258,3 +258,34 @@ def test_packed_seq_params_of_megatron_0_19():
     hybrid = types.SimpleNamespace(cu_seqlens_q=cu, cu_seqlens_q_padded=None, local_cp_size=2, cp_group=None)
     with pytest.raises(ValueError, match="local_cp_size = 2"):
         make_policy_loss_func(target, adv, mask, packed_seq_params=hybrid)
+
+
+def _ambiguous_per_sequence_balancing_worker(rank, world):
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    group = dist.new_group(list(range(world)))
+    cu = torch.tensor([0, 1, 4])  # two sequences, 1 and 3 tokens: 2 tokens per rank
+    params = types.SimpleNamespace(cu_seqlens_q=cu, cu_seqlens_q_padded=cu, qkv_format="thd")
+    mine = cp_token_index(4, world, rank)  # rank 0: positions 0, 3 (one token of each); rank 1: 1, 2 (sequence 1)
+    target = torch.tensor([0, 2, 1, 0])[mine]
+    errors = []
+    for name, kw in (("advantages", dict(advantages=torch.tensor([1.0, -5.0]))),
+                     ("versions", dict(advantages=torch.tensor([[1.0, 1.0]]), versions=torch.tensor([3, 4]),
+                                       current_version=5))):
+        try:  # construction only: a rank that did not raise would wait in the loss's all-reduce
+            make_policy_loss_func(target, kw.pop("advantages"), torch.ones(2, dtype=torch.bool),
+                                  packed_seq_params=params, dp_group=group, seq_group=group,
+                                  use_per_sequence_balancing=True, **kw)
+            errors.append(f"rank {rank}: {name} [2] not refused")
+        except ValueError as e:
+            if "ambiguous" not in str(e):
+                errors.append(f"rank {rank}: {name}: {e}")
+    assert not errors, "\n".join(errors)
+
+
+def test_ambiguous_per_sequence_values_are_refused_on_every_rank_under_per_sequence_balancing():
+    """use_per_sequence_balancing gives the CP ranks different pieces: here rank 0 holds one token of each of the
+    two sequences (per sequence and per token coincide) and rank 1 two tokens of the second (they differ). Rank 1
+    alone refused advantages / versions [2] and rank 0 went on into the loss's all-reduce (a hang until gloo's
+    timeout; the megatron fuzz): every rank reads every rank's boundaries and refuses alike."""
+    run_workers_preloaded(_ambiguous_per_sequence_balancing_worker, 2)
