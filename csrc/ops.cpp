@@ -97,12 +97,13 @@ TORCH_LIBRARY(rollout_corr, m) {
   m.def("rollout_token_pass(Tensor log_prob, Tensor rollout_log_prob, Tensor mask, Tensor? cu_seqlens, Tensor seq_stats"
         RC_ROLLOUT_CONFIG_SCHEMA ", bool row_partials) -> (Tensor, Tensor, Tensor, Tensor)");
   // Checks the (reduced) SUM partials: a batch with no valid token, non-finite log-probs at valid positions
-  // (unless excluded), mask values other than 0/1, ranks with different configs (agree false). CPU: raises a
-  // ValueError naming the first offending position of this rank's inputs; CUDA: asynchronous device asserts.
-  // Returns a copy of sums, which the metrics are computed from (so the check is part of any traced graph).
+  // (unless excluded; allow_empty: a batch with no valid token passes), mask values other than 0/1, ranks with
+  // different configs (agree false). CPU: raises a ValueError naming the first offending position of this rank's
+  // inputs; CUDA: asynchronous device asserts. Returns a copy of sums, which the metrics are computed from (so the
+  // check is part of any traced graph).
   m.def(
       "rollout_check(Tensor sums, Tensor? agree, Tensor log_prob, Tensor rollout_log_prob, Tensor mask, "
-      "bool exclude_nonfinite) -> Tensor");
+      "bool exclude_nonfinite, bool allow_empty=False) -> Tensor");
 
   // §4 fused policy loss, one pass over [B, T] (or a packed [T] stream with cu_seqlens [B + 1]): (loss_mat in
   // log_prob's shape, rows [B, 5] = loss sum, tokens, clip, dual clip, kl sum per sequence), in fp32 (fp64 for

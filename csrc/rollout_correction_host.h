@@ -240,13 +240,13 @@ inline constexpr const char* kMsgNoValidToken =
 
 // CPU only (reads the values).
 inline RolloutStatus rollout_status(const at::Tensor& sums, const c10::optional<at::Tensor>& agree,
-                                    bool exclude_nonfinite) {
+                                    bool exclude_nonfinite, bool allow_empty) {
   const at::Tensor s = sums.contiguous();  // the slots by offset: a strided or expanded view would be read wrongly
   const double* S = s.const_data_ptr<double>();
   if (agree.has_value() && !agree->item<bool>()) return RolloutStatus::kConfigMismatch;
   if (S[rc::sum_slot::bad_mask] > 0) return RolloutStatus::kBadMask;
   if (!exclude_nonfinite && S[rc::sum_slot::nonfinite] > 0) return RolloutStatus::kNonFinite;
-  if (!(S[rc::sum_slot::tokens] > 0)) return RolloutStatus::kNoValidToken;
+  if (!allow_empty && !(S[rc::sum_slot::tokens] > 0)) return RolloutStatus::kNoValidToken;
   return RolloutStatus::kOk;
 }
 

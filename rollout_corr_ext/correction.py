@@ -502,6 +502,7 @@ def compute_rollout_correction(
     nonfinite: str = "error",
     cu_seqlens: Optional[torch.Tensor] = None,
     diagnostics=None,
+    empty: str = "error",
 ) -> Union[RolloutCorrectionResult, RolloutDiagnosticsResult]:
     """IS weights, the RS + veto mask and every ``rollout_corr/*`` metric, exact over the global batch.
 
@@ -540,12 +541,18 @@ def compute_rollout_correction(
             logger-ready histograms; docs/rollout_correction.md "Diagnostics"): a stage of torch ops over the
             tokens (not fused: its cost is a row of benchmarks/bench_rollout_corr.py), its partials carried by the
             same two all-reduces. Returns a :class:`RolloutDiagnosticsResult` then.
+        empty: a batch with no valid token over the whole ``dp_group`` (every mask 0, or every token excluded):
+            "error" (default): a ValueError (CUDA: a device assert); "nan": not an error, the weights and mask are
+            0 and every metric is NaN, a statistic of no tokens (megatron's ``loss_func`` asks for this: a
+            micro-batch without response tokens contributes nothing, as without a correction).
 
     Returns:
         :class:`RolloutCorrectionResult` (weights: float32, float64 when either log-prob input is float64; or None;
         mask; metrics as 0-dim tensors; no host sync on CUDA without seq_group).
     """
     config = check_correction_inputs(log_prob, rollout_log_prob, response_mask, config, nonfinite, cu_seqlens)
+    if empty not in ("error", "nan"):
+        raise ValueError(f"empty must be 'error' or 'nan', got {empty!r}")
     out_shape = tuple(log_prob.shape)
     if cu_seqlens is not None:  # the kernels take the packed stream as 1-D views (no copy)
         log_prob, rollout_log_prob, response_mask = (t.reshape(-1) for t in (log_prob, rollout_log_prob,
@@ -609,7 +616,7 @@ def compute_rollout_correction(
     elif wire is not None:
         extra = wire.vectors()
     # Every rank reaches the same verdict on the reduced sums (CPU: a ValueError; CUDA: device asserts, no sync).
-    sums = ops.rollout_check(sums, agree, log_prob, rollout_log_prob, response_mask, exclude)
+    sums = ops.rollout_check(sums, agree, log_prob, rollout_log_prob, response_mask, exclude, empty == "nan")
 
     metrics = finalize_metrics(sums, maxes, config, exclude, count_keeps_eps=LY.count_keeps_eps(response_mask.dtype))
     diag_out = None
@@ -629,12 +636,25 @@ def compute_rollout_correction(
         # The global mean is known only after the reduce: one in-place scale of our own output.
         factor = metrics[PREFIX + "rollout_is_batch_norm_factor"]
         weights.mul_((1.0 / factor).to(weights.dtype))
+    if empty == "nan":  # after the batch normalisation, whose factor (1 without tokens) is read above
+        metrics = _nan_without_tokens(metrics, sums[LY.SUM["tokens"]])
     if cu_seqlens is not None:
         weights = None if weights is None else weights.reshape(out_shape)
         mask_out = mask_out.reshape(out_shape)
     if diag_out is not None:
         return RolloutDiagnosticsResult(weights, mask_out, metrics, diag_out)
     return RolloutCorrectionResult(weights, mask_out, metrics)
+
+
+def _nan_without_tokens(metrics: Dict[str, torch.Tensor], tokens: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Every metric NaN when the (reduced) token count is 0: one where over the stacked values, no host sync."""
+    if not metrics:
+        return metrics
+    if tokens.device.type == "cpu" and not torch.compiler.is_compiling() and float(tokens) > 0:  # the CPU check
+        return metrics  # has read it already: the common case
+    values = torch.stack([v.reshape(()).to(torch.float64) for v in metrics.values()])
+    values = torch.where(tokens > 0, values, torch.full_like(values, math.nan))
+    return {k: v.to(m.dtype) for (k, m), v in zip(metrics.items(), values.unbind())}
 
 
 def _fold_fingerprint(fingerprint: int, extra) -> int:

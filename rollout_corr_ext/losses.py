@@ -1791,6 +1791,7 @@ def policy_step(
     proximal: str = "loglinear",
     diagnostics=None,
     nonfinite: str = "error",
+    empty: str = "error",
     flow: Optional[str] = None,
     loss_share: bool = True,
     rows_grad: bool = True,
@@ -1804,8 +1805,8 @@ def policy_step(
     1. Decoupled with ``versions``: pi_old approximated from them (:func:`rollout_corr_ext.versions.proximal_log_prob`,
        ``proximal``) when ``old_log_prob`` is None, else the approximation's error metrics (over ``dp_group``).
     2. The rollout correction (bypass: of pi_theta detached, decoupled: of pi_old, vs ``rollout_log_prob``; its
-       ``diagnostics`` and ``nonfinite`` as :func:`compute_rollout_correction` takes them): its RS mask replaces
-       ``response_mask``; its IS weights multiply the loss in the decoupled flow and in bypass REINFORCE.
+       ``diagnostics``, ``nonfinite`` and ``empty`` as :func:`compute_rollout_correction` takes them): its RS mask
+       replaces ``response_mask``; its IS weights multiply the loss in the decoupled flow and in bypass REINFORCE.
     3. ``config.opsm_delta``: :func:`off_policy_sequence_mask` (behaviour = ``rollout_log_prob`` when given, else
        pi_old).
     4. The loss: bypass, ``rollout_correction.loss_type`` against pi_rollout (a ``config.loss_mode`` other than
@@ -1870,7 +1871,8 @@ def policy_step(
     mask, weights, correction_metrics = response_mask, None, {}
     if flow != "plain":
         result = _correction(log_prob if flow == "bypass" else old_log_prob, rollout_log_prob, response_mask, rc,
-                             dp_group, seq_group, cu_seqlens, diagnostics=diagnostics, nonfinite=nonfinite)
+                             dp_group, seq_group, cu_seqlens, diagnostics=diagnostics, nonfinite=nonfinite,
+                             empty=empty)
         mask, correction_metrics = result.response_mask, result.metrics
         if flow == "decoupled" or rc.loss_type == "reinforce":  # bypass PPO clip: the clipped ratio is the IS ratio
             weights = result.weights

@@ -408,8 +408,11 @@ def make_policy_loss_func(
 
     Metrics, as megatron's training loop reports them (``sum / count`` after summing over micro-batches):
     ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``, ``actor/entropy``
-    and every ``rollout_corr/*`` value (count 1 per micro-batch), summed over ``dp_group`` in one all-reduce
-    when ``reduce_metrics`` (the ratio is unchanged if the training loop reduces again).
+    and every ``rollout_corr/*`` value (count 1 per micro-batch; count 0 and sum 0 where the value is NaN, a
+    statistic of no tokens: a diagnostics bucket no token fell in, or every correction metric of a micro-batch
+    without response tokens over ``dp_group``, which adds loss 0 and ``num_tokens`` 0 instead of raising), summed
+    over ``dp_group`` in one all-reduce when ``reduce_metrics`` (the ratio is unchanged if the training loop reduces
+    again).
 
     Groups (explicit arguments win; megatron-core 0.16 - 0.19 names; an attribute that is None counts as absent):
 
@@ -823,7 +826,7 @@ def make_policy_loss_func(
         step = policy_step(cfg, old_in, logp, advantages, given, loss_agg_mode, rollout_log_prob=rollout_in,
                            dp_group=dp, seq_group=seq, cu_seqlens=cu, versions=versions_in,
                            current_version=current_version, proximal=proximal, diagnostics=diag_spec,
-                           loss_share=False, seq_positions=seq_positions, fn="make_policy_loss_func")
+                           empty="nan", loss_share=False, seq_positions=seq_positions, fn="make_policy_loss_func")
         rows, mask = step.rows, step.mask
         m = mask.to(logp.dtype)
         ent_masked = torch.where(mask != 0, entropy, torch.zeros_like(entropy)).mul(m)
@@ -900,7 +903,6 @@ def make_policy_loss_func(
 
         rows = rows.detach()
         tokens = ordered_sum(rows[:, LY.PG_ROW_TOKENS])
-        one = torch.ones((), dtype=torch.float32, device=logp.device)
         names = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy"]
         pairs = [
             (pg_sum.detach(), n),
@@ -919,9 +921,12 @@ def make_policy_loss_func(
             # over CP): as a [sum, count] pair, so summing micro-batches and ranks gives the pooled fraction
             names.append("actor/opsm_masked_frac")
             pairs.append(tuple(c.detach().to(torch.float32) for c in step.opsm_counts))
-        for k, v in step.correction_metrics.items():
+        for k, v in step.correction_metrics.items():  # NaN: nothing to average in this micro-batch (no token over
+            # dp_group, or a diagnostics bucket no token fell in); it adds (0, 0), not a NaN that would poison the sum
+            v = v.detach().to(torch.float32)
+            defined = v == v
             names.append(k)
-            pairs.append((v.detach().to(torch.float32), one))
+            pairs.append((torch.where(defined, v, torch.zeros_like(v)), defined.to(torch.float32)))
         if versions is not None:  # token-weighted lag over this rank's response tokens, summed like actor/*
             valid_t = given != 0
             lag = (current_version - versions_in.to(torch.int64))

@@ -285,7 +285,7 @@ def _register_rollout_fakes() -> None:
         )
 
     @torch.library.register_fake("rollout_corr::rollout_check")
-    def _(sums, agree, log_prob, rollout_log_prob, mask, exclude_nonfinite):
+    def _(sums, agree, log_prob, rollout_log_prob, mask, exclude_nonfinite, allow_empty=False):
         return torch.empty_like(sums)
 
 
@@ -316,12 +316,14 @@ def rollout_token_pass(
 
 
 def rollout_check(sums: torch.Tensor, agree: Optional[torch.Tensor], log_prob: torch.Tensor,
-                  rollout_log_prob: torch.Tensor, mask: torch.Tensor, exclude_nonfinite: bool) -> torch.Tensor:
-    """The batch checks of the reduced SUM partials (raise on CPU, device asserts on CUDA); returns a copy."""
+                  rollout_log_prob: torch.Tensor, mask: torch.Tensor, exclude_nonfinite: bool,
+                  allow_empty: bool = False) -> torch.Tensor:
+    """The batch checks of the reduced SUM partials (raise on CPU, device asserts on CUDA); returns a copy.
+    ``allow_empty``: a batch without any valid token passes (``compute_rollout_correction(empty="nan")``)."""
     if _has_kernel(log_prob.device):
         return torch.ops.rollout_corr.rollout_check.default(sums, agree, log_prob, rollout_log_prob, mask,
-                                                            exclude_nonfinite)
-    return fallback.rollout_check(sums, agree, log_prob, rollout_log_prob, mask, exclude_nonfinite)
+                                                            exclude_nonfinite, allow_empty)
+    return fallback.rollout_check(sums, agree, log_prob, rollout_log_prob, mask, exclude_nonfinite, allow_empty)
 
 
 # ---------------------------------------------------------------------------------------------------------

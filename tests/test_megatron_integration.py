@@ -10,6 +10,7 @@ gathered weights. Ranks all-reduce a failure count before anyone asserts, so no 
 
 from __future__ import annotations
 
+import math
 import traceback
 
 import pytest
@@ -313,3 +314,104 @@ def test_loss_func_single_process_bsv_layout_and_non_loss_data():
     assert logits.grad is not None and logits.grad.abs().sum() > 0
     data = f_sbv(logits.transpose(0, 1), non_loss_data=True)
     assert set(data) == {"log_prob", "entropy"} and data["log_prob"].shape == (B, S)
+
+
+def _mb(seed, empty):
+    """One micro-batch [s, b, V] of logits and its batch tensors; ``empty``: "mask" (no response token),
+    "replay" (every target outside top-1 sampling's kept set), or None."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(S, B, VOCAB, generator=g, dtype=torch.float64).float().requires_grad_(True)
+    target = torch.randint(0, VOCAB, (B, S), generator=g)
+    mask = (torch.rand(B, S, generator=g) < 0.8).float()
+    mask[:, 0] = 1.0
+    if empty == "mask":
+        mask.zero_()
+    elif empty == "replay":  # the least likely token of each row: never top-1
+        target = logits.detach().argmin(-1).t().contiguous()
+    adv = torch.randn(B, generator=g)
+    old = torch.log_softmax(logits.detach().double() + 0.1 * torch.randn(S, B, VOCAB, generator=g, dtype=torch.float64),
+                            -1).gather(-1, target.t().unsqueeze(-1)).squeeze(-1).t().float()
+    roll = old + 0.05 * torch.randn(B, S, generator=g)
+    return logits, target, mask, adv, old, roll
+
+
+@pytest.mark.parametrize("loss_mode,preset", [
+    ("vanilla", None), ("vanilla", "decoupled_token_is"), ("vanilla", "decoupled_seq_is_rs"),
+    ("vanilla", "bypass_ppo_clip"), ("gspo", "decoupled_token_is"), ("geo_mean", "decoupled_seq_is_rs"),
+    ("clip_cov", "decoupled_token_is"), ("kl_cov", "decoupled_token_is"), ("cispo", "decoupled_token_icepop")])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("empty", ["mask", "replay"])
+def test_a_micro_batch_without_response_tokens_adds_nothing(loss_mode, preset, agg, empty):
+    """megatron's contract over micro-batches: one without a response token (every mask 0, or every token left
+    outside sampling replay's kept set) adds loss 0, num_tokens 0 (geo_mean: its row count, verl's mean over rows)
+    and a zero gradient, and leaves every reported mean of the step as the other micro-batch alone gives it, with or
+    without a rollout correction (whose own call would refuse a batch without tokens)."""
+    from rollout_corr_ext import MismatchDiagnostics, SamplingParams
+    from rollout_corr_ext.config import RolloutCorrectionConfig
+    from rollout_corr_ext.losses import PolicyLossConfig
+    from rollout_corr_ext.megatron import make_policy_loss_func, reported_means
+
+    rc = None if preset is None else getattr(RolloutCorrectionConfig, preset)()
+    cfg = PolicyLossConfig(loss_mode=loss_mode, rollout_correction=rc)
+    # replay: the same metric names in both micro-batches; top-1 leaves none of the other's targets in its kept set
+    samplings = {None: SamplingParams(top_k=VOCAB - 1), "replay": SamplingParams(top_k=1)} if empty == "replay" \
+        else {None: None, "mask": None}
+
+    def run(seed, what):
+        logits, target, mask, adv, old, roll = _mb(seed, what)
+        diag = MismatchDiagnostics() if rc is not None else None
+        f = make_policy_loss_func(target, adv, mask, old_log_prob=old, rollout_log_prob=roll, config=cfg,
+                                  loss_agg_mode=agg, sampling=samplings[what], diagnostics=diag)
+        loss_sum, n, report = f(logits)
+        loss_sum.backward()
+        return loss_sum.detach(), n, report, logits.grad
+
+    full = run(1, None)
+    assert int(full[1]) > 0
+    loss, n, report, grad = run(2, empty)
+    assert torch.isfinite(loss) and float(loss) == 0.0
+    assert int(n) == (B if loss_mode == "geo_mean" else 0)
+    assert torch.equal(grad, torch.zeros_like(grad))
+    for k, v in report.items():
+        assert torch.isfinite(v).all(), k
+    assert set(report) <= set(full[2])
+    alone, both = reported_means(full[2]), reported_means([full[2], report])
+    for k, want in alone.items():
+        if k in report and not (k.startswith("rollout_corr/sampling") or k.startswith("actor/")):
+            assert float(report[k][1]) == 0.0, k  # a statistic of no tokens: (0, 0)
+        if k.startswith("rollout_corr/") and not k.startswith("rollout_corr/sampling"):
+            assert both[k] == want or (math.isnan(want) and math.isnan(both[k])), k
+    if loss_mode != "geo_mean":
+        assert float((full[0] + loss) / (full[1] + n)) == float(full[0] / full[1])
+
+
+def test_diagnostics_buckets_empty_in_one_micro_batch_do_not_poison_the_step():
+    """A diagnostics bucket no token of a micro-batch fell in (NaN, a mean of nothing) is reported as (0, 0): the
+    step's value is that of the micro-batches that have it (it was NaN for the step)."""
+    from rollout_corr_ext import MismatchDiagnostics, compute_rollout_correction
+    from rollout_corr_ext.config import RolloutCorrectionConfig
+    from rollout_corr_ext.losses import PolicyLossConfig
+    from rollout_corr_ext.megatron import make_policy_loss_func, reported_means
+
+    rc = RolloutCorrectionConfig.decoupled_token_is()
+    cfg = PolicyLossConfig(rollout_correction=rc)
+    reports, direct = [], []
+    for seed, lag in ((3, 0), (4, 2)):  # all tokens of one lag each: every other lag bucket empty
+        logits, target, mask, adv, old, roll = _mb(seed, None)
+        versions = torch.full((B,), 10 - lag)
+        diag = MismatchDiagnostics(versions=versions, current_version=10)
+        f = make_policy_loss_func(target, adv, mask, old_log_prob=old, rollout_log_prob=roll, config=cfg,
+                                  diagnostics=diag)
+        reports.append(f(logits)[2])
+        direct.append(compute_rollout_correction(old.double(), roll.double(), mask, rc, diagnostics=diag).metrics)
+    means = reported_means(reports)
+    lag_keys = [k for k in means if "/by_lag/" in k]
+    assert lag_keys
+    for k in lag_keys:
+        vals = [float(d[k]) for d in direct]
+        defined = [v for v in vals if not math.isnan(v)]
+        if not defined:
+            assert math.isnan(means[k]), k
+            continue
+        assert not math.isnan(means[k]), k
+        assert math.isclose(means[k], sum(defined) / len(defined), rel_tol=1e-6, abs_tol=1e-9), (k, means[k], vals)

@@ -373,6 +373,46 @@ def _bad_inputs_clear_errors(lp, rlp, mask, cfg, dev):
         compute_rollout_correction(lp, rlp, mask, 3)
     with pytest.raises(ValueError, match="nonfinite must be"):
         compute_rollout_correction(lp, rlp, mask, cfg, nonfinite="ignore")
+    with pytest.raises(ValueError, match="empty must be"):
+        compute_rollout_correction(lp, rlp, mask, cfg, empty="zero")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg", [Cfg(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True,
+                                     rollout_rs="token_k1", rollout_rs_threshold="0.5_2.0"),
+                                 Cfg.decoupled_seq_is_rs(), Cfg.decoupled_geo_rs(), Cfg.disabled()],
+                         ids=["token_is_norm_rs", "seq_is_rs", "geo_rs", "disabled"])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_empty_nan_a_batch_without_tokens(device, cfg, mask_dtype):
+    """empty="nan": a batch without a valid token (every mask 0, or every token excluded as non-finite) is not an
+    error: weights and mask 0, every metric NaN (a statistic of no tokens; the batch-normalised weights too stay 0,
+    not 0 / NaN); on a batch with tokens the result is the default's, bit for bit."""
+    from rollout_corr_ext import MismatchDiagnostics
+
+    lp, rlp, mask = make_inputs(4, 16, seed=17)
+    mask = mask.to(mask_dtype)
+    excluded = lp.clone()
+    excluded[:] = float("nan")
+    with ops_on(device) as dev:
+        lp, rlp, mask, excluded = (t.to(dev) for t in (lp, rlp, mask, excluded))
+        for diag in (None, MismatchDiagnostics()):
+            for inputs, nonfinite in (((lp, rlp, torch.zeros_like(mask)), "error"), ((excluded, rlp, mask), "exclude")):
+                res = compute_rollout_correction(*inputs, cfg, nonfinite=nonfinite, diagnostics=diag, empty="nan")
+                assert res.response_mask.dtype == mask_dtype and not bool(res.response_mask.any())
+                if cfg.rollout_is is None:
+                    assert res.weights is None
+                else:
+                    assert torch.equal(res.weights, torch.zeros_like(res.weights))
+                assert res.metrics and all(math.isnan(v) for v in res.as_floats().values())
+            want = compute_rollout_correction(lp, rlp, mask, cfg, diagnostics=diag)
+            got = compute_rollout_correction(lp, rlp, mask, cfg, diagnostics=diag, empty="nan")
+            assert torch.equal(got.response_mask, want.response_mask)
+            assert (got.weights is None) == (want.weights is None)
+            if got.weights is not None:
+                assert torch.equal(got.weights, want.weights)
+            assert got.metrics.keys() == want.metrics.keys()
+            for k, v in want.metrics.items():
+                assert torch.equal(got.metrics[k], v) or (torch.isnan(v) and torch.isnan(got.metrics[k])), k
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -526,6 +566,8 @@ def test_compiled_passes_match_fallback_and_opcheck(cfg_kw, dtype, rlp_dtype, ma
     torch.library.opcheck(torch.ops.rollout_corr.rollout_token_pass.default, (lp, rlp, mask, None, st, *args, True))
     torch.library.opcheck(torch.ops.rollout_corr.rollout_check.default,
                           (out[2].to(device), None, lp, rlp, mask, False))
+    torch.library.opcheck(torch.ops.rollout_corr.rollout_check.default,
+                          (out[2].to(device), None, lp, rlp, mask, False, True))
 
 
 @pytest.mark.skipif(not _HAS_OPS, reason="the compiled rollout_corr ops are not loaded (the fallback has no op schemas)")

@@ -82,6 +82,27 @@ def test_fullgraph_compile_equals_eager(backend, device):
         torch.testing.assert_close(pg_c[k], pg_e[k], rtol=1e-6, atol=1e-9, msg=k)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_nan_compiles_whole_and_equals_eager(device):
+    """compute_rollout_correction(empty="nan") (megatron's loss_func path) traces without a host read: a batch
+    with tokens and one without give the eager weights, mask and metrics (NaN for the empty one)."""
+    torch._dynamo.reset()
+    _, _, old, rollout, mask, _ = _inputs(device=device)
+
+    def corr(o, r, m):
+        res = rc.compute_rollout_correction(o, r, m, CFG, empty="nan")
+        return res.weights, res.response_mask, res.metrics
+
+    compiled = torch.compile(corr, backend="aot_eager", fullgraph=True)
+    for m in (mask, torch.zeros_like(mask)):
+        w_e, m_e, met_e = corr(old, rollout, m)
+        w_c, m_c, met_c = compiled(old, rollout, m)
+        assert torch.equal(w_c, w_e) and torch.equal(m_c, m_e) and met_c.keys() == met_e.keys()
+        for k in met_e:
+            torch.testing.assert_close(met_c[k], met_e[k], rtol=1e-6, atol=1e-9, equal_nan=True, msg=k)
+        assert all(bool(torch.isnan(v)) for v in met_e.values()) == (not bool(m.any()))
+
+
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_a_temperature_that_changes_between_calls_compiles_whole(dynamic):
     """torch 2.14 traces a float argument as a symbol once it changes between calls (or from the start with

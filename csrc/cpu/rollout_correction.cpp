@@ -428,9 +428,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cp
 // the position to name.
 at::Tensor rollout_check_cpu(const at::Tensor& sums, const c10::optional<at::Tensor>& agree,
                              const at::Tensor& log_prob, const at::Tensor& rollout_log_prob, const at::Tensor& mask,
-                             bool exclude_nonfinite) {
+                             bool exclude_nonfinite, bool allow_empty) {
   check_rollout_check_inputs(sums, agree, log_prob, rollout_log_prob, mask);
-  const auto status = rollout_status(sums, agree, exclude_nonfinite);
+  const auto status = rollout_status(sums, agree, exclude_nonfinite, allow_empty);
   if (status != RolloutStatus::kOk) raise_rollout_status(status, log_prob, rollout_log_prob, mask);
   return sums.clone();
 }

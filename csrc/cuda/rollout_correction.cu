@@ -34,13 +34,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> rollout_token_pass_cu
 // No host sync: the conditions become asynchronous device asserts (the message surfaces at the next sync).
 at::Tensor rollout_check_cuda(const at::Tensor& sums, const c10::optional<at::Tensor>& agree,
                               const at::Tensor& log_prob, const at::Tensor& rollout_log_prob, const at::Tensor& mask,
-                              bool exclude_nonfinite) {
+                              bool exclude_nonfinite, bool allow_empty) {
   check_rollout_check_inputs(sums, agree, log_prob, rollout_log_prob, mask);
   const c10::cuda::CUDAGuard guard(log_prob.device());
   if (agree.has_value()) at::_assert_async(agree->reshape({}).to(at::kBool), kMsgConfigMismatch);
   at::_assert_async(sums[rc::sum_slot::bad_mask] == 0, kMsgBadMask);
   if (!exclude_nonfinite) at::_assert_async(sums[rc::sum_slot::nonfinite] == 0, kMsgNonFinite);
-  at::_assert_async(sums[rc::sum_slot::tokens] > 0, kMsgNoValidToken);
+  if (!allow_empty) at::_assert_async(sums[rc::sum_slot::tokens] > 0, kMsgNoValidToken);
   return sums.clone();
 }
 

@@ -406,7 +406,8 @@ def _first(hit: torch.Tensor, name: str, values: torch.Tensor) -> str:
 
 
 def rollout_check(sums: torch.Tensor, agree: Optional[torch.Tensor], log_prob: torch.Tensor,
-                  rollout_log_prob: torch.Tensor, mask: torch.Tensor, exclude_nonfinite: bool) -> torch.Tensor:
+                  rollout_log_prob: torch.Tensor, mask: torch.Tensor, exclude_nonfinite: bool,
+                  allow_empty: bool = False) -> torch.Tensor:
     """The batch-level checks of the reduced partials (see the schema); returns a copy of ``sums``."""
     if sums.device.type == "cuda":
         if agree is not None:
@@ -414,7 +415,8 @@ def rollout_check(sums: torch.Tensor, agree: Optional[torch.Tensor], log_prob: t
         torch._assert_async(sums[_SUM["bad_mask"]] == 0, _MSG_BAD_MASK)
         if not exclude_nonfinite:
             torch._assert_async(sums[_SUM["nonfinite"]] == 0, _MSG_NONFINITE)
-        torch._assert_async(sums[_SUM["tokens"]] > 0, MSG_NO_VALID_TOKEN)
+        if not allow_empty:
+            torch._assert_async(sums[_SUM["tokens"]] > 0, MSG_NO_VALID_TOKEN)
         return sums.clone()
     if agree is not None and not bool(agree):
         raise ValueError(_MSG_CONFIG_MISMATCH)
@@ -426,7 +428,7 @@ def rollout_check(sums: torch.Tensor, agree: Optional[torch.Tensor], log_prob: t
         if "first" not in where:
             where = _first(valid & ~torch.isfinite(rollout_log_prob), "rollout_log_prob", rollout_log_prob)
         raise ValueError(_MSG_NONFINITE + where)
-    if not float(sums[_SUM["tokens"]]) > 0:
+    if not allow_empty and not float(sums[_SUM["tokens"]]) > 0:
         raise ValueError(MSG_NO_VALID_TOKEN)
     return sums.clone()
 
