@@ -415,3 +415,56 @@ def test_diagnostics_buckets_empty_in_one_micro_batch_do_not_poison_the_step():
             continue
         assert not math.isnan(means[k]), k
         assert math.isclose(means[k], sum(defined) / len(defined), rel_tol=1e-6, abs_tol=1e-9), (k, means[k], vals)
+
+
+def _empty_micro_batch_worker(rank, world):
+    from rollout_corr_ext.config import RolloutCorrectionConfig
+    from rollout_corr_ext.losses import PolicyLossConfig
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    group = dist.new_group(list(range(world)))
+    cfg = PolicyLossConfig(rollout_correction=RolloutCorrectionConfig.decoupled_seq_is_rs())
+    errors = []
+    # the one-process reference of "rank 0 empty": both ranks' rows in one micro-batch (the empty rows count as
+    # rows in the sequence-level metrics, as in verl's batch)
+    e, f = _mb(5, "mask"), _mb(5, None)
+    cat = [torch.cat([e[0].detach(), f[0].detach()], 1)] + [torch.cat([a, b]) for a, b in zip(e[1:], f[1:])]
+    want = make_policy_loss_func(cat[1], cat[3], cat[2], old_log_prob=cat[4], rollout_log_prob=cat[5],
+                                 config=cfg)(cat[0])
+    for case in ("dp: rank 0 empty", "dp: every rank empty", "cp: the whole micro-batch empty"):
+        try:
+            empty = case != "dp: rank 0 empty" or rank == 0
+            logits, target, mask, adv, old, roll = _mb(5, "mask" if empty else None)
+            groups = dict(dp_group=group) if case.startswith("dp") else dict(dp_group=group, seq_group=group)
+            if case.startswith("cp"):  # each rank its half of every sequence (any split along s)
+                half = slice(rank * (S // 2), S if rank else S // 2)
+                logits = logits.detach()[half].clone().requires_grad_(True)
+                target, mask, old, roll = (t[:, half] for t in (target, mask, old, roll))
+            loss_sum, n, report = make_policy_loss_func(target, adv, mask, old_log_prob=old, rollout_log_prob=roll,
+                                                        config=cfg, **groups)(logits)
+            loss_sum.backward()
+            if empty and not (float(loss_sum) == 0.0 and int(n) == 0
+                              and torch.equal(logits.grad, torch.zeros_like(logits.grad))):
+                errors.append(f"rank {rank}: {case}: loss {float(loss_sum)}, n {int(n)}")
+            if not empty and not (torch.allclose(loss_sum.detach(), want[0].detach(), rtol=1e-6)
+                                  and int(n) == int(want[1])):
+                errors.append(f"rank {rank}: {case}: loss {float(loss_sum)} != one process {float(want[0])}")
+            for k, v in report.items():  # reduced over dp_group: the one-process batch, or nothing at all
+                if not k.startswith("rollout_corr/"):
+                    continue
+                if case != "dp: rank 0 empty":
+                    if not torch.equal(v, torch.zeros(2)):
+                        errors.append(f"rank {rank}: {case}: {k} {v.tolist()} != [0, 0]")
+                elif not math.isclose(float(v[0] / v[1]), float(want[2][k][0] / want[2][k][1]), rel_tol=1e-6,
+                                      abs_tol=1e-7):
+                    errors.append(f"rank {rank}: {case}: {k} {v.tolist()} != {want[2][k].tolist()}")
+        except Exception:  # noqa: BLE001 - every rank goes on to the next collective
+            errors.append(f"rank {rank}: {case}: {traceback.format_exc(limit=3)}")
+    assert not errors, "\n".join(errors)
+
+
+def test_micro_batches_without_tokens_under_data_and_context_parallelism():
+    """gloo, 2 ranks: a data-parallel rank whose micro-batch has no response token adds nothing and the reduced
+    rollout_corr/* report is the other rank's micro-batch alone; with every rank's (DP) or the whole sequences'
+    (CP) micro-batch empty, every rank returns 0 / 0 / (0, 0) (the correction raised on every rank before)."""
+    run_workers_preloaded(_empty_micro_batch_worker, 2)
