@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from . import _layout as LY
 from . import logprobs as _lp
-from ._checks import check_mask, ordered_sum, refuse_ambiguous_per_sequence, refuse_where, row_sums, safe_div
+from ._checks import check_cu_seqlens, check_mask, ordered_sum, refuse_ambiguous_per_sequence, refuse_where, row_sums, safe_div
 from .losses import (
     PolicyLossConfig,
     as_policy_config,
@@ -296,19 +296,29 @@ def _mtp_shifted_cp(target: torch.Tensor, response_mask: torch.Tensor, num_layer
     # [rows, positions]: the padded batch's rows, or the packed stream as one row
     rows_t, rows_m = (target, response_mask) if cu is None else (target.reshape(1, -1), response_mask.reshape(1, -1))
     n = rows_t.shape[-1]
-    if cu is None:
-        if n % 2:
-            raise ValueError(f"mtp_num_layers > 0 with context parallelism: this rank's sequence piece has {n} "
-                             f"positions, not the two equal chunks of megatron's load-balanced split (the sequence "
-                             f"length must be divisible by 2 * cp = {2 * cp})")
-        bounds = [0, n]
-    else:
-        bounds = [int(x) for x in cu.tolist()]  # one host read of the B + 1 local boundaries
-        lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-        if any(length % 2 for length in lengths) or (bounds and bounds[-1] > n):
-            raise ValueError(f"mtp_num_layers > 0 with context parallelism: every packed sequence's local piece must "
-                             f"be two equal chunks (padded lengths divisible by 2 * cp = {2 * cp}, "
-                             f"cu_seqlens_q_padded) within the stream of {n} tokens; local lengths {lengths}")
+    bounds = [0, n] if cu is None else [int(x) for x in cu.tolist()]  # one host read of the B + 1 local boundaries
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+    # This rank's piece must be two equal chunks of each sequence, and every rank's of the same lengths (the gather
+    # below assumes them). The verdict is every rank's (one MAX all-reduce of 8 numbers, on this first call only):
+    # a rank that refused alone left the others waiting in the gather, and a piece of another length was rolled
+    # wrongly without an error
+    odd = any(length % 2 for length in lengths) or (cu is not None and bounds[-1] > n)
+    key = 0
+    for x in [rows_t.shape[0], len(lengths)] + lengths:
+        key = (key * 1000003 + x) % (1 << 50)  # exact in fp64
+    mine_v = torch.tensor([n, len(lengths), key, float(odd)], dtype=torch.float64, device=dev)
+    both = torch.cat([mine_v, -mine_v])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if float(both[3]) > 0:
+        raise ValueError(f"mtp_num_layers > 0 with context parallelism: every sequence's local piece must be the two "
+                         f"equal chunks of megatron's load-balanced split (sequence lengths, packed: "
+                         f"cu_seqlens_q_padded, divisible by 2 * cp = {2 * cp}) within the stream; this rank: {n} "
+                         f"positions, local lengths {lengths}" + ("" if odd else " (another rank's are not)"))
+    if not torch.equal(both[:3], -both[4:7]):
+        raise ValueError(f"mtp_num_layers > 0 with context parallelism: the ranks of seq_group hold sequence pieces "
+                         f"of different lengths (this rank: {n} positions, {rows_t.shape[0]} rows, local sequence "
+                         f"lengths {lengths}); megatron's load-balanced split gives every rank two chunks of "
+                         f"s / (2 * cp) positions of each sequence")
     n_heads_per_rank = sum(2 * min(num_layers, (b - a) // 2) for a, b in zip(bounds[:-1], bounds[1:]))
     if len(bounds) < 2 or n == 0:  # no sequence: every head weight is 0
         zero = torch.zeros_like(response_mask)
@@ -475,8 +485,10 @@ def make_policy_loss_func(
     with ``num_tokens`` 0 adds none; docs/megatron.md), and each head's value is reported as
     ``actor/mtp_{k}_loss``. Under context parallelism the positions must follow megatron's load-balanced split
     (each sequence, or each packed sequence, in ``2 * cp`` chunks, rank r holding chunks r and ``2 * cp - 1 - r``),
-    as megatron's ``roll_tensor`` assumes: the first call all-gathers over ``seq_group`` the first ``min(L, chunk)``
-    target ids and mask values of every local chunk (16 bytes a token, nothing per vocabulary entry), each head's
+    as megatron's ``roll_tensor`` assumes (checked on the first call, one all-reduce of 8 numbers: pieces of odd or
+    different lengths raise the same ValueError on every rank): the first call all-gathers over ``seq_group`` the
+    first ``min(L, chunk)`` target ids and mask values of every local chunk (16 bytes a token, nothing per
+    vocabulary entry), each head's
     weight sum joins the existing all-reduce of the counts, and the loss, the metrics and the gradients equal the
     single-process ones.
 
@@ -590,7 +602,9 @@ def make_policy_loss_func(
         whole_cu = cu
         if zigzag:
             cu = _zigzag_boundaries(cu, target.shape[0], seq_world, dist.get_rank(seq))
-        cu = cu.to(target.device)
+        # the boundaries' own checks first: per-sequence values are expanded along them below (a raw allocator or
+        # repeat error on boundaries past the stream or decreasing)
+        cu = check_cu_seqlens(target, cu.to(target.device))
         num_seqs = cu.shape[0] - 1
 
         def refuse_ambiguous(name, n_values, fix):

@@ -409,9 +409,9 @@ def _mtp_case(data, case, n_layers, packed, ref, tp_group, cp_group, sp, failure
     extra = list(first.calls)
     for call in again.calls:
         extra.remove(call)
-    if len(extra) != 1 or not extra[0].startswith("all_gather"):
-        failures.append(f"{name}: the first call's collectives beyond a later call's are {extra}, not the one "
-                        f"all-gather of the chunks' first tokens")
+    if sorted(c.split("_")[1] for c in extra) != ["gather", "reduce"]:
+        failures.append(f"{name}: the first call's collectives beyond a later call's are {extra}, not the check of "
+                        f"the pieces' lengths (all-reduce) and the all-gather of the chunks' first tokens")
     if int(num_tokens) != ref["count"]:
         failures.append(f"{name}: num_tokens {int(num_tokens)}, single process {ref['count']}")
     totals = torch.stack([loss_sum.detach().double(), num_tokens.double()])
@@ -489,6 +489,37 @@ def test_mtp_heads_under_context_parallelism(device):
     load-balanced chunks, and packed THD), TP = 2 (with and without SP) and DP = 2: the shifted targets equal
     megatron's own roll_tensor with the CP group; the loss after megatron's reductions, every metric (each head's
     actor/mtp_{k}_loss included), the gradients of each rank's hidden states and of the output layer's weight and
-    bias equal one process's; the first call adds exactly one collective, the all-gather of the chunks' first
-    tokens."""
+    bias equal one process's; the first call adds exactly two collectives, the check of the pieces' lengths (an
+    all-reduce of 8 numbers) and the all-gather of the chunks' first tokens."""
     run_workers_preloaded(_mtp_worker, 4, device=device)
+
+
+def _mtp_lengths_worker(rank, world):
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    group = dist.new_group(list(range(world)))
+    g = torch.Generator().manual_seed(0)
+    b, hidden, n_layers = 2, 8, 2
+    weight = torch.randn(VOCAB, hidden, generator=g)
+    errors = []
+    for lengths, what in (((4, 6), "different lengths"), ((4, 5), "two equal chunks"), ((6, 6), None)):
+        n = lengths[rank]
+        target = torch.randint(0, VOCAB, (b, n), generator=g)
+        try:
+            loss_func = make_policy_loss_func(target, torch.randn(b, generator=g), torch.ones(b, n, dtype=torch.bool),
+                                              output_layer=_Layer(weight, None), mtp_num_layers=n_layers, dp_group=group,
+                                              seq_group=group)
+            loss_func(torch.randn((1 + n_layers) * n, b, hidden, generator=g))
+            if what is not None:
+                errors.append(f"rank {rank}: local lengths {lengths}: no error")
+        except ValueError as e:
+            if what is None or what not in str(e):
+                errors.append(f"rank {rank}: local lengths {lengths}: {e}")
+    assert not errors, "\n".join(errors)
+
+
+def test_mtp_pieces_of_other_lengths_are_refused_on_every_rank():
+    """CP = 2 with MTP heads: pieces of different lengths on the two ranks (no load-balanced split gives them) were
+    rolled as if equal, without an error (the megatron fuzz), and a piece of odd length was refused by its own rank
+    alone while the other waited in the gather; both raise on every rank now (the loss's first call checks them)."""
+    run_workers_preloaded(_mtp_lengths_worker, 2)

@@ -288,6 +288,16 @@ def test_make_policy_loss_func_bad_input():
     masked = mask.clone()
     masked[1, 2] = False
     make_policy_loss_func(bad, adv, masked)
+    # packed boundaries past the stream, short of it, not from 0 or decreasing, with per-sequence advantages or
+    # versions (expanded along them): the boundaries' own error (was a raw allocator / repeat error)
+    flat, flat_mask = tgt.reshape(-1), mask.reshape(-1)
+    for cu in ([0, 2, 9], [0, 2, 5], [1, 2, 6], [0, 4, 3, 6]):
+        cu = torch.tensor(cu)
+        for kw in (dict(advantages=torch.zeros(len(cu) - 1)),
+                   dict(advantages=torch.zeros(6), versions=torch.zeros(len(cu) - 1, dtype=torch.long),
+                        current_version=1)):
+            with pytest.raises(ValueError, match="cu_seqlens must start at 0, never decrease and end at the number"):
+                make_policy_loss_func(flat, kw.pop("advantages"), flat_mask, cu_seqlens=cu, **kw)
 
 
 def test_loss_func_single_process_bsv_layout_and_non_loss_data():
