@@ -262,22 +262,34 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     per_row = isinstance(versions, torch.Tensor) and response_mask.dim() == 2 and not packed and \
         tuple(versions.shape) == (response_mask.shape[0],)
     per_seq = False
+    # The refusals that depend on this rank's layout (which the ranks of a group may hold differently: its packed
+    # sequences' count against its token count) are decided on every rank alike: each is kept here and counted into
+    # the all-reduce below, then every rank raises (one refusing alone left the others waiting in that all-reduce)
+    refused = None
     if packed and isinstance(versions, torch.Tensor) and versions.dim() == 1 and versions.shape[0] == n_seq:
         per_seq = True
         if response_mask.dim() == 1:
-            refuse_ambiguous_per_sequence("versions", n_seq, cu, response_mask.numel(),
-                                          "give the stream as [1, T] (log-probs, response_mask and per-token "
-                                          "versions) to say which")
+            try:
+                refuse_ambiguous_per_sequence("versions", n_seq, cu, response_mask.numel(),
+                                              "give the stream as [1, T] (log-probs, response_mask and per-token "
+                                              "versions) to say which")
+            except ValueError as e:
+                refused, per_seq = str(e), False
     # the token veto rejects a whole sequence for any token under it: a sequence-level decision too
     whole = [c for c in cfgs if (c.is_spec is not None and c.is_spec.level != "token") or c.rollout_is_batch_normalize
              or any(r.level != "token" for r in c.rs_criteria) or c.rollout_token_veto_threshold is not None]
-    if whole and not (per_row or per_seq):
-        raise ValueError("lag_configs: a sequence-level IS level, RS criterion, token veto or batch normalisation "
-                         "needs one version per sequence (versions [B], or one per packed sequence), so that each "
-                         "sequence falls into one lag bucket whole")
-    if cp and not (per_row or per_seq):
-        raise ValueError("lag_configs under context parallelism (seq_group) need one version per sequence "
-                         "(versions [B]): the ranks must agree on which sequences each bucket holds")
+    if refused is None and whole and not (per_row or per_seq):
+        refused = ("lag_configs: a sequence-level IS level, RS criterion, token veto or batch normalisation needs one "
+                   "version per sequence (versions [B], or one per packed sequence), so that each sequence falls into "
+                   "one lag bucket whole")
+    if refused is None and cp and not (per_row or per_seq):
+        refused = ("lag_configs under context parallelism (seq_group) need one version per sequence (versions [B]): "
+                   "the ranks must agree on which sequences each bucket holds")
+    if refused is not None and not (cp or (dp_group is not None and dist.get_world_size(dp_group) > 1)):
+        raise ValueError(refused)
+    if refused is not None:  # counted below; until then the versions are read as if every token had lag 0
+        versions, per_row = torch.full(response_mask.shape, v_theta, dtype=torch.int64,
+                                       device=response_mask.device), False
     unit_versions = None
     if per_row or per_seq:  # the per-row / per-sequence versions, checked as the per-token ones are below
         unit_versions = _versions(versions, versions)
@@ -305,7 +317,8 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     # (an empty bucket has nothing to correct) or raises alike. Under context parallelism each sequence's response
     # tokens are counted over the ranks too: a sequence without any is in no bucket on every rank.
     newer = (valid & _refused(lag, v)).sum()  # policy_lag's refusal, counted
-    counts = torch.stack(counts + [newer]).to(torch.float64)
+    counts = torch.stack(counts + [newer, torch.tensor(float(refused is not None), device=newer.device)]).to(
+        torch.float64)
     unit_tokens = None
     dp = dp_group is not None and dist.get_world_size(dp_group) > 1
     if cp:  # dp_group, when given, holds the context-parallel ranks too (as compute_rollout_correction's)
@@ -319,6 +332,12 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     if dp:
         dist.all_reduce(counts, group=dp_group)
     totals = counts.tolist()
+    if refused is not None:
+        raise ValueError(refused)
+    if totals[-1]:
+        raise ValueError("compute_rollout_correction_by_lag: refused on another rank of the group, which names the "
+                         "reason (the layout of its versions or packed sequences); every rank raises alike")
+    totals, counts = totals[:-1], counts[:-1]
     if totals[-1]:
         policy_lag(v, v_theta, valid)  # names the token where this rank holds it
         raise ValueError(f"versions: a response token on another rank is negative or newer than current_version "

@@ -441,6 +441,49 @@ def _lag_cp_worker(rank, world, lp, rlp, mask, rows_v):
                                           10 - torch.zeros_like(mask[:, cols]), 10, seq_group=dist.group.WORLD)
 
 
+def _lag_layout_refusal_worker(rank, world):
+    import torch.distributed as dist
+
+    from rollout_corr_testing.dist_utils import worker_device
+
+    dev = worker_device()
+    group = dist.group.WORLD
+    token_cfgs = [(0, dict(rollout_is="token", rollout_is_threshold=2.0)),
+                  (2, dict(rollout_is="token", rollout_is_threshold=1.5))]
+    seq_cfgs = [(0, dict(rollout_is="sequence", rollout_is_threshold=2.0))]
+    other = "refused on another rank of the group"
+    cases = [
+        # CP, each rank its pieces of three sequences (1, 3, 2 tokens): rank 0 one token of each (one per sequence
+        # and per token agree), rank 1 pieces of 0, 2, 1 tokens (ambiguous)
+        ("cp", dict(seq_group=group), [0, 1, 2, 3] if rank == 0 else [0, 0, 2, 3], 3, token_cfgs, [10, 9, 7],
+         "ambiguous" if rank == 1 else other),
+        # DP: rank 0's three tokens in three sequences of 0, 2, 1 (ambiguous), rank 1's five in two sequences
+        ("dp", dict(dp_group=group), [0, 0, 2, 3] if rank == 0 else [0, 2, 5], 3 if rank == 0 else 5, token_cfgs,
+         [10, 9, 7] if rank == 0 else [10, 8], "ambiguous" if rank == 0 else other),
+        # DP, a sequence-level config: rank 1's versions are per token (five for two sequences), rank 0's per sequence
+        ("dp per token", dict(dp_group=group), [0, 1, 3] if rank == 0 else [0, 2, 5], 3 if rank == 0 else 5,
+         seq_cfgs, [10, 9] if rank == 0 else [10, 10, 9, 9, 9], "one version per sequence" if rank == 1 else other),
+    ]
+    for name, groups, cu, n, cfgs, versions, want in cases:
+        lp = torch.full((n,), -1.0, dtype=torch.float64, device=dev)
+        with pytest.raises(ValueError, match=want):
+            compute_rollout_correction_by_lag(lp, lp - 0.1, torch.ones(n, device=dev), cfgs,
+                                              torch.tensor(versions, device=dev), 10,
+                                              cu_seqlens=torch.tensor(cu, device=dev), **groups)
+    # the ranks stay in step: the next collective is the same one on both
+    got = staleness_metrics(torch.tensor([[9, 10]], device=dev), 10, torch.ones(1, 2, device=dev), dp_group=group)
+    assert float(got["rollout_corr/staleness_max"]) == 1.0
+
+
+@pytest.mark.parametrize("device", dist_params(2))
+def test_lag_layout_refusals_are_raised_on_every_rank(device):
+    """compute_rollout_correction_by_lag's refusals of a rank's layout (per-sequence versions of an ambiguous
+    packed length; per-token versions with a sequence-level config) are counted into its all-reduce and raised on
+    every rank: the refusing rank raised alone and the others waited in the all-reduce until gloo's timeout (CP with
+    rank-own boundaries, and DP; the versions fuzz)."""
+    run_workers(_lag_layout_refusal_worker, 2, device=device)
+
+
 @pytest.mark.parametrize("device", dist_params(2))
 def test_lag_thresholds_exact_over_cp(device):
     lp, rlp, mask, _ = _lag_inputs(seed=4)
