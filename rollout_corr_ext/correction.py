@@ -564,7 +564,8 @@ def compute_rollout_correction(
 
             n_tok = log_prob.numel()
             diagnostics = dataclasses.replace(diagnostics, **{
-                k: getattr(diagnostics, k).reshape(-1) for k in ("entropy", "turn_ids", "versions", "positions")
+                k: getattr(diagnostics, k).reshape(-1) for k in ("entropy", "turn_ids", "versions", "positions",
+                                                                  "position_mask")
                 if isinstance(getattr(diagnostics, k), torch.Tensor) and getattr(diagnostics, k).dim() > 1
                 and getattr(diagnostics, k).numel() == n_tok})
     exclude = nonfinite == "exclude"
@@ -693,6 +694,8 @@ def _diagnostics_second_half(spec, state, row_abs, stats, args, log_prob, weight
     row_values = {"tokens": n.to(torch.int64), "log_ratio_sum": lr_sum, "log_ratio_mean": mean(lr_sum),
                   "abs_log_ratio_mean": mean(row_abs[:, 0]), "kl": mean(-lr_sum),
                   "k3_kl": mean(row_abs[:, 1]), "reject_bits": bits}
+    if spec.position_mask is not None:  # its rows' token counts, over the context-parallel group
+        state["pos_rows"] = row_abs[:, 2]
     wire = diagnostics_partials(spec, state, log_prob, weights, mask_out, n, seq_rank, world, rank, seq_world > 1,
                                 cu_seqlens, row_values)
     return wire, row_values

@@ -828,18 +828,21 @@ def make_policy_loss_func(
             mtp_heads.extend(_mtp_shifted_cp(tgt, response_mask.to(tgt.device), mtp_num_layers, cu, seq))
 
         old_in, rollout_in, versions_in = _map(lambda t: t.to(logp.device), old_log_prob, rollout_log_prob, versions)
-        given = response_mask
+        given, diag_call = response_mask, diag_spec
         if in_support is not None:  # a token outside the replayed kept set has probability 0: it leaves the loss
             if old_in is not None and not bypass:
                 # pi_old, replayed by the caller, is -inf where the token is outside pi_old's own kept set: the PPO
                 # ratio pi_theta / pi_old is undefined there, so the token leaves the loss as well
                 in_support = in_support & (old_in != -math.inf)
             given = torch.where(in_support, response_mask, torch.zeros_like(response_mask))
+            if diag_spec is not None and diag_spec.position_mask is None:  # positions (given or derived) count
+                # among the caller's response tokens, of which the correction sees only the kept ones
+                diag_call = dataclasses.replace(diag_spec, position_mask=response_mask.to(given.device))
         if old_in is None and rc is None:  # no pi_old (and none to approximate): on-policy, ratio 1
             old_in = logp.detach()
         step = policy_step(cfg, old_in, logp, advantages, given, loss_agg_mode, rollout_log_prob=rollout_in,
                            dp_group=dp, seq_group=seq, cu_seqlens=cu, versions=versions_in,
-                           current_version=current_version, proximal=proximal, diagnostics=diag_spec,
+                           current_version=current_version, proximal=proximal, diagnostics=diag_call,
                            empty="nan", loss_share=False, seq_positions=seq_positions, fn="make_policy_loss_func")
         rows, mask = step.rows, step.mask
         m = mask.to(logp.dtype)

@@ -154,7 +154,11 @@ class MismatchDiagnostics:
     per row ``[B]``): ``entropy`` (the trainer's per-token entropy), ``turn_ids`` (integer turn index of each token in
     a multi-turn response; negative: not counted), ``versions`` with ``current_version`` (the policy version that
     drew each token), ``positions`` (each token's index among its sequence's response tokens: required under
-    context parallelism, where a rank holds a slice of each sequence; derived from the mask otherwise).
+    context parallelism, where a rank holds a slice of each sequence; derived from the mask otherwise),
+    ``position_mask`` (the response mask those positions count in, when the correction's ``response_mask`` is a part
+    of it: the position breakdowns then read each token's place in the whole response, and every token the
+    correction counts must be in it; megatron's ``loss_func`` passes its caller's mask when sampling replay leaves
+    tokens out; default: the correction's mask).
 
     Buckets: ``position_buckets`` (absolute position edges), ``entropy_edges``, ``probability_bins`` (equal bins of
     the trainer's token probability), ``max_turns`` (turns >= it share the last bucket), ``max_lag`` (lags > it share
@@ -167,6 +171,7 @@ class MismatchDiagnostics:
     versions: Optional[torch.Tensor] = None
     current_version: Optional[int] = None
     positions: Optional[torch.Tensor] = None
+    position_mask: Optional[torch.Tensor] = None
     position_buckets: Tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
     entropy_edges: Tuple[float, ...] = (0.1, 0.5, 1.0, 2.0, 4.0)
     probability_bins: int = 10
@@ -219,7 +224,7 @@ class MismatchDiagnostics:
         """What every data-parallel rank must agree on (the wire layout)."""
         return (self.position_buckets, self.entropy_edges, self.probability_bins, self.max_turns, self.max_lag,
                 self.top_k, self.entropy is None, self.turn_ids is None, self.versions is None, self.current_version,
-                self.positions is None)
+                self.positions is None, self.position_mask is None)
 
 
 def _distinct(edges, digits: int) -> List[str]:
@@ -319,7 +324,7 @@ class _Wire:
 
     #: the value checks, each one fixed slot of the SUM whether its tensor was given or not (a rank that passes
     #: ``positions`` and one that does not send partials of one size, and the config fingerprint tells them apart)
-    REFUSALS = ("diagnostics.versions", "diagnostics.positions", "diagnostics.entropy")
+    REFUSALS = ("diagnostics.versions", "diagnostics.positions", "diagnostics.entropy", "diagnostics.position_mask")
 
     def __init__(self, device):
         self.sum_parts: List[Tuple[str, torch.Tensor]] = []
@@ -405,6 +410,20 @@ def diagnostics_pass(spec: MismatchDiagnostics, log_prob, rollout_log_prob, vali
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     lr = torch.where(valid, log_prob.double() - rollout_log_prob.double(), zero)
     state = {"row": row, "valid": valid, "lr": lr}
+    # the tokens positions count among (position_mask: the caller's response mask, when the correction's mask is a
+    # part of it, e.g. sampling replay's kept tokens); each row's count joins the context-parallel row reduce
+    pos_valid = valid
+    if spec.position_mask is not None:
+        pm = spec.position_mask
+        if not isinstance(pm, torch.Tensor) or pm.is_complex():
+            raise TypeError(f"diagnostics.position_mask must be a bool, integer or float tensor, got "
+                            f"{getattr(pm, 'dtype', type(pm).__name__)}")
+        if pm.device != dev:
+            raise ValueError(f"diagnostics.position_mask is on {pm.device} but log_prob is on {dev}")
+        if tuple(pm.shape) != shape:
+            raise ValueError(f"diagnostics.position_mask must have log_prob's shape {shape}, got {tuple(pm.shape)}")
+        pos_valid = (pm != 0) & (row < num_rows)
+    state["pos_valid"] = pos_valid
     if spec.versions is not None:
         v = _like("versions", spec.versions, log_prob, True)
         if tuple(v.shape) == shape:
@@ -421,7 +440,8 @@ def diagnostics_pass(spec: MismatchDiagnostics, log_prob, rollout_log_prob, vali
                                   refuse=lambda *check: refusals.append(check))
     # each row's sums of |lr| and of the unclamped k3 (as the batch's k3_kl), summed over the context-parallel group
     # with the correction's row statistics
-    return state, torch.stack([_row_sum(lr.abs(), row, num_rows), _row_sum(torch.expm1(lr) - lr, row, num_rows)], 1)
+    return state, torch.stack([_row_sum(lr.abs(), row, num_rows), _row_sum(torch.expm1(lr) - lr, row, num_rows),
+                               _row_sum(pos_valid.to(torch.float64), row, num_rows)], 1)
 
 
 def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, mask_out, row_tokens,
@@ -431,7 +451,11 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
     response tokens ``row_tokens`` and the row values)."""
     dev = log_prob.device
     row, valid, lr = state["row"], state["valid"], state["lr"]  # lr is 0 at every token that does not count
+    pos_valid = state["pos_valid"]
     num_rows = row_tokens.numel()
+    # each row's count of the tokens positions count among (reduced over the context-parallel group with the row
+    # statistics); the correction's own row tokens without a position_mask
+    pos_rows = state.get("pos_rows", row_tokens)
     f64 = torch.float64
     zero = torch.zeros((), dtype=f64, device=dev)
     ninf = torch.full((), -math.inf, dtype=f64, device=dev)
@@ -477,18 +501,23 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
             raise ValueError("diagnostics.positions is required under context parallelism (seq_group): each token's "
                              "index among its sequence's response tokens, which a rank holding a slice cannot know")
         if cu_seqlens is None:
-            pos = torch.cumsum(valid.to(torch.int64), dim=1) - 1
+            pos = torch.cumsum(pos_valid.to(torch.int64), dim=1) - 1
         else:
-            c = torch.cumsum(valid.to(torch.int64), dim=0)
+            c = torch.cumsum(pos_valid.to(torch.int64), dim=0)
             cu = cu_seqlens.to(device=dev, dtype=torch.int64)
             start = torch.cat([c.new_zeros(1), c])[cu[:-1]] if num_rows else c.new_zeros(0)
             pos = c - 1 - (start[safe_row] if num_rows else 0)
-    n_row = row_tokens.to(f64)[safe_row] if num_rows else torch.zeros_like(lr)
+    n_row = pos_rows.to(f64)[safe_row] if num_rows else torch.zeros_like(lr)
     if spec.positions is not None:  # a position no bucket holds is an error, not a clamp into the edge buckets
         w.refuse("diagnostics.positions", valid & ((pos < 0) | (pos.to(f64) >= n_row)),
                  lambda at: f"diagnostics.positions at response token {at} is {int(pos[at])}, outside [0, "
                             f"{int(n_row[at])}) (its index among its sequence's {int(n_row[at])} response tokens)",
                  "diagnostics.positions must lie in [0, the sequence's response tokens) at response tokens")
+    if spec.position_mask is not None:  # positions count among its tokens: every counted token must be one
+        w.refuse("diagnostics.position_mask", valid & ~pos_valid,
+                 lambda at: f"diagnostics.position_mask at response token {at} is 0: it must cover every token the "
+                            f"correction counts (its positions are indices among the position_mask's tokens)",
+                 "diagnostics.position_mask must be nonzero at every response token")
     fam_idx = {"position_decile": torch.where(n_row > 0, (pos.to(f64) * 10 / n_row.clamp(min=1)).floor(),
                                               zero).clamp(0, 9).long(),
                "position": _count_at_least(pos, spec.position_buckets),

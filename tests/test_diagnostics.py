@@ -46,11 +46,13 @@ def _spec(entropy, turns, versions, **kw):
 # --------------------------------------------------------------------------------------------- the loop oracle
 
 
-def _oracle(lp, rlp, mask, entropy, turns, versions, spec, out_mask=None, weights=None):
+def _oracle(lp, rlp, mask, entropy, turns, versions, spec, out_mask=None, weights=None, pos_mask=None):
     """Token by token in Python floats: the documented formulas and bucket rules (``out_mask`` / ``weights``: the
-    correction's outputs, for the per-bucket rejected fraction and mean IS weight of the kept tokens)."""
+    correction's outputs, for the per-bucket rejected fraction and mean IS weight of the kept tokens; ``pos_mask``:
+    the position_mask positions count among, a superset of ``mask``)."""
     lp, rlp = lp.double().tolist(), rlp.double().tolist()
     b, t = len(lp), len(lp[0])
+    pos_mask = mask if pos_mask is None else pos_mask
     tok = []  # (row, position, lr, p, entropy, turn, lag, kept, weight)
     for i in range(b):
         j = 0
@@ -60,8 +62,9 @@ def _oracle(lp, rlp, mask, entropy, turns, versions, spec, out_mask=None, weight
                 w = None if weights is None else float(weights[i][c])
                 tok.append((i, j, lp[i][c] - rlp[i][c], math.exp(lp[i][c]), float(entropy[i][c]), int(turns[i][c]),
                             20 - int(versions[i][c]), kept, w))
-                j += 1
+            j += int(bool(pos_mask[i][c]))
     n_row = [sum(1 for x in tok if x[0] == i) for i in range(b)]
+    n_pos = [int(sum(bool(x) for x in pos_mask[i])) for i in range(b)]
     out = {}
     lrs = [x[2] for x in tok]
     n = len(lrs)
@@ -86,7 +89,7 @@ def _oracle(lp, rlp, mask, entropy, turns, versions, spec, out_mask=None, weight
     def bucket(fam, x):
         i, j, _, p, h, turn, lag = x[:7]
         if fam == "position_decile":
-            return min(9, (10 * j) // n_row[i])
+            return min(9, (10 * j) // n_pos[i])
         if fam == "position":
             return sum(1 for e in spec.position_buckets if j >= e)
         if fam == "probability":
@@ -157,6 +160,33 @@ def test_metrics_and_rows_equal_loop_oracle(dtype):
     assert d.worst["global_row"].tolist() == order[:4]
     for k in ("tokens", "log_ratio_sum", "kl", "k3_kl", "reject_bits"):
         assert torch.equal(d.worst[k], d.rows[k][order[:4]].to(d.worst[k].dtype)), k
+
+
+def test_position_mask_positions_count_in_the_whole_response():
+    """position_mask (megatron's loss_func passes its caller's mask when sampling replay leaves tokens out): the
+    position breakdowns read each counted token's place among the position_mask's tokens (given or derived), against
+    the loop oracle; a counted token outside it is refused by name."""
+    lp, rlp, mask, ent, turns, versions = _inputs(seed=11)
+    g = torch.Generator().manual_seed(3)
+    part = mask * (torch.rand(mask.shape, generator=g) > 0.4).long()  # the correction's tokens: a part of mask
+    cfg = rc.RolloutCorrectionConfig(**CFG)
+    for positions in (None, torch.cumsum(mask, 1) - 1):
+        spec = _spec(ent, turns, versions, positions=positions, position_mask=mask)
+        res = rc.compute_rollout_correction(lp, rlp, part, cfg, diagnostics=spec)
+        want, _ = _oracle(lp, rlp, part, ent, turns, versions, spec, res.response_mask, res.weights, pos_mask=mask)
+        got = res.as_floats()
+        for k, v in want.items():
+            _close(got["rollout_corr/" + k], v, 1e-10, k)
+    # without it, a position past the part's count is the documented refusal, and the deciles read the part
+    with pytest.raises(ValueError, match="diagnostics.positions at response token"):
+        rc.compute_rollout_correction(lp, rlp, part, cfg, diagnostics=_spec(ent, turns, versions,
+                                                                            positions=torch.cumsum(mask, 1) - 1))
+    outside = mask.clone()
+    outside[0, mask[0].nonzero()[0]] = 0
+    part[0, mask[0].nonzero()[0]] = 1
+    with pytest.raises(ValueError, match=r"diagnostics.position_mask at response token \(0, \d+\) is 0"):
+        rc.compute_rollout_correction(lp, rlp, part, cfg, diagnostics=_spec(ent, turns, versions,
+                                                                            position_mask=outside))
 
 
 def test_large_log_ratios_keep_rows_and_buckets_equal_to_the_batch():
@@ -360,6 +390,13 @@ def _cp_worker(rank, world, lp, rlp, mask, ent, turns, versions):
     sl = [x[:, cols].contiguous() for x in (lp, rlp, mask, ent, turns, versions, positions)]
     got = rc.compute_rollout_correction(sl[0], sl[1], sl[2], cfg, seq_group=dist.group.WORLD,
                                         diagnostics=_spec(sl[3], sl[4], sl[5], positions=sl[6]))
+    _same(got, want, rel=1e-12)
+    # a part of the mask counted, positions among the whole mask's tokens (megatron's loss_func with sampling replay)
+    part = mask * (torch.arange(t) % 3 != 1).long()
+    want = rc.compute_rollout_correction(lp, rlp, part, cfg, diagnostics=_spec(ent, turns, versions,
+                                                                               position_mask=mask))
+    got = rc.compute_rollout_correction(sl[0], sl[1], part[:, cols].contiguous(), cfg, seq_group=dist.group.WORLD,
+                                        diagnostics=_spec(sl[3], sl[4], sl[5], positions=sl[6], position_mask=sl[2]))
     _same(got, want, rel=1e-12)
     with pytest.raises(ValueError, match="diagnostics.positions is required under context parallelism"):
         rc.compute_rollout_correction(sl[0], sl[1], sl[2], cfg, seq_group=dist.group.WORLD,

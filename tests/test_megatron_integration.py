@@ -478,3 +478,42 @@ def test_micro_batches_without_tokens_under_data_and_context_parallelism():
     rollout_corr/* report is the other rank's micro-batch alone; with every rank's (DP) or the whole sequences'
     (CP) micro-batch empty, every rank returns 0 / 0 / (0, 0) (the correction raised on every rank before)."""
     run_workers_preloaded(_empty_micro_batch_worker, 2)
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_diagnostics_positions_with_tokens_outside_the_replayed_kept_set(kept):
+    """Sampling replay takes tokens out of the correction's mask; the caller's diagnostics positions count among
+    its own response tokens. They were refused as past the sequence's (kept) count; now the position breakdowns
+    read each token's place in the whole response, with positions given or derived (the versions fuzz)."""
+    from rollout_corr_ext import KeptTokens, MismatchDiagnostics, SamplingParams, compute_rollout_correction
+    from rollout_corr_ext.config import RolloutCorrectionConfig
+    from rollout_corr_ext.losses import PolicyLossConfig
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    logits, target, mask, adv, old, roll = _mb(7, None)
+    if kept:  # the engine's kept ids: the 4 most likely tokens of each position (targets often outside)
+        ids = logits.detach().topk(4, -1).indices.transpose(0, 1).reshape(-1, 4)
+        sampling = KeptTokens.from_lists(ids.tolist())
+    else:
+        sampling = SamplingParams(top_k=4)
+    rc_cfg = RolloutCorrectionConfig.decoupled_token_is()
+    cfg = PolicyLossConfig(rollout_correction=rc_cfg)
+    positions = torch.cumsum(mask.long(), 1) - 1
+    reports = []
+    for pos in (None, positions):
+        f = make_policy_loss_func(target, adv, mask, old_log_prob=old, rollout_log_prob=roll, config=cfg,
+                                  sampling=sampling, diagnostics=MismatchDiagnostics(positions=pos))
+        reports.append(f(logits)[2])
+    inside = f(logits, non_loss_data=True)["in_support"]
+    assert 0 < int((inside & (mask != 0)).sum()) < int(mask.sum())  # some tokens left out, some kept
+    direct = compute_rollout_correction(old, roll, torch.where(inside, mask, torch.zeros_like(mask)), rc_cfg,
+                                        diagnostics=MismatchDiagnostics(position_mask=mask)).metrics
+    keys = [k for k in direct if "/by_position" in k]
+    assert keys
+    for k in keys:
+        a, b = reports[0][k], reports[1][k]
+        assert torch.equal(a, b), k
+        if math.isnan(float(direct[k])):
+            assert float(a[1]) == 0.0, k
+        else:
+            assert math.isclose(float(a[0] / a[1]), float(direct[k]), rel_tol=1e-6, abs_tol=1e-7), k
