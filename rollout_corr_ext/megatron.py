@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from . import _layout as LY
 from . import logprobs as _lp
-from ._checks import check_cu_seqlens, check_mask, ordered_sum, refuse_ambiguous_per_sequence, refuse_where, row_sums, safe_div
+from ._checks import (check_cu_seqlens, check_mask, ordered_sum, refuse_ambiguous_per_sequence, refuse_where, row_sums,
+                      safe_div)
 from .losses import (
     PolicyLossConfig,
     as_policy_config,
