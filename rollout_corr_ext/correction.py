@@ -670,8 +670,9 @@ def _diagnostics_first_half(spec, log_prob, rollout_log_prob, response_mask, cu_
         raise TypeError(f"diagnostics must be a MismatchDiagnostics, got {type(spec).__name__}")
     # non-finite log-probs never count: excluded ("exclude"), or the call's own check refuses them ("error"), which
     # comes after this stage, so they must not reach its bucket indices (a NaN cast to int64)
-    valid = (response_mask != 0) & torch.isfinite(log_prob) & torch.isfinite(rollout_log_prob)
-    return diagnostics_pass(spec, log_prob, rollout_log_prob, valid, cu_seqlens, num_rows)
+    given = response_mask != 0
+    valid = given & torch.isfinite(log_prob) & torch.isfinite(rollout_log_prob)
+    return diagnostics_pass(spec, log_prob, rollout_log_prob, valid, cu_seqlens, num_rows, given)
 
 
 def _diagnostics_second_half(spec, state, row_abs, stats, args, log_prob, weights, mask_out, seq_rank, seq_world,
@@ -694,8 +695,7 @@ def _diagnostics_second_half(spec, state, row_abs, stats, args, log_prob, weight
     row_values = {"tokens": n.to(torch.int64), "log_ratio_sum": lr_sum, "log_ratio_mean": mean(lr_sum),
                   "abs_log_ratio_mean": mean(row_abs[:, 0]), "kl": mean(-lr_sum),
                   "k3_kl": mean(row_abs[:, 1]), "reject_bits": bits}
-    if spec.position_mask is not None:  # its rows' token counts, over the context-parallel group
-        state["pos_rows"] = row_abs[:, 2]
+    state["pos_rows"] = row_abs[:, 2]  # the rows' counts of the tokens positions count among, over the CP group
     wire = diagnostics_partials(spec, state, log_prob, weights, mask_out, n, seq_rank, world, rank, seq_world > 1,
                                 cu_seqlens, row_values)
     return wire, row_values

@@ -1580,7 +1580,7 @@ compute_policy_loss_kl_cov = _without_rows(_kl_cov_step, "kl_cov")
 
 def _correction(log_prob, rollout_log_prob, response_mask, rc, dp_group, seq_group, cu_seqlens=None,
                 rollout_name: str = "rollout_log_prob", **options):
-    """:func:`compute_rollout_correction` under no_grad (``options``: its ``diagnostics``, ``nonfinite``)."""
+    """:func:`compute_rollout_correction` under no_grad (``options``: its ``diagnostics``, ``nonfinite``, ``empty``)."""
     from .correction import compute_rollout_correction
 
     refuse_grad("rollout correction", **{rollout_name: rollout_log_prob})  # its weights and mask are constants
@@ -1836,6 +1836,8 @@ def policy_step(
 
     if proximal not in PROXIMAL_METHODS:  # checked with or without versions: a typo is named, not kept for later
         raise ValueError(f"proximal must be one of {PROXIMAL_METHODS}, got {proximal!r}")
+    if empty not in ("error", "nan"):  # likewise, with or without a correction
+        raise ValueError(f"empty must be 'error' or 'nan', got {empty!r}")
     if flow is None:
         check_bypass_loss_mode(cfg, fn)
         flow = "plain" if rc is None else ("bypass" if getattr(rc, "bypass_mode", False) else "decoupled")

@@ -288,8 +288,9 @@ def _mtp_shifted_cp(target: torch.Tensor, response_mask: torch.Tensor, num_layer
     ``transformer/multi_token_prediction.py``) rolls each local chunk left by one and splices in the first token of
     the next chunk from the CP neighbour (isend / irecv; rank cp-1 takes it from its own second chunk, rank 0 inserts
     0 at the end of the sequence): the roll of the whole sequence, applied once per head. The same values come from
-    **one all-gather** over ``group`` of the first ``min(L, chunk)`` tokens of every local chunk, target and weight as
-    fp64 (16 bytes a token; exact for ids and mask values): a position ``k <= L`` further lies in the same chunk
+    **one all-gather** over ``group`` (after one MAX all-reduce of 8 numbers that checks every rank's pieces) of the
+    first ``min(L, chunk)`` tokens of every local chunk, target and weight as fp64 (16 bytes a token; exact for ids
+    and mask values): a position ``k <= L`` further lies in the same chunk
     (local) or within the first ``k`` tokens of a later chunk of its sequence (gathered). Positions past their
     sequence's end get weight 0 and -100, as in :func:`_mtp_shifted`."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)

@@ -158,7 +158,8 @@ class MismatchDiagnostics:
     ``position_mask`` (the response mask those positions count in, when the correction's ``response_mask`` is a part
     of it: the position breakdowns then read each token's place in the whole response, and every token the
     correction counts must be in it; megatron's ``loss_func`` passes its caller's mask when sampling replay leaves
-    tokens out; default: the correction's mask).
+    tokens out; default: the correction's ``response_mask``, whose tokens keep their places when
+    ``nonfinite="exclude"`` drops some).
 
     Buckets: ``position_buckets`` (absolute position edges), ``entropy_edges``, ``probability_bins`` (equal bins of
     the trainer's token probability), ``max_turns`` (turns >= it share the last bucket), ``max_lag`` (lags > it share
@@ -400,9 +401,13 @@ def _row_sum(values: torch.Tensor, row: torch.Tensor, num_rows: int) -> torch.Te
     return _binned(row.clamp(max=num_rows), row < num_rows, values, num_rows)
 
 
-def diagnostics_pass(spec: MismatchDiagnostics, log_prob, rollout_log_prob, valid, cu_seqlens, num_rows: int):
+def diagnostics_pass(spec: MismatchDiagnostics, log_prob, rollout_log_prob, valid, cu_seqlens, num_rows: int,
+                     response: torch.Tensor = None):
     """Per-token partials (first half: before the context-parallel row reduce): returns the state and each row's
-    local sum of |lr| (to be summed over the context-parallel group with the correction's row statistics)."""
+    local sum of |lr| (to be summed over the context-parallel group with the correction's row statistics).
+    ``valid``: the tokens that count; ``response``: the response tokens (mask != 0, ``valid`` when None), which
+    positions count among unless ``spec.position_mask`` names others (a token ``nonfinite="exclude"`` drops keeps
+    its place)."""
     dev = log_prob.device
     shape = tuple(log_prob.shape)
     row = _row_index(cu_seqlens, shape, dev)
@@ -410,9 +415,10 @@ def diagnostics_pass(spec: MismatchDiagnostics, log_prob, rollout_log_prob, vali
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     lr = torch.where(valid, log_prob.double() - rollout_log_prob.double(), zero)
     state = {"row": row, "valid": valid, "lr": lr}
-    # the tokens positions count among (position_mask: the caller's response mask, when the correction's mask is a
-    # part of it, e.g. sampling replay's kept tokens); each row's count joins the context-parallel row reduce
-    pos_valid = valid
+    # the tokens positions count among: the response tokens, or position_mask's (the caller's response mask, when
+    # the correction's mask is a part of it, e.g. sampling replay's kept tokens); each row's count joins the
+    # context-parallel row reduce
+    pos_valid = (valid if response is None else response) & (row < num_rows)
     if spec.position_mask is not None:
         pm = spec.position_mask
         if not isinstance(pm, torch.Tensor) or pm.is_complex():
@@ -454,7 +460,7 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
     pos_valid = state["pos_valid"]
     num_rows = row_tokens.numel()
     # each row's count of the tokens positions count among (reduced over the context-parallel group with the row
-    # statistics); the correction's own row tokens without a position_mask
+    # statistics)
     pos_rows = state.get("pos_rows", row_tokens)
     f64 = torch.float64
     zero = torch.zeros((), dtype=f64, device=dev)

@@ -189,6 +189,25 @@ def test_position_mask_positions_count_in_the_whole_response():
                                                                             position_mask=outside))
 
 
+def test_a_token_excluded_as_nonfinite_keeps_the_places_of_the_others():
+    """nonfinite="exclude" drops a token from the statistics, not from the response: positions count among the
+    response tokens (mask != 0), as documented, derived or given (as under CP). The derived ones counted the finite
+    tokens only, and the documented positions were refused as past that count (the review of the day)."""
+    lp, rlp, mask, ent, turns, versions = _inputs(seed=12)
+    lp = lp.clone()
+    lp[0, mask[0].nonzero()[:3, 0]] = float("nan")  # the first three response tokens of row 0
+    cfg = rc.RolloutCorrectionConfig(**CFG)
+    finite = mask * torch.isfinite(lp).long()
+    for positions in (None, torch.cumsum(mask, 1) - 1):
+        spec = _spec(ent, turns, versions, positions=positions)
+        res = rc.compute_rollout_correction(lp, rlp, mask, cfg, nonfinite="exclude", diagnostics=spec)
+        want, _ = _oracle(lp, rlp, finite, ent, turns, versions, spec, res.response_mask, res.weights, pos_mask=mask)
+        got = res.as_floats()
+        for k, v in want.items():
+            if k.startswith("by_position"):
+                _close(got["rollout_corr/" + k], v, 1e-10, k)
+
+
 def test_large_log_ratios_keep_rows_and_buckets_equal_to_the_batch():
     """|lr| > 20: the breakdowns' and the rows' kl / k3_kl are the batch's terms on the unclamped lr, so one
     probability bucket over the whole batch equals the batch metrics, and a row's kl is -log_ratio_mean (before:
