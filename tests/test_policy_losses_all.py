@@ -186,17 +186,22 @@ def test_an_overflowing_ratio_on_the_clipped_branch_passes_no_gradient(backend_n
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bool], ids=["float_mask", "bool_mask"])
-@pytest.mark.parametrize("junk", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("junk", ["nan", "inf", "-inf", "ratio_inf", "ratio_huge"])
 @pytest.mark.parametrize("name", NAMES)
 def test_non_finite_values_at_masked_tokens_never_reach_a_loss(name, junk, mask_dtype, backend):
-    """NaN / +-inf in every input at tokens the mask excludes: the loss, the gradient and the metrics are those of
-    the same batch with finite values there (the whole-batch losses' CPU sums take products of the mask first and
-    fall back to selects exactly when a dropped value is not finite; the per-token kernel never reads them)."""
+    """NaN / +-inf (or a log-ratio past exp's range: log_prob +inf or 1e30 against old_log_prob -inf or -1e30) in
+    every input at tokens the mask excludes: the loss, the gradient and the metrics are those of the same batch with
+    finite values there, bit for bit (the whole-batch losses' CPU sums take products of the mask first and fall back
+    to selects exactly when a dropped value is not finite; the per-token kernel's lanes never depend on each other:
+    a masked lane past exp's range switched its whole vector to std::exp, an ulp off in its neighbours' gradients,
+    kl_cov's; the verl-adapter fuzz)."""
     old, lp, adv, mask, w = _inputs(seed=11)
     mask = mask.to(mask_dtype)
     drop = mask == 0
-    value = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}[junk]
-    dirty = [t.clone().masked_fill_(drop, value) for t in (old, lp, adv, w)]
+    value = {"nan": [math.nan] * 4, "inf": [math.inf] * 4, "-inf": [-math.inf] * 4,
+             "ratio_inf": [-math.inf, math.inf, math.inf, math.inf],
+             "ratio_huge": [-1e30, 1e30, 1e30, 1e30]}[junk]  # old, lp, adv, w
+    dirty = [t.clone().masked_fill_(drop, v) for t, v in zip((old, lp, adv, w), value)]
     cfg = losses.PolicyLossConfig.from_dict(_actor(name))
     for mode in ("token-mean", "seq-mean-token-mean"):
         want = _run(rv.POLICY_LOSSES[name], old, lp, adv, mask, mode, cfg, w)

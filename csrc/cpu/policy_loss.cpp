@@ -168,14 +168,18 @@ struct Lanes {
   static RC_FORCEINLINE VI not_finite(VF x) { return (x - x) != VF{}; }
   // exp of a log-ratio clamped to [-20, 20] (NaN propagates).
   static RC_FORCEINLINE VF exp_bounded(VF x) { return cpu::exp_vec_bounded<VF, VI>(x); }
-  // exp of any value: 0 below -87 (where std::exp is below 1.7e-38), +-inf and NaN as std::exp; a vector with a lane
-  // above 88 (never, for log-probs) takes std::exp lane by lane, so overflow gives +inf as in the scalar rule.
+  // exp of any value: 0 below -87 (where std::exp is below 1.7e-38), +-inf and NaN as std::exp; a lane above 88
+  // (never, for log-probs) takes std::exp, so overflow gives +inf as in the scalar rule. Lane by lane: a lane's
+  // result never depends on another's value (a masked token's junk switched the whole vector to std::exp, which
+  // moved its neighbours' gradients by an ulp).
   static RC_FORCEINLINE VF exp_any(VF x) {
+    VF y = cpu::exp_vec<VF, VI>(x);
     if (__builtin_expect(any(x > splat(88.0f)), 0)) {
-      for (int l = 0; l < kWidth; ++l) x[l] = std::exp(x[l]);
-      return x;
+      for (int l = 0; l < kWidth; ++l) {
+        if (x[l] > 88.0f) y[l] = std::exp(x[l]);
+      }
     }
-    return cpu::exp_vec<VF, VI>(x);
+    return y;
   }
   // Natural log (Cephes logf's reduction and polynomial): x = 2^e m, m in [sqrt(1/2), sqrt(2)); subnormals scaled
   // first; log(0) = -inf, log(inf) = inf, NaN for x < 0 and NaN.
