@@ -940,12 +940,14 @@ def make_policy_loss_func(
             # over CP): as a [sum, count] pair, so summing micro-batches and ranks gives the pooled fraction
             names.append("actor/opsm_masked_frac")
             pairs.append(tuple(c.detach().to(torch.float32) for c in step.opsm_counts))
-        for k, v in step.correction_metrics.items():  # NaN: nothing to average in this micro-batch (no token over
-            # dp_group, or a diagnostics bucket no token fell in); it adds (0, 0), not a NaN that would poison the sum
-            v = v.detach().to(torch.float32)
-            defined = v == v
-            names.append(k)
-            pairs.append((torch.where(defined, v, torch.zeros_like(v)), defined.to(torch.float32)))
+        if step.correction_metrics:  # NaN: nothing to average in this micro-batch (no token over dp_group, or a
+            # diagnostics bucket no token fell in); it adds (0, 0), not a NaN that would poison the sum. One stack
+            # for all of them (a diagnostics spec brings about 200)
+            vals = torch.stack([v.detach().reshape(()).to(torch.float32) for v in step.correction_metrics.values()])
+            defined = vals == vals
+            names.extend(step.correction_metrics)
+            pairs.extend(zip(torch.where(defined, vals, torch.zeros_like(vals)).unbind(),
+                             defined.to(torch.float32).unbind()))
         if versions is not None:  # token-weighted lag over this rank's response tokens, summed like actor/*
             valid_t = given != 0
             lag = (current_version - versions_in.to(torch.int64))

@@ -285,7 +285,8 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     if refused is None and cp and not (per_row or per_seq):
         refused = ("lag_configs under context parallelism (seq_group) need one version per sequence (versions [B]): "
                    "the ranks must agree on which sequences each bucket holds")
-    if refused is not None and not (cp or (dp_group is not None and dist.get_world_size(dp_group) > 1)):
+    dp = dp_group is not None and dist.get_world_size(dp_group) > 1
+    if refused is not None and not (cp or dp):
         raise ValueError(refused)
     if refused is not None:  # counted below; until then the versions are read as if every token had lag 0
         versions, per_row = torch.full(response_mask.shape, v_theta, dtype=torch.int64,
@@ -320,7 +321,6 @@ def compute_rollout_correction_by_lag(log_prob: torch.Tensor, rollout_log_prob: 
     counts = torch.stack(counts + [newer, torch.tensor(float(refused is not None), device=newer.device)]).to(
         torch.float64)
     unit_tokens = None
-    dp = dp_group is not None and dist.get_world_size(dp_group) > 1
     if cp:  # dp_group, when given, holds the context-parallel ranks too (as compute_rollout_correction's)
         unit_tokens = (valid.sum(1) if not packed else torch.zeros(n_seq + 1, dtype=torch.int64, device=cu.device)
                        .index_add_(0, seg, valid.reshape(-1).to(torch.int64))[:n_seq]).to(torch.float64)
