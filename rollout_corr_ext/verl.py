@@ -710,11 +710,13 @@ def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optiona
     if mode is None:  # verl then passes nothing to the engine, which keeps its own default: vLLM's raw_logprobs
         mode = "None (the engine's default, vLLM's raw_logprobs)"
     if mode not in _PROCESSED:
-        raise ValueError(f"rollout.logprobs_mode={mode!r}: the engine reports the log-probs of its untruncated "
-                         f"distribution, but draws from the truncated one (top_k={top_k}, top_p={top_p}), so "
-                         f"rollout_log_probs are not the sampling probabilities and replaying the truncation would "
-                         f"compare different distributions. Set rollout.logprobs_mode=processed_logprobs (verl's "
-                         f"default)")
+        # vLLM's modes: raw_logprobs (untruncated log-probs), raw_logits / processed_logits (logits, not log-probs)
+        what = ("logits, not log-probs" if str(mode).endswith("_logits")
+                else "the log-probs of its untruncated distribution")
+        raise ValueError(f"rollout.logprobs_mode={mode!r}: the engine reports {what}, but draws from the truncated "
+                         f"distribution (top_k={top_k}, top_p={top_p}, min_p={sp.min_p}), so rollout_log_probs are "
+                         f"not the sampling log-probabilities and replaying the truncation would compare different "
+                         f"distributions. Set rollout.logprobs_mode=processed_logprobs (verl's default)")
     return dataclasses.replace(sp, temperature=1.0) if temperature_applied else sp
 
 

@@ -830,6 +830,9 @@ def test_sampling_params_from_verl_configs(V):
     assert rv.sampling_params(RolloutConfig(name="vllm", temperature=0.7)) is None  # top_k=-1, top_p=1: no truncation
     with pytest.raises(ValueError, match="logprobs_mode='raw_logprobs'.*processed_logprobs"):
         rv.sampling_params(RolloutConfig(name="vllm", top_p=0.9, logprobs_mode="raw_logprobs"))
+    for mode in ("raw_logits", "processed_logits"):  # vLLM's logits modes: no log-probs at all, and said so
+        with pytest.raises(ValueError, match=f"logprobs_mode='{mode}': the engine reports logits, not log-probs"):
+            rv.sampling_params({"top_k": 5, "logprobs_mode": mode})
     # None: verl passes no flag and vLLM keeps its default, raw_logprobs (before: accepted, a replay against
     # untruncated rollout log-probs); an absent key is verl's default, processed_logprobs
     for cfg in (RolloutConfig(name="vllm", top_p=0.9, logprobs_mode=None), {"top_p": 0.9, "logprobs_mode": None}):
