@@ -39,6 +39,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import math
+import numbers
 import warnings
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, MutableMapping, Optional, Sequence,
                     Tuple, Union)
@@ -301,10 +303,15 @@ def _correct(log_prob, rollout_log_prob, response_mask, cfg: RolloutCorrectionCo
              log_ratio: bool = False):
     """The correction of the helpers; ``log_ratio``: ``log_prob`` is verl's log_ratio (``rollout_log_prob`` 0)."""
     dp, seq = _groups(cfg)
+    given = response_mask
     if log_ratio:
         response_mask, frac = _replayed_mask(response_mask, log_ratio=log_prob)
     else:
         response_mask, frac = _replayed_mask(response_mask, log_prob, rollout_log_prob)
+    if frac is not None and diagnostics is not None and diagnostics.position_mask is None:
+        # replay left the tokens outside the kept set out of the correction: positions (given or derived) still
+        # count among the caller's response tokens, as megatron's loss_func passes them
+        diagnostics = dataclasses.replace(diagnostics, position_mask=given)
     with torch.no_grad():
         res = compute_rollout_correction(log_prob, rollout_log_prob, response_mask, cfg, dp_group=dp,
                                          seq_group=seq, nonfinite=_SETTINGS["nonfinite"], diagnostics=diagnostics)
@@ -506,17 +513,39 @@ def _batch_diagnostics(batch):
     if "rollout_versions" in batch.batch.keys():
         versions = batch.batch["rollout_versions"]
     elif getattr(batch, "non_tensor_batch", None) is not None and "min_global_steps" in batch.non_tensor_batch:
-        versions = torch.as_tensor(batch.non_tensor_batch["min_global_steps"].astype("int64"),
-                                   device=batch.batch["old_log_probs"].device)
+        versions = _integer_versions(batch.non_tensor_batch["min_global_steps"], batch.batch["old_log_probs"].device)
     if versions is None:
         return spec
     current = _SETTINGS["current_version"]
+    where = "configure(current_version=...)"
     if current is None:
-        current = (batch.meta_info or {}).get("global_steps")
+        current, where = (batch.meta_info or {}).get("global_steps"), "batch.meta_info['global_steps']"
     if current is None:
         raise ValueError("the batch carries policy versions but no current version: configure(current_version=...) "
                          "or batch.meta_info['global_steps']")
+    if isinstance(current, torch.Tensor) and current.numel() == 1 and not current.is_floating_point():
+        current = current.item()
+    if isinstance(current, bool) or not isinstance(current, numbers.Integral):  # 5.7 is not a step to truncate
+        raise TypeError(f"{where} must be an integer (the trainer's policy version), got {current!r}")
     return dataclasses.replace(spec, versions=versions, current_version=int(current))
+
+
+def _integer_versions(values, device) -> torch.Tensor:
+    """verl's fully-async ``non_tensor_batch["min_global_steps"]`` (one integer per row) as an int64 tensor; a value
+    that is not an integer (None, NaN, 4.7) is refused by name, never cast (4.7 would become step 4)."""
+    import numpy as np
+
+    arr = np.asarray(values)
+    if arr.dtype.kind in "iu":
+        return torch.as_tensor(arr.astype("int64"), device=device)
+    flat = arr.reshape(-1).tolist()  # Python numbers (an object array's items as they are)
+    bad = [i for i, v in enumerate(flat)
+           if isinstance(v, bool) or not (isinstance(v, numbers.Integral)
+                                          or (isinstance(v, float) and math.isfinite(v) and v == int(v)))]
+    if bad:
+        raise ValueError(f"non_tensor_batch['min_global_steps'] must hold one integer policy version per row, got "
+                         f"{flat[bad[0]]!r} at row {bad[0]} ({len(bad)} such rows)")
+    return torch.as_tensor(np.array([int(v) for v in flat], dtype=np.int64).reshape(arr.shape), device=device)
 
 
 def apply_bypass_mode(

@@ -1002,6 +1002,75 @@ def test_add_to_batch_with_diagnostics_and_versions(V, source):
         rv.configure(diagnostics=MismatchDiagnostics(entropy=lp))
 
 
+def test_add_to_batch_versions_must_be_integers(V):
+    """verl's ``min_global_steps`` and ``meta_info["global_steps"]`` are integer steps: None, NaN or 4.7 is refused
+    by name (before: a raw numpy TypeError, an error about diagnostics.versions holding INT64_MIN, or 4.7 silently
+    truncated to step 4; the verl-adapter fuzz); whole floats and integer arrays are taken."""
+    import numpy as np
+
+    from rollout_corr_ext import MismatchDiagnostics
+
+    lp, rlp, mask = inputs(scale=0.3, seed=4)
+    cfg = V.RCConfig.decoupled_token_is()
+    b = lp.shape[0]
+
+    def run(steps, current=7):
+        batch = V.DataProto.from_dict(
+            tensors={"old_log_probs": lp.clone(), "rollout_log_probs": rlp.clone(), "response_mask": mask.clone()},
+            non_tensors={"min_global_steps": steps}, meta_info={"global_steps": current})
+        with rv.configured(diagnostics=MismatchDiagnostics(top_k=0, max_lag=3)):
+            return rv.compute_rollout_correction_and_add_to_batch(batch, cfg)[1]
+
+    rows = [5 + i % 3 for i in range(b)]
+    want = run(np.array(rows, dtype=np.int64))
+    for same in (np.array(rows, dtype=object), np.array(rows, dtype=np.float64), np.array(rows, dtype=np.int32)):
+        got = run(same)
+        assert got["rollout_corr/by_lag/2/tokens"] == want["rollout_corr/by_lag/2/tokens"] == float(
+            mask[torch.tensor(rows) == 5].sum())
+    for bad, shown in ((None, "None"), (math.nan, "nan"), (4.7, "4.7"), (True, "True")):
+        steps = np.array(rows, dtype=object)
+        steps[1] = bad
+        with pytest.raises(ValueError, match=rf"min_global_steps'\] must hold one integer .* got {shown} at row 1"):
+            run(steps)
+    with pytest.raises(ValueError, match=r"min_global_steps.*got nan at row 1"):
+        run(np.array([5.0, math.nan] + [5.0] * (b - 2)))
+    for current in (5.7, "7", 7.0):
+        with pytest.raises(TypeError, match=r"batch.meta_info\['global_steps'\] must be an integer"):
+            run(np.array(rows), current=current)
+    for current in (np.int64(7), torch.tensor(7)):
+        got = run(np.array(rows), current=current)
+        assert got.keys() == want.keys()
+        assert all(got[k] == want[k] or math.isnan(got[k]) and math.isnan(want[k]) for k in want)
+
+
+def test_replay_positions_count_in_the_whole_response(V):
+    """configure(sampling=..., diagnostics=...): tokens outside the replayed kept set leave the correction, but the
+    position breakdowns place the others by their place in the whole response, as megatron's loss_func does
+    (``position_mask``; before: counted among the kept tokens only, so the last 5 of 10 tokens fell in deciles 0, 2,
+    4, 6 and 8; the verl-adapter fuzz). Oracle: the deciles by hand."""
+    from rollout_corr_ext import MismatchDiagnostics, SamplingParams
+
+    T = 10
+    old = torch.full((2, T), -1.0)
+    ro = torch.full((2, T), -1.1)
+    ro[0, :5] = -math.inf  # row 0: the first 5 tokens outside the kept set
+    ro[1, 3] = -math.inf   # row 1: one token in the middle
+    mask = torch.ones(2, T, dtype=torch.bool)
+    batch = V.DataProto.from_dict(tensors={"old_log_probs": old, "rollout_log_probs": ro, "response_mask": mask})
+    with rv.configured(sampling=SamplingParams(top_p=0.9), diagnostics=MismatchDiagnostics(top_k=0)):
+        _, met = rv.compute_rollout_correction_and_add_to_batch(batch, {"rollout_is": "token",
+                                                                        "rollout_is_threshold": 2.0})
+    # decile of position t in a response of 10 tokens: t (the kept tokens' positions in the whole row)
+    want = [0.0] * 10
+    for t in range(5, 10):
+        want[t] += 1
+    for t in range(10):
+        want[t] += t != 3
+    got = [met[f"rollout_corr/by_position_decile/d{i}/tokens"] for i in range(10)]
+    assert got == want
+    assert met["rollout_corr/sampling_out_of_support_fraction"] == pytest.approx(6 / 20)
+
+
 @pytest.mark.parametrize("default_dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32, torch.float64], ids=str)
 def test_fp64_row_means_divide_by_the_count_as_verl_does_for_the_mask_dtype(V, mask_dtype, default_dtype):
