@@ -422,7 +422,8 @@ def make_policy_loss_func(
     ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``, ``actor/entropy``
     and every ``rollout_corr/*`` value (count 1 per micro-batch; count 0 and sum 0 where the value is NaN, a
     statistic of no tokens: a diagnostics bucket no token fell in, or every correction metric of a micro-batch
-    without response tokens over ``dp_group``, which adds loss 0 and ``num_tokens`` 0 instead of raising), summed
+    without response tokens over ``dp_group``, which adds loss 0 and ``num_tokens`` 0, ``geo_mean`` its row count,
+    instead of raising), summed
     over ``dp_group`` in one all-reduce when ``reduce_metrics`` (the ratio is unchanged if the training loop reduces
     again).
 
