@@ -37,8 +37,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def load(path: str):
     """(records, run info or None) of a run directory or a metrics.jsonl path."""
     jsonl = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
+    records = []
     with open(jsonl) as f:
-        records = [json.loads(line) for line in f if line.strip()]
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError as e:  # e.g. the last line of a run still being written
+                raise SystemExit(f"{jsonl}:{i}: not a JSON record ({e})") from None
+            if not isinstance(rec, dict):
+                raise SystemExit(f"{jsonl}:{i}: not a JSON object")
+            records.append(rec)
     info_path = os.path.join(os.path.dirname(jsonl), "run.json")
     info = None
     if os.path.exists(info_path):
@@ -183,6 +193,10 @@ def main(argv=None):
     ap.add_argument("--command", default=None, help="the command to name in the header, instead of run.json's")
     ap.add_argument("--details", action="store_true", help="also print the table of the numbers the narrative quotes")
     args = ap.parse_args(argv)
+    if args.tail is not None and args.tail < 1:
+        ap.error(f"--tail must be >= 1, got {args.tail}")
+    if args.window < 1:
+        ap.error(f"--window must be >= 1, got {args.window}")
     for i, path in enumerate(args.runs):
         records, info = load(path)
         if not records:

@@ -6,7 +6,8 @@
 What it does, per step and per correction setting:
 
 * **Rollout** with a mismatched sampler, as a real inference engine would be: a bf16 copy of the policy whose
-  weights are ``--stale`` optimizer steps old (asynchronous rollout). It samples responses for a synthetic task
+  weights are those of ``--stale`` GRPO steps ago (asynchronous rollout; each step is ``--minibatches`` optimizer
+  steps). It samples responses for a synthetic task
   with a verifiable reward (reverse a string of digits; reward = fraction of positions right), drawing from
   softmax(logits / T) truncated by top-k / top-p as vLLM's sampler does (``--top-p 0.9`` by default), and records
   its own log-probs at sampling time: those of the truncated distribution of its bf16 logits (vLLM's
@@ -94,6 +95,8 @@ from rollout_corr_testing.megatron_cpu import (  # noqa: E402
 
 BOS, SEP = 10, 11
 VOCAB = 12  # divisible by the TP size 2 (and 4): no padding columns needed
+MAX_LEN = 32  # the models' positions
+MAX_DIGITS = (MAX_LEN - 2) // 2  # a prompt of BOS, digits, SEP, then as many response tokens
 
 
 def make_prompts(n: int, digits: int, gen: torch.Generator) -> torch.Tensor:
@@ -146,7 +149,7 @@ class Block(torch.nn.Module):
 class TinyLM(torch.nn.Module):
     """Embedding -> ``layers`` pre-LN blocks -> LayerNorm -> vocab-parallel output layer ([s, b, V/tp] logits)."""
 
-    def __init__(self, cfg: ModelParallelConfig, hidden=64, heads=4, layers=2, ffn=256, max_len=32, seed=0):
+    def __init__(self, cfg: ModelParallelConfig, hidden=64, heads=4, layers=2, ffn=256, max_len=MAX_LEN, seed=0):
         super().__init__()
         torch.manual_seed(seed)  # identical replicated parameters on every TP rank; TP shards use the CPU init
 
@@ -175,7 +178,7 @@ class GPTLM(torch.nn.Module):
     layer's input (this rank's ``[s / tp, b, H]`` with sequence parallelism); ``output_layer``."""
 
     def __init__(self, tp: int, dtype: torch.dtype, seed: int, sequence_parallel: bool, hidden=64, heads=4, layers=2,
-                 ffn=256, max_len=32):
+                 ffn=256, max_len=MAX_LEN):
         super().__init__()
         self.gpt = gpt_model(VOCAB, tp=tp, sequence_parallel=sequence_parallel, hidden=hidden, heads=heads,
                              layers=layers, ffn=ffn, max_len=max_len, seed=seed, dtype=dtype)
@@ -253,8 +256,11 @@ def rollout(sampler: TinyLM, prompts: torch.Tensor, length: int, gen: torch.Gene
 
 
 def grpo_advantages(rewards: torch.Tensor, group: int, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO outcome advantage, as verl's ``compute_grpo_outcome_advantage``: (r - mean_g) / (std_g + eps)."""
+    """GRPO outcome advantage, as verl's ``compute_grpo_outcome_advantage``: (r - mean_g) / (std_g + eps); a group
+    of one response has mean 0 and std 1 there (its std is undefined), so its advantage is r / (1 + eps)."""
     r = rewards.view(-1, group)
+    if group == 1:
+        return (r / (1.0 + eps)).reshape(-1)
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).reshape(-1)
 
 
@@ -559,7 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="length of the digit string to reverse (the response has as many tokens; at most 15)")
     ap.add_argument("--packed", action="store_true",
                     help="feed the loss packed sequences (a 1-D token stream with cu_seqlens) instead of [b, s]")
-    ap.add_argument("--stale", type=int, default=2, help="sampler weights are this many optimizer steps old")
+    ap.add_argument("--stale", type=int, default=2,
+                    help="the sampler draws with the weights of this many GRPO steps ago (each step is --minibatches "
+                         "optimizer steps; 0: the current weights, in bf16)")
     ap.add_argument("--top-p", type=float, default=0.9,
                     help="the sampler draws from the smallest top set of mass >= top_p (vLLM's rule; 1: off); the "
                          "trainer replays it (docs/sampling_replay.md) unless a setting ends in ':noreplay'")
@@ -583,6 +591,21 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.lr is None:
         args.lr = 1e-3 if args.model == "gpt" else 3e-3
+    # the sizes, named here rather than failing deep in a step (each a count; the sequence, 2 * digits + 2
+    # positions, must fit the models' 32 positions)
+    for flag, value, low in (("--steps", args.steps, 1), ("--prompts", args.prompts, 1), ("--group", args.group, 1),
+                             ("--minibatches", args.minibatches, 1), ("--digits", args.digits, 1),
+                             ("--stale", args.stale, 0), ("--tp", args.tp, 1), ("--top-k", args.top_k, 0)):
+        if value < low:
+            ap.error(f"{flag} must be >= {low}, got {value}")
+    if args.digits > MAX_DIGITS:
+        ap.error(f"--digits must be <= {MAX_DIGITS} (prompt and response take 2 * digits + 2 of the models' "
+                 f"{MAX_LEN} positions), got {args.digits}")
+    if args.minibatches > args.prompts * args.group:
+        ap.error(f"--minibatches {args.minibatches} is more than the {args.prompts * args.group} responses of a step "
+                 f"(--prompts x --group) to split into them")
+    if not args.lr >= 0 or math.isinf(args.lr):
+        ap.error(f"--lr must be finite and >= 0, got {args.lr}")
     names = args.settings.split(",")
     unknown = [s for s in names if (s[:-len(NO_REPLAY)] if s.endswith(NO_REPLAY) else s) not in SETTINGS]
     if unknown:
@@ -594,6 +617,11 @@ def parse_args(argv=None):
                           top_p=args.top_p)
     except (TypeError, ValueError) as e:
         ap.error(str(e).replace("SamplingParams.", "--").replace("top_p", "top-p").replace("top_k", "top-k"))
+    if any(n.split(NO_REPLAY)[0] == "geo_rs" for n in names):
+        try:
+            SETTINGS["geo_rs"](args)
+        except (TypeError, ValueError) as e:
+            ap.error(f"--geo-rs-threshold {args.geo_rs_threshold!r}: {e}")
     return args
 
 

@@ -47,8 +47,13 @@ MAX_TURN_BUCKETS = 64
 def _load(path: str) -> Dict[str, Any]:
     try:  # tensors and plain values only: no pickled code
         data = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # truncated, not a torch.save file, code in it
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except OSError:  # missing, unreadable: main names it as it is
+        raise
+    except Exception as exc:  # truncated, not a torch.save file, code in it (the weights-only unpickler raises
+        # RuntimeError, EOFError, UnpicklingError, or a KeyError on a text file)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        first = first if isinstance(exc, (RuntimeError, pickle.UnpicklingError)) and first else \
+            f"{type(exc).__name__}: {first}".rstrip(": ")
         raise ValueError(f"{path}: not a readable torch.save file of tensors ({first})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a dict of tensors, got {type(data).__name__}")
@@ -428,6 +433,9 @@ def main(argv=None) -> int:
     ap.add_argument("--worst", type=int, default=5, help="worst sequences listed (default: %(default)s)")
     args = ap.parse_args(argv)
     prefix = args.out or os.path.splitext(args.batch)[0]
+    out_dir = os.path.dirname(prefix) or "."
+    if not os.path.isdir(out_dir):  # before the work: the outputs' directory is the caller's to make
+        ap.exit(2, f"{ap.prog}: error: --out {prefix!r}: no directory {out_dir!r} to write {prefix}.json / .png in\n")
     try:  # a bad input is one line naming it, not a traceback
         if args.batch.endswith(".jsonl"):
             report = build_steps_report(load_steps(args.batch))
@@ -437,9 +445,12 @@ def main(argv=None) -> int:
             plot = plot_report
     except (ValueError, TypeError, OSError, pickle.UnpicklingError) as exc:
         ap.exit(2, f"{ap.prog}: error: {exc}\n")
-    with open(prefix + ".json", "w") as f:
-        json.dump(_json_safe(report), f, indent=1, allow_nan=False)
-    plot(report, prefix + ".png")
+    try:
+        with open(prefix + ".json", "w") as f:
+            json.dump(_json_safe(report), f, indent=1, allow_nan=False)
+        plot(report, prefix + ".png")
+    except OSError as exc:  # a directory not writable, a disk full
+        ap.exit(2, f"{ap.prog}: error: writing {prefix}.json / .png: {exc}\n")
     for line in report["verdicts"]:
         print(line)
     print(f"wrote {prefix}.png and {prefix}.json")

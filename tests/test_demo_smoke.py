@@ -296,3 +296,69 @@ def test_demo_table(smoke_run):
                            str(out / "metrics.jsonl"), "--command", "bash scripts/demo.sh"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.startswith("Command: `bash scripts/demo.sh`"), proc.stderr
+
+
+def test_demo_refuses_bad_sizes_by_flag(capsys):
+    """Counts the demo cannot run with are refused at parse time, naming the flag (the demo fuzz: --group 0,
+    --minibatches 0, --digits 0 / 16, --stale -1, --tp 0 failed deep in a step with a traceback, --steps -1 ran and
+    printed NaN, --top-k -3 was silently off, a bad --geo-rs-threshold failed after the process group was up)."""
+    demo = _load_demo()
+    for bad, match in ((["--group", "0"], "--group must be >= 1"), (["--prompts", "0"], "--prompts must be >= 1"),
+                       (["--minibatches", "0"], "--minibatches must be >= 1"),
+                       (["--steps", "-1"], "--steps must be >= 1"), (["--digits", "0"], "--digits must be >= 1"),
+                       (["--digits", "16"], r"--digits must be <= 15 \(prompt and response take 2 \* digits"),
+                       (["--stale", "-1"], "--stale must be >= 0, got -1"), (["--tp", "0"], "--tp must be >= 1"),
+                       (["--top-k", "-3"], "--top-k must be >= 0"), (["--lr", "nan"], "--lr must be finite"),
+                       (["--prompts", "2", "--group", "2", "--minibatches", "5"], "more than the 4 responses"),
+                       (["--geo-rs-threshold", "1.1_0.9"], r"--geo-rs-threshold '1.1_0.9'.*lower bound 1.1")):
+        with pytest.raises(SystemExit) as exc:
+            demo.parse_args(bad)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and re.search(match, err), (bad, err)
+    assert demo.parse_args(["--digits", "15", "--stale", "0", "--top-k", "0", "--lr", "0"]).digits == 15
+    # a geo_rs threshold is checked only when geo_rs runs
+    assert demo.parse_args(["--geo-rs-threshold", "1.1_0.9", "--settings", "none"]).settings == "none"
+
+
+def test_demo_grpo_advantages_are_verls():
+    """The demo's GRPO advantage against verl's own compute_grpo_outcome_advantage, a group of one included (verl:
+    mean 0, std 1; the demo's r.std() of one response was NaN, and the run died in the loss: the demo fuzz)."""
+    import torch
+
+    core = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl's GRPO advantage is the oracle")
+    import numpy as np
+
+    demo = _load_demo()
+    g = torch.Generator().manual_seed(0)
+    for group in (1, 2, 4):
+        rewards = torch.randint(0, 4, (3 * group,), generator=g).float() / 3  # ties, and equal groups
+        rewards[:group] = 0.5  # a group of equal rewards: std 0
+        mask = torch.ones(3 * group, 2)
+        index = np.array([i // group for i in range(3 * group)], dtype=object)
+        want, _ = core.compute_grpo_outcome_advantage(rewards[:, None] * torch.tensor([[0.0, 1.0]]), mask, index)
+        got = demo.grpo_advantages(rewards, group)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want[:, 0], rtol=1e-6, atol=1e-6)
+
+
+def test_demo_table_refuses_bad_input_by_name(tmp_path):
+    """demo_table.py: a truncated last line (a run still being written) or a non-object line is one error naming
+    file and line, --window / --tail below 1 are refused by name (the demo fuzz: tracebacks, and --tail -1 averaged
+    rows[1:] silently)."""
+    good = {"setting": "none", "step": 0, "reward": 0.5, "exact_match": 0.0, "rollout_corr/kl": 0.0,
+            "rollout_corr/chi2_token": 0.0, "rollout_corr/seq_masked_fraction": 0.0}
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(json.dumps(good) + "\n" + json.dumps(good)[:20])
+    lst = tmp_path / "list.jsonl"
+    lst.write_text("[1, 2]\n")
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text(json.dumps(good) + "\n")
+    script = os.path.join(ROOT, "examples", "demo_table.py")
+    for args, words in (([str(cut)], f"{cut}:2: not a JSON record"), ([str(lst)], f"{lst}:1: not a JSON object"),
+                        ([str(ok), "--window", "0"], "--window must be >= 1"),
+                        ([str(ok), "--tail", "-1"], "--tail must be >= 1")):
+        proc = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, script, str(ok), "--window", "1", "--tail", "1"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and "| none |" in proc.stdout, proc.stderr

@@ -124,6 +124,19 @@ def test_report_refuses_bad_batches_with_one_line_naming_the_entry(tmp_path, cap
     with pytest.raises(SystemExit):
         main([str(tmp_path / "cut.pt"), "--out", str(tmp_path / "cut")])
     assert "not a readable torch.save file" in capsys.readouterr().err
+    # a text file (the weights-only unpickler's KeyError), random bytes, an empty file: one line, exit 2 (the demo /
+    # report fuzz: the text file was a traceback)
+    for name, data in (("text.pt", b"hello\n"), ("noise.pt", bytes(range(7, 250, 3))), ("empty.pt", b"")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(SystemExit) as exc:
+            main([str(tmp_path / name), "--out", str(tmp_path / "x")])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "not a readable torch.save file" in err and err.count("\n") == 1, err
+    # an --out into a directory that does not exist: named before any work, not a traceback after it
+    with pytest.raises(SystemExit) as exc:
+        main([str(good), "--out", str(tmp_path / "no_such_dir" / "x")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "no directory" in err and "no_such_dir" in err and err.count("\n") == 1, err
     # a torch.save-d 0-dim integer current_version is read as the int it holds
     torch.save(dict(base, versions=torch.tensor([3, 3, 4, 5]), current_version=torch.tensor(5)), good)
     assert main([str(good), "--out", str(tmp_path / "good")]) == 0
