@@ -541,7 +541,8 @@ def _integer_versions(values, device) -> torch.Tensor:
     flat = arr.reshape(-1).tolist()  # Python numbers (an object array's items as they are)
     bad = [i for i, v in enumerate(flat)
            if isinstance(v, bool) or not (isinstance(v, numbers.Integral)
-                                          or (isinstance(v, float) and math.isfinite(v) and v == int(v)))]
+                                          or (isinstance(v, float) and math.isfinite(v) and v == int(v)))
+           or not -2 ** 63 <= int(v) < 2 ** 63]
     if bad:
         raise ValueError(f"non_tensor_batch['min_global_steps'] must hold one integer policy version per row, got "
                          f"{flat[bad[0]]!r} at row {bad[0]} ({len(bad)} such rows)")

@@ -1027,7 +1027,8 @@ def test_add_to_batch_versions_must_be_integers(V):
         got = run(same)
         assert got["rollout_corr/by_lag/2/tokens"] == want["rollout_corr/by_lag/2/tokens"] == float(
             mask[torch.tensor(rows) == 5].sum())
-    for bad, shown in ((None, "None"), (math.nan, "nan"), (4.7, "4.7"), (True, "True")):
+    for bad, shown in ((None, "None"), (math.nan, "nan"), (4.7, "4.7"), (True, "True"), (1e300, "1e[+]300"),
+                       (2 ** 64, str(2 ** 64))):
         steps = np.array(rows, dtype=object)
         steps[1] = bad
         with pytest.raises(ValueError, match=rf"min_global_steps'\] must hold one integer .* got {shown} at row 1"):
