@@ -64,6 +64,21 @@ def _field_tensor(name: str, value) -> Optional[torch.Tensor]:
     return None
 
 
+#: vLLM raises a request's temperature in (0, VLLM_MIN_TEMPERATURE) to it before its sampler sees it
+#: (``vllm/sampling_params.py``, ``SamplingParams.__post_init__`` and ``_MAX_TEMP``, 0.33.0): such a request is
+#: drawn at this temperature, whatever its config says.
+VLLM_MIN_TEMPERATURE = 1e-2
+
+
+def engine_temperature(temperature: float, engine: Optional[str] = None) -> float:
+    """The temperature a rollout engine samples with when configured with ``temperature``: vLLM's (``engine`` None
+    or a name starting with "vllm") raises one in (0, :data:`VLLM_MIN_TEMPERATURE`) to that value; other engines'
+    are taken as configured."""
+    if (engine is None or str(engine).lower().startswith("vllm")) and 0 < temperature < VLLM_MIN_TEMPERATURE:
+        return VLLM_MIN_TEMPERATURE
+    return temperature
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """What the inference engine sampled with; each field a Python number or a per-row 1-D tensor (engines accept
@@ -110,11 +125,13 @@ class SamplingParams:
     @classmethod
     def from_verl(cls, rollout_config) -> "SamplingParams":
         """From verl's rollout config (``actor_rollout_ref.rollout``: ``temperature``, ``top_k`` (-1: disabled),
-        ``top_p``, ``min_p``); a mapping or an object with those attributes. The temperature is kept: these
-        parameters replay the sampler on **raw** logits (``make_policy_loss_func(sampling=)``, the log-prob entry
-        points). verl's actor divides its logits by the temperature itself and then needs the engine's processed
-        log-probs: in verl use :func:`rollout_corr_ext.verl.sampling_params`, which sets the temperature to 1 and
-        checks ``logprobs_mode``."""
+        ``top_p``, ``min_p``); a mapping or an object with those attributes. The temperature is the one the engine
+        samples with (``name``, verl's engine: vLLM, the default, raises one below 0.01 to 0.01,
+        :func:`engine_temperature`): these parameters replay the sampler on **raw** logits
+        (``make_policy_loss_func(sampling=)``, the log-prob entry points). verl's actor divides its logits by the
+        configured temperature itself and then needs the engine's processed log-probs: in verl use
+        :func:`rollout_corr_ext.verl.sampling_params`, which sets the temperature to what is left to apply (1, or
+        the engine's over the configured one) and checks ``logprobs_mode``."""
         get = rollout_config.get if hasattr(rollout_config, "get") else lambda k, d: getattr(rollout_config, k, d)
 
         def number(key, default):  # None or text is the config's mistake: named, never a bare float() error
@@ -138,7 +155,7 @@ class SamplingParams:
         top_k = get("top_k", -1)
         top_k = None if top_k is None else integer("top_k", top_k)
         min_p = get("min_p", 0.0)
-        return cls(temperature=number("temperature", 1.0), top_k=None if top_k in (None, 0, -1) else int(top_k),
+        return cls(temperature=engine_temperature(number("temperature", 1.0), get("name", None)), top_k=None if top_k in (None, 0, -1) else int(top_k),
                    top_p=number("top_p", 1.0), min_p=0.0 if min_p is None else number("min_p", 0.0))
 
 

@@ -715,12 +715,15 @@ def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optiona
     """The :class:`rollout_corr_ext.SamplingParams` that replays what verl's rollout engine sampled with, from verl's
     config: the trainer config (``actor_rollout_ref.rollout`` is read), the ``actor_rollout_ref`` config, or the
     rollout config itself (a dataclass, ``DictConfig`` or dict). Fields read: ``temperature``, ``top_k`` (-1 / 0:
-    off), ``top_p``, ``min_p`` (when present) and ``logprobs_mode``. ``None`` when nothing truncates (top-k off,
-    top_p = 1, min_p = 0): there is nothing to replay.
+    off), ``top_p``, ``min_p`` (when present), ``name`` (the engine) and ``logprobs_mode``. ``None`` when there is
+    nothing to replay: nothing truncates (top-k off, top_p = 1, min_p = 0) and the replay's temperature is 1.
 
     ``temperature_applied`` (default True): verl's actor divides the logits by the rollout temperature before it
-    computes log-probs, so the replay runs at temperature 1 on those logits; False: the logits passed to
-    :func:`logprobs_from_logits` are the raw ones and the replay divides them.
+    computes log-probs, so the replay runs at temperature 1 on those logits, or at the engine's temperature over
+    the configured one where the engine sampled at another (vLLM raises a temperature below 0.01 to 0.01:
+    configured 0.005, replayed at 2 on logits / 0.005, :func:`rollout_corr_ext.sampling.engine_temperature`);
+    False: the logits passed to :func:`logprobs_from_logits` are the raw ones and the replay divides them by the
+    engine's temperature.
 
     Raises ``ValueError`` when the engine's log-probs are not those of the distribution it drew from (verl's
     ``logprobs_mode`` other than ``processed_logprobs``, e.g. vLLM's ``raw_logprobs``, or None, which leaves vLLM at
@@ -732,10 +735,15 @@ def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optiona
         inner = _get(rollout, key, None)
         if inner is not None:
             rollout = inner
-    sp = SamplingParams.from_verl(rollout)
+    sp = SamplingParams.from_verl(rollout)  # at the engine's temperature (vLLM's floor of 0.01 applied)
     top_k, top_p = sp.top_k, sp.top_p
+    # what is left to apply to verl's actor logits, already divided by the configured temperature: 1, or the
+    # engine's over the configured one where the engine sampled at another (vLLM at T = 0.005 draws at 0.01: 2)
+    replay_t = sp.temperature / float(_get(rollout, "temperature", 1.0)) if temperature_applied else sp.temperature
     if top_k is None and top_p == 1.0 and sp.min_p == 0.0:
-        return None
+        if replay_t == 1.0:
+            return None
+        return SamplingParams(temperature=replay_t)
     mode = _get(rollout, "logprobs_mode", "processed_logprobs")  # an absent key: verl's default
     if mode is None:  # verl then passes nothing to the engine, which keeps its own default: vLLM's raw_logprobs
         mode = "None (the engine's default, vLLM's raw_logprobs)"
@@ -747,7 +755,7 @@ def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optiona
                          f"distribution (top_k={top_k}, top_p={top_p}, min_p={sp.min_p}), so rollout_log_probs are "
                          f"not the sampling log-probabilities and replaying the truncation would compare different "
                          f"distributions. Set rollout.logprobs_mode=processed_logprobs (verl's default)")
-    return dataclasses.replace(sp, temperature=1.0) if temperature_applied else sp
+    return dataclasses.replace(sp, temperature=replay_t)
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward: bool = True) -> torch.Tensor:

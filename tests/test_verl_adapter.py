@@ -887,6 +887,42 @@ def test_logprobs_from_logits_equals_verl_and_replays_when_configured(V, dtype):
     torch.testing.assert_close(got.double()[fin], lp[fin], **output_tol(dtype))
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_a_temperature_vllm_raises_is_replayed_at_vllms(V, top_p):
+    """vLLM raises a request temperature in (0, 0.01) to 0.01 before sampling (vllm/sampling_params.py,
+    ``_MAX_TEMP``): a rollout configured at T = 0.005 is drawn from softmax(z / 0.01), while verl's actor divides
+    its logits by the configured 0.005. sampling_params replays at 0.01 / 0.005 = 2 on those logits (was 1, or no
+    replay at all without truncation: the log-probs of another distribution than the one drawn from; the vLLM
+    check), from_verl at 0.01 on raw logits; another engine (sglang) keeps its configured temperature. Oracle: the
+    dense fp64 vLLM-rule replay at 0.01 of the raw logits."""
+    from rollout_corr_ext import SamplingParams
+    from rollout_corr_testing.sampling_oracle import sampled_log_probs_dense
+
+    g = torch.Generator().manual_seed(6)
+    z = torch.randn(4, 32, generator=g, dtype=torch.float64) * 0.02  # gaps of a few 0.01: T matters
+    labels = torch.randint(0, 32, (4,), generator=g)
+    cfg = {"temperature": 0.005, "top_k": -1, "top_p": top_p, "name": "vllm"}
+    sp = rv.sampling_params(cfg)
+    assert sp is not None and sp.temperature == pytest.approx(2.0)
+    assert SamplingParams.from_verl(cfg).temperature == 0.01
+    assert rv.sampling_params(cfg, temperature_applied=False).temperature == 0.01
+    want, *_ = sampled_log_probs_dense(z, labels, temperature=0.01, top_p=top_p)
+    with rv.configured(sampling=sp):
+        got = rv.logprobs_from_logits((z / 0.005).float(), labels)  # verl's actor: logits / the configured T
+    fin = want != -math.inf
+    assert torch.equal(got == -math.inf, ~fin)
+    torch.testing.assert_close(got.double()[fin], want[fin], rtol=1e-5, atol=1e-5)
+    # the configured temperature (what the old mapping replayed) is a different distribution here
+    other, *_ = sampled_log_probs_dense(z, labels, temperature=0.005, top_p=top_p)
+    assert (other[fin] - want[fin]).abs().max() > 1e-2
+    # sglang samples at the configured temperature; at or above 0.01 vLLM does too
+    assert SamplingParams.from_verl(dict(cfg, name="sglang")).temperature == 0.005
+    assert rv.sampling_params(dict(cfg, name="sglang")) == (None if top_p == 1.0 else SamplingParams(top_p=top_p))
+    assert rv.sampling_params(dict(cfg, temperature=0.01)) == (None if top_p == 1.0 else SamplingParams(top_p=top_p))
+    assert rv.sampling_params(dict(cfg, temperature=0.7), temperature_applied=False) == SamplingParams(
+        temperature=0.7, top_p=top_p)
+
+
 def test_losses_and_correction_leave_out_of_support_tokens_out_when_replaying(V):
     """With configure(sampling=...), a response token whose log-prob is -inf (outside a replayed kept set) leaves
     the loss and the rollout correction: every result equals the call with that token masked by hand, and
