@@ -2058,9 +2058,20 @@ def _grpo_packed(lp, advantages, seq_starts, seq_lengths):
         raise ValueError(f"with seq_starts / seq_lengths, current_logprobs must be the packed bin [1, bin_size], got "
                          f"shape {tuple(lp.shape)}")
     starts, lengths = _int_list("seq_starts", seq_starts), _int_list("seq_lengths", seq_lengths)
-    n, size = len(starts), lp.shape[1]
-    if len(lengths) != n:
-        raise ValueError(f"seq_starts has {n} entries but seq_lengths has {len(lengths)}")
+    n, size = len(lengths), lp.shape[1]
+    if len(starts) == n + 1:
+        # Megatron-LM's packer (megatron/rl/sequence_packing_utils.py, pack_sequences) ends the list with the bin's
+        # padded end, a sentinel its calculate_grpo_loss zips away: it must lie past the last sequence's tokens
+        end = starts[-1]
+        if n and end < starts[-2] + lengths[-1] or not 0 <= end <= size + 1:
+            raise ValueError(f"seq_starts has one entry more than seq_lengths ({n}): its last, {end}, must be the "
+                             f"bin's padded end (Megatron-LM's sentinel), at or past the last sequence's end "
+                             f"({starts[-2] + lengths[-1] if n else 0}) and at most {size + 1} (the {size} "
+                             f"log-probs' tokens and one more)")
+        starts = starts[:-1]
+    elif len(starts) != n:
+        raise ValueError(f"seq_starts has {len(starts)} entries but seq_lengths has {n} (one start per sequence, or "
+                         f"with Megatron-LM's padded-end sentinel one more)")
     if not isinstance(advantages, torch.Tensor) or advantages.numel() != n:
         raise ValueError(f"advantages must be a tensor of one value per packed sequence ({n}), got "
                          f"{getattr(advantages, 'shape', type(advantages))}")
@@ -2142,7 +2153,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
 
 
 class _WeightedPLogP(torch.autograd.Function):
-    """``w (p log p)`` of the log-probs ``lp`` (p = e^lp; 0 at p = 0, its limit; the value is ``w *
+    """``w (p log p)`` of the log-probs ``lp`` (p = e^lp; 0 at p = 0, its limit; the value is ``-w *
     entropy_term`` bit for bit) with its gradient ``w p (log p + 1)`` formed from ``w p``: autograd's chain through
     ``p`` forms ``w log p`` first, which overflowed fp32 at w = 1e38, log p = -5 (a -inf gradient where the value is
     -2.7e36; the knob fuzz). The gradient is autograd's up to rounding (log p + 1 is rounded once here, not in
@@ -2186,12 +2197,13 @@ def calculate_grpo_loss(
     """Per-token GRPO loss in the form of Megatron-LM RL ``calculate_grpo_loss`` (unpacked ``[B, T]`` inputs,
     ``advantages`` ``[B]``), a drop-in for it:
 
-    loss = -w min(r A, clip(r, 1 - eps_lo, 1 + eps_hi) A) + kl_beta k3 + entropy_weight exp(lp) lp,
+    loss = -w min(r A, clip(r, 1 - eps_lo, 1 + eps_hi) A) + kl_beta k3 - entropy_weight H,  H = -exp(lp) lp,
     r = pi/pi_old, k3 = exp(ref - lp) - (ref - lp) - 1 (Schulman's low-variance KL to pi_ref),
     w = min(pi_old/pi_inference, ``is_truncation_coef``) when ``inference_logprobs`` is given (TIS).
 
     Returns Megatron's 6-tuple (loss, kl_term, ratios, entropy_term, truncated_from_above,
-    truncated_from_below), all ``[B, T]``. The ratio goes through the same fused elementwise op as the PPO
+    truncated_from_below), all ``[B, T]``; ``entropy_term`` is H = -p log p, >= 0, as Megatron-LM returns it since
+    core 0.16 (0.15 returned p log p: the loss is the same). The ratio goes through the same fused elementwise op as the PPO
     family (``ops.policy_loss_rows`` without dual clip), whose log-ratio is clamped to +-20 before exp (verl's
     bound): tokens with |log pi - log pi_old| > 20 get the ratio e^{+-20} and the clipped objective's gradient there,
     where Megatron takes e^{log-ratio} as it is (finite up to ~88, inf beyond); identical elsewhere. As in Megatron,
@@ -2210,7 +2222,7 @@ def calculate_grpo_loss(
     both -inf) with ``kl_beta`` != 0 is refused.
 
     Packed, as Megatron-LM passes it: ``seq_starts`` / ``seq_lengths`` (lists or 1-D integer tensors, one entry per
-    sequence) with ``[1, bin_size]`` log-probs and ``advantages`` ``[num_sequences]``; sequence i owns the tokens
+    sequence; ``seq_starts`` may end with Megatron-LM's packer's sentinel, the bin's padded end, one entry more) with ``[1, bin_size]`` log-probs and ``advantages`` ``[num_sequences]``; sequence i owns the tokens
     ``[start_i, min(start_i + len_i - 1, bin_size))`` (log-probs are one shorter than the sequence; none for a
     length of 0 or 1) and every other
     position gets advantage 0, as in Megatron. Overlapping sequences are an error (Megatron's later one would
@@ -2322,9 +2334,11 @@ def calculate_grpo_loss(
         # KL(pi_theta || pi_ref) itself (E_old[grad(r k3)] = grad E_theta[k3]).
         old_live = torch.where(live, old_logprobs.detach().to(acc), zero)
         kl_term = torch.exp(torch.clamp(lp_live - old_live, -20.0, 20.0)) * kl_term
-    # p log p is 0 at p = 0 (its limit; so is that of its derivative, p (log p + 1)): log p clamped to the lowest
-    # finite value gives 0 * -max = -0 there (-inf * 0 would read NaN), and the clamp passes it no gradient
-    entropy_term = lp_live.exp() * lp_live.clamp(min=-big)
+    # the token's entropy term -p log p, as Megatron-LM returns it since "Fix the entropy sign" (core 0.16; 0.15
+    # returned p log p), the loss subtracting entropy_weight times it. p log p is 0 at p = 0 (its limit; so is
+    # that of its derivative, p (log p + 1)): log p clamped to the lowest finite value gives 0 * -max = -0 there
+    # (-inf * 0 would read NaN), and the clamp passes it no gradient
+    entropy_term = -(lp_live.exp() * lp_live.clamp(min=-big))
     # a term whose coefficient is 0 is left out, not multiplied by 0: an infinite KL at a token pi gives probability
     # 0 must not turn a defined loss into NaN when the KL is off (Megatron's 0 * inf)
     loss = pg_loss

@@ -165,7 +165,7 @@ def grpo_loss_dense(
     """Textbook oracle of Megatron-LM RL ``calculate_grpo_loss`` (unpacked ``[B, T]``, advantages ``[B]``):
 
     r = exp(lp - lp_old); loss = -w min(r A, clip(r, 1 - eps_lo, 1 + eps_hi) A) + beta k3(ref || lp)
-    + entropy_weight exp(lp) lp, with k3 = exp(ref - lp) - (ref - lp) - 1. Returns (loss, kl_term, ratios,
+    - entropy_weight H, H = -exp(lp) lp (megatron/rl/rl_utils.py since core 0.16, "Fix the entropy sign"), with k3 = exp(ref - lp) - (ref - lp) - 1. Returns (loss, kl_term, ratios,
     entropy_term, truncated_from_above, truncated_from_below).
     """
     ratios = (current_logprobs - old_logprobs).exp()
@@ -173,7 +173,7 @@ def grpo_loss_dense(
     adv = advantages.reshape(-1, 1)
     ref_diff = ref_logprobs - current_logprobs
     kl_term = ref_diff.exp() - ref_diff - 1
-    entropy_term = current_logprobs.exp() * current_logprobs
+    entropy_term = -current_logprobs.exp() * current_logprobs  # the entropy H = -p log p (Megatron-LM >= core 0.16)
     w = 1.0 if is_weights is None else is_weights
-    loss = -w * torch.min(ratios * adv, clamped * adv) + kl_beta * kl_term + entropy_weight * entropy_term
+    loss = -w * torch.min(ratios * adv, clamped * adv) + kl_beta * kl_term - entropy_weight * entropy_term
     return loss, kl_term, ratios, entropy_term, ratios > 1 + clamp_eps_upper, ratios < 1 - clamp_eps_lower

@@ -1061,6 +1061,17 @@ def test_grpo_packed_signature_equals_unpacked(correction):
     if correction:  # the sequence-level RS decided per sequence, some kept and some not
         kept = [bool(want[6].response_mask[i, 0]) for i in range(n) if lengths[i] > 1]
         assert any(kept) and not all(kept), kept
+    # Megatron-LM's trainer passes seq_starts as its packer builds them, with the bin's padded end as a last entry
+    # (megatron/rl/sequence_packing_utils.py: pack_sequences appends it, get_packed_seq_params asserts n + 1 entries;
+    # its calculate_grpo_loss zips it away): the same call (was refused: the Megatron-LM check)
+    for sentinel in (pos, size + 1, starts[-1] + lengths[-1]):
+        x2 = cur.clone().requires_grad_(True)
+        again = losses.calculate_grpo_loss(x2, old, ref, adv, 0.2, 0.28, 0.05, 0.01, inf if correction else None,
+                                           None, starts + [sentinel], lengths, **kw)
+        again[0].sum().backward()
+        for k in range(6):
+            assert torch.equal(again[k], got[k]), k
+        assert torch.equal(x2.grad, x.grad)
 
 
 @pytest.mark.parametrize("kl_is_correction", [False, True])
@@ -1125,6 +1136,36 @@ def test_grpo_packed_refuses_overlap_and_mismatch():
     losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, [0, 5], [5, 6])
     adv3 = torch.zeros(3, dtype=torch.float64)
     losses.calculate_grpo_loss(lp, lp, lp, adv3, 0.2, 0.2, 0.0, 0.0, None, None, [0, 5, 11], [5, 6, 0])
+    # Megatron-LM's padded-end sentinel: one entry more, at or past the last sequence's end and within the bin;
+    # an empty bin is [] and [] (Megatron's empty-bin entry), or [end] and []
+    losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, [0, 5, 11], [5, 6])
+    for starts in ([0, 5, 9], [0, 5, 12], [0, 5, -1]):
+        with pytest.raises(ValueError, match=r"seq_starts has one entry more than seq_lengths \(2\): its last, -?[0-9]+, "
+                                             r"must be the bin's padded end"):
+            losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, starts, [5, 6])
+    with pytest.raises(ValueError, match=r"seq_starts has 4 entries but seq_lengths has 2 \(one start per sequence, "
+                                         r"or with Megatron-LM's padded-end sentinel one more\)"):
+        losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, [0, 5, 8, 11], [5, 3])
+    empty = torch.zeros(0, dtype=torch.float64)
+    for starts in ([], [0], [11]):
+        out = losses.calculate_grpo_loss(lp, lp, lp, empty, 0.2, 0.2, 0.0, 0.0, None, None, starts, [])
+        assert (out[0] == 0).all()
+
+
+def test_grpo_entropy_term_is_the_entropy():
+    """entropy_term is H = -p log p >= 0, the loss subtracting entropy_weight H, as Megatron-LM's
+    calculate_grpo_loss returns it since "Fix the entropy sign" (core 0.16; megatron/rl/rl_utils.py): it returned
+    p log p here, the sign of 0.15, so a trainer logging rl/entropy_term read a negative entropy (the loss was the
+    same; the Megatron-LM check). Oracle: the formula in fp64."""
+    g = torch.Generator().manual_seed(2)
+    lp = -torch.rand(3, 7, generator=g, dtype=torch.float64) * 3
+    adv = torch.randn(3, generator=g, dtype=torch.float64)
+    out = losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.5)
+    p = lp.exp()
+    torch.testing.assert_close(out[3], -p * lp, rtol=1e-14, atol=0)
+    assert (out[3] > 0).all()
+    # ratio 1, KL 0: the loss is -A - 0.5 H
+    torch.testing.assert_close(out[0], -adv[:, None].expand_as(lp) - 0.5 * (-p * lp), rtol=1e-14, atol=1e-15)
 
 
 def test_grpo_numbers_are_real_numbers_named():
@@ -1205,8 +1246,9 @@ def test_grpo_entropy_gradient_at_a_huge_weight_is_the_fp64_one():
         torch.testing.assert_close(x.grad[0, :3].double(), want, rtol=1e-6, atol=0)
         assert x.grad[0, 3] == 0
         torch.testing.assert_close(out[0][0, :3].double(), w * d.exp() * d, rtol=1e-6, atol=0)
-        # the value is entropy_weight * entropy_term bit for bit (Megatron's form; A = 0: the PPO term is -0)
-        assert torch.equal(out[0][0, :3], (w * out[3])[0, :3])
+        # the value is -entropy_weight * entropy_term bit for bit (Megatron's form, entropy_term = -p log p; A = 0:
+        # the PPO term is -0)
+        assert torch.equal(out[0][0, :3], (-w * out[3])[0, :3])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
