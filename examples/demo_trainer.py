@@ -352,7 +352,7 @@ class Run:
 
         reports = []
         perm = torch.randperm(n, generator=gen).to(seq.device)
-        for idx in perm.chunk(a.minibatches):
+        for idx in perm.tensor_split(a.minibatches):  # exactly --minibatches (chunk gives fewer when n % m != 0)
             if a.packed:
                 # Sequence packing (megatron's THD layout): the loss sees one stream of the response-scoring
                 # positions of every sequence, with cu_seqlens; no padding reaches it. (A packed trainer's model

@@ -2201,12 +2201,12 @@ def calculate_grpo_loss(
     r = pi/pi_old, k3 = exp(ref - lp) - (ref - lp) - 1 (Schulman's low-variance KL to pi_ref),
     w = min(pi_old/pi_inference, ``is_truncation_coef``) when ``inference_logprobs`` is given (TIS).
 
-    Returns Megatron's 6-tuple (loss, kl_term, ratios, entropy_term, truncated_from_above,
-    truncated_from_below), all ``[B, T]``; ``entropy_term`` is H = -p log p, >= 0, as Megatron-LM returns it since
-    core 0.16 (0.15 returned p log p: the loss is the same). The ratio goes through the same fused elementwise op as the PPO
-    family (``ops.policy_loss_rows`` without dual clip), whose log-ratio is clamped to +-20 before exp (verl's
-    bound): tokens with |log pi - log pi_old| > 20 get the ratio e^{+-20} and the clipped objective's gradient there,
-    where Megatron takes e^{log-ratio} as it is (finite up to ~88, inf beyond); identical elsewhere. As in Megatron,
+    Returns Megatron's 6-tuple (loss, kl_term, ratios, entropy_term, truncated_from_above, truncated_from_below), all
+    ``[B, T]``; ``entropy_term`` is H = -p log p, >= 0, as Megatron-LM returns it since core 0.16 (0.15 returned p log
+    p: the loss is the same). The ratio goes through the same fused elementwise op as the PPO family
+    (``ops.policy_loss_rows`` without dual clip), whose log-ratio is clamped to +-20 before exp (verl's bound): tokens
+    with |log pi - log pi_old| > 20 get the ratio e^{+-20} and the clipped objective's gradient there, where Megatron
+    takes e^{log-ratio} as it is (finite up to ~88, inf beyond); identical elsewhere. As in Megatron,
     ``is_truncation_coef`` is used only with ``inference_logprobs``.
 
     With ``rollout_correction`` (a RolloutCorrectionConfig) the weights come from our rollout correction of
@@ -2222,13 +2222,13 @@ def calculate_grpo_loss(
     both -inf) with ``kl_beta`` != 0 is refused.
 
     Packed, as Megatron-LM passes it: ``seq_starts`` / ``seq_lengths`` (lists or 1-D integer tensors, one entry per
-    sequence; ``seq_starts`` may end with Megatron-LM's packer's sentinel, the bin's padded end, one entry more) with ``[1, bin_size]`` log-probs and ``advantages`` ``[num_sequences]``; sequence i owns the tokens
-    ``[start_i, min(start_i + len_i - 1, bin_size))`` (log-probs are one shorter than the sequence; none for a
-    length of 0 or 1) and every other
-    position gets advantage 0, as in Megatron. Overlapping sequences are an error (Megatron's later one would
-    silently overwrite). With ``rollout_correction`` the correction sees each sequence as one segment (sequence-level
-    IS / RS exact per sequence, not per bin), positions outside every sequence masked out, and the returned
-    result's tensors are the ``[bin_size]`` stream.
+    sequence; ``seq_starts`` may end with Megatron-LM's packer's sentinel, the bin's padded end, one entry more) with
+    ``[1, bin_size]`` log-probs and ``advantages`` ``[num_sequences]``; sequence i owns the tokens ``[start_i,
+    min(start_i + len_i - 1, bin_size))`` (log-probs are one shorter than the sequence; none for a length of 0 or 1) and
+    every other position gets advantage 0, as in Megatron. Overlapping sequences are an error (Megatron's later one
+    would silently overwrite). With ``rollout_correction`` the correction sees each sequence as one segment
+    (sequence-level IS / RS exact per sequence, not per bin), positions outside every sequence masked out, and the
+    returned result's tensors are the ``[bin_size]`` stream.
 
     ``kl_is_correction=True``: the IS-corrected KL of DeepSeek-V3.2, kl_term = (pi / pi_old) k3, an unbiased
     estimate of KL(pi || pi_ref) on tokens sampled from pi_old (plain k3 is unbiased only on-policy); the ratio is

@@ -434,7 +434,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     prefix = args.out or os.path.splitext(args.batch)[0]
     out_dir = os.path.dirname(prefix) or "."
-    if not os.path.isdir(out_dir):  # before the work: the outputs' directory is the caller's to make
+    if args.out and not os.path.isdir(out_dir):  # before the work: the outputs' directory is the caller's to make
+        # (without --out it is the batch's own, named by the load's error if missing)
         ap.exit(2, f"{ap.prog}: error: --out {prefix!r}: no directory {out_dir!r} to write {prefix}.json / .png in\n")
     try:  # a bad input is one line naming it, not a traceback
         if args.batch.endswith(".jsonl"):

@@ -71,9 +71,12 @@ VLLM_MIN_TEMPERATURE = 1e-2
 
 
 def engine_temperature(temperature: float, engine: Optional[str] = None) -> float:
-    """The temperature a rollout engine samples with when configured with ``temperature``: vLLM's (``engine`` None
-    or a name starting with "vllm") raises one in (0, :data:`VLLM_MIN_TEMPERATURE`) to that value; other engines'
-    are taken as configured."""
+    """The temperature a rollout engine samples with when configured with ``temperature`` (a number): vLLM's
+    (``engine`` None or a name starting with "vllm") raises one in (0, :data:`VLLM_MIN_TEMPERATURE`) to that value;
+    other engines' are taken as configured."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"engine_temperature: temperature must be a number (a request's), got "
+                        f"{type(temperature).__name__}")
     if (engine is None or str(engine).lower().startswith("vllm")) and 0 < temperature < VLLM_MIN_TEMPERATURE:
         return VLLM_MIN_TEMPERATURE
     return temperature
@@ -155,8 +158,9 @@ class SamplingParams:
         top_k = get("top_k", -1)
         top_k = None if top_k is None else integer("top_k", top_k)
         min_p = get("min_p", 0.0)
-        return cls(temperature=engine_temperature(number("temperature", 1.0), get("name", None)), top_k=None if top_k in (None, 0, -1) else int(top_k),
-                   top_p=number("top_p", 1.0), min_p=0.0 if min_p is None else number("min_p", 0.0))
+        return cls(temperature=engine_temperature(number("temperature", 1.0), get("name", None)),
+                   top_k=None if top_k in (None, 0, -1) else int(top_k), top_p=number("top_p", 1.0),
+                   min_p=0.0 if min_p is None else number("min_p", 0.0))
 
 
 def _per_row(name: str, value, rows: int, lead, dtype, device) -> torch.Tensor:

@@ -493,8 +493,16 @@ def compute_rollout_correction_and_add_to_batch(
     ``response_mask`` from ``batch``, writes the RS mask back to ``response_mask`` and adds ``rollout_is_weights``
     when an IS level is set. ``rollout_corr_config``: verl's config (read as verl reads it) or this package's."""
     cfg = rollout_correction_config(rollout_corr_config)
-    weights, mask, metrics = _correct_verl(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
-                                           batch.batch["response_mask"], cfg, _batch_diagnostics(batch))
+    diagnostics, bad_versions = _batch_diagnostics(batch)
+    try:
+        weights, mask, metrics = _correct_verl(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
+                                               batch.batch["response_mask"], cfg, diagnostics)
+    except ValueError as exc:
+        # a bad min_global_steps row went in as version -1, refused by the diagnostics' check on every rank of the
+        # reduce (a local raise would leave the others waiting in it): named here as the caller wrote it
+        if bad_versions is not None and "diagnostics.versions" in str(exc):
+            raise ValueError(bad_versions) from exc
+        raise
     batch.batch["response_mask"] = mask
     if weights is not None:
         proto = _data_proto("compute_rollout_correction_and_add_to_batch")
@@ -503,19 +511,21 @@ def compute_rollout_correction_and_add_to_batch(
 
 
 def _batch_diagnostics(batch):
-    """The configured diagnostics with the batch's policy versions (see :func:`configure`), or None."""
+    """(the configured diagnostics with the batch's policy versions (see :func:`configure`) or None, the message
+    naming a row of ``min_global_steps`` that is not an integer or None)."""
     spec = _SETTINGS["diagnostics"]
     if spec is None:
-        return None
+        return spec, None
     import dataclasses
 
-    versions = None
+    versions, bad = None, None
     if "rollout_versions" in batch.batch.keys():
         versions = batch.batch["rollout_versions"]
     elif getattr(batch, "non_tensor_batch", None) is not None and "min_global_steps" in batch.non_tensor_batch:
-        versions = _integer_versions(batch.non_tensor_batch["min_global_steps"], batch.batch["old_log_probs"].device)
+        versions, bad = _integer_versions(batch.non_tensor_batch["min_global_steps"],
+                                          batch.batch["old_log_probs"].device, batch.batch["response_mask"])
     if versions is None:
-        return spec
+        return spec, None
     current = _SETTINGS["current_version"]
     where = "configure(current_version=...)"
     if current is None:
@@ -527,26 +537,37 @@ def _batch_diagnostics(batch):
         current = current.item()
     if isinstance(current, bool) or not isinstance(current, numbers.Integral):  # 5.7 is not a step to truncate
         raise TypeError(f"{where} must be an integer (the trainer's policy version), got {current!r}")
-    return dataclasses.replace(spec, versions=versions, current_version=int(current))
+    return dataclasses.replace(spec, versions=versions, current_version=int(current)), bad
 
 
-def _integer_versions(values, device) -> torch.Tensor:
-    """verl's fully-async ``non_tensor_batch["min_global_steps"]`` (one integer per row) as an int64 tensor; a value
-    that is not an integer (None, NaN, 4.7) is refused by name, never cast (4.7 would become step 4)."""
+def _integer_versions(values, device, response_mask) -> Tuple[torch.Tensor, Optional[str]]:
+    """verl's fully-async ``non_tensor_batch["min_global_steps"]`` (one integer per row) as an int64 tensor, and a
+    message naming the first row with a response token that is not an integer (None, NaN, 4.7: never cast, 4.7
+    would become step 4), or None. Such a row is -1 in the tensor, a version the diagnostics refuse at a response
+    token on every rank of their reduce (this row's own check would leave the other ranks waiting there); a row
+    without response tokens is never read, as any masked value."""
     import numpy as np
 
     arr = np.asarray(values)
     if arr.dtype.kind in "iu":
-        return torch.as_tensor(arr.astype("int64"), device=device)
+        return torch.as_tensor(arr.astype("int64"), device=device), None
     flat = arr.reshape(-1).tolist()  # Python numbers (an object array's items as they are)
     bad = [i for i, v in enumerate(flat)
            if isinstance(v, bool) or not (isinstance(v, numbers.Integral)
                                           or (isinstance(v, float) and math.isfinite(v) and v == int(v)))
            or not -2 ** 63 <= int(v) < 2 ** 63]
+    msg = None
     if bad:
-        raise ValueError(f"non_tensor_batch['min_global_steps'] must hold one integer policy version per row, got "
-                         f"{flat[bad[0]]!r} at row {bad[0]} ({len(bad)} such rows)")
-    return torch.as_tensor(np.array([int(v) for v in flat], dtype=np.int64).reshape(arr.shape), device=device)
+        read = bad  # a layout that is not one row per value is refused by name later, with the versions' shape
+        if response_mask.dim() >= 1 and response_mask.shape[0] == len(flat):
+            rows = (response_mask != 0).reshape(len(flat), -1).any(-1).tolist()
+            read = [i for i in bad if rows[i]]
+        if read:
+            msg = (f"non_tensor_batch['min_global_steps'] must hold one integer policy version per row, got "
+                   f"{flat[read[0]]!r} at row {read[0]} ({len(read)} such rows with response tokens)")
+        for i in bad:
+            flat[i] = -1
+    return torch.as_tensor(np.array([int(v) for v in flat], dtype=np.int64).reshape(arr.shape), device=device), msg
 
 
 def apply_bypass_mode(
@@ -725,11 +746,11 @@ def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optiona
     False: the logits passed to :func:`logprobs_from_logits` are the raw ones and the replay divides them by the
     engine's temperature.
 
-    Raises ``ValueError`` when the engine's log-probs are not those of the distribution it drew from (verl's
-    ``logprobs_mode`` other than ``processed_logprobs``, e.g. vLLM's ``raw_logprobs``, or None, which leaves vLLM at
-    its default ``raw_logprobs``; an absent key is verl's default, ``processed_logprobs``): the rollout log-probs are
-    then of the untruncated distribution, and replaying the truncation on the trainer's side would compare two
-    different distributions."""
+    Raises ``ValueError``, when there is something to replay, if the engine's log-probs are not those of the
+    distribution it drew from (verl's ``logprobs_mode`` other than ``processed_logprobs``, e.g. vLLM's
+    ``raw_logprobs``, or None, which leaves vLLM at its default ``raw_logprobs``; an absent key is verl's default,
+    ``processed_logprobs``): the rollout log-probs are then of the raw logits, and replaying the sampler on the
+    trainer's side would compare two different distributions."""
     rollout = config
     for key in ("actor_rollout_ref", "rollout"):
         inner = _get(rollout, key, None)
@@ -740,21 +761,23 @@ def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optiona
     # what is left to apply to verl's actor logits, already divided by the configured temperature: 1, or the
     # engine's over the configured one where the engine sampled at another (vLLM at T = 0.005 draws at 0.01: 2)
     replay_t = sp.temperature / float(_get(rollout, "temperature", 1.0)) if temperature_applied else sp.temperature
-    if top_k is None and top_p == 1.0 and sp.min_p == 0.0:
-        if replay_t == 1.0:
-            return None
-        return SamplingParams(temperature=replay_t)
+    truncates = not (top_k is None and top_p == 1.0 and sp.min_p == 0.0)
+    if not truncates and replay_t == 1.0:
+        return None
+    # something to replay: the rollout log-probs must be those of the distribution drawn from
     mode = _get(rollout, "logprobs_mode", "processed_logprobs")  # an absent key: verl's default
     if mode is None:  # verl then passes nothing to the engine, which keeps its own default: vLLM's raw_logprobs
         mode = "None (the engine's default, vLLM's raw_logprobs)"
     if mode not in _PROCESSED:
-        # vLLM's modes: raw_logprobs (untruncated log-probs), raw_logits / processed_logits (logits, not log-probs)
-        what = ("logits, not log-probs" if str(mode).endswith("_logits")
-                else "the log-probs of its untruncated distribution")
-        raise ValueError(f"rollout.logprobs_mode={mode!r}: the engine reports {what}, but draws from the truncated "
-                         f"distribution (top_k={top_k}, top_p={top_p}, min_p={sp.min_p}), so rollout_log_probs are "
-                         f"not the sampling log-probabilities and replaying the truncation would compare different "
-                         f"distributions. Set rollout.logprobs_mode=processed_logprobs (verl's default)")
+        # vLLM's modes: raw_logprobs (of the raw logits: before temperature and truncation), raw_logits /
+        # processed_logits (logits, not log-probs)
+        what = "logits, not log-probs" if str(mode).endswith("_logits") else "the log-probs of its raw logits"
+        drawn = (f"the truncated distribution (top_k={top_k}, top_p={top_p}, min_p={sp.min_p})" if truncates else
+                 f"softmax(logits / {sp.temperature}) (vLLM raises a temperature below 0.01 to 0.01)")
+        raise ValueError(f"rollout.logprobs_mode={mode!r}: the engine reports {what}, but draws from {drawn}, so "
+                         f"rollout_log_probs are not the sampling log-probabilities and replaying the sampler would "
+                         f"compare different distributions. Set rollout.logprobs_mode=processed_logprobs (verl's "
+                         f"default)")
     return dataclasses.replace(sp, temperature=replay_t)
 
 

@@ -165,8 +165,9 @@ def grpo_loss_dense(
     """Textbook oracle of Megatron-LM RL ``calculate_grpo_loss`` (unpacked ``[B, T]``, advantages ``[B]``):
 
     r = exp(lp - lp_old); loss = -w min(r A, clip(r, 1 - eps_lo, 1 + eps_hi) A) + beta k3(ref || lp)
-    - entropy_weight H, H = -exp(lp) lp (megatron/rl/rl_utils.py since core 0.16, "Fix the entropy sign"), with k3 = exp(ref - lp) - (ref - lp) - 1. Returns (loss, kl_term, ratios,
-    entropy_term, truncated_from_above, truncated_from_below).
+    - entropy_weight H, H = -exp(lp) lp (megatron/rl/rl_utils.py since core 0.16, "Fix the entropy sign"), with
+    k3 = exp(ref - lp) - (ref - lp) - 1. Returns (loss, kl_term, ratios, entropy_term, truncated_from_above,
+    truncated_from_below).
     """
     ratios = (current_logprobs - old_logprobs).exp()
     clamped = ratios.clamp(1 - clamp_eps_lower, 1 + clamp_eps_upper)

@@ -1140,8 +1140,8 @@ def test_grpo_packed_refuses_overlap_and_mismatch():
     # an empty bin is [] and [] (Megatron's empty-bin entry), or [end] and []
     losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, [0, 5, 11], [5, 6])
     for starts in ([0, 5, 9], [0, 5, 12], [0, 5, -1]):
-        with pytest.raises(ValueError, match=r"seq_starts has one entry more than seq_lengths \(2\): its last, -?[0-9]+, "
-                                             r"must be the bin's padded end"):
+        with pytest.raises(ValueError, match=r"seq_starts has one entry more than seq_lengths \(2\): its last, "
+                                             r"-?[0-9]+, must be the bin's padded end"):
             losses.calculate_grpo_loss(lp, lp, lp, adv, 0.2, 0.2, 0.0, 0.0, None, None, starts, [5, 6])
     with pytest.raises(ValueError, match=r"seq_starts has 4 entries but seq_lengths has 2 \(one start per sequence, "
                                          r"or with Megatron-LM's padded-end sentinel one more\)"):

@@ -137,6 +137,11 @@ def test_report_refuses_bad_batches_with_one_line_naming_the_entry(tmp_path, cap
         main([str(good), "--out", str(tmp_path / "no_such_dir" / "x")])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "no directory" in err and "no_such_dir" in err and err.count("\n") == 1, err
+    # without --out, a batch in a missing directory is the missing file it is (not an --out error: the review)
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path / "no_such_dir" / "batch.pt")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "No such file or directory" in err and "--out" not in err, err
     # a torch.save-d 0-dim integer current_version is read as the int it holds
     torch.save(dict(base, versions=torch.tensor([3, 3, 4, 5]), current_version=torch.tensor(5)), good)
     assert main([str(good), "--out", str(tmp_path / "good")]) == 0

@@ -36,6 +36,7 @@ with warnings.catch_warnings():
 
 from rollout_corr_ext import PolicyLossConfig, RolloutCorrectionConfig, compute_rollout_correction
 from rollout_corr_ext.config import PRESETS
+from rollout_corr_testing.dist_utils import dist_params, run_workers
 from rollout_corr_testing.rc_testutil import make_inputs
 from rollout_corr_testing.skips import skip_unless_ci
 from rollout_corr_testing.tolerances import VERL_TOL
@@ -921,6 +922,11 @@ def test_a_temperature_vllm_raises_is_replayed_at_vllms(V, top_p):
     assert rv.sampling_params(dict(cfg, temperature=0.01)) == (None if top_p == 1.0 else SamplingParams(top_p=top_p))
     assert rv.sampling_params(dict(cfg, temperature=0.7), temperature_applied=False) == SamplingParams(
         temperature=0.7, top_p=top_p)
+    # a replay at the engine's temperature needs the engine's processed log-probs as much as a truncation does
+    # (raw_logprobs are of the raw logits: the review)
+    for mode in ("raw_logprobs", None):
+        with pytest.raises(ValueError, match="logprobs_mode=.*draws from"):
+            rv.sampling_params(dict(cfg, logprobs_mode=mode))
 
 
 def test_losses_and_correction_leave_out_of_support_tokens_out_when_replaying(V):
@@ -1078,6 +1084,51 @@ def test_add_to_batch_versions_must_be_integers(V):
         got = run(np.array(rows), current=current)
         assert got.keys() == want.keys()
         assert all(got[k] == want[k] or math.isnan(got[k]) and math.isnan(want[k]) for k in want)
+
+
+def _bad_steps_worker(rank, world, masked):
+    """Rank 1's min_global_steps holds NaN at row 2 (with response tokens, or ``masked``: without any)."""
+    import numpy as np
+    import torch.distributed as dist
+    from verl.protocol import DataProto
+
+    from rollout_corr_ext import MismatchDiagnostics
+
+    g = torch.Generator().manual_seed(rank)
+    lp = -torch.rand(4, 6, generator=g)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    if masked:
+        mask[2] = False
+    steps = np.array([5.0, 6.0, math.nan if rank == 1 else 6.0, 7.0])
+
+    def run(steps):
+        batch = DataProto.from_dict(
+            tensors={"old_log_probs": lp.clone(), "rollout_log_probs": lp - 0.05, "response_mask": mask.clone()},
+            non_tensors={"min_global_steps": steps}, meta_info={"global_steps": 7})
+        with rv.configured(dp_group=dist.group.WORLD, diagnostics=MismatchDiagnostics(top_k=0, max_lag=3)):
+            return rv.compute_rollout_correction_and_add_to_batch(batch, {"rollout_is": "token",
+                                                                          "rollout_is_threshold": 2.0})[1]
+
+    if masked:  # a row without response tokens is never read: its version neither raises nor counts
+        got = run(steps)
+        want = run(np.where(np.isnan(steps), 5.0, steps))
+        assert all(got[k] == want[k] or math.isnan(got[k]) and math.isnan(want[k]) for k in want)
+        return
+    with pytest.raises(ValueError) as exc:
+        run(steps)
+    if rank == 1:
+        assert "min_global_steps'] must hold one integer policy version per row, got nan at row 2" in str(exc.value)
+    else:
+        assert "diagnostics.versions" in str(exc.value) and "other ranks" in str(exc.value)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["read", "masked"])
+@pytest.mark.parametrize("device", dist_params(2, cuda_reason="the refusal is an asynchronous device assert"))
+def test_bad_min_global_steps_on_one_rank_raises_on_every_rank(V, device, masked):
+    """DP = 2, rank 1's min_global_steps with a NaN row: every rank raises (rank 1 naming the row; before, rank 1
+    raised alone and rank 0 waited in the correction's all-reduce: a hang; the review), and a NaN at a row without
+    response tokens is never read."""
+    run_workers(_bad_steps_worker, 2, masked, device=device)
 
 
 def test_replay_positions_count_in_the_whole_response(V):
