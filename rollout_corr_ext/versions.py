@@ -7,8 +7,9 @@ with the version v_b of the weights that drew it, and the trainer is at version 
   ranks (one SUM and one MAX all-reduce of a few numbers);
 * :func:`proximal_log_prob`: the decoupled loss's proximal policy pi_prox (the policy one step behind, v_theta - 1)
   without a forward pass, interpolated from the behaviour and current log-probs by version (AReaL's proximal
-  log-probability approximation, ``areal/utils/functional``'s ``compute_prox_logp_approximations``; AReaL,
-  arXiv:2505.24298): alpha = (v_prox - v_b) / (v_theta - v_b) clamped to [0, 1] (0 where v_theta <= v_b or v_b < 0,
+  log-probability approximation, ``compute_prox_logp_approximations`` in AReaL's ``areal/trainer/ppo/actor.py``
+  (``areal/engine/ppo/actor.py`` before; checked against it at 4aef98d: equal in fp32, closer to the exact value for
+  bf16 / fp64 inputs, where AReaL computes in the inputs' type and alpha in fp32); AReaL, arXiv:2505.24298): alpha = (v_prox - v_b) / (v_theta - v_b) clamped to [0, 1] (0 where v_theta <= v_b or v_b < 0,
   a prompt token), and
 
   - ``"loglinear"``: log pi_prox = log pi_b + alpha (log pi_theta - log pi_b);
