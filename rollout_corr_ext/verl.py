@@ -494,13 +494,17 @@ def compute_rollout_correction_and_add_to_batch(
     when an IS level is set. ``rollout_corr_config``: verl's config (read as verl reads it) or this package's."""
     cfg = rollout_correction_config(rollout_corr_config)
     diagnostics, bad_versions = _batch_diagnostics(batch)
+    dp, _ = _groups(cfg)
+    if bad_versions is not None and (dp is None or dist.get_world_size(dp) == 1):
+        raise ValueError(bad_versions)  # no other rank to wait in a reduce: named here, on any device
     try:
         weights, mask, metrics = _correct_verl(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
                                                batch.batch["response_mask"], cfg, diagnostics)
     except ValueError as exc:
-        # a bad min_global_steps row went in as version -1, refused by the diagnostics' check on every rank of the
-        # reduce (a local raise would leave the others waiting in it): named here as the caller wrote it
-        if bad_versions is not None and "diagnostics.versions" in str(exc):
+        # under DP a bad min_global_steps row went in as version -1, refused by the diagnostics' check on every rank
+        # of the reduce (a local raise would leave the others waiting in it; on CUDA that check is a device assert):
+        # named here as the caller wrote it
+        if bad_versions is not None and "negative" in str(exc):
             raise ValueError(bad_versions) from exc
         raise
     batch.batch["response_mask"] = mask
@@ -543,9 +547,10 @@ def _batch_diagnostics(batch):
 def _integer_versions(values, device, response_mask) -> Tuple[torch.Tensor, Optional[str]]:
     """verl's fully-async ``non_tensor_batch["min_global_steps"]`` (one integer per row) as an int64 tensor, and a
     message naming the first row with a response token that is not an integer (None, NaN, 4.7: never cast, 4.7
-    would become step 4), or None. Such a row is -1 in the tensor, a version the diagnostics refuse at a response
-    token on every rank of their reduce (this row's own check would leave the other ranks waiting there); a row
-    without response tokens is never read, as any masked value."""
+    would become step 4), or None. Such a row is -1 in the tensor: without DP the caller raises the message at once;
+    under DP the diagnostics refuse that version at a response token on every rank of their reduce (this row's own
+    check would leave the other ranks waiting there; on CPU a ValueError the caller renames, on CUDA a device
+    assert). A row without response tokens is never read, as any masked value."""
     import numpy as np
 
     arr = np.asarray(values)
@@ -557,16 +562,15 @@ def _integer_versions(values, device, response_mask) -> Tuple[torch.Tensor, Opti
                                           or (isinstance(v, float) and math.isfinite(v) and v == int(v)))
            or not -2 ** 63 <= int(v) < 2 ** 63]
     msg = None
-    if bad:
-        read = bad  # a layout that is not one row per value is refused by name later, with the versions' shape
-        if response_mask.dim() >= 1 and response_mask.shape[0] == len(flat):
-            rows = (response_mask != 0).reshape(len(flat), -1).any(-1).tolist()
-            read = [i for i in bad if rows[i]]
+    # a layout that is not one value per row is refused later by name, with the versions' shape: no message of rows
+    if bad and arr.shape == (response_mask.shape[0] if response_mask.dim() else -1,):
+        rows = (response_mask != 0).reshape(len(flat), -1).any(-1).tolist()
+        read = [i for i in bad if rows[i]]
         if read:
             msg = (f"non_tensor_batch['min_global_steps'] must hold one integer policy version per row, got "
                    f"{flat[read[0]]!r} at row {read[0]} ({len(read)} such rows with response tokens)")
-        for i in bad:
-            flat[i] = -1
+    for i in bad:
+        flat[i] = -1
     return torch.as_tensor(np.array([int(v) for v in flat], dtype=np.int64).reshape(arr.shape), device=device), msg
 
 

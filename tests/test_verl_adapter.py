@@ -1077,6 +1077,11 @@ def test_add_to_batch_versions_must_be_integers(V):
             run(steps)
     with pytest.raises(ValueError, match=r"min_global_steps.*got nan at row 1"):
         run(np.array([5.0, math.nan] + [5.0] * (b - 2)))
+    # a layout that is not one value per row is refused by its shape, NaN in it or not (not as a row it lacks:
+    # the review)
+    for steps in (np.full((b, 2), 5.0), np.array([[5.0, math.nan]] * b)):
+        with pytest.raises(ValueError, match=r"diagnostics.versions must have log_prob's shape"):
+            run(steps)
     for current in (5.7, "7", 7.0):
         with pytest.raises(TypeError, match=r"batch.meta_info\['global_steps'\] must be an integer"):
             run(np.array(rows), current=current)
