@@ -224,10 +224,23 @@ def _percentiles(hist, F) -> Dict[int, object]:
     return {p: est[i] for i, p in enumerate(PERCENTILES)}
 
 
+#: A variance formed from fp64 sums as E[x^2] - E[x]^2 that is below this fraction of E[x^2] is the formula's
+#: rounding, not a spread it can resolve (a relative spread under about 1e-7): it is 0. Otherwise values that are all
+#: equal (every weight at the cap, every statistic clamped) gave a std of rounding noise that moved with the order
+#: the partials were summed in (one process, CP ranks, a GPU grid: 0, 2^-28, 1.2e-10 for the same data).
+VAR_ROUNDING = 64 * 2.0 ** -52
+
+
+def _resolved(var, e2, F):
+    """``var`` (E[x^2] - E[x]^2 of values whose E[x^2] is ``e2``), 0 at or below its rounding (and when negative);
+    NaN and inf stay as they are."""
+    return F.where(var < VAR_ROUNDING * e2, 0.0 * var, var)
+
+
 def _std_from_sums(s, s2, n, F):
     """Unbiased std (``torch.std``) of n values from their sum and sum of squares (fp64)."""
     var = (s2 - s * s / F.clamp_min(n, 1.0)) / F.clamp_min(n - 1, 1.0)
-    return F.where(n > 1, F.sqrt(F.clamp_min(var, 0.0)), 0.0 * n)
+    return F.where(n > 1, F.sqrt(F.clamp_min(_resolved(var, s2 / F.clamp_min(n - 1, 1.0), F), 0.0)), 0.0 * n)
 
 
 class _Slots:
@@ -300,7 +313,8 @@ def _metric_formulas(sums, maxes, config: RolloutCorrectionConfig, exclude_nonfi
 
     def std_of_sums(s, s2):  # verl: sqrt(clamp(E[x^2] - E[x]^2, 0)) over valid tokens when more than one, from sum x
         # and sum x^2 (fp64)
-        return F.where(n > 1, F.sqrt(F.clamp_min(s2 / std_den - (s / std_den) ** 2, 0.0)), zero)
+        e2 = s2 / std_den
+        return F.where(n > 1, F.sqrt(F.clamp_min(_resolved(e2 - (s / std_den) ** 2, e2, F), 0.0)), zero)
 
     def masked_std(Sc):  # the kernels sum each x's deviation from its row's centre c_b (no fp32 cancellation); sum x
         # and sum x^2 are rebuilt here in fp64, where the difference is harmless

@@ -828,3 +828,44 @@ def test_rs_std_of_values_far_from_any_fixed_centre_does_not_cancel(device):
             res = _run(device, lp.to(dtype), (lp - lr_).to(dtype), mask_, cfg)
             std = float(res.metrics[PREFIX + "rollout_rs_token_k2_std"])
             assert 0.0 <= std <= 0.05 * 2.0 ** -24, (dtype, std)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_std_of_equal_values_is_zero_in_any_summation_order(device):
+    """A std metric of values that are all equal (every token rejected, its statistic clamped at the bound; every IS
+    weight at the cap) is exactly 0, whatever order the partials are summed in. It was the one-pass formula's
+    rounding, E[x^2] - E[x]^2 of fp64 sums: 0 on the CPU kernels and 1.2e-10 on the emulated GPU grid for the same
+    fp64 batch (the emulator fuzz; 2^-28 under CP for the IS std). A variance below VAR_ROUNDING E[x^2] is 0, and a
+    real spread is kept (oracle: torch.std in fp64). Rows in another order: the same metrics."""
+    from rollout_corr_ext import correction
+
+    g = torch.Generator().manual_seed(0)
+    lp = -torch.rand(4, 200, generator=g, dtype=torch.float64) * 3
+    rlp = lp + torch.randn(4, 200, generator=g, dtype=torch.float64) * 0.3
+    mask = torch.rand(4, 200, generator=g) > 0.3
+    mask[1] = False
+    mask[2] = False
+    mask[2, -1] = True
+    cases = [(Cfg.decoupled_k3_rs(), "rollout_rs_seq_mean_k3_std"),
+             (Cfg(rollout_is="token", rollout_is_threshold=1e-3), "rollout_is_std"),      # every weight at the cap
+             (Cfg(rollout_is="sequence", rollout_is_threshold=1e-3), "rollout_is_std")]
+    perm = torch.tensor([3, 0, 2, 1])
+    with ops_on(device) as dev:
+        for cfg, key in cases:
+            for x, y, m in ((lp, rlp, mask), (lp[perm], rlp[perm], mask[perm])):
+                out = compute_rollout_correction(x.to(dev), y.to(dev), m.to(dev), cfg)
+                assert float(out.metrics[PREFIX + key]) == 0.0, (key, float(out.metrics[PREFIX + key]))
+    # the floor's semantics: NaN and inf kept, negative and rounding-level variances 0, a resolvable spread kept
+    F = correction._TensorMath
+    t = torch.tensor
+    e2 = t(4.0, dtype=torch.float64)
+    assert torch.isnan(correction._resolved(t(math.nan, dtype=torch.float64), e2, F))
+    assert correction._resolved(t(math.inf, dtype=torch.float64), t(math.inf, dtype=torch.float64), F) == math.inf
+    assert correction._resolved(t(-1e-30, dtype=torch.float64), e2, F) == 0
+    assert correction._resolved(t(4.0 * 2 ** -50, dtype=torch.float64), e2, F) == 0
+    x = 2.0 + 1e-6 * torch.randn(1000, generator=g, dtype=torch.float64)  # relative spread 5e-7: resolvable
+    w = compute_rollout_correction(torch.log(x)[None], torch.zeros(1, 1000, dtype=torch.float64),
+                                   torch.ones(1, 1000, dtype=torch.bool),
+                                   Cfg(rollout_is="token", rollout_is_threshold=10.0))
+    std = float(w.metrics[PREFIX + "rollout_is_std"])
+    assert std == pytest.approx(float(x.std(unbiased=False)), rel=1e-3) and std > 0
