@@ -520,7 +520,6 @@ def _batch_diagnostics(batch):
     spec = _SETTINGS["diagnostics"]
     if spec is None:
         return spec, None
-    import dataclasses
 
     versions, bad = None, None
     if "rollout_versions" in batch.batch.keys():
