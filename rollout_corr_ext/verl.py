@@ -749,11 +749,13 @@ def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optiona
     False: the logits passed to :func:`logprobs_from_logits` are the raw ones and the replay divides them by the
     engine's temperature.
 
-    Raises ``ValueError``, when there is something to replay, if the engine's log-probs are not those of the
+    Raises ``ValueError``, when the engine drew from another distribution than the softmax of the raw logits (a
+    truncation, or a temperature other than 1, replayed or not), if its log-probs are not those of the
     distribution it drew from (verl's ``logprobs_mode`` other than ``processed_logprobs``, e.g. vLLM's
     ``raw_logprobs``, or None, which leaves vLLM at its default ``raw_logprobs``; an absent key is verl's default,
-    ``processed_logprobs``): the rollout log-probs are then of the raw logits, and replaying the sampler on the
-    trainer's side would compare two different distributions."""
+    ``processed_logprobs``): the rollout log-probs are then of the raw logits, and the trainer's log-probs of the
+    distribution drawn from (replayed, or the actor's own division by the temperature) would be compared with
+    those of another distribution."""
     rollout = config
     for key in ("actor_rollout_ref", "rollout"):
         inner = _get(rollout, key, None)
@@ -765,9 +767,10 @@ def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optiona
     # engine's over the configured one where the engine sampled at another (vLLM at T = 0.005 draws at 0.01: 2)
     replay_t = sp.temperature / float(_get(rollout, "temperature", 1.0)) if temperature_applied else sp.temperature
     truncates = not (top_k is None and top_p == 1.0 and sp.min_p == 0.0)
-    if not truncates and replay_t == 1.0:
+    if not truncates and sp.temperature == 1.0 and replay_t == 1.0:
         return None
-    # something to replay: the rollout log-probs must be those of the distribution drawn from
+    # the engine drew from another distribution than softmax(raw logits): the rollout log-probs must be those of
+    # the distribution drawn from, also where the actor's own division by the temperature leaves nothing to replay
     mode = _get(rollout, "logprobs_mode", "processed_logprobs")  # an absent key: verl's default
     if mode is None:  # verl then passes nothing to the engine, which keeps its own default: vLLM's raw_logprobs
         mode = "None (the engine's default, vLLM's raw_logprobs)"
@@ -778,9 +781,11 @@ def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optiona
         drawn = (f"the truncated distribution (top_k={top_k}, top_p={top_p}, min_p={sp.min_p})" if truncates else
                  f"softmax(logits / {sp.temperature}) (vLLM raises a temperature below 0.01 to 0.01)")
         raise ValueError(f"rollout.logprobs_mode={mode!r}: the engine reports {what}, but draws from {drawn}, so "
-                         f"rollout_log_probs are not the sampling log-probabilities and replaying the sampler would "
-                         f"compare different distributions. Set rollout.logprobs_mode=processed_logprobs (verl's "
+                         f"rollout_log_probs are not the sampling log-probabilities and the trainer's log-probs would "
+                         f"be compared with those of another distribution. Set rollout.logprobs_mode=processed_logprobs (verl's "
                          f"default)")
+    if not truncates and replay_t == 1.0:
+        return None
     return dataclasses.replace(sp, temperature=replay_t)
 
 

@@ -829,6 +829,12 @@ def test_sampling_params_from_verl_configs(V):
     assert rv.sampling_params(nested) == SamplingParams(top_p=0.8)
     assert rv.sampling_params(nested["actor_rollout_ref"]) == SamplingParams(top_p=0.8)
     assert rv.sampling_params(RolloutConfig(name="vllm", temperature=0.7)) is None  # top_k=-1, top_p=1: no truncation
+    # nothing to replay at T = 0.7 (the actor divides by it), but the engine drew from softmax(z / 0.7) and
+    # raw_logprobs are of softmax(z): refused all the same (was None: IS ratios of two distributions, silently)
+    for mode in ("raw_logprobs", None):
+        with pytest.raises(ValueError, match=r"logprobs_mode=.*draws from softmax\(logits / 0.7\)"):
+            rv.sampling_params(RolloutConfig(name="vllm", temperature=0.7, logprobs_mode=mode))
+    assert rv.sampling_params(RolloutConfig(name="vllm", logprobs_mode="raw_logprobs")) is None  # T = 1: raw is drawn
     with pytest.raises(ValueError, match="logprobs_mode='raw_logprobs'.*processed_logprobs"):
         rv.sampling_params(RolloutConfig(name="vllm", top_p=0.9, logprobs_mode="raw_logprobs"))
     for mode in ("raw_logits", "processed_logits"):  # vLLM's logits modes: no log-probs at all, and said so
