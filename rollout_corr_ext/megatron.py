@@ -838,9 +838,8 @@ def make_policy_loss_func(
                 # ratio pi_theta / pi_old is undefined there, so the token leaves the loss as well
                 in_support = in_support & (old_in != -math.inf)
             given = torch.where(in_support, response_mask, torch.zeros_like(response_mask))
-            if diag_spec is not None and diag_spec.position_mask is None:  # positions (given or derived) count
-                # among the caller's response tokens, of which the correction sees only the kept ones
-                diag_call = dataclasses.replace(diag_spec, position_mask=response_mask.to(given.device))
+            if diag_spec is not None:  # the correction sees the kept tokens only
+                diag_call = diag_spec.with_positions_in(response_mask.to(given.device))
         if old_in is None and rc is None:  # no pi_old (and none to approximate): on-policy, ratio 1
             old_in = logp.detach()
         step = policy_step(cfg, old_in, logp, advantages, given, loss_agg_mode, rollout_log_prob=rollout_in,

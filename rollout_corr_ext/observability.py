@@ -16,6 +16,7 @@ all-reduce of a few numbers, whatever the batch size).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -220,6 +221,12 @@ class MismatchDiagnostics:
         if self.versions is not None:
             out["lag"] = [str(i) for i in range(self.max_lag + 1)] + [f"{self.max_lag + 1}+"]
         return out
+
+    def with_positions_in(self, mask: torch.Tensor) -> "MismatchDiagnostics":
+        """This spec with ``position_mask=mask`` unless it has one: for a caller whose correction sees a part of
+        ``mask`` (sampling replay leaves the tokens outside the kept set out), so that positions, given or derived,
+        still count among all of the caller's response tokens."""
+        return self if self.position_mask is not None else dataclasses.replace(self, position_mask=mask)
 
     def fingerprint(self) -> Tuple:
         """What every data-parallel rank must agree on (the wire layout)."""

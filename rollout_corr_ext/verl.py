@@ -308,10 +308,8 @@ def _correct(log_prob, rollout_log_prob, response_mask, cfg: RolloutCorrectionCo
         response_mask, frac = _replayed_mask(response_mask, log_ratio=log_prob)
     else:
         response_mask, frac = _replayed_mask(response_mask, log_prob, rollout_log_prob)
-    if frac is not None and diagnostics is not None and diagnostics.position_mask is None:
-        # replay left the tokens outside the kept set out of the correction: positions (given or derived) still
-        # count among the caller's response tokens, as megatron's loss_func passes them
-        diagnostics = dataclasses.replace(diagnostics, position_mask=given)
+    if frac is not None and diagnostics is not None:  # the correction sees the kept tokens only
+        diagnostics = diagnostics.with_positions_in(given)
     with torch.no_grad():
         res = compute_rollout_correction(log_prob, rollout_log_prob, response_mask, cfg, dp_group=dp,
                                          seq_group=seq, nonfinite=_SETTINGS["nonfinite"], diagnostics=diagnostics)
