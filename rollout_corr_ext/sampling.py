@@ -69,16 +69,34 @@ def _field_tensor(name: str, value) -> Optional[torch.Tensor]:
 #: drawn at this temperature, whatever its config says.
 VLLM_MIN_TEMPERATURE = 1e-2
 
+#: SGLang samples greedily (top_k = 1 at temperature 1) below this temperature
+#: (``sglang/srt/sampling/sampling_params.py``, ``_SAMPLING_EPS``, 0.5.23).
+SGLANG_GREEDY_TEMPERATURE = 1e-6
+
+
+def engine_family(engine: Optional[str]) -> str:
+    """verl's ``rollout.name`` as the engine family whose sampler is known here: "vllm" (also None, verl's
+    default engine), "sglang", or the name itself (another engine)."""
+    name = "vllm" if engine is None else str(engine).lower()
+    return "vllm" if name.startswith("vllm") else "sglang" if name.startswith("sglang") else name
+
 
 def engine_temperature(temperature: float, engine: Optional[str] = None) -> float:
     """The temperature a rollout engine samples with when configured with ``temperature`` (a number): vLLM's
     (``engine`` None or a name starting with "vllm") raises one in (0, :data:`VLLM_MIN_TEMPERATURE`) to that value;
+    SGLang samples greedily below :data:`SGLANG_GREEDY_TEMPERATURE` (a point mass, no temperature: refused);
     other engines' are taken as configured."""
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"engine_temperature: temperature must be a number (a request's), got "
                         f"{type(temperature).__name__}")
-    if (engine is None or str(engine).lower().startswith("vllm")) and 0 < temperature < VLLM_MIN_TEMPERATURE:
+    kind = engine_family(engine)
+    if kind == "vllm" and 0 < temperature < VLLM_MIN_TEMPERATURE:
         return VLLM_MIN_TEMPERATURE
+    if kind == "sglang" and 0 <= temperature < SGLANG_GREEDY_TEMPERATURE:
+        raise ValueError(f"engine_temperature: SGLang samples greedily at a temperature below "
+                         f"{SGLANG_GREEDY_TEMPERATURE:g} (top_k=1 at temperature 1; got {temperature!r}): the tokens "
+                         f"are drawn from a point mass, which no temperature replays and no importance weight "
+                         f"corrects")
     return temperature
 
 
@@ -134,7 +152,13 @@ class SamplingParams:
         (``make_policy_loss_func(sampling=)``, the log-prob entry points). verl's actor divides its logits by the
         configured temperature itself and then needs the engine's processed log-probs: in verl use
         :func:`rollout_corr_ext.verl.sampling_params`, which sets the temperature to what is left to apply (1, or
-        the engine's over the configured one) and checks ``logprobs_mode``."""
+        the engine's over the configured one) and checks ``logprobs_mode``.
+
+        The rules replayed are vLLM's, and a truncation (top-k, top-p, min-p) is replayed for vLLM only: SGLang
+        (0.5.23) reports the log-probs of softmax(logits / T) before its truncation, not of the truncated
+        distribution it draws from, and takes top-p on the full distribution; another engine's rules are not known
+        here. Both are refused with a truncation (docs/sampling_replay.md, "Engines"); a temperature alone is
+        replayed for every engine."""
         get = rollout_config.get if hasattr(rollout_config, "get") else lambda k, d: getattr(rollout_config, k, d)
 
         def number(key, default):  # None or text is the config's mistake: named, never a bare float() error
@@ -158,9 +182,27 @@ class SamplingParams:
         top_k = get("top_k", -1)
         top_k = None if top_k is None else integer("top_k", top_k)
         min_p = get("min_p", 0.0)
-        return cls(temperature=engine_temperature(number("temperature", 1.0), get("name", None)),
-                   top_k=None if top_k in (None, 0, -1) else int(top_k), top_p=number("top_p", 1.0),
-                   min_p=0.0 if min_p is None else number("min_p", 0.0))
+        name = get("name", None)
+        sp = cls(temperature=engine_temperature(number("temperature", 1.0), name),
+                 top_k=None if top_k in (None, 0, -1) else int(top_k), top_p=number("top_p", 1.0),
+                 min_p=0.0 if min_p is None else number("min_p", 0.0))
+        kind = engine_family(name)
+        if kind != "vllm" and not (sp.top_k is None and sp.top_p == 1.0 and sp.min_p == 0.0):
+            what = f"top_k={sp.top_k}, top_p={sp.top_p}, min_p={sp.min_p}"
+            if kind == "sglang":
+                why = ("SGLang draws from the truncated distribution but reports the log-probs of softmax(logits / "
+                       "T) before the truncation, and takes top-p on the full distribution (vLLM, whose rules are "
+                       "replayed, renormalises after top-k and min-p; sglang/srt/layers/sampler.py, 0.5.23): a "
+                       "replay would compare renormalised log-probs with unrenormalised ones. Leave the sampling "
+                       "replay off for SGLang rollouts (the rollout correction then measures the mismatch of the "
+                       "untruncated distributions), or roll out with vLLM and logprobs_mode=processed_logprobs")
+            else:
+                why = (f"the replay follows vLLM V1's sampler and processed log-probs, and {name!r}'s truncation "
+                       f"rules and reported log-probs are not known to match them (checked: vLLM; SGLang, which does "
+                       f"not). Build a SamplingParams by hand if the engine samples and reports log-probs as vLLM "
+                       f"does with processed_logprobs")
+            raise ValueError(f"rollout config: name={name!r} with a truncation ({what}): {why}")
+        return sp
 
 
 def _per_row(name: str, value, rows: int, lead, dtype, device) -> torch.Tensor:

@@ -54,7 +54,7 @@ from .correction import OFFPOLICY_KEYS, PREFIX, compute_rollout_correction
 from .losses import PolicyLossConfig
 from .losses import agg_loss as _agg_loss
 from .losses import kl_penalty
-from .sampling import SamplingParams
+from .sampling import SamplingParams, engine_family
 
 if TYPE_CHECKING:  # pragma: no cover
     from verl.protocol import DataProto
@@ -733,6 +733,23 @@ def compute_policy_loss(
 _PROCESSED = ("processed_logprobs",)
 
 
+def _require_processed_logprobs(rollout, sp: SamplingParams, truncates: bool) -> None:
+    """Refuse a vLLM ``logprobs_mode`` whose log-probs are not those of the distribution drawn from (``sp``)."""
+    mode = _get(rollout, "logprobs_mode", "processed_logprobs")  # an absent key: verl's default
+    if mode is None:  # verl then passes nothing to the engine, which keeps its own default: vLLM's raw_logprobs
+        mode = "None (the engine's default, vLLM's raw_logprobs)"
+    if mode not in _PROCESSED:
+        # vLLM's modes: raw_logprobs (of the raw logits: before temperature and truncation), raw_logits /
+        # processed_logits (logits, not log-probs)
+        what = "logits, not log-probs" if str(mode).endswith("_logits") else "the log-probs of its raw logits"
+        drawn = (f"the truncated distribution (top_k={sp.top_k}, top_p={sp.top_p}, min_p={sp.min_p})" if truncates
+                 else f"softmax(logits / {sp.temperature}) (vLLM raises a temperature below 0.01 to 0.01)")
+        raise ValueError(f"rollout.logprobs_mode={mode!r}: the engine reports {what}, but draws from {drawn}, so "
+                         f"rollout_log_probs are not the sampling log-probabilities and the trainer's log-probs would "
+                         f"be compared with those of another distribution. Set "
+                         f"rollout.logprobs_mode=processed_logprobs (verl's default)")
+
+
 def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optional[SamplingParams]:
     """The :class:`rollout_corr_ext.SamplingParams` that replays what verl's rollout engine sampled with, from verl's
     config: the trainer config (``actor_rollout_ref.rollout`` is read), the ``actor_rollout_ref`` config, or the
@@ -747,7 +764,9 @@ def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optiona
     False: the logits passed to :func:`logprobs_from_logits` are the raw ones and the replay divides them by the
     engine's temperature.
 
-    Raises ``ValueError``, when the engine drew from another distribution than the softmax of the raw logits (a
+    The engine (``name``): a truncation is replayed for vLLM only (SGLang reports the log-probs of its untruncated
+    distribution, and another engine's rules are not known here: :meth:`SamplingParams.from_verl` refuses both).
+    Raises ``ValueError``, when vLLM drew from another distribution than the softmax of the raw logits (a
     truncation, or a temperature other than 1, replayed or not), if its log-probs are not those of the
     distribution it drew from (verl's ``logprobs_mode`` other than ``processed_logprobs``, e.g. vLLM's
     ``raw_logprobs``, or None, which leaves vLLM at its default ``raw_logprobs``; an absent key is verl's default,
@@ -765,23 +784,12 @@ def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optiona
     # engine's over the configured one where the engine sampled at another (vLLM at T = 0.005 draws at 0.01: 2)
     replay_t = sp.temperature / float(_get(rollout, "temperature", 1.0)) if temperature_applied else sp.temperature
     truncates = not (top_k is None and top_p == 1.0 and sp.min_p == 0.0)
-    if not truncates and sp.temperature == 1.0 and replay_t == 1.0:
-        return None
-    # the engine drew from another distribution than softmax(raw logits): the rollout log-probs must be those of
-    # the distribution drawn from, also where the actor's own division by the temperature leaves nothing to replay
-    mode = _get(rollout, "logprobs_mode", "processed_logprobs")  # an absent key: verl's default
-    if mode is None:  # verl then passes nothing to the engine, which keeps its own default: vLLM's raw_logprobs
-        mode = "None (the engine's default, vLLM's raw_logprobs)"
-    if mode not in _PROCESSED:
-        # vLLM's modes: raw_logprobs (of the raw logits: before temperature and truncation), raw_logits /
-        # processed_logits (logits, not log-probs)
-        what = "logits, not log-probs" if str(mode).endswith("_logits") else "the log-probs of its raw logits"
-        drawn = (f"the truncated distribution (top_k={top_k}, top_p={top_p}, min_p={sp.min_p})" if truncates else
-                 f"softmax(logits / {sp.temperature}) (vLLM raises a temperature below 0.01 to 0.01)")
-        raise ValueError(f"rollout.logprobs_mode={mode!r}: the engine reports {what}, but draws from {drawn}, so "
-                         f"rollout_log_probs are not the sampling log-probabilities and the trainer's log-probs would "
-                         f"be compared with those of another distribution. Set rollout.logprobs_mode=processed_logprobs (verl's "
-                         f"default)")
+    # vLLM drew from another distribution than softmax(raw logits): its log-probs must be those of the distribution
+    # drawn from, also where the actor's own division by the temperature leaves nothing to replay. verl forwards
+    # logprobs_mode to vLLM only (SGLang reports log softmax(logits / T) whatever it says; from_verl refused any
+    # other engine's truncation)
+    if engine_family(_get(rollout, "name", None)) == "vllm" and (truncates or sp.temperature != 1.0):
+        _require_processed_logprobs(rollout, sp, truncates)
     if not truncates and replay_t == 1.0:
         return None
     return dataclasses.replace(sp, temperature=replay_t)

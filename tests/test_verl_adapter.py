@@ -922,9 +922,11 @@ def test_a_temperature_vllm_raises_is_replayed_at_vllms(V, top_p):
     # the configured temperature (what the old mapping replayed) is a different distribution here
     other, *_ = sampled_log_probs_dense(z, labels, temperature=0.005, top_p=top_p)
     assert (other[fin] - want[fin]).abs().max() > 1e-2
-    # sglang samples at the configured temperature; at or above 0.01 vLLM does too
-    assert SamplingParams.from_verl(dict(cfg, name="sglang")).temperature == 0.005
-    assert rv.sampling_params(dict(cfg, name="sglang")) == (None if top_p == 1.0 else SamplingParams(top_p=top_p))
+    # sglang samples at the configured temperature (its truncation is not replayed: the next test); at or above
+    # 0.01 vLLM does too
+    if top_p == 1.0:
+        assert SamplingParams.from_verl(dict(cfg, name="sglang")).temperature == 0.005
+        assert rv.sampling_params(dict(cfg, name="sglang")) is None
     assert rv.sampling_params(dict(cfg, temperature=0.01)) == (None if top_p == 1.0 else SamplingParams(top_p=top_p))
     assert rv.sampling_params(dict(cfg, temperature=0.7), temperature_applied=False) == SamplingParams(
         temperature=0.7, top_p=top_p)
@@ -933,6 +935,71 @@ def test_a_temperature_vllm_raises_is_replayed_at_vllms(V, top_p):
     for mode in ("raw_logprobs", None):
         with pytest.raises(ValueError, match="logprobs_mode=.*draws from"):
             rv.sampling_params(dict(cfg, logprobs_mode=mode))
+
+
+def _sglang_torch_kept(probs, top_k, top_p, min_p):
+    """The kept set of SGLang's torch sampler: its ``top_k_top_p_min_p_sampling_from_probs_torch`` rules
+    (sglang/srt/layers/sampler.py, 0.5.23; flashinfer's "joint" order the same), written from them in fp64: sort
+    descending; drop ranks >= top_k; drop where the mass before a token exceeds top_p, on the **full** distribution;
+    drop p < min_p p_max."""
+    p, idx = probs.sort(descending=True)
+    before = p.cumsum(0) - p
+    keep = (torch.arange(p.numel()) < top_k) & ~(before > top_p) & ~(p < min_p * p[0])
+    return set(idx[keep].tolist())
+
+
+def test_sglang_truncation_is_refused_and_its_temperature_replayed(V):
+    """SGLang (0.5.23, sglang/srt/layers/sampler.py) draws from its truncated distribution but returns the log-probs
+    of softmax(logits / T) before the truncation (its filters never write into the probabilities it logs), and
+    takes top-p on the full distribution where vLLM renormalises after top-k and min-p. A vLLM-rule replay (what
+    from_verl returned for name="sglang") then scored renormalised log-probs against unrenormalised ones: every IS
+    ratio off by the kept mass, silently, and with top-k + top-p another kept set besides. Refused now for any
+    truncation, by from_verl and sampling_params, naming the engine; a temperature alone is replayed (SGLang's
+    reported log-probs are those of softmax(logits / T): the oracle below), whatever logprobs_mode says (verl
+    forwards it to vLLM only). Below 1e-6 SGLang samples greedily: refused. Another engine's truncation: refused."""
+    from rollout_corr_ext import SamplingParams
+    from rollout_corr_ext.sampling import engine_temperature
+    from rollout_corr_testing.sampling_oracle import sampled_log_probs_dense
+
+    # the kept sets differ on the example probabilities [0.5, 0.3, 0.2] (top_k=2, top_p=0.6): vLLM keeps {0}
+    probs = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    lp, *_ = sampled_log_probs_dense(probs.log().unsqueeze(0), torch.tensor([1]), top_k=2, top_p=0.6)
+    assert lp.item() == -math.inf and _sglang_torch_kept(probs, 2, 0.6, 0.0) == {0, 1}
+    for trunc in ({"top_k": 2}, {"top_p": 0.6}, {"min_p": 0.05}, {"top_k": 2, "top_p": 0.6}):
+        cfg = dict({"name": "sglang", "temperature": 0.7}, **trunc)
+        with pytest.raises(ValueError, match=r"name='sglang' with a truncation .*before the truncation"):
+            SamplingParams.from_verl(cfg)
+        for applied in (True, False):
+            with pytest.raises(ValueError, match=r"name='sglang'"):
+                rv.sampling_params(cfg, temperature_applied=applied)
+        with pytest.raises(ValueError, match=r"name='trtllm' with a truncation .*not known"):
+            rv.sampling_params(dict(cfg, name="trtllm"))
+        assert rv.sampling_params(dict(cfg, name="vllm")) is not None  # vLLM's own rules: replayed
+
+    # a temperature alone: SGLang returns log softmax(logits / T), which the replay at T computes (raw logits) or
+    # the actor's own division leaves nothing to replay for; raw_logprobs is a vLLM flag (not refused for sglang)
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(4, 40, generator=g, dtype=torch.float64) * 3
+    labels = torch.randint(0, 40, (4,), generator=g)
+    for mode in ("processed_logprobs", "raw_logprobs", None):
+        cfg = {"name": "sglang", "temperature": 0.7, "top_k": -1, "top_p": 1.0, "logprobs_mode": mode}
+        assert rv.sampling_params(cfg) is None
+        sp = rv.sampling_params(cfg, temperature_applied=False)
+        assert sp == SamplingParams.from_verl(cfg) == SamplingParams(temperature=0.7)
+        with rv.configured(sampling=sp):
+            got = rv.logprobs_from_logits(z, labels)
+        sglang = torch.log_softmax(z / 0.7, -1).gather(-1, labels[:, None]).squeeze(-1)  # what SGLang reports
+        torch.testing.assert_close(got.double(), sglang, rtol=1e-6, atol=1e-6)
+        if mode != "processed_logprobs":  # vLLM's flag is still checked for vLLM
+            with pytest.raises(ValueError, match="logprobs_mode"):
+                rv.sampling_params(dict(cfg, name="vllm"))
+    # greedy below 1e-6: no distribution to replay or correct
+    for t in (0.0, 5e-7):
+        with pytest.raises(ValueError, match="SGLang samples greedily"):
+            SamplingParams.from_verl({"name": "sglang", "temperature": t})
+        with pytest.raises(ValueError, match="SGLang samples greedily"):
+            engine_temperature(t, "sglang")
+    assert engine_temperature(1e-6, "sglang") == 1e-6 and engine_temperature(5e-7, "vllm") == 0.01
 
 
 def test_losses_and_correction_leave_out_of_support_tokens_out_when_replaying(V):
