@@ -92,7 +92,7 @@ def policy_lag(versions: torch.Tensor, current_version: int, valid: torch.Tensor
 def proximal_log_prob(behaviour_log_prob: torch.Tensor, log_prob: torch.Tensor, versions: torch.Tensor,
                       current_version: int, method: str = "loglinear") -> torch.Tensor:
     """The proximal policy's log-probs from the versions (module docstring), a constant (no gradient), in the
-    accumulation dtype (fp64 for fp64 inputs, else fp32). ``versions``: per token, or per row ``[B]``; negative
+    accumulation dtype (fp64 when either input is fp64, else fp32). ``versions``: per token, or per row ``[B]``; negative
     versions mark tokens the engine did not generate (alpha 0: pi_prox = pi_b)."""
     if method not in PROXIMAL_METHODS:
         raise ValueError(f"method must be one of {PROXIMAL_METHODS}, got {method!r}")
@@ -104,7 +104,7 @@ def proximal_log_prob(behaviour_log_prob: torch.Tensor, log_prob: torch.Tensor, 
         raise ValueError(f"behaviour_log_prob {tuple(behaviour_log_prob.shape)} on {behaviour_log_prob.device} must "
                          f"match log_prob {tuple(log_prob.shape)} on {log_prob.device}")
     v = _versions(versions, log_prob)
-    acc = torch.float64 if log_prob.dtype == torch.float64 else torch.float32
+    acc = torch.float64 if torch.float64 in (behaviour_log_prob.dtype, log_prob.dtype) else torch.float32
     with torch.no_grad():
         lag = v_theta - v.to(torch.int64)  # in integers: versions past 2^24 keep their lags in fp32 too
         live = (lag > 0) & (v >= 0)

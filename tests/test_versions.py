@@ -94,6 +94,27 @@ def test_proximal_at_alpha_0_and_1_is_the_endpoint_whatever_the_other_holds(meth
     assert float(got[0]) == pytest.approx(want)
 
 
+@pytest.mark.parametrize("method", ["loglinear", "linear"])
+def test_proximal_is_fp64_when_either_input_is(method):
+    """fp64 when either log-prob is fp64, as the correction promotes: an fp64 pi_b with fp32 log pi_theta was
+    rounded to fp32 (alpha 0 returned pi_b 4.8e-8 off; the dtype fuzz), an fp64 log pi_theta with fp32 pi_b was
+    not. Oracle: the mix of the module docstring in fp64 at lag 2 (alpha 1/2)."""
+    b64 = torch.tensor([-1.0000000001, -2.3, -0.7], dtype=torch.float64)
+    t64 = torch.tensor([-1.1, -2.0, -0.2], dtype=torch.float64)
+    versions = torch.tensor([10, 8, 9])  # lags 0 (a newest token: alpha 0), 2, 1 (alpha 0)
+    half = 0.5 * (b64 + t64) if method == "loglinear" else torch.logaddexp(b64, t64) + math.log(0.5)
+    want = torch.where(versions == 8, half, b64)
+    for b, t in ((b64, t64.float()), (b64.float(), t64), (b64, t64)):
+        got = proximal_log_prob(b, t, versions, 10, method)
+        assert got.dtype == torch.float64
+        want_here = torch.where(versions == 8, (0.5 * (b.double() + t.double()) if method == "loglinear" else
+                                                torch.logaddexp(b.double(), t.double()) + math.log(0.5)), b.double())
+        torch.testing.assert_close(got, want_here, rtol=1e-15, atol=0)
+    assert proximal_log_prob(b64, t64.float(), versions, 10, method)[0].item() == b64[0].item()  # alpha 0: pi_b
+    assert proximal_log_prob(b64.float(), t64.float(), versions, 10, method).dtype == torch.float32
+    torch.testing.assert_close(proximal_log_prob(b64, t64, versions, 10, method), want, rtol=1e-15, atol=0)
+
+
 def test_policy_lag_reads_any_mask_dtype():
     """A non-bool mask counts where it is not 0 (an int mask of 2 skipped the newer-than-trainer check; a float mask
     raised an unnamed bitwise error)."""
