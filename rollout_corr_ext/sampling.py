@@ -146,7 +146,8 @@ class SamplingParams:
     @classmethod
     def from_verl(cls, rollout_config) -> "SamplingParams":
         """From verl's rollout config (``actor_rollout_ref.rollout``: ``temperature``, ``top_k`` (-1: disabled),
-        ``top_p``, ``min_p``); a mapping or an object with those attributes. The temperature is the one the engine
+        ``top_p``); a mapping or an object with those attributes. A ``min_p`` other than 0 (or None) is refused:
+        verl does not pass one to its engine. The temperature is the one the engine
         samples with (``name``, verl's engine: vLLM, the default, raises one below 0.01 to 0.01,
         :func:`engine_temperature`): these parameters replay the sampler on **raw** logits
         (``make_policy_loss_func(sampling=)``, the log-prob entry points). verl's actor divides its logits by the
@@ -202,6 +203,12 @@ class SamplingParams:
                        f"not). Build a SamplingParams by hand if the engine samples and reports log-probs as vLLM "
                        f"does with processed_logprobs")
             raise ValueError(f"rollout config: name={name!r} with a truncation ({what}): {why}")
+        if sp.min_p != 0.0:
+            raise ValueError(f"rollout config: min_p={sp.min_p}: verl passes temperature, top_k and top_p to its "
+                             f"rollout engine, not min_p (verl 0.9.1 has no such field; experimental/agent_loop/"
+                             f"agent_loop.py), so the rollout was not drawn with it and replaying it would truncate "
+                             f"what the engine did not. Build SamplingParams(min_p=...) by hand where an engine did "
+                             f"apply it")
         return sp
 
 

@@ -754,8 +754,9 @@ def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optiona
     """The :class:`rollout_corr_ext.SamplingParams` that replays what verl's rollout engine sampled with, from verl's
     config: the trainer config (``actor_rollout_ref.rollout`` is read), the ``actor_rollout_ref`` config, or the
     rollout config itself (a dataclass, ``DictConfig`` or dict). Fields read: ``temperature``, ``top_k`` (-1 / 0:
-    off), ``top_p``, ``min_p`` (when present), ``name`` (the engine) and ``logprobs_mode``. ``None`` when there is
-    nothing to replay: nothing truncates (top-k off, top_p = 1, min_p = 0) and the replay's temperature is 1.
+    off), ``top_p``, ``min_p`` (refused unless 0: verl passes none to its engine), ``name`` (the engine) and
+    ``logprobs_mode``. ``None`` when there is nothing to replay: nothing truncates (top-k off, top_p = 1) and the
+    replay's temperature is 1.
 
     ``temperature_applied`` (default True): verl's actor divides the logits by the rollout temperature before it
     computes log-probs, so the replay runs at temperature 1 on those logits, or at the engine's temperature over

@@ -5,6 +5,7 @@ Inputs: logits on a coarse grid where stated (ties at the top-k and top-p bounda
 outside each row's kept set, ignored rows holding NaN, -inf logits, per-row parameters with some rows disabled.
 """
 
+import dataclasses
 import math
 import re
 
@@ -318,8 +319,16 @@ def test_from_verl_rollout_config():
         with pytest.raises(ValueError, match=rf"rollout config: {key} must be a number, got {bad!r}"):
             SamplingParams.from_verl({key: bad})
     assert SamplingParams.from_verl({"top_p": "0.9"}).top_p == 0.9  # a YAML string number reads as its value
-    assert SamplingParams.from_verl({"top_k": "50", "min_p": "0.05"}).top_k == 50
+    assert SamplingParams.from_verl({"top_k": "50", "min_p": "0"}).top_k == 50
     assert SamplingParams.from_verl({"top_k": 50.0, "min_p": None}).min_p == 0.0
+    # verl (0.9.1) passes temperature, top_k and top_p to its engine (experimental/agent_loop/agent_loop.py), never
+    # a min_p: one in the config was not sampled with, and replaying it truncated what the engine did not (was
+    # replayed, silently)
+    verl_fields = {f.name for f in dataclasses.fields(pytest.importorskip("verl.workers.config.rollout").RolloutConfig)}
+    assert {"temperature", "top_k", "top_p"} <= verl_fields and "min_p" not in verl_fields
+    for name in ("vllm", None):
+        with pytest.raises(ValueError, match=r"rollout config: min_p=0.05: verl passes temperature, top_k and top_p"):
+            SamplingParams.from_verl({"top_k": "50", "min_p": "0.05", "name": name})
     # an offset that is not an integer is another sampler, silently (int() read 4.7 as 4): named
     for bad in (4.7, "4.7", True, "many", [4], "+-5", "\u00b2"):
         with pytest.raises(ValueError, match=rf"rollout config: top_k must be an integer .*got {re.escape(repr(bad))}"):

@@ -965,7 +965,7 @@ def test_sglang_truncation_is_refused_and_its_temperature_replayed(V):
     probs = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
     lp, *_ = sampled_log_probs_dense(probs.log().unsqueeze(0), torch.tensor([1]), top_k=2, top_p=0.6)
     assert lp.item() == -math.inf and _sglang_torch_kept(probs, 2, 0.6, 0.0) == {0, 1}
-    for trunc in ({"top_k": 2}, {"top_p": 0.6}, {"min_p": 0.05}, {"top_k": 2, "top_p": 0.6}):
+    for trunc in ({"top_k": 2}, {"top_p": 0.6}, {"top_k": 2, "top_p": 0.6}):
         cfg = dict({"name": "sglang", "temperature": 0.7}, **trunc)
         with pytest.raises(ValueError, match=r"name='sglang' with a truncation .*before the truncation"):
             SamplingParams.from_verl(cfg)
