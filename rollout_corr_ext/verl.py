@@ -84,6 +84,7 @@ __all__ = [
     "policy_loss_config",
     "sampling_params",
     "logprobs_from_logits",
+    "vocab_parallel_log_probs_from_logits",
     "calculate_debug_metrics",
     "compute_policy_loss_dppo_tv",
     "compute_policy_loss_dppo_kl",
@@ -812,6 +813,33 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
     from .sampling import sampled_log_probs
 
     return sampled_log_probs(logits, labels, sampling, None, vocab_size=vocab).log_prob
+
+
+def vocab_parallel_log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """verl's ``verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits`` (same parameters), what
+    verl's megatron engine scores with: the log-probs of ``labels`` (global ids) from this rank's vocab shard
+    ``[..., V / tp]`` over megatron-core's tensor-parallel group (``parallel_state``; not initialized: the logits
+    hold the whole vocabulary), fp32 (fp64 for fp64 logits); with :func:`configure` ``(sampling=...)``, under the
+    truncated, renormalised distribution the engine drew from, exactly under tensor parallelism (-inf outside the
+    kept set), as :func:`logprobs_from_logits`. The engine imports it by name, so patch its module:
+    ``verl.workers.engine.megatron.transformer_impl.vocab_parallel_log_probs_from_logits``."""
+    from . import logprobs as _lp
+
+    group = None
+    try:
+        from megatron.core import parallel_state as ps
+    except ImportError:  # no megatron-core: no tensor parallelism to follow
+        ps = None
+    if ps is not None and ps.model_parallel_is_initialized():
+        group = ps.get_tensor_model_parallel_group()
+    world = 1 if group is None else dist.get_world_size(group)
+    vocab = logits.shape[-1] * world if isinstance(logits, torch.Tensor) and logits.dim() else None
+    sampling = _SETTINGS["sampling"]
+    if sampling is None:
+        return _lp.vocab_parallel_log_probs(logits, labels, group, vocab_size=vocab)
+    from .sampling import sampled_log_probs
+
+    return sampled_log_probs(logits, labels, sampling, group, vocab_size=vocab).log_prob
 
 
 # ------------------------------------------------------------------------------------------------- registry

@@ -937,6 +937,63 @@ def test_a_temperature_vllm_raises_is_replayed_at_vllms(V, top_p):
             rv.sampling_params(dict(cfg, logprobs_mode=mode))
 
 
+def _megatron_engine_worker(rank, world):
+    """verl's megatron engine scores with verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits
+    over this rank's vocab shard; rcv.logprobs_from_logits there read the shard as the whole vocabulary. The
+    drop-in: without replay equal to verl's own function (value, gradient); with configure(sampling=...) the dense
+    fp64 oracle of vLLM's rules on the whole vocabulary (kept set exact), the gradient equal to the one-process
+    replay's on this shard's columns."""
+    from megatron.core import parallel_state as ps
+    from verl.utils.megatron.tensor_parallel import vocab_parallel_log_probs_from_logits as verl_vp
+
+    from rollout_corr_ext import SamplingParams
+    from rollout_corr_testing.dist_utils import worker_device
+    from rollout_corr_testing.sampling_oracle import sampled_log_probs_dense
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    try:
+        dev = worker_device()
+        g = torch.Generator().manual_seed(21)
+        full = torch.randn(6, 5, 64, generator=g) * 2
+        labels = torch.randint(0, 64, (6, 5), generator=g)
+        v = 64 // world
+        shard = full[..., rank * v:(rank + 1) * v].contiguous()
+        w = torch.randn(6, 5, generator=g)
+        a = shard.clone().to(dev).requires_grad_(True)
+        b = shard.clone().to(dev).requires_grad_(True)
+        ours = rv.vocab_parallel_log_probs_from_logits(a, labels.to(dev))
+        theirs = verl_vp(b * 1.0, labels.to(dev))  # * 1.0: megatron-core writes into its input
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        (ours * w.to(dev)).sum().backward()
+        (theirs * w.to(dev)).sum().backward()
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+        sp = SamplingParams(top_k=12, top_p=0.8)
+        want, *_ = sampled_log_probs_dense(full.double().reshape(-1, 64), labels.reshape(-1), top_k=12, top_p=0.8)
+        want = want.reshape(6, 5)
+        c = shard.clone().to(dev).requires_grad_(True)
+        one = full.clone().requires_grad_(True)
+        with rv.configured(sampling=sp):
+            got = rv.vocab_parallel_log_probs_from_logits(c, labels.to(dev))
+            single = rv.logprobs_from_logits(one, labels)
+        fin = want != -math.inf
+        assert bool((~fin).any()) and bool(fin.any())
+        assert torch.equal(got.cpu() == -math.inf, ~fin)
+        torch.testing.assert_close(got.cpu().double()[fin], want[fin], rtol=1e-5, atol=1e-5)
+        (torch.where(fin, got.cpu(), 0.0) * w).sum().backward()
+        (torch.where(fin, single, 0.0) * w).sum().backward()
+        torch.testing.assert_close(c.grad.cpu(), one.grad[..., rank * v:(rank + 1) * v], rtol=1e-5, atol=1e-6)
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_vocab_parallel_log_probs_from_logits_is_verls_megatron_function_and_replays(world):
+    from rollout_corr_testing.dist_utils import run_workers_preloaded
+
+    run_workers_preloaded(_megatron_engine_worker, world)
+
+
 def _sglang_torch_kept(probs, top_k, top_p, min_p):
     """The kept set of SGLang's torch sampler: its ``top_k_top_p_min_p_sampling_from_probs_torch`` rules
     (sglang/srt/layers/sampler.py, 0.5.23; flashinfer's "joint" order the same), written from them in fp64: sort
