@@ -53,7 +53,7 @@ from .config import RolloutCorrectionConfig
 from .correction import OFFPOLICY_KEYS, PREFIX, compute_rollout_correction
 from .losses import PolicyLossConfig
 from .losses import agg_loss as _agg_loss
-from .losses import kl_penalty
+from .losses import kl_penalty as _kl_penalty
 from .sampling import SamplingParams, engine_family
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -291,6 +291,31 @@ def _replayed_mask(response_mask, *log_probs, log_ratio=None):
         dist.all_reduce(counts, group=dp)
     frac = counts[0] / counts[1].clamp_min(1.0)
     return torch.where(out, torch.zeros_like(response_mask), response_mask), frac
+
+
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str,
+               old_log_prob: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """verl's ``core_algos.kl_penalty``: :func:`rollout_corr_ext.kl_penalty`, value for value (``old_log_prob=``:
+    DeepSeek-V3.2's IS-corrected estimate). With :func:`configure` ``(sampling=...)``, a token whose log-prob is -inf
+    in any of the inputs is outside a replayed kept set (the reference's own, under verl's engines, which replay
+    it too): its estimate is 0 with gradient 0, so it leaves the KL as it leaves the loss, where the formula gives
+    inf or NaN (-inf - -inf) and verl's ``kld * response_mask`` carries it into the rewards or the loss, a masked
+    token's included. verl calls it as ``core_algos.kl_penalty`` (the reward's KL, ``algorithm.use_kl_in_reward``)
+    and by name in ``verl.workers.utils.losses`` (the actor's ``use_kl_loss``): patch both in every process."""
+    if _SETTINGS["sampling"] is None:
+        return _kl_penalty(logprob, ref_logprob, kl_penalty, old_log_prob)
+    given = [t for t in (logprob, ref_logprob, old_log_prob) if isinstance(t, torch.Tensor)]
+    if len(given) < 2 + (old_log_prob is not None):  # not tensors: the plain function names the argument
+        return _kl_penalty(logprob, ref_logprob, kl_penalty, old_log_prob)
+    out = torch.zeros((), dtype=torch.bool, device=logprob.device)
+    for t in given:
+        out = out | (t.detach() == float("-inf"))
+
+    def kept(t):  # 0 where the token left: finite arithmetic, and no gradient through where's other branch
+        return None if t is None else torch.where(out, torch.zeros((), dtype=t.dtype, device=t.device), t)
+
+    est = _kl_penalty(kept(logprob), kept(ref_logprob), kl_penalty, kept(old_log_prob))
+    return torch.where(out, torch.zeros((), dtype=est.dtype, device=est.device), est)
 
 
 def _with_replay_metric(metrics: Dict[str, Any], frac) -> Dict[str, Any]:

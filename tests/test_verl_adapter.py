@@ -937,6 +937,47 @@ def test_a_temperature_vllm_raises_is_replayed_at_vllms(V, top_p):
             rv.sampling_params(dict(cfg, logprobs_mode=mode))
 
 
+@pytest.mark.parametrize("estimator", ["kl", "abs", "mse", "low_var_kl", "k3+"])
+def test_kl_penalty_leaves_replayed_out_of_support_tokens_out(V, estimator):
+    """Under sampling replay verl's engines replay the reference's log-probs too, so a sampled token outside the
+    reference's own kept set has ref_log_prob -inf (and a tool token's actor log-prob may be -inf): verl's
+    kl_penalty gives inf / NaN there (-inf - -inf), which `kld * response_mask` carries into the rewards or the KL
+    loss, masked tokens included. With configure(sampling=...) rcv.kl_penalty gives such a token 0 with gradient
+    0; every other token equals verl's kl_penalty (value and gradient, also with old_log_prob); without replay it
+    is verl's everywhere, -inf included."""
+    from rollout_corr_ext import SamplingParams
+
+    g = torch.Generator().manual_seed(8)
+    lp = -torch.rand(4, 6, generator=g, dtype=torch.float64) * 3 - 0.05
+    ref = lp + 0.3 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+    old = lp + 0.1 * torch.randn(4, 6, generator=g, dtype=torch.float64)
+    lp[0, 1] = -math.inf  # the actor's own kept set (a tool token)
+    ref[1, 2] = ref[2, 3] = -math.inf  # the reference's
+    lp[2, 3] = -math.inf  # both: -inf - -inf
+    out = (lp == -math.inf) | (ref == -math.inf)
+    for with_old in (False, True):
+        if with_old and estimator.endswith("+"):
+            continue
+        kw = {"old_log_prob": old} if with_old else {}
+        a = lp.clone().requires_grad_(True)
+        with rv.configured(sampling=SamplingParams(top_p=0.9)):
+            got = rv.kl_penalty(a, ref, estimator, **kw)
+        assert bool(torch.isfinite(got).all()) and bool((got[out] == 0).all())
+        b = torch.where(out, -1.0, lp).requires_grad_(True)  # verl on the kept tokens (finite stand-ins elsewhere)
+        want = V.core.kl_penalty(b, torch.where(out, -1.0, ref), estimator)
+        if with_old:
+            want = want * torch.exp(torch.clamp(b - old, -20.0, 20.0))
+        torch.testing.assert_close(got[~out], want[~out], rtol=1e-12, atol=1e-12)
+        w = torch.randn(4, 6, generator=g, dtype=torch.float64)
+        (got * w).sum().backward()
+        (torch.where(out, 0.0, want) * w).sum().backward()
+        assert bool((a.grad[out] == 0).all())
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+    # without replay: verl's own values at -inf too (inf / NaN)
+    torch.testing.assert_close(rv.kl_penalty(lp, ref, estimator), V.core.kl_penalty(lp, ref, estimator),
+                               equal_nan=True, rtol=0, atol=0)
+
+
 def _megatron_engine_worker(rank, world):
     """verl's megatron engine scores with verl.utils.megatron.tensor_parallel.vocab_parallel_log_probs_from_logits
     over this rank's vocab shard; rcv.logprobs_from_logits there read the shard as the whole vocabulary. The
