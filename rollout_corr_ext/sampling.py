@@ -75,8 +75,8 @@ SGLANG_GREEDY_TEMPERATURE = 1e-6
 
 
 def engine_family(engine: Optional[str]) -> str:
-    """verl's ``rollout.name`` as the engine family whose sampler is known here: "vllm" (also None, verl's
-    default engine), "sglang", or the name itself (another engine)."""
+    """verl's ``rollout.name`` as the engine family whose sampler is known here: "vllm" (also None: a config
+    without a name is taken as vLLM's), "sglang", or the name itself (another engine)."""
     name = "vllm" if engine is None else str(engine).lower()
     return "vllm" if name.startswith("vllm") else "sglang" if name.startswith("sglang") else name
 
@@ -187,9 +187,15 @@ class SamplingParams:
         sp = cls(temperature=engine_temperature(number("temperature", 1.0), name),
                  top_k=None if top_k in (None, 0, -1) else int(top_k), top_p=number("top_p", 1.0),
                  min_p=0.0 if min_p is None else number("min_p", 0.0))
+        if sp.min_p != 0.0:
+            raise ValueError(f"rollout config: min_p={sp.min_p}: verl passes temperature, top_k and top_p to its "
+                             f"rollout engine, not min_p (verl 0.9.1 has no such field; experimental/agent_loop/"
+                             f"agent_loop.py), so the rollout was not drawn with it and replaying it would truncate "
+                             f"what the engine did not. Build SamplingParams(min_p=...) by hand where an engine did "
+                             f"apply it")
         kind = engine_family(name)
-        if kind != "vllm" and not (sp.top_k is None and sp.top_p == 1.0 and sp.min_p == 0.0):
-            what = f"top_k={sp.top_k}, top_p={sp.top_p}, min_p={sp.min_p}"
+        if kind != "vllm" and not (sp.top_k is None and sp.top_p == 1.0):
+            what = f"top_k={sp.top_k}, top_p={sp.top_p}"
             if kind == "sglang":
                 why = ("SGLang draws from the truncated distribution but reports the log-probs of softmax(logits / "
                        "T) before the truncation, and takes top-p on the full distribution (vLLM, whose rules are "
@@ -198,17 +204,11 @@ class SamplingParams:
                        "replay off for SGLang rollouts (the rollout correction then measures the mismatch of the "
                        "untruncated distributions), or roll out with vLLM and logprobs_mode=processed_logprobs")
             else:
-                why = (f"the replay follows vLLM V1's sampler and processed log-probs, and {name!r}'s truncation "
-                       f"rules and reported log-probs are not known to match them (checked: vLLM; SGLang, which does "
-                       f"not). Build a SamplingParams by hand if the engine samples and reports log-probs as vLLM "
+                why = (f"the replay follows vLLM V1's sampler and processed log-probs, and the truncation rules "
+                       f"and reported log-probs of engine {name!r} are not known to match them (checked: vLLM; "
+                       f"SGLang, which does not). Build a SamplingParams by hand if the engine samples and reports log-probs as vLLM "
                        f"does with processed_logprobs")
             raise ValueError(f"rollout config: name={name!r} with a truncation ({what}): {why}")
-        if sp.min_p != 0.0:
-            raise ValueError(f"rollout config: min_p={sp.min_p}: verl passes temperature, top_k and top_p to its "
-                             f"rollout engine, not min_p (verl 0.9.1 has no such field; experimental/agent_loop/"
-                             f"agent_loop.py), so the rollout was not drawn with it and replaying it would truncate "
-                             f"what the engine did not. Build SamplingParams(min_p=...) by hand where an engine did "
-                             f"apply it")
         return sp
 
 

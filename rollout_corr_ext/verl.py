@@ -54,7 +54,7 @@ from .correction import OFFPOLICY_KEYS, PREFIX, compute_rollout_correction
 from .losses import PolicyLossConfig
 from .losses import agg_loss as _agg_loss
 from .losses import kl_penalty as _kl_penalty
-from .sampling import SamplingParams, engine_family
+from .sampling import VLLM_MIN_TEMPERATURE, SamplingParams, engine_family
 
 if TYPE_CHECKING:  # pragma: no cover
     from verl.protocol import DataProto
@@ -769,7 +769,9 @@ def _require_processed_logprobs(rollout, sp: SamplingParams, truncates: bool) ->
         # processed_logits (logits, not log-probs)
         what = "logits, not log-probs" if str(mode).endswith("_logits") else "the log-probs of its raw logits"
         drawn = (f"the truncated distribution (top_k={sp.top_k}, top_p={sp.top_p}, min_p={sp.min_p})" if truncates
-                 else f"softmax(logits / {sp.temperature}) (vLLM raises a temperature below 0.01 to 0.01)")
+                 else f"softmax(logits / {sp.temperature})"
+                 + (" (vLLM raises a temperature below 0.01 to 0.01)"
+                    if float(_get(rollout, "temperature", 1.0)) < VLLM_MIN_TEMPERATURE else ""))
         raise ValueError(f"rollout.logprobs_mode={mode!r}: the engine reports {what}, but draws from {drawn}, so "
                          f"rollout_log_probs are not the sampling log-probabilities and the trainer's log-probs would "
                          f"be compared with those of another distribution. Set "
