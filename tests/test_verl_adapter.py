@@ -1029,7 +1029,8 @@ def _megatron_engine_worker(rank, world):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_vocab_parallel_log_probs_from_logits_is_verls_megatron_function_and_replays(world):
+def test_vocab_parallel_log_probs_from_logits_is_verls_and_replays_under_tp(V, world):
+    # (no "megatron" in the name: the newest-stack job runs -m megatron without verl)
     from rollout_corr_testing.dist_utils import run_workers_preloaded
 
     run_workers_preloaded(_megatron_engine_worker, world)
