@@ -2109,7 +2109,8 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     divergence", 2020): ``kl`` / ``k1`` log pi - log pi_ref; ``abs`` its absolute value; ``mse`` / ``k2`` half its
     square; ``low_var_kl`` / ``k3`` r - log r - 1 with r = pi_ref / pi, the log-ratio clamped to [-20, 20] and the
     estimate to [-10, 10] (verl's bounds); a trailing ``+`` (``k1+``, ``k3+``) keeps the value and takes k2's gradient
-    (verl's straight-through, for an unbiased gradient on-policy).
+    (verl's straight-through, for an unbiased gradient on-policy); ``k2+`` / ``mse+`` are k2 itself (verl's value
+    and gradient, but inf at an infinite difference, where verl's straight-through gives inf - inf = NaN).
 
     ``old_log_prob``: the IS-corrected estimate of DeepSeek-V3.2 (its technical report, "unbiased KL estimate"), the
     estimate times pi_theta / pi_old = exp(clamp(log pi - log pi_old, -20, 20)), unbiased for tokens drawn from pi_old
@@ -2144,7 +2145,9 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     else:
         x = torch.clamp(ref - lp, min=-20.0, max=20.0)
         est = torch.clamp(x.exp() - x - 1, min=-10.0, max=10.0)
-    if straight_through and base not in ("mse", "k2"):  # verl: "k2+" / "mse+" are k2 itself
+    # "k2+" / "mse+": k2 itself, whose gradient the straight-through would take (verl's value and gradient; at an
+    # infinite difference verl's inf - inf is NaN, k2's inf here)
+    if straight_through and base not in ("mse", "k2"):
         st = 0.5 * (lp - ref).square()
         est = st - st.detach() + est.detach()
     if old_log_prob is not None:

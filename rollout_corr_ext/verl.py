@@ -297,7 +297,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
                old_log_prob: Optional[torch.Tensor] = None) -> torch.Tensor:
     """verl's ``core_algos.kl_penalty``: :func:`rollout_corr_ext.kl_penalty`, value for value (``old_log_prob=``:
     DeepSeek-V3.2's IS-corrected estimate). With :func:`configure` ``(sampling=...)``, a token whose log-prob is -inf
-    in any of the inputs is outside a replayed kept set (the reference's own, under verl's engines, which replay
+    in any of the inputs (and NaN in none) is outside a replayed kept set (the reference's own, under verl's engines, which replay
     it too): its estimate is 0 with gradient 0, so it leaves the KL as it leaves the loss, where the formula gives
     inf or NaN (-inf - -inf) and verl's ``kld * response_mask`` carries it into the rewards or the loss, a masked
     token's included. verl calls it as ``core_algos.kl_penalty`` (the reward's KL, ``algorithm.use_kl_in_reward``)
@@ -305,11 +305,15 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str
     if _SETTINGS["sampling"] is None:
         return _kl_penalty(logprob, ref_logprob, kl_penalty, old_log_prob)
     given = [t for t in (logprob, ref_logprob, old_log_prob) if isinstance(t, torch.Tensor)]
-    if len(given) < 2 + (old_log_prob is not None):  # not tensors: the plain function names the argument
+    if len(given) < 2 + (old_log_prob is not None) or any(t.shape != logprob.shape for t in given):
+        # not tensors, or not one shape: the plain function names the argument, as without replay
         return _kl_penalty(logprob, ref_logprob, kl_penalty, old_log_prob)
     out = torch.zeros((), dtype=torch.bool, device=logprob.device)
+    nan = out
     for t in given:
         out = out | (t.detach() == float("-inf"))
+        nan = nan | t.detach().isnan()
+    out = out & ~nan  # a NaN is an error's value, never the replay's marker: it stays NaN
 
     def kept(t):  # 0 where the token left: finite arithmetic, and no gradient through where's other branch
         return None if t is None else torch.where(out, torch.zeros((), dtype=t.dtype, device=t.device), t)
@@ -848,8 +852,9 @@ def vocab_parallel_log_probs_from_logits(logits: torch.Tensor, labels: torch.Ten
     ``[..., V / tp]`` over megatron-core's tensor-parallel group (``parallel_state``; not initialized: the logits
     hold the whole vocabulary), fp32 (fp64 for fp64 logits); with :func:`configure` ``(sampling=...)``, under the
     truncated, renormalised distribution the engine drew from, exactly under tensor parallelism (-inf outside the
-    kept set), as :func:`logprobs_from_logits`. The engine imports it by name, so patch its module:
-    ``verl.workers.engine.megatron.transformer_impl.vocab_parallel_log_probs_from_logits``."""
+    kept set), as :func:`logprobs_from_logits`. A label of -100 (megatron's padding label, which verl's engine
+    does not pass) gives 0, where megatron-core's cross entropy gives -logsumexp. The engine imports it by name, so
+    patch its module: ``verl.workers.engine.megatron.transformer_impl.vocab_parallel_log_probs_from_logits``."""
     from . import logprobs as _lp
 
     group = None

@@ -77,7 +77,7 @@ def sampled_log_probs_dense(logits: torch.Tensor, target: torch.Tensor, temperat
         zk = torch.where(kept, z, torch.full_like(z, -math.inf))
         lse_k = torch.logsumexp(zk, 0)
         q = torch.exp(zk - lse_k)
-        out_lp.append(zk[t] - lse_k if bool(kept[t]) else z[t] * 0 - math.inf)
+        out_lp.append(zk[t] - lse_k if bool(kept[t]) else z.nan_to_num(0.0, 0.0, 0.0)[t] * 0 - math.inf)
         out_ent.append(-(torch.where(kept, q * (zk - lse_k), torch.zeros_like(q))).sum().detach())
         out_ls.append((lse_k - torch.logsumexp(z, 0)).detach())
         out_in.append(bool(kept[t]))

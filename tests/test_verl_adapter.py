@@ -976,6 +976,17 @@ def test_kl_penalty_leaves_replayed_out_of_support_tokens_out(V, estimator):
     # without replay: verl's own values at -inf too (inf / NaN)
     torch.testing.assert_close(rv.kl_penalty(lp, ref, estimator), V.core.kl_penalty(lp, ref, estimator),
                                equal_nan=True, rtol=0, atol=0)
+    with rv.configured(sampling=SamplingParams(top_p=0.9)):
+        # a NaN is an error's value, not the replay's marker: NaN stays NaN beside a -inf (was 0, the fuzz)
+        nan_ref = ref.clone()
+        nan_ref[0, 1] = math.nan
+        assert bool(rv.kl_penalty(lp, nan_ref, estimator)[0, 1].isnan())
+        # shapes are checked as without replay (the where() below the check broadcast them: the fuzz)
+        for args in ((lp, ref[0]), (lp, ref[:, :1])):
+            with pytest.raises(ValueError, match="ref_logprob must have the shape"):
+                rv.kl_penalty(*args, estimator)
+    with pytest.raises(ValueError, match="ref_logprob must have the shape"):
+        rv.kl_penalty(lp, ref[0], estimator)
 
 
 def _megatron_engine_worker(rank, world):
