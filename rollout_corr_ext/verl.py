@@ -835,15 +835,20 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
     the truncated, renormalised distribution the engine drew from (-inf for a label outside the kept set; the
     losses and the rollout correction here then leave that token out). verl's engines import it by name, so patch
     their module: e.g. ``verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits``."""
+    vocab = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() else None
+    return _scored(logits, labels, None, vocab)
+
+
+def _scored(logits, labels, group, vocab):
+    """The two drop-ins' log-probs: plain, or replayed under the configured sampling (one shard of ``group``)."""
     from . import logprobs as _lp
 
     sampling = _SETTINGS["sampling"]
-    vocab = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() else None
     if sampling is None:
-        return _lp.vocab_parallel_log_probs(logits, labels, None, vocab_size=vocab)
+        return _lp.vocab_parallel_log_probs(logits, labels, group, vocab_size=vocab)
     from .sampling import sampled_log_probs
 
-    return sampled_log_probs(logits, labels, sampling, None, vocab_size=vocab).log_prob
+    return sampled_log_probs(logits, labels, sampling, group, vocab_size=vocab).log_prob
 
 
 def vocab_parallel_log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -855,8 +860,6 @@ def vocab_parallel_log_probs_from_logits(logits: torch.Tensor, labels: torch.Ten
     kept set), as :func:`logprobs_from_logits`. A label of -100 (megatron's padding label, which verl's engine
     does not pass) gives 0, where megatron-core's cross entropy gives -logsumexp. The engine imports it by name, so
     patch its module: ``verl.workers.engine.megatron.transformer_impl.vocab_parallel_log_probs_from_logits``."""
-    from . import logprobs as _lp
-
     group = None
     try:
         from megatron.core import parallel_state as ps
@@ -864,14 +867,7 @@ def vocab_parallel_log_probs_from_logits(logits: torch.Tensor, labels: torch.Ten
         ps = None
     if ps is not None and ps.model_parallel_is_initialized():
         group = ps.get_tensor_model_parallel_group()
-    world = 1 if group is None else dist.get_world_size(group)
-    vocab = logits.shape[-1] * world if isinstance(logits, torch.Tensor) and logits.dim() else None
-    sampling = _SETTINGS["sampling"]
-    if sampling is None:
-        return _lp.vocab_parallel_log_probs(logits, labels, group, vocab_size=vocab)
-    from .sampling import sampled_log_probs
-
-    return sampled_log_probs(logits, labels, sampling, group, vocab_size=vocab).log_prob
+    return _scored(logits, labels, group, None)  # vocab: every shard's columns (the layout's default)
 
 
 # ------------------------------------------------------------------------------------------------- registry
