@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import numbers
 import re
@@ -100,6 +101,59 @@ def engine_temperature(temperature: float, engine: Optional[str] = None) -> floa
     return temperature
 
 
+#: vLLM's speculative-decoding rejection methods that accept a draft token by another rule than the target's
+#: probability (``vllm/config/speculative.py``, ``RejectionSampleMethod``, 0.33.0): "synthetic" accepts drafts at a
+#: set rate whatever the target gives them (a token the truncation removed included), "fly" is lossy by vLLM's own
+#: account. The tokens are then not drawn from the distribution whose log-probs vLLM still reports (the target's
+#: processed ones); "standard" (the default) and "block" draw exactly from it.
+VLLM_LOSSY_REJECTION_METHODS = ("synthetic", "fly")
+
+
+def vllm_engine_kwargs(rollout_config) -> dict:
+    """verl's ``rollout.engine_kwargs.vllm`` as its vLLM server passes them to the engine (verl 0.9.1,
+    ``workers/rollout/vllm_rollout/vllm_async_server.py``): None values dropped, a "-" in a key read as "_" (vLLM's
+    command line takes both). The server spreads them after its own arguments, so a ``logprobs_mode`` here is the
+    one vLLM runs with, whatever ``rollout.logprobs_mode`` says, and a ``speculative_config`` here applies with or
+    without verl's ``mtp``."""
+    def get(obj, key):
+        return obj.get(key, None) if hasattr(obj, "get") else getattr(obj, key, None)
+
+    kwargs = get(get(rollout_config, "engine_kwargs") or {}, "vllm") or {}
+    if not hasattr(kwargs, "items"):
+        raise TypeError(f"rollout config: engine_kwargs.vllm must be a mapping, got {type(kwargs).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in kwargs.items() if v is not None}
+
+
+def _check_vllm_engine_kwargs(kwargs: dict) -> None:
+    """Refuse the vLLM engine options (verl's ``engine_kwargs.vllm``) under which the tokens are not drawn from the
+    tempered, truncated distribution of the raw logits whose log-probs vLLM reports: no replay matches them."""
+    spec = kwargs.get("speculative_config")
+    if isinstance(spec, str):  # verl json.loads a string (build_mtp_speculative_config), as vLLM's CLI does
+        try:
+            spec = json.loads(spec)
+        except ValueError:
+            raise ValueError(f"rollout config: engine_kwargs.vllm.speculative_config is neither a mapping nor "
+                             f"JSON: {spec!r}") from None
+    if spec is not None:
+        if not hasattr(spec, "get"):
+            raise ValueError(f"rollout config: engine_kwargs.vllm.speculative_config must be a mapping, got "
+                             f"{type(spec).__name__}")
+        method = spec.get("rejection_sample_method", None)
+        if method is not None and str(method).lower() in VLLM_LOSSY_REJECTION_METHODS:
+            raise ValueError(f"rollout config: engine_kwargs.vllm.speculative_config.rejection_sample_method="
+                             f"{method!r}: vLLM then accepts draft tokens by another rule than the target's "
+                             f"probability (lossy speculative decoding), so the tokens are not drawn from the "
+                             f"distribution whose log-probs it reports, and neither a replay nor an importance "
+                             f"weight corrects that. Use 'standard' (vLLM's default) or 'block'")
+    procs = kwargs.get("logits_processors")
+    if procs is not None and (not hasattr(procs, "__len__") or isinstance(procs, str) or len(procs)):
+        raise ValueError(f"rollout config: engine_kwargs.vllm.logits_processors={procs!r}: vLLM applies custom "
+                         f"logits processors before the temperature and the truncation, so what it draws from and "
+                         f"the processed log-probs it reports include their change, which the trainer's logits and "
+                         f"this replay do not. Build a SamplingParams by hand if they leave verl's requests "
+                         f"untouched")
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """What the inference engine sampled with; each field a Python number or a per-row 1-D tensor (engines accept
@@ -159,7 +213,9 @@ class SamplingParams:
         (0.5.23) reports the log-probs of softmax(logits / T) before its truncation, not of the truncated
         distribution it draws from, and takes top-p on the full distribution; another engine's rules are not known
         here. Both are refused with a truncation (docs/sampling_replay.md, "Engines"); a temperature alone is
-        replayed for every engine."""
+        replayed for every engine. For vLLM, verl's ``engine_kwargs.vllm`` are read too (:func:`vllm_engine_kwargs`):
+        a lossy speculative decoding (:data:`VLLM_LOSSY_REJECTION_METHODS`) and custom ``logits_processors`` are
+        refused (the tokens are not drawn from what a replay computes)."""
         get = rollout_config.get if hasattr(rollout_config, "get") else lambda k, d: getattr(rollout_config, k, d)
 
         def number(key, default):  # None or text is the config's mistake: named, never a bare float() error
@@ -209,6 +265,8 @@ class SamplingParams:
                        f"SGLang, which does not). Build a SamplingParams by hand if the engine samples and reports log-probs as vLLM "
                        f"does with processed_logprobs")
             raise ValueError(f"rollout config: name={name!r} with a truncation ({what}): {why}")
+        if kind == "vllm":
+            _check_vllm_engine_kwargs(vllm_engine_kwargs(rollout_config))
         return sp
 
 

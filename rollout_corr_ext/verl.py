@@ -54,7 +54,7 @@ from .correction import OFFPOLICY_KEYS, PREFIX, compute_rollout_correction
 from .losses import PolicyLossConfig
 from .losses import agg_loss as _agg_loss
 from .losses import kl_penalty as _kl_penalty
-from .sampling import VLLM_MIN_TEMPERATURE, SamplingParams, engine_family
+from .sampling import VLLM_MIN_TEMPERATURE, SamplingParams, engine_family, vllm_engine_kwargs
 
 if TYPE_CHECKING:  # pragma: no cover
     from verl.protocol import DataProto
@@ -766,6 +766,10 @@ _PROCESSED = ("processed_logprobs",)
 def _require_processed_logprobs(rollout, sp: SamplingParams, truncates: bool) -> None:
     """Refuse a vLLM ``logprobs_mode`` whose log-probs are not those of the distribution drawn from (``sp``)."""
     mode = _get(rollout, "logprobs_mode", "processed_logprobs")  # an absent key: verl's default
+    where = "rollout.logprobs_mode"
+    engine_kwargs = vllm_engine_kwargs(rollout)
+    if "logprobs_mode" in engine_kwargs:  # verl spreads engine_kwargs.vllm after its own logprobs_mode: this one wins
+        mode, where = engine_kwargs["logprobs_mode"], "rollout.engine_kwargs.vllm.logprobs_mode"
     if mode is None:  # verl then passes nothing to the engine, which keeps its own default: vLLM's raw_logprobs
         mode = "None (the engine's default, vLLM's raw_logprobs)"
     if mode not in _PROCESSED:
@@ -776,18 +780,20 @@ def _require_processed_logprobs(rollout, sp: SamplingParams, truncates: bool) ->
                  else f"softmax(logits / {sp.temperature})"
                  + (" (vLLM raises a temperature below 0.01 to 0.01)"
                     if float(_get(rollout, "temperature", 1.0)) < VLLM_MIN_TEMPERATURE else ""))
-        raise ValueError(f"rollout.logprobs_mode={mode!r}: the engine reports {what}, but draws from {drawn}, so "
+        raise ValueError(f"{where}={mode!r}: the engine reports {what}, but draws from {drawn}, so "
                          f"rollout_log_probs are not the sampling log-probabilities and the trainer's log-probs would "
-                         f"be compared with those of another distribution. Set "
-                         f"rollout.logprobs_mode=processed_logprobs (verl's default)")
+                         f"be compared with those of another distribution. Set {where}=processed_logprobs"
+                         + (" (verl's default)" if where == "rollout.logprobs_mode" else " or leave it out (rollout.logprobs_mode then applies)"))
 
 
 def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optional[SamplingParams]:
     """The :class:`rollout_corr_ext.SamplingParams` that replays what verl's rollout engine sampled with, from verl's
     config: the trainer config (``actor_rollout_ref.rollout`` is read), the ``actor_rollout_ref`` config, or the
     rollout config itself (a dataclass, ``DictConfig`` or dict). Fields read: ``temperature``, ``top_k`` (-1 / 0:
-    off), ``top_p``, ``min_p`` (refused unless 0: verl passes none to its engine), ``name`` (the engine) and
-    ``logprobs_mode``. ``None`` when there is nothing to replay: nothing truncates (top-k off, top_p = 1) and the
+    off), ``top_p``, ``min_p`` (refused unless 0: verl passes none to its engine), ``name`` (the engine),
+    ``logprobs_mode`` and, for vLLM, ``engine_kwargs.vllm`` (its ``logprobs_mode`` overrides the rollout's, as in
+    verl's server; lossy speculative decoding and custom logits processors are refused:
+    :meth:`SamplingParams.from_verl`). ``None`` when there is nothing to replay: nothing truncates (top-k off, top_p = 1) and the
     replay's temperature is 1.
 
     ``temperature_applied`` (default True): verl's actor divides the logits by the rollout temperature before it

@@ -337,6 +337,37 @@ def test_from_verl_rollout_config():
         SamplingParams.from_verl({"min_p": "low"})
 
 
+def test_from_verl_reads_the_vllm_engine_kwargs():
+    """verl spreads ``rollout.engine_kwargs.vllm`` into vLLM's arguments (verl 0.9.1, vllm_async_server.py): a lossy
+    speculative decoding (vLLM 0.33.0's rejection_sample_method "synthetic" accepts drafts at a set rate, "fly" is
+    lossy by vLLM's account) draws tokens from another distribution than the one whose log-probs vLLM reports, and
+    custom logits processors change both before the temperature: refused, where they were replayed silently."""
+    base = {"name": "vllm", "top_p": 0.9, "temperature": 0.7}
+    for spec in ({"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.0},
+                 '{"method": "mtp", "rejection_sample_method": "fly"}', {"rejection_sample_method": "FLY"}):
+        for extra in ({}, {"top_p": 1.0, "temperature": 1.0}):  # also where nothing is replayed
+            cfg = {**base, **extra, "engine_kwargs": {"vllm": {"speculative_config": spec}}}
+            with pytest.raises(ValueError, match=r"speculative_config.rejection_sample_method='(synthetic|fly|FLY)'"):
+                SamplingParams.from_verl(cfg)
+    for spec in ({"rejection_sample_method": "standard"}, {"rejection_sample_method": "block"},
+                 '{"method": "mtp", "num_speculative_tokens": 2}', {"rejection_sample_method": None}):
+        sp = SamplingParams.from_verl({**base, "engine_kwargs": {"vllm": {"speculative_config": spec}}})
+        assert (sp.top_p, sp.temperature) == (0.9, 0.7)
+    with pytest.raises(ValueError, match="speculative_config is neither a mapping nor JSON"):
+        SamplingParams.from_verl({**base, "engine_kwargs": {"vllm": {"speculative_config": "{bad"}}})
+    for procs in (["my_pkg.Biaser"], "my_pkg.Biaser", ("a", "b")):
+        with pytest.raises(ValueError, match=r"engine_kwargs.vllm.logits_processors=.*before the temperature"):
+            SamplingParams.from_verl({**base, "engine_kwargs": {"vllm": {"logits-processors": procs}}})
+    for procs in ([], None):
+        SamplingParams.from_verl({**base, "engine_kwargs": {"vllm": {"logits_processors": procs}}})
+    # another engine's kwargs, and vllm's kwargs under another engine, are not vLLM's options
+    lossy = {"vllm": {"speculative_config": {"rejection_sample_method": "synthetic"}}}
+    assert SamplingParams.from_verl({"name": "sglang", "temperature": 0.7, "engine_kwargs": lossy}).temperature == 0.7
+    SamplingParams.from_verl({**base, "engine_kwargs": {"sglang": {"logits_processors": ["x"]}, "vllm": None}})
+    with pytest.raises(TypeError, match="engine_kwargs.vllm must be a mapping"):
+        SamplingParams.from_verl({**base, "engine_kwargs": {"vllm": ["speculative_config"]}})
+
+
 # --------------------------------------------------------------------------------------------- tensor parallel
 
 TP_CASES = [dict(top_k=12, top_p=0.85), dict(top_p=0.7, min_p=0.01, temperature=0.5), dict(top_k=3),

@@ -846,6 +846,23 @@ def test_sampling_params_from_verl_configs(V):
         with pytest.raises(ValueError, match="logprobs_mode=.*raw_logprobs"):
             rv.sampling_params(cfg)
     assert rv.sampling_params({"top_p": 0.9}) == SamplingParams(top_p=0.9)
+    # verl's server spreads engine_kwargs.vllm after its own logprobs_mode, so that one reaches vLLM (was: the
+    # rollout's processed_logprobs read, a replay against raw rollout log-probs, silently)
+    for key in ("logprobs_mode", "logprobs-mode"):
+        cfg = RolloutConfig(name="vllm", top_p=0.9, top_k=50, engine_kwargs={"vllm": {key: "raw_logprobs"}})
+        assert cfg.logprobs_mode == "processed_logprobs"
+        with pytest.raises(ValueError, match=r"rollout.engine_kwargs.vllm.logprobs_mode='raw_logprobs'"):
+            rv.sampling_params(cfg)
+        with pytest.raises(ValueError, match=r"engine_kwargs.vllm.logprobs_mode='raw_logprobs'.*softmax\(logits / 0.7"):
+            rv.sampling_params({"temperature": 0.7, "engine_kwargs": {"vllm": {key: "raw_logprobs"}}})
+    cfg = RolloutConfig(name="vllm", top_p=0.9, logprobs_mode="raw_logprobs",
+                        engine_kwargs={"vllm": {"logprobs_mode": "processed_logprobs"}})
+    assert rv.sampling_params(cfg) == SamplingParams(top_p=0.9)  # what vLLM runs with is processed
+    cfg = RolloutConfig(name="vllm", top_p=0.9, engine_kwargs={"vllm": {"logprobs_mode": None}})
+    assert rv.sampling_params(cfg) == SamplingParams(top_p=0.9)  # verl drops None values: the rollout's applies
+    with pytest.raises(ValueError, match="rejection_sample_method='synthetic'"):  # verl's own config object
+        rv.sampling_params(RolloutConfig(name="vllm", top_p=0.9, engine_kwargs={
+            "vllm": {"speculative_config": {"rejection_sample_method": "synthetic"}}}))
     with pytest.raises(ValueError, match="SamplingParams.top_p"):
         rv.sampling_params({"top_p": 1.5})
     with pytest.raises(TypeError, match="SamplingParams"):
