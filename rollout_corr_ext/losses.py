@@ -1004,6 +1004,12 @@ def _geo_mean_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
             summed = _seq_all_reduce(torch.cat(parts).double(), seq_group).to(acc)
             whole_rows, adv_sum = summed[:LY.PG_ROW_COLS].t(), summed[LY.PG_ROW_COLS]
             logw_sum = None if logw_sum is None else summed[LY.PG_ROW_COLS + 1]
+    if logw_sum is not None:  # log(w + 1e-10) of a weight below -1e-10 (or NaN) under the mask: verl's loss is NaN
+        refuse_where(torch.isnan(logw_sum),
+                     lambda at: f"{fn}: sequence {at[0]} has a rollout_is_weights value below 0 (or NaN) under its "
+                                f"mask: the geometric mean of its IS weights, exp(mean log(w + 1e-10)), is undefined. "
+                                f"IS weights must be >= 0",
+                     f"{fn}: rollout_is_weights must be >= 0 under the mask (the geometric mean's log)")
     tokens = whole_rows[:, LY.PG_ROW_TOKENS] + LY.MASKED_MEAN_EPS
     g = rows[:, LY.PG_ROW_LOSS_SUM]
     if cp > 1:  # the whole sum's value, differentiable in this rank's terms only
@@ -1015,7 +1021,8 @@ def _geo_mean_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
     # the kernel refuses an undefined token loss (the same on every CP rank: the whole sequences' values)
     refuse_where(~torch.isfinite(seq_loss.detach()),
                  lambda at: f"{fn}: sequence {at[0]}'s value -mean(A) exp(mean clipped log-ratio) is not finite "
-                            f"({float(seq_loss[at])}): the mean clipped log-ratio ({float(g[at] / tokens[at])}) "
+                            f"({float(seq_loss.detach()[at])}): the mean clipped log-ratio "
+                            f"({float(g.detach()[at] / tokens[at])}) "
                             f"overflows exp; mask the sequence out or fix its log-probs",
                  f"{fn}: a sequence's value -mean(A) exp(mean clipped log-ratio) is not finite")
     if cfg.global_batch_size is None:

@@ -672,6 +672,34 @@ def test_geo_mean_sequence_value_overflow_is_a_named_error(backend_name, dtype, 
         assert torch.isfinite(got[0]) and torch.isfinite(got[2]).all()
 
 
+@pytest.mark.parametrize("backend_name", ["cpu", "fallback"])
+def test_geo_mean_negative_is_weight_is_named(backend_name):
+    """GMPO takes the geometric mean of the IS weights, exp(mean log(w + 1e-10)) (verl's): a weight below 0 (or NaN)
+    under the mask has no log (verl's loss is NaN). Named as the weights' fault (was blamed on an exp overflow of the
+    clipped log-ratios, with a torch warning from the message itself); a masked one is never read."""
+    old = torch.full((2, 3), -1.0)
+    lp = (old + torch.tensor([[0.1, -0.1, 0.05], [0.0, 0.2, -0.3]])).requires_grad_(True)
+    adv = torch.tensor([[1.0], [-0.5]]).expand(2, 3).contiguous()
+    mask = torch.ones(2, 3)
+    cfg = losses.PolicyLossConfig(loss_mode="geo_mean")
+    with policy_loss_backend(backend_name):
+        for bad in (-0.5, math.nan):
+            w = torch.ones(2, 3)
+            w[1, 2] = bad
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                with pytest.raises(ValueError, match=r"geo_mean: sequence 1 has a rollout_is_weights value below 0"):
+                    losses.compute_policy_loss_geo_mean(old, lp, adv, mask, "token-mean", cfg, w)
+            m = mask.clone()
+            m[1, 2] = 0.0
+            loss, _ = losses.compute_policy_loss_geo_mean(old, lp, adv, m, "token-mean", cfg, w)
+            assert torch.isfinite(loss)
+        w = torch.ones(2, 3)
+        w[0, 0] = 0.0  # a zero weight is a weight: log(1e-10), the sequence's loss all but 0
+        loss, _ = losses.compute_policy_loss_geo_mean(old, lp, adv, mask, "token-mean", cfg, w)
+        assert torch.isfinite(loss)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("name", NAMES)
 def test_every_dtype_matches_fp64(name, dtype):
