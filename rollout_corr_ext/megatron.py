@@ -642,7 +642,7 @@ def make_policy_loss_func(
         # token mean sum(m L) / sum(m) only for 0 / 1 weights (a fractional mask would weight each micro-batch by its
         # token count, not by its mask's sum): refused, as megatron's own integer count cannot carry it either
         frac = (response_mask != 0) & (response_mask != 1)
-        refuse_where(frac, lambda at: f"response_mask at {at} is {float(response_mask[at])}: loss_agg_mode="
+        refuse_where(frac, lambda at: f"response_mask at {at} is {float(response_mask.detach()[at])}: loss_agg_mode="
                                       f"'token-mean' in megatron's loss_func contract needs 0 / 1 weights (num_tokens "
                                       f"is a count); use a seq-mean-* mode for weighted tokens",
                      "response_mask: token-mean in the loss_func contract needs 0 / 1 weights")
