@@ -134,8 +134,8 @@ def check_weight_mask(name: str, mask: torch.Tensor) -> None:
     lo, hi = torch.aminmax(mask)
     refuse_unless((lo >= 0) & (hi < math.inf) if mask.is_floating_point() else lo >= 0,  # NaN fails both
                   lambda: ~(mask >= 0) | (mask == math.inf),
-                  lambda at: f"{name} at {at} is {float(mask.detach()[at])}: a mask weights its token's loss and must be "
-                             f"finite and >= 0",
+                  lambda at: f"{name} at {at} is {float(mask.detach()[at])}: a mask weights its token's loss and "
+                             f"must be finite and >= 0",
                   f"{name}: a mask weight must be finite and >= 0")
 
 

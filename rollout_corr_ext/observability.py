@@ -544,8 +544,8 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
                              f"{tuple(ent.shape)}")
         bad = valid & ~torch.isfinite(ent)  # a NaN would land in the first bucket unseen
         w.refuse("diagnostics.entropy", bad,
-                 lambda at: f"diagnostics.entropy at response token {at} is {float(ent.detach()[at])}: entropies must be "
-                            f"finite", "diagnostics.entropy must be finite at response tokens")
+                 lambda at: f"diagnostics.entropy at response token {at} is {float(ent.detach()[at])}: entropies "
+                            f"must be finite", "diagnostics.entropy must be finite at response tokens")
         fam_idx["entropy"] = _count_at_least(ent.detach().to(f64), spec.entropy_edges)
     if spec.turn_ids is not None:
         tid = _like("turn_ids", spec.turn_ids, log_prob, True)

@@ -780,10 +780,11 @@ def _require_processed_logprobs(rollout, sp: SamplingParams, truncates: bool) ->
                  else f"softmax(logits / {sp.temperature})"
                  + (" (vLLM raises a temperature below 0.01 to 0.01)"
                     if float(_get(rollout, "temperature", 1.0)) < VLLM_MIN_TEMPERATURE else ""))
+        fix = (" (verl's default)" if where == "rollout.logprobs_mode"
+               else " or leave it out (rollout.logprobs_mode then applies)")
         raise ValueError(f"{where}={mode!r}: the engine reports {what}, but draws from {drawn}, so "
                          f"rollout_log_probs are not the sampling log-probabilities and the trainer's log-probs would "
-                         f"be compared with those of another distribution. Set {where}=processed_logprobs"
-                         + (" (verl's default)" if where == "rollout.logprobs_mode" else " or leave it out (rollout.logprobs_mode then applies)"))
+                         f"be compared with those of another distribution. Set {where}=processed_logprobs{fix}")
 
 
 def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optional[SamplingParams]:
@@ -793,8 +794,8 @@ def sampling_params(config: Any, *, temperature_applied: bool = True) -> Optiona
     off), ``top_p``, ``min_p`` (refused unless 0: verl passes none to its engine), ``name`` (the engine),
     ``logprobs_mode`` and, for vLLM, ``engine_kwargs.vllm`` (its ``logprobs_mode`` overrides the rollout's, as in
     verl's server; lossy speculative decoding and custom logits processors are refused:
-    :meth:`SamplingParams.from_verl`). ``None`` when there is nothing to replay: nothing truncates (top-k off, top_p = 1) and the
-    replay's temperature is 1.
+    :meth:`SamplingParams.from_verl`). ``None`` when there is nothing to replay: nothing truncates (top-k off,
+    top_p = 1) and the replay's temperature is 1.
 
     ``temperature_applied`` (default True): verl's actor divides the logits by the rollout temperature before it
     computes log-probs, so the replay runs at temperature 1 on those logits, or at the engine's temperature over
