@@ -866,7 +866,7 @@ def make_policy_loss_func(
         else:
             local_horizon = padded_horizon(logp, cu).double().reshape(1)
         # under CP the MTP heads' weight sums ride on the same all-reduce: each head's mean is over the micro-batch
-        mtp_local = [m_k.double().sum().reshape(1) for _, m_k in mtp_heads] if seq_world > 1 else []
+        mtp_local = [ordered_sum(m_k.double()).reshape(1) for _, m_k in mtp_heads] if seq_world > 1 else []
         counts = torch.cat([row_tokens.double(), local_horizon, (mask != 0).sum().double().reshape(1)] + mtp_local)
         if seq_world > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=seq)

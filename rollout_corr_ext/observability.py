@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import _layout as LY
-from ._checks import check_mask
+from ._checks import check_mask, ordered_sum
 
 __all__ = ["DEBUG_METRIC_KEYS", "debug_metrics", "MismatchDiagnostics", "DiagnosticsOutput", "Histogram",
            "BREAKDOWNS", "BUCKET_STATS", "log_histograms"]
@@ -76,9 +76,12 @@ def debug_metrics(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, respon
         d = (p - q).abs()
         n = valid.sum().double()
         n1 = n.clamp(min=1)
-        sd, sp, sq = d.sum(), p.sum(), q.sum()
+        # every sum in the values' logical order (ordered_sum): torch.where lays p, q out as the mask is, and a
+        # sum in memory order moved the std by an ulp for a column-major mask (and with the thread count past
+        # 32768 tokens; the input-layout fuzz)
+        sd, sp, sq = ordered_sum(d), ordered_sum(p), ordered_sum(q)
         dc, pc, qc = (_centred(x, valid, s, n1, zero) for x, s in ((d, sd), (p, sp), (q, sq)))
-        sums = torch.stack([n, sd, sp, sq, (dc * dc).sum(), (pc * pc).sum(), (qc * qc).sum(), (pc * qc).sum(),
+        sums = torch.stack([n, sd, sp, sq, *(ordered_sum(x * y) for x, y in ((dc, dc), (pc, pc), (qc, qc), (pc, qc))),
                             sd * sd / n1, sp * sp / n1, sq * sq / n1, sp * sq / n1])
         # each side's max and -min (one MAX all-reduce): a constant side has no correlation (NaN) and a constant
         # difference a std of 0, which the centred sums miss by rounding (the mean sum / n is not exact: +-1 came out
@@ -494,10 +497,12 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
         w.refuse("diagnostics.versions", *check)
     # |lr|'s spread from centred sums pooled over ranks (_pooled_comoment): no cancellation of a small spread
     # against a large mean
-    n_loc, s_loc = stats[:, 0].sum(), stats[:, 1].sum()
+    # (every sum in the tokens' logical order, ordered_sum: the same bits in any layout and at any thread count)
+    n_loc, s_loc = ordered_sum(stats[:, 0]), ordered_sum(stats[:, 1])
     centred = _centred(abs_lr, valid, s_loc, n_loc.clamp(min=1), zero)
-    w.sum_parts.append(("scalars", torch.stack([n_loc, s_loc, (centred * centred).sum(),
-                                                s_loc * s_loc / n_loc.clamp(min=1), rev.sum(), js.sum()])))
+    w.sum_parts.append(("scalars", torch.stack([n_loc, s_loc, ordered_sum(centred * centred),
+                                                s_loc * s_loc / n_loc.clamp(min=1), ordered_sum(rev),
+                                                ordered_sum(js)])))
     w.max_parts.append(("abs_max", (torch.where(valid, abs_lr, ninf).amax() if n_tok else ninf).reshape(1)))
 
     # ---- breakdowns: a bucket index per token and breakdown (the spare last bucket takes tokens not counted)
@@ -570,7 +575,7 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
     width = (_HIST_HI - _HIST_LO) / _HIST_BINS
     hidx = ((l20 - _HIST_LO) / width).floor().clamp(0, _HIST_BINS - 1).long()
     w.sum_parts.append(("hist_lr", _binned(hidx, valid, stats[:, 0], _HIST_BINS)))
-    w.sum_parts.append(("hist_lr_moments", torch.stack([lr.sum(), (lr * lr).sum()])))
+    w.sum_parts.append(("hist_lr_moments", torch.stack([ordered_sum(lr), ordered_sum(lr * lr)])))
     w.max_parts.append(("hist_lr_minmax", torch.stack([
         torch.where(valid, lr, ninf).amax() if n_tok else ninf,
         torch.where(valid, -lr, ninf).amax() if n_tok else ninf])))
@@ -581,7 +586,8 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
         widx = torch.where(pos_w, ((lw - _HIST_LO) / width).floor().clamp(0, _HIST_BINS - 1).long() + 1,
                            torch.zeros_like(hidx))
         w.sum_parts.append(("hist_w", _binned(widx, kept, stats[:, 5], _HIST_BINS + 1)))
-        w.sum_parts.append(("hist_w_moments", torch.stack([stats[:, 5].sum(), wt.sum(), (wt * wt).sum()])))
+        w.sum_parts.append(("hist_w_moments", torch.stack([ordered_sum(stats[:, 5]), ordered_sum(wt),
+                                                                 ordered_sum(wt * wt)])))
         w.max_parts.append(("hist_w_minmax", torch.stack([
             torch.where(kept, wt, ninf).amax() if n_tok else ninf,
             torch.where(kept, -wt, ninf).amax() if n_tok else ninf])))
@@ -590,7 +596,7 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
     if spec.versions is not None:
         lagv = state["lag"]
         lagf = torch.where(valid, lagv.to(f64), zero)
-        w.sum_parts.append(("lag_sum", lagf.sum().reshape(1)))
+        w.sum_parts.append(("lag_sum", ordered_sum(lagf).reshape(1)))
         w.max_parts.append(("lag_minmax", torch.stack([
             torch.where(valid, lagv.to(f64), ninf).amax() if lagv.numel() else ninf,
             torch.where(valid, -lagv.to(f64), ninf).amax() if lagv.numel() else ninf])))

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from . import _layout as LY
 from . import logprobs as _lp
 from . import ops
-from ._checks import row_sums
+from ._checks import ordered_sum, row_sums
 from .fallback import logprob as _fallback_lp  # the targets' fingerprint, as the log-prob record headers hold it
 
 Number = Union[int, float]
@@ -1361,7 +1361,7 @@ def sampling_metrics(result: SampledLogProbs, response_mask: torch.Tensor, dp_gr
     ls = result.log_kept_mass.to(torch.float64)
     zero = torch.zeros_like(ls)
     sums = torch.stack([m.sum().to(torch.float64), (m & ~result.in_support).sum().to(torch.float64),
-                        torch.where(m, ls.exp(), zero).sum(), torch.where(m, ls, zero).sum()])
+                        ordered_sum(torch.where(m, ls.exp(), zero)), ordered_sum(torch.where(m, ls, zero))])
     neg_min = torch.where(m, -ls.exp(), torch.full_like(ls, -math.inf)).amax() if m.numel() else \
         torch.tensor(-math.inf, dtype=torch.float64, device=ls.device)
     world = dist.get_world_size(dp_group) if dp_group is not None else 1

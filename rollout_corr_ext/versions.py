@@ -27,7 +27,7 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 
-from ._checks import check_cu_seqlens, check_mask_kind, refuse_ambiguous_per_sequence, refuse_where
+from ._checks import check_cu_seqlens, check_mask_kind, ordered_sum, refuse_ambiguous_per_sequence, refuse_where
 from .fallback.rollout_correction import MSG_NO_VALID_TOKEN
 
 __all__ = ["PROXIMAL_METHODS", "proximal_log_prob", "staleness_metrics", "proximal_error_metrics",
@@ -190,7 +190,8 @@ def proximal_error_metrics(approx_log_prob: torch.Tensor, old_log_prob: torch.Te
         valid = response_mask != 0
         d = torch.where(valid, approx_log_prob.detach().double() - old_log_prob.detach().double(),
                         torch.zeros((), dtype=torch.float64, device=old_log_prob.device))
-        sums = torch.stack([valid.sum().double(), d.abs().sum(), torch.expm1(d).abs().sum()])
+        # sums in the tokens' logical order (ordered_sum): the same bits in any layout and at any thread count
+        sums = torch.stack([valid.sum().double(), ordered_sum(d.abs()), ordered_sum(torch.expm1(d).abs())])
         if dp_group is not None and dist.get_world_size(dp_group) > 1:
             dist.all_reduce(sums, group=dp_group)
         n = sums[0]

@@ -177,3 +177,66 @@ def test_debug_metrics_and_staleness_refuse_bad_masks_by_name():
                 staleness_metrics(torch.ones(2, 3, dtype=torch.long), 3, bad)
     with pytest.raises(TypeError, match="rollout_log_prob must be a bool, integer or float tensor"):
         debug_metrics(lp, lp.to(torch.complex128), torch.ones(2, 3))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values (NaN equal to NaN: an empty bucket's mean) of one shape and dtype."""
+    return a.shape == b.shape and a.dtype == b.dtype and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_every_metric_is_the_same_bits_in_every_layout_and_at_any_thread_count(dtype):
+    """The fp64 metrics outside the kernels (verl's debug metrics, the diagnostics' divergences and |lr| spread, the
+    proximal approximation's errors, sampling replay's kept mass) summed their masked per-token tensors in memory
+    order, which ``torch.where`` takes from the mask: a column-major ``response_mask`` moved
+    ``training/rollout_probs_diff_std`` and ``rollout_corr/js_divergence`` by an ulp (the input-layout fuzz), and
+    past 32768 tokens the thread count moved them too. The same values in any layout (a transposed mask, transposed
+    inputs, step-2 slices) and at 1, 2 and 3 threads: the same bits."""
+    from rollout_corr_ext import RolloutCorrectionConfig, compute_rollout_correction
+    from rollout_corr_ext.observability import MismatchDiagnostics
+    from rollout_corr_ext.sampling import SampledLogProbs, sampling_metrics
+    from rollout_corr_ext.versions import proximal_error_metrics, staleness_metrics
+
+    b, t = 48, 1024  # 49152 tokens: a full reduction ATen splits over threads
+    g = torch.Generator().manual_seed(41)
+    rlp = (-torch.rand(b, t, generator=g, dtype=torch.float64) * 3).to(dtype)
+    lp = (rlp.double() + 0.2 * torch.randn(b, t, generator=g, dtype=torch.float64)).clamp(max=0).to(dtype)
+    mask = (torch.rand(b, t, generator=g) < 0.8).float()
+    ent = (torch.rand(b, t, generator=g) * 5).to(dtype)
+    versions = torch.randint(3, 8, (b, t), generator=g)
+    ls = (-torch.rand(b, t, generator=g, dtype=torch.float64)).float()
+    in_sup = torch.rand(b, t, generator=g) < 0.95
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_is_threshold=2.0)
+
+    def metrics(lp, rlp, mask, ent, versions, ls, in_sup):
+        diag = MismatchDiagnostics(entropy=ent, versions=versions, current_version=8)
+        out = dict(debug_metrics(lp, rlp, mask))
+        out.update(compute_rollout_correction(lp, rlp, mask, cfg, diagnostics=diag).metrics)
+        out.update(proximal_error_metrics(lp, rlp, mask))
+        out.update(staleness_metrics(versions, 8, mask))
+        out.update(sampling_metrics(SampledLogProbs(lp.float(), ent.float(), ls, in_sup), mask))
+        return out
+
+    def tr(x):
+        return x.t().contiguous().t()
+
+    def step2(x):
+        return torch.stack([x, torch.zeros_like(x)], -1)[..., 0]
+
+    args = (lp, rlp, mask, ent, versions, ls, in_sup)
+    want = metrics(*args)
+    layouts = {"mask transposed": (lp, rlp, tr(mask)) + args[3:], "all transposed": tuple(map(tr, args)),
+               "step-2 slices": tuple(map(step2, args))}
+    for name, other in layouts.items():
+        got = metrics(*other)
+        bad = [k for k in want if not _same_bits(got[k], want[k])]
+        assert not bad, (name, bad)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got = metrics(*args)
+            bad = [k for k in want if not _same_bits(got[k], want[k])]
+            assert not bad, (n, bad)
+    finally:
+        torch.set_num_threads(threads)
