@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from . import losses as _losses
+from ._checks import check_mask
 from .config import RolloutCorrectionConfig
 from .correction import OFFPOLICY_KEYS, PREFIX, compute_rollout_correction
 from .losses import PolicyLossConfig
@@ -421,7 +422,9 @@ def compute_rollout_rejection_mask(
         raise ValueError("rollout_rs must be a non-empty string of comma-separated criteria")
     if rollout_rs_threshold is None:
         raise ValueError("rollout_rs_threshold must be provided for rejection sampling")
-    if log_ratio.shape[0] == 0:
+    if isinstance(log_ratio, torch.Tensor) and log_ratio.dim() and log_ratio.shape[0] == 0:
+        # verl's shortcut for an empty batch: the mask back, no metrics (a mask of another shape is still refused)
+        check_mask("response_mask", response_mask, log_ratio, "log_ratio")
         return response_mask, {}
     cfg = RolloutCorrectionConfig(rollout_is=None, rollout_is_threshold=None, rollout_rs=rollout_rs,
                                   rollout_rs_threshold=rollout_rs_threshold)

@@ -379,7 +379,10 @@ def test_rejection_mask(V, kw):
     assert_mask(mask_ours, mask_theirs)
     assert_metrics(m_ours, m_theirs, ref)
     empty = torch.zeros(0, 5)
-    assert rv.compute_rollout_rejection_mask(empty, empty, **kw)[1] == {}
+    assert rv.compute_rollout_rejection_mask(empty, empty, **kw)[1] == {}  # verl's shortcut for an empty batch
+    # ... which returned any mask as it came: one of another shape is refused by name
+    with pytest.raises(ValueError, match="response_mask must have the shape of log_ratio"):
+        rv.compute_rollout_rejection_mask(empty, mask, **kw)
 
 
 def test_offpolicy_metrics(V):
