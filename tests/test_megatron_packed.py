@@ -11,6 +11,7 @@ must match. Rollout correction with sequence-level IS / RS, so each sequence's s
 
 from __future__ import annotations
 
+import math
 import types
 
 import pytest
@@ -113,6 +114,8 @@ def _compare(name, got, ref, failures):
     if set(metrics) != set(ref_metrics):
         failures.append(f"{name}: metric names differ: {sorted(set(metrics) ^ set(ref_metrics))}")
     for k in sorted(set(metrics) & set(ref_metrics)):
+        if math.isnan(metrics[k]) and math.isnan(ref_metrics[k]):  # a diagnostics bucket no token fell in
+            continue
         if not abs(metrics[k] - ref_metrics[k]) <= 1e-4 * abs(ref_metrics[k]) + 1e-6:
             failures.append(f"{name}: metric {k} = {metrics[k]:.8g}, padded {ref_metrics[k]:.8g}")
     if not grad_ok:
@@ -289,3 +292,86 @@ def test_ambiguous_per_sequence_values_are_refused_on_every_rank_under_per_seque
     alone refused advantages / versions [2] and rank 0 went on into the loss's all-reduce (a hang until gloo's
     timeout; the megatron fuzz): every rank reads every rank's boundaries and refuses alike."""
     run_workers_preloaded(_ambiguous_per_sequence_balancing_worker, 2)
+
+
+#: Sampling replay under CP: (loss_mode, preset, loss_agg_mode, sampling, diagnostics). "kept": the engine's kept ids
+#: (the 3 most likely tokens of each position, from each rank's own logits).
+REPLAY_CASES = [
+    ("vanilla", "decoupled_seq_is_rs", "seq-mean-token-mean", dict(top_k=6, top_p=0.9), True),
+    ("geo_mean", "decoupled_token_is", "token-mean", dict(top_p=0.7, min_p=0.05, temperature=0.8), False),
+    ("gspo", None, "seq-mean-token-mean", "kept", False),
+    ("clip_cov", "decoupled_token_icepop", "token-mean", dict(top_k=12, temperature=1.3), True),
+    ("vanilla", "bypass_ppo_clip", "seq-mean-token-sum-norm", "kept", True),
+]
+
+
+def _replay_loss_func(case, logits, target, mask, adv, old, rollout, positions, **kw):
+    from rollout_corr_ext import KeptTokens, MismatchDiagnostics, SamplingParams
+    from rollout_corr_ext.config import RolloutCorrectionConfig
+    from rollout_corr_ext.losses import PolicyLossConfig
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    mode, preset, agg, spec, diag = case
+    rc = None if preset is None else getattr(RolloutCorrectionConfig, preset)()
+    cfg = PolicyLossConfig(loss_mode=mode, clip_ratio=0.2, rollout_correction=rc, clip_cov_ratio=0.5,
+                           clip_cov_lb=0.02, clip_cov_ub=40.0)
+    if spec == "kept":  # one list per target, in the targets' order ([b, s] padded, the stream packed)
+        ids = logits.detach().topk(3, -1).indices
+        sampling = KeptTokens.from_lists((ids.transpose(0, 1) if ids.shape[1] > 1 else ids).reshape(-1, 3).tolist())
+    else:
+        sampling = SamplingParams(**spec)
+    return make_policy_loss_func(target, adv, mask, old_log_prob=None if rc is not None and rc.bypass_mode else old,
+                                 rollout_log_prob=rollout, config=cfg, loss_agg_mode=agg, sampling=sampling,
+                                 diagnostics=MismatchDiagnostics(positions=positions) if diag else None, **kw)(logits)
+
+
+def _replay_batch(seed):
+    """:func:`_batch` with most targets among each position's two most likely tokens (as a sampler draws them), so
+    the replay keeps some and leaves others out."""
+    logits, target, mask, adv, _, _ = _batch(seed)
+    g = torch.Generator().manual_seed(seed)
+    likely = logits.topk(2, -1).indices.gather(-1, torch.randint(0, 2, logits.shape[:2] + (1,), generator=g))
+    target = torch.where(torch.rand(target.shape, generator=g) < 0.7, likely.squeeze(-1).t(), target)
+    lp = torch.log_softmax(logits.double(), -1).gather(-1, target.t().unsqueeze(-1)).squeeze(-1).t()
+    old = (lp + 0.1 * torch.randn(lp.shape, generator=g, dtype=torch.float64)).float()
+    rollout = (lp + 0.3 * torch.randn(lp.shape, generator=g, dtype=torch.float64)).float()
+    return logits, target, mask, adv, old, rollout
+
+
+def _cp_replay_worker(rank, world):
+    from rollout_corr_ext.megatron import reported_means
+
+    failures = []
+    group = dist.new_group([0, 1])
+    for i, case in enumerate(REPLAY_CASES):
+        logits, target, mask, adv, old, rollout = batch = _replay_batch(11 + i)
+        positions = torch.cumsum(mask.long(), 1) - 1  # each token's index among its sequence's response tokens
+        ref_logits = logits.clone().requires_grad_(True)
+        loss_sum, num_tokens, report = _replay_loss_func(case, ref_logits, target, mask, adv, old, rollout, positions)
+        (loss_sum / num_tokens.clamp(min=1)).backward()
+        ref = ((loss_sum / num_tokens.clamp(min=1)).detach().double(), int(num_tokens), reported_means(report))
+        seqs = list(range(len(LENGTHS)))
+        plog, tgt, pmask, padv, pold, proll, cu, pos, row = _pack(batch, seqs,
+                                                                  lambda b: cp_token_index(LENGTHS[b], world, rank))
+        global_cu = cu * world
+        params = types.SimpleNamespace(cu_seqlens_q=global_cu, cu_seqlens_q_padded=global_cu, qkv_format="thd")
+        loss_sum, num_tokens, report = _replay_loss_func(case, plog, tgt, pmask, padv, pold, proll, positions[row, pos],
+                                                         packed_seq_params=params, dp_group=group, seq_group=group)
+        totals = torch.stack([loss_sum.detach().double(), num_tokens.double()])
+        dist.all_reduce(totals, group=group)  # calculate_per_token_loss=True: megatron sums over DP x CP
+        (loss_sum / totals[1].clamp(min=1).to(loss_sum.dtype)).backward()
+        grad_ok = torch.allclose(plog.grad[:, 0], ref_logits.grad[pos, row], rtol=1e-4, atol=1e-7)
+        name = f"{case[0]}/{case[1]}/{case[3]}"
+        if not 0 < ref[2]["rollout_corr/sampling_out_of_support_fraction"] < 1:
+            failures.append(f"{name}: the replay should leave some targets out and keep others")
+        _compare(name, (totals[0] / totals[1].clamp(min=1), int(totals[1]) // world, reported_means(report), grad_ok),
+                 ref, failures)
+    assert not failures, "\n".join(failures)
+
+
+def test_sampling_replay_under_context_parallelism_equals_one_process():
+    """Sampling replay (vLLM's rules and an engine's kept ids) with sequence-level IS / RS, diagnostics and the loss
+    family under CP = 2 (packed, megatron's load-balanced halves): the loss, num_tokens, every reported metric (the
+    sampling ones included) and the gradient of the logits equal the padded one-process call. Each rank replays its
+    own positions; the tokens left outside the kept set leave every sequence statistic on every rank alike."""
+    run_workers_preloaded(_cp_replay_worker, 2)
