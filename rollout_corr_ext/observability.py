@@ -587,7 +587,7 @@ def diagnostics_partials(spec: MismatchDiagnostics, state, log_prob, weights, ma
                            torch.zeros_like(hidx))
         w.sum_parts.append(("hist_w", _binned(widx, kept, stats[:, 5], _HIST_BINS + 1)))
         w.sum_parts.append(("hist_w_moments", torch.stack([ordered_sum(stats[:, 5]), ordered_sum(wt),
-                                                                 ordered_sum(wt * wt)])))
+                                                           ordered_sum(wt * wt)])))
         w.max_parts.append(("hist_w_minmax", torch.stack([
             torch.where(kept, wt, ninf).amax() if n_tok else ninf,
             torch.where(kept, -wt, ninf).amax() if n_tok else ninf])))
