@@ -41,7 +41,7 @@ import torch.distributed as dist
 from . import _layout as LY
 from . import logprobs as _lp
 from . import ops
-from ._checks import ordered_sum, row_sums
+from ._checks import check_mask, ordered_sum, row_sums
 from .fallback import logprob as _fallback_lp  # the targets' fingerprint, as the log-prob record headers hold it
 
 Number = Union[int, float]
@@ -1354,9 +1354,10 @@ def sampling_metrics(result: SampledLogProbs, response_mask: torch.Tensor, dp_gr
     ``rollout_corr/sampling_out_of_support_fraction`` (targets outside the kept set: left out of the loss),
     ``rollout_corr/sampling_kept_mass_mean`` / ``_min`` (S) and ``rollout_corr/sampling_log_kept_mass_mean``
     (log S, the factor every unreplayed ratio carried). 0-dim fp64 tensors."""
-    if response_mask.shape != result.log_prob.shape:
-        raise ValueError(f"response_mask must have the log-probs' shape {tuple(result.log_prob.shape)}, got "
-                         f"{tuple(response_mask.shape)}")
+    if not isinstance(result, SampledLogProbs):
+        raise TypeError(f"result must be the SampledLogProbs a replay returns (sampled_log_probs, "
+                        f"sampled_linear_log_probs), got {type(result).__name__}")
+    check_mask("response_mask", response_mask, result.log_prob, "the log-probs")
     m = response_mask != 0
     ls = result.log_kept_mass.to(torch.float64)
     zero = torch.zeros_like(ls)

@@ -527,6 +527,14 @@ def test_sampling_metrics_over_valid_tokens():
     assert met["rollout_corr/sampling_out_of_support_fraction"].item() == pytest.approx(want, abs=1e-12)
     with pytest.raises(ValueError, match="response_mask"):
         sampling_metrics(res, mask[:, :1])
+    # not a mask, not a replay's result: named, where a list or a tuple failed with an AttributeError and a complex
+    # mask was taken
+    with pytest.raises(TypeError, match="response_mask must be a torch.Tensor"):
+        sampling_metrics(res, mask.tolist())
+    with pytest.raises(TypeError, match="response_mask must be a bool, integer or float tensor"):
+        sampling_metrics(res, mask.to(torch.complex64))
+    with pytest.raises(TypeError, match="result must be the SampledLogProbs"):
+        sampling_metrics(tuple(res), mask)
 
 
 # --------------------------------------------------------------------------------------------- the policy loss
