@@ -269,6 +269,54 @@ class SamplingParams:
             _check_vllm_engine_kwargs(vllm_engine_kwargs(rollout_config))
         return sp
 
+    @classmethod
+    def from_megatron(cls, sampling_params, *, logprobs_mode) -> Optional["SamplingParams"]:
+        """From megatron-core's inference ``SamplingParams`` (``megatron.core.inference.sampling_params``:
+        ``temperature``, ``top_k`` (0: disabled), ``top_p`` (0.0: disabled); a mapping or an object with those
+        attributes) and the engine's ``logprobs_mode`` (``InferenceConfig.logprobs_mode``, megatron-core 0.19 on:
+        the string, or the config itself). The result is for ``make_policy_loss_func(sampling=)`` and the log-prob
+        entry points, which replay it on **raw** logits.
+
+        ``"raw_logprobs"`` (megatron-core's default, and all that 0.16 has): the engine reports ``log_softmax`` of
+        the raw logits, untruncated and at temperature 1, whatever it sampled with, so there is nothing to replay:
+        returns ``None`` (no replay; a temperature replayed against raw log-probs would itself be a mismatch).
+        ``"processed_logprobs"``: the engine reports the log-probs of the tempered, truncated, renormalised
+        distribution it draws from (``sampling/torch_sampling.py`` ``log_probs_kernel``: temperature, then top-k or
+        top-p; ``sampling/flashinfer_sampling.py``: top-k, then top-p on the renormalised top-k, vLLM's order):
+        returns the replay of it. Where the rules differ from vLLM's, which the replay follows: Megatron's torch
+        top-p keeps a token when the mass before it is at most p (vLLM: below p), and splits ties by its sort order
+        (docs/sampling_replay.md, "Engines"). A temperature below 1e-6 is refused (the torch backend divides by it,
+        FlashInfer's raises it to 1e-6: which one drew the rollout is not known here)."""
+        mode = getattr(logprobs_mode, "logprobs_mode", logprobs_mode)
+        if mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(f"SamplingParams.from_megatron: logprobs_mode must be 'raw_logprobs' or "
+                             f"'processed_logprobs' (megatron-core's InferenceConfig.logprobs_mode), got {mode!r}")
+        if isinstance(sampling_params, dict):
+            get = sampling_params.get
+        else:
+            def get(key, default):
+                return getattr(sampling_params, key, default)
+        temperature, top_k, top_p = get("temperature", 1.0), get("top_k", 0), get("top_p", 0.0)
+        for key, value, kinds in (("temperature", temperature, numbers.Real), ("top_k", top_k, numbers.Integral),
+                                  ("top_p", top_p, numbers.Real)):
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise TypeError(f"SamplingParams.from_megatron: sampling_params.{key} must be "
+                                f"{'an int' if kinds is numbers.Integral else 'a number'}, got {value!r}")
+        if not (math.isfinite(temperature) and temperature >= 1e-6):
+            raise ValueError(f"SamplingParams.from_megatron: sampling_params.temperature={temperature!r}: below "
+                             f"1e-6 megatron-core's torch sampler divides by it and its FlashInfer sampler raises "
+                             f"it to 1e-6, so what the rollout was drawn from depends on the backend")
+        if top_k < 0:
+            raise ValueError(f"SamplingParams.from_megatron: sampling_params.top_k must be >= 0 (0: disabled), got "
+                             f"{top_k}")
+        if not 0.0 <= top_p <= 1.0:
+            raise ValueError(f"SamplingParams.from_megatron: sampling_params.top_p must be in [0, 1] (0: disabled), "
+                             f"got {top_p!r}")
+        if mode == "raw_logprobs":
+            return None
+        return cls(temperature=float(temperature), top_k=int(top_k) if top_k > 0 else None,
+                   top_p=float(top_p) if top_p > 0.0 else 1.0)
+
 
 def _per_row(name: str, value, rows: int, lead, dtype, device) -> torch.Tensor:
     """A field as ``[rows]`` (a number broadcast; a tensor of ``rows`` or of the leading shape's size)."""

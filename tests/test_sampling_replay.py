@@ -337,6 +337,66 @@ def test_from_verl_rollout_config():
         SamplingParams.from_verl({"min_p": "low"})
 
 
+def test_from_megatron_maps_megatron_cores_sampling_params():
+    """megatron-core's inference SamplingParams (0 / 0.0: top_k / top_p disabled) and its logprobs_mode: raw
+    log-probs (the default, and all that megatron-core 0.16 reports) are of the untruncated distribution at
+    temperature 1, so nothing is replayed (None); processed ones are replayed with the engine's parameters."""
+    msp = pytest.importorskip("megatron.core.inference.sampling_params").SamplingParams
+    processed = "processed_logprobs"
+    assert SamplingParams.from_megatron(msp(temperature=0.7, top_p=0.9), logprobs_mode="raw_logprobs") is None
+    assert SamplingParams.from_megatron(msp(), logprobs_mode=processed) == SamplingParams()
+    assert SamplingParams.from_megatron(msp(temperature=0.7, top_p=0.9), logprobs_mode=processed) == \
+        SamplingParams(temperature=0.7, top_p=0.9)
+    assert SamplingParams.from_megatron(msp(top_k=50), logprobs_mode=processed) == SamplingParams(top_k=50)
+    # FlashInfer's sampler takes both (top-k, then top-p on the renormalised top-k: vLLM's order)
+    both = SamplingParams.from_megatron({"temperature": 2, "top_k": 5, "top_p": 0.5}, logprobs_mode=processed)
+    assert both == SamplingParams(temperature=2.0, top_k=5, top_p=0.5)
+    # the mode read off megatron-core's InferenceConfig (or anything holding it)
+    config = type("InferenceConfig", (), {"logprobs_mode": processed})()
+    assert SamplingParams.from_megatron(msp(top_k=3), logprobs_mode=config) == SamplingParams(top_k=3)
+    bad = [({}, {"logprobs_mode": "processed"}, ValueError, "logprobs_mode must be 'raw_logprobs' or"),
+           ({"top_k": -1}, {}, ValueError, r"sampling_params.top_k must be >= 0 \(0: disabled\), got -1"),
+           ({"top_k": 2.0}, {}, TypeError, "sampling_params.top_k must be an int, got 2.0"),
+           ({"top_k": True}, {}, TypeError, "sampling_params.top_k must be an int"),
+           ({"top_p": 1.5}, {}, ValueError, r"sampling_params.top_p must be in \[0, 1\]"),
+           ({"top_p": None}, {}, TypeError, "sampling_params.top_p must be a number, got None"),
+           ({"temperature": 0.0}, {}, ValueError, "temperature=0.0: below 1e-6 megatron-core's torch sampler"),
+           ({"temperature": math.nan}, {}, ValueError, "temperature=nan")]
+    for fields, kw, err, match in bad:  # named whatever the mode: a raw config with them is still wrong
+        for mode in ("raw_logprobs", processed):
+            with pytest.raises(err, match=match):
+                SamplingParams.from_megatron(fields, **{"logprobs_mode": mode, **kw})
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 0.9), (1.3, 20, 0.0), (1.0, 1, 0.0), (0.5, 0, 0.0),
+                                                     (1.0, 0, 0.3)])
+def test_from_megatron_replays_megatron_cores_processed_log_probs(temperature, top_k, top_p):
+    """Against megatron-core's own filter (0.19 on: ``TorchSampling.filter_logits``, which its processed
+    ``log_probs_kernel`` applies before ``log_softmax``): the replay of ``from_megatron``'s parameters gives its
+    log-probs, its kept set and its -inf outside it."""
+    torch_sampling = pytest.importorskip(
+        "megatron.core.inference.sampling.torch_sampling",
+        reason="megatron-core before 0.19 reports raw log-probs only (no processed log-probs to replay)")
+    msp = pytest.importorskip("megatron.core.inference.sampling_params").SamplingParams
+    g = torch.Generator().manual_seed(17)
+    logits = torch.randn(24, 257, generator=g) * 3
+    target = torch.randint(0, 257, (24,), generator=g)
+    ref = torch.log_softmax(torch_sampling.TorchSampling.filter_logits(logits, float(temperature), top_k, top_p),
+                            dim=-1)
+    target[::2] = ref[::2].argmax(-1)  # half the rows: a token surely kept; the others mostly outside
+    ref_lp = ref.gather(-1, target[:, None])[:, 0]
+    sp = SamplingParams.from_megatron(msp(temperature=temperature, top_k=top_k, top_p=top_p),
+                                      logprobs_mode="processed_logprobs")
+    out = sampled_log_probs(logits, target, sp)
+    assert torch.equal(out.in_support, torch.isfinite(ref_lp))
+    assert bool((~out.in_support).any()) == (top_k > 0 or top_p > 0.0)  # the truncation did drop some targets
+    torch.testing.assert_close(out.log_prob, ref_lp, rtol=1e-5, atol=1e-5)
+    kept = torch.isfinite(ref)
+    torch.testing.assert_close(out.log_kept_mass, torch.logsumexp(
+        torch.where(kept, logits / temperature, -math.inf), -1) - torch.logsumexp(logits / temperature, -1),
+        rtol=1e-5, atol=1e-5)
+
+
 def test_from_verl_reads_the_vllm_engine_kwargs():
     """verl spreads ``rollout.engine_kwargs.vllm`` into vLLM's arguments (verl 0.9.1, vllm_async_server.py): a lossy
     speculative decoding (vLLM 0.33.0's rejection_sample_method "synthetic" accepts drafts at a set rate, "fly" is
