@@ -23,6 +23,9 @@ Covered (verl module -> name):
   (verl's deprecated 4-tuple form), and the other ten registered losses (``compute_policy_loss_dppo_tv``,
   ``_dppo_kl``, ``_gspo``, ``_sapo``, ``_gpg``, ``_clip_cov``, ``_kl_cov``, ``_geo_mean``, ``_dro``, ``_cispo``),
   :func:`kl_penalty` (with ``old_log_prob=``: DeepSeek-V3.2's IS-corrected KL).
+* the log-prob functions verl's engines score with, replayed under ``configure(sampling=...)``:
+  :func:`logprobs_from_logits`, :func:`vocab_parallel_log_probs_from_logits`, and for ``use_fused_kernels``
+  :class:`FusedLinearForPPO` and :func:`linear_cross_entropy` (from hidden states, no logits tensor).
 
 What verl's signatures cannot carry is set once with :func:`configure` (or :func:`configured`, a context manager):
 the process groups (``dp_group`` / ``seq_group``: metrics and batch normalisation exact over the global batch),
@@ -86,6 +89,8 @@ __all__ = [
     "sampling_params",
     "logprobs_from_logits",
     "vocab_parallel_log_probs_from_logits",
+    "linear_cross_entropy",
+    "FusedLinearForPPO",
     "calculate_debug_metrics",
     "compute_policy_loss_dppo_tv",
     "compute_policy_loss_dppo_kl",
@@ -878,6 +883,87 @@ def vocab_parallel_log_probs_from_logits(logits: torch.Tensor, labels: torch.Ten
     if ps is not None and ps.model_parallel_is_initialized():
         group = ps.get_tensor_model_parallel_group()
     return _scored(logits, labels, group, None)  # vocab: every shard's columns (the layout's default)
+
+
+def _linear_scored(hidden, weight, labels, temperature, group):
+    """The fused drop-ins' (log-prob, entropy) of ``labels`` under ``softmax(hidden @ weight.T / temperature)``
+    (``weight``: this rank's vocab shard of ``group``), or under the configured replay of it, without the logits."""
+    from . import linear as _linear
+
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    sampling = _SETTINGS["sampling"]
+    if sampling is None:
+        return _linear.linear_log_probs(hidden, weight, labels, group, temperature=float(temperature),
+                                        return_entropy=True)
+    from .sampling import sampled_linear_log_probs
+
+    # verl's fused kernels divide the logits by the actor's temperature themselves; the configured replay is of
+    # those logits (sampling_params' temperature is what is left to apply: 1, or the engine's over the actor's)
+    if isinstance(sampling.temperature, torch.Tensor):
+        raise ValueError("configure(sampling=...): the fused drop-ins take one temperature, not a per-row tensor")
+    replay = dataclasses.replace(sampling, temperature=float(temperature) * float(sampling.temperature))
+    out = sampled_linear_log_probs(hidden, weight, labels, replay, group)
+    return out.log_prob, out.entropy
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         temperature: float = 1.0, reduction: str = "none",
+                         dist_process_group=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """verl's ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (same parameters; its Triton kernel, which
+    ``use_fused_kernels=True`` with the triton backend and verl's megatron engine run): ``(log_probs, entropy)``, each
+    ``[N]`` and fp32 (fp64 for fp64 inputs), of ``labels`` (global ids) under ``softmax(hidden @ weight.T /
+    temperature)`` over ``dist_process_group``'s vocab shards (``weight``: this rank's, ``[V / tp, H]``), without the
+    logits tensor (:func:`rollout_corr_ext.linear_log_probs`); differentiable in ``hidden`` and ``weight``, both
+    outputs; ``hidden`` ``[..., H]`` and ``labels`` are flattened alike. With :func:`configure` ``(sampling=...)``, of
+    the truncated, renormalised distribution the engine drew from (:func:`rollout_corr_ext.sampled_linear_log_probs`:
+    -inf outside the kept set, exactly under tensor parallelism, and the entropy over the kept set). ``reduction``:
+    "none" only (what verl passes). Patch where it is imported:
+    ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`` (the FSDP engine's models import it when called),
+    ``verl.models.mcore.model_forward_fused.linear_cross_entropy`` and
+    ``verl.models.mcore.model_forward_1f1b_overlap.linear_cross_entropy`` (the megatron engine)."""
+    if reduction != "none":
+        raise ValueError(f"reduction must be 'none' (per-token log-probs and entropy, what verl passes), got "
+                         f"{reduction!r}")
+    # as verl's kernel: both flattened, row i of hidden scored against labels' element i (its megatron engine
+    # passes hidden [s, b, H] with labels [b, s], b = 1)
+    if isinstance(hidden, torch.Tensor) and hidden.dim() >= 1 and isinstance(labels, torch.Tensor):
+        hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        if labels.shape[0] != hidden.shape[0]:
+            raise ValueError(f"labels must hold one id per row of hidden (both are flattened), got "
+                             f"{labels.shape[0]} ids for {hidden.shape[0]} rows")
+    return _linear_scored(hidden, weight, labels, temperature, dist_process_group)
+
+
+class FusedLinearForPPO(torch.nn.Module):
+    """verl's ``verl.utils.experimental.torch_functional.FusedLinearForPPO`` (same constructor and ``forward``; what
+    ``use_fused_kernels=True`` with the torch backend runs): ``forward(hidden_states, vocab_weights, input_ids,
+    temperature)`` gives ``(log_probs, entropy)`` in ``input_ids``' shape, log-probs fp32 and the entropy in the
+    hidden states' dtype as verl's, from ``softmax(hidden_states @ vocab_weights.T / temperature)`` without the
+    logits tensor; differentiable in both inputs, both outputs. With :func:`configure` ``(sampling=...)``, of the
+    replayed distribution, as :func:`linear_cross_entropy`. ``chunk_size`` and ``impl_backend`` ("torch" or
+    "liger") are checked and kept as verl's are; the computation is this package's either way. verl's models import
+    the class when called: patch ``verl.utils.experimental.torch_functional.FusedLinearForPPO``."""
+
+    def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
+        super().__init__()
+        if impl_backend not in ("torch", "liger"):
+            raise ValueError(f"impl_backend must be 'torch' or 'liger' (verl's FusedLinearForPPO backends), got "
+                             f"{impl_backend!r}")
+        self.chunk_size = chunk_size
+        self.impl_backend = impl_backend
+
+    def forward(self, hidden_states: torch.Tensor, vocab_weights: torch.Tensor, input_ids: torch.Tensor,
+                temperature: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() not in (2, 3):
+            raise ValueError(f"hidden_states must be a 2-D or 3-D tensor, got "
+                             f"{tuple(getattr(hidden_states, 'shape', ())) or type(hidden_states).__name__}")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.shape != hidden_states.shape[:-1]:
+            raise ValueError(f"input_ids must have hidden_states' shape without its last dimension, "
+                             f"{tuple(hidden_states.shape[:-1])}, got {tuple(getattr(input_ids, 'shape', ()))}")
+        log_prob, entropy = _linear_scored(hidden_states, vocab_weights, input_ids.to(torch.int64), temperature,
+                                           None)
+        return log_prob.float(), entropy.to(hidden_states.dtype)
 
 
 # ------------------------------------------------------------------------------------------------- registry

@@ -1059,6 +1059,219 @@ def _megatron_engine_worker(rank, world):
         ps.destroy_model_parallel()
 
 
+def _fused_oracle(h, w, labels, temperature, sampling=None):
+    """fp64 log-prob and entropy of ``labels`` under softmax(h W^T / temperature) (with ``sampling``: the dense
+    oracle of vLLM's rules on those logits), differentiable in ``h`` and ``w``."""
+    from rollout_corr_testing.sampling_oracle import sampled_log_probs_dense
+
+    z = (h.double() @ w.double().t()) / temperature
+    z2, t1 = z.reshape(-1, z.shape[-1]), labels.reshape(-1)
+    if sampling is None:
+        lsm = torch.log_softmax(z2, -1)
+        lp, ent = lsm.gather(-1, t1[:, None])[:, 0], -(lsm.exp() * lsm).sum(-1)
+    else:
+        lp, ent, *_ = sampled_log_probs_dense(z2, t1, temperature=sampling.temperature, top_k=sampling.top_k,
+                                              top_p=sampling.top_p, min_p=sampling.min_p)
+    return lp.reshape(labels.shape), ent.reshape(labels.shape)
+
+
+def _fused_grads_close(ours, oracle, verls, dtype):
+    """fp32 / fp64: the tolerance table's. 16-bit: the gradient GEMMs take 16-bit operands (dlogits rounded, as in
+    verl's class), so a hidden state's gradient, a sum over the vocabulary that cancels, is off by more than its
+    own rounding: held, in norm against the fp64 oracle, to verl's own class's error (``verls``) or 2^-7."""
+    from rollout_corr_testing.tolerances import grad_tol
+
+    for i, (a, r) in enumerate(zip(ours, oracle)):
+        assert a.dtype == dtype
+        if dtype in (torch.float32, torch.float64):
+            torch.testing.assert_close(a.double(), r, **grad_tol(dtype))
+            continue
+        err = float((a.double() - r).norm() / r.norm())
+        bound = 2.0 ** -7 if verls is None else 1.5 * float((verls[i].double() - r).norm() / r.norm()) + 2e-3
+        assert err <= bound, (i, err, bound)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_fused_linear_for_ppo_is_verls_and_replays(V, dtype):
+    """verl's use_fused_kernels=True (torch backend) scores with FusedLinearForPPO, out of reach of a replay
+    through logprobs_from_logits. The drop-in: verl's class's shapes and dtypes (log-probs fp32, the entropy in the
+    hidden states' dtype), equal to verl's own class in fp32 (values and both inputs' gradients through both
+    outputs) and, in every dtype, to the fp64 oracle of the exact product; with configure(sampling=...) the dense
+    fp64 oracle of vLLM's rules on the logits verl divides by its temperature (the replay's own temperature
+    applied on top), -inf outside the kept set."""
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO as VerlFused
+
+    from rollout_corr_ext import SamplingParams
+    from rollout_corr_testing.tolerances import grad_tol, linear_tol
+
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 7, 16, generator=g).to(dtype)
+    w = (torch.randn(48, 16, generator=g) * 0.6).to(dtype)
+    labels = torch.randint(0, 48, (3, 7), generator=g)
+    labels[:, ::2] = (h.double() @ w.double().t()).argmax(-1)[:, ::2]  # some surely kept by the replay below
+    gl, ge = torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
+    mods = [rv.FusedLinearForPPO()] + ([VerlFused()] if dtype != torch.float64 else [])
+    outs = []
+    for mod in mods:
+        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        lp, ent = mod(hh, ww, labels, 0.7)
+        assert (lp.dtype, ent.dtype, lp.shape, ent.shape) == (torch.float32, dtype, labels.shape, labels.shape)
+        ((lp.double() * gl).sum() + (ent.double() * ge).sum()).backward()
+        outs.append((lp, ent, hh.grad, ww.grad))
+    if dtype == torch.float32:  # verl's own class (its 16-bit path rounds the logits to 16 bits first)
+        for a, b in zip(outs[0][:2], outs[1][:2]):
+            torch.testing.assert_close(a, b, **linear_tol(torch.float32))
+        for a, b in zip(outs[0][2:], outs[1][2:]):
+            torch.testing.assert_close(a, b, **grad_tol(torch.float32))
+    # the log-probs come back in fp32 and the entropy in the hidden states' dtype (as verl's): its gradient
+    # arrives rounded to that dtype, and an fp64 log-prob is rounded to fp32 once
+    ge16 = ge.to(dtype).double()
+    lp_tol = linear_tol(torch.float32 if dtype == torch.float64 else dtype)
+    hh, ww = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    lp, ent = _fused_oracle(hh, ww, labels, 0.7)
+    ((lp * gl).sum() + (ent * ge16).sum()).backward()
+    ours = outs[0]
+    torch.testing.assert_close(ours[0].double(), lp.detach(), **lp_tol)
+    # the entropy comes back in the hidden states' dtype, as verl's: one rounding to it
+    torch.testing.assert_close(ours[1].double(), ent.detach(), **(linear_tol(dtype) if dtype != torch.bfloat16
+                                                                  else dict(rtol=2 ** -8, atol=1e-5)))
+    _fused_grads_close(ours[2:], (hh.grad, ww.grad), outs[1][2:] if dtype == torch.bfloat16 else None, dtype)
+
+    sp = SamplingParams(temperature=1.25, top_k=9, top_p=0.8)
+    hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    with rv.configured(sampling=sp):
+        lp, ent = rv.FusedLinearForPPO()(hh, ww, labels, 0.7)
+    ho, wo = h.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    want, want_ent = _fused_oracle(ho, wo, labels, 0.7, sp)
+    fin = torch.isfinite(want)
+    assert bool((~fin).any()) and bool(fin.any())
+    assert torch.equal(torch.isfinite(lp), fin)
+    torch.testing.assert_close(lp.double()[fin], want.detach()[fin], **lp_tol)
+    torch.testing.assert_close(ent.double(), want_ent, **(linear_tol(dtype) if dtype != torch.bfloat16
+                                                          else dict(rtol=2 ** -8, atol=1e-5)))
+    torch.where(fin, lp.double() * gl, 0.0).sum().backward()
+    torch.where(fin, want * gl, 0.0).sum().backward()
+    _fused_grads_close((hh.grad, ww.grad), (ho.grad, wo.grad), None, dtype)
+    # verl's constructor checks, and input shapes named
+    with pytest.raises(ValueError, match="impl_backend must be 'torch' or 'liger'"):
+        rv.FusedLinearForPPO(impl_backend="triton")
+    with pytest.raises(ValueError, match="input_ids must have hidden_states' shape"):
+        rv.FusedLinearForPPO()(h, w, labels[:, :3])
+    with pytest.raises(ValueError, match="temperature must be a number > 0, got 0"):
+        rv.FusedLinearForPPO()(h, w, labels, 0)
+
+
+def _fused_tp_worker(rank, world):
+    """verl's Triton linear_cross_entropy, as its megatron engine calls it: this rank's vocab shard of the weight
+    and the tensor-parallel group. The drop-in at TP = world equals the one-process call (values; the weight
+    shard's gradient; the hidden states' gradient summed over the ranks, as megatron's layer all-reduces it), with
+    and without a replay, and, flattened, verl's FusedLinearForPPO."""
+    import torch.distributed as dist
+
+    from rollout_corr_ext import SamplingParams
+
+    group = dist.new_group(list(range(world)))
+    g = torch.Generator().manual_seed(13)
+    h = torch.randn(4, 6, 32, generator=g)
+    w = torch.randn(64, 32, generator=g) * 0.5
+    labels = torch.randint(0, 64, (4, 6), generator=g)
+    labels[:, ::2] = (h @ w.t()).argmax(-1)[:, ::2]  # some surely kept by the replays below
+    gl, ge = torch.randn(24, generator=g), torch.randn(24, generator=g)
+    v = 64 // world
+    for sp in (None, SamplingParams(top_k=10, top_p=0.85), SamplingParams(top_p=0.7, temperature=0.9)):
+        with rv.configured(sampling=sp):
+            grads = []
+            for tp, weight in ((group, w[rank * v:(rank + 1) * v]), (None, w)):
+                hh, ww = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+                lp, ent = rv.linear_cross_entropy(hh, ww, labels, 0.8, "none", tp)
+                assert lp.shape == ent.shape == (24,) and lp.dtype == ent.dtype == torch.float32
+                fin = torch.isfinite(lp)
+                (torch.where(fin, lp * gl, 0.0).sum() + (ent * ge).sum()).backward()
+                grads.append((lp.detach(), ent.detach(), hh.grad, ww.grad))
+        (lp_tp, ent_tp, gh_tp, gw_tp), (lp_1, ent_1, gh_1, gw_1) = grads
+        assert torch.equal(torch.isfinite(lp_tp), torch.isfinite(lp_1)) and bool(fin.any())
+        assert sp is None or bool((~fin).any())
+        torch.testing.assert_close(lp_tp, lp_1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent_tp, ent_1, rtol=1e-5, atol=1e-5)
+        dist.all_reduce(gh_tp, group=group)
+        torch.testing.assert_close(gh_tp, gh_1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gw_tp, gw_1[rank * v:(rank + 1) * v], rtol=1e-5, atol=1e-5)
+        if sp is None:
+            from verl.utils.experimental.torch_functional import FusedLinearForPPO as VerlFused
+
+            theirs = VerlFused()(h, w, labels, 0.8)
+            torch.testing.assert_close(lp_1, theirs[0].reshape(-1), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ent_1, theirs[1].reshape(-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_linear_cross_entropy_is_verls_and_replays_under_tp(V, world):
+    from rollout_corr_testing.dist_utils import run_workers_preloaded
+
+    run_workers_preloaded(_fused_tp_worker, world)
+
+
+def test_fused_kernel_patches_reach_verls_model_forward(V, monkeypatch):
+    """Where docs/from_verl.md says to patch, verl's own fused model forwards (use_fused_kernels=True; the torch and
+    the triton backends of verl/models/transformers/dense_common.py) call the drop-ins: with a replay configured,
+    their log-probs are the replay's (-inf outside the kept set), which verl's own functions never give."""
+    import types
+
+    import verl.utils.experimental.torch_functional as verl_tf
+    import verl.utils.kernel.linear_cross_entropy as verl_lce
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+    from verl.models.transformers import dense_common
+
+    from rollout_corr_ext import SamplingParams
+
+    g = torch.Generator().manual_seed(8)
+    hidden, weight = torch.randn(2, 9, 16, generator=g), torch.randn(40, 16, generator=g) * 0.7
+    ids = torch.randint(0, 40, (2, 9), generator=g)
+    rolled = torch.roll(ids, shifts=-1, dims=-1)
+    model = types.SimpleNamespace(
+        config=types.SimpleNamespace(output_attentions=False, output_hidden_states=False),
+        model=lambda **kw: BaseModelOutputWithPast(last_hidden_state=hidden),
+        lm_head=types.SimpleNamespace(weight=weight))
+    monkeypatch.setattr(verl_tf, "FusedLinearForPPO", rv.FusedLinearForPPO)
+    monkeypatch.setattr(verl_lce, "linear_cross_entropy", rv.linear_cross_entropy)
+    sp = SamplingParams(top_p=0.6)
+    with rv.configured(sampling=sp):
+        want = rv.FusedLinearForPPO()(hidden, weight, rolled, 0.7)
+        torch_out = dense_common.forward_with_torch_backend(model, input_ids=ids, return_dict=True, temperature=0.7)
+        triton_out = dense_common.forward_with_triton_backend(model, input_ids=ids, return_dict=True,
+                                                              temperature=0.7)
+    assert bool(torch.isinf(want[0]).any()) and bool(torch.isfinite(want[0]).any())
+    assert torch.equal(torch_out.log_probs, want[0]) and torch.equal(torch_out.entropy, want[1])
+    assert torch.equal(triton_out.log_probs, want[0].reshape(-1))
+    assert torch.equal(triton_out.entropy, want[1].reshape(-1))
+
+
+def test_linear_cross_entropy_signature_and_refusals(V):
+    """Same parameters as verl's (its autograd Function's forward, less ctx); reduction "none" only, named."""
+    from verl.utils.kernel.linear_cross_entropy import LinearCrossEntropy
+
+    theirs = list(inspect.signature(LinearCrossEntropy.forward).parameters)[1:]
+    assert list(inspect.signature(rv.linear_cross_entropy).parameters) == theirs
+    for name in ("__init__", "forward"):
+        from verl.utils.experimental.torch_functional import FusedLinearForPPO as VerlFused
+
+        assert list(inspect.signature(getattr(rv.FusedLinearForPPO, name)).parameters) == \
+            list(inspect.signature(getattr(VerlFused, name)).parameters)
+    h, w, labels = torch.randn(3, 8), torch.randn(10, 8), torch.randint(0, 10, (3,))
+    with pytest.raises(ValueError, match="reduction must be 'none'"):
+        rv.linear_cross_entropy(h, w, labels, 1.0, "mean")
+    with pytest.raises(ValueError, match="labels must hold one id per row of hidden .*got 2 ids for 3 rows"):
+        rv.linear_cross_entropy(h, w, labels[:2])
+    # verl's megatron engine passes hidden [s, b, H] with labels [b, s] (b = 1): flattened alike, as verl's kernel
+    hs = h.unsqueeze(1).requires_grad_(True)
+    lp, ent = rv.linear_cross_entropy(hs, w, labels.unsqueeze(0), 0.9)
+    want = rv.FusedLinearForPPO()(h, w, labels, 0.9)
+    assert lp.shape == ent.shape == (3,)
+    assert torch.equal(lp, want[0]) and torch.equal(ent, want[1])
+    lp.sum().backward()
+    assert hs.grad.shape == hs.shape
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_vocab_parallel_log_probs_from_logits_is_verls_and_replays_under_tp(V, world):
     # (no "megatron" in the name: the newest-stack job runs -m megatron without verl)
