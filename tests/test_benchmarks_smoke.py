@@ -34,6 +34,8 @@ RUNS = {
                                   "--flush-probe", "1", "2"],
     "torch_masks": ["bench_torch_masks.py", "--b", "4", "--t", "64", "--repeats", "1"],
     "sampling_ties": ["bench_sampling.py", "--ties", "--n", "8", "--vocab", "256"],
+    "verl_fused": ["bench_verl_fused.py", "--n", "64", "--hidden", "16", "--vocab", "300", "--repeats", "1",
+                   "--dtypes", "fp32", "bf16"],
     "linear_logprob": ["bench_linear_logprob.py", "--hidden", "16", "--vocab", "300", "--n", "64", "--n-time", "96",
                        "--repeats", "1", "--ignored", "0", "0.5", "--dtypes", "fp32", "bf16", "--device", "cpu"],
 }
