@@ -28,6 +28,7 @@ inputs accumulate into the returned gradients directly). See docs/logprobs.md.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import List, NamedTuple, Optional, Tuple, Union
@@ -99,7 +100,8 @@ class Workspace:
 
     * the logits chunk (:func:`logits_dtype`). In the 16-bit backward (``products=True``), once the chunk's gradient
       is copied to 16 bits, the same memory holds the gradient GEMMs' products (``[rows, H]`` and ``[cols, H]``:
-      16-bit on CPU, fp32 elsewhere; see :func:`_product`), so it is sized for the largest of the three;
+      16-bit on a CPU with native 16-bit GEMMs, fp32 elsewhere; see :func:`_product`), so it is sized for the
+      largest of the three;
     * the 16-bit copy of the chunk's gradient that the 16-bit GEMMs read, and the bf16 residual ``lo`` of the
       grad_weight tile's accumulator (:func:`_backward`);
     * with ignored rows left out, the chunk's gathered hidden rows, and for an fp32 accumulator the product of those
@@ -113,7 +115,8 @@ class Workspace:
         self.hidden, self.weight = hidden, weight
         size = self.rows * self.cols * torch.empty((), dtype=logits_dtype(hidden.dtype)).element_size()
         if products:
-            per = hidden.element_size() if hidden.device.type == "cpu" else 4
+            native = hidden.device.type == "cpu" and _native_16bit_gemm(hidden.dtype)
+            per = hidden.element_size() if native else 4
             size = max(size, max(self.rows, self.cols) * hidden.shape[-1] * per)
         self._bytes = size
         self._z = self._g16 = self._gh = self._h_pad = self._h_rows = self._lo = None
@@ -171,13 +174,23 @@ class Workspace:
         return self._gh[:r * self.hidden.shape[-1]].view(r, self.hidden.shape[-1])
 
 
+@functools.lru_cache(maxsize=None)
+def _native_16bit_gemm(dtype: torch.dtype) -> bool:
+    """Whether oneDNN runs ``dtype`` GEMMs natively on this CPU (AVX512-BF16 / AVX512-FP16 or AMX). Without, torch's
+    16-bit ``mm`` falls back to a reference loop: 1.1 s for a 512 x 2048 x 512 bf16 product on an AVX2-only EPYC
+    where ``ops.mm_f32_`` takes 8 ms (a check by hand on that VM, 2026-11-29, not a script here)."""
+    supported = (torch.ops.mkldnn._is_mkldnn_bf16_supported if dtype == torch.bfloat16
+                 else torch.ops.mkldnn._is_mkldnn_fp16_supported)
+    return bool(supported())
+
+
 def _product(a: torch.Tensor, b: torch.Tensor, ws: "Workspace") -> torch.Tensor:
-    """``a @ b`` for the 16-bit backward's gradient GEMMs, in the workspace's product memory. On CPU the 16-bit GEMM
-    (oneDNN, at bf16 speed), its product rounded to 16 bits once per chunk, as a materialized 16-bit output layer's
-    gradient GEMMs round it: no library call torch exposes there writes fp32 from 16-bit inputs at 16-bit speed
-    (MKL's and torch's own run at fp32 GEMM speed), and the log-probs do not depend on these GEMMs. Elsewhere
-    (CUDA): fp32 (``ops.mm_f32_``)."""
-    if a.device.type == "cpu":
+    """``a @ b`` for the 16-bit backward's gradient GEMMs, in the workspace's product memory. On a CPU with native
+    16-bit GEMMs, the 16-bit GEMM (oneDNN, at bf16 speed), its product rounded to 16 bits once per chunk, as a
+    materialized 16-bit output layer's gradient GEMMs round it: no library call torch exposes there writes fp32 from
+    16-bit inputs at 16-bit speed (MKL's and torch's own run at fp32 GEMM speed), and the log-probs do not depend on
+    these GEMMs. Elsewhere (CUDA, and CPUs without them: :func:`_native_16bit_gemm`): fp32 (``ops.mm_f32_``)."""
+    if a.device.type == "cpu" and _native_16bit_gemm(a.dtype):
         return torch.mm(a, b, out=ws.product(a.shape[0], b.shape[1], a.dtype))
     out = ws.product(a.shape[0], b.shape[1], torch.float32)
     ops.mm_f32_(out, a, b, 0.0)
