@@ -44,6 +44,7 @@ import dataclasses
 import importlib
 import math
 import numbers
+import re
 import warnings
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, MutableMapping, Optional, Sequence,
                     Tuple, Union)
@@ -885,9 +886,24 @@ def vocab_parallel_log_probs_from_logits(logits: torch.Tensor, labels: torch.Ten
     return _scored(logits, labels, group, None)  # vocab: every shard's columns (the layout's default)
 
 
-def _linear_scored(hidden, weight, labels, temperature, group):
+# The argument names in linear_log_probs' errors (``target``, ``hidden``, ``weight``; not "hidden states", "the
+# hidden-size", ``x.weight``), which a fused drop-in's errors restate in its caller's names.
+_LINEAR_ARGS = re.compile(r"(?<![\w.])(target|hidden|weight)(?![\w-]| states)")
+
+
+def _linear_scored(hidden, weight, labels, temperature, group, names):
     """The fused drop-ins' (log-prob, entropy) of ``labels`` under ``softmax(hidden @ weight.T / temperature)``
-    (``weight``: this rank's vocab shard of ``group``), or under the configured replay of it, without the logits."""
+    (``weight``: this rank's vocab shard of ``group``), or under the configured replay of it, without the logits.
+    A bad input's error names the caller's arguments (``names``: linear_log_probs' ``target`` / ``hidden`` /
+    ``weight`` -> the drop-in's)."""
+    try:
+        return _linear_scored_as(hidden, weight, labels, temperature, group)
+    except (TypeError, ValueError) as exc:
+        msg = _LINEAR_ARGS.sub(lambda m: names.get(m.group(1), m.group(1)), str(exc))
+        raise type(exc)(msg).with_traceback(exc.__traceback__) from None
+
+
+def _linear_scored_as(hidden, weight, labels, temperature, group):
     from . import linear as _linear
 
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
@@ -927,12 +943,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
                          f"{reduction!r}")
     # as verl's kernel: both flattened, row i of hidden scored against labels' element i (its megatron engine
     # passes hidden [s, b, H] with labels [b, s], b = 1)
-    if isinstance(hidden, torch.Tensor) and hidden.dim() >= 1 and isinstance(labels, torch.Tensor):
+    if isinstance(hidden, torch.Tensor) and hidden.dim() >= 1 and hidden.shape[-1] > 0 and \
+            isinstance(labels, torch.Tensor):
         hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
         if labels.shape[0] != hidden.shape[0]:
             raise ValueError(f"labels must hold one id per row of hidden (both are flattened), got "
                              f"{labels.shape[0]} ids for {hidden.shape[0]} rows")
-    return _linear_scored(hidden, weight, labels, temperature, dist_process_group)
+    return _linear_scored(hidden, weight, labels, temperature, dist_process_group, {"target": "labels"})
 
 
 class FusedLinearForPPO(torch.nn.Module):
@@ -940,10 +957,11 @@ class FusedLinearForPPO(torch.nn.Module):
     ``use_fused_kernels=True`` with the torch backend runs): ``forward(hidden_states, vocab_weights, input_ids,
     temperature)`` gives ``(log_probs, entropy)`` in ``input_ids``' shape, log-probs fp32 and the entropy in the
     hidden states' dtype as verl's, from ``softmax(hidden_states @ vocab_weights.T / temperature)`` without the
-    logits tensor; differentiable in both inputs, both outputs. With :func:`configure` ``(sampling=...)``, of the
-    replayed distribution, as :func:`linear_cross_entropy`. ``chunk_size`` and ``impl_backend`` ("torch" or
-    "liger") are checked and kept as verl's are; the computation is this package's either way. verl's models import
-    the class when called: patch ``verl.utils.experimental.torch_functional.FusedLinearForPPO``."""
+    logits tensor (``input_ids``: int64 or int32, as given); differentiable in both inputs, both outputs. With
+    :func:`configure` ``(sampling=...)``, of the replayed distribution, as :func:`linear_cross_entropy`.
+    ``chunk_size`` and ``impl_backend`` ("torch" or "liger") are checked and kept as verl's are; the computation is
+    this package's either way. verl's models import the class when called: patch
+    ``verl.utils.experimental.torch_functional.FusedLinearForPPO``."""
 
     def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
         super().__init__()
@@ -961,8 +979,10 @@ class FusedLinearForPPO(torch.nn.Module):
         if not isinstance(input_ids, torch.Tensor) or input_ids.shape != hidden_states.shape[:-1]:
             raise ValueError(f"input_ids must have hidden_states' shape without its last dimension, "
                              f"{tuple(hidden_states.shape[:-1])}, got {tuple(getattr(input_ids, 'shape', ()))}")
-        log_prob, entropy = _linear_scored(hidden_states, vocab_weights, input_ids.to(torch.int64), temperature,
-                                           None)
+        # the ids as given (int64 or int32; a float or bool tensor is refused, as verl's gather refuses it)
+        log_prob, entropy = _linear_scored(hidden_states, vocab_weights, input_ids, temperature, None,
+                                           {"target": "input_ids", "hidden": "hidden_states",
+                                            "weight": "vocab_weights"})
         return log_prob.float(), entropy.to(hidden_states.dtype)
 
 
