@@ -852,7 +852,31 @@ def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_bac
     losses and the rollout correction here then leave that token out). verl's engines import it by name, so patch
     their module: e.g. ``verl.workers.engine.fsdp.transformer_impl.logprobs_from_logits``."""
     vocab = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() else None
-    return _scored(logits, labels, None, vocab)
+    with _callers_names("logprobs_from_logits", {"target": "labels"}):
+        return _scored(logits, labels, None, vocab)
+
+
+# The argument names in the errors of the functions the drop-ins call (``target``, ``hidden``, ``weight``; not
+# "hidden states", "the hidden-size", ``x.weight``), and the replay's prefix naming the function called.
+_OUR_ARGS = re.compile(r"(?<![\w.])(target|hidden|weight)(?![\w-]| states)")
+_OUR_PREFIX = re.compile(r"^(sampled_log_probs|sampled_linear_log_probs|linear_log_probs): ")
+
+
+@contextlib.contextmanager
+def _callers_names(fn: str, names: Dict[str, str]) -> Iterator[None]:
+    """A drop-in's errors in its caller's terms: a TypeError / ValueError / RuntimeError raised inside names the
+    drop-in ``fn`` and its arguments (``names``: ours -> the caller's, e.g. ``target`` -> ``labels``)."""
+    try:
+        yield
+    except (TypeError, ValueError, RuntimeError) as exc:
+        msg = _OUR_PREFIX.sub(f"{fn}: ", _OUR_ARGS.sub(lambda m: names.get(m.group(1), m.group(1)), str(exc)))
+        if msg == str(exc):
+            raise
+        try:
+            renamed = type(exc)(msg)
+        except Exception:  # noqa: BLE001 - an error type that takes other arguments: raised as it is
+            raise exc from None
+        raise renamed.with_traceback(exc.__traceback__) from None
 
 
 def _scored(logits, labels, group, vocab):
@@ -883,27 +907,13 @@ def vocab_parallel_log_probs_from_logits(logits: torch.Tensor, labels: torch.Ten
         ps = None
     if ps is not None and ps.model_parallel_is_initialized():
         group = ps.get_tensor_model_parallel_group()
-    return _scored(logits, labels, group, None)  # vocab: every shard's columns (the layout's default)
+    with _callers_names("vocab_parallel_log_probs_from_logits", {"target": "labels"}):
+        return _scored(logits, labels, group, None)  # vocab: every shard's columns (the layout's default)
 
 
-# The argument names in linear_log_probs' errors (``target``, ``hidden``, ``weight``; not "hidden states", "the
-# hidden-size", ``x.weight``), which a fused drop-in's errors restate in its caller's names.
-_LINEAR_ARGS = re.compile(r"(?<![\w.])(target|hidden|weight)(?![\w-]| states)")
-
-
-def _linear_scored(hidden, weight, labels, temperature, group, names):
+def _linear_scored(hidden, weight, labels, temperature, group):
     """The fused drop-ins' (log-prob, entropy) of ``labels`` under ``softmax(hidden @ weight.T / temperature)``
-    (``weight``: this rank's vocab shard of ``group``), or under the configured replay of it, without the logits.
-    A bad input's error names the caller's arguments (``names``: linear_log_probs' ``target`` / ``hidden`` /
-    ``weight`` -> the drop-in's)."""
-    try:
-        return _linear_scored_as(hidden, weight, labels, temperature, group)
-    except (TypeError, ValueError) as exc:
-        msg = _LINEAR_ARGS.sub(lambda m: names.get(m.group(1), m.group(1)), str(exc))
-        raise type(exc)(msg).with_traceback(exc.__traceback__) from None
-
-
-def _linear_scored_as(hidden, weight, labels, temperature, group):
+    (``weight``: this rank's vocab shard of ``group``), or under the configured replay of it, without the logits."""
     from . import linear as _linear
 
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature > 0:
@@ -949,7 +959,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         if labels.shape[0] != hidden.shape[0]:
             raise ValueError(f"labels must hold one id per row of hidden (both are flattened), got "
                              f"{labels.shape[0]} ids for {hidden.shape[0]} rows")
-    return _linear_scored(hidden, weight, labels, temperature, dist_process_group, {"target": "labels"})
+    with _callers_names("linear_cross_entropy", {"target": "labels"}):
+        return _linear_scored(hidden, weight, labels, temperature, dist_process_group)
 
 
 class FusedLinearForPPO(torch.nn.Module):
@@ -980,9 +991,9 @@ class FusedLinearForPPO(torch.nn.Module):
             raise ValueError(f"input_ids must have hidden_states' shape without its last dimension, "
                              f"{tuple(hidden_states.shape[:-1])}, got {tuple(getattr(input_ids, 'shape', ()))}")
         # the ids as given (int64 or int32; a float or bool tensor is refused, as verl's gather refuses it)
-        log_prob, entropy = _linear_scored(hidden_states, vocab_weights, input_ids, temperature, None,
-                                           {"target": "input_ids", "hidden": "hidden_states",
-                                            "weight": "vocab_weights"})
+        with _callers_names("FusedLinearForPPO", {"target": "input_ids", "hidden": "hidden_states",
+                                                  "weight": "vocab_weights"}):
+            log_prob, entropy = _linear_scored(hidden_states, vocab_weights, input_ids, temperature, None)
         return log_prob.float(), entropy.to(hidden_states.dtype)
 
 

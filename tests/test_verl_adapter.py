@@ -1273,10 +1273,10 @@ def test_linear_cross_entropy_signature_and_refusals(V):
 
 
 @pytest.mark.parametrize("replay", [False, True])
-def test_fused_drop_ins_refuse_bad_ids_in_their_callers_names(V, replay):
+def test_drop_ins_refuse_bad_ids_in_their_callers_names(V, replay):
     """Ids that are not integers (float, bool) are refused, not truncated to integers, as verl's own gather refuses
     them; int32 ids score as int64 ones. Every error names the drop-in's own arguments (input_ids / hidden_states /
-    vocab_weights for FusedLinearForPPO, labels for linear_cross_entropy), with and without a replay."""
+    vocab_weights for FusedLinearForPPO, labels for the others), with and without a replay."""
     if replay:
         from rollout_corr_ext import SamplingParams
 
@@ -1310,6 +1310,15 @@ def test_fused_drop_ins_refuse_bad_ids_in_their_callers_names(V, replay):
     nan[0, 1, 2] = math.nan
     with pytest.raises(ValueError, match="row 1 .*hidden_states, vocab_weights or bias holds NaN / inf"):
         fused(nan, w, ids)
+    logits = h @ w.T
+    for fn in (rv.logprobs_from_logits, rv.vocab_parallel_log_probs_from_logits):
+        assert torch.equal(fn(logits, ids), fn(logits, ids.to(torch.int32)))
+        with pytest.raises(TypeError, match="^labels must be an int64 \\(or int32\\) tensor of token ids"):
+            fn(logits, ids.float())
+        with pytest.raises(ValueError, match="^labels must have shape logits.shape\\[:-1\\]"):
+            fn(logits, ids[:, :2])
+        with pytest.raises((ValueError, RuntimeError), match=f"^({fn.__name__}: )?labels holds (an id|ids) outside"):
+            fn(logits, far)
 
 
 @pytest.mark.parametrize("world", [1, 2])
