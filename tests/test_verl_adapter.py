@@ -1277,48 +1277,48 @@ def test_drop_ins_refuse_bad_ids_in_their_callers_names(V, replay):
     """Ids that are not integers (float, bool) are refused, not truncated to integers, as verl's own gather refuses
     them; int32 ids score as int64 ones. Every error names the drop-in's own arguments (input_ids / hidden_states /
     vocab_weights for FusedLinearForPPO, labels for the others), with and without a replay."""
-    if replay:
-        from rollout_corr_ext import SamplingParams
+    from rollout_corr_ext import SamplingParams
 
-        rv.configure(sampling=SamplingParams(top_k=5, top_p=0.9))
-    g = torch.Generator().manual_seed(5)
-    h, w = torch.randn(2, 3, 8, generator=g), torch.randn(50, 8, generator=g)
-    ids = torch.randint(0, 50, (2, 3), generator=g)
-    fused = lambda hs, ws, i: rv.FusedLinearForPPO()(hs, ws, i, 0.9)  # noqa: E731
-    lce = lambda hs, ws, i: rv.linear_cross_entropy(hs, ws, i, 0.9)  # noqa: E731
-    for fn, label in ((fused, "input_ids"), (lce, "labels")):
-        want = fn(h, w, ids)
-        got = fn(h, w, ids.to(torch.int32))
-        assert all(torch.equal(a, b) for a, b in zip(want, got))
-        for bad in (ids.float() + 0.5, ids > 20):
-            with pytest.raises(TypeError, match=f"^{label} must be an int64 \\(or int32\\) tensor of token ids, got "
-                                                f"{bad.dtype}"):
-                fn(h, w, bad)
-        far = ids.clone()
-        far[1, 2] = 50
-        with pytest.raises(ValueError, match=f"^{label} holds an id outside \\[0, vocab_size\\) that is not "
-                                             f"ignore_index: {label}.flatten\\(\\)\\[5\\] = 50"):
-            fn(h, w, far)
-    with pytest.raises(ValueError, match="^vocab_weights must have shape \\[V_local > 0, H = hidden_states.shape"):
-        fused(h, w[:, :7], ids)
-    with pytest.raises(ValueError, match="^vocab_weights \\(torch.float64, cpu\\) must have hidden_states's dtype"):
-        fused(h, w.double(), ids)
-    for fn, hname in ((fused, "hidden_states"), (lce, "hidden")):
-        with pytest.raises(ValueError, match=f"^{hname} must have a non-empty last \\(hidden-size\\) dimension"):
-            fn(h[..., :0], w[:, :0], ids)
-    nan = h.clone()
-    nan[0, 1, 2] = math.nan
-    with pytest.raises(ValueError, match="row 1 .*hidden_states, vocab_weights or bias holds NaN / inf"):
-        fused(nan, w, ids)
-    logits = h @ w.T
-    for fn in (rv.logprobs_from_logits, rv.vocab_parallel_log_probs_from_logits):
-        assert torch.equal(fn(logits, ids), fn(logits, ids.to(torch.int32)))
-        with pytest.raises(TypeError, match="^labels must be an int64 \\(or int32\\) tensor of token ids"):
-            fn(logits, ids.float())
-        with pytest.raises(ValueError, match="^labels must have shape logits.shape\\[:-1\\]"):
-            fn(logits, ids[:, :2])
-        with pytest.raises((ValueError, RuntimeError), match=f"^({fn.__name__}: )?labels holds (an id|ids) outside"):
-            fn(logits, far)
+    with rv.configured(sampling=SamplingParams(top_k=5, top_p=0.9) if replay else None):  # restored after
+        g = torch.Generator().manual_seed(5)
+        h, w = torch.randn(2, 3, 8, generator=g), torch.randn(50, 8, generator=g)
+        ids = torch.randint(0, 50, (2, 3), generator=g)
+        fused = lambda hs, ws, i: rv.FusedLinearForPPO()(hs, ws, i, 0.9)  # noqa: E731
+        lce = lambda hs, ws, i: rv.linear_cross_entropy(hs, ws, i, 0.9)  # noqa: E731
+        for fn, label in ((fused, "input_ids"), (lce, "labels")):
+            want = fn(h, w, ids)
+            got = fn(h, w, ids.to(torch.int32))
+            assert all(torch.equal(a, b) for a, b in zip(want, got))
+            for bad in (ids.float() + 0.5, ids > 20):
+                with pytest.raises(TypeError, match=f"^{label} must be an int64 \\(or int32\\) tensor of token ids, "
+                                                    f"got {bad.dtype}"):
+                    fn(h, w, bad)
+            far = ids.clone()
+            far[1, 2] = 50
+            with pytest.raises(ValueError, match=f"^{label} holds an id outside \\[0, vocab_size\\) that is not "
+                                                 f"ignore_index: {label}.flatten\\(\\)\\[5\\] = 50"):
+                fn(h, w, far)
+        with pytest.raises(ValueError, match="^vocab_weights must have shape \\[V_local > 0, H = hidden_states.shape"):
+            fused(h, w[:, :7], ids)
+        with pytest.raises(ValueError, match="^vocab_weights \\(torch.float64, cpu\\) must have hidden_states's dtype"):
+            fused(h, w.double(), ids)
+        for fn, hname in ((fused, "hidden_states"), (lce, "hidden")):
+            with pytest.raises(ValueError, match=f"^{hname} must have a non-empty last \\(hidden-size\\) dimension"):
+                fn(h[..., :0], w[:, :0], ids)
+        nan = h.clone()
+        nan[0, 1, 2] = math.nan
+        with pytest.raises(ValueError, match="row 1 .*hidden_states, vocab_weights or bias holds NaN / inf"):
+            fused(nan, w, ids)
+        logits = h @ w.T
+        for fn in (rv.logprobs_from_logits, rv.vocab_parallel_log_probs_from_logits):
+            assert torch.equal(fn(logits, ids), fn(logits, ids.to(torch.int32)))
+            with pytest.raises(TypeError, match="^labels must be an int64 \\(or int32\\) tensor of token ids"):
+                fn(logits, ids.float())
+            with pytest.raises(ValueError, match="^labels must have shape logits.shape\\[:-1\\]"):
+                fn(logits, ids[:, :2])
+            with pytest.raises((ValueError, RuntimeError),
+                               match=f"^({fn.__name__}: )?labels holds (an id|ids) outside"):
+                fn(logits, far)
 
 
 @pytest.mark.parametrize("world", [1, 2])
