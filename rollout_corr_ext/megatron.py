@@ -506,7 +506,8 @@ def make_policy_loss_func(
     path computes (:func:`rollout_corr_ext.sampling.sampled_linear_log_probs`); the logits are never materialized.
     ``sampling`` may instead be a :class:`rollout_corr_ext.KeptTokens`: the ids the engine reported it kept for each
     target position (rows in ``target``'s row-major order, or the packed stream's), renormalised over exactly those
-    (:func:`rollout_corr_ext.kept_log_probs`; logits only, not with ``output_layer``).
+    (:func:`rollout_corr_ext.kept_log_probs`; with ``output_layer``, from the hidden states,
+    :func:`rollout_corr_ext.kept_linear_log_probs`, not with sequence parallelism or ``batch_invariant``).
 
     **Asynchronous rollouts**: ``versions`` (the policy version that sampled each token: ``[b, s]``, ``[b]``, packed
     ``[T]`` or one per sequence) and ``current_version`` (the trainer's) report ``rollout_corr/staleness_mean``
@@ -534,9 +535,10 @@ def make_policy_loss_func(
         if temperature != 1.0:
             raise ValueError("with sampling, the temperature is sampling.temperature; leave temperature at 1.0")
         if isinstance(sampling, KeptTokens):
-            if output_layer is not None:
-                raise ValueError("sampling=KeptTokens(...) with output_layer is not supported (the fused path "
-                                 "replays thresholds, not id lists); pass the logits, or SamplingParams")
+            if output_layer is not None and batch_invariant:
+                raise ValueError("sampling=KeptTokens(...) with output_layer and batch_invariant=True is not supported "
+                                 "(kept_linear_log_probs has no batch-invariant mode); pass SamplingParams, or the "
+                                 "logits")
             kept_tokens = sampling
 
     rc_cfg = cfg.rollout_correction
@@ -713,6 +715,9 @@ def make_policy_loss_func(
                              "first (sequence) dimension, so logits_layout must be 'sbv' ([s / tp, b, H]; packed: "
                              "[T / tp, 1, H])")
         out_bias = None if _attr(output_layer, "skip_bias_add") else _attr(output_layer, "bias")
+        if seq_parallel and kept_tokens is not None:
+            raise ValueError("sampling=KeptTokens(...) with a sequence-parallel output_layer is not supported "
+                             "(kept_linear_log_probs takes whole sequences); pass SamplingParams, or the logits")
 
     if kept_tokens is not None:  # its rows follow target's flattened order; the logits' rows may be transposed
         if kept_tokens.rows != target.numel():
@@ -759,9 +764,13 @@ def make_policy_loss_func(
     def log_probs(x, tgt):
         """(log-probs, entropy, in_support or None, log S or None) in ``tgt``'s shape."""
         if kept_tokens is not None:
-            from .sampling import kept_log_probs
+            from .sampling import kept_linear_log_probs, kept_log_probs
 
-            r = kept_log_probs(x, tgt, kept_tokens, tp, vocab_size=vocab_size)
+            if output_layer is None:
+                r = kept_log_probs(x, tgt, kept_tokens, tp, vocab_size=vocab_size)
+            else:
+                r = kept_linear_log_probs(hidden_in(x), out_weight, tgt, kept_tokens, tp, bias=out_bias,
+                                          vocab_size=vocab_size)
             return r.log_prob, r.entropy, r.in_support, r.log_kept_mass
         if sampling is not None:
             from .sampling import sampled_linear_log_probs, sampled_log_probs

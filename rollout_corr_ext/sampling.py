@@ -1191,6 +1191,35 @@ class KeptTokens:
         return KeptTokens(self.ids[pos], new_off.to(self.offsets.dtype), t, rows, ids)
 
 
+def _kept_entries(kept: "KeptTokens", n: int, active: torch.Tensor, vocab_start: int, vocab_size: int,
+                  valid_cols: int, device):
+    """``kept`` on ``device``, checked against the scored rows ``active``: ``(offsets, ids, counts, row, local)``,
+    int64, with ``row`` the row of each kept id and ``local`` whether this shard's columns ``[vocab_start,
+    vocab_start + valid_cols)`` hold it (and its row is scored). Every scored row keeps at least one id, inside the
+    vocabulary, none twice (host checks, as for the targets)."""
+    off = kept.offsets.to(device=device, dtype=torch.int64)
+    ids = kept.ids.to(device=device, dtype=torch.int64)
+    counts = off[1:] - off[:-1]
+    row = torch.repeat_interleave(torch.arange(n, device=device), counts, output_size=ids.numel())
+    if ids.numel() and int(ids.max()) >= vocab_size:
+        bad = int((ids >= vocab_size).nonzero()[0, 0])
+        raise ValueError(f"kept.ids[{kept.caller_id_index(bad)}] = {int(ids[bad])} (row "
+                         f"{kept.caller_row(int(row[bad]))}) is outside the vocabulary of {vocab_size}")
+    empty = active & (counts == 0)
+    if bool(empty.any()):
+        raise ValueError(f"kept: row {kept.caller_row(int(empty.nonzero()[0, 0]))} is scored (its target is not "
+                         f"ignore_index) but has no kept ids; an engine always keeps at least its top token")
+    if ids.numel():
+        key, _ = (row * vocab_size + ids).sort()
+        rep = key[1:] == key[:-1]
+        if bool(rep.any()):
+            k = int(key[1:][rep][0])
+            raise ValueError(f"kept: row {kept.caller_row(k // vocab_size)} lists id {k % vocab_size} twice (its "
+                             f"mass would count twice)")
+    local = (ids >= vocab_start) & (ids < vocab_start + valid_cols) & active[row]
+    return off, ids, counts, row, local
+
+
 def kept_log_probs(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -1227,28 +1256,8 @@ def kept_log_probs(
     active = target1d != ignore_index
     _check_targets(target1d, active, world, vocab_start, vocab_size, local_vocab, "kept_log_probs")
     temperature = torch.where(active, temperature, torch.ones_like(temperature))
-    off = kept.offsets.to(device=device, dtype=torch.int64)
-    ids = kept.ids.to(device=device, dtype=torch.int64)
-    counts = off[1:] - off[:-1]
-    row = torch.repeat_interleave(torch.arange(n, device=device), counts, output_size=ids.numel())
-    # the ids of every scored row: inside the vocabulary, no repeats, at least one (host checks, as for targets)
-    if ids.numel() and int(ids.max()) >= vocab_size:
-        bad = int((ids >= vocab_size).nonzero()[0, 0])
-        raise ValueError(f"kept.ids[{kept.caller_id_index(bad)}] = {int(ids[bad])} (row "
-                         f"{kept.caller_row(int(row[bad]))}) is outside the vocabulary of {vocab_size}")
-    empty = active & (counts == 0)
-    if bool(empty.any()):
-        raise ValueError(f"kept: row {kept.caller_row(int(empty.nonzero()[0, 0]))} is scored (its target is not "
-                         f"ignore_index) but has no kept ids; an engine always keeps at least its top token")
-    if ids.numel():
-        key, _ = (row * vocab_size + ids).sort()
-        rep = key[1:] == key[:-1]
-        if bool(rep.any()):
-            k = int(key[1:][rep][0])
-            raise ValueError(f"kept: row {kept.caller_row(k // vocab_size)} lists id {k % vocab_size} twice (its "
-                             f"mass would count twice)")
     valid_cols = max(0, min(local_vocab, vocab_size - vocab_start))
-    local = (ids >= vocab_start) & (ids < vocab_start + valid_cols) & active[row]
+    off, ids, counts, row, local = _kept_entries(kept, n, active, vocab_start, vocab_size, valid_cols, device)
     below = torch.ones((n, local_vocab), dtype=torch.bool, device=device)
     below[row[local], ids[local] - vocab_start] = False
     below &= active.unsqueeze(1)  # ignored rows: untouched (never inspected)
@@ -1301,6 +1310,184 @@ def kept_log_probs(
         log_s = torch.where(active, log_s.to(acc), 0.0)
     return _masked_log_probs(logits2d, below, target1d, kept.temperature, temperature, active, log_s, lead,
                              tp_group, vocab_start, vocab_size, ignore_index)
+
+
+#: Kept ids per block of the hidden-state kept-set path: each block gathers this many ``[H]`` rows of ``hidden``
+#: and of ``weight`` (forward, and again in backward), so its temporaries stay bounded whatever the kept sets hold.
+KEPT_BLOCK = 4096
+
+
+def _kept_blocks(m: int):
+    return [(e0, min(e0 + KEPT_BLOCK, m)) for e0 in range(0, m, KEPT_BLOCK)]
+
+
+def _kept_logits(h, w, b, row, col, e0, e1, acc, inv_t):
+    """z of the kept entries e0:e1: ``(hidden[row] . weight[col] + bias[col]) / T`` in ``acc``."""
+    z = (h[row[e0:e1]].to(acc) * w[col[e0:e1]].to(acc)).sum(-1)
+    if b is not None:
+        z = z + b[col[e0:e1]].to(acc)
+    return z * inv_t
+
+
+class _KeptLinear(torch.autograd.Function):
+    """(hidden2d [N, H], weight [V_local, H], bias or None) -> (log-prob [N], entropy [N]) over each row's kept ids
+    (``row``, ``col``: the row and local column of every kept id this shard holds; ``is_t``: whether it is its row's
+    target). Forward: the kept logits block by block, all-reduces of one MAX, 5 sums and one id per row; backward:
+    the renormalised softmax's gradient on the kept logits, into the rows of hidden and weight they came from (no
+    collective: ``grad_hidden`` is this shard's part, as :func:`rollout_corr_ext.linear_log_probs`')."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, row, col, is_t, active, inv_t, tp_group, world, vocab_start):
+        n, acc = hidden.shape[0], (torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+        dev, m = hidden.device, row.numel()
+        z = torch.empty(m, dtype=acc, device=dev)
+        for e0, e1 in _kept_blocks(m):
+            z[e0:e1] = _kept_logits(hidden, weight, bias, row, col, e0, e1, acc, inv_t)
+        z_max = torch.full((n,), -math.inf, dtype=acc, device=dev).scatter_reduce(0, row, z, "amax")
+        z_max = _all_reduce(z_max, dist.ReduceOp.MAX, tp_group, world)
+        base = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max)).double()
+        e = torch.exp(z.double() - base[row])
+        # mass, mass * z, the target's z, the target held, kept ids held (over the ranks: each id once)
+        sums = torch.zeros((n, 5), dtype=torch.float64, device=dev)
+        sums[:, 0].index_add_(0, row, e)
+        sums[:, 1].index_add_(0, row, torch.where(e > 0, e * z.double(), 0.0))
+        sums[:, 2].index_add_(0, row, torch.where(is_t, z.double(), 0.0))
+        sums[:, 3].index_add_(0, row, is_t.double())
+        sums[:, 4].index_add_(0, row, torch.ones_like(e))
+        sums = _all_reduce(sums, dist.ReduceOp.SUM, tp_group, world)
+        lse = base + torch.log(sums[:, 0])
+        logp = torch.where(active & (sums[:, 3] > 0), sums[:, 2] - lse, -math.inf)
+        entropy = torch.where(active, lse - sums[:, 1] / sums[:, 0], 0.0)
+        logp = torch.where(active, logp, 0.0)
+        ctx.save_for_backward(hidden, weight, bias, row, col, is_t, lse, entropy, logp != -math.inf)
+        ctx.inv_t, ctx.acc = inv_t, acc
+        # the largest id among those at the kept max (over the ranks), whose untruncated log-prob gives log S
+        top = torch.where(z == z_max[row], col + vocab_start, -1)
+        ref = torch.full((n,), -1, dtype=torch.int64, device=dev).scatter_reduce(0, row, top, "amax")
+        ref = _all_reduce(ref, dist.ReduceOp.MAX, tp_group, world)
+        # the kept logsumexp and the kept max (fp64), the kept ids held, the reference id
+        stats = torch.stack([lse, base, sums[:, 4], ref.double()], 1)
+        ctx.mark_non_differentiable(stats)
+        return logp.to(acc), entropy.to(acc), stats
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy, _):
+        hidden, weight, bias, row, col, is_t, lse, entropy, finite = ctx.saved_tensors
+        with torch.no_grad():
+            grads = _KeptLinear._grads(ctx, hidden, weight, bias, row, col, is_t, lse, entropy, finite, grad_logp,
+                                       grad_entropy)
+        if torch.is_grad_enabled():  # create_graph=True: differentiating this gradient again must raise
+            anchors = [t for t in (hidden, weight, bias, grad_logp, grad_entropy) if t is not None and t.requires_grad]
+            if anchors:
+                grads = [None if g is None else ops.NoDoubleBackward.apply(g, "kept_linear_log_probs", *anchors)
+                         for g in grads]
+        return tuple(grads) + (None,) * 8
+
+    @staticmethod
+    def _grads(ctx, hidden, weight, bias, row, col, is_t, lse, entropy, finite, grad_logp, grad_entropy):
+        acc, inv_t = ctx.acc, ctx.inv_t
+        # a target outside the kept set (-inf) passes no gradient; the entropy's flows in every scored row
+        g_lp = torch.where(finite, grad_logp.double(), 0.0)
+        g_ent = grad_entropy.double()
+        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_b = (torch.zeros(bias.shape, dtype=acc, device=bias.device)
+                  if bias is not None and ctx.needs_input_grad[2] else None)
+        for e0, e1 in _kept_blocks(row.numel()):
+            r, c = row[e0:e1], col[e0:e1]
+            logp_i = _kept_logits(hidden, weight, bias, row, col, e0, e1, acc, inv_t).double() - lse[r]
+            p = torch.exp(logp_i)
+            # d log p_t / dz_i = [i = t] - p_i; d H / dz_i = -p_i (log p_i + H)
+            gz = g_lp[r] * (is_t[e0:e1].double() - p) - g_ent[r] * torch.where(p > 0, p * (logp_i + entropy[r]), 0.0)
+            gz = (gz * inv_t).to(acc)
+            if grad_h is not None:
+                grad_h.index_add_(0, r, gz.unsqueeze(1) * weight[c].to(acc))
+            if grad_w is not None:
+                grad_w.index_add_(0, c, gz.unsqueeze(1) * hidden[r].to(acc))
+            if grad_b is not None:
+                grad_b.index_add_(0, c, gz)
+        cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
+        return [cast(grad_h, hidden), cast(grad_w, weight), cast(grad_b, bias)]
+
+
+def kept_linear_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    kept: "KeptTokens",
+    tp_group=None,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    vocab_start: Optional[int] = None,
+    vocab_size: Optional[int] = None,
+    ignore_index: int = -100,
+    chunk_rows: Optional[int] = None,
+    chunk_cols: Optional[int] = None,
+    check_group: Optional[bool] = None,
+) -> SampledLogProbs:
+    """:func:`kept_log_probs` of the logits ``hidden @ weight.T + bias`` without the ``[N, V_local]`` logits tensor:
+    the log-prob and the entropy come from the kept ids' logits alone (each a dot product of a row of ``hidden``
+    with a row of ``weight``, gathered :data:`KEPT_BLOCK` at a time), and log S from one untruncated
+    :func:`rollout_corr_ext.linear_log_probs` pass (no gradient; ``chunk_rows`` / ``chunk_cols`` / ``check_group``
+    are its). Differentiable in ``hidden``, ``weight`` and ``bias`` (the renormalised softmax's gradient over the
+    kept ids, exactly 0 on every other row of ``weight``); the temperature must be one number here. Under
+    ``tp_group`` every rank passes the same ``kept`` (global ids) and its own shard of ``weight``: all-reduces of one
+    MAX, five sums and one id per row besides the log-S pass's own collective, none in backward; ``grad_hidden`` is
+    this shard's part, as :func:`rollout_corr_ext.linear_log_probs`' (no sequence parallelism here)."""
+    from . import linear as _linear
+
+    if not isinstance(kept, KeptTokens):
+        raise TypeError(f"kept must be a KeptTokens, got {type(kept).__name__}")
+    if isinstance(kept.temperature, torch.Tensor):
+        raise ValueError("kept_linear_log_probs: KeptTokens.temperature must be one number (per-row temperatures: "
+                         "compute the logits and use kept_log_probs)")
+    if isinstance(hidden, torch.Tensor):
+        _refuse_capture(hidden, "kept_linear_log_probs")
+    a = _linear.prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, kept.temperature,
+                         ignore_index, chunk_rows, chunk_cols, check_group)
+    n, v_local, device = a.target1d.numel(), weight.shape[0], hidden.device
+    if kept.rows != n:
+        raise ValueError(f"kept has {kept.rows} rows (offsets of {kept.offsets.numel()} entries), but hidden has "
+                         f"{n} = {tuple(a.lead)} positions")
+    active = a.target1d != a.ignore_index
+    valid_cols = max(0, min(v_local, a.vocab_size - a.vocab_start))
+    _, ids, counts, row, local = _kept_entries(kept, n, active, a.vocab_start, a.vocab_size, valid_cols, device)
+    row_l, col_l = row[local], ids[local] - a.vocab_start
+    is_t = ids[local] == a.target1d[row_l]
+    logp, entropy, stats = _KeptLinear.apply(a.hidden2d, weight, bias, row_l, col_l, is_t, active, a.inv_temp,
+                                             tp_group, a.world, a.vocab_start)
+    with torch.no_grad():
+        bad = active & (torch.isnan(stats[:, 0]) | (stats[:, 0] == math.inf))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"kept_linear_log_probs: NaN or +inf logit of a kept id in row {i} of the flattened "
+                             f"hidden states (hidden, weight or bias holds NaN / inf there, or the product overflows "
+                             f"{hidden.dtype}); rows whose target is ignore_index are exempt")
+        torn = active & (stats[:, 2] != counts.to(torch.float64))
+        if bool(torn.any()):
+            i = int(torn.nonzero()[0, 0])
+            raise ValueError(f"kept_linear_log_probs: the tensor-parallel shards hold {int(stats[i, 2])} of row {i}'s "
+                             f"{int(counts[i])} kept ids (each must be on exactly one shard): the vocab ranges overlap "
+                             f"or leave gaps (check vocab_start / vocab_size)")
+        dead = active & ~torch.isfinite(stats[:, 0])
+        if bool(dead.any()):
+            raise ValueError(f"kept: every kept id of row {kept.caller_row(int(dead.nonzero()[0, 0]))} has a -inf "
+                             f"logit here, so the distribution renormalised over them is undefined; give such "
+                             f"positions target = ignore_index")
+        # log S = logsumexp over the kept ids - logsumexp over the vocabulary, the latter z* - log p(*) of the
+        # untruncated pass at the kept max's id * (its log-prob is the largest of the kept ones: the least rounding;
+        # the pass refuses NaN / +inf logits in a scored row, on every rank)
+        ref = torch.where(active, stats[:, 3].to(torch.int64), a.ignore_index)
+        full = _linear.linear_log_probs(a.hidden2d.detach(), weight.detach(), ref, tp_group,
+                                        bias=None if bias is None else bias.detach(), vocab_start=a.vocab_start,
+                                        vocab_size=a.vocab_size, temperature=kept.temperature,
+                                        ignore_index=a.ignore_index, chunk_rows=a.chunk_rows,
+                                        chunk_cols=a.chunk_cols, check_group=a.check_group)
+        log_s = torch.where(active, (stats[:, 0] - stats[:, 1]) + full.double(), 0.0)
+    in_support = (logp != -math.inf) | ~active
+    lead = a.lead
+    return SampledLogProbs(logp.reshape(lead), entropy.reshape(lead), log_s.to(logp.dtype).reshape(lead),
+                           in_support.reshape(lead))
 
 
 def sampled_linear_log_probs(

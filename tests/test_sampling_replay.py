@@ -18,7 +18,7 @@ from rollout_corr_ext.sampling import KeptTokens, SamplingParams, kept_log_probs
 from rollout_corr_testing.backends import device_params, ops_on
 from rollout_corr_testing.dist_utils import CollectiveCounter, run_workers
 from rollout_corr_testing.sampling_oracle import sampled_log_probs_dense
-from rollout_corr_testing.tolerances import grad_tol, output_tol
+from rollout_corr_testing.tolerances import grad_tol, linear_tol, output_tol
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 #: temperatures that scale exactly (so fp32 and fp64 see the same order and ties) and one that does not
@@ -959,7 +959,7 @@ def test_cuda_graph_capture_is_refused_by_name(monkeypatch):
     state is faked here (tests/test_cuda_graphs_determinism.py runs a real capture on a GPU); the check runs before
     anything is read, so nothing else runs."""
     from rollout_corr_ext import sampling
-    from rollout_corr_ext.sampling import KeptTokens, kept_log_probs, sampled_linear_log_probs
+    from rollout_corr_ext.sampling import KeptTokens, kept_linear_log_probs, kept_log_probs, sampled_linear_log_probs
 
     assert not sampling._capturing(torch.randn(2, 3))  # a CPU tensor is never captured
     monkeypatch.setattr(sampling, "_capturing", lambda t: True)
@@ -971,23 +971,29 @@ def test_cuda_graph_capture_is_refused_by_name(monkeypatch):
         "kept_log_probs": lambda: kept_log_probs(logits, target, kept, vocab_size=6),
         "sampled_linear_log_probs": lambda: sampled_linear_log_probs(torch.randn(2, 4), torch.randn(6, 4), target,
                                                                      sp, vocab_size=6),
+        "kept_linear_log_probs": lambda: kept_linear_log_probs(torch.randn(2, 4), torch.randn(6, 4), target, kept),
     }
     for name, call in calls.items():
         with pytest.raises(RuntimeError, match=f"{name}: the sampling replay cannot be captured in a CUDA graph"):
             call()
 
 
-@pytest.mark.parametrize("top_k", [None, 4], ids=["general", "candidates"])
+@pytest.mark.parametrize("top_k", [None, 4, "kept"], ids=["general", "candidates", "kept"])
 @pytest.mark.parametrize("linear", [False, True], ids=["logits", "hidden"])
 def test_double_backward_is_refused(linear, top_k):
-    from rollout_corr_ext.sampling import sampled_linear_log_probs
+    from rollout_corr_ext.sampling import KeptTokens, kept_linear_log_probs, kept_log_probs, sampled_linear_log_probs
 
     x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
     w = torch.randn(8, 6, dtype=torch.float64)
     target = torch.tensor([1, 2, 3])
-    sp = SamplingParams(top_p=0.9, top_k=top_k)
-    r = sampled_linear_log_probs(x, w, target, sp, vocab_size=8) if linear else \
-        sampled_log_probs(x, target, sp, vocab_size=6)
+    if top_k == "kept":
+        kept = KeptTokens.from_lists([[1, 0], [2, 5], [0, 4]])
+        r = kept_linear_log_probs(x, w, target, kept, vocab_size=8) if linear else \
+            kept_log_probs(x, target, kept, vocab_size=6)
+    else:
+        sp = SamplingParams(top_p=0.9, top_k=top_k)
+        r = sampled_linear_log_probs(x, w, target, sp, vocab_size=8) if linear else \
+            sampled_log_probs(x, target, sp, vocab_size=6)
     g, = torch.autograd.grad(torch.where(r.in_support, r.log_prob, torch.zeros_like(r.log_prob)).sum(), x,
                              create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
@@ -1292,3 +1298,277 @@ def test_top_k_past_int64_is_refused_naming_it():
     t = torch.tensor([1, 4])
     assert torch.equal(sampled_log_probs(x, t, SamplingParams(top_k=2 ** 62)).log_prob,
                        sampled_log_probs(x, t, SamplingParams()).log_prob)
+
+
+# ------------------------------------------------------------------------------ kept sets from hidden states
+
+
+def _kept_linear_case(dtype, seed, n=11, h=16, v=40, vs=37):
+    """_linear_case (padded vocabulary rows and an ignored row's hidden state NaN) with a random kept list per row
+    (unsorted, 1-12 ids, one row keeping every id), its target inside it on even rows."""
+    from rollout_corr_ext import KeptTokens
+
+    hidden, weight, bias, target = _linear_case(n, h, v, dtype, seed, vocab_size=vs)
+    g = torch.Generator().manual_seed(seed + 1)
+    lists = []
+    for i in range(n):
+        ids = torch.randperm(vs, generator=g)[:int(torch.randint(1, 13, (1,), generator=g))].tolist()
+        ids = list(range(vs))[::-1] if i == 4 else ids  # the whole vocabulary: log S = 0
+        if i % 2 == 0 and target[i] != -100:
+            target[i] = ids[-1]
+        lists.append(ids)
+    return hidden, weight, bias, target, lists, KeptTokens.from_lists(lists, temperature=0.7)
+
+
+def _kept_linear_oracle(hidden, weight, bias, target, lists, temperature, vs):
+    """fp64, from the exact product of the (rounded) inputs: the log-prob and entropy of log_softmax over each row's
+    kept ids (both differentiable), log S, in_support; ignored rows 0."""
+    z = (hidden.double().nan_to_num(0.0) @ weight[:vs].double().t() + bias[:vs].double()) / temperature
+    lps, ents, lss, ins = [], [], [], []
+    for i in range(z.shape[0]):
+        if int(target[i]) == -100:
+            zero = z[i, 0] * 0
+            lps.append(zero), ents.append(zero), lss.append(zero.detach()), ins.append(True)
+            continue
+        kept = torch.zeros(vs, dtype=torch.bool)
+        kept[lists[i]] = True
+        lp = torch.log_softmax(torch.where(kept, z[i], -math.inf), 0)
+        t = int(target[i])
+        lps.append(lp[t] if bool(kept[t]) else z[i, 0] * 0 - math.inf)
+        lp0 = torch.where(kept, lp, 0.0)  # (0 * -inf outside would be NaN in the gradient)
+        ents.append(-torch.where(kept, lp0.exp() * lp0, 0.0).sum())
+        lss.append((torch.logsumexp(z[i][kept], 0) - torch.logsumexp(z[i], 0)).detach())
+        ins.append(bool(kept[t]))
+    return torch.stack(lps), torch.stack(ents), torch.stack(lss), torch.tensor(ins)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
+def test_kept_linear_log_probs_match_the_dense_oracle(dtype, with_bias):
+    """kept_linear_log_probs: log-prob, entropy, log S and in_support against the fp64 oracle of the exact product
+    over the same lists (a padded vocabulary, an ignored row whose hidden state is NaN, targets outside their list,
+    a row keeping every id), and the gradients in hidden, weight and bias through both outputs: exactly 0 on the
+    weight rows no kept list names and in the ignored row. Inputs untouched."""
+    from rollout_corr_ext import kept_linear_log_probs
+
+    vs = 37
+    hidden, weight, bias, target, lists, kept = _kept_linear_case(dtype, seed=71, vs=vs)
+    if not with_bias:
+        bias = torch.zeros_like(bias)
+    before = [x.clone() for x in (hidden, weight, bias, target)]
+    hs, ws, bs = (x.clone().requires_grad_(True) for x in (hidden, weight, bias))
+    res = kept_linear_log_probs(hs, ws, target, kept, bias=bs if with_bias else None, vocab_size=vs, chunk_rows=4,
+                                chunk_cols=16)
+    assert all(torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and
+                                     torch.equal(a.nan_to_num(), b.nan_to_num()))
+               for a, b in zip(before, (hidden, weight, bias, target)))
+    hr, wr, br = (x.detach().double().requires_grad_(True) for x in (hidden, weight, bias))
+    lp, ent, ls, ins = _kept_linear_oracle(hr, wr, br, target, lists, 0.7, vs)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    assert res.log_prob.dtype == res.entropy.dtype == res.log_kept_mass.dtype == acc
+    assert torch.equal(res.in_support, ins) and not bool(ins.all()) and bool(ins[target != -100].any())
+    assert torch.equal(res.log_prob == -math.inf, lp == -math.inf)
+    fin = lp != -math.inf
+    tol = linear_tol(dtype)
+    torch.testing.assert_close(res.log_prob.double()[fin], lp.detach()[fin], **tol)
+    torch.testing.assert_close(res.entropy.double(), ent.detach(), **tol)
+    torch.testing.assert_close(res.log_kept_mass.double(), ls, **tol)
+    assert float(res.log_kept_mass[4]) == pytest.approx(0.0, abs=1e-6)
+    g = torch.Generator().manual_seed(8)
+    gl, ge = torch.randn(11, generator=g, dtype=torch.float64), torch.randn(11, generator=g, dtype=torch.float64)
+    (torch.where(fin, res.log_prob.double(), 0.0) * gl + res.entropy.double() * ge).sum().backward()
+    (torch.where(fin, lp, 0.0) * gl + ent * ge).sum().backward()
+    active = target != -100
+    gt = grad_tol(dtype)
+    torch.testing.assert_close(hs.grad.double()[active], hr.grad[active], **gt)
+    assert bool((hs.grad[~active] == 0).all())
+    named = torch.zeros(weight.shape[0], dtype=torch.bool)
+    for i in range(11):
+        if bool(active[i]):
+            named[lists[i]] = True
+    torch.testing.assert_close(ws.grad.double()[:vs], wr.grad[:vs], **gt)
+    assert bool((ws.grad[~named] == 0).all()) and bool((~named[vs:]).all())
+    if with_bias:
+        torch.testing.assert_close(bs.grad.double()[:vs], br.grad[:vs], **gt)
+        assert bool((bs.grad[~named] == 0).all())
+    else:
+        assert bs.grad is None
+
+
+def test_kept_linear_log_probs_equal_the_logits_path_and_refusals():
+    """The same outputs as kept_log_probs on the materialized logits (fp64), [s, b] leading shapes kept; bad input
+    refused with the argument named."""
+    from rollout_corr_ext import KeptTokens, kept_linear_log_probs, kept_log_probs
+
+    hidden, weight, bias, target, lists, kept = _kept_linear_case(torch.float64, seed=72, v=37)
+    hidden = hidden.nan_to_num(0.0)
+    res = kept_linear_log_probs(hidden, weight, target, kept, bias=bias)
+    ref = kept_log_probs(hidden @ weight.t() + bias, target, kept)
+    assert torch.equal(res.in_support, ref.in_support)
+    for a, b in zip(res[:3], ref[:3]):
+        torch.testing.assert_close(a, b, **linear_tol(torch.float64))
+    sb = kept_linear_log_probs(hidden.reshape(11, 1, 16), weight, target.reshape(11, 1), kept, bias=bias)
+    assert sb.log_prob.shape == (11, 1) and torch.equal(sb.log_prob.reshape(-1), res.log_prob)
+    with pytest.raises(TypeError, match="kept must be a KeptTokens"):
+        kept_linear_log_probs(hidden, weight, target, lists)
+    with pytest.raises(ValueError, match="KeptTokens.temperature must be one number"):
+        kept_linear_log_probs(hidden, weight, target, KeptTokens(kept.ids, kept.offsets, torch.ones(11)))
+    with pytest.raises(ValueError, match="kept has 2 rows .* but hidden has 11"):
+        kept_linear_log_probs(hidden, weight, target, KeptTokens.from_lists([[1], [2]]))
+    with pytest.raises(ValueError, match="outside the vocabulary of 37"):
+        kept_linear_log_probs(hidden, weight, target, KeptTokens.from_lists([[1]] * 10 + [[37]]))
+    with pytest.raises(ValueError, match="row 2 lists id 5 twice"):
+        kept_linear_log_probs(hidden, weight, target, KeptTokens.from_lists([[1]] * 2 + [[5, 3, 5]] + [[1]] * 8))
+    with pytest.raises(TypeError, match="target must be an int64"):
+        kept_linear_log_probs(hidden, weight, target.float(), kept)
+    dead = bias.clone()
+    dead[[2, 6]] = -math.inf
+    with pytest.raises(ValueError, match="every kept id of row 0 has a -inf logit"):
+        kept_linear_log_probs(hidden, weight, target.clamp(min=0), KeptTokens.from_lists([[2, 6]] + [[7]] * 10),
+                              bias=dead)
+    nan = hidden.clone()
+    nan[3, 2] = math.nan
+    with pytest.raises(ValueError, match="row 3"):
+        kept_linear_log_probs(nan, weight, target, kept)
+
+
+def _kept_linear_tp_worker(rank, world):
+    from rollout_corr_ext import kept_linear_log_probs
+
+    group = dist.group.WORLD
+    for dtype in (torch.float32, torch.bfloat16):
+        vs, v = 45, 48
+        hidden, weight, bias, target, lists, kept = _kept_linear_case(dtype, seed=80, n=9, h=8, v=v, vs=vs)
+        hs1, ws1, bs1 = (x.clone().requires_grad_(True) for x in (hidden, weight, bias))
+        single = kept_linear_log_probs(hs1, ws1, target, kept, bias=bs1, vocab_size=vs, chunk_rows=4, chunk_cols=8)
+        vl = v // world
+        hs = hidden.clone().requires_grad_(True)
+        ws, bs = (x[rank * vl:(rank + 1) * vl].clone().requires_grad_(True) for x in (weight, bias))
+        with CollectiveCounter() as c:
+            res = kept_linear_log_probs(hs, ws, target, kept, group, bias=bs, vocab_size=vs, chunk_rows=4,
+                                        chunk_cols=8)
+        # the log-S pass's own (linear_log_probs: its all-gather and header check), MAX, SUM, the target's z
+        assert len(c.calls) <= 5, c.calls
+        assert torch.equal(res.in_support, single.in_support)
+        fin = single.log_prob != -math.inf
+        for a, b in zip(res[:3], single[:3]):
+            torch.testing.assert_close(a[fin], b[fin], **output_tol(torch.float32))
+        g = torch.Generator().manual_seed(3)
+        gl, ge = torch.randn(9, generator=g), torch.randn(9, generator=g)
+        (torch.where(fin, single.log_prob, 0.0) * gl + single.entropy * ge).sum().backward()
+        with CollectiveCounter() as cb:
+            (torch.where(fin, res.log_prob, 0.0) * gl + res.entropy * ge).sum().backward()
+        assert cb.calls == []
+        gt = grad_tol(dtype)
+        torch.testing.assert_close(ws.grad, ws1.grad[rank * vl:(rank + 1) * vl], **gt)
+        torch.testing.assert_close(bs.grad, bs1.grad[rank * vl:(rank + 1) * vl], **gt)
+        # grad_hidden is this shard's part: summed over the ranks (megatron's column-parallel region) it is the whole
+        # (in bf16 each rank's part is rounded once: up to half an ulp of the largest part, per rank)
+        total = hs.grad.float()
+        dist.all_reduce(total, group=group)
+        most = hs.grad.abs().max().float()
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+        tol = gt if dtype == torch.float32 else dict(rtol=gt["rtol"], atol=world * 2 ** -9 * float(most))
+        torch.testing.assert_close(total[target != -100], hs1.grad.float()[target != -100], **tol)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_kept_linear_log_probs_under_tensor_parallelism(world):
+    run_workers(_kept_linear_tp_worker, world)
+
+
+@pytest.mark.parametrize("layout", ["sbv", "bsv"])
+def test_make_policy_loss_func_takes_kept_tokens_with_output_layer(layout):
+    """sampling=KeptTokens with output_layer (kept_linear_log_probs) gives the loss, metrics and gradients of the
+    logits path on the materialized logits hidden @ W.T + b, in both layouts (the kept sets' rows follow target's
+    row-major order); batch_invariant is refused by name (a sequence-parallel layer: below, under TP)."""
+    from rollout_corr_ext import KeptTokens
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    b, s, h, v = 2, 5, 12, 30
+    g = torch.Generator().manual_seed(51)
+    hidden = torch.randn(s, b, h, generator=g, dtype=torch.float64)
+    if layout == "bsv":
+        hidden = hidden.transpose(0, 1).contiguous()
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * 0.7
+    bias = torch.randn(v, generator=g, dtype=torch.float64) * 0.2
+    target = torch.randint(0, v, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[1, 3:] = False
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    lists = [torch.randperm(v, generator=g)[:int(torch.randint(1, 9, (1,), generator=g))].tolist()
+             for _ in range(b * s)]
+    for i in range(0, b * s, 2):
+        lists[i][0] = int(target.reshape(-1)[i])  # half the targets inside their kept set
+        lists[i] = list(dict.fromkeys(lists[i]))
+    kept = KeptTokens.from_lists(lists)
+
+    class Layer:
+        pass
+    layer = Layer()
+    h1, w1, b1 = (x.clone().requires_grad_(True) for x in (hidden, weight, bias))
+    layer.weight, layer.bias = w1, b1
+    out1 = make_policy_loss_func(target, adv, mask, output_layer=layer, vocab_size=v, sampling=kept,
+                                 logits_layout=layout)(h1)
+    (out1[0] / out1[1]).backward()
+    h2, w2, b2 = (x.clone().requires_grad_(True) for x in (hidden, weight, bias))
+    out2 = make_policy_loss_func(target, adv, mask, vocab_size=v, sampling=kept, logits_layout=layout)(
+        h2 @ w2.t() + b2)
+    (out2[0] / out2[1]).backward()
+    assert out1[0].item() == pytest.approx(out2[0].item(), rel=1e-10, abs=1e-12) and int(out1[1]) == int(out2[1])
+    out_of_support, tokens = out2[2]["rollout_corr/sampling_out_of_support_fraction"].tolist()  # [sum, count]
+    assert 0 < out_of_support < tokens
+    for k in out2[2]:
+        torch.testing.assert_close(out1[2][k], out2[2][k], rtol=1e-6, atol=1e-7)
+    for a, c in ((h1, h2), (w1, w2), (b1, b2)):
+        torch.testing.assert_close(a.grad, c.grad, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="sampling=KeptTokens.* with output_layer and batch_invariant=True"):
+        make_policy_loss_func(target, adv, mask, output_layer=layer, vocab_size=v, sampling=kept,
+                              batch_invariant=True)
+
+
+def _kept_sequence_parallel_worker(rank, world):
+    from rollout_corr_ext import KeptTokens
+    from rollout_corr_ext.megatron import make_policy_loss_func
+
+    class Layer:
+        pass
+    layer = Layer()
+    layer.weight, layer.bias, layer.sequence_parallel = torch.randn(5, 4), None, True
+    target = torch.zeros(1, 4, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"sampling=KeptTokens\(...\) with a sequence-parallel output_layer is not "
+                                         r"supported"):
+        make_policy_loss_func(target, torch.ones(1), torch.ones(1, 4), output_layer=layer, tp_group=dist.group.WORLD,
+                              sampling=KeptTokens.from_lists([[0]] * 4))
+
+
+def test_make_policy_loss_func_refuses_kept_tokens_with_a_sequence_parallel_output_layer():
+    run_workers(_kept_sequence_parallel_worker, 2)
+
+
+@pytest.mark.parametrize("device", device_params("cpu", "fallback", "emulated", "cuda"))
+def test_kept_linear_log_probs_on_every_backend(device):
+    """kept_linear_log_probs (whose log-S pass is linear_log_probs' kernels) on the compiled CPU kernels, the
+    fallback, the CUDA kernels on the emulator (and a GPU): the fp64 oracle's values and gradients."""
+    from rollout_corr_ext import kept_linear_log_probs
+
+    vs = 37
+    hidden, weight, bias, target, lists, kept = _kept_linear_case(torch.float32, seed=73, n=6, h=8, v=40, vs=vs)
+    with ops_on(device) as dev:
+        hs, ws, bs = (x.to(dev).requires_grad_(True) for x in (hidden, weight, bias))
+        res = kept_linear_log_probs(hs, ws, target.to(dev), kept, bias=bs, vocab_size=vs)
+        fin = res.log_prob != -math.inf
+        (torch.where(fin, res.log_prob, 0.0) + 0.5 * res.entropy).sum().backward()
+        res = type(res)(*(t.cpu() for t in res))
+        grads = [x.grad.cpu() for x in (hs, ws, bs)]
+    hr, wr, br = (x.detach().double().requires_grad_(True) for x in (hidden, weight, bias))
+    lp, ent, ls, ins = _kept_linear_oracle(hr, wr, br, target, lists, 0.7, vs)
+    assert torch.equal(res.in_support, ins)
+    fin = lp != -math.inf
+    for a, b in ((res.log_prob[fin], lp[fin]), (res.entropy, ent), (res.log_kept_mass, ls)):
+        torch.testing.assert_close(a.double(), b.detach(), **linear_tol(torch.float32))
+    (torch.where(fin, lp, 0.0) + 0.5 * ent).sum().backward()
+    active = target != -100
+    torch.testing.assert_close(grads[0].double()[active], hr.grad[active], **grad_tol(torch.float32))
+    torch.testing.assert_close(grads[1].double()[:vs], wr.grad[:vs], **grad_tol(torch.float32))
+    torch.testing.assert_close(grads[2].double()[:vs], br.grad[:vs], **grad_tol(torch.float32))
