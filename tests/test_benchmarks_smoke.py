@@ -36,6 +36,8 @@ RUNS = {
     "sampling_ties": ["bench_sampling.py", "--ties", "--n", "8", "--vocab", "256"],
     "verl_fused": ["bench_verl_fused.py", "--n", "64", "--hidden", "16", "--vocab", "300", "--repeats", "1",
                    "--dtypes", "fp32", "bf16"],
+    "kept_linear": ["bench_kept_linear.py", "--n", "64", "--hidden", "16", "--vocab", "300", "--kept", "8",
+                    "--repeats", "1", "--dtypes", "fp32", "bf16", "--device", "cpu"],
     "linear_logprob": ["bench_linear_logprob.py", "--hidden", "16", "--vocab", "300", "--n", "64", "--n-time", "96",
                        "--repeats", "1", "--ignored", "0", "0.5", "--dtypes", "fp32", "bf16", "--device", "cpu"],
 }
