@@ -1220,6 +1220,24 @@ def _kept_entries(kept: "KeptTokens", n: int, active: torch.Tensor, vocab_start:
     return off, ids, counts, row, local
 
 
+def _refuse_torn_or_dead(fn: str, kept: "KeptTokens", active: torch.Tensor, held: torch.Tensor,
+                         counts: torch.Tensor, dead: torch.Tensor) -> None:
+    """The kept-set checks after the collectives: every scored row's kept ids held by exactly one shard (``held``,
+    summed over the ranks, equal to ``counts``), and not all of them at -inf (``dead``)."""
+    torn = active & (held != counts.to(torch.float64))
+    if bool(torn.any()):
+        i = int(torn.nonzero()[0, 0])
+        raise ValueError(f"{fn}: the tensor-parallel shards hold {int(held[i])} of row {i}'s {int(counts[i])} kept "
+                         f"ids (each must be on exactly one shard): the vocab ranges overlap or leave gaps (check "
+                         f"vocab_start / vocab_size)")
+    dead = active & dead
+    if bool(dead.any()):
+        raise ValueError(f"kept: every kept id of row {kept.caller_row(int(dead.nonzero()[0, 0]))} has a -inf "
+                         f"logit here, so the distribution renormalised over them is undefined (the engine kept "
+                         f"tokens this model gives probability 0: a different vocabulary mask?); give such "
+                         f"positions target = ignore_index")
+
+
 def kept_log_probs(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -1294,18 +1312,7 @@ def kept_log_probs(
         sums[:, 2].index_add_(0, row[local], (zk != -math.inf).double())
         sums[:, 3].index_add_(0, row[local], torch.ones_like(zk, dtype=torch.float64))
         sums = _all_reduce(sums, dist.ReduceOp.SUM, tp_group, world)
-        torn = active & (sums[:, 3] != counts.to(torch.float64))
-        if bool(torn.any()):
-            i = int(torn.nonzero()[0, 0])
-            raise ValueError(f"kept_log_probs: the tensor-parallel shards hold {int(sums[i, 3])} of row {i}'s "
-                             f"{int(counts[i])} kept ids (each must be on exactly one shard): the vocab ranges overlap "
-                             f"or leave gaps (check vocab_start / vocab_size)")
-        dead = active & (sums[:, 2] == 0)
-        if bool(dead.any()):
-            raise ValueError(f"kept: every kept id of row {kept.caller_row(int(dead.nonzero()[0, 0]))} has a -inf "
-                             f"logit here, so the distribution renormalised over them is undefined (the engine kept "
-                             f"tokens this model gives probability 0: a different vocabulary mask?); give such "
-                             f"positions target = ignore_index")
+        _refuse_torn_or_dead("kept_log_probs", kept, active, sums[:, 3], counts, sums[:, 2] == 0)
         log_s = (finite_kept.double() - finite_max.double()) + torch.log(sums[:, 0]) - torch.log(sums[:, 1])
         log_s = torch.where(active, log_s.to(acc), 0.0)
     return _masked_log_probs(logits2d, below, target1d, kept.temperature, temperature, active, log_s, lead,
@@ -1463,17 +1470,7 @@ def kept_linear_log_probs(
             raise ValueError(f"kept_linear_log_probs: NaN or +inf logit of a kept id in row {i} of the flattened "
                              f"hidden states (hidden, weight or bias holds NaN / inf there, or the product overflows "
                              f"{hidden.dtype}); rows whose target is ignore_index are exempt")
-        torn = active & (stats[:, 2] != counts.to(torch.float64))
-        if bool(torn.any()):
-            i = int(torn.nonzero()[0, 0])
-            raise ValueError(f"kept_linear_log_probs: the tensor-parallel shards hold {int(stats[i, 2])} of row {i}'s "
-                             f"{int(counts[i])} kept ids (each must be on exactly one shard): the vocab ranges overlap "
-                             f"or leave gaps (check vocab_start / vocab_size)")
-        dead = active & ~torch.isfinite(stats[:, 0])
-        if bool(dead.any()):
-            raise ValueError(f"kept: every kept id of row {kept.caller_row(int(dead.nonzero()[0, 0]))} has a -inf "
-                             f"logit here, so the distribution renormalised over them is undefined; give such "
-                             f"positions target = ignore_index")
+        _refuse_torn_or_dead("kept_linear_log_probs", kept, active, stats[:, 2], counts, ~torch.isfinite(stats[:, 0]))
         # log S = logsumexp over the kept ids - logsumexp over the vocabulary, the latter z* - log p(*) of the
         # untruncated pass at the kept max's id * (its log-prob is the largest of the kept ones: the least rounding;
         # the pass refuses NaN / +inf logits in a scored row, on every rank)
