@@ -1440,7 +1440,9 @@ def kept_linear_log_probs(
     kept ids, exactly 0 on every other row of ``weight``); the temperature must be one number here. Under
     ``tp_group`` every rank passes the same ``kept`` (global ids) and its own shard of ``weight``: all-reduces of one
     MAX, five sums and one id per row besides the log-S pass's own collective, none in backward; ``grad_hidden`` is
-    this shard's part, as :func:`rollout_corr_ext.linear_log_probs`' (no sequence parallelism here)."""
+    this shard's part, as :func:`rollout_corr_ext.linear_log_probs`' (no sequence parallelism here). Its sums and
+    gradient scatters are torch's ``index_add_``, whose CUDA form adds with atomics: on a GPU the last bits of the
+    entropy, log S and the gradients can differ run to run (the compiled kernels of the other entry points do not)."""
     from . import linear as _linear
 
     if not isinstance(kept, KeptTokens):
