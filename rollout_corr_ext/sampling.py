@@ -26,6 +26,7 @@ decision is the same at every tensor-parallel size.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import hashlib
 import json
@@ -291,7 +292,7 @@ class SamplingParams:
         if mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(f"SamplingParams.from_megatron: logprobs_mode must be 'raw_logprobs' or "
                              f"'processed_logprobs' (megatron-core's InferenceConfig.logprobs_mode), got {mode!r}")
-        if isinstance(sampling_params, dict):
+        if isinstance(sampling_params, collections.abc.Mapping):  # any mapping by key (a dict, a read-only view)
             get = sampling_params.get
         else:
             def get(key, default):

@@ -8,6 +8,7 @@ outside each row's kept set, ignored rows holding NaN, -inf logits, per-row para
 import dataclasses
 import math
 import re
+import types
 
 import pytest
 import torch
@@ -351,6 +352,9 @@ def test_from_megatron_maps_megatron_cores_sampling_params():
     # FlashInfer's sampler takes both (top-k, then top-p on the renormalised top-k: vLLM's order)
     both = SamplingParams.from_megatron({"temperature": 2, "top_k": 5, "top_p": 0.5}, logprobs_mode=processed)
     assert both == SamplingParams(temperature=2.0, top_k=5, top_p=0.5)
+    # any mapping is read by key, not by attribute (which would find no field and fall back to the defaults)
+    view = types.MappingProxyType({"temperature": 2, "top_k": 5, "top_p": 0.5})
+    assert SamplingParams.from_megatron(view, logprobs_mode=processed) == both
     # the mode read off megatron-core's InferenceConfig (or anything holding it)
     config = type("InferenceConfig", (), {"logprobs_mode": processed})()
     assert SamplingParams.from_megatron(msp(top_k=3), logprobs_mode=config) == SamplingParams(top_k=3)
