@@ -57,15 +57,20 @@ class BuildExtRecordingSources(BuildExtension.with_options(use_ninja=True)):
                 module.with_name(module.name + _build.SOURCES_SUFFIX).write_text(digest + "\n")
 
 
-with_cuda = _build.want_cuda()
-if with_cuda:
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _build.DEFAULT_CUDA_ARCHS)
-kwargs = _build.extension_kwargs(with_cuda)
-Extension = CUDAExtension if with_cuda else CppExtension
-print(f"rollout_corr_ext: building {'CPU + CUDA' if with_cuda else 'CPU'} kernels"
-      + (f" for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}" if with_cuda else ""))
-
-setup(
-    ext_modules=[Extension("rollout_corr_ext._C", py_limited_api=False, **kwargs)],
-    cmdclass={"build_ext": BuildExtRecordingSources, "build_py": BuildPyWithSources},
-)
+if _build._env.flag("ROLLOUT_CORR_SKIP_BUILD"):
+    # The Python package alone: scripts/bootstrap.sh installs it editable this way, then compiles with
+    # `setup.py build_ext --inplace`, whose objects in build/ a later wheel build reuses (ninja).
+    print("rollout_corr_ext: ROLLOUT_CORR_SKIP_BUILD=1, the extension is not compiled")
+    setup(cmdclass={"build_py": BuildPyWithSources})
+else:
+    with_cuda = _build.want_cuda()
+    if with_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", _build.DEFAULT_CUDA_ARCHS)
+    kwargs = _build.extension_kwargs(with_cuda)
+    Extension = CUDAExtension if with_cuda else CppExtension
+    print(f"rollout_corr_ext: building {'CPU + CUDA' if with_cuda else 'CPU'} kernels"
+          + (f" for TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}" if with_cuda else ""))
+    setup(
+        ext_modules=[Extension("rollout_corr_ext._C", py_limited_api=False, **kwargs)],
+        cmdclass={"build_ext": BuildExtRecordingSources, "build_py": BuildPyWithSources},
+    )

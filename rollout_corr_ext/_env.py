@@ -37,6 +37,9 @@ SWITCHES = (
            "1: build the CUDA kernels without a visible GPU (setup.py, load_extension()); needs nvcc under CUDA_HOME"),
     Switch("TORCH_CUDA_ARCH_LIST", "8.0;9.0", "build", "the GPU architectures the CUDA kernels are built for"),
     Switch("MAX_JOBS", "", "build", "parallel compile jobs (torch.utils.cpp_extension)"),
+    Switch("ROLLOUT_CORR_SKIP_BUILD", "0", "build",
+           "1: setup.py installs the Python package without compiling the extension (scripts/bootstrap.sh then "
+           "builds it in place with `setup.py build_ext --inplace`; or load_extension() / ROLLOUT_CORR_JIT=1)"),
     Switch("ROLLOUT_CORR_EMU_BUILD_DIR", "", "tests",
            "where the CUDA emulator (rollout_corr_testing/cuda_emulator) keeps its g++ build; CI sets build/emu"),
     Switch("ROLLOUT_CORR_EMU_ASAN", "0", "tests", "1: build the CUDA emulator under AddressSanitizer (run_asan.sh)"),

@@ -32,7 +32,13 @@ if [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$(build_stamp)" ] \
 else
   pip_quiet --upgrade pip "setuptools>=77" wheel
   pip_quiet "torch==2.14.1" ninja numpy
-  pip_quiet --no-build-isolation -e ".[test,demo]"
+  # The package (editable) and its dependencies first, then the compile in place: its objects stay in build/temp.*,
+  # where a later wheel build (scripts/check_package.sh) or a source change reuses them through ninja (an editable
+  # install's own build would compile in a temporary folder and drop them).
+  ROLLOUT_CORR_SKIP_BUILD=1 pip_quiet --no-build-isolation -e ".[test,demo]"
+  mkdir -p build
+  python setup.py build_ext --inplace > build/bootstrap-build.log 2>&1 \
+    || { tail -n 60 build/bootstrap-build.log; echo "rollout_corr_ext: the build failed"; exit 1; }
   build_stamp > "$stamp_file"
 fi
 python -c "import rollout_corr_ext as r; print('rollout_corr_ext backend:', r.backend())"

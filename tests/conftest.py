@@ -43,3 +43,12 @@ def pytest_collection_modifyitems(config, items):
         name = os.path.basename(str(item.fspath))
         if name.startswith("test_megatron_") or name == "test_demo_smoke.py" or "megatron" in item.nodeid.lower():
             item.add_marker(pytest.mark.megatron)
+    # The longest tests first (those marked slow, which build emulated kernels in subprocesses, and the benchmark and
+    # demo runs): under pytest-xdist (scripts/test.sh) they then overlap the many short ones instead of running alone
+    # at the end. A stable sort: every other test keeps its collection order.
+    items.sort(key=lambda item: not (item.get_closest_marker("slow") is not None
+                                     or os.path.basename(str(item.fspath)) in _LONG_FILES))
+
+
+#: Files of subprocess runs (benchmarks, the demo under torchrun) that take 10-100 s each.
+_LONG_FILES = ("test_benchmarks_smoke.py", "test_demo_smoke.py")
