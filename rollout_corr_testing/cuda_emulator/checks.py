@@ -262,7 +262,10 @@ def main(argv) -> int:
     sys.path.insert(0, str(ROOT))
     from rollout_corr_testing.cuda_emulator.loader import load_emulator
 
-    load_emulator(kernel_override_dir=args.kernel_dir, sources=[f"emu_{args.family}.cpp"])
+    # On the tree's kernels, the whole emulator: the build every other emulator test loads (cached, so the barrier
+    # test compiles nothing of its own); on a mutated copy, only the family (a compile of its own either way).
+    load_emulator(kernel_override_dir=args.kernel_dir,
+                  sources=[f"emu_{args.family}.cpp"] if args.kernel_dir else None)
     if args.build_only:
         return 0
     torch.ops.rollout_corr_emu.skip_barrier(args.skip_barrier)
