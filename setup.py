@@ -57,7 +57,7 @@ class BuildExtRecordingSources(BuildExtension.with_options(use_ninja=True)):
                 module.with_name(module.name + _build.SOURCES_SUFFIX).write_text(digest + "\n")
 
 
-if _build._env.flag("ROLLOUT_CORR_SKIP_BUILD"):
+if _build.skip_build():
     # The Python package alone: scripts/bootstrap.sh installs it editable this way, then compiles with
     # `setup.py build_ext --inplace`, whose objects in build/ a later wheel build reuses (ninja).
     print("rollout_corr_ext: ROLLOUT_CORR_SKIP_BUILD=1, the extension is not compiled")

@@ -55,6 +55,11 @@ def abs_paths(paths: List[str]) -> List[str]:
     return [str(ROOT / p) for p in paths]
 
 
+def skip_build() -> bool:
+    """``ROLLOUT_CORR_SKIP_BUILD=1``: setup.py installs the Python package without compiling the extension."""
+    return _env.flag("ROLLOUT_CORR_SKIP_BUILD")
+
+
 def want_cuda() -> bool:
     """CUDA kernels are built when torch is a CUDA build, nvcc exists, and a GPU is visible or FORCE_CUDA=1."""
     import torch

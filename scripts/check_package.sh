@@ -20,6 +20,12 @@ python -m build --no-isolation --sdist --outdir "$out/dist" . > "$out/build.log"
   || { tail -n 40 "$out/build.log"; exit 1; }
 python -m build --no-isolation --wheel --outdir "$out/dist" . >> "$out/build.log" 2>&1 \
   || { tail -n 40 "$out/build.log"; exit 1; }
+# The wheel's build found scripts/bootstrap.sh's objects up to date and only linked. In CI a compile here is an
+# error (it would double this step's time, silently); elsewhere the tree may have changed since the last build.
+if ! grep -q "ninja: no work to do" "$out/build.log"; then
+  msg="the wheel build compiled sources (bootstrap's objects in build/temp.* were stale or missing)"
+  if [ "${CI:-}" = "true" ]; then echo "$msg"; exit 1; else echo "note: $msg"; fi
+fi
 sdist=$(ls "$out"/dist/*.tar.gz)
 wheel=$(ls "$out"/dist/*.whl)
 echo "built $sdist and $wheel"

@@ -22,8 +22,6 @@ if [ "${1:-}" = "--quick" ]; then
     --ignore=tests/test_cuda_emulator_traffic.py --ignore=tests/test_cuda_emulator_rollout_correction.py \
     --ignore=tests/test_demo_smoke.py --ignore=tests/test_benchmarks_smoke.py "$@"
 fi
-# pytest-xdist: one worker per core, at most 4 (each holds torch, megatron-core and the emulator); `-n 0` after the
-# script runs everything in this process. The gloo tests' TCP stores take OS-chosen ports, so workers never collide.
-workers=$(nproc)
-[ "$workers" -gt 4 ] && workers=4
-python -m pytest -q -rfEs --durations=15 -n "$workers" tests "$@"
+# pytest-xdist workers (scripts/pytest_workers.sh); `-n 0` after the script runs everything in this process. The
+# gloo tests' TCP stores take OS-chosen ports, so workers never collide.
+python -m pytest -q -rfEs --durations=15 -n "$(bash scripts/pytest_workers.sh)" tests "$@"

@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 CUDA_DIR = ROOT / "csrc" / "cuda"
 
 #: name -> (file under csrc/cuda, text to find (must occur), replacement, check function name). A removed
-#: ``__syncthreads()`` is not planted here: tests/test_cuda_emulator_races.py removes every barrier of every kernel
-#: file in turn and requires the emulator to catch each (one build per family instead of one per planted barrier).
+#: ``__syncthreads()`` is not planted here: tests/test_cuda_emulator_races.py disables every barrier of every kernel
+#: file in turn (the emulator's skip_barrier, on the one shared build) and requires the emulator to catch each.
 MUTANTS = {
     # Butterfly that starts at offset 8 instead of 16: the two half-warps are never merged.
     "wrong_shuffle_offset": (

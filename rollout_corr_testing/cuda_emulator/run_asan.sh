@@ -16,10 +16,12 @@ export ROLLOUT_CORR_EMU_ASAN=1
 export ROLLOUT_CORR_EMU_BUILD_DIR=${ROLLOUT_CORR_EMU_BUILD_DIR:-$PWD/build/emu}/asan
 # Python and torch allocate and never free on purpose; leak checking would only report those.
 export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:detect_stack_use_after_return=0
-# Left out: the planted-bug, divergence and barrier-removal tests (they build their own mutated kernels; the
-# barrier-removal test needs racecheck, which the ASan build leaves out; the regular test run covers all three).
-# Two pytest-xdist workers (ASan is inherited by them through LD_PRELOAD); the emulated kernels run single-threaded.
-LD_PRELOAD="$preload" python -m pytest -q -p no:cacheprovider -n 2 tests/test_cuda_emulator*.py \
+# Left out: the planted-bug and divergence tests (they build their own mutated kernels) and the barrier-removal test
+# (it needs racecheck, which the ASan build leaves out); the regular test run covers all three.
+# pytest-xdist workers (scripts/pytest_workers.sh; ASan reaches them through LD_PRELOAD); the emulated kernels run
+# single-threaded.
+workers=$(bash scripts/pytest_workers.sh)
+LD_PRELOAD="$preload" python -m pytest -q -p no:cacheprovider -n "$workers" tests/test_cuda_emulator*.py \
   -k "not planted and not divergence and not every_syncthreads"
 # The fused policy-loss kernels (strided, dtype-tagged input views: the accesses most worth bounds-checking).
-LD_PRELOAD="$preload" python -m pytest -q -p no:cacheprovider -n 2 tests/test_policy_loss_kernel.py -k "emulated"
+LD_PRELOAD="$preload" python -m pytest -q -p no:cacheprovider -n "$workers" tests/test_policy_loss_kernel.py -k "emulated"
