@@ -158,8 +158,10 @@ TORCH_LIBRARY(rollout_corr, m) {
   // every value >= the row's k-th largest): tau [N] (cand's dtype; the kept set is {z >= tau, z > -inf}) =
   // max(floor (the min-p threshold, or -inf), the k-th largest, the top-p threshold where top_p < 1: the smallest
   // v with M(<= v) > min(floor((1 - p) M), M - 1) in integer masses round(exp(z - z_max) 2^40)), and out [N, 4] fp64:
-  // the target's log-prob under the kept set's softmax (z_t - lse; -inf outside it), the entropy over it, log S =
-  // log(sum_kept exp(z - z_max)) - log(sum_all) (<= 0), lse. Rows with k <= 0 are skipped (zeros, tau -inf).
+  // the target's log-prob under the kept set's softmax ((z_t - z_max) - log_kept; -inf outside it), the entropy over
+  // it, log S = log_kept - log(sum_all) (<= 0), log_kept = log(sum_kept exp(z - z_max)) (>= 0). Every log-prob is
+  // formed relative to z_max, never as z - (z_max + log_kept): for |z| past ~2^52 that sum rounds log_kept away.
+  // Rows with k <= 0 are skipped (zeros, tau -inf).
   m.def("candidate_decide(Tensor cand, Tensor z_max, Tensor z_t, Tensor sum_all, Tensor k, Tensor floor, "
         "Tensor top_p) -> (Tensor, Tensor)");
 

@@ -103,13 +103,14 @@ inline void check_policy_loss_inputs(const at::Tensor& log_prob, const at::Tenso
 // What makes a policy loss undefined (the CPU error names the token; CUDA asserts asynchronously).
 inline constexpr const char* kMsgUndefinedLossWhat =
     "a response_mask weight NaN, inf or < 0, log_prob / old_log_prob NaN or +inf, both -inf (PPO), log_prob -inf "
-    "(REINFORCE), non-finite advantages / IS weights, a token loss past the float range, or (the other kinds) a "
-    "non-finite input (mask the token out, or fix the log-probs; a target at a -inf logit has log-prob -inf)";
+    "(REINFORCE), non-finite advantages / rollout_is_weights (the IS weights), a token loss past the float range, "
+    "or (the other kinds) a non-finite input (mask the token out, or fix the log-probs; a target at a -inf logit "
+    "has log-prob -inf)";
 inline constexpr const char* kMsgUndefinedLoss =
     "policy loss undefined at a response token: a response_mask weight NaN, inf or < 0, log_prob / old_log_prob NaN "
-    "or +inf, both -inf (PPO), log_prob -inf (REINFORCE), non-finite advantages / IS weights, a token loss past the "
-    "float range, or (the other kinds) a non-finite input (mask the token out, or fix the log-probs; a target at a "
-    "-inf logit has log-prob -inf)";
+    "or +inf, both -inf (PPO), log_prob -inf (REINFORCE), non-finite advantages / rollout_is_weights (the IS "
+    "weights), a token loss past the float range, or (the other kinds) a non-finite input (mask the token out, or "
+    "fix the log-probs; a target at a -inf logit has log-prob -inf)";
 
 template <typename acc_t>
 PolicyLossConfig<acc_t> make_policy_loss_config(double clip_low, double clip_high, double clip_c, int64_t kind,

@@ -672,9 +672,9 @@ def row_candidates(x: torch.Tensor, k: torch.Tensor, target_col: torch.Tensor, w
 
 def candidate_decide(cand: torch.Tensor, z_max: torch.Tensor, z_t: torch.Tensor, sum_all: torch.Tensor,
                      k: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The replay's decision on each row's candidates (any order): ``(tau, out)``, the kept set's threshold and ``[N, 4]``
-    fp64 (the target's log-prob, entropy, log S, lse) (the contract: csrc/ops.cpp; CPU and CUDA kernels, torch on the
-    fallback backend)."""
+    """The replay's decision on each row's candidates (any order): ``(tau, out)``, the kept set's threshold and
+    ``[N, 4]`` fp64 (the target's log-prob, entropy, log S, log_kept) (the contract: csrc/ops.cpp; CPU and CUDA
+    kernels, torch on the fallback backend)."""
     if _has_kernel(cand.device):
         return torch.ops.rollout_corr.candidate_decide.default(cand, z_max, z_t, sum_all, k, floor, top_p)
     return fallback.candidate_decide(cand, z_max, z_t, sum_all, k, floor, top_p)

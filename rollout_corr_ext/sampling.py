@@ -966,10 +966,10 @@ def _candidate_log_probs(logits2d, target1d, sampling, active, lead, n, tp_group
         floor = _min_p_floor(z_max, min_p, (min_p > 0) & active, acc)
         top_p = _per_row("top_p", sampling.top_p, n, lead, torch.float64, dev)
         tau, out = ops.candidate_decide(cand.contiguous(), z_max, z_t, sum_all, k_rows, floor, top_p)
-        logp, entropy, log_s, lse = out.unbind(1)
+        logp, entropy, log_s, log_kept = out.unbind(1)
         in_support = (logp != ninf) & active
-    logp, entropy = _CandidateLogProbs.apply(logits2d, logp.to(acc), entropy.to(acc), vals, idx, tcol, tau, lse,
-                                             entropy, in_support, 1.0 / t_value)
+    logp, entropy = _CandidateLogProbs.apply(logits2d, logp.to(acc), entropy.to(acc), vals, idx, tcol, tau, z_max,
+                                             log_kept, entropy, in_support, 1.0 / t_value)
     return SampledLogProbs(logp.reshape(lead), entropy.reshape(lead), log_s.to(acc).reshape(lead),
                            (in_support | ~active).reshape(lead))
 
@@ -977,25 +977,26 @@ def _candidate_log_probs(logits2d, target1d, sampling, active, lead, n, tp_group
 class _CandidateLogProbs(torch.autograd.Function):
     """(logits, the precomputed log-prob and entropy, this shard's candidates) -> (log-prob, entropy), with the kept
     set's softmax gradient: d logp / d z_u = [u = target] - p_u and d H / d z_u = -p_u (log p_u + H) on the kept
-    candidates (z_u >= tau), p_u = exp(z_u - lse), times 1 / T; 0 everywhere else (``ops.scatter_rows``)."""
+    candidates (z_u >= tau), p_u = exp((z_u - z_max) - log_kept) (relative to the row max: z_max + log_kept would
+    round log_kept away for huge z), times 1 / T; 0 everywhere else (``ops.scatter_rows``)."""
 
     @staticmethod
-    def forward(ctx, logits, logp, entropy, vals, idx, tcol, tau, lse, entropy64, in_support, inv_t):
-        ctx.save_for_backward(vals, idx, tcol, tau, lse, entropy64, in_support, logits)
+    def forward(ctx, logits, logp, entropy, vals, idx, tcol, tau, z_max, log_kept, entropy64, in_support, inv_t):
+        ctx.save_for_backward(vals, idx, tcol, tau, z_max, log_kept, entropy64, in_support, logits)
         ctx.info = (logits.shape[1], logits.dtype, inv_t)
         ctx.set_materialize_grads(False)
         return logp.clone(), entropy.clone()
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        vals, idx, tcol, tau, lse, entropy64, in_support, logits = ctx.saved_tensors
+        vals, idx, tcol, tau, z_max, log_kept, entropy64, in_support, logits = ctx.saved_tensors
         cols, dtype, inv_t = ctx.info
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 11
+            return (None,) * 12
         with torch.no_grad():
             kept = (vals >= tau.unsqueeze(1)) & (vals != -math.inf) & (idx >= 0)
-            lp_u = torch.where(kept, vals.to(torch.float64) - lse.unsqueeze(1), torch.zeros((), dtype=torch.float64,
-                                                                                              device=vals.device))
+            lp_u = torch.where(kept, (vals.to(torch.float64) - z_max.unsqueeze(1)) - log_kept.unsqueeze(1),
+                               torch.zeros((), dtype=torch.float64, device=vals.device))
             p = torch.where(kept, lp_u.exp(), torch.zeros_like(lp_u))
             g = torch.zeros_like(p)
             if grad_logp is not None:  # a target outside the kept set (log-prob -inf) has no gradient
@@ -1010,7 +1011,7 @@ class _CandidateLogProbs(torch.autograd.Function):
             anchors = [t for t in (logits, grad_logp, grad_entropy) if t is not None and t.requires_grad]
             if anchors:
                 grad = ops.NoDoubleBackward.apply(grad, "sampled_log_probs", *anchors)
-        return (grad,) + (None,) * 10
+        return (grad,) + (None,) * 11
 
 
 #: rows per chunk of the floored forward and backward (a chunk-sized masked temporary, never [N, V])
@@ -1315,7 +1316,8 @@ def kept_log_probs(
         sums = _all_reduce(sums, dist.ReduceOp.SUM, tp_group, world)
         _refuse_torn_or_dead("kept_log_probs", kept, active, sums[:, 3], counts, sums[:, 2] == 0)
         log_s = (finite_kept.double() - finite_max.double()) + torch.log(sums[:, 0]) - torch.log(sums[:, 1])
-        log_s = torch.where(active, log_s.to(acc), 0.0)
+        # at most 0: a kept set of (nearly) every id reaches the total but for the rounding of the sums
+        log_s = torch.where(active, log_s.clamp(max=0.0).to(acc), 0.0)
     return _masked_log_probs(logits2d, below, target1d, kept.temperature, temperature, active, log_s, lead,
                              tp_group, vocab_start, vocab_size, ignore_index)
 
@@ -1354,36 +1356,39 @@ class _KeptLinear(torch.autograd.Function):
         z_max = torch.full((n,), -math.inf, dtype=acc, device=dev).scatter_reduce(0, row, z, "amax")
         z_max = _all_reduce(z_max, dist.ReduceOp.MAX, tp_group, world)
         base = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max)).double()
-        e = torch.exp(z.double() - base[row])
-        # mass, mass * z, the target's z, the target held, kept ids held (over the ranks: each id once)
+        # every quantity relative to the kept max (base + log_kept would round log_kept away for huge z)
+        rel = z.double() - base[row]
+        e = torch.exp(rel)
+        # mass, mass * (z - base), the target's z - base, the target held, kept ids held (over the ranks: each id
+        # once)
         sums = torch.zeros((n, 5), dtype=torch.float64, device=dev)
         sums[:, 0].index_add_(0, row, e)
-        sums[:, 1].index_add_(0, row, torch.where(e > 0, e * z.double(), 0.0))
-        sums[:, 2].index_add_(0, row, torch.where(is_t, z.double(), 0.0))
+        sums[:, 1].index_add_(0, row, torch.where(e > 0, e * rel, 0.0))
+        sums[:, 2].index_add_(0, row, torch.where(is_t, rel, 0.0))
         sums[:, 3].index_add_(0, row, is_t.double())
         sums[:, 4].index_add_(0, row, torch.ones_like(e))
         sums = _all_reduce(sums, dist.ReduceOp.SUM, tp_group, world)
-        lse = base + torch.log(sums[:, 0])
-        logp = torch.where(active & (sums[:, 3] > 0), sums[:, 2] - lse, -math.inf)
-        entropy = torch.where(active, lse - sums[:, 1] / sums[:, 0], 0.0)
+        log_kept = torch.log(sums[:, 0])
+        logp = torch.where(active & (sums[:, 3] > 0), sums[:, 2] - log_kept, -math.inf)
+        entropy = torch.where(active, log_kept - sums[:, 1] / sums[:, 0], 0.0)
         logp = torch.where(active, logp, 0.0)
-        ctx.save_for_backward(hidden, weight, bias, row, col, is_t, lse, entropy, logp != -math.inf)
+        ctx.save_for_backward(hidden, weight, bias, row, col, is_t, base, log_kept, entropy, logp != -math.inf)
         ctx.inv_t, ctx.acc = inv_t, acc
         # the largest id among those at the kept max (over the ranks), whose untruncated log-prob gives log S
         top = torch.where(z == z_max[row], col + vocab_start, -1)
         ref = torch.full((n,), -1, dtype=torch.int64, device=dev).scatter_reduce(0, row, top, "amax")
         ref = _all_reduce(ref, dist.ReduceOp.MAX, tp_group, world)
-        # the kept logsumexp and the kept max (fp64), the kept ids held, the reference id
-        stats = torch.stack([lse, base, sums[:, 4], ref.double()], 1)
+        # the kept logsumexp relative to the kept max, the kept max (fp64), the kept ids held, the reference id
+        stats = torch.stack([log_kept, base, sums[:, 4], ref.double()], 1)
         ctx.mark_non_differentiable(stats)
         return logp.to(acc), entropy.to(acc), stats
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy, _):
-        hidden, weight, bias, row, col, is_t, lse, entropy, finite = ctx.saved_tensors
+        hidden, weight, bias, row, col, is_t, base, log_kept, entropy, finite = ctx.saved_tensors
         with torch.no_grad():
-            grads = _KeptLinear._grads(ctx, hidden, weight, bias, row, col, is_t, lse, entropy, finite, grad_logp,
-                                       grad_entropy)
+            grads = _KeptLinear._grads(ctx, hidden, weight, bias, row, col, is_t, base, log_kept, entropy, finite,
+                                       grad_logp, grad_entropy)
         if torch.is_grad_enabled():  # create_graph=True: differentiating this gradient again must raise
             anchors = [t for t in (hidden, weight, bias, grad_logp, grad_entropy) if t is not None and t.requires_grad]
             if anchors:
@@ -1392,7 +1397,7 @@ class _KeptLinear(torch.autograd.Function):
         return tuple(grads) + (None,) * 8
 
     @staticmethod
-    def _grads(ctx, hidden, weight, bias, row, col, is_t, lse, entropy, finite, grad_logp, grad_entropy):
+    def _grads(ctx, hidden, weight, bias, row, col, is_t, base, log_kept, entropy, finite, grad_logp, grad_entropy):
         acc, inv_t = ctx.acc, ctx.inv_t
         # a target outside the kept set (-inf) passes no gradient; the entropy's flows in every scored row
         g_lp = torch.where(finite, grad_logp.double(), 0.0)
@@ -1403,7 +1408,8 @@ class _KeptLinear(torch.autograd.Function):
                   if bias is not None and ctx.needs_input_grad[2] else None)
         for e0, e1 in _kept_blocks(row.numel()):
             r, c = row[e0:e1], col[e0:e1]
-            logp_i = _kept_logits(hidden, weight, bias, row, col, e0, e1, acc, inv_t).double() - lse[r]
+            z_i = _kept_logits(hidden, weight, bias, row, col, e0, e1, acc, inv_t).double()
+            logp_i = (z_i - base[r]) - log_kept[r]
             p = torch.exp(logp_i)
             # d log p_t / dz_i = [i = t] - p_i; d H / dz_i = -p_i (log p_i + H)
             gz = g_lp[r] * (is_t[e0:e1].double() - p) - g_ent[r] * torch.where(p > 0, p * (logp_i + entropy[r]), 0.0)
@@ -1476,14 +1482,15 @@ def kept_linear_log_probs(
         _refuse_torn_or_dead("kept_linear_log_probs", kept, active, stats[:, 2], counts, ~torch.isfinite(stats[:, 0]))
         # log S = logsumexp over the kept ids - logsumexp over the vocabulary, the latter z* - log p(*) of the
         # untruncated pass at the kept max's id * (its log-prob is the largest of the kept ones: the least rounding;
-        # the pass refuses NaN / +inf logits in a scored row, on every rank)
+        # the pass refuses NaN / +inf logits in a scored row, on every rank): log_kept + log p(*), at most 0 (a kept
+        # set of the whole vocabulary sums to the total but for rounding)
         ref = torch.where(active, stats[:, 3].to(torch.int64), a.ignore_index)
         full = _linear.linear_log_probs(a.hidden2d.detach(), weight.detach(), ref, tp_group,
                                         bias=None if bias is None else bias.detach(), vocab_start=a.vocab_start,
                                         vocab_size=a.vocab_size, temperature=kept.temperature,
                                         ignore_index=a.ignore_index, chunk_rows=a.chunk_rows,
                                         chunk_cols=a.chunk_cols, check_group=a.check_group)
-        log_s = torch.where(active, (stats[:, 0] - stats[:, 1]) + full.double(), 0.0)
+        log_s = torch.where(active, (stats[:, 0] + full.double()).clamp(max=0.0), 0.0)
     in_support = (logp != -math.inf) | ~active
     lead = a.lead
     return SampledLogProbs(logp.reshape(lead), entropy.reshape(lead), log_s.to(logp.dtype).reshape(lead),
@@ -1588,7 +1595,8 @@ def sampling_metrics(result: SampledLogProbs, response_mask: torch.Tensor, dp_gr
     """How much the truncation mattered over the valid tokens (``response_mask`` != 0), reduced over ``dp_group``:
     ``rollout_corr/sampling_out_of_support_fraction`` (targets outside the kept set: left out of the loss),
     ``rollout_corr/sampling_kept_mass_mean`` / ``_min`` (S) and ``rollout_corr/sampling_log_kept_mass_mean``
-    (log S, the factor every unreplayed ratio carried). 0-dim fp64 tensors."""
+    (log S, the factor every unreplayed ratio carried). 0-dim fp64 tensors; NaN, all four, when no rank holds a
+    valid token (a statistic of no tokens, as the rollout correction's metrics are then)."""
     if not isinstance(result, SampledLogProbs):
         raise TypeError(f"result must be the SampledLogProbs a replay returns (sampled_log_probs, "
                         f"sampled_linear_log_probs), got {type(result).__name__}")
@@ -1603,8 +1611,8 @@ def sampling_metrics(result: SampledLogProbs, response_mask: torch.Tensor, dp_gr
     world = dist.get_world_size(dp_group) if dp_group is not None else 1
     sums = _all_reduce(sums, dist.ReduceOp.SUM, dp_group, world)
     neg_min = _all_reduce(neg_min.reshape(1), dist.ReduceOp.MAX, dp_group, world)[0]
-    n = sums[0].clamp_min(1.0)
-    return {"rollout_corr/sampling_out_of_support_fraction": sums[1] / n,
-            "rollout_corr/sampling_kept_mass_mean": sums[2] / n,
-            "rollout_corr/sampling_kept_mass_min": -neg_min,
-            "rollout_corr/sampling_log_kept_mass_mean": sums[3] / n}
+    n = sums[0]  # 0 / 0 and -(-inf) where there is no valid token: NaN instead (a min of nothing is not +inf)
+    out = torch.stack([sums[1] / n, sums[2] / n, -neg_min, sums[3] / n])
+    out = torch.where(n > 0, out, torch.full_like(out, math.nan))
+    names = ("out_of_support_fraction", "kept_mass_mean", "kept_mass_min", "log_kept_mass_mean")
+    return {f"rollout_corr/sampling_{k}": v for k, v in zip(names, out.unbind())}

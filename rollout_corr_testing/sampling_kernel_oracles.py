@@ -104,7 +104,8 @@ def row_candidates_oracle(x, k, target_col, width, temperature, valid_cols):
 
 def candidate_decide_oracle(cand, z_max, z_t, sum_all, k, floor, top_p):
     """``candidate_decide`` from its contract, a row at a time with Python numbers: tau from min-p's floor, the k-th
-    candidate and vLLM's top-p rule in integer masses; the kept set's lse, entropy, log S, the target's log-prob."""
+    candidate and vLLM's top-p rule in integer masses; the target's log-prob, the kept set's entropy, log S and
+    log_kept = log sum_kept exp(z - z_max), every log-prob relative to z_max."""
     n = cand.shape[0]
     tau = torch.full((n,), -math.inf, dtype=cand.dtype)
     out = torch.zeros(n, 4, dtype=torch.float64)
@@ -128,14 +129,14 @@ def candidate_decide_oracle(cand, z_max, z_t, sum_all, k, floor, top_p):
                     t = max(t, v)
                     break
         kept = [v for v in c if v >= t and v != -math.inf]
-        lse = m + math.log(math.fsum(math.exp(v - m) for v in kept))
-        h = -math.fsum(math.exp(v - lse) * (v - lse) for v in kept)
+        log_kept = math.log(math.fsum(math.exp(v - m) for v in kept))
+        h = -math.fsum(math.exp((v - m) - log_kept) * ((v - m) - log_kept) for v in kept)
         tau[r] = t
         zt = float(z_t[r])
-        out[r, 0] = zt - lse if zt >= t and zt != -math.inf else -math.inf
+        out[r, 0] = (zt - m) - log_kept if zt >= t and zt != -math.inf else -math.inf
         out[r, 1] = h
-        out[r, 2] = min(lse - m - math.log(float(sum_all[r])), 0.0)
-        out[r, 3] = lse
+        out[r, 2] = min(log_kept - math.log(float(sum_all[r])), 0.0)
+        out[r, 3] = log_kept
     return tau, out
 
 

@@ -702,7 +702,8 @@ def _undefined_policy_loss_raises_naming_the_token(case, fn):
      "adv_nan": lambda: adv.__setitem__((1, 2), nan), "weight_inf": lambda: w.__setitem__((1, 2), inf)}[case]()
     call = compute_policy_loss_vanilla if fn == "vanilla" else compute_policy_loss_reinforce
     before = [t.clone() for t in (lp, old, adv, w)]
-    with pytest.raises(ValueError, match=r"policy loss undefined at response token \(1, 2\)"):
+    # the message names the arguments that can hold the bad value (the IS weights by their argument name)
+    with pytest.raises(ValueError, match=r"policy loss undefined at response token \(1, 2\).*rollout_is_weights"):
         call(old, lp.requires_grad_(True), adv, mask, rollout_is_weights=w)
     # The same values at a masked-out token are not inspected: a finite loss and gradient.
     lp2, old2, adv2, w2 = (t.detach().clone() for t in (lp, old, adv, w))

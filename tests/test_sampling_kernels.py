@@ -255,6 +255,26 @@ def test_row_candidates(impl, dtype, temperature):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("temperature", [0.3, 0.7])
+def test_row_candidates_total_mass_is_of_the_quotients_at_large_logits(impl, dtype, temperature):
+    """The total mass sums exp(z - max z) over the candidates' own values z = fp32(x / T), so a kept set of every
+    value has the total's mass (log S = 0). The CPU kernel summed exp((x - max x) / T): at |z| ~ 1e4, where fp32
+    rounds each quotient by ~1e-3, the total was off by 1e-3 relative (log S of a top-k set off by as much)."""
+    fn = _impl(impl, "row_candidates")
+    g = torch.Generator().manual_seed(5)
+    for offset in (3e2, 3e3, 1e4, 1e5):
+        if offset * 2 > torch.finfo(dtype).max:  # fp16: 1e5 is +inf
+            continue
+        x = (torch.randn(6, 1000 + 37, generator=g) * 3 + offset).to(dtype)
+        k, tc = torch.full((6,), 40), torch.full((6,), -1)
+        got = fn(x, k, tc, 64, temperature, x.shape[1])
+        want = _candidates_oracle(x, k, tc, 64, temperature, x.shape[1])
+        torch.testing.assert_close(got[3][:, 0], want[3][:, 0], rtol=0, atol=0)
+        torch.testing.assert_close(got[3][:, 1], want[3][:, 1], rtol=2e-6, atol=0, msg=lambda m: f"{offset}: {m}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_candidate_decide(impl, dtype):
     """min-p floors, top-k with ties at the k-th, top-p with ties at its boundary (a grid), a target inside / outside

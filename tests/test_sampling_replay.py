@@ -589,6 +589,9 @@ def test_sampling_metrics_over_valid_tokens():
     assert met["rollout_corr/sampling_log_kept_mass_mean"].item() == pytest.approx(s.mean().item(), rel=1e-12)
     want = (~res.in_support[valid]).double().mean().item()
     assert met["rollout_corr/sampling_out_of_support_fraction"].item() == pytest.approx(want, abs=1e-12)
+    # no valid token: every statistic NaN (was 0 for the means and +inf for the min)
+    empty = sampling_metrics(res, torch.zeros_like(mask))
+    assert len(empty) == 4 and all(math.isnan(v.item()) for v in empty.values()), empty
     with pytest.raises(ValueError, match="response_mask"):
         sampling_metrics(res, mask[:, :1])
     # not a mask, not a replay's result: named, where a list or a tuple failed with an AttributeError and a complex
@@ -1576,3 +1579,57 @@ def test_kept_linear_log_probs_on_every_backend(device):
     torch.testing.assert_close(grads[0].double()[active], hr.grad[active], **grad_tol(torch.float32))
     torch.testing.assert_close(grads[1].double()[:vs], wr.grad[:vs], **grad_tol(torch.float32))
     torch.testing.assert_close(grads[2].double()[:vs], br.grad[:vs], **grad_tol(torch.float32))
+
+
+# ------------------------------------------------------------------------------------- huge logits, every entry point
+
+def _huge_tie_case(entry, m, temperature, dtype):
+    """(log-prob, entropy, log S, d log-prob / d logits) of target 0 over the logits [m, m, m / 2, 0] with the kept
+    set {0, 1} (top-k 2), through ``entry``."""
+    logits = torch.tensor([[m, m, 0.5 * m, 0.0]], dtype=dtype, requires_grad=True)
+    target = torch.tensor([0])
+    if entry in ("candidate", "general"):  # a Python temperature takes the candidate path, a tensor the general one
+        t = temperature if entry == "candidate" else torch.tensor(temperature)
+        out = sampled_log_probs(logits, target, SamplingParams(top_k=2, temperature=t))
+        leaf = logits
+    elif entry == "kept":
+        out = kept_log_probs(logits, target, KeptTokens.from_lists([[0, 1]], temperature=temperature))
+        leaf = logits
+    else:  # the logits as the bias of a zero projection: hidden @ weight.T + bias
+        bias = logits.detach().reshape(-1).clone().requires_grad_(True)
+        hidden, weight = torch.zeros(1, 3, dtype=dtype), torch.zeros(4, 3, dtype=dtype)
+        if entry == "kept_linear":
+            out = rc.kept_linear_log_probs(hidden, weight, target, KeptTokens.from_lists([[0, 1]],
+                                                                                      temperature=temperature),
+                                           bias=bias)
+        else:
+            out = rc.sampled_linear_log_probs(hidden, weight, target, SamplingParams(top_k=2, temperature=temperature),
+                                              bias=bias)
+        leaf = bias
+    out.log_prob.sum().backward()
+    return out, leaf.grad.reshape(-1)
+
+
+@pytest.mark.parametrize("entry", ["candidate", "general", "kept", "kept_linear", "sampled_linear"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_huge_logits_keep_their_log_probs_and_gradients(entry, dtype, temperature):
+    """Two tied maxima kept by top-k 2: log-prob and entropy log 2 (exactly the kept pair's), log S 0 (the third
+    logit's mass is exp(-m / 2T), nothing) and the gradient [1/2, -1/2, 0, 0] / T, whatever the size of the logits.
+    The candidate path and the kept-ids linear path formed z_t - (z_max + log_kept), which rounds log_kept away past
+    ~1e15: log-prob 0 and the gradient [0, -1, 0, 0] at 1e16 (an error growing from 1e12 up)."""
+    if entry == "sampled_linear" and dtype in (torch.bfloat16, torch.float16):
+        pytest.skip("16-bit bias: the linear path's dtype rules are tested in its own file")
+    sizes = (3e4,) if dtype == torch.float16 else (1e6, 1e12, 1e16, 1e30)
+    for m in sizes:
+        out, grad = _huge_tie_case(entry, m, temperature, dtype)
+        tol = dict(rtol=0, atol=2e-6)
+        torch.testing.assert_close(out.log_prob.double(), torch.tensor([-math.log(2)], dtype=torch.float64), **tol,
+                                   msg=lambda s: f"log-prob at {m:g}: {s}")
+        torch.testing.assert_close(out.entropy.double(), torch.tensor([math.log(2)], dtype=torch.float64), **tol,
+                                   msg=lambda s: f"entropy at {m:g}: {s}")
+        torch.testing.assert_close(out.log_kept_mass.double(), torch.zeros(1, dtype=torch.float64), **tol,
+                                   msg=lambda s: f"log S at {m:g}: {s}")
+        want = torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64) / temperature
+        torch.testing.assert_close(grad.double(), want, rtol=0, atol=4e-3 if dtype.itemsize == 2 else 2e-6,
+                                   msg=lambda s: f"gradient at {m:g}: {s}")

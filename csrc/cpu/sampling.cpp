@@ -740,7 +740,10 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
   const float inf = std::numeric_limits<float>::infinity(), ninf = -inf;
   const int64_t cols = p.cols, width = p.width;
   const float t = p.t;
-  const float c2 = (1.0f / t) * 1.44269504088896341f;  // e^((x - m) / T) = 2^((x - m) c2)
+  // e^(z - m) = 2^((z - m) c2), z = x / T in fp32: the values the candidates carry (and the CUDA kernel sums), so
+  // that a kept set of every value has the total's mass (scaling x - m by 1 / T instead rounds each term otherwise,
+  // up to ulp(z) of an exponent: 1e-3 relative at |z| ~ 1e4)
+  const float c2 = 1.44269504088896341f;
   const int64_t nblocks = (cols + B - 1) / B;
   std::vector<float> bmax(static_cast<size_t>(nblocks));
   std::vector<uint32_t> bkey(static_cast<size_t>(nblocks));
@@ -767,7 +770,7 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
     const int64_t full = cols / B * B;
 
     // pass A, a chunk of cand_chunk_cols columns at a time: the max of every block (from memory), then, with the chunk in
-    // L1, sum 2^((x - m) c2) at the running max m (rescaled when a chunk raises it), prefetching the next chunk's
+    // L1, sum 2^((z - m) c2) at the running max m of z (rescaled when a chunk raises it), prefetching the next chunk's
     // start meanwhile (the exp pass is compute-bound, the max pass waits on memory otherwise). A NaN makes the sum
     // NaN (exp2 of NaN), a +inf is the max (bad); a chunk with nothing but -inf is scanned for NaN instead.
     float m = ninf;
@@ -787,19 +790,20 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
         bmax_p[nb++] = bm;
         cm = bm > cm ? bm : cm;
       }
-      if (cm == ninf) {
+      const float czm = p.unit_t ? cm : cm / t;  // x -> x / T is monotone, in fp32 too: the max of z
+      if (czm == ninf) {  // every z of the chunk -inf (also a finite x whose quotient by T is): no mass
         for (int64_t i = c0; i < c1; ++i) bad |= std::isnan(static_cast<float>(x[i]));
         continue;
       }
-      if (cm > m) {
-        if (m > ninf) s *= std::exp2((static_cast<double>(m) - static_cast<double>(cm)) * static_cast<double>(c2));
-        m = cm;
+      if (czm > m) {
+        if (m > ninf) s *= std::exp2((static_cast<double>(m) - static_cast<double>(czm)) * static_cast<double>(c2));
+        m = czm;
       }
-      if (m == inf) {
+      if (m == inf) {  // a +inf logit, or a finite one whose quotient by T overflows
         bad = true;
         break;
       }
-      // (x - m) c2, two roundings but exact at x = m (and for every x within a factor 2 of m): x c2 - fl(m c2),
+      // (z - m) c2, two roundings but exact at z = m (and for every z within a factor 2 of m): z c2 - fl(m c2),
       // which the FMA copies would fuse, puts the product's rounding error into every term, up to ulp(m c2) / 2 of
       // an exponent (1e-4 relative at |m c2| ~ 4000), and the baseline copy a different one into each
       const VF mv = VF{} + m;
@@ -810,6 +814,9 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
         }
         VF v[kV];
         block_lanes<VF>(x + cb, v);
+        if (!p.unit_t) {
+          for (int q = 0; q < kV; ++q) v[q] = v[q] / t;
+        }
         for (int q = 0; q < kV; q += 2) {
           s0 += exp2_lanes((v[q] - mv) * c2);
           s1 += exp2_lanes((v[q + 1] - mv) * c2);
@@ -826,13 +833,17 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
         bad |= std::isnan(xi);
       }
       bmax_p[nb++] = bm;
-      if (bm > m) {
-        if (m > ninf) s *= std::exp2((static_cast<double>(m) - static_cast<double>(bm)) * static_cast<double>(c2));
-        m = bm;
+      const float bzm = p.unit_t ? bm : bm / t;
+      if (bzm > m) {
+        if (m > ninf) s *= std::exp2((static_cast<double>(m) - static_cast<double>(bzm)) * static_cast<double>(c2));
+        m = bzm;
       }
       bad |= m == inf;
       if (!bad && m > ninf) {
-        for (int64_t i = full; i < cols; ++i) s += std::exp2(static_cast<double>((static_cast<float>(x[i]) - m) * c2));
+        for (int64_t i = full; i < cols; ++i) {
+          const float zi = p.unit_t ? static_cast<float>(x[i]) : static_cast<float>(x[i]) / t;
+          s += std::exp2(static_cast<double>((zi - m) * c2));
+        }
       }
     }
     bad |= std::isnan(s);
@@ -842,7 +853,7 @@ RC_FORCEINLINE void candidate_rows(const CandidateParams<scalar_t>& p, int64_t b
       st[0] = std::numeric_limits<double>::quiet_NaN();
       continue;
     }
-    st[0] = m == ninf ? ninf : (p.unit_t ? m : m / t);
+    st[0] = m;  // the max of z (-inf: every value -inf)
     st[1] = s;
     if (m == ninf) continue;  // every value -inf: no candidate (the caller names the row)
 
@@ -1070,13 +1081,12 @@ RC_FORCEINLINE void decide_rows(const acc_t* cand, int64_t width, const double* 
       s_rel += ex[i] * (static_cast<double>(c[i]) - m);
     }
     const double log_kept = std::log(s);  // s >= 1: the row max is always kept
-    const double lse = m + log_kept;
     const bool in = z_t[r] >= static_cast<double>(tau) && z_t[r] != -std::numeric_limits<double>::infinity();
     tau_out[r] = tau;
-    o[0] = in ? z_t[r] - lse : -std::numeric_limits<double>::infinity();
+    o[0] = in ? (z_t[r] - m) - log_kept : -std::numeric_limits<double>::infinity();  // relative to m (ops.cpp)
     o[1] = log_kept - s_rel / s;  // H = -sum p log p, p = e / s, log p = rel - log_kept
     o[2] = std::min(log_kept - std::log(sum_all[r]), 0.0);
-    o[3] = lse;
+    o[3] = log_kept;
   }
 }
 

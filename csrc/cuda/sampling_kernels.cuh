@@ -850,15 +850,14 @@ __global__ void candidate_decide_kernel(DecideParams<acc_t> p) {
     s_rel = block_sum(s_rel, red_d);
     if (threadIdx.x == 0) {
       const double log_kept = ::log(s);
-      const double lse = m + log_kept;
       const double zt = RC_LDG(p.z_t + row);
       const bool in = zt >= static_cast<double>(tau) && zt != -static_cast<double>(INFINITY);
       const double log_s = log_kept - ::log(RC_LDG(p.sum_all + row));
       RC_STG(p.tau + row, tau);
-      RC_STG(p.out + row * 4 + 0, in ? zt - lse : -static_cast<double>(INFINITY));
+      RC_STG(p.out + row * 4 + 0, in ? (zt - m) - log_kept : -static_cast<double>(INFINITY));
       RC_STG(p.out + row * 4 + 1, log_kept - s_rel / s);  // H = -sum q log q, q = e / s, log q = rel - log s
       RC_STG(p.out + row * 4 + 2, log_s < 0.0 ? log_s : 0.0);
-      RC_STG(p.out + row * 4 + 3, lse);
+      RC_STG(p.out + row * 4 + 3, log_kept);
     }
   }
 }

@@ -116,8 +116,8 @@ def _undefined_loss_tokens(kind: int, old_log_prob, log_prob, advantages, respon
 def _check_defined_loss(kind: int, old_log_prob, log_prob, advantages, response_mask, weights, loss=None):
     bad = _undefined_loss_tokens(kind, old_log_prob, log_prob, advantages, response_mask, weights, loss)
     what = ("a response_mask weight NaN, inf or < 0, log_prob / old_log_prob NaN or +inf, both -inf (PPO), log_prob "
-            "-inf (REINFORCE), non-finite advantages / IS weights, a token loss past the float range, or (the other "
-            "kinds) a non-finite input")
+            "-inf (REINFORCE), non-finite advantages / rollout_is_weights (the IS weights), a token loss past the "
+            "float range, or (the other kinds) a non-finite input")
     refuse_where(bad, lambda at: f"policy loss undefined at response token {at}: {what} (mask the token out, or fix "
                                  f"the log-probs; a target at a -inf logit has log-prob -inf)",
                  f"policy loss undefined at a response token: {what}")

@@ -135,7 +135,8 @@ def scatter_rows(values: torch.Tensor, index: torch.Tensor, cols: int, dtype: to
 def candidate_decide(cand: torch.Tensor, z_max: torch.Tensor, z_t: torch.Tensor, sum_all: torch.Tensor,
                      k: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor):
     """The replay's decision on each row's candidates (the op's contract, csrc/ops.cpp): ``tau`` (the kept set
-    is ``{z >= tau, z > -inf}``) and ``[N, 4]`` fp64 (log-prob of the target, entropy, log S, lse)."""
+    is ``{z >= tau, z > -inf}``) and ``[N, 4]`` fp64 (log-prob of the target, entropy, log S, log_kept): every
+    log-prob relative to z_max (z - z_max - log_kept), since z_max + log_kept rounds log_kept away for huge z."""
     n, width = cand.shape
     dev = cand.device
     ninf = -math.inf
@@ -161,12 +162,11 @@ def candidate_decide(cand: torch.Tensor, z_max: torch.Tensor, z_t: torch.Tensor,
     rel = torch.where(kept, cand.to(torch.float64) - z_max.unsqueeze(1), torch.full((), ninf, dtype=torch.float64,
                                                                                       device=dev))
     log_kept = torch.logsumexp(rel, 1)
-    lse = z_max + log_kept
-    lp = torch.where(kept, cand.to(torch.float64) - lse.unsqueeze(1), torch.zeros_like(rel))
+    lp = torch.where(kept, rel - log_kept.unsqueeze(1), torch.zeros_like(rel))
     entropy = -(lp.exp() * lp).masked_fill(~kept, 0.0).sum(1)
     inside = (z_t >= tau.to(torch.float64)) & (z_t != ninf)
-    logp = torch.where(inside, z_t - lse, torch.full_like(z_t, ninf))
+    logp = torch.where(inside, (z_t - z_max) - log_kept, torch.full_like(z_t, ninf))
     log_s = (log_kept - torch.log(sum_all)).clamp_max(0.0)
-    out = torch.stack([logp, entropy, log_s, lse], 1)
+    out = torch.stack([logp, entropy, log_s, log_kept], 1)
     out = torch.where(active.unsqueeze(1), out, torch.zeros_like(out))
     return tau, out
