@@ -70,7 +70,7 @@ def test_skip_build_installs_the_package_without_compiling(tmp_path, monkeypatch
     assert not _build.skip_build()
     root = _build.ROOT  # the checkout (an installed wheel: the package, no setup.py)
     if not (root / "setup.py").is_file():
-        pytest.skip("no setup.py beside the package (an installed wheel)")
+        pytest.skip(reason="no setup.py beside the package (an installed wheel): nothing to build from")
     env = dict(os.environ, ROLLOUT_CORR_SKIP_BUILD="1")
     proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"),
                            "--build-temp", str(tmp_path / "temp")], cwd=str(root), env=env, capture_output=True,
