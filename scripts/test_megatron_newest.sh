@@ -37,4 +37,5 @@ print(f"newest stack: Python {sys.version.split()[0]}, torch {torch.__version__}
       f"rollout_corr_ext backend {r.backend()}")
 PY
 # The emulated CUDA kernels do not depend on megatron-core's release (step 1 runs them): not again here.
-python -m pytest -q -p no:cacheprovider -n "$(bash scripts/pytest_workers.sh)" -m megatron -k "not emulated" --durations=5 tests "$@"
+python -m pytest -q -p no:cacheprovider -n "$(bash scripts/pytest_workers.sh)" -m megatron -k "not emulated" \
+  --durations=5 tests "$@"

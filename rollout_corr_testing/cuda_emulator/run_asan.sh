@@ -24,4 +24,5 @@ workers=$(bash scripts/pytest_workers.sh)
 LD_PRELOAD="$preload" python -m pytest -q -p no:cacheprovider -n "$workers" tests/test_cuda_emulator*.py \
   -k "not planted and not divergence and not every_syncthreads"
 # The fused policy-loss kernels (strided, dtype-tagged input views: the accesses most worth bounds-checking).
-LD_PRELOAD="$preload" python -m pytest -q -p no:cacheprovider -n "$workers" tests/test_policy_loss_kernel.py -k "emulated"
+LD_PRELOAD="$preload" python -m pytest -q -p no:cacheprovider -n "$workers" tests/test_policy_loss_kernel.py \
+  -k "emulated"
