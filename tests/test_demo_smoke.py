@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
@@ -24,12 +23,6 @@ pytest.importorskip("tqdm", reason="the demo shows a tqdm progress bar (the 'dem
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = ["none", "token_tis", "seq_mis", "geo_rs", "bypass", "none:noreplay"]
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Which test exercises each flag of the demo (test_every_demo_flag_is_exercised checks this names them all).
@@ -58,8 +51,11 @@ def _load_demo():
 
 
 def _run_demo(tmp_path, out, *extra, settings=SETTINGS, steps=STEPS, base=("--prompts=4", "--group=4", "--stale=1")):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", os.path.join(ROOT, "examples", "demo_trainer.py"),
+    # --standalone: the rendezvous store binds port 0 and hands its port to the ranks, so no port is picked free first
+    # and bound later (one so picked, then taken by another test's gloo connection, failed a CI run: EADDRINUSE).
+    # --local-addr: the ranks meet on 127.0.0.1 whatever the host's name resolves to.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1",
+           "--nproc_per_node=2", os.path.join(ROOT, "examples", "demo_trainer.py"),
            f"--steps={steps}", *base, f"--settings={','.join(settings)}", f"--out-dir={out}", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=240)
