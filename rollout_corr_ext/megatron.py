@@ -507,7 +507,7 @@ def make_policy_loss_func(
     ``sampling`` may instead be a :class:`rollout_corr_ext.KeptTokens`: the ids the engine reported it kept for each
     target position (rows in ``target``'s row-major order, or the packed stream's), renormalised over exactly those
     (:func:`rollout_corr_ext.kept_log_probs`; with ``output_layer``, from the hidden states,
-    :func:`rollout_corr_ext.kept_linear_log_probs`, not with sequence parallelism or ``batch_invariant``).
+    :func:`rollout_corr_ext.kept_linear_log_probs`, with sequence parallelism too, not with ``batch_invariant``).
 
     **Asynchronous rollouts**: ``versions`` (the policy version that sampled each token: ``[b, s]``, ``[b]``, packed
     ``[T]`` or one per sequence) and ``current_version`` (the trainer's) report ``rollout_corr/staleness_mean``
@@ -715,9 +715,6 @@ def make_policy_loss_func(
                              "first (sequence) dimension, so logits_layout must be 'sbv' ([s / tp, b, H]; packed: "
                              "[T / tp, 1, H])")
         out_bias = None if _attr(output_layer, "skip_bias_add") else _attr(output_layer, "bias")
-        if seq_parallel and kept_tokens is not None:
-            raise ValueError("sampling=KeptTokens(...) with a sequence-parallel output_layer is not supported "
-                             "(kept_linear_log_probs takes whole sequences); pass SamplingParams, or the logits")
 
     if kept_tokens is not None:  # its rows follow target's flattened order; the logits' rows may be transposed
         if kept_tokens.rows != target.numel():
@@ -770,7 +767,7 @@ def make_policy_loss_func(
                 r = kept_log_probs(x, tgt, kept_tokens, tp, vocab_size=vocab_size)
             else:
                 r = kept_linear_log_probs(hidden_in(x), out_weight, tgt, kept_tokens, tp, bias=out_bias,
-                                          vocab_size=vocab_size)
+                                          vocab_size=vocab_size, sequence_parallel=seq_parallel)
             return r.log_prob, r.entropy, r.in_support, r.log_kept_mass
         if sampling is not None:
             from .sampling import sampled_linear_log_probs, sampled_log_probs

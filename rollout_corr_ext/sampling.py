@@ -1344,10 +1344,17 @@ class _KeptLinear(torch.autograd.Function):
     (``row``, ``col``: the row and local column of every kept id this shard holds; ``is_t``: whether it is its row's
     target). Forward: the kept logits block by block, all-reduces of one MAX, 5 sums and one id per row; backward:
     the renormalised softmax's gradient on the kept logits, into the rows of hidden and weight they came from (no
-    collective: ``grad_hidden`` is this shard's part, as :func:`rollout_corr_ext.linear_log_probs`')."""
+    collective: ``grad_hidden`` is this shard's part, as :func:`rollout_corr_ext.linear_log_probs`'). ``sp``
+    (sequence parallelism): ``hidden`` is this rank's piece of the rows and ``gathered`` the whole (detached); only
+    the piece is kept for backward, which gathers it again and reduce-scatters ``grad_hidden`` (megatron's output
+    layer under sequence parallelism: the gradient of this rank's rows, summed over the shards)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, row, col, is_t, active, inv_t, tp_group, world, vocab_start):
+    def forward(ctx, hidden, weight, bias, row, col, is_t, active, inv_t, tp_group, world, vocab_start, sp=False,
+                gathered=None):
+        local = hidden
+        if sp:
+            hidden = gathered
         n, acc = hidden.shape[0], (torch.float64 if hidden.dtype == torch.float64 else torch.float32)
         dev, m = hidden.device, row.numel()
         z = torch.empty(m, dtype=acc, device=dev)
@@ -1372,8 +1379,9 @@ class _KeptLinear(torch.autograd.Function):
         logp = torch.where(active & (sums[:, 3] > 0), sums[:, 2] - log_kept, -math.inf)
         entropy = torch.where(active, log_kept - sums[:, 1] / sums[:, 0], 0.0)
         logp = torch.where(active, logp, 0.0)
-        ctx.save_for_backward(hidden, weight, bias, row, col, is_t, base, log_kept, entropy, logp != -math.inf)
+        ctx.save_for_backward(local, weight, bias, row, col, is_t, base, log_kept, entropy, logp != -math.inf)
         ctx.inv_t, ctx.acc = inv_t, acc
+        ctx.sp = (tp_group, world) if sp else None
         # the largest id among those at the kept max (over the ranks), whose untruncated log-prob gives log S
         top = torch.where(z == z_max[row], col + vocab_start, -1)
         ref = torch.full((n,), -1, dtype=torch.int64, device=dev).scatter_reduce(0, row, top, "amax")
@@ -1387,14 +1395,18 @@ class _KeptLinear(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_entropy, _):
         hidden, weight, bias, row, col, is_t, base, log_kept, entropy, finite = ctx.saved_tensors
         with torch.no_grad():
-            grads = _KeptLinear._grads(ctx, hidden, weight, bias, row, col, is_t, base, log_kept, entropy, finite,
+            from .linear import gather_sequence
+
+            full = hidden if ctx.sp is None else gather_sequence(hidden, *ctx.sp)
+            grads = _KeptLinear._grads(ctx, full, weight, bias, row, col, is_t, base, log_kept, entropy, finite,
                                        grad_logp, grad_entropy)
+            del full
         if torch.is_grad_enabled():  # create_graph=True: differentiating this gradient again must raise
             anchors = [t for t in (hidden, weight, bias, grad_logp, grad_entropy) if t is not None and t.requires_grad]
             if anchors:
                 grads = [None if g is None else ops.NoDoubleBackward.apply(g, "kept_linear_log_probs", *anchors)
                          for g in grads]
-        return tuple(grads) + (None,) * 8
+        return tuple(grads) + (None,) * 10
 
     @staticmethod
     def _grads(ctx, hidden, weight, bias, row, col, is_t, base, log_kept, entropy, finite, grad_logp, grad_entropy):
@@ -1420,6 +1432,10 @@ class _KeptLinear(torch.autograd.Function):
                 grad_w.index_add_(0, c, gz.unsqueeze(1) * hidden[r].to(acc))
             if grad_b is not None:
                 grad_b.index_add_(0, c, gz)
+        if grad_h is not None and ctx.sp is not None:  # this rank's rows, summed over the shards (in acc)
+            from .linear import reduce_scatter_sequence
+
+            grad_h = reduce_scatter_sequence(grad_h, *ctx.sp)
         cast = lambda g, like: None if g is None else g.to(like.dtype)  # noqa: E731
         return [cast(grad_h, hidden), cast(grad_w, weight), cast(grad_b, bias)]
 
@@ -1438,6 +1454,7 @@ def kept_linear_log_probs(
     chunk_rows: Optional[int] = None,
     chunk_cols: Optional[int] = None,
     check_group: Optional[bool] = None,
+    sequence_parallel: bool = False,
 ) -> SampledLogProbs:
     """:func:`kept_log_probs` of the logits ``hidden @ weight.T + bias`` without the ``[N, V_local]`` logits tensor:
     the log-prob and the entropy come from the kept ids' logits alone (each a dot product of a row of ``hidden``
@@ -1447,7 +1464,10 @@ def kept_linear_log_probs(
     kept ids, exactly 0 on every other row of ``weight``); the temperature must be one number here. Under
     ``tp_group`` every rank passes the same ``kept`` (global ids) and its own shard of ``weight``: all-reduces of one
     MAX, five sums and one id per row besides the log-S pass's own collective, none in backward; ``grad_hidden`` is
-    this shard's part, as :func:`rollout_corr_ext.linear_log_probs`' (no sequence parallelism here). Its sums and
+    this shard's part, as :func:`rollout_corr_ext.linear_log_probs`'. ``sequence_parallel``: as there (``hidden`` is
+    this rank's ``[s / tp, ..., H]`` piece of the sequence, ``target`` and ``kept`` the whole sequence's; the piece is
+    gathered once for the kept logits and the log-S pass, gathered again in backward, and ``grad_hidden`` is this
+    rank's rows' gradient summed over the shards: one reduce-scatter). Its sums and
     gradient scatters are torch's ``index_add_``, whose CUDA form adds with atomics: on a GPU the last bits of the
     entropy, log S and the gradients can differ run to run (the compiled kernels of the other entry points do not)."""
     from . import linear as _linear
@@ -1460,18 +1480,21 @@ def kept_linear_log_probs(
     if isinstance(hidden, torch.Tensor):
         _refuse_capture(hidden, "kept_linear_log_probs")
     a = _linear.prepare(hidden, weight, target, tp_group, bias, vocab_start, vocab_size, kept.temperature,
-                         ignore_index, chunk_rows, chunk_cols, check_group)
+                         ignore_index, chunk_rows, chunk_cols, check_group, sequence_parallel)
     n, v_local, device = a.target1d.numel(), weight.shape[0], hidden.device
     if kept.rows != n:
-        raise ValueError(f"kept has {kept.rows} rows (offsets of {kept.offsets.numel()} entries), but hidden has "
-                         f"{n} = {tuple(a.lead)} positions")
+        raise ValueError(f"kept has {kept.rows} rows (offsets of {kept.offsets.numel()} entries), but "
+                         f"{'the gathered hidden' if a.sequence_parallel else 'hidden'} has {n} = {tuple(a.lead)} "
+                         f"positions")
+    # sequence parallel: the whole sequence's rows, gathered once (detached) for the kept logits and the log-S pass
+    whole = _linear.gather_sequence(a.hidden2d.detach(), tp_group, a.world) if a.sequence_parallel else None
     active = a.target1d != a.ignore_index
     valid_cols = max(0, min(v_local, a.vocab_size - a.vocab_start))
     _, ids, counts, row, local = _kept_entries(kept, n, active, a.vocab_start, a.vocab_size, valid_cols, device)
     row_l, col_l = row[local], ids[local] - a.vocab_start
     is_t = ids[local] == a.target1d[row_l]
     logp, entropy, stats = _KeptLinear.apply(a.hidden2d, weight, bias, row_l, col_l, is_t, active, a.inv_temp,
-                                             tp_group, a.world, a.vocab_start)
+                                             tp_group, a.world, a.vocab_start, a.sequence_parallel, whole)
     with torch.no_grad():
         bad = active & (torch.isnan(stats[:, 0]) | (stats[:, 0] == math.inf))
         if bool(bad.any()):
@@ -1485,7 +1508,8 @@ def kept_linear_log_probs(
         # the pass refuses NaN / +inf logits in a scored row, on every rank): log_kept + log p(*), at most 0 (a kept
         # set of the whole vocabulary sums to the total but for rounding)
         ref = torch.where(active, stats[:, 3].to(torch.int64), a.ignore_index)
-        full = _linear.linear_log_probs(a.hidden2d.detach(), weight.detach(), ref, tp_group,
+        rows_in = a.hidden2d.detach() if whole is None else whole
+        full = _linear.linear_log_probs(rows_in, weight.detach(), ref, tp_group,
                                         bias=None if bias is None else bias.detach(), vocab_start=a.vocab_start,
                                         vocab_size=a.vocab_size, temperature=kept.temperature,
                                         ignore_index=a.ignore_index, chunk_rows=a.chunk_rows,

@@ -683,6 +683,39 @@ def _sp_worker(rank, world, dtype, packed_ignored):
     r2 = sampled_linear_log_probs(h2, weight, target, sp, bias=bias, vocab_size=vocab_size)
     r2.log_prob.masked_fill(~r2.in_support, 0).double().mul(ws).sum().backward()
     torch.testing.assert_close(hx.grad, h2.grad[rows], **tol)
+    # and through the kept-ids path (the whole sequence's kept sets, in target's row-major order), both outputs'
+    # gradients in hidden, weight and bias
+    from rollout_corr_ext.sampling import KeptTokens, kept_linear_log_probs
+
+    g = torch.Generator().manual_seed(14)
+    lists = [torch.randperm(vocab_size, generator=g)[:int(torch.randint(1, 7, (1,), generator=g))].tolist()
+             for _ in range(s * b)]
+    for i in range(0, s * b, 2):  # half the targets inside their kept set
+        if int(target.reshape(-1)[i]) != -100:
+            lists[i] = list(dict.fromkeys([int(target.reshape(-1)[i])] + lists[i]))
+    kept = KeptTokens.from_lists(lists, temperature=0.7)
+    results, grads = [], []
+    for h, w, bb, kw_sp in ((hidden[rows], weight[sl], bias[sl], dict(tp_group=group, sequence_parallel=True)),
+                            (hidden, weight, bias, {})):
+        h, w, bb = (x.clone().requires_grad_(True) for x in (h, w, bb))
+        with CollectiveCounter() as fwd:
+            r = kept_linear_log_probs(h, w, target, kept, bias=bb, vocab_size=vocab_size, chunk_rows=5, chunk_cols=3,
+                                      check_group=False, **kw_sp)
+        with CollectiveCounter() as bwd:
+            r.log_prob.masked_fill(~r.in_support, 0).double().mul(ws).sum().add(
+                (r.entropy.double() * ws).sum()).backward()
+        if kw_sp:  # forward: the rows' gather, the log-S pass's records, MAX, SUM, MAX; backward: gather, scatter
+            assert len(fwd.calls) == 5 and fwd.calls[0] in _GATHERS, fwd.calls
+            assert len(bwd.calls) == 2 and bwd.calls[0] in _GATHERS and bwd.calls[1] in _SCATTERS, bwd.calls
+        results.append(r)
+        grads.append((h.grad, w.grad, bb.grad))
+    assert torch.equal(results[0].in_support, results[1].in_support) and not bool(results[1].in_support.all())
+    for a, e in zip(results[0][:3], results[1][:3]):
+        fin = e != -math.inf
+        assert torch.equal(a == -math.inf, ~fin)
+        torch.testing.assert_close(a[fin], e[fin], **tol)
+    for a, e in zip(grads[0], (grads[1][0][rows], grads[1][1][sl], grads[1][2][sl])):
+        torch.testing.assert_close(a, e, **tol)
     # target must be the whole sequence
     with pytest.raises(ValueError, match="sequence_parallel: target must be the whole sequence"):
         rc.linear_log_probs(hx, wx, target[rows], group, sequence_parallel=True, vocab_size=vocab_size)
@@ -695,7 +728,7 @@ def test_sequence_parallel_equals_the_whole_sequence(world, dtype):
 
 
 def _megatron_sp_worker(rank, world, packed):
-    from rollout_corr_ext import SamplingParams
+    from rollout_corr_ext import KeptTokens, SamplingParams
     from rollout_corr_ext.megatron import make_policy_loss_func
 
     group = dist.group.WORLD
@@ -712,7 +745,12 @@ def _megatron_sp_worker(rank, world, packed):
         extra = {}
     rows = slice(rank * (hidden.shape[0] // world), (rank + 1) * (hidden.shape[0] // world))
     sl = slice(rank * (v // world), (rank + 1) * (v // world))
-    for sampling in (None, SamplingParams(top_k=6, top_p=0.9)):
+    g = torch.Generator().manual_seed(5)  # the engine's kept ids: one set per target position, half with the target
+    lists = [torch.randperm(v, generator=g)[:int(torch.randint(1, 9, (1,), generator=g))].tolist()
+             for _ in range(target.numel())]
+    for i in range(0, target.numel(), 2):
+        lists[i] = list(dict.fromkeys([int(target.reshape(-1)[i])] + lists[i]))
+    for sampling in (None, SamplingParams(top_k=6, top_p=0.9), KeptTokens.from_lists(lists)):
         kw = dict(old_log_prob=old.double(), entropy_coeff=0.01, sampling=sampling, **extra)
         h, w = hidden[rows].clone().requires_grad_(True), weight[sl].clone().requires_grad_(True)
         layer = _OutputLayer(w)

@@ -1534,25 +1534,6 @@ def test_make_policy_loss_func_takes_kept_tokens_with_output_layer(layout):
                               batch_invariant=True)
 
 
-def _kept_sequence_parallel_worker(rank, world):
-    from rollout_corr_ext import KeptTokens
-    from rollout_corr_ext.megatron import make_policy_loss_func
-
-    class Layer:
-        pass
-    layer = Layer()
-    layer.weight, layer.bias, layer.sequence_parallel = torch.randn(5, 4), None, True
-    target = torch.zeros(1, 4, dtype=torch.int64)
-    with pytest.raises(ValueError, match=r"sampling=KeptTokens\(...\) with a sequence-parallel output_layer is not "
-                                         r"supported"):
-        make_policy_loss_func(target, torch.ones(1), torch.ones(1, 4), output_layer=layer, tp_group=dist.group.WORLD,
-                              sampling=KeptTokens.from_lists([[0]] * 4))
-
-
-def test_make_policy_loss_func_refuses_kept_tokens_with_a_sequence_parallel_output_layer():
-    run_workers(_kept_sequence_parallel_worker, 2)
-
-
 @pytest.mark.parametrize("device", device_params("cpu", "fallback", "emulated", "cuda"))
 def test_kept_linear_log_probs_on_every_backend(device):
     """kept_linear_log_probs (whose log-S pass is linear_log_probs' kernels) on the compiled CPU kernels, the
