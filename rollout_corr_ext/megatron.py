@@ -656,15 +656,15 @@ def make_policy_loss_func(
     rc = cfg.rollout_correction
     bypass = rc is not None and bool(getattr(rc, "bypass_mode", False))
     if versions is not None:  # per-token policy versions (asynchronous rollouts): per token, per row, per sequence
-        from .versions import PROXIMAL_METHODS
+        from .versions import PROXIMAL_METHODS, check_current_version, check_versions_dtype
 
         if isinstance(current_version, bool) or not isinstance(current_version, int):
             raise ValueError(f"versions need current_version (an int, the trainer's policy version), got "
                              f"{current_version!r}")
+        check_current_version(current_version)  # in [0, 2**63): the lags are int64
         if proximal not in PROXIMAL_METHODS:
             raise ValueError(f"proximal must be one of {PROXIMAL_METHODS}, got {proximal!r}")
-        if not isinstance(versions, torch.Tensor):
-            raise TypeError(f"versions must be an integer tensor, got {type(versions).__name__}")
+        check_versions_dtype(versions)
         per_seq = cu is not None and versions.dim() == 1 and versions.shape[0] == cu.shape[0] - 1
         if per_seq and versions.shape[0] == target.shape[0]:
             refuse_ambiguous("versions", versions.shape[0], "pass per-token versions as [1, T] (or [T, 1])")
@@ -837,6 +837,15 @@ def make_policy_loss_func(
             mtp_heads.extend(_mtp_shifted_cp(tgt, response_mask.to(tgt.device), mtp_num_layers, cu, seq))
 
         old_in, rollout_in, versions_in = _map(lambda t: t.to(logp.device), old_log_prob, rollout_log_prob, versions)
+        lag = None
+        if versions_in is not None:
+            from .versions import policy_lag
+
+            # a response token newer than the trainer, or with a negative version (not generated), is refused, as
+            # compute_policy_loss refuses it, before it could be read as a lag or give pi_prox = pi_rollout
+            # silently: a ValueError naming it on the rank that holds it (an asynchronous assert on CUDA), no
+            # collective
+            lag = policy_lag(versions_in, current_version, response_mask.to(versions_in.device))
         given, diag_call = response_mask, diag_spec
         if in_support is not None:  # a token outside the replayed kept set has probability 0: it leaves the loss
             if old_in is not None and not bypass:
@@ -956,7 +965,6 @@ def make_policy_loss_func(
                              defined.to(torch.float32).unbind()))
         if versions is not None:  # token-weighted lag over this rank's response tokens, summed like actor/*
             valid_t = given != 0
-            lag = (current_version - versions_in.to(torch.int64))
             names.append("rollout_corr/staleness_mean")
             pairs.append((torch.where(valid_t, lag, torch.zeros_like(lag)).sum().float(), valid_t.sum().float()))
         if step.prox_error:  # exact over dp_group already: weighted by this rank's tokens, its mean is unchanged

@@ -31,19 +31,26 @@ from ._checks import check_cu_seqlens, check_mask_kind, ordered_sum, refuse_ambi
 from .fallback.rollout_correction import MSG_NO_VALID_TOKEN
 
 __all__ = ["PROXIMAL_METHODS", "proximal_log_prob", "staleness_metrics", "proximal_error_metrics",
-           "compute_rollout_correction_by_lag", "policy_lag", "check_current_version"]
+           "compute_rollout_correction_by_lag", "policy_lag", "check_current_version", "check_versions_dtype"]
 
 PROXIMAL_METHODS = ("loglinear", "linear")
 #: The largest ``max_lag`` of :func:`staleness_metrics` (its histogram is a tensor of max_lag + 2 fp64 counts).
 MAX_HISTOGRAM_LAG = 2 ** 24
 
 
-def _versions(versions, like: torch.Tensor, name: str = "versions") -> torch.Tensor:
-    """Per-token versions in ``like``'s shape (a per-row ``[B]`` tensor is broadcast along the tokens)."""
+def check_versions_dtype(versions, name: str = "versions") -> torch.Tensor:
+    """``versions`` itself if it is an integer tensor (a policy version is a count: a float would be truncated, a
+    bool read as 0 / 1), else a TypeError naming ``name``."""
     if not isinstance(versions, torch.Tensor) or versions.is_floating_point() or versions.dtype == torch.bool \
             or versions.is_complex():
         raise TypeError(f"{name} must be an integer tensor (one policy version per token or per row), got "
                         f"{getattr(versions, 'dtype', type(versions))}")
+    return versions
+
+
+def _versions(versions, like: torch.Tensor, name: str = "versions") -> torch.Tensor:
+    """Per-token versions in ``like``'s shape (a per-row ``[B]`` tensor is broadcast along the tokens)."""
+    check_versions_dtype(versions, name)
     if versions.device != like.device:
         raise ValueError(f"{name} is on {versions.device} but the log-probs are on {like.device}")
     if tuple(versions.shape) == tuple(like.shape):

@@ -301,6 +301,45 @@ def test_megatron_loss_func_with_versions():
         make_policy_loss_func(target, adv, mask, rollout_log_prob=rlp, config=cfg, versions=versions)
 
 
+@pytest.mark.parametrize("flow", ["plain", "decoupled"])
+def test_megatron_loss_func_refuses_the_versions_compute_policy_loss_refuses(flow):
+    """make_policy_loss_func refuses what compute_policy_loss refuses, by name: a response token newer than the
+    trainer or with a negative version (it read them as a negative lag, or as lag current_version + 1, in the
+    staleness mean, and the decoupled flow's pi_prox was pi_rollout there, silently), float / bool versions (it
+    truncated them), a negative current_version. A negative version outside the response (a prompt token) is fine."""
+    import rollout_corr_ext as rc
+    from rollout_corr_ext.megatron import make_policy_loss_func, reported_means
+
+    g = torch.Generator().manual_seed(6)
+    b, s, v = 2, 4, 9
+    logits = torch.randn(s, b, v, generator=g, dtype=torch.float64)
+    target = torch.randint(0, v, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.bool)
+    mask[1, 0] = False
+    adv = torch.randn(b, generator=g, dtype=torch.float64)
+    rlp = -torch.rand(b, s, generator=g, dtype=torch.float64)
+    kw = dict(rollout_log_prob=rlp)
+    if flow == "decoupled":
+        kw["config"] = losses.PolicyLossConfig(rollout_correction=rc.RolloutCorrectionConfig(rollout_is="token"))
+
+    def run(versions, current_version=10):
+        return make_policy_loss_func(target, adv, mask, versions=versions, current_version=current_version,
+                                     **kw)(logits)
+
+    for versions, token, why in ((torch.tensor([[9, 12, 9, 9], [8, 8, 8, 8]]), r"\(0, 1\) is 12", "newer than"),
+                                 (torch.tensor([[9, 9, 9, 9], [8, 8, -1, 8]]), r"\(1, 2\) is -1", "negative")):
+        for vs in (versions, versions.to(torch.int32)):
+            with pytest.raises(ValueError, match=rf"versions at response token {token}, {why}"):
+                run(vs)
+    for bad in (torch.tensor([9.0, 8.0]), torch.tensor([True, False])):
+        with pytest.raises(TypeError, match="versions must be an integer tensor"):
+            run(bad)
+    with pytest.raises(ValueError, match=r"current_version must be in \[0, 2\*\*63\)"):
+        run(torch.tensor([0, 0]), current_version=-3)
+    fine = torch.tensor([[9, 9, 9, 9], [-1, 8, 8, 8]])  # the -1 where the mask is 0
+    assert reported_means(run(fine)[2])["rollout_corr/staleness_mean"] == pytest.approx((4 * 1 + 3 * 2) / 7)
+
+
 # ----------------------------------------------------------------------------------- lag-dependent thresholds
 
 from rollout_corr_ext import RolloutCorrectionConfig, compute_rollout_correction  # noqa: E402
