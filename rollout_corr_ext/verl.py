@@ -270,6 +270,20 @@ def _weights_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return dtype
 
 
+def _in_verl_dtype(weights: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    """The weights (computed in fp32 / fp64) in verl's dtype (:func:`_weights_dtype`). In float16 a weight past
+    65504 would become inf, silently: refused instead (verl raises there too, converting its threshold to float16
+    in its clamp). One host read, for float16 weights only (bfloat16 has fp32's range)."""
+    dtype = _weights_dtype(*tensors)
+    out = weights.to(dtype)
+    if dtype == torch.float16 and bool((torch.isinf(out) & torch.isfinite(weights)).any()):
+        most = float(weights[torch.isfinite(weights)].max())
+        raise ValueError(f"rollout_is_weights: a weight of {most:.6g} is past float16's range (65504): the weights "
+                         f"take the log-probs' and response_mask's dtype, float16 here; keep rollout_is_threshold "
+                         f"(or IcePop's upper bound) at most 65504, or pass float32 log-probs")
+    return out
+
+
 def _groups(cfg: RolloutCorrectionConfig) -> Tuple[Any, Any]:
     dp, seq = _SETTINGS["dp_group"], _SETTINGS["seq_group"]
     if (dp is None and seq is None and cfg.is_spec is not None and cfg.rollout_is_batch_normalize
@@ -336,9 +350,28 @@ def _with_replay_metric(metrics: Dict[str, Any], frac) -> Dict[str, Any]:
     return metrics
 
 
+#: The correction's argument names in its errors (the pair first: "log_prob / rollout_log_prob hold NaN ...").
+_CORRECTION_ARGS = re.compile(r"(?<![\w.])(log_prob / rollout_log_prob|rollout_log_prob|log_prob)(?![\w])")
+#: The helpers' names for them: verl's old_log_prob, the log-ratio helpers' log_ratio (rollout_log_prob is 0 there).
+_OLD_NAMES = {"log_prob": "old_log_prob", "log_prob / rollout_log_prob": "old_log_prob / rollout_log_prob"}
+_RATIO_NAMES = {"log_prob": "log_ratio", "log_prob / rollout_log_prob": "log_ratio"}
+#: compute_rollout_correction_and_add_to_batch's: the batch's keys.
+_BATCH_NAMES = {"log_prob": "batch['old_log_probs']", "rollout_log_prob": "batch['rollout_log_probs']",
+                "log_prob / rollout_log_prob": "batch['old_log_probs'] / batch['rollout_log_probs']"}
+
+
 def _correct(log_prob, rollout_log_prob, response_mask, cfg: RolloutCorrectionConfig, diagnostics=None, *,
-             log_ratio: bool = False):
-    """The correction of the helpers; ``log_ratio``: ``log_prob`` is verl's log_ratio (``rollout_log_prob`` 0)."""
+             log_ratio: bool = False, fn: str = "", names: Optional[Dict[str, str]] = None):
+    """The correction of the helpers; ``log_ratio``: ``log_prob`` is verl's log_ratio (``rollout_log_prob`` 0).
+    ``names``: the caller's names of ``log_prob`` / ``rollout_log_prob`` in the errors (default: ``_RATIO_NAMES``
+    with ``log_ratio``, else ``_OLD_NAMES``); ``fn`` names the caller."""
+    if names is None:
+        names = _RATIO_NAMES if log_ratio else _OLD_NAMES
+    with _callers_names(fn, names, _CORRECTION_ARGS):
+        return _correct_named(log_prob, rollout_log_prob, response_mask, cfg, diagnostics, log_ratio)
+
+
+def _correct_named(log_prob, rollout_log_prob, response_mask, cfg, diagnostics, log_ratio):
     dp, seq = _groups(cfg)
     given = response_mask
     if log_ratio:
@@ -457,7 +490,7 @@ def compute_rollout_correction_weights(
     keys = _is_keys(cfg)
     if _SETTINGS["extra_metrics"]:  # the percentiles (the other additions are about the mask)
         keys += [k[len(PREFIX):] for k in res.metrics if k.startswith(PREFIX + "rollout_is_p")]
-    weights = res.weights.to(_weights_dtype(log_ratio, response_mask))
+    weights = _in_verl_dtype(res.weights, log_ratio, response_mask)
     return weights, _select(res.metrics, keys, extras=False, prefixed=False)
 
 
@@ -483,10 +516,10 @@ def compute_rollout_correction_and_rejection_mask(
     return proto, mask, metrics
 
 
-def _correct_verl(old_log_prob, rollout_log_prob, response_mask, cfg, diagnostics=None):
+def _correct_verl(old_log_prob, rollout_log_prob, response_mask, cfg, diagnostics=None, names=None):
     """weights in verl's dtype (or None), the mask and verl's prefixed float metrics (with the diagnostics' when
-    given)."""
-    res = _correct(old_log_prob, rollout_log_prob, response_mask, cfg, diagnostics)
+    given). ``names``: as :func:`_correct`'s."""
+    res = _correct(old_log_prob, rollout_log_prob, response_mask, cfg, diagnostics, names=names)
     keys = _is_keys(cfg) + _rs_keys(cfg) + list(OFFPOLICY_KEYS)
     if diagnostics is not None:
         from .observability import is_diagnostics_key
@@ -495,7 +528,7 @@ def _correct_verl(old_log_prob, rollout_log_prob, response_mask, cfg, diagnostic
     metrics = _select(res.metrics, keys, extras=_SETTINGS["extra_metrics"], prefixed=True)
     weights = None
     if res.weights is not None:
-        weights = res.weights.to(_weights_dtype(old_log_prob, rollout_log_prob, response_mask))
+        weights = _in_verl_dtype(res.weights, old_log_prob, rollout_log_prob, response_mask)
     return weights, res.response_mask, metrics
 
 
@@ -506,9 +539,16 @@ def compute_offpolicy_metrics(
 ) -> Dict[str, Any]:
     """verl's ``compute_offpolicy_metrics``: KL, k3 KL, perplexities, log-ppl differences, ppl ratio, chi^2 (token
     and sequence) as unprefixed floats; ``rollout_log_prob=None``: ``training_ppl`` and ``training_log_ppl`` only."""
+    return _offpolicy(old_log_prob, rollout_log_prob, response_mask, _OLD_NAMES)
+
+
+def _offpolicy(old_log_prob, rollout_log_prob, response_mask, names) -> Dict[str, Any]:
     only_training = rollout_log_prob is None
+    if only_training:  # old_log_prob alone: the pair in an error is that one argument
+        names = dict(names, **{"log_prob / rollout_log_prob": names["log_prob"]})
     cfg = RolloutCorrectionConfig.disabled()
-    res = _correct(old_log_prob, old_log_prob if only_training else rollout_log_prob, response_mask, cfg)
+    res = _correct(old_log_prob, old_log_prob if only_training else rollout_log_prob, response_mask, cfg,
+                   names=names)
     keys = OFFPOLICY_KEYS[:2] if only_training else OFFPOLICY_KEYS
     return _select(res.metrics, keys, extras=False, prefixed=False)
 
@@ -520,7 +560,7 @@ def compute_rollout_corr_metrics_from_logprobs(
 ) -> Dict[str, float]:
     """verl's ``compute_rollout_corr_metrics_from_logprobs``: :func:`compute_offpolicy_metrics` under
     ``rollout_corr/``."""
-    return {PREFIX + k: v for k, v in compute_offpolicy_metrics(log_prob, rollout_log_prob, response_mask).items()}
+    return {PREFIX + k: v for k, v in _offpolicy(log_prob, rollout_log_prob, response_mask, {}).items()}
 
 
 def compute_rollout_correction_and_add_to_batch(
@@ -536,7 +576,7 @@ def compute_rollout_correction_and_add_to_batch(
         raise ValueError(bad_versions)  # no other rank to wait in a reduce: named here, on any device
     try:
         weights, mask, metrics = _correct_verl(batch.batch["old_log_probs"], batch.batch["rollout_log_probs"],
-                                               batch.batch["response_mask"], cfg, diagnostics)
+                                               batch.batch["response_mask"], cfg, diagnostics, _BATCH_NAMES)
     except ValueError as exc:
         # under DP a bad min_global_steps row went in as version -1, refused by the diagnostics' check on every rank
         # of the reduce (a local raise would leave the others waiting in it; on CUDA that check is a device assert):
@@ -863,13 +903,14 @@ _OUR_PREFIX = re.compile(r"^(sampled_log_probs|sampled_linear_log_probs|linear_l
 
 
 @contextlib.contextmanager
-def _callers_names(fn: str, names: Dict[str, str]) -> Iterator[None]:
+def _callers_names(fn: str, names: Dict[str, str], args: "re.Pattern" = _OUR_ARGS) -> Iterator[None]:
     """A drop-in's errors in its caller's terms: a TypeError / ValueError / RuntimeError raised inside names the
-    drop-in ``fn`` and its arguments (``names``: ours -> the caller's, e.g. ``target`` -> ``labels``)."""
+    drop-in ``fn`` and its arguments (``names``: ours -> the caller's, e.g. ``target`` -> ``labels``; ``args``
+    finds our names in a message)."""
     try:
         yield
     except (TypeError, ValueError, RuntimeError) as exc:
-        msg = _OUR_PREFIX.sub(f"{fn}: ", _OUR_ARGS.sub(lambda m: names.get(m.group(1), m.group(1)), str(exc)))
+        msg = _OUR_PREFIX.sub(f"{fn}: ", args.sub(lambda m: names.get(m.group(1), m.group(1)), str(exc)))
         if msg == str(exc):
             raise
         try:

@@ -466,6 +466,60 @@ def test_batch_norm_under_torch_distributed(V, monkeypatch):
         dist.destroy_process_group()
 
 
+def test_helpers_errors_name_their_own_arguments(V):
+    """Each helper's errors name its own arguments: log_ratio in the log-ratio helpers, old_log_prob where verl's
+    function takes it, log_prob in compute_rollout_corr_metrics_from_logprobs, the batch's keys in
+    compute_rollout_correction_and_add_to_batch (they said log_prob, an argument none of them takes)."""
+    lp, rlp, mask = inputs()
+    lr1 = (lp - rlp)[0]
+    nan = lp.clone()
+    nan[0, 1] = math.nan
+    cases = [
+        (lambda: rv.compute_rollout_correction_weights(lr1, mask[0]), r"^log_ratio must be 2-D"),
+        (lambda: rv.compute_rollout_rejection_mask((lp - rlp).long(), mask, "token_k1", 2.0),
+         r"^log_ratio must be a float16"),
+        (lambda: rv.compute_rollout_correction_weights(nan - rlp, mask), r"^log_ratio hold NaN"),
+        (lambda: rv.compute_rollout_rejection_mask(lp - rlp, mask[:, :-1], "token_k1", 2.0),
+         r"does not match log_ratio shape"),
+        (lambda: rv.compute_rollout_correction_and_rejection_mask(lp[0], rlp[0], mask[0], rollout_is="token"),
+         r"^old_log_prob must be 2-D"),
+        (lambda: rv.compute_rollout_correction_and_rejection_mask(nan, rlp, mask, rollout_is="token"),
+         r"^old_log_prob / rollout_log_prob hold NaN"),
+        (lambda: rv.compute_offpolicy_metrics(nan, None, mask), r"^old_log_prob hold NaN"),
+        (lambda: rv.compute_offpolicy_metrics(lp, rlp, mask[:, :-1]), r"does not match old_log_prob shape"),
+        (lambda: rv.compute_rollout_corr_metrics_from_logprobs(lp[0], rlp[0], mask[0]), r"^log_prob must be 2-D"),
+    ]
+    for call, message in cases:
+        with pytest.raises((TypeError, ValueError), match=message):
+            call()
+    batch = V.DataProto.from_dict(tensors={"old_log_probs": nan, "rollout_log_probs": rlp, "response_mask": mask})
+    with pytest.raises(ValueError, match=r"^batch\['old_log_probs'\] / batch\['rollout_log_probs'\] hold NaN"):
+        rv.compute_rollout_correction_and_add_to_batch(batch, RolloutCorrectionConfig(rollout_is="token"))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_float16_weights_past_its_range_are_refused(V, level):
+    """float16 log-probs (and a bool mask): the weights are float16, as verl's. A TIS threshold past 65504 whose
+    clamp a ratio reaches gave an inf weight, silently (verl raises there); it is refused, naming the weights and
+    the threshold. Below the range the weights are verl's."""
+    old = torch.tensor([[-1.0, -2.0]], dtype=torch.float16)
+    roll = torch.tensor([[-16.0, -2.0]], dtype=torch.float16)  # log-ratio 15: a ratio of 3.3e6
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"rollout_is_weights: a weight of 1e\+06 is past float16's range.*"
+                                         r"rollout_is_threshold"):
+        rv.compute_rollout_correction_and_rejection_mask(old, roll, mask, rollout_is=level, rollout_is_threshold=1e6)
+    with pytest.raises(ValueError, match="past float16's range"):
+        rv.compute_rollout_correction_weights(old - roll, mask, level, 1e6)
+    ours = rv.compute_rollout_correction_and_rejection_mask(old, roll, mask, rollout_is=level,
+                                                            rollout_is_threshold=6e4)[0].batch["rollout_is_weights"]
+    assert ours.dtype == torch.float16
+    assert ours.tolist() == ([[60000.0, 1.0]] if level == "token" else [[60000.0, 60000.0]])  # the clamp, exactly
+    if level == "token":  # (verl's sequence-level metrics divide by an fp16 square that overflows)
+        theirs = V.helper.compute_rollout_correction_and_rejection_mask(old, roll, mask, rollout_is=level,
+                                                                        rollout_is_threshold=6e4)[0]
+        assert_weights(ours, theirs.batch["rollout_is_weights"])
+
+
 def test_fractional_mask_is_an_error():
     """Documented difference: verl multiplies by a fractional mask; the package requires 0/1 and says where not."""
     lp, rlp, mask = inputs()
@@ -1545,7 +1599,7 @@ def test_add_to_batch_versions_must_be_integers(V):
     # a layout that is not one value per row is refused by its shape, NaN in it or not (not as a row it lacks:
     # the review)
     for steps in (np.full((b, 2), 5.0), np.array([[5.0, math.nan]] * b)):
-        with pytest.raises(ValueError, match=r"diagnostics.versions must have log_prob's shape"):
+        with pytest.raises(ValueError, match=r"diagnostics.versions must have batch\['old_log_probs'\]'s shape"):
             run(steps)
     for current in (5.7, "7", 7.0):
         with pytest.raises(TypeError, match=r"batch.meta_info\['global_steps'\] must be an integer"):
