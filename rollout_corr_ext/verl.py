@@ -361,13 +361,13 @@ _BATCH_NAMES = {"log_prob": "batch['old_log_probs']", "rollout_log_prob": "batch
 
 
 def _correct(log_prob, rollout_log_prob, response_mask, cfg: RolloutCorrectionConfig, diagnostics=None, *,
-             log_ratio: bool = False, fn: str = "", names: Optional[Dict[str, str]] = None):
+             log_ratio: bool = False, names: Optional[Dict[str, str]] = None):
     """The correction of the helpers; ``log_ratio``: ``log_prob`` is verl's log_ratio (``rollout_log_prob`` 0).
     ``names``: the caller's names of ``log_prob`` / ``rollout_log_prob`` in the errors (default: ``_RATIO_NAMES``
-    with ``log_ratio``, else ``_OLD_NAMES``); ``fn`` names the caller."""
+    with ``log_ratio``, else ``_OLD_NAMES``)."""
     if names is None:
         names = _RATIO_NAMES if log_ratio else _OLD_NAMES
-    with _callers_names(fn, names, _CORRECTION_ARGS):
+    with _callers_names("", names, _CORRECTION_ARGS):
         return _correct_named(log_prob, rollout_log_prob, response_mask, cfg, diagnostics, log_ratio)
 
 

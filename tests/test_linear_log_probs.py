@@ -716,6 +716,10 @@ def _sp_worker(rank, world, dtype, packed_ignored):
         torch.testing.assert_close(a[fin], e[fin], **tol)
     for a, e in zip(grads[0], (grads[1][0][rows], grads[1][1][sl], grads[1][2][sl])):
         torch.testing.assert_close(a, e, **tol)
+    # kept sets for the whole sequence, named as such when they do not match it
+    with pytest.raises(ValueError, match=r"kept has \d+ rows .* but the gathered hidden has"):
+        kept_linear_log_probs(hidden[rows], weight[sl], target, KeptTokens.from_lists(lists[:-1], temperature=0.7),
+                              group, bias=bias[sl], vocab_size=vocab_size, sequence_parallel=True)
     # target must be the whole sequence
     with pytest.raises(ValueError, match="sequence_parallel: target must be the whole sequence"):
         rc.linear_log_probs(hx, wx, target[rows], group, sequence_parallel=True, vocab_size=vocab_size)
