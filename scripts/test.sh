@@ -12,9 +12,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 pip_quiet --no-deps "verl==0.9.1"
 pip_quiet packaging ray "tensordict<=0.10.0" omegaconf transformers codetiming orjson
 echo "verl 0.9.1 installed without its GPU stack (its unmet vllm / sglang / flash-attn requirements are expected)"
-# --quick: the tier a developer runs while working (about 3.5 minutes of tests on 2 cores after the set-up): no emulated
-# CUDA kernels, no multi-process (gloo) tests, no benchmark / demo smoke runs, nothing marked slow. CI runs the
-# whole suite (without --quick), which includes all of these tests.
+# --quick: the tier a developer runs while working (about 12 minutes of tests on 2 cores after the set-up, README.md):
+# no emulated CUDA kernels, no multi-process (gloo) tests, no benchmark / demo smoke runs, nothing marked slow. CI runs
+# the whole suite (without --quick), which includes all of these tests.
 if [ "${1:-}" = "--quick" ]; then
   shift
   set -- -m "not slow" -k "not emulated and not gloo and not nccl" \
