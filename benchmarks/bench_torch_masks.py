@@ -1,5 +1,6 @@
 """The torch CPU primitives the whole-batch policy losses (clip_cov, kl_cov) choose between, in one run
-(docs/benchmarks.md, "Policy losses"; rollout_corr_ext/losses.py, ``_flag``, ``_count``, ``_masked_total``).
+(docs/benchmarks.md, "Policy losses"; rollout_corr_ext/losses.py, ``_flag``, ``_count``, ``_masked_total``,
+``_in_dtype``).
 
 Problem (default): B x T = 256 x 8192 fp32 (the policy-loss benchmark's size), a float 0 / 1 mask with random lengths
 in [T/4, T], standard-normal values. Each row: median wall time of ``--repeats`` calls after one warm-up, the inputs
@@ -56,6 +57,9 @@ def main(argv=None):
         ("masked sum by select: `torch.where(valid, x, 0).sum()`",
          lambda: torch.where(valid, x, zero, out=out_f).sum()),
         ("masked sum by product: `torch.mul(x, m).nansum()`", lambda: torch.mul(x, m, out=out_f).nansum()),
+        ("bool to float: `out_float.copy_(valid)`", lambda: out_f.copy_(valid)),
+        ("bool bytes to float: `out_float.copy_(valid.view(torch.uint8))`",
+         lambda: out_f.copy_(valid.view(torch.uint8))),
     ]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()

@@ -63,7 +63,8 @@ def check_mask(name: str, mask, ref: torch.Tensor, ref_name: str = "log_prob") -
 ORDERED_SUM_BLOCK = 32768
 
 
-def ordered_sum(x: torch.Tensor, nan: bool = False, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def ordered_sum(x: torch.Tensor, nan: bool = False, dtype: Optional[torch.dtype] = None,
+                buf: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The sum (``nansum`` with ``nan``) of every element of ``x``, in an order that does not depend on the number of
     threads: fixed blocks of :data:`ORDERED_SUM_BLOCK` elements, each reduced by one thread (a reduction along the
     last dimension is split over its rows, never within one), then the block sums. ``x.sum()`` of a tensor past the
@@ -72,7 +73,10 @@ def ordered_sum(x: torch.Tensor, nan: bool = False, dtype: Optional[torch.dtype]
     (clip_cov / kl_cov cut other tokens at another thread count; the thread-count fuzz). At most one block: exactly
     ``x.sum()`` (what verl's reductions give there). ``dtype``: accumulated (and returned) in that type; past one
     block the elements are converted 8 blocks at a time (2 MiB of fp64), then reduced natively: on the CPU about
-    half the time of a reduction that converts as it reads."""
+    half the time of a reduction that converts as it reads. ``buf``: a contiguous 1-D tensor of ``dtype`` with at
+    least ``8 * ORDERED_SUM_BLOCK`` elements that holds those conversions (the same values and order), so that no
+    block is allocated per call: 2 MiB ones came from freshly mapped pages in the covariance losses' flow, at about
+    twice the cost of the copy itself."""
     red = torch.nansum if nan else torch.sum
     flat = x.reshape(-1)
     n = flat.numel()
@@ -83,8 +87,11 @@ def ordered_sum(x: torch.Tensor, nan: bool = False, dtype: Optional[torch.dtype]
         blocks = red(flat[:r * ORDERED_SUM_BLOCK].reshape(r, ORDERED_SUM_BLOCK), -1)
     else:
         step = 8 * ORDERED_SUM_BLOCK
-        blocks = torch.cat([red(flat[i:min(i + step, r * ORDERED_SUM_BLOCK)].to(dtype).view(-1, ORDERED_SUM_BLOCK),
-                                -1) for i in range(0, r * ORDERED_SUM_BLOCK, step)])
+        def converted(i, j):
+            return flat[i:j].to(dtype) if buf is None else buf[:j - i].copy_(flat[i:j])
+
+        blocks = torch.cat([red(converted(i, min(i + step, r * ORDERED_SUM_BLOCK)).view(-1, ORDERED_SUM_BLOCK), -1)
+                            for i in range(0, r * ORDERED_SUM_BLOCK, step)])
     if n % ORDERED_SUM_BLOCK:
         blocks = torch.cat([blocks, red(flat[r * ORDERED_SUM_BLOCK:], dtype=dtype).reshape(1)])
     return red(blocks)

@@ -1041,27 +1041,23 @@ def _geo_mean_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
     return _share_of_whole(loss, cp), _row_metrics(whole_rows, _PPO_METRICS), rows
 
 
-#: The candidate filter of :func:`_topk_indices`: elements per block maximum (a power of 2).
+#: The candidate filter of :func:`_top_set`: elements per block maximum (a power of 2).
 _TOPK_SHIFT = 7
 _TOPK_BLOCK = 1 << _TOPK_SHIFT
 
 
-def _topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """``torch.topk(flat, k, sorted=True).indices`` of a 1-D tensor: on the CPU the same indices in the same order
-    (ties included), with the sort run over candidates only.
+def _top_set(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions of ``k`` largest values of a 1-D tensor (NaN ranked largest, as torch.topk ranks it), in no
+    fixed order, and which of several equal values at the k-th is taken is not fixed either (:func:`_top_by_rule`
+    sorts the set and settles those ties itself). On the CPU torch.topk runs over candidate blocks only.
 
-    The CPU top-k (ATen ``topk_impl_loop``, taken when ``64 k <= n``) is ``std::partial_sort``: a heap of the first
-    k elements, then one scan in which an element enters the heap only if it beats the heap's least element (NaN
-    beats everything); that least element never decreases, and the heap is sorted at the end. An element that does
-    not beat it at its turn leaves no trace, so dropping it changes neither the indices nor their order. Before
-    position p the least element is at least the k-th largest of any k elements before p, here of k block maxima
-    (blocks of :data:`_TOPK_BLOCK`) over prefixes that double in length: a block whose maximum is at most its bound
-    is dropped whole. The rest (the blocks holding the first k positions, every other block with an element above
-    its bound, the tail) keeps its order, -inf padding up to 64 k elements keeps the heap path (padding never enters
-    the heap), and the top-k of that maps back to positions. On the bench's 2^21 tokens a full top-k costs ~17 ms
-    on the 2-core VM (its 32 MiB work vector is mapped afresh on every call), this ~1 ms. Elsewhere (CUDA, small
-    inputs, under torch.compile) this is torch.topk itself; the CPU path sizes its candidates from the data (one
-    ``nonzero``: no device to wait for on the CPU).
+    The k largest of the block maxima (blocks of :data:`_TOPK_BLOCK`) are k elements of distinct blocks, so the
+    k-th largest element is at least the least of them, M: a block whose maximum is below M holds none of the top
+    k and is dropped whole (a NaN M or maximum drops nothing). The kept blocks and the tail go to one torch.topk,
+    whose positions map back. On the bench's 2^21 tokens a full top-k costs ~17 ms on the 2-core VM (its 32 MiB
+    work vector is mapped afresh on every call); the candidates are then at most about k blocks. Elsewhere (CUDA,
+    small inputs, under torch.compile) this is torch.topk itself; the CPU path sizes its candidates from the data
+    (one ``nonzero``: no device to wait for on the CPU).
     """
     n = flat.numel()
     s = _TOPK_BLOCK
@@ -1069,24 +1065,14 @@ def _topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     if flat.device.type != "cpu" or 64 * k > n or nb < 2 * k or torch.compiler.is_compiling():
         return torch.topk(flat, k, sorted=True).indices
     blocks = flat[: nb * s].view(nb, s)
-    block_max = blocks.amax(-1)  # NaN-propagating, as the heap ranks NaN first
-    bound = torch.full((nb,), -math.inf, dtype=flat.dtype, device=flat.device)
-    b = k  # bound for blocks [b, 2b): the k-th largest block maximum of blocks [0, b) (a NaN there: keep all)
-    while b < nb:
-        bound[b:2 * b] = torch.topk(block_max[:b], k, sorted=False).values.min()
-        b *= 2
-    # The candidates: whole blocks whose maximum beats their bound (or is NaN, or the bound is), in order, then the
-    # tail; the blocks holding positions < k (the heap's first k elements) are taken whatever their values.
-    cand = (block_max <= bound).logical_not_()
-    cand[:-(-k // s)] = True
-    cb = cand.nonzero().squeeze(1)
+    block_max = blocks.amax(-1)  # NaN-propagating: a block holding a NaN is kept
+    least = torch.topk(block_max, k, sorted=False).values.min()  # NaN when one of them is: keep every block
+    cb = (block_max < least).logical_not_().nonzero().squeeze(1)
     vals = blocks[cb].reshape(-1)
     head = vals.numel()
     if nb * s < n:
         vals = torch.cat([vals, flat[nb * s:]])
-    if vals.numel() < 64 * k:  # the same (heap) path as the full call: pad with values that never enter the heap
-        vals = torch.cat([vals, vals.new_full((64 * k - vals.numel(),), -math.inf)])
-    at = torch.topk(vals, k, sorted=True).indices
+    at = torch.topk(vals, k, sorted=False).indices
     return torch.where(at < head, cb[(at >> _TOPK_SHIFT).clamp(max=max(0, cb.numel() - 1))] * s + (at & (s - 1)),
                        at - head + nb * s)
 
@@ -1109,14 +1095,14 @@ def _top_by_rule(flat: torch.Tensor, k: int) -> torch.Tensor:
     ascending): a top-k whose ties are taken by the lower position, on every device (torch.topk leaves that order to
     its algorithm). -inf entries are padding: which of them come last is not fixed. No host sync on a GPU.
 
-    A top-(k + 1) by :func:`_topk_indices` gives the right values, so every position above the k-th value ``v``. On
+    A top-(k + 1) set by :func:`_top_set` gives the right values, so every position above the k-th value ``v``. On
     the CPU, when the (k + 1)-th value is below ``v`` (or ``v`` is -inf) the candidates hold every position at ``v``
     and sorting them is all; otherwise the positions at ``v`` are the first ones of the tensor: on the CPU found in
     the blocks whose maximum reaches ``v`` (:func:`_positions_of`), on a GPU (where the test and a nonzero would be
     host reads) a cumulative count of
     ``flat == v`` (one more pass)."""
     n = flat.numel()
-    idx = _topk_indices(flat, min(k + 1, n)).sort().values
+    idx = _top_set(flat, min(k + 1, n)).sort().values
     idx = idx[torch.sort(flat[idx], descending=True, stable=True).indices]
     vals = flat[idx]
     v = vals[k - 1:k]  # the k-th largest value, [1]
@@ -1198,18 +1184,31 @@ def _top_positions(score: torch.Tensor, eligible: torch.Tensor, count: torch.Ten
 
 
 #: Scratch slots (ops.scratch_empty) of the whole-batch losses' [B, T] temporaries: 0 and 1 are two of the
-#: accumulation dtype; one slot per other temporary that is alive at the same time as another.
-_SLOT_WEIGHTS, _SLOT_MASK, _SLOT_VALID, _SLOT_ELIGIBLE, _SLOT_TEST = 2, 3, 4, 5, 6
+#: accumulation dtype; one slot per other temporary that is alive at the same time as another; the last holds the
+#: fp64 conversions of the masked sums (:func:`_masked_total`).
+_SLOT_WEIGHTS, _SLOT_MASK, _SLOT_VALID, _SLOT_ELIGIBLE, _SLOT_TEST, _SLOT_SUM = 2, 3, 4, 5, 6, 7
 
 
 def _in_dtype(x: torch.Tensor, dtype: torch.dtype, slot: int) -> torch.Tensor:
-    """``x.to(dtype)``: ``x`` itself when it has that dtype, else a copy in scratch ``slot``."""
-    return x if x.dtype == dtype else ops.scratch_empty(x.shape, dtype, x.device, slot).copy_(x)
+    """``x.to(dtype)``: ``x`` itself when it has that dtype, else a copy in scratch ``slot``. A bool is read as its
+    uint8 bytes (0 / 1, the same values): torch's CPU bool-to-float copy is several times slower than the uint8 one
+    (benchmarks/bench_torch_masks.py)."""
+    if x.dtype == dtype:
+        return x
+    return ops.scratch_empty(x.shape, dtype, x.device, slot).copy_(x.view(torch.uint8) if x.dtype == torch.bool else x)
 
 
 # torch's CPU comparisons write a float 0 / 1 about four times faster than a bool, and the float-to-bool copy is cheap;
 # counting the float flags is four times cheaper than counting the bools (benchmarks/bench_torch_masks.py). On a GPU
 # the float flags cost a few bytes per token more: one path for every device.
+
+
+def _valid(response_mask: torch.Tensor, m: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """The tokens with a mask value > 0, as bools: a bool ``response_mask`` itself (read only), else ``m > 0`` (``m``:
+    the mask in the compute type) through its float flags, left in ``tmp``."""
+    if response_mask.dtype == torch.bool:
+        return response_mask
+    return _flag(torch.gt, m, 0, ops.scratch_empty(m.shape, torch.bool, m.device, _SLOT_VALID), tmp)
 
 
 def _flag(op, x: torch.Tensor, other, out: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
@@ -1225,7 +1224,10 @@ def _masked_total(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, dtype=Non
     part only at a NaN the mask keeps, which the select would carry into the sum and nansum skips: the policy-loss
     op that follows raises for that same response token, so that sum is never used. On the CPU about half the
     select's cost (benchmarks/bench_torch_masks.py). ``dtype``: summed in that type (the products in ``out``'s)."""
-    return _checks.ordered_sum(torch.mul(x, w, out=out), nan=True, dtype=dtype)
+    buf = None
+    if dtype is not None and dtype != x.dtype and x.numel() > _checks.ORDERED_SUM_BLOCK:
+        buf = ops.scratch_empty((8 * _checks.ORDERED_SUM_BLOCK,), dtype, x.device, _SLOT_SUM)
+    return _checks.ordered_sum(torch.mul(x, w, out=out), nan=True, dtype=dtype, buf=buf)
 
 
 def _mean_parts(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -1305,7 +1307,7 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
         shape, dev = log_prob.shape, log_prob.device
         m = _in_dtype(response_mask, acc, _SLOT_MASK)
         s0, s1 = ops.scratch_empty(shape, acc, dev, 0), ops.scratch_empty(shape, acc, dev, 1)
-        valid = _flag(torch.gt, m, 0, ops.scratch_empty(shape, torch.bool, dev, _SLOT_VALID), s0)
+        valid = _valid(response_mask, m, s0)
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
         # the means as verl_F.masked_mean forms them, sum(x * mask) / (mask.sum() + 1e-8), the denominator in verl's
         # type (fp32 for a bool / int / fp32 mask: the eps rounds away, and with the sums below the mean of equal
@@ -1455,15 +1457,16 @@ def _kl_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_mod
         m = _in_dtype(response_mask, acc, _SLOT_MASK)
         lp, adv = log_prob.detach().to(acc), advantages.to(acc)
         s0, s1 = ops.scratch_empty(shape, acc, dev, 0), ops.scratch_empty(shape, acc, dev, 1)
-        valid = _flag(torch.gt, m, 0, ops.scratch_empty(shape, torch.bool, dev, _SLOT_VALID), s0)
-        n = _count(s0, valid)  # valid.sum() as int64, from valid's float flags (still in s0)
+        valid = _valid(response_mask, m, s0)
+        flags = m if valid is response_mask else s0  # valid's float flags
+        n = _count(flags, valid)  # valid.sum() as int64, from its float flags
 
         def abs_kl_sum(out):  # actor/ppo_kl's numerator: masked_sum(|lp - lp_old|, m), in ``out``
             return _masked_total(torch.sub(lp, old_log_prob.to(acc), out=out).abs_(), m, out)
 
-        # sums, for now: over the tokens with m > 0, unweighted (valid's float flags, in s0, as the weights), as
-        # (hi, lo) parts (a constant side's covariances are then 0)
-        mean_a, mean_lp = _mean_parts(adv, s0, s1), _mean_parts(lp, s0, s1)
+        # sums, for now: over the tokens with m > 0, unweighted (valid's float flags as the weights), as (hi, lo)
+        # parts (a constant side's covariances are then 0)
+        mean_a, mean_lp = _mean_parts(adv, flags, s1), _mean_parts(lp, flags, s1)
         if cp > 1:  # the micro-batch's sums over every rank's tokens
             sums = (n.to(acc), *mean_a, *mean_lp, abs_kl_sum(s0), _checks.ordered_sum(m))
             whole = _whole_sums(sums, m, log_prob, cu_seqlens, loss_agg_mode, cfg, seq_group)

@@ -932,6 +932,40 @@ def test_covariance_losses_do_not_depend_on_the_thread_count():
     assert all(torch.equal(runs["sum"][0], v) for v in runs["sum"][1:])
 
 
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+def test_covariance_losses_give_a_bool_mask_the_bits_of_its_float_copy(name):
+    """A bool response_mask is read as its bytes and taken as the valid set itself (no comparison); the masked
+    sums convert to fp64 through one reused block (_checks.ordered_sum's ``buf``). Past one sum block (40,000
+    tokens), a bool mask, contiguous or transposed, gives the loss, metrics and gradient of the same mask as fp32
+    0 / 1 (which takes the comparison path); and ``buf`` gives ordered_sum's bits, within 1e-12 of an fp64 sum."""
+    from rollout_corr_ext import _checks
+
+    old, lp, adv, _, w = _inputs(b=8, t=5000, seed=21)
+    lengths = torch.tensor([5000, 17, 4000, 1, 2500, 4999, 3000, 0])
+    mask = torch.arange(5000).unsqueeze(0) < lengths.unsqueeze(1)
+    cfg = losses.PolicyLossConfig(loss_mode=name, clip_cov_ratio=0.01, clip_cov_lb=0.0, kl_cov_ratio=0.01)
+    fn = getattr(losses, "compute_policy_loss_" + name)
+    tr = lambda t: t.t().contiguous().t()  # noqa: E731 - the same values, column-major
+    want = _run(fn, old, lp, adv, mask.float(), "token-mean", cfg, w)
+    for m in (mask, tr(mask)):
+        got = _run(fn, old, lp, adv, m, "token-mean", cfg, w)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+        for k, v in want[1].items():
+            assert torch.equal(torch.as_tensor(got[1][k]), torch.as_tensor(v)), k
+    assert mask.dtype == torch.bool and mask.sum() == lengths.sum()  # the input is not modified
+    block = _checks.ORDERED_SUM_BLOCK
+    buf = torch.empty(8 * block, dtype=torch.float64)
+    for n in (block + 1, 8 * block, 9 * block + 7, 17 * block):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        x[n // 3] = math.nan
+        for nan in (False, True):
+            ref = _checks.ordered_sum(x, nan=nan, dtype=torch.float64)
+            got = _checks.ordered_sum(x, nan=nan, dtype=torch.float64, buf=buf)
+            assert torch.equal(got, ref) or (ref.isnan() and got.isnan()), (n, nan)
+        exact = x.double().nansum()
+        assert abs(float(got) - float(exact)) <= 1e-12 * float(x.double().abs().nansum())
+
+
 KL_TYPES = list(losses.KL_PENALTY_TYPES) + ["k1+", "k3+", "low_var_kl+", "k2+", "abs+"]
 
 
@@ -1630,9 +1664,10 @@ def test_whole_batch_losses_run_under_context_parallelism(device):
 
 
 @pytest.mark.parametrize("case", ["random", "ties", "nan_inf", "sorted", "descending", "odd", "fp64", "small"])
-def test_candidate_topk_equals_torch_topk(case):
-    """clip_cov / kl_cov select tokens with losses._topk_indices, which on the CPU runs torch.topk over candidate
-    blocks only: the indices and their order must be torch.topk's, ties, NaN and -inf included."""
+def test_candidate_top_set_holds_the_k_largest_values(case):
+    """clip_cov / kl_cov select tokens from losses._top_set, which on the CPU runs torch.topk over candidate blocks
+    only (those whose maximum reaches the k-th largest block maximum): k distinct positions whose values are the k
+    largest, against a full sort, ties, NaN (ranked largest) and -inf included."""
     g = torch.Generator().manual_seed(hash(case) % 1000)
     n, k = 1 << 17, 300
     x = torch.randn(n, generator=g)
@@ -1652,10 +1687,15 @@ def test_candidate_topk_equals_torch_topk(case):
         x = x.double()
     elif case == "small":
         x, k = x[:1000], 10
+    desc = torch.sort(torch.where(x.isnan(), math.inf, x), descending=True, stable=True)
+    nan_first = torch.cat([x.isnan().nonzero().squeeze(1), desc.indices[~x[desc.indices].isnan()]])
     for kk in (1, k, 2 * k + 1):
-        want = torch.topk(x, kk, sorted=True).indices
-        got = losses._topk_indices(x, kk)
-        assert torch.equal(got, want), (case, kk)
+        want = x[nan_first[:kk]]  # the kk largest values, NaN first, from a full sort
+        got = losses._top_set(x, kk)
+        assert got.numel() == kk and got.unique().numel() == kk, (case, kk)
+        vals = x[got]
+        vals = torch.cat([vals[vals.isnan()], vals[~vals.isnan()].sort(descending=True).values])
+        torch.testing.assert_close(vals, want, rtol=0, atol=0, equal_nan=True, msg=f"{case} {kk}")
 
 
 @pytest.mark.parametrize("case", ["random", "ties", "ties_tail", "few_ties", "neg_inf", "fp64"])
