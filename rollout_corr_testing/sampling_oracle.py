@@ -26,6 +26,13 @@ def _row_value(v, i):
     return v
 
 
+def _kept_entropy(kept: torch.Tensor, zk: torch.Tensor, lse_k: torch.Tensor) -> torch.Tensor:
+    """The entropy over the kept set, -sum q log q, differentiable: log q is 0 outside the set before its product
+    (-inf there would make the gradient NaN through 0 * -inf)."""
+    lq = torch.where(kept, zk - lse_k, torch.zeros_like(zk))
+    return -torch.where(kept, lq.exp() * lq, torch.zeros_like(zk)).sum()
+
+
 def kept_mask_dense(z: torch.Tensor, top_k: Optional[int], top_p: float, min_p: float) -> torch.Tensor:
     """The kept set of one row of temperature-scaled logits ``z`` ``[V]`` (fp64), vLLM's order: min-p, top-k, top-p."""
     z = z.to(F64).clone()
@@ -58,7 +65,7 @@ def sampled_log_probs_dense(logits: torch.Tensor, target: torch.Tensor, temperat
                             top_k: Union[None, int, Sequence, torch.Tensor] = None, top_p=1.0, min_p=0.0,
                             ignore_index: int = -100):
     """Per row of ``logits`` ``[N, V]`` (the whole vocabulary): (log_prob, entropy, log_kept_mass, in_support,
-    kept ``[N, V]``), fp64; ``log_prob`` differentiable in ``logits`` (a leaf that requires grad). Parameters: a
+    kept ``[N, V]``), fp64; ``log_prob`` and ``entropy`` differentiable in ``logits``. Parameters: a
     number for every row or one value per row; top_k None / <= 0 disables."""
     n, v = logits.shape
     out_lp, out_ent, out_ls, out_in, kept_rows = [], [], [], [], []
@@ -76,9 +83,8 @@ def sampled_log_probs_dense(logits: torch.Tensor, target: torch.Tensor, temperat
         kept = kept_mask_dense(z.detach(), k, float(_row_value(top_p, i)), float(_row_value(min_p, i)))
         zk = torch.where(kept, z, torch.full_like(z, -math.inf))
         lse_k = torch.logsumexp(zk, 0)
-        q = torch.exp(zk - lse_k)
         out_lp.append(zk[t] - lse_k if bool(kept[t]) else z.nan_to_num(0.0, 0.0, 0.0)[t] * 0 - math.inf)
-        out_ent.append(-(torch.where(kept, q * (zk - lse_k), torch.zeros_like(q))).sum().detach())
+        out_ent.append(_kept_entropy(kept, zk, lse_k))
         out_ls.append((lse_k - torch.logsumexp(z, 0)).detach())
         out_in.append(bool(kept[t]))
         kept_rows.append(kept)
@@ -90,7 +96,7 @@ def kept_log_probs_dense(logits: torch.Tensor, target: torch.Tensor, kept_rows, 
                          ignore_index: int = -100):
     """The same outputs over explicit kept sets: ``kept_rows[i]`` lists row ``i``'s kept ids. Per row: z = logits /
     T in fp64, every column outside the list at -inf, ``log_softmax``; log S = logsumexp(z over the list) -
-    logsumexp(z). (log_prob differentiable, entropy, log S, in_support)."""
+    logsumexp(z). (log_prob and entropy differentiable, log S, in_support)."""
     n, v = logits.shape
     out_lp, out_ent, out_ls, out_in = [], [], [], []
     for i in range(n):
@@ -106,9 +112,8 @@ def kept_log_probs_dense(logits: torch.Tensor, target: torch.Tensor, kept_rows, 
         kept &= z.detach() != -math.inf  # a kept id the trainer gives probability 0 stays at 0
         zk = torch.where(kept, z, torch.full_like(z, -math.inf))
         lse_k = torch.logsumexp(zk, 0)
-        q = torch.exp(zk - lse_k)
         out_lp.append(zk[t] - lse_k if bool(kept[t]) else z.nan_to_num(0.0, 0.0, 0.0).sum() * 0 - math.inf)
-        out_ent.append(-(torch.where(kept, q * (zk - lse_k), torch.zeros_like(q))).sum().detach())
+        out_ent.append(_kept_entropy(kept, zk, lse_k))
         out_ls.append((lse_k - torch.logsumexp(z, 0)).detach())
         out_in.append(bool(kept[t]))
     return torch.stack(out_lp), torch.stack(out_ent), torch.stack(out_ls), torch.tensor(out_in)

@@ -1328,25 +1328,13 @@ def _kept_linear_case(dtype, seed, n=11, h=16, v=40, vs=37):
 
 
 def _kept_linear_oracle(hidden, weight, bias, target, lists, temperature, vs):
-    """fp64, from the exact product of the (rounded) inputs: the log-prob and entropy of log_softmax over each row's
-    kept ids (both differentiable), log S, in_support; ignored rows 0."""
-    z = (hidden.double().nan_to_num(0.0) @ weight[:vs].double().t() + bias[:vs].double()) / temperature
-    lps, ents, lss, ins = [], [], [], []
-    for i in range(z.shape[0]):
-        if int(target[i]) == -100:
-            zero = z[i, 0] * 0
-            lps.append(zero), ents.append(zero), lss.append(zero.detach()), ins.append(True)
-            continue
-        kept = torch.zeros(vs, dtype=torch.bool)
-        kept[lists[i]] = True
-        lp = torch.log_softmax(torch.where(kept, z[i], -math.inf), 0)
-        t = int(target[i])
-        lps.append(lp[t] if bool(kept[t]) else z[i, 0] * 0 - math.inf)
-        lp0 = torch.where(kept, lp, 0.0)  # (0 * -inf outside would be NaN in the gradient)
-        ents.append(-torch.where(kept, lp0.exp() * lp0, 0.0).sum())
-        lss.append((torch.logsumexp(z[i][kept], 0) - torch.logsumexp(z[i], 0)).detach())
-        ins.append(bool(kept[t]))
-    return torch.stack(lps), torch.stack(ents), torch.stack(lss), torch.tensor(ins)
+    """The fp64 oracle (rollout_corr_testing.sampling_oracle.kept_log_probs_dense) of the exact product of the
+    (rounded) inputs: log-prob and entropy differentiable in them, log S, in_support; ignored rows 0 (their hidden
+    state may be NaN)."""
+    from rollout_corr_testing.sampling_oracle import kept_log_probs_dense
+
+    z = hidden.double().nan_to_num(0.0) @ weight[:vs].double().t() + bias[:vs].double()
+    return kept_log_probs_dense(z, target, lists, temperature=temperature)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
