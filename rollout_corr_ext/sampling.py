@@ -489,7 +489,7 @@ def _row_topk(pieces, width: int) -> torch.Tensor:
 def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, rows_active: torch.Tensor, lead,
              group, world: int, allow_fast_top_p: bool = True, chunks=None, pieces=None, row_id=None,
              what: str = "logit in row {} of the flattened logits", with_log_s: bool = True,
-             extra_settings=(), vocab_size: Optional[int] = None) -> KeptSet:
+             extra_settings=(), vocab_size: Optional[int] = None, fn: str = "sampled_log_probs") -> KeptSet:
     """Each row's threshold (the kept set is ``{u: z_u >= threshold}``) and the log of the kept set's mass under
     ``softmax(z)``; ``z_of(r0, r1)`` gives rows ``r0:r1`` of the scaled logits (-inf at excluded columns).
     Collective over ``group`` (every rank calls it with its shard). The local passes run ``CHUNK_ROWS`` rows at a
@@ -498,7 +498,8 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
     summaries. ``allow_fast_top_p=False`` forces the general top-p search (the tests hold the two to the same kept
     sets). ``row_id(i)``: the caller's row of row ``i``, ``what``: how an error names it. ``with_log_s=False``: no
     log S (``log_kept_mass`` None), one pass over the logits less. ``extra_settings``: the caller's settings
-    (``ignore_index``, the logits' dtype, ...) that join ``params`` in the fingerprint every rank compares.
+    (``ignore_index``, the logits' dtype, ...) that join ``params`` in the fingerprint every rank compares. ``fn``:
+    the entry point its errors name.
     ``vocab_size``: the whole vocabulary (the same on every rank); a row's top-k of at least that many keeps every
     token, so it runs as top-k off (a top_k of 10**8 made every shard keep a list that long)."""
     if chunks is None:
@@ -537,7 +538,7 @@ def kept_set(z_of, n: int, v_local: int, acc, device, params: SamplingParams, ro
             del zs
         else:
             z_max[r0:r1] = _row_max(parts(r0, r1), r1 - r0, acc, device)
-    z_max = _refuse_non_finite(z_max, rows_active, group, world, "sampled_log_probs", what, row_id,
+    z_max = _refuse_non_finite(z_max, rows_active, group, world, fn, what, row_id,
                                settings=lambda: _sampling_settings(params, acc, *extra_settings))
     z_max = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max))  # an all -inf row is refused later
 
@@ -699,6 +700,11 @@ def _check_targets(target1d: torch.Tensor, active: torch.Tensor, world: int, voc
     them): a scored target outside ``[0, vocab_size)`` (it would come back as an out-of-support token and leave the
     loss silently) and, in one process, logits that do not hold the whole vocabulary."""
     _lp.check_single_shard(world, vocab_start, vocab_size, local_vocab, "the logits", "logits.shape[-1]")
+    _refuse_out_of_vocab(target1d, active, vocab_size, fn)
+
+
+def _refuse_out_of_vocab(target1d: torch.Tensor, active: torch.Tensor, vocab_size: int, fn: str) -> None:
+    """A scored target outside ``[0, vocab_size)`` refused by name (one host read)."""
     bad = active & ((target1d < 0) | (target1d >= vocab_size))
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
@@ -1331,11 +1337,14 @@ def _kept_blocks(m: int):
     return [(e0, min(e0 + KEPT_BLOCK, m)) for e0 in range(0, m, KEPT_BLOCK)]
 
 
-def _kept_logits(h, w, b, row, col, e0, e1, acc, inv_t):
-    """z of the kept entries e0:e1: ``(hidden[row] . weight[col] + bias[col]) / T`` in ``acc``."""
+def _kept_logits(h, w, b, row, col, e0, e1, acc, inv_t, overflow=None):
+    """z of the kept entries e0:e1: ``(hidden[row] . weight[col] + bias[col]) / T`` in ``acc``. ``overflow``: a
+    [e1 - e0] bool tensor set where a finite logit's z is not (its quotient by T is past acc's range)."""
     z = (h[row[e0:e1]].to(acc) * w[col[e0:e1]].to(acc)).sum(-1)
     if b is not None:
         z = z + b[col[e0:e1]].to(acc)
+    if overflow is not None:
+        torch.logical_and(torch.isfinite(z), torch.isinf(z * inv_t), out=overflow)
     return z * inv_t
 
 
@@ -1358,8 +1367,9 @@ class _KeptLinear(torch.autograd.Function):
         n, acc = hidden.shape[0], (torch.float64 if hidden.dtype == torch.float64 else torch.float32)
         dev, m = hidden.device, row.numel()
         z = torch.empty(m, dtype=acc, device=dev)
+        over = torch.empty(m, dtype=torch.bool, device=dev)
         for e0, e1 in _kept_blocks(m):
-            z[e0:e1] = _kept_logits(hidden, weight, bias, row, col, e0, e1, acc, inv_t)
+            z[e0:e1] = _kept_logits(hidden, weight, bias, row, col, e0, e1, acc, inv_t, over[e0:e1])
         z_max = torch.full((n,), -math.inf, dtype=acc, device=dev).scatter_reduce(0, row, z, "amax")
         z_max = _all_reduce(z_max, dist.ReduceOp.MAX, tp_group, world)
         base = torch.where(torch.isfinite(z_max), z_max, torch.zeros_like(z_max)).double()
@@ -1367,13 +1377,14 @@ class _KeptLinear(torch.autograd.Function):
         rel = z.double() - base[row]
         e = torch.exp(rel)
         # mass, mass * (z - base), the target's z - base, the target held, kept ids held (over the ranks: each id
-        # once)
-        sums = torch.zeros((n, 5), dtype=torch.float64, device=dev)
+        # once), kept ids whose finite logit overflowed when divided by T (refused by the caller, on every rank)
+        sums = torch.zeros((n, 6), dtype=torch.float64, device=dev)
         sums[:, 0].index_add_(0, row, e)
         sums[:, 1].index_add_(0, row, torch.where(e > 0, e * rel, 0.0))
         sums[:, 2].index_add_(0, row, torch.where(is_t, rel, 0.0))
         sums[:, 3].index_add_(0, row, is_t.double())
         sums[:, 4].index_add_(0, row, torch.ones_like(e))
+        sums[:, 5].index_add_(0, row, over.double())
         sums = _all_reduce(sums, dist.ReduceOp.SUM, tp_group, world)
         log_kept = torch.log(sums[:, 0])
         logp = torch.where(active & (sums[:, 3] > 0), sums[:, 2] - log_kept, -math.inf)
@@ -1386,8 +1397,9 @@ class _KeptLinear(torch.autograd.Function):
         top = torch.where(z == z_max[row], col + vocab_start, -1)
         ref = torch.full((n,), -1, dtype=torch.int64, device=dev).scatter_reduce(0, row, top, "amax")
         ref = _all_reduce(ref, dist.ReduceOp.MAX, tp_group, world)
-        # the kept logsumexp relative to the kept max, the kept max (fp64), the kept ids held, the reference id
-        stats = torch.stack([log_kept, base, sums[:, 4], ref.double()], 1)
+        # the kept logsumexp relative to the kept max, the kept max (fp64), the kept ids held, the reference id, the
+        # overflowed kept logits
+        stats = torch.stack([log_kept, base, sums[:, 4], ref.double(), sums[:, 5]], 1)
         ctx.mark_non_differentiable(stats)
         return logp.to(acc), entropy.to(acc), stats
 
@@ -1489,6 +1501,7 @@ def kept_linear_log_probs(
     # sequence parallel: the whole sequence's rows, gathered once (detached) for the kept logits and the log-S pass
     whole = _linear.gather_sequence(a.hidden2d.detach(), tp_group, a.world) if a.sequence_parallel else None
     active = a.target1d != a.ignore_index
+    _refuse_out_of_vocab(a.target1d, active, a.vocab_size, "kept_linear_log_probs")
     valid_cols = max(0, min(v_local, a.vocab_size - a.vocab_start))
     _, ids, counts, row, local = _kept_entries(kept, n, active, a.vocab_start, a.vocab_size, valid_cols, device)
     row_l, col_l = row[local], ids[local] - a.vocab_start
@@ -1496,12 +1509,12 @@ def kept_linear_log_probs(
     logp, entropy, stats = _KeptLinear.apply(a.hidden2d, weight, bias, row_l, col_l, is_t, active, a.inv_temp,
                                              tp_group, a.world, a.vocab_start, a.sequence_parallel, whole)
     with torch.no_grad():
-        bad = active & (torch.isnan(stats[:, 0]) | (stats[:, 0] == math.inf))
+        bad = active & (torch.isnan(stats[:, 0]) | (stats[:, 0] == math.inf) | (stats[:, 4] > 0))
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
             raise ValueError(f"kept_linear_log_probs: NaN or +inf logit of a kept id in row {i} of the flattened "
                              f"hidden states (hidden, weight or bias holds NaN / inf there, or the product overflows "
-                             f"{hidden.dtype}); rows whose target is ignore_index are exempt")
+                             f"{hidden.dtype}){_OVERFLOW_HINT}; rows whose target is ignore_index are exempt")
         _refuse_torn_or_dead("kept_linear_log_probs", kept, active, stats[:, 2], counts, ~torch.isfinite(stats[:, 0]))
         # log S = logsumexp over the kept ids - logsumexp over the vocabulary, the latter z* - log p(*) of the
         # untruncated pass at the kept max's id * (its log-prob is the largest of the kept ones: the least rounding;
@@ -1595,7 +1608,8 @@ def sampled_linear_log_probs(
                       chunks=[(r0, r1) for r0, r1, _ in rows], pieces=pieces,
                       row_id=None if valid is None else (lambda i: int(valid[i])),
                       what="logit from row {} of the flattened hidden states (hidden, weight or bias holds NaN / inf)",
-                      extra_settings=(a.ignore_index, a.inv_temp, hidden.dtype, weight.dtype), vocab_size=a.vocab_size)
+                      extra_settings=(a.ignore_index, a.inv_temp, hidden.dtype, weight.dtype), vocab_size=a.vocab_size,
+                      fn="sampled_linear_log_probs")
         floor = torch.full((n,), -math.inf, dtype=acc, device=hidden.device)
         log_s = torch.zeros(n, dtype=acc, device=hidden.device)
         th_floor = torch.where(active, th.threshold, torch.full_like(th.threshold, -math.inf))

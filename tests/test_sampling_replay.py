@@ -891,7 +891,7 @@ def test_edge_batches_and_refusals():
         SamplingParams(temperature=torch.ones(2, requires_grad=True))
     h = torch.randn(3, 4)
     h[2, 0] = float("nan")
-    with pytest.raises(ValueError, match="row 2 of the flattened hidden states"):
+    with pytest.raises(ValueError, match="^sampled_linear_log_probs: .*row 2 of the flattened hidden states"):
         sampled_linear_log_probs(h, torch.randn(6, 4), torch.tensor([1, -100, 3]), sp, vocab_size=6)
 
 
@@ -1425,6 +1425,22 @@ def test_kept_linear_log_probs_equal_the_logits_path_and_refusals():
     nan[3, 2] = math.nan
     with pytest.raises(ValueError, match="row 3"):
         kept_linear_log_probs(nan, weight, target, kept)
+    # a scored target outside the vocabulary is refused, as kept_log_probs refuses it (it came back as an
+    # out-of-support token, silently left out of the loss with its entropy still in it)
+    for bad in (-1, 37, 10 ** 6):
+        t = target.clone()
+        t[5] = bad
+        for fn, x in ((kept_linear_log_probs, hidden), (kept_log_probs, hidden @ weight.t() + bias)):
+            with pytest.raises(ValueError, match=rf"target holds an id outside \[0, vocab_size=37\).*{bad} at "
+                                                 r"flattened position 5"):
+                fn(x, weight, t, kept, bias=bias) if fn is kept_linear_log_probs else fn(x, t, kept)
+    # a finite logit whose quotient by the temperature overflows (fp32: T = 1e-38) is refused, as kept_log_probs
+    # refuses it (its log-prob came back -inf: an out-of-support token, silently)
+    h32, w32 = hidden.float(), weight.float()
+    tiny = KeptTokens(kept.ids, kept.offsets, 1e-38)
+    for fn, x in ((kept_linear_log_probs, h32), (kept_log_probs, h32 @ w32.t())):
+        with pytest.raises(ValueError, match="quotient by the temperature is past the float range"):
+            fn(x, w32, target, tiny) if fn is kept_linear_log_probs else fn(x, target, tiny)
 
 
 def _kept_linear_tp_worker(rank, world):
@@ -1465,6 +1481,23 @@ def _kept_linear_tp_worker(rank, world):
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
         tol = gt if dtype == torch.float32 else dict(rtol=gt["rtol"], atol=world * 2 ** -9 * float(most))
         torch.testing.assert_close(total[target != -100], hs1.grad.float()[target != -100], **tol)
+    # refusals every rank makes alike (no rank left waiting in a collective): a target outside the vocabulary, and a
+    # logit overflowing at a tiny temperature on one rank's shard only
+    hidden, weight, bias, target, lists, kept = _kept_linear_case(torch.float32, seed=80, n=9, h=8, v=48, vs=45)
+    vl = 48 // world
+    ws, bs = weight[rank * vl:(rank + 1) * vl], bias[rank * vl:(rank + 1) * vl]
+    bad = target.clone()
+    bad[4] = 45
+    with pytest.raises(ValueError, match="target holds an id outside"):
+        kept_linear_log_probs(hidden, ws, bad, kept, group, bias=bs, vocab_size=45)
+    from rollout_corr_ext import KeptTokens
+
+    row0 = [0, vl + 1]  # one kept id on rank 0's shard, one on rank 1's
+    big = torch.zeros_like(bs) if rank else torch.full_like(bs, 1e3)
+    tiny = KeptTokens.from_lists([row0] * 9, temperature=1e-36)
+    with pytest.raises(ValueError, match="quotient by the temperature is past the float range"):
+        kept_linear_log_probs(torch.zeros_like(hidden), ws, torch.zeros_like(target), tiny, group, bias=big,
+                              vocab_size=45)
 
 
 @pytest.mark.parametrize("world", [2, 4])
