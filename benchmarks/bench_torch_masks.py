@@ -58,8 +58,8 @@ def main(argv=None):
          lambda: torch.where(valid, x, zero, out=out_f).sum()),
         ("masked sum by product: `torch.mul(x, m).nansum()`", lambda: torch.mul(x, m, out=out_f).nansum()),
         ("bool to float: `out_float.copy_(valid)`", lambda: out_f.copy_(valid)),
-        ("bool bytes to float: `out_float.copy_(valid.view(torch.uint8))`",
-         lambda: out_f.copy_(valid.view(torch.uint8))),
+        ("bool bytes to float, clamped: `out_float.copy_(valid.view(torch.uint8)).clamp_(max=1)`",
+         lambda: out_f.copy_(valid.view(torch.uint8)).clamp_(max=1)),
     ]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()

@@ -1191,11 +1191,13 @@ _SLOT_WEIGHTS, _SLOT_MASK, _SLOT_VALID, _SLOT_ELIGIBLE, _SLOT_TEST, _SLOT_SUM = 
 
 def _in_dtype(x: torch.Tensor, dtype: torch.dtype, slot: int) -> torch.Tensor:
     """``x.to(dtype)``: ``x`` itself when it has that dtype, else a copy in scratch ``slot``. A bool is read as its
-    uint8 bytes (0 / 1, the same values): torch's CPU bool-to-float copy is several times slower than the uint8 one
-    (benchmarks/bench_torch_masks.py)."""
+    uint8 bytes, clamped to 1: torch's CPU bool-to-float copy is several times slower than the uint8 copy and a
+    clamp together (benchmarks/bench_torch_masks.py); the clamp gives 1 for any nonzero byte, as torch reads a bool
+    (one viewed from uint8 data may hold 2 or 255)."""
     if x.dtype == dtype:
         return x
-    return ops.scratch_empty(x.shape, dtype, x.device, slot).copy_(x.view(torch.uint8) if x.dtype == torch.bool else x)
+    out = ops.scratch_empty(x.shape, dtype, x.device, slot)
+    return out.copy_(x.view(torch.uint8)).clamp_(max=1) if x.dtype == torch.bool else out.copy_(x)
 
 
 # torch's CPU comparisons write a float 0 / 1 about four times faster than a bool, and the float-to-bool copy is cheap;
@@ -1204,8 +1206,9 @@ def _in_dtype(x: torch.Tensor, dtype: torch.dtype, slot: int) -> torch.Tensor:
 
 
 def _valid(response_mask: torch.Tensor, m: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """The tokens with a mask value > 0, as bools: a bool ``response_mask`` itself (read only), else ``m > 0`` (``m``:
-    the mask in the compute type) through its float flags, left in ``tmp``."""
+    """The tokens with a mask value > 0, as bools: a bool ``response_mask`` itself (read only; torch's ops read any
+    nonzero byte as True), else ``m > 0`` (``m``: the mask in the compute type) through its float flags, left in
+    ``tmp``."""
     if response_mask.dtype == torch.bool:
         return response_mask
     return _flag(torch.gt, m, 0, ops.scratch_empty(m.shape, torch.bool, m.device, _SLOT_VALID), tmp)

@@ -953,6 +953,10 @@ def test_covariance_losses_give_a_bool_mask_the_bits_of_its_float_copy(name):
         for k, v in want[1].items():
             assert torch.equal(torch.as_tensor(got[1][k]), torch.as_tensor(v)), k
     assert mask.dtype == torch.bool and mask.sum() == lengths.sum()  # the input is not modified
+    # the bytes are clamped: a bool viewed from uint8 data of 2 (undefined in torch, read as True by its ops) gives 1,
+    # not 2 (clip_cov's cap doubled when the bytes were copied as they are)
+    odd = (mask.to(torch.uint8) * 2).view(torch.bool)
+    assert torch.equal(losses._in_dtype(odd, torch.float32, 0), mask.float())
     block = _checks.ORDERED_SUM_BLOCK
     buf = torch.empty(8 * block, dtype=torch.float64)
     for n in (block + 1, 8 * block, 9 * block + 7, 17 * block):
