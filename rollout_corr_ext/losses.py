@@ -1384,8 +1384,13 @@ def _clip_cov_step(old_log_prob, log_prob, advantages, response_mask, loss_agg_m
             w.copy_(rollout_is_weights.detach())
             w_flat = w.view(-1)
             w_flat[idx] = corr * w_flat[idx]
+        if cut_sum is None and response_mask.dtype == torch.bool:
+            # masked_mean(corr == 0, m): the cut tokens' mask values, each 0 or 1 here (m's bytes clamped), so their
+            # sum is the count in any order (exact below 2^24): the dense sum's bits without the dense pass
+            cut_sum = torch.where(keep, m.reshape(-1)[idx], 0.0).sum()
         if cut_sum is None:
-            # masked_mean(corr == 0, m): the cut tokens' mask values, summed over the same dense [B, T] as before
+            # masked_mean(corr == 0, m): the cut tokens' mask values (weights: their sum rounds by order), summed over
+            # the same dense [B, T] as before
             cut = s1.zero_()
             cut.view(-1)[idx] = torch.where(keep, m.reshape(-1)[idx], 0.0)
             cut_sum = _checks.ordered_sum(cut)
