@@ -1055,9 +1055,9 @@ def _top_set(flat: torch.Tensor, k: int) -> torch.Tensor:
     k-th largest element is at least the least of them, M: a block whose maximum is below M holds none of the top
     k and is dropped whole (a NaN M or maximum drops nothing). The kept blocks and the tail go to one torch.topk,
     whose positions map back. On the bench's 2^21 tokens a full top-k costs ~17 ms on the 2-core VM (its 32 MiB
-    work vector is mapped afresh on every call); the candidates are then at most about k blocks. Elsewhere (CUDA,
-    small inputs, under torch.compile) this is torch.topk itself; the CPU path sizes its candidates from the data
-    (one ``nonzero``: no device to wait for on the CPU).
+    work vector is mapped afresh on every call); the candidates are k blocks, more only where block maxima tie at
+    M. Elsewhere (CUDA, small inputs, under torch.compile) this is torch.topk itself; the CPU path sizes its
+    candidates from the data (one ``nonzero``: no device to wait for on the CPU).
     """
     n = flat.numel()
     s = _TOPK_BLOCK

@@ -1343,9 +1343,10 @@ def _kept_logits(h, w, b, row, col, e0, e1, acc, inv_t, overflow=None):
     z = (h[row[e0:e1]].to(acc) * w[col[e0:e1]].to(acc)).sum(-1)
     if b is not None:
         z = z + b[col[e0:e1]].to(acc)
+    zs = z * inv_t
     if overflow is not None:
-        torch.logical_and(torch.isfinite(z), torch.isinf(z * inv_t), out=overflow)
-    return z * inv_t
+        torch.logical_and(torch.isfinite(z), torch.isinf(zs), out=overflow)
+    return zs
 
 
 class _KeptLinear(torch.autograd.Function):
