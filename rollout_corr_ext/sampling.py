@@ -1502,7 +1502,8 @@ def kept_linear_log_probs(
     # sequence parallel: the whole sequence's rows, gathered once (detached) for the kept logits and the log-S pass
     whole = _linear.gather_sequence(a.hidden2d.detach(), tp_group, a.world) if a.sequence_parallel else None
     active = a.target1d != a.ignore_index
-    _refuse_out_of_vocab(a.target1d, active, a.vocab_size, "kept_linear_log_probs")
+    # a scored target outside the vocabulary: refused below, in the host read the NaN check makes anyway
+    bad_target = active & ((a.target1d < 0) | (a.target1d >= a.vocab_size))
     valid_cols = max(0, min(v_local, a.vocab_size - a.vocab_start))
     _, ids, counts, row, local = _kept_entries(kept, n, active, a.vocab_start, a.vocab_size, valid_cols, device)
     row_l, col_l = row[local], ids[local] - a.vocab_start
@@ -1511,7 +1512,8 @@ def kept_linear_log_probs(
                                              tp_group, a.world, a.vocab_start, a.sequence_parallel, whole)
     with torch.no_grad():
         bad = active & (torch.isnan(stats[:, 0]) | (stats[:, 0] == math.inf) | (stats[:, 4] > 0))
-        if bool(bad.any()):
+        if bool((bad | bad_target).any()):
+            _refuse_out_of_vocab(a.target1d, active, a.vocab_size, "kept_linear_log_probs")
             i = int(bad.nonzero()[0, 0])
             raise ValueError(f"kept_linear_log_probs: NaN or +inf logit of a kept id in row {i} of the flattened "
                              f"hidden states (hidden, weight or bias holds NaN / inf there, or the product overflows "
